@@ -1,0 +1,137 @@
+"""The capture thread: reads a source into the mailbox, reopening it with exponential backoff.
+
+Loss and recovery are logged, counted and reported through `on_event`, so a camera unplugged for
+an hour shows up as one `camera_lost` and one `camera_recovered` event, not a crashed agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from agent.mailbox import FreshestMailbox
+from agent.sources.base import Frame, SourceError, validate_image
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[..., None]
+
+
+@dataclass
+class CaptureStats:
+    """Counters the run summary and telemetry report."""
+
+    frames: int = 0
+    losses: int = 0
+    recoveries: int = 0
+    reopen_attempts: int = 0
+    bad_frames: int = 0
+    connected: bool = False
+
+
+class CaptureThread(threading.Thread):
+    """Drives one FrameSource until `stop_event` is set."""
+
+    def __init__(
+        self,
+        source: Any,
+        mailbox: FreshestMailbox[Frame],
+        stop_event: threading.Event,
+        on_event: EventSink | None = None,
+    ) -> None:
+        super().__init__(name=f"capture-{source.config.name}", daemon=True)
+        self.source = source
+        self.mailbox = mailbox
+        self.stop_event = stop_event
+        self.on_event = on_event or (lambda *a, **k: None)
+        self.stats = CaptureStats()
+        self._name = source.config.name
+        self._backoff = source.config.reopen_initial_s
+        self._lost_since: float | None = None
+
+    def run(self) -> None:
+        """Open, read, and on failure back off and reopen, until stopped."""
+        while not self.stop_event.is_set():
+            if not self._open():
+                self._wait_backoff()
+                continue
+            self._read_until_failure()
+            self.source.close()
+        self.source.close()
+
+    def _open(self) -> bool:
+        self.stats.reopen_attempts += 1
+        try:
+            self.source.open()
+        except SourceError as exc:
+            self._lost(str(exc))
+            return False
+        except Exception as exc:  # a backend bug must not kill the thread
+            log.exception("camera %s: unexpected error while opening", self._name)
+            self._lost(f"unexpected: {exc}")
+            return False
+        self._connected()
+        return True
+
+    def _read_until_failure(self) -> None:
+        interval = self.source.frame_interval_s() if self.source.paced else None
+        next_due = time.monotonic()
+        while not self.stop_event.is_set():
+            if interval is not None:
+                next_due += interval
+                delay = next_due - time.monotonic()
+                if delay > 0 and self.stop_event.wait(delay):
+                    return
+                if delay < -interval:  # fell behind: resynchronise instead of bursting
+                    next_due = time.monotonic()
+            if not self._read_one():
+                return
+
+    def _read_one(self) -> bool:
+        try:
+            image = self.source.read()
+            if image is None:
+                self._lost("end of stream")
+                return False
+            image = validate_image(image, self._name)
+        except SourceError as exc:
+            if exc.code == "CAMERA_BAD_FRAME":
+                self.stats.bad_frames += 1
+                log.warning("camera %s: %s", self._name, exc)
+                return True
+            self._lost(str(exc))
+            return False
+        except Exception as exc:
+            log.exception("camera %s: unexpected read error", self._name)
+            self._lost(f"unexpected: {exc}")
+            return False
+        self.stats.frames += 1
+        self.mailbox.put(Frame(image, self.stats.frames, time.monotonic(), self._name))
+        return True
+
+    def _connected(self) -> None:
+        self._backoff = self.source.config.reopen_initial_s
+        self.stats.connected = True
+        if self._lost_since is not None:
+            down_s = time.monotonic() - self._lost_since
+            self.stats.recoveries += 1
+            log.info("camera %s recovered after %.1f s", self._name, down_s)
+            self.on_event("camera_recovered", camera=self._name, down_s=round(down_s, 2))
+            self._lost_since = None
+
+    def _lost(self, reason: str) -> None:
+        self.stats.connected = False
+        if self._lost_since is None:
+            self._lost_since = time.monotonic()
+            self.stats.losses += 1
+            log.warning("camera %s lost: %s (reopening with backoff)", self._name, reason)
+            self.on_event("camera_lost", camera=self._name, reason=reason)
+        else:
+            log.debug("camera %s still down: %s", self._name, reason)
+
+    def _wait_backoff(self) -> None:
+        self.stop_event.wait(self._backoff)
+        self._backoff = min(self._backoff * 2, self.source.config.reopen_max_s)

@@ -1,0 +1,177 @@
+"""`edge-agent`: the device-side command line (CONTRACT.md). Exit codes: 0 ok, 1 failed, 2 usage/config."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from engines.errors import EdgeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Jetson Edge Agent: the on-device daemon and its tools.")
+config_app = typer.Typer(no_args_is_help=True, help="Validate configuration files.")
+app.add_typer(config_app, name="config")
+
+out = Console()
+err = Console(stderr=True)
+log = logging.getLogger("agent")
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def setup_logging(level: str) -> None:
+    """Plain lines on stderr: `LEVEL name: message` (journald adds its own timestamps)."""
+    logging.basicConfig(level=getattr(logging, level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+
+
+def _camera_kinds() -> set[str]:
+    from agent.sources import SOURCES
+
+    return set(SOURCES.names())
+
+
+def load_config_or_exit(path: Optional[Path]) -> Any:
+    """Load the config; print every problem with its field path and line, exit 2 when invalid."""
+    from agent.config import load_config, read_toml, tomllib
+    from agent.config_errors import explain
+
+    text = None
+    try:
+        if path is not None:
+            if not path.is_file():
+                err.print(f"[red]config file not found:[/] {path}")
+                raise typer.Exit(EXIT_USAGE)
+            _, text = read_toml(path)
+        return load_config(path)
+    except tomllib.TOMLDecodeError as exc:
+        err.print(f"[red]{path}: not valid TOML:[/] {exc}")
+        raise typer.Exit(EXIT_USAGE) from exc
+    except ValidationError as exc:
+        problems = explain(exc, text, _camera_kinds())
+        where = str(path) if path else "configuration"
+        err.print(f"[red]{where}: {len(problems)} problem(s)[/]")
+        for problem in problems:
+            err.print(f"  {problem}", markup=False, highlight=False)
+        raise typer.Exit(EXIT_USAGE) from exc
+
+
+@config_app.command("check")
+def config_check(path: Path = typer.Argument(..., help="TOML config file to validate.")) -> None:
+    """Validate a config file: exit 0 when valid, 2 with every problem listed when not."""
+    config = load_config_or_exit(path)
+    out.print(f"{path}: OK (device_id={config.device_id}, camera={config.camera.kind}, model={config.model.path or 'demo'})")
+
+
+@app.command()
+def run(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (default: embedded defaults)."),
+    duration: Optional[float] = typer.Option(None, "--duration", min=0.1, help="Stop cleanly after this many seconds."),
+    summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Write the run summary here at exit."),
+) -> None:
+    """Run the agent: camera -> model -> results, until SIGTERM/SIGINT or --duration."""
+    from agent.live_view import LiveView, status_line
+    from agent.runner import Agent
+
+    cfg = load_config_or_exit(config)
+    setup_logging(cfg.log_level)
+    agent = Agent(cfg)
+    _install_stop_signals(agent)
+    try:
+        agent.start()
+    except EdgeError as exc:
+        agent.stop()
+        err.print(f"[red]cannot start ({exc.code}):[/] {exc}")
+        raise typer.Exit(EXIT_FAILED) from exc
+    with LiveView(cfg.pipeline.report_interval_s, err) as view:
+        agent.wait(duration, tick=lambda a: (view.update(a.summary()), a.persist_live()))
+    summary = agent.stop()
+    if summary_json is not None:
+        summary_json.parent.mkdir(parents=True, exist_ok=True)
+        summary_json.write_text(json.dumps(summary, indent=2) + "\n")
+    _print_summary(summary, agent.last_result)
+    out.print(status_line(summary), highlight=False)
+
+
+def _install_stop_signals(agent: Any) -> None:
+    def handler(signum: int, _frame: Any) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        agent.stop_event.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _print_summary(summary: dict[str, Any], last_result: dict[str, Any] | None) -> None:
+    from rich.table import Table
+
+    table = Table(title="run summary", show_header=False, title_justify="left")
+    lat = summary.get("latency_ms", {})
+    rows = [
+        ("model", "{name}@{version} ({backend}, {precision})".format(**summary["model"]) if summary.get("model") else "-"),
+        ("frames", f"{summary['frames']} in {summary['duration_s']} s ({summary['fps']} fps)"),
+        ("dropped frames", str(summary["dropped_frames"])),
+        ("latency ms", " ".join(f"{k} {v}" for k, v in lat.items()) or "-"),
+        ("stages ms (mean)", " ".join(f"{k} {v}" for k, v in summary.get("stages_ms", {}).items()) or "-"),
+        ("errors", str(summary["errors"])),
+    ]
+    if last_result and last_result.get("detections") is not None:
+        boxes = ", ".join(str([round(v) for v in d["box"]]) for d in last_result["detections"][:6])
+        rows.append(("last frame", f"{len(last_result['detections'])} detections: {boxes}"))
+    for key, value in rows:
+        table.add_row(key, value)
+    out.print(table)
+
+
+@app.command()
+def status(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for state_dir)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Active model, last run, recent events — read from the state store, daemon running or not."""
+    from agent.status import read_status, render_status
+
+    cfg = load_config_or_exit(config)
+    report = read_status(cfg)
+    if as_json:
+        out.print_json(json.dumps(report))
+    else:
+        render_status(report, out)
+
+
+@app.command()
+def bench(
+    model: Path = typer.Argument(..., help="Model directory, manifest.json or .onnx file."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32 | fp16 | int8"),
+    iterations: int = typer.Option(50, "--iterations", "-n", min=1, help="Timed runs after warm-up."),
+    warmup: int = typer.Option(5, "--warmup", min=0, help="Untimed runs first."),
+    backend: str = typer.Option("auto", "--backend", help="auto | onnxruntime | tensorrt"),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Latency of this model on this device, per stage (preprocess, infer, postprocess)."""
+    from agent.bench import render_bench, run_bench
+
+    try:
+        report = run_bench(model, backend=backend, precision=precision, iterations=iterations, warmup=warmup)
+    except EdgeError as exc:
+        err.print(f"[red]bench failed ({exc.code}):[/] {exc}")
+        raise typer.Exit(EXIT_FAILED) from exc
+    if as_json:
+        out.print_json(json.dumps(report))
+    else:
+        render_bench(report, out)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

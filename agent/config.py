@@ -1,0 +1,119 @@
+"""The agent's configuration: one strict pydantic tree, a TOML file, `EDGE_AGENT_*` environment overrides.
+
+Precedence: environment > file > embedded defaults. With no file at all the defaults run the demo:
+the bundled text detector on the synthetic camera.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from agent.paths import default_cache_dir, default_state_dir
+from agent.sources import source_config_models
+from agent.sources.synthetic import SyntheticConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # JetPack 6 ships Python 3.10
+    import tomli as tomllib
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+
+CameraConfig = Annotated[Union[tuple(source_config_models())], Field(discriminator="kind")]  # type: ignore[misc]
+
+
+class Strict(BaseModel):
+    """Base for config sections: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Strict):
+    """Which model runs and how it is loaded."""
+
+    path: Path | None = Field(
+        None, description="Model directory (manifest.json + model) or .onnx file. Empty: the bundled demo model."
+    )
+    backend: Literal["auto", "onnxruntime", "tensorrt"] = Field(
+        "auto", description="Engine backend; auto = TensorRT where installed, else ONNX Runtime."
+    )
+    providers: list[str] = Field(
+        default_factory=lambda: ["auto"], description="ONNX Runtime execution providers in order; auto = best available."
+    )
+    threads: int = Field(0, ge=0, le=256, description="Inference threads (ONNX Runtime intra-op); 0 = one per core.")
+    warmup_runs: int = Field(3, ge=0, le=100, description="Inference runs on a blank frame before real frames.")
+
+
+class PipelineConfig(Strict):
+    """The frame path."""
+
+    report_interval_s: float = Field(5.0, gt=0, le=3600, description="Period of the live view / progress log lines.")
+    max_consecutive_errors: int = Field(
+        100, ge=1, description="Inference errors in a row before the pipeline reports itself degraded."
+    )
+
+
+class AgentConfig(BaseSettings):
+    """Everything the agent reads at start-up."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="EDGE_AGENT_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    device_id: str = Field(
+        default_factory=socket.gethostname,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
+        description="Device name in MQTT topics and telemetry; default: the host name.",
+    )
+    state_dir: Path = Field(default_factory=default_state_dir, description="SQLite state and artifacts.")
+    cache_dir: Path = Field(default_factory=default_cache_dir, description="Engine cache.")
+    log_level: LogLevel = Field("INFO", description="Log verbosity.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The model to run.")
+    camera: CameraConfig = Field(default_factory=SyntheticConfig, description="Camera source; `kind` selects the type.")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Frame path settings.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_camera_kind(cls, data: Any) -> Any:
+        # `EDGE_AGENT_CAMERA__FPS=10` alone must tune the default camera, not fail for a missing `kind`.
+        if isinstance(data, dict) and isinstance(data.get("camera"), dict):
+            data["camera"].setdefault("kind", "synthetic")
+        return data
+
+    @model_validator(mode="after")
+    def _dirs_differ(self) -> "AgentConfig":
+        if self.state_dir.resolve() == self.cache_dir.resolve():
+            raise ValueError("state_dir and cache_dir must differ (engine GC would touch the state store)")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Environment beats the file (passed as init kwargs); no .env or secrets dir."""
+        return env_settings, init_settings
+
+
+def read_toml(path: Path) -> tuple[dict[str, Any], str]:
+    """Parse a TOML file; returns the data and the text (for line numbers in errors)."""
+    text = path.read_text(encoding="utf-8")
+    return tomllib.loads(text), text
+
+
+def load_config(path: Path | None = None) -> AgentConfig:
+    """Defaults, then the file (if any), then the environment. Raises ValidationError or TOMLDecodeError."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        data, _ = read_toml(path)
+    return AgentConfig(**data)

@@ -1,0 +1,56 @@
+"""Per-stage timings and counters of the frame path, shared by the run summary, telemetry and the watchdog."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from agent.histogram import LatencyHistogram
+
+STAGES = ("capture_wait", "preprocess", "infer", "postprocess")
+
+
+@dataclass
+class FrameTiming:
+    """One frame's stage durations in milliseconds and its glass-to-result latency."""
+
+    capture_wait: float
+    preprocess: float
+    infer: float
+    postprocess: float
+    latency: float
+
+
+class FrameStats:
+    """Thread-safe accumulation of FrameTiming plus error and frame counters."""
+
+    def __init__(self) -> None:
+        self.latency = LatencyHistogram()
+        self.stages = {name: LatencyHistogram() for name in STAGES}
+        self.frames = 0
+        self.errors = 0
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+
+    def record(self, timing: FrameTiming) -> None:
+        """Add one processed frame."""
+        for name in STAGES:
+            self.stages[name].record(getattr(timing, name))
+        self.latency.record(timing.latency)
+        with self._lock:
+            self.frames += 1
+
+    def record_error(self) -> None:
+        """Count a frame whose inference or postprocessing failed."""
+        with self._lock:
+            self.errors += 1
+
+    def fps(self, now: float | None = None) -> float:
+        """Processed frames per second since start."""
+        elapsed = (now or time.monotonic()) - self.started
+        return self.frames / elapsed if elapsed > 0 else 0.0
+
+    def stage_means(self) -> dict[str, float]:
+        """Mean ms per stage (the `stages_ms` of the summary)."""
+        return {name: round(h.mean, 2) for name, h in self.stages.items() if h.mean is not None}

@@ -1,0 +1,49 @@
+"""One-slot freshest-frame mailbox between the camera and the inference worker.
+
+A new frame replaces an unread one: the worker always gets the newest image, latency never piles up
+behind a slow model, and every replaced frame is counted as dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class FreshestMailbox(Generic[T]):
+    """Thread-safe single slot with drop counting."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._item: T | None = None
+        self._closed = False
+        self.dropped = 0
+        self.delivered = 0
+
+    def put(self, item: T) -> bool:
+        """Store `item`; returns True when it replaced an unread one (a drop). Never blocks."""
+        with self._cond:
+            replaced = self._item is not None
+            if replaced:
+                self.dropped += 1
+            self._item = item
+            self._cond.notify()
+            return replaced
+
+    def get(self, timeout: float | None = None) -> T | None:
+        """Newest item, waiting up to `timeout`; None on timeout or after close()."""
+        with self._cond:
+            if self._item is None and not self._closed:
+                self._cond.wait(timeout)
+            item, self._item = self._item, None
+            if item is not None:
+                self.delivered += 1
+            return item
+
+    def close(self) -> None:
+        """Wake any waiter; later gets return what is left, then None."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()

@@ -1,0 +1,72 @@
+"""Camera source interface: open, read frames, close. The capture thread handles failures and reopening."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from engines.errors import EdgeError
+
+
+class SourceError(EdgeError):
+    """The camera could not be opened or stopped delivering frames."""
+
+    code = "CAMERA_FAILED"
+
+
+class SourceConfigBase(BaseModel):
+    """Fields every camera source has."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("cam0", pattern=r"^[A-Za-z0-9_.-]{1,32}$", description="Camera name in events and telemetry.")
+    reopen_initial_s: float = Field(0.5, gt=0, le=60, description="First delay before reopening a failed source.")
+    reopen_max_s: float = Field(30.0, gt=0, le=3600, description="Cap of the exponential reopen backoff.")
+
+
+@dataclass
+class Frame:
+    """One captured image; `captured_at` (time.monotonic) starts the glass-to-result clock."""
+
+    image: np.ndarray
+    index: int
+    captured_at: float
+    source: str = "cam0"
+    meta: dict = field(default_factory=dict)
+
+
+class FrameSource(Protocol):
+    """What the capture thread drives. `read` returns None at a clean end of stream."""
+
+    Config: ClassVar[type[SourceConfigBase]]
+    paced: ClassVar[bool]  # True: the capture thread sleeps to the configured fps (synthetic, files)
+
+    def open(self) -> None:
+        """Open the device or stream; raise SourceError with an actionable message."""
+        ...
+
+    def read(self) -> np.ndarray | None:
+        """Next BGR uint8 HxWx3 image, None at end of stream; raise SourceError on failure."""
+        ...
+
+    def close(self) -> None:
+        """Release the device; safe to call twice."""
+        ...
+
+    def frame_interval_s(self) -> float | None:
+        """Seconds between frames for paced sources, None to read as fast as frames arrive."""
+        ...
+
+
+def validate_image(image: object, source: str) -> np.ndarray:
+    """Reject what cannot be a camera frame before it reaches preprocessing."""
+    if not isinstance(image, np.ndarray) or image.dtype != np.uint8:
+        raise SourceError(f"{source}: frame is not a uint8 image ({type(image).__name__})", code="CAMERA_BAD_FRAME")
+    if image.ndim == 2:
+        raise SourceError(f"{source}: grayscale frame; convert to BGR in the source", code="CAMERA_BAD_FRAME")
+    if image.ndim != 3 or image.shape[2] != 3 or min(image.shape[:2]) < 8:
+        raise SourceError(f"{source}: frame shape {image.shape} is not HxWx3", code="CAMERA_BAD_FRAME")
+    return image

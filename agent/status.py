@@ -1,0 +1,71 @@
+"""`edge-agent status`: what the state store says, readable while the daemon runs (SQLite WAL)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+
+from agent.config import AgentConfig
+from agent.state import StateStore, state_db_path
+
+LIVE_KEY = "live_status"
+
+
+def read_status(config: AgentConfig) -> dict[str, Any]:
+    """Active/previous model, live numbers of a running daemon, last run, recent events."""
+    path = state_db_path(config.state_dir)
+    if not path.exists():
+        return {"device_id": config.device_id, "state": "never_run", "state_dir": str(config.state_dir)}
+    store = StateStore(path)
+    try:
+        live = store.get_kv(LIVE_KEY) or {}
+        last_run = store.last_run()
+        running = bool(last_run and last_run["status"] == "running" and live.get("ts", 0) > time.time() - 30)
+        report: dict[str, Any] = {
+            "device_id": config.device_id,
+            "state": live.get("state", "running") if running else "stopped",
+            "model": _model_row(store.model_slot("active")),
+            "previous_model": _model_row(store.model_slot("previous")),
+            "live": live if running else None,
+            "latency_ms": _latest_latency(live if running else None, last_run),
+            "last_run": last_run,
+            "events": [{"ts": e["ts"], "type": e["type"], **e["payload"]} for e in store.events(10)],
+        }
+        return report
+    finally:
+        store.close()
+
+
+def _latest_latency(live: dict[str, Any] | None, last_run: dict[str, Any] | None) -> dict[str, Any]:
+    if live:
+        return live.get("latency_ms") or {}
+    summary = (last_run or {}).get("summary") or {}
+    return summary.get("latency_ms") or {}
+
+
+def _model_row(row: dict[str, Any] | None) -> dict[str, Any] | None:
+    if row is None:
+        return None
+    return {"name": row["name"], "version": row["version"], "path": row["path"], "sha256": row["sha256"][:12],
+            "since": row["since"], **{k: v for k, v in row["info"].items() if k in ("backend", "precision")}}
+
+
+def render_status(report: dict[str, Any], console: Console) -> None:
+    """Human view of read_status."""
+    console.print(f"device {report['device_id']}: [bold]{report['state']}[/]")
+    if report.get("model"):
+        m = report["model"]
+        console.print(f"  model    {m['name']}@{m['version']} ({m.get('backend', '?')}, {m.get('precision', '?')})")
+    if report.get("previous_model"):
+        m = report["previous_model"]
+        console.print(f"  previous {m['name']}@{m['version']}")
+    if report.get("live"):
+        live = report["live"]
+        console.print(f"  live     {live.get('fps', 0):.1f} fps, p99 {live.get('latency_ms', {}).get('p99', '-')} ms, frames {live.get('frames', 0)}")
+    if report.get("last_run"):
+        run = report["last_run"]
+        console.print(f"  last run #{run['id']} {run['status']}")
+    for event in report.get("events", [])[:5]:
+        console.print(f"  event    {time.strftime('%H:%M:%S', time.localtime(event['ts']))} {event['type']}")

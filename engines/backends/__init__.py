@@ -1,0 +1,19 @@
+"""Backend registry. Optional backends whose library is missing are disabled with the reason."""
+
+from __future__ import annotations
+
+from engines.backends.base import Backend
+from engines.registry import Registry, import_plugins
+
+BACKENDS: Registry[type[Backend]] = Registry("backend")
+
+import_plugins(
+    BACKENDS,
+    __name__,
+    [("onnxruntime", "onnxruntime_backend"), ("tensorrt", "tensorrt_backend")],
+)
+
+
+def get_backend(name: str) -> Backend:
+    """An instance of the named backend."""
+    return BACKENDS.get(name)()

@@ -1,0 +1,74 @@
+"""What every backend provides: load a model file into an Engine with name-based I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One model input or output; dynamic dims are None in `shape` and named in `dim_names`."""
+
+    name: str
+    shape: tuple[int | None, ...]
+    dtype: str
+    dim_names: tuple[str | None, ...] = ()
+
+    @property
+    def is_dynamic(self) -> bool:
+        """True when any dimension is only known at run time."""
+        return any(d is None for d in self.shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form for `bench --json` and `engines list`."""
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "dynamic": self.is_dynamic}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How to load an engine; backends ignore what does not apply to them."""
+
+    providers: tuple[str, ...] = ("auto",)
+    intra_op_threads: int = 0
+    static_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    optimized_model_path: Path | None = None
+    precision: str = "fp32"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A loaded, runnable model."""
+
+    backend: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+    def infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Run once; outputs in `outputs` order."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Backend details for status, events and `bench --json`."""
+        ...
+
+    def close(self) -> None:
+        """Release native resources (device memory, sessions)."""
+        ...
+
+
+class Backend(Protocol):
+    """Factory for engines of one kind."""
+
+    name: str
+
+    def version(self) -> str:
+        """Backend library version (part of the engine cache key)."""
+        ...
+
+    def load(self, model_path: Path, options: EngineOptions) -> Engine:
+        """Load `model_path` (ONNX or a built engine file) for inference."""
+        ...

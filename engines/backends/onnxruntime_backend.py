@@ -1,0 +1,140 @@
+"""ONNX Runtime backend: CPU always; CUDA and TensorRT execution providers when this build has them."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from engines.backends import BACKENDS
+from engines.backends.base import EngineOptions, TensorSpec
+from engines.errors import InferenceError, ModelError
+
+log = logging.getLogger(__name__)
+
+# Preferred order when "auto": the fastest provider this build and device offer first.
+_AUTO_ORDER = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+_DTYPE = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(double)": "float64",
+    "tensor(uint8)": "uint8",
+    "tensor(int8)": "int8",
+    "tensor(int32)": "int32",
+    "tensor(int64)": "int64",
+    "tensor(bool)": "bool",
+}
+
+
+def _spec(arg: Any) -> TensorSpec:
+    shape = tuple(d if isinstance(d, int) and d > 0 else None for d in arg.shape)
+    names = tuple(d if isinstance(d, str) else None for d in arg.shape)
+    return TensorSpec(arg.name, shape, _DTYPE.get(arg.type, arg.type), names)
+
+
+def choose_providers(requested: tuple[str, ...]) -> list[str]:
+    """Resolve "auto" (or an explicit list) against the providers this onnxruntime build has."""
+    available = ort.get_available_providers()
+    if requested in ((), ("auto",)):
+        return [p for p in _AUTO_ORDER if p in available]
+    missing = [p for p in requested if p not in available]
+    if missing:
+        raise ModelError(f"execution providers {missing} not in this onnxruntime build (has {available})", code="BACKEND_UNAVAILABLE")
+    return list(requested)
+
+
+class OrtEngine:
+    """An `InferenceSession` with name-based I/O."""
+
+    backend = "onnxruntime"
+
+    def __init__(self, session: ort.InferenceSession, model_path: Path, precision: str) -> None:
+        self.session = session
+        self.model_path = model_path
+        self.precision = precision
+        self.inputs = [_spec(a) for a in session.get_inputs()]
+        self.outputs = [_spec(a) for a in session.get_outputs()]
+        self._output_names = [o.name for o in self.outputs]
+
+    def infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Run the session; ORT errors become InferenceError with the model named."""
+        try:
+            return self.session.run(self._output_names, feeds)
+        except Exception as exc:  # ORT raises its own exception types from C++
+            raise InferenceError(f"{self.model_path.name}: {exc}") from exc
+
+    def describe(self) -> dict[str, Any]:
+        """Providers actually in use and the I/O signature."""
+        return {
+            "backend": self.backend,
+            "backend_version": ort.__version__,
+            "providers": self.session.get_providers(),
+            "precision": self.precision,
+            "inputs": [i.to_dict() for i in self.inputs],
+            "outputs": [o.to_dict() for o in self.outputs],
+        }
+
+    def close(self) -> None:
+        """Drop the session (ORT frees its arena when the last reference goes)."""
+        self.session = None  # type: ignore[assignment]
+
+
+@BACKENDS.register("onnxruntime")
+class OnnxRuntimeBackend:
+    """Loads ONNX models into ORT sessions tuned for a fixed input size when one is given."""
+
+    name = "onnxruntime"
+
+    def version(self) -> str:
+        """ORT version string."""
+        return ort.__version__
+
+    def session_options(self, model_path: Path, options: EngineOptions) -> ort.SessionOptions:
+        """Graph optimisation on; dynamic dims pinned to the camera's size so shape-specific fusions apply."""
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if options.intra_op_threads > 0:
+            so.intra_op_num_threads = options.intra_op_threads
+        if options.optimized_model_path is not None:
+            so.optimized_model_filepath = str(options.optimized_model_path)
+        for dim_name, value in _free_dim_overrides(model_path, options.static_shapes).items():
+            so.add_free_dimension_override_by_name(dim_name, value)
+        return so
+
+    def load(self, model_path: Path, options: EngineOptions) -> OrtEngine:
+        """Create the session; a model ORT cannot load is a ModelError naming the file."""
+        providers = choose_providers(options.providers)
+        try:
+            session = ort.InferenceSession(
+                str(model_path), sess_options=self.session_options(model_path, options), providers=providers
+            )
+        except Exception as exc:
+            raise ModelError(f"{model_path.name}: onnxruntime cannot load it: {exc}", code="MODEL_LOAD_FAILED") from exc
+        log.debug("loaded %s with %s", model_path.name, session.get_providers())
+        return OrtEngine(session, model_path, options.precision)
+
+
+def _free_dim_overrides(model_path: Path, static_shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Map symbolic dimension names to the sizes requested for each input."""
+    if not static_shapes:
+        return {}
+    import onnx  # local: only needed when pinning shapes
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    overrides: dict[str, int] = {}
+    for graph_input in model.graph.input:
+        wanted = static_shapes.get(graph_input.name)
+        if wanted is None:
+            continue
+        dims = graph_input.type.tensor_type.shape.dim
+        if len(dims) != len(wanted):
+            raise ModelError(f"input {graph_input.name}: rank {len(dims)} but static shape {list(wanted)}", code="MODEL_SHAPE_MISMATCH")
+        for dim, size in zip(dims, wanted):
+            if dim.dim_param:
+                overrides[dim.dim_param] = int(size)
+            elif dim.dim_value and dim.dim_value != size:
+                raise ModelError(f"input {graph_input.name}: fixed dim {dim.dim_value} != requested {size}", code="MODEL_SHAPE_MISMATCH")
+    return overrides

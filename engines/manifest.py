@@ -1,0 +1,152 @@
+"""The model artifact: `manifest.json` beside the model file (CONTRACT.md §Artifact).
+
+Loading is split in two steps so signatures and remote fetching can slot in between:
+`parse_manifest` validates the bytes, `resolve_model_dir` checks the files on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engines.errors import ModelError
+from engines.preprocess import PreprocessSpec
+
+MANIFEST_SCHEMA = "edge-agent/model/v1"
+MANIFEST_NAME = "manifest.json"
+Precision = Literal["fp32", "fp16", "int8"]
+
+
+class ArtifactPathError(ModelError):
+    """A manifest names a path outside its artifact directory."""
+
+    code = "ARTIFACT_PATH_INVALID"
+
+
+class ArtifactHashError(ModelError):
+    """A file's sha256 or size differs from the manifest."""
+
+    code = "ARTIFACT_SHA256_MISMATCH"
+
+
+def safe_relative_path(value: str) -> str:
+    """Accept only plain relative POSIX paths inside the artifact (no `..`, no absolute, no `\\`)."""
+    path = PurePosixPath(value)
+    if not value or "\\" in value or path.is_absolute() or ".." in path.parts or value.startswith("~"):
+        raise ValueError(f"path {value!r} must be relative and stay inside the artifact")
+    return value
+
+
+class ModelFile(BaseModel):
+    """One file of the artifact with its integrity data."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    file: str = Field(description="Path relative to the manifest.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Lower-case hex sha256 of the file.")
+    size: int = Field(ge=0, description="File size in bytes.")
+
+    _check_path = field_validator("file")(classmethod(lambda cls, v: safe_relative_path(v)))
+
+
+class PostprocessSpec(BaseModel):
+    """Which postprocessor decodes the outputs, and its parameters (validated by the plugin)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str = Field("raw", description="Postprocessor name: classification, yolo, db_text, raw.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Plugin parameters.")
+
+
+class BuildSpec(BaseModel):
+    """How the device should build its engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    precision: Precision = Field("fp32", description="Engine precision.")
+    calibration: str | None = Field(None, description="Directory of calibration images inside the artifact.")
+
+    @field_validator("calibration")
+    @classmethod
+    def _calibration_inside(cls, value: str | None) -> str | None:
+        return None if value is None else safe_relative_path(value)
+
+
+class Gates(BaseModel):
+    """Thresholds an engine must meet before it may become active."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    latency_budget_ms: float | None = Field(None, gt=0, description="p99 inference latency budget.")
+    min_accuracy: float | None = Field(
+        None, ge=0, le=1, description="Minimum accuracy metric vs the FP32 reference (per-precision default if unset)."
+    )
+
+
+class Manifest(BaseModel):
+    """The whole `manifest.json`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    schema_: Literal["edge-agent/model/v1"] = Field(MANIFEST_SCHEMA, alias="schema")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Model name.")
+    version: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}$", description="Model version.")
+    model: ModelFile
+    files: list[ModelFile] = Field(default_factory=list, description="Other files (labels, calibration images).")
+    preprocess: PreprocessSpec = Field(default_factory=PreprocessSpec)
+    postprocess: PostprocessSpec = Field(default_factory=PostprocessSpec)
+    build: BuildSpec = Field(default_factory=BuildSpec)
+    gates: Gates = Field(default_factory=Gates)
+    labels: list[str] | None = Field(None, description="Class names, index = class id.")
+    description: str = ""
+
+    def to_json_bytes(self) -> bytes:
+        """Canonical bytes for writing (and signing)."""
+        return (json.dumps(self.model_dump(by_alias=True, exclude_none=True), indent=2, sort_keys=True) + "\n").encode()
+
+
+def parse_manifest(data: bytes, source: str = MANIFEST_NAME) -> Manifest:
+    """Validate manifest bytes; the error names the field and the problem."""
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{source}: not valid JSON: {exc}", code="MANIFEST_INVALID") from exc
+    try:
+        return Manifest.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors())
+        raise ModelError(f"{source}: {problems}", code="MANIFEST_INVALID") from exc
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Stream a file through sha256 (artifacts can be hundreds of MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_file(root: Path, entry: ModelFile) -> Path:
+    """Resolve an artifact file and prove it is inside `root`, a regular file, of the right size and hash."""
+    path = root / entry.file
+    parts = PurePosixPath(entry.file).parts
+    for depth in range(1, len(parts) + 1):
+        if (root.joinpath(*parts[:depth])).is_symlink():
+            raise ArtifactPathError(f"{entry.file}: symlinks are not allowed in an artifact")
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise ArtifactPathError(f"{entry.file}: resolves outside the artifact")
+    if not resolved.is_file():
+        raise ModelError(f"{entry.file}: missing from the artifact", code="ARTIFACT_FILE_MISSING")
+    size = resolved.stat().st_size
+    if size != entry.size:
+        raise ArtifactHashError(f"{entry.file}: size {size} != manifest {entry.size}", code="ARTIFACT_SIZE_MISMATCH")
+    actual = sha256_file(resolved)
+    if actual != entry.sha256:
+        raise ArtifactHashError(f"{entry.file}: sha256 {actual[:12]}… != manifest {entry.sha256[:12]}…")
+    return resolved

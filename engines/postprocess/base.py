@@ -1,0 +1,94 @@
+"""Postprocessor interface and the result types every postprocessor returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from engines.backends.base import TensorSpec
+from engines.preprocess import FrameTransform
+
+
+class NoParams(BaseModel):
+    """For postprocessors without parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class Detection:
+    """One object or text region in frame pixel coordinates."""
+
+    box: tuple[float, float, float, float]
+    score: float
+    class_id: int | None = None
+    label: str | None = None
+    polygon: list[tuple[float, float]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Compact JSON form (results topic, tests)."""
+        out: dict[str, Any] = {"box": [round(v, 1) for v in self.box], "score": round(self.score, 4)}
+        if self.class_id is not None:
+            out["class_id"] = self.class_id
+        if self.label is not None:
+            out["label"] = self.label
+        if self.polygon is not None:
+            out["polygon"] = [[round(x, 1), round(y, 1)] for x, y in self.polygon]
+        return out
+
+
+@dataclass
+class ClassScore:
+    """One entry of a classification top-k."""
+
+    class_id: int
+    score: float
+    label: str | None = None
+
+
+@dataclass
+class InferenceResult:
+    """What one frame produced, whatever the postprocessor."""
+
+    kind: str
+    detections: list[Detection] = field(default_factory=list)
+    classes: list[ClassScore] = field(default_factory=list)
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def to_dict(self, max_items: int = 100) -> dict[str, Any]:
+        """JSON-friendly summary; raw tensors are reported by shape only."""
+        out: dict[str, Any] = {"kind": self.kind}
+        if self.detections:
+            out["detections"] = [d.to_dict() for d in self.detections[:max_items]]
+        if self.classes:
+            out["classes"] = [{"class_id": c.class_id, "score": round(c.score, 4), "label": c.label} for c in self.classes]
+        if self.tensors:
+            out["tensors"] = {k: list(v.shape) for k, v in self.tensors.items()}
+        return out
+
+
+class Postprocessor(Protocol):
+    """Turns raw outputs into an InferenceResult in frame coordinates."""
+
+    Params: ClassVar[type[BaseModel]]
+
+    def __call__(self, outputs: list[np.ndarray], transform: FrameTransform) -> InferenceResult:
+        """Decode one frame's outputs."""
+        ...
+
+
+@dataclass(frozen=True)
+class PostprocessContext:
+    """What a postprocessor may know about its model when it is built."""
+
+    outputs: list[TensorSpec]
+    labels: list[str] | None = None
+
+    def label(self, class_id: int) -> str | None:
+        """Class name for an id, when labels were given."""
+        if self.labels and 0 <= class_id < len(self.labels):
+            return self.labels[class_id]
+        return None

@@ -1,0 +1,117 @@
+"""A model ready for frames: engine + preprocessor + postprocessor, run stage by stage with timings."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engines.backends import BACKENDS, get_backend
+from engines.backends.base import Engine, EngineOptions
+from engines.errors import BackendUnavailableError, ModelError
+from engines.model import ModelSource
+from engines.postprocess import InferenceResult, PostprocessContext, build_postprocessor
+from engines.preprocess import Preprocessor
+
+
+@dataclass
+class StageTimes:
+    """Milliseconds spent in each stage of one `ModelRuntime.run`."""
+
+    preprocess: float
+    infer: float
+    postprocess: float
+
+
+class ModelRuntime:
+    """Owns the input buffer; `run` is the whole per-frame model path."""
+
+    def __init__(self, source: ModelSource, engine: Engine) -> None:
+        if len(engine.inputs) != 1:
+            raise ModelError(f"{source.label}: frame models need exactly one input, got {len(engine.inputs)}")
+        self.source = source
+        self.engine = engine
+        self.input_name = engine.inputs[0].name
+        self.preprocessor = Preprocessor(source.manifest.preprocess)
+        context = PostprocessContext(engine.outputs, source.manifest.labels)
+        spec = source.manifest.postprocess
+        self.postprocessor = build_postprocessor(spec.kind, spec.params, context)
+        self._feeds = {self.input_name: self.preprocessor.tensor}
+
+    def run(self, image: np.ndarray) -> tuple[InferenceResult, StageTimes]:
+        """Preprocess into the shared buffer, infer, decode."""
+        t0 = time.perf_counter()
+        transform = self.preprocessor(image)
+        t1 = time.perf_counter()
+        outputs = self.engine.infer(self._feeds)
+        t2 = time.perf_counter()
+        result = self.postprocessor(outputs, transform)
+        t3 = time.perf_counter()
+        return result, StageTimes((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
+
+    def warmup(self, image: np.ndarray, runs: int = 3) -> None:
+        """First runs pay for allocation and kernel selection; do them before real frames."""
+        for _ in range(runs):
+            self.run(image)
+
+    def describe(self) -> dict[str, Any]:
+        """The `model` object of summaries, status and telemetry."""
+        m = self.source.manifest
+        info = self.engine.describe()
+        return {
+            "name": m.name,
+            "version": m.version,
+            "precision": info.get("precision", m.build.precision),
+            "backend": self.engine.backend,
+            "sha256": self.source.sha256[:12],
+        }
+
+    def close(self) -> None:
+        """Release the engine."""
+        self.engine.close()
+
+
+def preprocess_shape(source: ModelSource) -> tuple[int, ...]:
+    """The batch-1 input shape the preprocess spec produces."""
+    p = source.manifest.preprocess
+    return (1, 3, p.height, p.width) if p.layout == "nchw" else (1, p.height, p.width, 3)
+
+
+def resolve_backend(name: str) -> str:
+    """`auto` picks TensorRT where it is installed and usable, else ONNX Runtime."""
+    if name != "auto":
+        if name not in BACKENDS:
+            raise BackendUnavailableError(str(_lookup_error(name)))
+        return name
+    return "tensorrt" if "tensorrt" in BACKENDS else "onnxruntime"
+
+
+def _lookup_error(name: str) -> Exception:
+    try:
+        BACKENDS.get(name)
+    except LookupError as exc:
+        return exc
+    return LookupError(name)
+
+
+def load_runtime(source: ModelSource, backend: str = "auto", options: EngineOptions | None = None) -> ModelRuntime:
+    """Load `source` on the chosen backend with its input pinned to the preprocess size."""
+    options = options or EngineOptions()
+    if not options.static_shapes:
+        options = dataclasses.replace(options, static_shapes=_input_shape_for(source))
+    engine = get_backend(resolve_backend(backend)).load(source.onnx_path, options)
+    return ModelRuntime(source, engine)
+
+
+def _input_shape_for(source: ModelSource) -> dict[str, tuple[int, ...]]:
+    import onnx  # the input name is only known from the graph
+
+    model = onnx.load(str(source.onnx_path), load_external_data=False)
+    initializers = {i.name for i in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in initializers]
+    if len(inputs) != 1:
+        return {}
+    return {inputs[0].name: preprocess_shape(source)}

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs the system packages the test suite needs, only when they are missing.
+set -euo pipefail
+need=()
+command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
+command -v mosquitto_passwd >/dev/null 2>&1 || need+=(mosquitto-clients)
+command -v ffmpeg >/dev/null 2>&1 || need+=(ffmpeg)
+if ((${#need[@]})); then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "installing system packages: ${need[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
