@@ -20,7 +20,7 @@ config_app = typer.Typer(no_args_is_help=True, help="Validate configuration file
 app.add_typer(config_app, name="config")
 
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 log = logging.getLogger("agent")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

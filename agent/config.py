@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from agent.paths import default_cache_dir, default_state_dir
@@ -48,6 +48,13 @@ class ModelConfig(Strict):
     )
     threads: int = Field(0, ge=0, le=256, description="Inference threads (ONNX Runtime intra-op); 0 = one per core.")
     warmup_runs: int = Field(3, ge=0, le=100, description="Inference runs on a blank frame before real frames.")
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.exists():
+            raise ValueError(f"model not found at {value} (a model directory with manifest.json, or an .onnx file)")
+        return value
 
 
 class PipelineConfig(Strict):

@@ -51,6 +51,8 @@ def demo_manifest(onnx_path: Path, width: int = 640, height: int = 480) -> Manif
 def prepare_demo_model_dir(target: Path, width: int = 640, height: int = 480) -> Path:
     """Write (once) a model directory for the demo model under `target` and return it."""
     source = bundled_demo_onnx()
+    # DB detectors upsample by 32 in their FPN: the input must be a multiple of 32 on both sides.
+    width, height = (max(32, round(v / 32) * 32) for v in (width, height))
     manifest = demo_manifest(source, width, height)
     model_dir = target / DEMO_NAME / f"{DEMO_VERSION}-{width}x{height}"
     manifest_path = model_dir / MANIFEST_NAME

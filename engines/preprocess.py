@@ -57,10 +57,11 @@ class FrameTransform:
     def boxes_to_frame(self, boxes: np.ndarray) -> np.ndarray:
         """Convert Nx4 x1,y1,x2,y2 boxes from input space to frame space, clipped to the frame."""
         out = np.empty_like(boxes, dtype=np.float32)
-        out[:, [0, 2]] = (boxes[:, [0, 2]] - self.pad_x) / self.scale_x
-        out[:, [1, 3]] = (boxes[:, [1, 3]] - self.pad_y) / self.scale_y
-        np.clip(out[:, [0, 2]], 0, self.frame_width, out=out[:, [0, 2]])
-        np.clip(out[:, [1, 3]], 0, self.frame_height, out=out[:, [1, 3]])
+        xs, ys = out[:, 0::2], out[:, 1::2]  # views (a list index would write into a copy)
+        xs[...] = (boxes[:, 0::2] - self.pad_x) / self.scale_x
+        ys[...] = (boxes[:, 1::2] - self.pad_y) / self.scale_y
+        np.clip(xs, 0, self.frame_width, out=xs)
+        np.clip(ys, 0, self.frame_height, out=ys)
         return out
 
     def points_to_frame(self, points: np.ndarray) -> np.ndarray:

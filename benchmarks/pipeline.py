@@ -1,0 +1,203 @@
+"""Frame-path benchmark: the agent's loop vs bare `InferenceSession.run` vs a tutorial-style naive loop.
+
+All three run the demo model (PP-OCRv4 detector) on the same pre-rendered 640x480 frames, in one
+process, in interleaved rounds (a, b, c, a, b, c, ...) so that load from other processes hits all
+three alike.
+
+(a) bare:  `session.run` on tensors preprocessed in advance — the limit of this engine on this CPU.
+(b) naive: per frame cvtColor, astype(float32)/255, normalise, transpose, expand_dims, run — no
+           postprocessing, which only flatters it.
+(c) agent: the real frame path — a camera thread putting frames into the freshest-frame mailbox,
+           the inference worker with preprocessing into a preallocated buffer, the engine, and db_text
+           postprocessing, timed by the agent's own FrameStats.
+
+Usage: python benchmarks/pipeline.py [--seconds 20] [--rounds 3] [--out out/bench-pipeline.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import _common  # noqa: F401  (puts the repo on sys.path)
+import cv2
+import numpy as np
+import onnxruntime as ort
+from _common import machine, percentiles, write_json
+
+from agent.capture import CaptureThread
+from agent.demo import prepare_demo_model_dir
+from agent.frame_stats import FrameStats
+from agent.mailbox import FreshestMailbox
+from agent.sources.base import SourceConfigBase
+from agent.sources.synthetic import SyntheticConfig, SyntheticScene
+from agent.worker import InferenceWorker
+from engines.model import load_model
+from engines.runtime import load_runtime
+
+
+class ReplaySource:
+    """Stands in for a camera driver: hands out pre-rendered frames at a fixed rate, no decode cost."""
+
+    paced = True
+
+    def __init__(self, frames: list[np.ndarray], fps: float) -> None:
+        self.config = SourceConfigBase(name="replay")
+        self.frames, self.fps, self.index = frames, fps, 0
+
+    def open(self) -> None:
+        """Nothing to open."""
+
+    def read(self) -> np.ndarray:
+        """Next frame, round robin."""
+        frame = self.frames[self.index % len(self.frames)]
+        self.index += 1
+        return frame
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def frame_interval_s(self) -> float:
+        """1 / fps."""
+        return 1.0 / self.fps
+
+
+def bare_loop(session: ort.InferenceSession, tensors: list[np.ndarray], seconds: float) -> tuple[int, list[float]]:
+    """(a) session.run on ready tensors."""
+    name = session.get_inputs()[0].name
+    samples, n, end = [], 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        session.run(None, {name: tensors[n % len(tensors)]})
+        samples.append((time.perf_counter() - t0) * 1e3)
+        n += 1
+    return n, samples
+
+
+def naive_loop(session: ort.InferenceSession, frames: list[np.ndarray], seconds: float) -> tuple[int, list[float]]:
+    """(b) the per-frame conversions of a typical tutorial, then run."""
+    name = session.get_inputs()[0].name
+    samples, n, end = [], 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        image = cv2.cvtColor(frames[n % len(frames)], cv2.COLOR_BGR2RGB)[:, :, ::-1]  # the demo model wants BGR
+        x = (image.astype(np.float32) / 255.0 - 0.5) / 0.5
+        x = np.expand_dims(np.transpose(x, (2, 0, 1)), 0)
+        session.run(None, {name: x})
+        samples.append((time.perf_counter() - t0) * 1e3)
+        n += 1
+    return n, samples
+
+
+def agent_loop(runtime, frames: list[np.ndarray], seconds: float, camera_fps: float) -> tuple[int, FrameStats, int]:
+    """(c) camera thread -> mailbox -> inference worker -> db_text, as `edge-agent run` does."""
+    stop = threading.Event()
+    mailbox: FreshestMailbox = FreshestMailbox()
+    stats = FrameStats()
+    worker = InferenceWorker(runtime, mailbox, stop, stats)
+    capture = CaptureThread(ReplaySource(frames, camera_fps), mailbox, stop)
+    worker.start()
+    capture.start()
+    time.sleep(seconds)
+    stop.set()
+    mailbox.close()
+    capture.join(5)
+    worker.join(5)
+    return stats.frames, stats, mailbox.dropped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=15.0, help="Seconds per loop per round.")
+    parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds.")
+    parser.add_argument("--camera-fps", type=float, default=60.0, help="Replay camera rate for the agent loop.")
+    parser.add_argument("--out", type=Path, default=Path("out/bench-pipeline.json"))
+    args = parser.parse_args()
+
+    scene = SyntheticScene(SyntheticConfig(seed=3))
+    frames = [scene.render(i * 7) for i in range(16)]
+    with tempfile.TemporaryDirectory() as tmp:
+        source = load_model(prepare_demo_model_dir(Path(tmp)))
+        runtime = load_runtime(source, "onnxruntime")
+        session = runtime.engine.session  # the same engine for (a) and (b): the ratio is the frame path's cost
+        tensors = []
+        for frame in frames:
+            runtime.preprocessor(frame)
+            tensors.append(runtime.preprocessor.tensor.copy())
+        runtime.warmup(frames[0], 3)
+
+        totals = {"bare": [0, 0.0, []], "naive": [0, 0.0, []], "agent": [0, 0.0, []]}
+        agent_stats, dropped = [], 0
+        for round_no in range(args.rounds):
+            for name in ("bare", "naive", "agent"):
+                t0 = time.perf_counter()
+                if name == "bare":
+                    n, samples = bare_loop(session, tensors, args.seconds)
+                elif name == "naive":
+                    n, samples = naive_loop(session, frames, args.seconds)
+                else:
+                    n, stats, d = agent_loop(runtime, frames, args.seconds, args.camera_fps)
+                    samples, dropped = [], dropped + d
+                    agent_stats.append(stats)
+                totals[name][0] += n
+                totals[name][1] += time.perf_counter() - t0
+                totals[name][2].extend(samples)
+                print(f"round {round_no + 1} {name:5s}: {n / (time.perf_counter() - t0):6.2f} fps")
+        runtime.close()
+
+    fps = {name: totals[name][0] / totals[name][1] for name in totals}
+    agent_latency = _merge_latency(agent_stats)
+    result = {
+        "bare_fps": round(fps["bare"], 3),
+        "naive_fps": round(fps["naive"], 3),
+        "agent_fps": round(fps["agent"], 3),
+        "agent_vs_bare": round(fps["agent"] / fps["bare"], 3),
+        "agent_vs_naive": round(fps["agent"] / fps["naive"], 3),
+        "bare_latency_ms": percentiles(totals["bare"][2]),
+        "naive_latency_ms": percentiles(totals["naive"][2]),
+        "agent_latency_ms": agent_latency,
+        "agent_stages_ms": _merge_stages(agent_stats),
+        "agent_dropped_frames": dropped,
+        "camera_fps": args.camera_fps,
+        "seconds_per_loop": args.seconds * args.rounds,
+        "machine": machine(),
+        "goal": {"agent_vs_bare": ">= 0.97", "agent_vs_naive": ">= 1.0 at equal or better p99"},
+    }
+    print()
+    print(f"{'loop':8s} {'fps':>8s} {'p50 ms':>8s} {'p99 ms':>8s}")
+    for name, lat in (("bare", result["bare_latency_ms"]), ("naive", result["naive_latency_ms"]),
+                      ("agent", agent_latency["glass_to_result"])):
+        print(f"{name:8s} {result[name + '_fps']:8.2f} {lat.get('p50', 0):8.1f} {lat.get('p99', 0):8.1f}")
+    print(f"agent_vs_bare {result['agent_vs_bare']}  agent_vs_naive {result['agent_vs_naive']}")
+    write_json(args.out, result)
+
+
+def _merge_latency(all_stats: list[FrameStats]) -> dict:
+    from agent.histogram import LatencyHistogram
+
+    glass, processing = LatencyHistogram(), LatencyHistogram()
+    for stats in all_stats:
+        for src, dst in ((stats.latency, glass),):
+            for i, c in enumerate(src._counts):
+                dst._counts[i] += c
+            dst.count += src.count
+            dst.total += src.total
+            dst.max = max(dst.max, src.max)
+    summary = glass.summary()
+    return {**summary, "glass_to_result": summary}
+
+
+def _merge_stages(all_stats: list[FrameStats]) -> dict:
+    out = {}
+    for stage in ("capture_wait", "preprocess", "infer", "postprocess"):
+        total = sum(s.stages[stage].total for s in all_stats)
+        count = sum(s.stages[stage].count for s in all_stats)
+        out[stage] = round(total / count, 2) if count else None
+    return out
+
+
+if __name__ == "__main__":
+    main()

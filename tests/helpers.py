@@ -1,0 +1,25 @@
+"""Small shared helpers for tests (no fixtures here)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+
+def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
+    """IoU of two x1,y1,x2,y2 boxes."""
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Poll until `condition()` is true or `timeout` passes (generous deadlines, not timing asserts)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()

@@ -1,0 +1,116 @@
+"""Frame path pieces: freshest-frame mailbox, bounded histogram, preprocessing into one buffer."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from agent.histogram import LatencyHistogram
+from agent.mailbox import FreshestMailbox
+from engines.preprocess import Preprocessor, PreprocessSpec
+
+
+def test_mailbox_keeps_newest_and_counts_drops() -> None:
+    box: FreshestMailbox[int] = FreshestMailbox()
+    assert box.put(1) is False
+    assert box.put(2) is True
+    assert box.put(3) is True
+    assert box.get(0) == 3
+    assert box.get(0.01) is None
+    assert (box.dropped, box.delivered) == (2, 1)
+
+
+def test_mailbox_wakes_a_waiting_reader_and_close_unblocks() -> None:
+    box: FreshestMailbox[int] = FreshestMailbox()
+    got: list[int | None] = []
+    reader = threading.Thread(target=lambda: got.append(box.get(5)))
+    reader.start()
+    box.put(7)
+    reader.join(5)
+    assert got == [7]
+    closer = threading.Thread(target=lambda: got.append(box.get(5)))
+    closer.start()
+    box.close()
+    closer.join(5)
+    assert got == [7, None] and not closer.is_alive()
+
+
+def test_histogram_percentiles_within_one_bucket() -> None:
+    hist = LatencyHistogram()
+    values = np.random.default_rng(0).uniform(1, 200, 20_000)
+    for v in values:
+        hist.record(float(v))
+    for q in (50, 95, 99):
+        exact = float(np.percentile(values, q))
+        assert abs(hist.percentile(q) - exact) / exact < 0.03
+    assert hist.max == pytest.approx(values.max())
+    assert hist.summary()["max"] == round(values.max(), 1)
+
+
+def test_histogram_memory_is_bounded_and_empty_is_empty() -> None:
+    hist = LatencyHistogram()
+    assert hist.summary() == {} and hist.percentile(50) is None
+    size = len(hist._counts)
+    for v in (0.0, 1e-9, 1e9, 5.0):
+        hist.record(v)
+    assert len(hist._counts) == size and hist.count == 4
+
+
+SPECS = [
+    dict(color="bgr", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)),
+    dict(color="rgb", mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)),
+    dict(color="rgb", layout="nhwc"),
+    dict(color="rgb", dtype="float16"),
+    dict(color="bgr", dtype="uint8"),
+]
+
+
+def naive(frame: np.ndarray, spec: PreprocessSpec) -> np.ndarray:
+    """The tutorial way, used as the reference."""
+    import cv2
+
+    image = cv2.resize(frame, (spec.width, spec.height)) if frame.shape[:2] != (spec.height, spec.width) else frame
+    if spec.color == "rgb":
+        image = image[:, :, ::-1]
+    if spec.dtype == "uint8":
+        x = image.astype(np.float64)
+    else:
+        x = (image.astype(np.float64) * spec.scale - np.array(spec.mean)) / np.array(spec.std)
+    x = x.transpose(2, 0, 1) if spec.layout == "nchw" else x
+    return x[None]
+
+
+@pytest.mark.parametrize("kwargs", SPECS)
+def test_preprocess_matches_reference_and_reuses_its_buffer(kwargs: dict) -> None:
+    spec = PreprocessSpec(width=64, height=48, **kwargs)
+    pre = Preprocessor(spec)
+    rng = np.random.default_rng(1)
+    buffer = pre.tensor
+    for _ in range(3):
+        frame = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+        pre(frame)
+        assert pre.tensor is buffer
+        tol = 2e-3 if spec.dtype == "float16" else 1e-5
+        np.testing.assert_allclose(pre.tensor.astype(np.float64), naive(frame, spec), atol=tol, rtol=tol)
+
+
+def test_letterbox_transform_maps_boxes_back() -> None:
+    pre = Preprocessor(PreprocessSpec(width=320, height=320, resize="letterbox"))
+    frame = np.full((360, 640, 3), 200, np.uint8)
+    t = pre(frame)
+    assert (t.scale_x, t.pad_x, t.pad_y) == (0.5, 0.0, 70.0)
+    # the padded band is the pad value, the image band is the image
+    assert pre.tensor[0, 0, 0, 0] == pytest.approx(114 / 255)
+    assert pre.tensor[0, 0, 160, 160] == pytest.approx(200 / 255)
+    boxes = np.array([[0, 70, 320, 250], [100, 100, 200, 150]], np.float32)
+    np.testing.assert_allclose(t.boxes_to_frame(boxes), [[0, 0, 640, 360], [200, 60, 400, 160]])
+    outside = np.array([[-50, 0, 400, 330]], np.float32)
+    np.testing.assert_allclose(t.boxes_to_frame(outside), [[0, 0, 640, 360]])  # clipped to the frame
+
+
+@pytest.mark.parametrize("bad", [np.zeros((48, 64), np.uint8), np.zeros((48, 64, 3), np.float32), np.zeros((48, 64, 4), np.uint8)])
+def test_preprocess_rejects_what_is_not_a_bgr_frame(bad: np.ndarray) -> None:
+    with pytest.raises(ValueError, match="HxWx3 uint8"):
+        Preprocessor(PreprocessSpec(width=64, height=48))(bad)

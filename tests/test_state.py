@@ -1,0 +1,88 @@
+"""State store: real SQLite files, WAL, migrations, and what survives a reopen."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from agent.state import MIGRATIONS, StateStore, StateStoreError
+
+
+def test_fresh_database_is_migrated_in_wal_mode(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state.db")
+    assert store.schema_version == len(MIGRATIONS)
+    assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    store.close()
+
+
+def test_migrations_run_once_and_in_order(tmp_path: Path) -> None:
+    calls: list[int] = []
+    store = StateStore(tmp_path / "state.db")
+    extra = [*MIGRATIONS, lambda db: calls.append(1) or db.execute("CREATE TABLE extra (x)")]
+    store.migrate(extra)
+    store.migrate(extra)
+    assert calls == [1] and store.schema_version == len(extra)
+    store.close()
+
+
+def test_failed_migration_rolls_back(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state.db")
+
+    def broken(db):
+        db.execute("CREATE TABLE half (x)")
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        store.migrate([*MIGRATIONS, broken])
+    assert store.schema_version == len(MIGRATIONS)
+    assert not store.query("SELECT name FROM sqlite_master WHERE name = 'half'")
+    store.close()
+
+
+def test_newer_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    StateStore(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA user_version = 99")
+    conn.close()
+    with pytest.raises(StateStoreError, match="newer than this agent"):
+        StateStore(path)
+
+
+def test_runs_models_events_survive_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = StateStore(path)
+    run_id = store.start_run(123)
+    store.set_active_model("a", "1", "/models/a", "aa" * 32, {"backend": "onnxruntime"})
+    store.set_active_model("b", "2", "/models/b", "bb" * 32, {"backend": "onnxruntime"})
+    store.add_event("swap", {"from": "a", "to": "b"})
+    store.finish_run(run_id, {"frames": 5, "model": {"name": "b", "version": "2"}})
+    store.set_kv("seq", 41)
+    store.close()
+
+    store = StateStore(path)
+    assert store.model_slot("active")["name"] == "b"
+    assert store.model_slot("previous")["name"] == "a"
+    assert store.events(1)[0]["payload"] == {"from": "a", "to": "b"}
+    assert store.last_run()["summary"]["frames"] == 5 and store.last_run()["model"] == "b@2"
+    assert store.get_kv("seq") == 41
+    store.close()
+
+
+def test_reactivating_the_same_model_keeps_previous(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state.db")
+    store.set_active_model("a", "1", "/a", "aa" * 32, {})
+    store.set_active_model("b", "1", "/b", "bb" * 32, {})
+    store.set_active_model("b", "1", "/b", "bb" * 32, {})  # a restart re-records the same model
+    assert store.model_slot("previous")["name"] == "a"
+    store.close()
+
+
+def test_unclean_previous_run_is_marked_crashed(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state.db")
+    first = store.start_run(1)
+    store.start_run(2)
+    assert store.query("SELECT status FROM runs WHERE id = ?", (first,))[0]["status"] == "crashed"
+    store.close()
