@@ -30,6 +30,7 @@ class CaptureStats:
     reopen_attempts: int = 0
     bad_frames: int = 0
     connected: bool = False
+    ended: bool = False
 
 
 class CaptureThread(threading.Thread):
@@ -53,8 +54,8 @@ class CaptureThread(threading.Thread):
         self._lost_since: float | None = None
 
     def run(self) -> None:
-        """Open, read, and on failure back off and reopen, until stopped."""
-        while not self.stop_event.is_set():
+        """Open, read, and on failure back off and reopen, until stopped (or a finite source ends)."""
+        while not self.stop_event.is_set() and not self.stats.ended:
             if not self._open():
                 self._wait_backoff()
                 continue
@@ -94,6 +95,11 @@ class CaptureThread(threading.Thread):
         try:
             image = self.source.read()
             if image is None:
+                if getattr(self.source, "finite", False):
+                    self.stats.ended = True
+                    log.info("camera %s: end of input after %d frames", self._name, self.stats.frames)
+                    self.on_event("camera_ended", camera=self._name, frames=self.stats.frames)
+                    return False
                 self._lost("end of stream")
                 return False
             image = validate_image(image, self._name)

@@ -9,6 +9,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from agent.sources.opencv_capture import redact
+
 _HEADER = re.compile(r"^\s*\[\[?\s*([A-Za-z0-9_.\-\"' ]+?)\s*\]\]?\s*(#.*)?$")
 _KEY = re.compile(r"^\s*([A-Za-z0-9_\-\"'. ]+?)\s*=")
 
@@ -78,6 +80,8 @@ def explain(error: ValidationError, toml_text: str | None = None, camera_kinds: 
         value = None if item["type"] in ("missing", "extra_forbidden") and not from_env else item.get("input")
         if isinstance(value, (dict, list)):
             value = None
+        elif isinstance(value, str) and "://" in value:
+            value = redact(value)  # never echo credentials embedded in camera or broker URLs
         message = item["msg"]
         if item["type"] == "extra_forbidden":
             message = "unknown key (not a setting; check the spelling in docs/configuration.md)"

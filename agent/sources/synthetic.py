@@ -24,7 +24,7 @@ _FONTS = (cv2.FONT_HERSHEY_SIMPLEX, cv2.FONT_HERSHEY_DUPLEX)
 class SyntheticConfig(SourceConfigBase):
     """Synthetic camera settings."""
 
-    kind: Literal["synthetic"] = "synthetic"
+    kind: Literal["synthetic"] = Field("synthetic", description="Source type.")
     width: int = Field(640, ge=64, le=7680, description="Frame width in pixels.")
     height: int = Field(480, ge=64, le=4320, description="Frame height in pixels.")
     fps: float = Field(30.0, gt=0, le=1000, description="Frames per second produced.")
