@@ -19,6 +19,15 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Jetson Edge 
 config_app = typer.Typer(no_args_is_help=True, help="Validate configuration files.")
 app.add_typer(config_app, name="config")
 
+
+def _mount_engines() -> None:
+    from agent.engines_cli import engines_app
+
+    app.add_typer(engines_app, name="engines", help="Build, list and collect device-specific engines.")
+
+
+_mount_engines()
+
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
 log = logging.getLogger("agent")
@@ -27,8 +36,10 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def setup_logging(level: str) -> None:
-    """Plain lines on stderr: `LEVEL name: message` (journald adds its own timestamps)."""
-    logging.basicConfig(level=getattr(logging, level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+    """Journald severity prefixes under systemd, timestamped lines otherwise."""
+    from agent.sdnotify import configure_logging
+
+    configure_logging(level)
 
 
 def _camera_kinds() -> set[str]:
@@ -166,6 +177,30 @@ def bench(
         out.print_json(json.dumps(report))
     else:
         render_bench(report, out)
+
+
+@app.command()
+def deploy(
+    url: str = typer.Argument(..., help="Manifest URL: https://…/manifest.json, http://…, file:///…"),
+    wait: bool = typer.Option(False, "--wait", help="Follow progress; exit 0 when active, 1 when failed."),
+    timeout: float = typer.Option(3600.0, "--timeout", min=1, help="Seconds to wait with --wait."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for the socket path)."),
+) -> None:
+    """Ask the running agent to deploy a model artifact."""
+    from agent.deploy_cli import run_deploy
+
+    raise typer.Exit(run_deploy(load_config_or_exit(config), url, wait, timeout, out, err))
+
+
+@app.command()
+def rollback(
+    wait: bool = typer.Option(False, "--wait", help="Wait until the previous model serves (rollback is synchronous; kept for symmetry)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for the socket path)."),
+) -> None:
+    """Go back to the previous active model."""
+    from agent.deploy_cli import run_rollback
+
+    raise typer.Exit(run_rollback(load_config_or_exit(config), out, err))
 
 
 def main() -> None:

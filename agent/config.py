@@ -14,7 +14,10 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from agent.paths import default_cache_dir, default_state_dir
+from agent.artifacts.config import ArtifactsConfig
+from agent.deployments.config import DeploymentConfig
+from agent.mqtt.config import MqttConfig
+from agent.paths import default_cache_dir, default_runtime_dir, default_state_dir
 from agent.sources import source_config_models
 from agent.sources.synthetic import SyntheticConfig
 
@@ -66,6 +69,35 @@ class PipelineConfig(Strict):
     )
 
 
+class EnginesConfig(Strict):
+    """Engine cache and validation gate settings."""
+
+    validation_samples: int = Field(8, ge=1, le=1000, description="Frames compared against the FP32 reference.")
+    latency_runs: int = Field(20, ge=3, le=10000, description="Timed runs of the latency gate (after warm-up).")
+    workspace_mb: int | None = Field(None, ge=16, description="TensorRT builder memory pool; default: from free memory.")
+    cache_budget_mb: int = Field(2048, ge=1, description="`engines gc` keeps the cache under this size (LRU).")
+
+
+class ControlConfig(Strict):
+    """The local control socket used by `edge-agent deploy`/`rollback` (same handlers as MQTT commands)."""
+
+    socket: Path | None = Field(
+        None, description="Unix socket path; default: $RUNTIME_DIRECTORY/control.sock, else <state_dir>/control.sock."
+    )
+    group: str | None = Field(None, description="Group that may use the socket (mode 0660); default: the agent's group.")
+
+
+class TelemetryConfig(Strict):
+    """Which telemetry sources are asked, in order (first that reads a field wins)."""
+
+    sources: list[str] = Field(
+        default_factory=lambda: ["jtop", "jetson_sysfs", "nvml", "psutil"], description="Source names in priority order."
+    )
+    sysfs_root: Path = Field(Path("/"), description="Root of /sys, /proc, /etc for the Jetson readers (tests, containers).")
+    prometheus_port: int = Field(0, ge=0, le=65535, description="Serve Prometheus metrics on this port (0 = off).")
+    prometheus_bind: str = Field("127.0.0.1", description="Address of the Prometheus endpoint (loopback by default).")
+
+
 class AgentConfig(BaseSettings):
     """Everything the agent reads at start-up."""
 
@@ -84,6 +116,19 @@ class AgentConfig(BaseSettings):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The model to run.")
     camera: CameraConfig = Field(default_factory=SyntheticConfig, description="Camera source; `kind` selects the type.")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Frame path settings.")
+    artifacts: ArtifactsConfig = Field(default_factory=ArtifactsConfig, description="Trust and fetching of model artifacts.")
+    deployments: DeploymentConfig = Field(default_factory=DeploymentConfig, description="Swap, watch and rollback.")
+    mqtt: MqttConfig = Field(default_factory=MqttConfig, description="MQTT broker connection and topics.")
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Telemetry sources.")
+    control: ControlConfig = Field(default_factory=ControlConfig, description="Local control socket.")
+    engines: EnginesConfig = Field(default_factory=EnginesConfig, description="Engine cache and validation.")
+
+    def control_socket_path(self) -> Path:
+        """Where the control socket lives."""
+        if self.control.socket is not None:
+            return self.control.socket
+        runtime = default_runtime_dir()
+        return (runtime if runtime != default_state_dir() else self.state_dir) / "control.sock"
 
     @model_validator(mode="before")
     @classmethod

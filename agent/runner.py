@@ -1,4 +1,4 @@
-"""The daemon's main job: model + camera + inference loop + state store, started and stopped in order."""
+"""The daemon's main job: model + camera + inference loop + deployments, started and stopped in order."""
 
 from __future__ import annotations
 
@@ -10,89 +10,139 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import psutil
 
 from agent.capture import CaptureThread
+from agent.commands import CommandDispatcher
+from agent.control import AgentController
+from agent.control_socket import ControlSocketServer
 from agent.config import AgentConfig
-from agent.demo import prepare_demo_model_dir
+from agent.deployments.manager import DeploymentManager
+from agent.deployments.store import Deployment, DeploymentStore
 from agent.frame_stats import FrameStats
 from agent.mailbox import FreshestMailbox
+from agent.sdnotify import Notifier, ProgressWatchdog
+from agent.model_loading import LoadedModel, ModelLoader
 from agent.sources import create_source
 from agent.sources.base import Frame
 from agent.state import StateStore, state_db_path
 from agent.status import LIVE_KEY
 from agent.worker import InferenceWorker
-from engines.backends.base import EngineOptions
-from engines.model import ModelSource, load_model
-from engines.runtime import ModelRuntime, load_runtime
+from engines.errors import EdgeError
+from engines.model import ModelSource
 
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 2.0
-
-
-def resolve_model_path(config: AgentConfig) -> Path:
-    """The configured model, or the demo model packaged into the state directory."""
-    if config.model.path is not None:
-        return config.model.path
-    camera = config.camera
-    width, height = getattr(camera, "width", None) or 640, getattr(camera, "height", None) or 480
-    return prepare_demo_model_dir(config.state_dir / "models", width, height)
-
-
-def load_configured_runtime(config: AgentConfig, source: ModelSource) -> ModelRuntime:
-    """Load `source` with the engine options the config asks for, warmed up."""
-    options = EngineOptions(providers=tuple(config.model.providers), intra_op_threads=config.model.threads)
-    runtime = load_runtime(source, config.model.backend, options)
-    spec = source.manifest.preprocess
-    if config.model.warmup_runs:
-        runtime.warmup(np.zeros((spec.height, spec.width, 3), np.uint8), config.model.warmup_runs)
-    return runtime
+EventSink = Callable[..., None]
 
 
 class Agent:
     """Owns the threads of one run; `start`, then `wait`, then `stop`."""
 
-    def __init__(self, config: AgentConfig, on_event: Callable[..., None] | None = None) -> None:
+    def __init__(self, config: AgentConfig, on_event: EventSink | None = None) -> None:
         self.config = config
         self.stop_event = threading.Event()
         self.stats = FrameStats()
         self.mailbox: FreshestMailbox[Frame] = FreshestMailbox()
         self.store: StateStore | None = None
-        self.runtime: ModelRuntime | None = None
+        self.deployments: DeploymentStore | None = None
+        self.manager: DeploymentManager | None = None
+        self.loader: ModelLoader | None = None
+        self.active: LoadedModel | None = None
+        self.previous: LoadedModel | None = None
         self.worker: InferenceWorker | None = None
         self.capture: CaptureThread | None = None
+        self._capture_stop = threading.Event()
+        self.dispatcher: CommandDispatcher | None = None
+        self.control_server: ControlSocketServer | None = None
+        self.notifier = Notifier()
+        self.watchdog: ProgressWatchdog | None = None
         self.run_id: int | None = None
-        self._extra_event = on_event
+        self.event_sinks: list[EventSink] = [on_event] if on_event else []
         self.last_result: dict[str, Any] | None = None
+        self.state = "starting"
+        self._swap_lock = threading.Lock()
+        self._last_swap: dict[str, Any] = {}
+
+    # --- events -------------------------------------------------------------------------------
 
     def emit(self, type_: str, **fields: Any) -> None:
-        """Record an event in the state store (and pass it on to the MQTT plane when present)."""
+        """Record an event in the state store and hand it to every sink (MQTT plane, socket followers)."""
         if self.store is not None:
-            self.store.add_event(type_, fields)
-        if self._extra_event is not None:
-            self._extra_event(type_, **fields)
+            try:
+                self.store.add_event(type_, fields)
+            except Exception:
+                log.exception("could not store event %s", type_)
+        if type_ in ("deployment", "rollback", "rolled_back", "camera_lost", "camera_recovered"):
+            self.notifier.status(_status_text(type_, fields))
+        for sink in list(self.event_sinks):
+            try:
+                sink(type_, **fields)
+            except Exception:
+                log.exception("event sink failed for %s", type_)
+
+    # --- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Open state, load the model, start worker then camera."""
-        self.config.state_dir.mkdir(parents=True, exist_ok=True)
-        self.store = StateStore(state_db_path(self.config.state_dir))
+        """Open state, recover deployments, load the model, start worker, camera and deployer."""
+        cfg = self.config
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        self.store = StateStore(state_db_path(cfg.state_dir))
         self.run_id = self.store.start_run(os.getpid())
-        source = load_model(resolve_model_path(self.config))
-        self.runtime = load_configured_runtime(self.config, source)
-        info = self.runtime.describe()
-        self.store.set_active_model(source.manifest.name, source.manifest.version, str(source.root), source.sha256, info)
-        self.emit("model_loaded", model=info)
-        log.info("model %s loaded on %s (%s)", source.label, info["backend"], info["precision"])
-        self.stats = FrameStats()
-        self.worker = InferenceWorker(
-            self.runtime, self.mailbox, self.stop_event, self.stats, self._on_result,
-            self.config.pipeline.max_consecutive_errors,
-        )
-        self.capture = CaptureThread(create_source(self.config.camera), self.mailbox, self.stop_event, self.emit)
+        self.deployments = DeploymentStore(self.store)
+        self.loader = ModelLoader(cfg, self.stop_event)
+        self.manager = DeploymentManager(self.deployments, self, cfg.state_dir / "artifacts" / "deployed",
+                                         self.loader.artifacts, cfg.deployments, self.emit, self.stop_event)
+        self.manager.recover()
+        self.active = self._load_initial()
+        self.stats = FrameStats()  # fps and duration count from the first frame the model can take
+        self.worker = InferenceWorker(self.active.runtime, self.mailbox, self.stop_event, self.stats,
+                                      self._on_result, cfg.pipeline.max_consecutive_errors)
+        self.capture = CaptureThread(create_source(cfg.camera), self.mailbox, self._capture_stop, self.emit)
         self.worker.start()
         self.capture.start()
+        self.manager.start()
+        self.dispatcher = CommandDispatcher(AgentController(self), state_db_path(cfg.state_dir),
+                                            max_payload_bytes=cfg.mqtt.max_payload_bytes)
+        self.control_server = ControlSocketServer(cfg.control_socket_path(), self.dispatcher.dispatch, cfg.control.group)
+        self.control_server.start()
+        self.state = "running"
+        self.watchdog = ProgressWatchdog(self.notifier, lambda: self.worker.heartbeat if self.worker else 0)
+        self.watchdog.start()
+        self.notifier.ready(f"serving {self.active.source.label}")
 
-    def _on_result(self, frame: Frame, result: Any, runtime: ModelRuntime) -> None:
+    def restart_capture(self) -> dict[str, Any]:
+        """Reopen the camera with a fresh thread (the `restart_pipeline` command); the model stays loaded."""
+        old = self.capture
+        if old is not None:
+            self._capture_stop.set()
+            old.join(JOIN_TIMEOUT_S)
+        self._capture_stop = threading.Event()
+        if self.stop_event.is_set():
+            return {"restarted": False}
+        self.capture = CaptureThread(create_source(self.config.camera), self.mailbox, self._capture_stop, self.emit)
+        self.capture.start()
+        self.emit("pipeline_restarted", camera=self.config.camera.name)
+        return {"restarted": True, "camera": self.config.camera.name}
+
+    def _load_initial(self) -> LoadedModel:
+        assert self.loader is not None and self.store is not None
+        source, origin = self.loader.initial_source(self.store.model_slot("active"), self.emit)
+        loaded = self.loader.load(source, origin, on_progress=lambda e: self.emit("engine_progress", **e))
+        self._record_active(loaded)
+        self.emit("model_loaded", model=loaded.describe(), origin=origin)
+        log.info("model %s loaded on %s (%s, cache %s)", source.label, loaded.describe()["backend"],
+                 loaded.describe()["precision"], "hit" if loaded.provisioned.hit else "miss")
+        return loaded
+
+    def _record_active(self, loaded: LoadedModel, deployment_id: str | None = None) -> None:
+        assert self.store is not None
+        m = loaded.source.manifest
+        info = {**loaded.describe(), "origin": loaded.origin, "deployment_id": deployment_id}
+        self.store.set_active_model(m.name, m.version, str(loaded.source.root), loaded.source.sha256, info)
+
+    def _on_result(self, frame: Frame, result: Any, runtime: Any) -> None:
         self.last_result = {"frame": frame.index, **result.to_dict(max_items=20)}
 
     def wait(self, duration: float | None, tick: Callable[["Agent"], None] | None = None, tick_s: float = 1.0) -> None:
@@ -107,39 +157,61 @@ class Agent:
             if deadline is not None and time.monotonic() >= deadline:
                 break
 
-    def persist_live(self, state: str = "running") -> None:
+    def persist_live(self) -> None:
         """Write the live numbers where `edge-agent status` (another process) can read them."""
-        if self.store is not None:
-            summary = self.summary()
-            self.store.set_kv(LIVE_KEY, {
-                "ts": time.time(), "state": state, "fps": summary["fps"], "frames": summary["frames"],
-                "dropped_frames": summary["dropped_frames"], "latency_ms": summary["latency_ms"],
-                "errors": summary["errors"], "model": summary["model"],
-            })
+        if self.store is None:
+            return
+        summary = self.summary()
+        self.store.set_kv(LIVE_KEY, {
+            "ts": time.time(), "state": self.health(), "fps": summary["fps"], "frames": summary["frames"],
+            "dropped_frames": summary["dropped_frames"], "latency_ms": summary["latency_ms"],
+            "window_latency_ms": self.worker.window.latency.summary() if self.worker else {},
+            "errors": summary["errors"], "model": summary["model"],
+            "deployment": self.manager.status() if self.manager else None,
+        })
+
+    def health(self) -> str:
+        """online, degraded (inference failing or camera down) or updating (a deployment in progress)."""
+        if self.worker is not None and self.worker.degraded:
+            return "degraded"
+        if self.capture is not None and self.capture.stats.losses and not self.capture.stats.connected:
+            return "degraded"
+        if self.manager is not None and self.manager.status() and not self.manager.status().get("watching"):
+            return "updating"
+        return "online"
 
     def stop(self) -> dict[str, Any]:
-        """Stop threads in reverse start order, close the model and the store; returns the summary."""
+        """Stop threads in reverse start order, close models and the store; returns the summary."""
+        self.notifier.stopping("stopping")
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.stop_event.set()
+        self._capture_stop.set()
         self.mailbox.close()
-        for thread in (self.capture, self.worker):
+        if self.control_server is not None:
+            self.control_server.stop()
+            self.control_server = None
+        for thread in (self.manager, self.capture, self.worker):
             if thread is not None and thread.is_alive():
                 thread.join(JOIN_TIMEOUT_S)
                 if thread.is_alive():
                     log.error("thread %s did not stop within %.1f s", thread.name, JOIN_TIMEOUT_S)
         summary = self.summary()
-        if self.worker is not None and self.worker.runtime is not None:
-            self.worker.runtime.close()
+        for loaded in {id(m): m for m in (self.active, self.previous) if m is not None}.values():
+            loaded.runtime.close()
+        if self.dispatcher is not None:
+            self.dispatcher.close()
         if self.store is not None:
             if self.run_id is not None:
                 self.store.finish_run(self.run_id, summary)
             self.store.set_kv(LIVE_KEY, {"ts": time.time(), "state": "stopped"})
             self.store.close()
             self.store = None
+        self.state = "stopped"
         return summary
 
     def summary(self) -> dict[str, Any]:
         """The run summary of CONTRACT.md."""
-        runtime = self.worker.runtime if self.worker is not None else self.runtime
         capture = self.capture.stats if self.capture is not None else None
         return {
             "frames": self.stats.frames,
@@ -147,7 +219,7 @@ class Agent:
             "dropped_frames": self.mailbox.dropped,
             "latency_ms": self.stats.latency.summary(),
             "stages_ms": self.stats.stage_means(),
-            "model": runtime.describe() if runtime is not None else {},
+            "model": self.active.describe() if self.active is not None else {},
             "errors": self.stats.errors,
             "camera": {
                 "frames": capture.frames if capture else 0,
@@ -157,3 +229,130 @@ class Agent:
             },
             "duration_s": round(time.monotonic() - self.stats.started, 2),
         }
+
+    # --- SwapHost (called from the deployment worker) ------------------------------------------
+
+    def provision(self, source: ModelSource, on_progress: Callable[[dict], None], stop: threading.Event) -> Any:
+        """Engine for `source`: cached or built in a child process, then validated."""
+        assert self.loader is not None
+        return self.loader.provision(source, on_progress, stop)
+
+    def activate(self, source: ModelSource, provisioned: Any, dep: Deployment) -> dict[str, Any]:
+        """Swap the candidate in between two frames, by the configured strategy; returns what happened."""
+        assert self.loader is not None and self.worker is not None
+        strategy = self.config.deployments.swap_strategy
+        with self._swap_lock:
+            fps_before = self.worker.window.fps()
+            before = self.worker.last_result_at
+            if strategy == "overlap":
+                candidate = self.loader.load_provisioned(source, provisioned, "deployment")
+                self.worker.swap(candidate.runtime)
+            else:
+                candidate = self._stop_start(source, provisioned)
+            gap_ms = self._measure_gap(before)
+            self._retire(self.active)
+            self.active = candidate
+        self._last_swap = {"strategy": strategy, "gap_ms": gap_ms, "fps_before": round(fps_before, 2),
+                           "previous_loaded": self.previous is not None}
+        return dict(self._last_swap)
+
+    def _stop_start(self, source: ModelSource, provisioned: Any) -> LoadedModel:
+        """Free the active engine first (devices that cannot hold two), then load the candidate."""
+        assert self.loader is not None and self.worker is not None and self.active is not None
+        self.worker.pause()
+        try:
+            self.active.runtime.close()
+            try:
+                candidate = self.loader.load_provisioned(source, provisioned, "deployment")
+            except Exception:
+                restored = self.loader.reload(self.active)  # the old engine must come back
+                self.worker.swap(restored.runtime)
+                self.active = restored
+                raise
+            self.worker.swap(candidate.runtime)
+        finally:
+            self.worker.resume()
+        self.active.closed = True
+        return candidate
+
+    def _measure_gap(self, before: float | None, timeout: float = 30.0) -> float | None:
+        """Time from the last result of the old model to the first result of the new one."""
+        assert self.worker is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.stop_event.is_set():
+            if self.worker.window.frames > 0 and self.worker.last_result_at is not None:
+                if before is None:
+                    return None
+                first_new = self.worker.last_result_at
+                return round((first_new - before) * 1e3, 1)
+            time.sleep(0.005)
+        return None
+
+    def _retire(self, old: LoadedModel | None) -> None:
+        """Keep the replaced model loaded for instant rollback while memory allows."""
+        if self.previous is not None and self.previous is not old:
+            self.previous.runtime.close()
+            self.previous = None
+        if old is None or getattr(old, "closed", False):
+            self.previous = None
+            return
+        free_mb = psutil.virtual_memory().available / 2**20
+        cfg = self.config.deployments
+        if cfg.keep_previous_loaded and cfg.swap_strategy == "overlap" and free_mb >= cfg.min_free_memory_mb:
+            self.previous = old
+        else:
+            old.runtime.close()
+            self.previous = None
+
+    def commit_active(self, source: ModelSource, provisioned: Any, dep: Deployment, store: DeploymentStore) -> None:
+        """The new active model and the deployment's `active` state, in one transaction."""
+        assert self.store is not None and self.active is not None
+        with self.store.transaction():
+            self._record_active(self.active, dep.id)
+            store.apply(dep, "active")
+
+    def watch(self, dep: Deployment, stop: threading.Event) -> dict[str, Any] | None:
+        """Judge the new model for the watch window; the first violation (with numbers) or None."""
+        from agent.deployments.watch import watch_model
+
+        assert self.worker is not None and self.capture is not None
+        budget = self.active.source.manifest.gates.latency_budget_ms if self.active else None
+        return watch_model(self.worker, self.capture, self.config.deployments, budget, stop,
+                           fps_before=self._last_swap.get("fps_before"), still_current=lambda: self.active is not None and self.active.deployment_ok(dep))
+
+    def rollback(self, reason: str, numbers: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Back to the previous model: instant when it is still loaded, else loaded again from its artifact."""
+        assert self.store is not None and self.loader is not None and self.worker is not None
+        with self._swap_lock:
+            row = self.store.model_slot("previous")
+            if row is None:
+                raise EdgeError("no previous model to roll back to", code="NO_PREVIOUS_MODEL")
+            started = time.monotonic()
+            target = self.previous if self.previous is not None and self.previous.source.sha256 == row["sha256"] else None
+            if target is None:
+                target = self.loader.load_path(Path(row["path"]), row["info"].get("origin", "deployment"))
+            before = self.worker.last_result_at
+            self.worker.swap(target.runtime)
+            replaced, self.active, self.previous = self.active, target, None
+            gap_ms = self._measure_gap(before)
+            if replaced is not None:
+                replaced.runtime.close()
+            self._record_active(target, row["info"].get("deployment_id"))
+        result = {"model": target.describe(), "reason": reason, "gap_ms": gap_ms,
+                  "took_ms": round((time.monotonic() - started) * 1e3, 1), **({"numbers": numbers} if numbers else {})}
+        self.emit("rollback", **result)
+        log.warning("rolled back to %s (%s)", target.source.label, reason)
+        return result
+
+
+def _status_text(type_: str, fields: dict[str, Any]) -> str:
+    """One short STATUS= line for `systemctl status`."""
+    if type_ == "deployment":
+        return f"deployment {fields.get('deployment_id')}: {fields.get('state')}"
+    return f"{type_} {fields.get('camera') or fields.get('reason') or ''}".strip()
+
+
+def warm_frame(source: ModelSource) -> np.ndarray:
+    """A blank frame at the model's input size (warm-up)."""
+    spec = source.manifest.preprocess
+    return np.zeros((spec.height, spec.width, 3), np.uint8)

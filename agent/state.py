@@ -47,7 +47,13 @@ def _m001_core(db: sqlite_utils.Database) -> None:
     db.execute("CREATE TABLE kv (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
 
 
-MIGRATIONS: list[Migration] = [_m001_core]
+def _m002_deployments(db: sqlite_utils.Database) -> None:
+    from agent.deployments.store import migrate_deployments  # the table belongs to that module
+
+    migrate_deployments(db)
+
+
+MIGRATIONS: list[Migration] = [_m001_core, _m002_deployments]
 
 
 class StateStoreError(EdgeError):
@@ -71,6 +77,7 @@ class StateStore:
         except sqlite3.DatabaseError as exc:
             raise StateStoreError(f"{self.path}: cannot open state database: {exc}") from exc
         self._lock = threading.RLock()
+        self._depth = 0
         self.migrate()
 
     @property
@@ -194,18 +201,24 @@ class StateStore:
 
 
 class _Transaction:
+    """Re-entrant: an inner `with store.transaction()` joins the outer one (one COMMIT at the end)."""
+
     def __init__(self, store: StateStore) -> None:
         self.store = store
 
     def __enter__(self) -> sqlite_utils.Database:
         self.store._lock.acquire()
-        self.store.db.execute("BEGIN IMMEDIATE")
+        self.store._depth += 1
+        if self.store._depth == 1:
+            self.store.db.execute("BEGIN IMMEDIATE")
         return self.store.db
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         try:
-            self.store.db.execute("ROLLBACK" if exc_type else "COMMIT")
+            if self.store._depth == 1:
+                self.store.db.execute("ROLLBACK" if exc_type else "COMMIT")
         finally:
+            self.store._depth -= 1
             self.store._lock.release()
 
 

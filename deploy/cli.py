@@ -1,10 +1,33 @@
-"""`edge-deploy`: the operator's command line (package, sign, verify, send commands, watch the fleet)."""
+"""`edge-deploy`: the operator's command line (package, sign, verify, fetch; send commands, watch the fleet).
+
+Exit codes (CONTRACT.md): 0 success, 1 operation failed (`error CODE: message` on stderr), 2 usage.
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, List, Optional, TypeVar
+
 import typer
 
+from engines.errors import EdgeError
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Jetson Edge Agent: the operator's tools.")
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+USAGE_CODES = {"PACKAGE_INVALID"}
+T = TypeVar("T")
+
+
+def _run(action: Callable[[], T]) -> T:
+    """Run a command body; a typed error becomes `error CODE: message` and exit 1 (2 for usage errors)."""
+    try:
+        return action()
+    except EdgeError as exc:
+        typer.echo(f"error {exc.code}: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE if exc.code in USAGE_CODES else EXIT_FAILED) from exc
 
 
 @app.command()
@@ -15,6 +38,161 @@ def version() -> None:
     typer.echo(dist_version("jetson-edge-agent"))
 
 
+@app.command()
+def keygen(
+    out: Path = typer.Option(..., "-o", "--out", help="Private key file to create (mode 0600); KEY.pub beside it."),
+    force: bool = typer.Option(False, "--force", help="Replace existing key files."),
+) -> None:
+    """Create an ed25519 signing key pair and print its key id."""
+    from deploy.signing import keygen as make_key
+
+    info = _run(lambda: make_key(out, force=force))
+    typer.echo(f"key id:  {info.key_id}")
+    typer.echo(f"private: {info.private} (0600, keep it off devices)")
+    typer.echo(f"public:  {info.public} (add to artifacts.trusted_keys, or inline: ed25519:{info.public_b64})")
+
+
+@app.command()
+def package(
+    model: Path = typer.Argument(..., help="The ONNX model file."),
+    name: str = typer.Option(..., "--name", help="Model name (manifest `name`)."),
+    version_: str = typer.Option(..., "--version", help="Model version (manifest `version`)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Artifact directory to create."),
+    key: Optional[Path] = typer.Option(None, "--key", help="Private key to sign with (from `edge-deploy keygen`)."),
+    unsigned: bool = typer.Option(False, "--unsigned", help="Write no signature (devices refuse it by default)."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, fp16 or int8."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Directory of calibration images (int8)."),
+    input_size: Optional[str] = typer.Option(None, "--input-size", help="Model input WIDTHxHEIGHT, e.g. 640x640."),
+    color: Optional[str] = typer.Option(None, "--color", help="Channel order the model expects: rgb or bgr."),
+    mean: Optional[str] = typer.Option(None, "--mean", help="Per-channel mean after scaling to 0..1: a,b,c."),
+    std: Optional[str] = typer.Option(None, "--std", help="Per-channel std: a,b,c."),
+    layout: Optional[str] = typer.Option(None, "--layout", help="nchw or nhwc."),
+    resize: Optional[str] = typer.Option(None, "--resize", help="stretch or letterbox."),
+    postprocess: str = typer.Option("raw", "--postprocess", help="Postprocessor: classification, yolo, db_text, raw."),
+    param: List[str] = typer.Option([], "--param", help="Postprocessor parameter KEY=VALUE (JSON values), repeatable."),
+    labels: Optional[Path] = typer.Option(None, "--labels", help="Class names: one per line, or a JSON list."),
+    latency_budget_ms: Optional[float] = typer.Option(None, "--latency-budget-ms", help="p99 latency gate."),
+    min_accuracy: Optional[float] = typer.Option(None, "--min-accuracy", help="Accuracy gate vs FP32 (0..1)."),
+    description: str = typer.Option("", "--description", help="Free text for the manifest."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+) -> None:
+    """Validate an ONNX model and write a signed artifact directory (manifest.json, .sig, files)."""
+    from deploy.package import PackageOptions, package as make_package
+
+    def body() -> Any:
+        opts = PackageOptions(
+            model=model, name=name, version=version_, out=out, key=key, unsigned=unsigned, precision=precision,
+            calibration=calibration, preprocess=_preprocess_options(input_size, color, mean, std, layout, resize),
+            postprocess=postprocess, params=list(param), labels=labels, latency_budget_ms=latency_budget_ms,
+            min_accuracy=min_accuracy, description=description, force=force,
+        )  # fmt: skip
+        return make_package(opts)
+
+    manifest = _run(body)
+    files = 1 + len(manifest.files)
+    signed = "signed" if key else "UNSIGNED"
+    typer.echo(f"packaged {manifest.name}@{manifest.version} into {out}: {files} file(s), {signed}")
+
+
+def _preprocess_options(
+    input_size: str | None, color: str | None, mean: str | None, std: str | None, layout: str | None, resize: str | None
+) -> dict[str, Any]:
+    """Only the options given, so the schema's defaults apply to the rest."""
+    from deploy.package import parse_size, parse_triplet
+
+    fields: dict[str, Any] = {"color": color, "layout": layout, "resize": resize}
+    if input_size:
+        fields["width"], fields["height"] = parse_size(input_size)
+    if mean:
+        fields["mean"] = parse_triplet("--mean", mean)
+    if std:
+        fields["std"] = parse_triplet("--std", std)
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+@app.command()
+def sign(
+    artifact: Path = typer.Argument(..., help="Artifact directory (with manifest.json)."),
+    key: Path = typer.Option(..., "--key", help="Private key."),
+) -> None:
+    """Sign (or re-sign) an artifact's manifest.json, e.g. on an offline signing machine."""
+    from deploy.signing import sign_artifact
+
+    kid = _run(lambda: sign_artifact(artifact, key))
+    typer.echo(f"signed {artifact}/manifest.json with key {kid}")
+
+
+@app.command()
+def verify(
+    artifact: Path = typer.Argument(..., help="Artifact directory."),
+    trust: List[str] = typer.Option([], "--trust", help="Trusted public key (file or inline), repeatable."),
+    allow_unsigned: bool = typer.Option(False, "--allow-unsigned", help="Do not fail on a missing signature."),
+    no_model_check: bool = typer.Option(False, "--no-model-check", help="Skip loading the model with ONNX Runtime."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
+) -> None:
+    """Check signature, paths, every file's size and sha256, and that the model loads; exit 0 or 1."""
+    try:
+        report = _verify_report(artifact, list(trust), allow_unsigned, not no_model_check)
+    except EdgeError as exc:
+        if as_json:
+            typer.echo(json.dumps({"ok": False, "error": exc.to_dict()}))
+        typer.echo(f"error {exc.code}: {exc}", err=True)
+        raise typer.Exit(EXIT_FAILED) from exc
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    typer.echo(f"OK {report['name']}@{report['version']}: {report['files']} file(s) intact, {report['detail']}")
+
+
+def _verify_report(artifact: Path, trust: list[str], allow_unsigned: bool, check_model: bool) -> dict[str, Any]:
+    """Verify like a device when keys are given; otherwise check contents and name the signing key."""
+    from agent.artifacts.trust import read_signature, verify_artifact, verify_contents
+    from deploy.signing import trust_config
+
+    config = trust_config(trust, allow_unsigned=allow_unsigned)
+    sig = read_signature(artifact)
+    if trust:
+        source = verify_artifact(artifact, config, check_model=check_model)
+        state, detail = "verified", f"signature by key {sig.key_id} verified" if sig else "unsigned (allowed)"
+    elif sig is not None:
+        source = verify_contents(artifact, config, check_model=check_model)
+        state, detail = "unchecked", f"signed by key {sig.key_id} (signature not checked: pass --trust KEY.pub)"
+    else:
+        source = verify_artifact(artifact, config, check_model=check_model)  # raises ARTIFACT_UNSIGNED unless allowed
+        state, detail = "unsigned", "UNSIGNED (allowed by --allow-unsigned)"
+    manifest = source.manifest
+    return {
+        "ok": True, "name": manifest.name, "version": manifest.version, "files": 1 + len(manifest.files),
+        "signature": state, "key_id": sig.key_id if sig else None, "detail": detail,
+    }  # fmt: skip
+
+
+@app.command()
+def fetch(
+    url: str = typer.Argument(..., help="URL of manifest.json (http, https or file)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Directory to create (must not exist, or be a verified copy)."),
+    trust: List[str] = typer.Option([], "--trust", help="Trusted public key (file or inline), repeatable."),
+    allow_unsigned: bool = typer.Option(False, "--allow-unsigned", help="Accept an unsigned artifact."),
+    ca_file: Optional[Path] = typer.Option(None, "--ca-file", help="CA bundle for https (replaces the system store)."),
+    limit_kbps: int = typer.Option(0, "--limit-kbps", help="Bandwidth cap in kbit/s; 0 = none."),
+) -> None:
+    """Download and verify an artifact exactly as a device would (to test a published artifact)."""
+    from agent.artifacts.fetch import fetch_artifact
+    from deploy.signing import trust_config
+
+    def progress(event: dict) -> None:
+        if event["bytes"] == event["total"]:
+            typer.echo(f"  {event['file']}: {event['total']} bytes", err=True)
+
+    config = trust_config(trust, allow_unsigned=allow_unsigned, ca_file=ca_file, bandwidth_limit_kbps=limit_kbps)
+    path = _run(lambda: fetch_artifact(url, out, config, on_progress=progress))
+    typer.echo(f"fetched and verified {url} into {path}")
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

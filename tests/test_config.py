@@ -111,3 +111,11 @@ def test_bad_environment_value_is_attributed_to_the_variable(agent_env, tmp_path
     result = check(path)
     assert result.returncode == 2
     assert "camera.fps (from $EDGE_AGENT_CAMERA__FPS)" in result.stderr
+
+
+def test_configuration_reference_is_current() -> None:
+    """docs/configuration.md is generated from the models; regenerate with `python -m agent.config_docs`."""
+    from agent.config_docs import render
+
+    committed = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    assert committed == render(), "docs/configuration.md is stale: python -m agent.config_docs > docs/configuration.md"

@@ -1,0 +1,86 @@
+"""Prove a model file is loadable ONNX before it is trusted, built or shipped."""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterable, Iterator
+
+from engines.errors import EdgeError
+from engines.manifest import ArtifactPathError
+
+
+class ModelLoadError(EdgeError):
+    """The model file is not an ONNX model this device can load."""
+
+    code = "MODEL_LOAD_FAILED"
+
+
+def load_proto(path: Path) -> Any:
+    """Parse the ONNX protobuf without its external data (to list it, not to run it)."""
+    import onnx
+
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf DecodeError, onnx's own errors and OSError share no useful base
+        raise ModelLoadError(f"{path.name}: not an ONNX model ({type(exc).__name__}: {exc})") from exc
+
+
+def _graph_tensors(graph: Any) -> Iterator[Any]:
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _graph_tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _graph_tensors(sub)
+
+
+def external_data_locations(proto: Any) -> set[str]:
+    """Files an ONNX model reads its weights from (relative to the model's directory)."""
+    from onnx import TensorProto
+
+    found: set[str] = set()
+    for tensor in _graph_tensors(proto.graph):
+        if tensor.data_location == TensorProto.EXTERNAL:
+            found.update(e.value for e in tensor.external_data if e.key == "location")
+    return found
+
+
+def quantized(proto: Any) -> bool:
+    """True for an explicitly quantized (Q/DQ) model, which needs no calibration images to build INT8."""
+    return any(node.op_type in ("QuantizeLinear", "DequantizeLinear") for node in proto.graph.node)
+
+
+def check_external_data(model_file: str, proto: Any, listed: Iterable[str]) -> None:
+    """External weights must be files the manifest lists (and so hashes), never paths outside the artifact."""
+    parent = PurePosixPath(model_file).parent
+    allowed = set(listed)
+    for location in sorted(external_data_locations(proto)):
+        if str(parent / location) not in allowed:  # '..' or absolute locations never match a listed name
+            raise ArtifactPathError(f"{model_file}: external data {location!r} is not a file listed in the manifest")
+
+
+def check_loads(path: Path, model_file: str | None = None, listed: Iterable[str] = ()) -> None:
+    """onnx.checker plus an ONNX Runtime session on the CPU: the same parsers the device build will use."""
+    import onnx
+    import onnxruntime as ort
+
+    proto = load_proto(path)
+    check_external_data(model_file or path.name, proto, listed)
+    try:
+        onnx.checker.check_model(str(path))
+    except Exception as exc:  # onnx raises ValidationError, C++ exceptions mapped to several types
+        raise ModelLoadError(f"{path.name}: onnx.checker rejected the model: {exc}") from exc
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's Fail/InvalidGraph/NotImplemented have no common public base
+        raise ModelLoadError(f"{path.name}: ONNX Runtime cannot load the model: {exc}") from exc

@@ -1,0 +1,335 @@
+"""Typed command dispatcher, shared by MQTT and the local control socket: bytes in, reply object out.
+
+Checks run in this order, and the first failure is the reply: size (PAYLOAD_TOO_LARGE), JSON
+(INVALID_JSON), envelope shape (INVALID_COMMAND), a command id seen before (its first reply, not run
+again), command name (UNKNOWN_COMMAND), args (INVALID_COMMAND), then the handler (its EdgeError code,
+or INTERNAL). Only replies of commands that ran are remembered, so a corrected retry of a rejected
+request with the same id still runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Protocol, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from agent.mqtt.config import RESULTS_RATE_BOUNDS, TELEMETRY_INTERVAL_BOUNDS
+from engines.errors import EdgeError
+from engines.registry import Registry, UnknownPluginError
+
+log = logging.getLogger(__name__)
+
+MAX_ID_CHARS = 128
+REPLY_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS command_replies (id TEXT PRIMARY KEY, command TEXT NOT NULL, "
+    "reply TEXT NOT NULL, ts REAL NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS command_replies_ts ON command_replies (ts)",
+)
+
+
+class AgentControl(Protocol):
+    """What commands may ask of the daemon; the runtime implements it (tests use a small fake)."""
+
+    def status(self) -> dict:
+        """Active model, deployment in progress, health, last telemetry."""
+        ...
+
+    def deploy(self, url: str, timeout_s: float | None) -> dict:
+        """Start a deployment and return at once: {"accepted": True, "deployment_id": ...}."""
+        ...
+
+    def rollback(self) -> dict:
+        """Go back to the previous active model (raise EdgeError with a code when impossible)."""
+        ...
+
+    def engines(self) -> list[dict]:
+        """The engine cache entries."""
+        ...
+
+    def set_config(self, changes: dict) -> dict:
+        """Apply whitelisted settings live and persist them; returns what was applied."""
+        ...
+
+    def restart_pipeline(self) -> dict:
+        """Restart camera and inference threads with the active model."""
+        ...
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Envelope(_Strict):
+    """`{"id", "command", "args"}` as sent to `<prefix>/<device_id>/cmd` or the control socket."""
+
+    id: str = Field(min_length=1, max_length=MAX_ID_CHARS, description="Unique per request; replies echo it.")
+    command: str = Field(min_length=1, max_length=64, description="Command name.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Arguments of the command.")
+
+
+class NoArgs(_Strict):
+    """Commands that take no arguments."""
+
+
+class DeployArgs(_Strict):
+    """deploy: fetch, verify, build, validate and activate the artifact at `url`."""
+
+    url: str = Field(min_length=1, max_length=2048, description="Manifest URL (https://, http://, file://).")
+    timeout_s: Optional[float] = Field(default=None, gt=0, le=86400, description="Give up after this long.")
+
+
+class SetConfigArgs(_Strict):
+    """set_config: the whitelisted settings that may change at run time."""
+
+    telemetry_interval_s: Optional[float] = Field(default=None, **TELEMETRY_INTERVAL_BOUNDS,
+                                                  description="Seconds between telemetry samples.")
+    results_rate_hz: Optional[float] = Field(default=None, **RESULTS_RATE_BOUNDS,
+                                             description="Most results per second; 0 = off.")
+    log_level: Optional[Literal["DEBUG", "INFO", "WARNING", "ERROR"]] = Field(default=None,
+                                                                              description="Agent log level.")
+
+    @model_validator(mode="after")
+    def _something(self) -> "SetConfigArgs":
+        if not self.model_dump(exclude_none=True):
+            raise ValueError("give at least one of telemetry_interval_s, results_rate_hz, log_level")
+        return self
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    """One command: its args model, its handler, and a line of help."""
+
+    args: type[BaseModel]
+    run: Callable[[AgentControl, Any], Union[dict, list]]
+    help: str
+
+
+COMMANDS: Registry[CommandSpec] = Registry("command")
+
+
+def command(name: str, args: type[BaseModel], help: str) -> Callable[[Callable], Callable]:  # noqa: A002
+    """Register a handler under `name` with its args model."""
+
+    def add(run: Callable[[AgentControl, Any], Union[dict, list]]) -> Callable:
+        COMMANDS.register(name)(CommandSpec(args, run, help))
+        return run
+
+    return add
+
+
+@command("ping", NoArgs, "Liveness check; no side effects.")
+def _ping(control: AgentControl, args: NoArgs) -> dict:
+    return {"pong": True, "ts": time.time()}
+
+
+@command("status", NoArgs, "Active model, deployment in progress, health, last telemetry.")
+def _status(control: AgentControl, args: NoArgs) -> dict:
+    return control.status()
+
+
+@command("deploy", DeployArgs, "Start a deployment; replies at once, progress follows as events.")
+def _deploy(control: AgentControl, args: DeployArgs) -> dict:
+    return control.deploy(args.url, args.timeout_s)
+
+
+@command("rollback", NoArgs, "Return to the previous active model.")
+def _rollback(control: AgentControl, args: NoArgs) -> dict:
+    return control.rollback()
+
+
+@command("set_config", SetConfigArgs, "Change telemetry_interval_s, results_rate_hz or log_level live.")
+def _set_config(control: AgentControl, args: SetConfigArgs) -> dict:
+    return control.set_config(args.model_dump(exclude_none=True))
+
+
+@command("engines", NoArgs, "List the engines in this device's cache.")
+def _engines(control: AgentControl, args: NoArgs) -> dict:
+    return {"engines": control.engines()}
+
+
+@command("restart_pipeline", NoArgs, "Restart camera and inference threads with the active model.")
+def _restart_pipeline(control: AgentControl, args: NoArgs) -> dict:
+    return control.restart_pipeline()
+
+
+def ok_reply(command_id: str | None, result: Any) -> dict[str, Any]:
+    """`{"id", "ok": true, "result"}`."""
+    return {"id": command_id, "ok": True, "result": result}
+
+
+def error_reply(command_id: str | None, code: str, message: str) -> dict[str, Any]:
+    """`{"id", "ok": false, "error": {"code", "message"}}`."""
+    return {"id": command_id, "ok": False, "error": {"code": code, "message": message}}
+
+
+def describe_errors(exc: ValidationError, prefix: str = "") -> str:
+    """Pydantic errors as 'args.timeout_s: Input should be a valid number; ...' (field path first)."""
+    parts = []
+    for err in exc.errors(include_input=False, include_url=False):
+        path = ".".join(str(p) for p in err["loc"])
+        where = f"{prefix}.{path}" if prefix and path else (path or prefix or "payload")
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)[:1000]
+
+
+def ensure_schema(conn: sqlite3.Connection) -> None:
+    """Create the command reply table if missing; idempotent (state store migrations call it too)."""
+    for statement in REPLY_SCHEMA:
+        conn.execute(statement)
+
+
+class ReplyStore:
+    """Replies of executed commands by id, for a bounded window (count and age), in SQLite."""
+
+    def __init__(self, db_path: Path | str, *, max_entries: int = 1000, max_age_s: float = 86400.0) -> None:
+        self.max_entries, self.max_age_s = max_entries, max_age_s
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.execute("PRAGMA busy_timeout=5000")
+        ensure_schema(self._conn)
+
+    def get(self, command_id: str) -> dict[str, Any] | None:
+        """The remembered reply, or None (never seen, or older than the window)."""
+        with self._lock:
+            row = self._conn.execute("SELECT reply, ts FROM command_replies WHERE id = ?", (command_id,)).fetchone()
+        if row is None or time.time() - row[1] > self.max_age_s:
+            return None
+        return json.loads(row[0])
+
+    def put(self, command_id: str, command_name: str, reply: dict[str, Any]) -> None:
+        """Remember a reply and prune what falls out of the window."""
+        now = time.time()
+        with self._lock:
+            self._conn.execute("INSERT OR REPLACE INTO command_replies (id, command, reply, ts) VALUES (?,?,?,?)",
+                               (command_id, command_name, json.dumps(reply), now))
+            self._conn.execute("DELETE FROM command_replies WHERE ts < ?", (now - self.max_age_s,))
+            self._conn.execute(
+                "DELETE FROM command_replies WHERE id NOT IN "
+                "(SELECT id FROM command_replies ORDER BY ts DESC, rowid DESC LIMIT ?)", (self.max_entries,))
+
+    def close(self) -> None:
+        """Close the database connection."""
+        with self._lock:
+            self._conn.close()
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+class CommandDispatcher:
+    """Validates a request, runs its handler once per id, and always returns a reply object."""
+
+    def __init__(self, control: AgentControl, db_path: Path | str, *, max_payload_bytes: int = 64 * 1024,
+                 reply_window: int = 1000, reply_max_age_s: float = 86400.0,
+                 commands: Registry[CommandSpec] = COMMANDS) -> None:
+        self.control, self.max_payload_bytes, self.commands = control, max_payload_bytes, commands
+        self.replies = ReplyStore(db_path, max_entries=reply_window, max_age_s=reply_max_age_s)
+        self._running: set[str] = set()
+        self._running_lock = threading.Lock()
+
+    def dispatch(self, payload: bytes | bytearray | memoryview | str) -> dict[str, Any]:
+        """Answer one request; never raises (a broken handler becomes an INTERNAL reply)."""
+        raw = payload.encode("utf-8", "surrogatepass") if isinstance(payload, str) else bytes(payload)
+        try:
+            envelope = self._envelope(self._decode(raw))
+        except _Rejected as rejected:
+            return rejected.reply
+        return self._run_once(envelope)
+
+    def _decode(self, raw: bytes) -> Any:
+        if len(raw) > self.max_payload_bytes:
+            raise _Rejected(None, "PAYLOAD_TOO_LARGE", f"command payload is {len(raw)} bytes; "
+                            f"the limit is {self.max_payload_bytes} (max_payload_bytes)")
+        try:
+            return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        except UnicodeDecodeError as exc:
+            raise _Rejected(None, "INVALID_JSON", f"payload is not UTF-8 text: {exc}") from None
+        except (ValueError, RecursionError) as exc:
+            raise _Rejected(None, "INVALID_JSON", f"payload is not valid JSON: {exc}"[:500]) from None
+
+    @staticmethod
+    def _envelope(data: Any) -> Envelope:
+        if not isinstance(data, dict):
+            raise _Rejected(None, "INVALID_COMMAND", "payload must be a JSON object "
+                            f'{{"id", "command", "args"}}, got {_json_type(data)}')
+        raw_id = data.get("id")
+        readable = isinstance(raw_id, str) and 0 < len(raw_id) <= MAX_ID_CHARS and _encodable(raw_id)
+        try:
+            return Envelope.model_validate(data)
+        except ValidationError as exc:
+            raise _Rejected(raw_id if readable else None, "INVALID_COMMAND", describe_errors(exc)) from None
+
+    def _run_once(self, envelope: Envelope) -> dict[str, Any]:
+        with self._running_lock:
+            if envelope.id in self._running:
+                return error_reply(envelope.id, "BUSY", f"command id {envelope.id!r} is still running")
+            self._running.add(envelope.id)
+        try:
+            earlier = self.replies.get(envelope.id)
+            if earlier is not None:
+                log.info("command id %r seen before: sending its first reply again", envelope.id)
+                return earlier
+            return self._execute(envelope)
+        finally:
+            with self._running_lock:
+                self._running.discard(envelope.id)
+
+    def _execute(self, envelope: Envelope) -> dict[str, Any]:
+        try:
+            spec = self.commands.get(envelope.command)
+        except UnknownPluginError as exc:
+            return error_reply(envelope.id, "UNKNOWN_COMMAND", str(exc))
+        try:
+            args = spec.args.model_validate(envelope.args)
+        except ValidationError as exc:
+            return error_reply(envelope.id, "INVALID_COMMAND", describe_errors(exc, "args"))
+        reply = self._call(envelope, spec, args)
+        self.replies.put(envelope.id, envelope.command, reply)
+        return reply
+
+    def _call(self, envelope: Envelope, spec: CommandSpec, args: BaseModel) -> dict[str, Any]:
+        try:
+            result = spec.run(self.control, args)
+            json.dumps(result)  # a reply that cannot be sent is the handler's bug: report it as such
+            return ok_reply(envelope.id, result)
+        except EdgeError as exc:
+            log.warning("command %s (id %s) failed: %s %s", envelope.command, envelope.id, exc.code, exc)
+            return error_reply(envelope.id, exc.code, str(exc))
+        except Exception as exc:
+            log.exception("command %s (id %s) crashed", envelope.command, envelope.id)
+            return error_reply(envelope.id, "INTERNAL", f"{type(exc).__name__}: {exc}"[:1000])
+
+    def close(self) -> None:
+        """Close the reply store."""
+        self.replies.close()
+
+
+class _Rejected(Exception):
+    """A request refused before any handler ran; carries its reply."""
+
+    def __init__(self, command_id: str | None, code: str, message: str) -> None:
+        super().__init__(message)
+        self.reply = error_reply(command_id, code, message)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _json_type(value: Any) -> str:
+    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)

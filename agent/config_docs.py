@@ -1,0 +1,105 @@
+"""Generates docs/configuration.md from the config models, so the reference cannot drift from the code.
+
+`python -m agent.config_docs > docs/configuration.md`; a test fails when the committed file is stale.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from agent.config import AgentConfig
+from agent.sources import SOURCES
+
+HEADER = """# Configuration reference
+
+Generated from the config models by `python -m agent.config_docs` — do not edit by hand.
+
+The agent reads one TOML file (`--config PATH`; `/etc/edge-agent/agent.toml` under systemd) and then
+environment variables `EDGE_AGENT_<FIELD>`, nested with `__` (for example `EDGE_AGENT_MQTT__URL`,
+`EDGE_AGENT_CAMERA__FPS`). The environment wins over the file; with no file at all the embedded
+defaults run the demo. Unknown keys are errors. Check a file with `edge-agent config check PATH`
+(exit 0 valid, 2 invalid, every problem listed with its field path and line).
+"""
+
+
+def _default(field: FieldInfo) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()  # type: ignore[call-arg]
+        if isinstance(value, BaseModel):
+            return "(section)"
+        if not isinstance(value, (list, dict)):
+            return "(computed: see description)"  # host name, XDG paths: differ per machine
+    else:
+        value = field.default
+    if value is PydanticUndefined:
+        return "(required)"
+    if isinstance(value, Path):
+        value = str(value)
+    if hasattr(value, "get_secret_value"):
+        return "(secret)"
+    return f"`{json.dumps(value, default=str)}`"
+
+
+def _type_name(annotation: Any) -> str:
+    text = str(annotation).replace("typing.", "").replace("pathlib.", "").replace("NoneType", "None")
+    text = text.replace("<class '", "").replace("'>", "")
+    text = text if len(text) < 60 else text[:57] + "..."
+    return text.replace("|", "\\|")
+
+
+def _is_section(annotation: Any) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def section(model: type[BaseModel], prefix: str, env_prefix: str) -> list[str]:
+    """Markdown table rows for one model, then its sub-sections."""
+    lines = ["| key | type | default | environment | description |", "| --- | --- | --- | --- | --- |"]
+    subsections: list[tuple[str, type[BaseModel], str]] = []
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        if name == "camera":
+            continue  # a union on `kind`: documented per kind below
+        sub = _is_section(field.annotation)
+        env = f"`{env_prefix}{name.upper()}`"
+        if sub is not None:
+            subsections.append((f"{prefix}{key}", sub, f"{env_prefix}{name.upper()}__"))
+            continue
+        desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | {env} | {desc} |")
+    out = lines
+    for title, sub, env in subsections:
+        out += ["", f"## [{title}]", "", (sub.__doc__ or "").strip().splitlines()[0], ""] + section(sub, f"{title}.", env)
+    return out
+
+
+def camera_sections() -> list[str]:
+    """One table per camera kind (the `[camera]` table is a union selected by `kind`)."""
+    out = ["", "## [camera]", "", "`kind` selects the source; each kind has its own keys.", ""]
+    for name in SOURCES.names():
+        model = SOURCES.get(name).Config
+        out += [f"### kind = \"{name}\"", "", (model.__doc__ or "").strip().splitlines()[0], ""]
+        out += section(model, "camera.", "EDGE_AGENT_CAMERA__")
+        out.append("")
+    disabled = SOURCES.disabled()
+    if disabled:
+        out += ["Disabled on the machine that generated this page: " + ", ".join(sorted(disabled)), ""]
+    return out
+
+
+def render() -> str:
+    """The whole page."""
+    lines = [HEADER, "## top level", ""]
+    lines += [line for line in section(AgentConfig, "", "EDGE_AGENT_")]
+    lines += camera_sections()
+    return "\n".join(lines).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())

@@ -1,0 +1,102 @@
+"""The daemon side of commands: what `ping`, `status`, `deploy`, `rollback`, ... do in a running agent.
+
+MQTT and the local control socket both dispatch into this one object (agent.commands), so a command
+behaves the same whichever way it arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from agent.state import state_db_path
+from engines.errors import EdgeError
+
+log = logging.getLogger(__name__)
+
+
+class AgentController:
+    """Implements agent.commands.AgentControl on top of a running agent.runner.Agent."""
+
+    def __init__(self, agent: Any, on_set_config: Callable[[dict], dict] | None = None,
+                 on_restart_pipeline: Callable[[], dict] | None = None) -> None:
+        self.agent = agent
+        self.on_set_config = on_set_config
+        self.on_restart_pipeline = on_restart_pipeline
+
+    def status(self) -> dict:
+        """Health, active/previous model, deployment in progress, live numbers, recent deployments."""
+        agent = self.agent
+        summary = agent.summary()
+        store = agent.store
+        recent = [d.to_dict() for d in agent.deployments.latest(5)] if agent.deployments else []
+        return {
+            "device_id": agent.config.device_id,
+            "state": agent.health(),
+            "model": summary["model"],
+            "previous_model": agent.previous.describe() if agent.previous else (
+                _slot(store.model_slot("previous")) if store else None),
+            "deployment": agent.manager.status() if agent.manager else None,
+            "recent_deployments": recent,
+            "fps": summary["fps"],
+            "frames": summary["frames"],
+            "dropped_frames": summary["dropped_frames"],
+            "errors": summary["errors"],
+            "latency_ms": summary["latency_ms"],
+            "window_latency_ms": agent.worker.window.latency.summary() if agent.worker else {},
+            "camera": summary["camera"],
+            "ts": time.time(),
+        }
+
+    def deploy(self, url: str, timeout_s: float | None) -> dict:
+        """Accept a deployment; progress follows as events."""
+        return self.agent.manager.request(url)
+
+    def rollback(self) -> dict:
+        """Back to the previous model."""
+        return self.agent.manager.request_rollback()
+
+    def engines(self) -> list[dict]:
+        """The engine cache index of this device."""
+        from engines.cache import EngineCache
+
+        cache = EngineCache(self.agent.config.cache_dir, state_db_path(self.agent.config.state_dir))
+        try:
+            return [_jsonable(e) for e in cache.entries()]
+        finally:
+            cache.close()
+
+    def set_config(self, changes: dict) -> dict:
+        """Whitelisted live settings (telemetry interval, results rate, log level), persisted."""
+        applied: dict[str, Any] = {}
+        if "log_level" in changes:
+            logging.getLogger().setLevel(changes["log_level"])
+            applied["log_level"] = changes["log_level"]
+        if self.on_set_config is not None:
+            applied.update(self.on_set_config({k: v for k, v in changes.items() if k != "log_level"}))
+        if self.agent.store is not None:
+            stored = self.agent.store.get_kv("live_config", {})
+            self.agent.store.set_kv("live_config", {**stored, **applied})
+        self.agent.emit("config_changed", changes=applied)
+        return {"applied": applied}
+
+    def restart_pipeline(self) -> dict:
+        """Restart the camera thread (a wedged driver is the usual reason)."""
+        if self.on_restart_pipeline is not None:
+            return self.on_restart_pipeline()
+        return self.agent.restart_capture()
+
+
+def _slot(row: dict | None) -> dict | None:
+    if row is None:
+        return None
+    return {"name": row["name"], "version": row["version"], **{k: row["info"].get(k) for k in ("backend", "precision")}}
+
+
+def _jsonable(entry: Any) -> dict:
+    if hasattr(entry, "to_dict"):
+        return entry.to_dict()
+    if isinstance(entry, dict):
+        return entry
+    raise EdgeError(f"unexpected cache entry {type(entry).__name__}", code="INTERNAL")

@@ -1,0 +1,32 @@
+"""Deployment settings (`[deployments]` in agent.toml)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DeploymentConfig(BaseModel):
+    """How candidates are swapped in, watched and rolled back."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    swap_strategy: Literal["overlap", "stop_start"] = Field(
+        "overlap",
+        description="overlap: load and warm the candidate beside the active engine, switch between two frames, keep "
+        "the previous one loaded for instant rollback. stop_start: for devices that cannot hold two engines.",
+    )
+    watch_window_s: float = Field(60.0, ge=0, le=86400, description="After activation, how long the new model is watched.")
+    watch_min_frames: int = Field(10, ge=1, description="Frames needed before the watch judges latency, errors and fps.")
+    max_error_rate: float = Field(0.05, ge=0, le=1, description="Inference error rate that triggers rollback.")
+    min_fps: float = Field(0.0, ge=0, description="Absolute fps floor during the watch window (0 = off).")
+    min_fps_ratio: float = Field(
+        0.5, ge=0, le=1, description="fps floor relative to the previous model's fps before the swap (0 = off)."
+    )
+    keep_versions: int = Field(3, ge=2, le=100, description="Artifacts kept on disk; the active and previous are never removed.")
+    build_timeout_s: float = Field(1800.0, gt=0, description="Engine build timeout.")
+    keep_previous_loaded: bool = Field(True, description="With overlap, keep the previous engine in memory for instant rollback.")
+    min_free_memory_mb: int = Field(
+        512, ge=0, description="Keep the previous engine loaded only while this much memory stays free."
+    )

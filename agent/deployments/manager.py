@@ -1,0 +1,269 @@
+"""The deployment worker: one deployment at a time through the persisted state machine.
+
+Every transition is committed to SQLite *before* the step it announces starts, so a `kill -9` anywhere
+leaves a row that says how far it got. On start, `recover` marks such rows `failed(INTERRUPTED)`; the
+active model is whatever `active_model` says, which only changes in the same transaction that marks
+a deployment `active`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from agent.artifacts.config import ArtifactsConfig
+from agent.artifacts.fetch import fetch_artifact
+from agent.artifacts.trust import verify_artifact
+from agent.deployments.config import DeploymentConfig
+from agent.deployments.store import Deployment, DeploymentStore
+from agent.testhooks import pause_point
+from engines.errors import EdgeError
+from engines.model import ModelSource
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[..., None]
+
+
+RESUMABLE = {"ARTIFACT_FETCH_FAILED", "ARTIFACT_NO_SPACE", "INTERRUPTED", "CANCELLED"}
+
+
+class BusyError(EdgeError):
+    """Another deployment is in progress."""
+
+    code = "BUSY"
+
+
+class SwapHost(Protocol):
+    """What the deployment worker needs from the running agent (implemented by agent.runner.Agent)."""
+
+    def provision(self, source: ModelSource, on_progress: Callable[[dict], None], stop: threading.Event) -> Any:
+        """Build or find the engine for `source` and validate it (raises GATE_* / ENGINE_* errors)."""
+        ...
+
+    def activate(self, source: ModelSource, provisioned: Any, dep: Deployment) -> dict[str, Any]:
+        """Load, warm and swap in; return swap details (gap, strategy). Must not persist anything."""
+        ...
+
+    def commit_active(self, source: ModelSource, provisioned: Any, dep: Deployment, store: DeploymentStore) -> None:
+        """Record the new active model and the `active` transition in one transaction."""
+        ...
+
+    def watch(self, dep: Deployment, stop: threading.Event) -> dict[str, Any] | None:
+        """Watch the new model; return the violation (numbers) that requires rollback, or None."""
+        ...
+
+    def rollback(self, reason: str, numbers: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Swap back to the previous model and record it."""
+        ...
+
+
+class DeploymentManager(threading.Thread):
+    """Runs deployments requested through `request`; `rollback` goes through the same worker."""
+
+    def __init__(self, store: DeploymentStore, host: SwapHost, artifacts_dir: Path, artifacts: ArtifactsConfig,
+                 config: DeploymentConfig, emit: EventSink, stop_event: threading.Event) -> None:
+        super().__init__(name="deployer", daemon=True)
+        self.store, self.host, self.emit = store, host, emit
+        self.artifacts_dir, self.artifacts, self.config = Path(artifacts_dir), artifacts, config
+        self.stop_event = stop_event
+        self._queue: queue.Queue[Deployment] = queue.Queue(maxsize=4)
+        self._lock = threading.Lock()
+        self._rollback_lock = threading.Lock()
+        self._current: Deployment | None = None
+        self._watching: Deployment | None = None
+        self.progress: dict[str, Any] = {}
+
+    # --- requests (any thread) -----------------------------------------------------------------
+
+    def request(self, url: str) -> dict[str, Any]:
+        """Start a deployment; the same URL while busy joins it; another one is refused with BUSY."""
+        if not url or len(url) > 2048:
+            raise EdgeError("deploy: url must be a non-empty manifest URL", code="INVALID_COMMAND")
+        with self._lock:
+            current = self._current
+            if current is not None:
+                if current.url == url:
+                    return {"accepted": True, "deployment_id": current.id, "joined": True, "state": current.state}
+                raise BusyError(f"deployment {current.id} ({current.state}) of {current.url} is in progress; "
+                                "retry when it is active or failed")
+            dep = self.store.create(url)
+            self._current = dep
+        self._queue.put(dep)
+        self.emit("deployment", deployment_id=dep.id, state="requested", url=url)
+        return {"accepted": True, "deployment_id": dep.id, "joined": False, "state": "requested"}
+
+    def request_rollback(self) -> dict[str, Any]:
+        """Roll back to the previous model now, in the caller's thread (refused while a deployment runs)."""
+        with self._lock:
+            if self._current is not None:
+                raise BusyError(f"deployment {self._current.id} is in progress ({self._current.state})")
+        with self._rollback_lock:
+            watched, self._watching = self._watching, None  # the watch loop must not roll back as well
+            try:
+                result = self.host.rollback("requested")
+            except EdgeError:
+                raise
+            except Exception as exc:
+                log.exception("rollback failed")
+                raise EdgeError(f"rollback failed: {exc}", code="ROLLBACK_FAILED") from exc
+            watched = watched or self.store.latest_active()
+            if watched is not None and self.store.get(watched.id).state == "active":
+                self.store.transition(watched, "rolled_back", reason="ROLLBACK_REQUESTED")
+        return result
+
+    def status(self) -> dict[str, Any] | None:
+        """The deployment in progress (or being watched), with live progress."""
+        dep = self._current or self._watching
+        if dep is None:
+            return None
+        return {**dep.to_dict(), "progress": dict(self.progress), "watching": dep is self._watching}
+
+    # --- recovery (before start) -------------------------------------------------------------
+
+    def recover(self) -> list[str]:
+        """Mark deployments a crash interrupted as failed(INTERRUPTED); returns their ids."""
+        interrupted = []
+        for dep in self.store.in_progress():
+            self.store.transition(dep, "failed", reason="INTERRUPTED",
+                                  message=f"the agent stopped during {dep.state}; the active model was kept")
+            self.emit("deployment", deployment_id=dep.id, state="failed", reason="INTERRUPTED", was=dep.state)
+            interrupted.append(dep.id)
+            log.warning("deployment %s was interrupted during %s; marked failed", dep.id, dep.state)
+        return interrupted
+
+    # --- the worker ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Take one request at a time until stopped."""
+        while not self.stop_event.is_set():
+            try:
+                item = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self._deploy(item)
+
+    def _deploy(self, dep: Deployment) -> None:
+        try:
+            source, provisioned = self._prepare(dep)
+            self._step(dep, "activating")
+            swap = self.host.activate(source, provisioned, dep)
+            pause_point("activated")
+            self.host.commit_active(source, provisioned, dep, self.store)
+            self.emit("deployment", deployment_id=dep.id, state="active", model=f"{dep.model_name}@{dep.model_version}",
+                      swap=swap)
+            log.info("deployment %s active: %s@%s (swap gap %s ms)", dep.id, dep.model_name, dep.model_version,
+                     swap.get("gap_ms"))
+        except EdgeError as exc:
+            self._fail(dep, exc.code, str(exc))
+            return
+        except Exception as exc:
+            log.exception("deployment %s crashed", dep.id)
+            self._fail(dep, "INTERNAL", f"{type(exc).__name__}: {exc}")
+            return
+        finally:
+            with self._lock:
+                self._current = None
+                self.progress = {}
+        self._collect_artifacts()
+        self._watch(dep)
+
+    def _prepare(self, dep: Deployment) -> tuple[ModelSource, Any]:
+        self._step(dep, "fetching")
+        target = self.artifacts_dir / _artifact_dirname(dep.url)
+        path = fetch_artifact(dep.url, target, self.artifacts, self._progress(dep), self.stop_event)
+        self._step(dep, "verifying", artifact_dir=str(path))
+        source = verify_artifact(path, self.artifacts)
+        m = source.manifest
+        self._step(dep, "building", model_name=m.name, model_version=m.version, sha256=source.sha256)
+        provisioned = self.host.provision(source, self._progress(dep), self.stop_event)
+        if dep.state == "building":  # validation may have been skipped for a cached, validated engine
+            self._step(dep, "validating")
+        self._step(dep, "ready", engine_key=getattr(provisioned, "key", None),
+                   details={"engine": _engine_summary(provisioned)})
+        return source, provisioned
+
+    def _step(self, dep: Deployment, state: str, **fields: Any) -> None:
+        self.store.transition(dep, state, **fields)
+        self.progress = {"stage": state, "since": time.time()}
+        self.emit("deployment", deployment_id=dep.id, state=state,
+                  **{k: v for k, v in fields.items() if k != "details"})
+        pause_point(state)
+
+    def _progress(self, dep: Deployment) -> Callable[[dict], None]:
+        def report(event: dict) -> None:
+            event = dict(event)
+            kind = event.pop("type", None) or event.get("stage", "progress")
+            if kind == "engine.validation.started" and dep.state == "building":
+                self._step(dep, "validating")
+            fields = {k: v for k, v in event.items() if _small(v) and k not in ("stage", "event", "deployment_id", "state")}
+            self.progress = {"stage": dep.state, "event": kind, **fields}
+            self.emit("deployment_progress", deployment_id=dep.id, state=dep.state, event=kind, **fields)
+        return report
+
+    def _fail(self, dep: Deployment, code: str, message: str) -> None:
+        log.warning("deployment %s failed (%s): %s", dep.id, code, message)
+        if code not in RESUMABLE:  # bytes that failed verification are worthless; a broken download may resume
+            shutil.rmtree(self.artifacts_dir / f"{_artifact_dirname(dep.url)}.partial", ignore_errors=True)
+        try:
+            self.store.transition(dep, "failed", reason=code, message=message[:2000])
+        except EdgeError:
+            log.exception("could not record failure of %s", dep.id)
+        self.emit("deployment", deployment_id=dep.id, state="failed", reason=code, message=message[:500])
+
+    def _watch(self, dep: Deployment) -> None:
+        self._watching = dep
+        try:
+            violation = self.host.watch(dep, self.stop_event)
+            if violation is None:
+                return
+            with self._rollback_lock:
+                if self._watching is not dep:  # an operator rolled back meanwhile
+                    return
+                result = self.host.rollback("watch", violation)
+                self.store.transition(dep, "rolled_back", reason=violation.get("reason", "WATCH"),
+                                      message=violation.get("message"), details={"watch": violation})
+            self.emit("rolled_back", deployment_id=dep.id, **violation, restored=result.get("model"))
+        except EdgeError as exc:
+            log.error("watch/rollback of %s failed: %s", dep.id, exc)
+        finally:
+            if self._watching is dep:
+                self._watching = None
+
+    def _collect_artifacts(self) -> None:
+        """Remove artifact directories beyond the newest `keep_versions`, never the active or previous one."""
+        keep = set()
+        for slot in ("active", "previous"):
+            row = self.store.state.model_slot(slot)
+            if row:
+                keep.add(Path(row["path"]).resolve())
+        dirs = sorted((p for p in self.artifacts_dir.glob("*") if p.is_dir() and not p.name.endswith(".partial")),
+                      key=lambda p: p.stat().st_mtime, reverse=True)
+        for path in dirs[self.config.keep_versions:]:
+            if path.resolve() not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+                self.emit("artifact_collected", path=str(path))
+
+
+def _artifact_dirname(url: str) -> str:
+    """One directory per manifest URL: a redeploy of the same URL reuses (and re-verifies) what is there."""
+    return hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def _engine_summary(provisioned: Any) -> dict[str, Any]:
+    data = provisioned.to_dict() if hasattr(provisioned, "to_dict") else {}
+    keep = ("key", "backend", "precision", "hit", "build_s")
+    out = {k: data.get(k) for k in keep if k in data}
+    if data.get("validation"):
+        out["validation"] = data["validation"]
+    return out
+
+
+def _small(value: Any) -> bool:
+    return isinstance(value, (int, float, str, bool)) or value is None

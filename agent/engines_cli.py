@@ -1,0 +1,209 @@
+"""`edge-agent engines ...`: fingerprint, build, list and gc of the device's engine cache.
+
+Mounted by agent.cli as `app.add_typer(engines_app, name="engines")`. Paths come from the agent's
+config: `cache_dir` for engines, the state database for the index and the active/previous models
+that `gc` must keep. Exit codes as every `edge-agent` command: 0 ok, 1 failed, 2 usage/config.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from engines.errors import EdgeError
+
+engines_app = typer.Typer(no_args_is_help=True, help="Device-specific engines: build, cache, validate.")
+out = Console()
+err = Console(stderr=True)
+EXIT_FAILED = 1
+DEFAULT_BUDGET_MB = 4096.0
+_CONFIG = typer.Option(None, "--config", "-c", help="TOML config file (for cache_dir and state_dir).")
+
+
+def _paths(config: Optional[Path]) -> tuple[Path, Path]:
+    """(cache_dir, state database) from the agent config."""
+    from agent.cli import load_config_or_exit
+    from agent.state import state_db_path
+
+    cfg = load_config_or_exit(config)
+    return Path(cfg.cache_dir), state_db_path(cfg.state_dir)
+
+
+def pinned_from_state(db_path: Path) -> set[str]:
+    """Model sha256s (and engine keys, when recorded) of the active and previous models."""
+    if not db_path.is_file():
+        return set()
+    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=10)
+    try:
+        rows = conn.execute("SELECT sha256, info FROM active_model").fetchall()
+    except sqlite3.OperationalError:  # a state store that has not been migrated yet holds no models
+        return set()
+    finally:
+        conn.close()
+    pinned = set()
+    for sha, info in rows:
+        pinned.add(sha)
+        key = (json.loads(info) if info else {}).get("engine_key")
+        if key:
+            pinned.add(key)
+    return pinned
+
+
+@engines_app.command("fingerprint")
+def fingerprint(
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    root: Path = typer.Option(Path("/"), "--root", help="Read device files under this root (tests, recorded boards)."),
+) -> None:
+    """What makes an engine non-portable on this device (TensorRT/CUDA/L4T, ORT/CPU ISA)."""
+    from engines.fingerprint import read_fingerprint
+
+    fp = read_fingerprint(root)
+    data = {**fp.to_dict(), "digest": fp.digest()}
+    if as_json:
+        out.print_json(json.dumps(data))
+        return
+    table = Table(title="device fingerprint", show_header=False, title_justify="left")
+    for key, value in data.items():
+        table.add_row(key, "-" if value is None else ", ".join(value) if isinstance(value, list) else str(value))
+    out.print(table)
+
+
+@engines_app.command("build")
+def build(
+    model: Path = typer.Argument(..., help="Model directory, manifest.json or .onnx file."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | fp16 | int8 (default: the manifest's)."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Directory of calibration images (int8)."),
+    backend: str = typer.Option("auto", "--backend", help="auto | onnxruntime | tensorrt"),
+    timeout: float = typer.Option(1800.0, "--timeout", min=1, help="Seconds before the build is stopped."),
+    workspace_mb: Optional[int] = typer.Option(None, "--workspace-mb", min=1, help="TensorRT workspace limit."),
+    no_validate: bool = typer.Option(False, "--no-validate", help="Skip the accuracy and latency gates."),
+    revalidate: bool = typer.Option(False, "--revalidate", help="Re-run the gates even if a verdict is stored."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    config: Optional[Path] = _CONFIG,
+) -> None:
+    """Build (or find in the cache) this device's engine for a model, then validate it."""
+    from engines.model import load_model
+    from engines.provision import provision
+
+    if precision is not None and precision not in ("fp32", "fp16", "int8"):
+        err.print(f"[red]--precision {precision!r}:[/] use fp32, fp16 or int8")
+        raise typer.Exit(2)
+    cache_dir, db_path = _paths(config)
+    try:
+        result = provision(load_model(model), backend=backend, precision=precision, cache_dir=cache_dir,
+                           db_path=db_path, calibration_dir=calibration, on_progress=_progress_printer(as_json),
+                           timeout_s=timeout, validate=not no_validate, workspace_mb=workspace_mb, revalidate=revalidate)
+    except EdgeError as exc:
+        err.print(f"[red]engine build failed ({exc.code}):[/] {exc}", highlight=False)
+        raise typer.Exit(EXIT_FAILED) from exc
+    if as_json:
+        out.print_json(json.dumps(result.to_dict(), default=str))
+        return
+    _render_result(result)
+
+
+def _progress_printer(quiet: bool) -> Any:
+    """Progress events as lines on stderr (stdout stays clean for --json)."""
+
+    def show(event: dict[str, Any]) -> None:
+        kind = event.get("type", "")
+        if kind == "engine.build.progress":
+            phase = f" {event['phase']} {event.get('step', '')}/{event.get('steps', '')}" if "phase" in event else ""
+            err.print(f"  [{event.get('elapsed_s', 0):7.1f}s] {event.get('stage')}{phase}", highlight=False)
+        elif kind in ("engine.cache.hit", "engine.cache.miss", "engine.quarantined", "engine.validation.started"):
+            err.print(f"  {kind.split('.', 1)[1]}: {event.get('key', '')[:16]} {event.get('reason', '')}", highlight=False)
+
+    return None if quiet else show
+
+
+def _render_result(result: Any) -> None:
+    table = Table(title=f"engine {result.key[:16]} ({'cache hit' if result.hit else 'built'})",
+                  show_header=False, title_justify="left")
+    table.add_row("file", str(result.engine_path))
+    table.add_row("backend / precision", f"{result.backend} / {result.precision}")
+    table.add_row("build time", f"{result.build_s:.1f} s" if not result.hit else "-")
+    v = result.validation
+    if v is not None:
+        table.add_row("accuracy", f"{v.metric} {v.accuracy:.4f} (min {v.min_accuracy})")
+        budget = f" (budget {v.latency_budget_ms} ms)" if v.latency_budget_ms else ""
+        table.add_row("latency", f"p50 {v.latency_ms['p50']} ms, p99 {v.latency_ms['p99']} ms{budget}")
+    for note in result.report.get("notes", []):
+        table.add_row("note", note)
+    out.print(table)
+
+
+@engines_app.command("list")
+def list_engines(
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    config: Optional[Path] = _CONFIG,
+) -> None:
+    """Cached engines: key parts, size, last use, validation verdict."""
+    from engines.cache import EngineCache
+
+    cache_dir, db_path = _paths(config)
+    cache = EngineCache(cache_dir, db_path)
+    try:
+        entries, quarantined = cache.entries(), cache.quarantined()
+    finally:
+        cache.close()
+    if as_json:
+        out.print_json(json.dumps({"engines": [e.to_dict() for e in entries],
+                                   "quarantined": [str(p) for p in quarantined]}))
+        return
+    table = Table(title=f"engine cache {cache_dir}", title_justify="left")
+    for col in ("key", "model", "backend", "precision", "device", "size MB", "last used", "validation"):
+        table.add_column(col, justify="right" if col == "size MB" else "left")
+    for e in entries:
+        table.add_row(e.key[:12], e.model, f"{e.backend} {e.backend_version}", e.precision, _device(e.parts),
+                      f"{e.size / 2**20:.1f}", time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)),
+                      _verdict(e.validation))
+    out.print(table)
+    if quarantined:
+        out.print(f"{len(quarantined)} engine(s) in quarantine: {cache_dir / 'quarantine'}")
+
+
+def _device(parts: dict[str, Any]) -> str:
+    d = parts.get("device", {})
+    bits = [d.get("module"), f"L4T {d['l4t']}" if d.get("l4t") else None, d.get("compute_capability"),
+            d.get("cpu_arch")]
+    return " ".join(str(b) for b in bits if b) or "-"
+
+
+def _verdict(validation: dict[str, Any] | None) -> str:
+    if not validation:
+        return "-"
+    if validation.get("passed"):
+        return f"pass {validation['metric']} {validation['accuracy']:.3f} p99 {validation['latency_ms']['p99']} ms"
+    return f"FAIL {validation.get('code')}"
+
+
+@engines_app.command("gc")
+def gc(
+    budget_mb: float = typer.Option(DEFAULT_BUDGET_MB, "--budget-mb", min=0, help="Keep the cache under this size."),
+    purge_quarantine: bool = typer.Option(False, "--purge-quarantine", help="Also delete quarantined engines."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    config: Optional[Path] = _CONFIG,
+) -> None:
+    """Evict least recently used engines beyond the budget; the active and previous models' engines stay."""
+    from engines.cache import EngineCache
+
+    cache_dir, db_path = _paths(config)
+    cache = EngineCache(cache_dir, db_path)
+    try:
+        report = cache.gc(int(budget_mb * 2**20), pinned_from_state(db_path), purge_quarantine)
+    finally:
+        cache.close()
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+        return
+    out.print(f"removed {len(report.removed)} engine(s), freed {report.freed_bytes / 2**20:.1f} MB; "
+              f"{report.kept_bytes / 2**20:.1f} MB kept ({len(report.pinned)} pinned)")
+    if report.over_budget:
+        out.print("[yellow]still over budget: the pinned engines alone exceed it[/]")

@@ -1,0 +1,107 @@
+"""From a model on disk to a warmed-up ModelRuntime, always through the engine cache and its gates."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from agent.artifacts.config import ArtifactsConfig
+from agent.artifacts.trust import ensure_demo_key, package_demo, verify_artifact
+from agent.config import AgentConfig
+from agent.state import state_db_path
+from engines.backends.base import EngineOptions
+from engines.errors import EdgeError
+from engines.model import ModelSource, load_model
+from engines.provision import ProvisionResult, load_provisioned, provision
+from engines.runtime import ModelRuntime
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[dict], None]
+
+
+@dataclass
+class LoadedModel:
+    """A model in memory with where it came from."""
+
+    source: ModelSource
+    runtime: ModelRuntime
+    provisioned: ProvisionResult
+    origin: str
+    closed: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        """The `model` object of status, telemetry and events."""
+        return {**self.runtime.describe(), "engine_key": self.provisioned.key[:12], "origin": self.origin}
+
+    def deployment_ok(self, dep: Any) -> bool:
+        """True while this model is the one `dep` deployed."""
+        return self.source.sha256 == getattr(dep, "sha256", None)
+
+
+class ModelLoader:
+    """Resolves, verifies, provisions and warms models with the agent's settings."""
+
+    def __init__(self, config: AgentConfig, stop_event: threading.Event) -> None:
+        self.config = config
+        self.stop_event = stop_event
+        self.artifacts = self._artifacts_config(config)
+
+    @staticmethod
+    def _artifacts_config(config: AgentConfig) -> ArtifactsConfig:
+        """Configured trust; in demo mode (no model configured) the locally generated demo key is trusted too."""
+        artifacts = config.artifacts
+        if config.model.path is None:
+            _, public = ensure_demo_key(config.state_dir)
+            artifacts = artifacts.model_copy(update={"trusted_keys": [*artifacts.trusted_keys, str(public)]})
+        return artifacts
+
+    def initial_source(self, active_row: dict[str, Any] | None, emit: Callable[..., None]) -> tuple[ModelSource, str]:
+        """The deployed active model when it still verifies, else the configured (or demo) model."""
+        if active_row and active_row["info"].get("origin") == "deployment":
+            try:
+                return verify_artifact(Path(active_row["path"]), self.artifacts), "deployment"
+            except EdgeError as exc:
+                log.error("active model %s@%s no longer verifies (%s): %s; falling back to the configured model",
+                          active_row["name"], active_row["version"], exc.code, exc)
+                emit("model_invalid", path=active_row["path"], code=exc.code, message=str(exc))
+        if self.config.model.path is None:
+            return verify_artifact(package_demo(self.config.state_dir), self.artifacts), "demo"
+        return load_model(self.config.model.path), "config"
+
+    def provision(self, source: ModelSource, on_progress: Progress | None = None,
+                  stop: threading.Event | None = None) -> ProvisionResult:
+        """Cached engine or a fresh build + validation (child process; the caller's loop keeps serving)."""
+        return provision(source, backend=self.config.model.backend, cache_dir=self.config.cache_dir,
+                         db_path=state_db_path(self.config.state_dir), on_progress=on_progress,
+                         timeout_s=self.config.deployments.build_timeout_s, stop_event=stop or self.stop_event,
+                         workspace_mb=self.config.engines.workspace_mb,
+                         validation_samples=self.config.engines.validation_samples,
+                         latency_runs=self.config.engines.latency_runs)
+
+    def load_provisioned(self, source: ModelSource, provisioned: ProvisionResult, origin: str) -> LoadedModel:
+        """Load the engine file and warm it up."""
+        options = EngineOptions(intra_op_threads=self.config.model.threads)
+        runtime = load_provisioned(provisioned, source, options)
+        spec = source.manifest.preprocess
+        if self.config.model.warmup_runs:
+            runtime.warmup(np.zeros((spec.height, spec.width, 3), np.uint8), self.config.model.warmup_runs)
+        return LoadedModel(source, runtime, provisioned, origin)
+
+    def load(self, source: ModelSource, origin: str, on_progress: Progress | None = None) -> LoadedModel:
+        """Provision then load."""
+        return self.load_provisioned(source, self.provision(source, on_progress), origin)
+
+    def load_path(self, path: Path, origin: str) -> LoadedModel:
+        """Verify the artifact at `path` again (deployed ones are signed), then provision and load."""
+        source = verify_artifact(path, self.artifacts) if origin in ("deployment", "demo") else load_model(path)
+        return self.load(source, origin)
+
+    def reload(self, loaded: LoadedModel) -> LoadedModel:
+        """Load the same model again (after stop_start freed it and the candidate failed)."""
+        return self.load_provisioned(loaded.source, loaded.provisioned, loaded.origin)

@@ -1,0 +1,225 @@
+"""The MQTT plane: outbox, broker connection, publisher and command worker behind one small facade.
+
+    plane = MqttPlane(config.mqtt, device_id=..., db_path=..., dispatch=dispatcher.dispatch)
+    plane.start()
+    plane.enqueue_telemetry({...}); plane.enqueue_event("swap", ...); plane.publish_status("degraded")
+    plane.stop()
+
+Threads: `mqtt-conn` (connect/backoff), paho's network thread (callbacks only record and enqueue),
+`mqtt-outbox` (drains the outbox), `mqtt-cmd` (runs commands, sends replies).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from agent.mqtt.client import CommandMessage, MqttConnection
+from agent.mqtt.config import MqttConfig
+from agent.mqtt.outbox import Outbox, ensure_schema, read_boot_id
+from agent.mqtt.publisher import Publisher, StatusBoard
+from agent.mqtt.topics import Topics, is_publish_topic
+
+__all__ = ["CommandWorker", "MqttConfig", "MqttConnection", "MqttPlane", "Outbox", "Publisher", "StatusBoard",
+           "Topics", "ensure_schema", "read_boot_id"]
+
+log = logging.getLogger(__name__)
+
+Dispatch = Callable[[bytes], dict]
+
+
+class CommandWorker:
+    """Runs commands off paho's network thread and routes each reply where the request asked."""
+
+    def __init__(self, dispatch: Dispatch, topics: Topics, *, queue_size: int = 64, peek_limit: int = 4096) -> None:
+        self._dispatch, self.topics, self._peek_limit = dispatch, topics, peek_limit
+        self.connection: MqttConnection | None = None
+        self._queue: queue.Queue[CommandMessage | None] = queue.Queue(maxsize=queue_size)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    def submit(self, message: CommandMessage) -> None:
+        """Called on paho's thread: enqueue without blocking; a full queue answers BUSY at once."""
+        try:
+            self._queue.put_nowait(message)
+        except queue.Full:
+            self.counters["busy"] += 1
+            log.warning("command queue full (%d waiting): answering BUSY", self._queue.qsize())
+            reply = {"id": self._peek_id(message.payload), "ok": False,
+                     "error": {"code": "BUSY", "message": "the device is busy with earlier commands; retry"}}
+            self._send_reply(message, reply)
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        self._thread = threading.Thread(target=self._run, name="mqtt-cmd", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Finish the running command and stop; queued ones are left unanswered (the sender retries)."""
+        self._stop.set()
+        try:
+            self._queue.put_nowait(None)  # type: ignore[arg-type]  # wakes the worker at once
+        except queue.Full:
+            pass  # the worker is busy and will see the stop flag within 0.25 s
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("command worker did not stop within %.1f s", timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                message = self._queue.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            if message is None:
+                break
+            reply = self._dispatch(message.payload)  # dispatch never raises: every error is a reply
+            self.counters["handled"] += 1
+            self._send_reply(message, reply)
+
+    def route(self, message: CommandMessage) -> tuple[str, Optional[Properties]]:
+        """MQTT 5 with a response topic: that topic + correlation data; otherwise `<...>/cmd/reply`."""
+        if message.protocol == "5" and message.response_topic is not None:
+            if is_publish_topic(message.response_topic):
+                props = Properties(PacketTypes.PUBLISH)
+                if message.correlation_data is not None:
+                    props.CorrelationData = message.correlation_data
+                return message.response_topic, props
+            log.warning("invalid response topic %r; replying on %s", message.response_topic, self.topics.cmd_reply)
+        return self.topics.cmd_reply, None
+
+    def _send_reply(self, message: CommandMessage, reply: dict) -> None:
+        topic, props = self.route(message)
+        payload = json.dumps(reply).encode()
+        sent = self.connection.publish(topic, payload, qos=1, properties=props) if self.connection else None
+        if sent is None:
+            self.counters["replies_unsent"] += 1
+            log.warning("reply to command id %r not sent: not connected (the sender may retry with the same id "
+                        "and gets the same reply)", reply.get("id"))
+
+    def _peek_id(self, payload: bytes) -> str | None:
+        if len(payload) > self._peek_limit:
+            return None
+        try:
+            value = json.loads(payload).get("id")
+        except (ValueError, AttributeError, RecursionError):
+            return None
+        return value if isinstance(value, str) and len(value) <= 128 else None
+
+
+class MqttPlane:
+    """Everything MQTT for one agent; works without a broker (url empty): rows wait in the outbox."""
+
+    def __init__(
+        self,
+        config: MqttConfig,
+        *,
+        device_id: str,
+        db_path: Path | str,
+        dispatch: Dispatch | None = None,
+        agent_version: str = "unknown",
+        meta_provider: Callable[[], dict[str, Any]] | None = None,
+        model_provider: Callable[[], Optional[dict[str, Any]]] | None = None,
+        root: Path = Path("/"),
+    ) -> None:
+        self.config, self.topics = config, Topics(config.prefix, device_id)
+        self.outbox = Outbox(db_path, max_rows=config.outbox_max_rows, max_bytes=config.outbox_max_bytes, root=root)
+        self.board = StatusBoard(device_id, self.outbox.boot_id, agent_version, model_provider)
+        self.worker = CommandWorker(dispatch, self.topics) if dispatch and config.enabled else None
+        self.connection = MqttConnection(
+            config, device_id, status_payload=self.board.for_connection, meta_payload=meta_provider,
+            on_command=self.worker.submit if self.worker else None,
+        ) if config.enabled else None
+        if self.worker is not None:
+            self.worker.connection = self.connection
+        self.publisher = Publisher(self.outbox, self.connection, self.topics, self.board,
+                                   results_rate_hz=config.results_rate_hz)
+        self._started = False
+
+    def start(self) -> None:
+        """Start the command worker, the outbox drain and the connection (in that order)."""
+        if self.connection is None:
+            log.info("no MQTT broker configured ([mqtt] url is empty): telemetry stays in the outbox")
+        for part in (self.worker, self.publisher, self.connection):
+            if part is not None:
+                part.start()
+        self._started = True
+
+    def stop(self, timeout: float = 5.0, flush_s: float = 1.0) -> None:
+        """Give the outbox `flush_s` to drain, publish `stopped`, then stop in reverse order."""
+        if self._started and self.connected and flush_s > 0:
+            self.wait_drained(flush_s)
+        for part in (self.connection, self.publisher, self.worker):
+            if part is not None and self._started:
+                part.stop(timeout)
+        self.outbox.close()
+
+    def wait_drained(self, timeout: float) -> bool:
+        """Block until the outbox is empty and nothing is in flight, or `timeout` passes."""
+        deadline, pause = time.monotonic() + timeout, threading.Event()
+        while not self.publisher.drained() and time.monotonic() < deadline:
+            pause.wait(0.02)
+        return self.publisher.drained()
+
+    # -- what the agent calls -----------------------------------------------------------------------
+    def enqueue_telemetry(self, sample: dict[str, Any]) -> int:
+        """Buffer a telemetry sample for delivery; returns its seq."""
+        return self.publisher.enqueue_telemetry(sample)
+
+    def enqueue_event(self, type: str, **fields: Any) -> int:  # noqa: A002
+        """Buffer an event (`type` plus fields) for delivery; returns its seq."""
+        return self.publisher.enqueue_event(type, **fields)
+
+    def publish_status(self, state: str, **fields: Any) -> bool:
+        """Set the retained status (online/degraded/updating/stopped); True if sent now."""
+        return self.publisher.publish_status(state, **fields)
+
+    def publish_result(self, result: dict[str, Any]) -> bool:
+        """Send an inference result at QoS 0 if connected and within results_rate_hz."""
+        return self.publisher.publish_result(result)
+
+    def set_results_rate(self, hz: float) -> None:
+        """Apply `results_rate_hz` live."""
+        self.publisher.set_results_rate(hz)
+
+    @property
+    def boot_id(self) -> str:
+        """This boot's id, as stamped on every telemetry sample and event."""
+        return self.outbox.boot_id
+
+    @property
+    def connected(self) -> bool:
+        """True only while a CONNACK-confirmed connection is up."""
+        return self.connection is not None and self.connection.connected
+
+    @property
+    def state(self) -> str:
+        """disabled | idle | connecting | connected | backoff | auth_failed | refused | stopped."""
+        return "disabled" if self.connection is None else self.connection.state
+
+    @property
+    def last_error(self) -> dict[str, Any] | None:
+        """The last connection error: {"code", "message", "ts"}, or None."""
+        return None if self.connection is None else self.connection.last_error
+
+    def stats(self) -> dict[str, Any]:
+        """Connection state, outbox size and drops, delivery and command counters."""
+        out: dict[str, Any] = {"state": self.state, "connected": self.connected, **self.publisher.stats()}
+        if self.connection is not None:
+            out.update(protocol=self.connection.protocol, connect_attempts=self.connection.connect_attempts,
+                       last_error=self.connection.last_error)
+        if self.worker is not None:
+            out.update({f"commands_{k}": v for k, v in self.worker.counters.items()})
+        return out
+

@@ -1,0 +1,286 @@
+"""SQLite store-and-forward outbox: telemetry and events survive outages and restarts, in order, bounded.
+
+Every row is stamped at enqueue time with the device's persistent `seq` and this boot's `boot_id`, so a
+collector can detect gaps and duplicates. Over the caps, the oldest telemetry goes first, events last;
+every drop is counted (persisted) and logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sqlite3
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+log = logging.getLogger(__name__)
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS mqtt_outbox (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        topic TEXT NOT NULL,
+        payload BLOB NOT NULL,
+        qos INTEGER NOT NULL DEFAULT 1,
+        retain INTEGER NOT NULL DEFAULT 0,
+        kind TEXT NOT NULL,
+        created REAL NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS mqtt_outbox_kind_id ON mqtt_outbox (kind, id)",
+    "CREATE TABLE IF NOT EXISTS mqtt_counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+)
+STAMP_KEYS = ("seq", "boot_id")
+TELEMETRY, EVENT = "telemetry", "event"
+DROP_COUNTERS = ("dropped_telemetry", "dropped_event", "dropped_other")
+BOOT_ID_PATH = "proc/sys/kernel/random/boot_id"
+
+
+def ensure_schema(conn: sqlite3.Connection) -> None:
+    """Create the outbox tables if missing; idempotent, so the state store's migrations may call it too."""
+    for statement in SCHEMA:
+        conn.execute(statement)
+
+
+def read_boot_id(root: Path = Path("/")) -> str:
+    """This boot's id from the kernel; a random one (logged) where the kernel has none (not Linux)."""
+    path = root / BOOT_ID_PATH
+    try:
+        return path.read_text(encoding="ascii").strip()
+    except OSError as exc:
+        fallback = str(uuid.uuid4())
+        log.warning("no boot id at %s (%s); using %s for this process", path, exc.strerror, fallback)
+        return fallback
+
+
+def to_json_bytes(obj: dict[str, Any]) -> bytes:
+    """Compact JSON; a NaN/inf reading is left out (absent, never a fake number), as the contract says."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False, default=_json_default).encode()
+    except ValueError:
+        return json.dumps(_finite(obj), separators=(",", ":"), default=_json_default).encode()
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items() if not _non_finite(v)}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value if not _non_finite(v)]
+    return value
+
+
+def _non_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    """One buffered message as stored."""
+
+    id: int
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    created: float
+
+
+class Outbox:
+    """The bounded, ordered, persistent queue between producers (telemetry, events) and the publisher."""
+
+    def __init__(
+        self,
+        db_path: Path | str,
+        *,
+        max_rows: int = 200_000,
+        max_bytes: int = 64 * 1024 * 1024,
+        boot_id: str | None = None,
+        root: Path = Path("/"),
+    ) -> None:
+        self.max_rows, self.max_bytes = max_rows, max_bytes
+        self.boot_id = boot_id or read_boot_id(root)
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.execute("PRAGMA busy_timeout=5000")
+        with self._lock:
+            ensure_schema(self._conn)
+            self._reload()
+
+    def enqueue(self, kind: str, topic: str, fields: dict[str, Any], *, qos: int = 1, retain: bool = False) -> int:
+        """Stamp `fields` with seq/boot_id/ts, store it, enforce the caps; returns the seq."""
+        return self.enqueue_many(kind, topic, [fields], qos=qos, retain=retain)[0]
+
+    def enqueue_many(
+        self, kind: str, topic: str, items: Iterable[dict[str, Any]], *, qos: int = 1, retain: bool = False
+    ) -> list[int]:
+        """Like enqueue for many payloads in one transaction (backfills, benchmarks)."""
+        now = time.time()
+        with self._lock:
+            seqs, rows, size = [], [], 0
+            for fields in items:
+                seqs.append(self._seq + len(seqs) + 1)
+                payload = to_json_bytes(self._stamp(fields, seqs[-1], now))
+                rows.append((topic, payload, qos, int(retain), kind, now))
+                size += len(payload)
+            try:
+                with self._transaction():
+                    self._conn.executemany(
+                        "INSERT INTO mqtt_outbox (topic, payload, qos, retain, kind, created) VALUES (?,?,?,?,?,?)",
+                        rows,
+                    )
+                    self._set_counter("seq", self._seq + len(seqs))
+                    last_id = self._conn.execute("SELECT last_insert_rowid()").fetchone()[0]
+                    self._seq, self._rows, self._bytes = self._seq + len(seqs), self._rows + len(rows), self._bytes + size
+                    if self._rows > self.max_rows or self._bytes > self.max_bytes:
+                        self._evict()
+                self.last_id = last_id  # lets the publisher skip a query when nothing new arrived
+            except sqlite3.Error:
+                self._reload()  # the transaction rolled back: in-memory totals must follow the disk
+                raise
+            return seqs
+
+    def _reload(self) -> None:
+        self._rows, self._bytes = self._conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM mqtt_outbox"
+        ).fetchone()
+        self._seq = self._counter("seq")
+        self.last_id = self._conn.execute("SELECT COALESCE(MAX(id), 0) FROM mqtt_outbox").fetchone()[0]
+        self._dropped = {name: self._counter(name) for name in DROP_COUNTERS}
+
+    def _stamp(self, fields: dict[str, Any], seq: int, now: float) -> dict[str, Any]:
+        clash = [key for key in STAMP_KEYS if key in fields]
+        if clash:
+            raise ValueError(f"fields {clash} are stamped by the outbox; do not pass them")
+        stamped: dict[str, Any] = {"seq": seq, "boot_id": self.boot_id, "ts": fields.get("ts", now)}
+        stamped.update(fields)
+        return stamped
+
+    def _evict(self) -> None:
+        """Drop oldest telemetry, then other kinds, then events, until under both caps (lock held)."""
+        for kinds, counter in (([TELEMETRY], "dropped_telemetry"), (None, "dropped_other"), ([EVENT], "dropped_event")):
+            dropped = 0
+            while self._rows > self.max_rows or self._bytes > self.max_bytes:
+                victims = self._oldest(kinds, max(self._rows - self.max_rows, 64))
+                if not victims:
+                    break
+                dropped += self._drop_until_under(victims)
+            if dropped:
+                total = self._dropped[counter] = self._dropped[counter] + dropped
+                self._set_counter(counter, total)
+                log.warning("outbox full (%d rows, %d bytes): dropped %d oldest %s (total %d)",
+                            self._rows, self._bytes, dropped, counter.removeprefix("dropped_"), total)
+            if self._rows <= self.max_rows and self._bytes <= self.max_bytes:
+                return
+
+    def _oldest(self, kinds: list[str] | None, limit: int) -> list[tuple[int, int]]:
+        if kinds is None:
+            sql = "SELECT id, LENGTH(payload) FROM mqtt_outbox WHERE kind NOT IN (?, ?) ORDER BY id LIMIT ?"
+            return self._conn.execute(sql, (TELEMETRY, EVENT, limit)).fetchall()
+        sql = "SELECT id, LENGTH(payload) FROM mqtt_outbox WHERE kind = ? ORDER BY id LIMIT ?"
+        return self._conn.execute(sql, (kinds[0], limit)).fetchall()
+
+    def _drop_until_under(self, victims: list[tuple[int, int]]) -> int:
+        ids = []
+        for row_id, size in victims:
+            if self._rows - len(ids) <= self.max_rows and self._bytes <= self.max_bytes:
+                break
+            ids.append(row_id)
+            self._bytes -= size
+        self._delete_ids(ids)
+        self._rows -= len(ids)
+        return len(ids)
+
+    def fetch(self, after_id: int, upto_id: int | None = None, limit: int = 500) -> list[OutboxRow]:
+        """Rows with after_id < id <= upto_id, oldest first."""
+        upto = upto_id if upto_id is not None else 2**63 - 1
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT id, topic, payload, qos, retain, created FROM mqtt_outbox "
+                "WHERE id > ? AND id <= ? ORDER BY id LIMIT ?",
+                (after_id, upto, limit),
+            ).fetchall()
+        return [OutboxRow(r[0], r[1], bytes(r[2]), r[3], bool(r[4]), r[5]) for r in rows]
+
+    def max_id(self) -> int:
+        """Highest row id present (0 when empty): the boundary between backlog and live rows."""
+        with self._lock:
+            return self._conn.execute("SELECT COALESCE(MAX(id), 0) FROM mqtt_outbox").fetchone()[0]
+
+    def delete(self, ids: Sequence[int]) -> int:
+        """Remove acknowledged rows; returns how many existed."""
+        if not ids:
+            return 0
+        count, size = 0, 0
+        with self._lock:
+            with self._transaction():
+                for chunk in _chunks(list(ids), 500):
+                    marks = ",".join("?" * len(chunk))
+                    c, s = self._conn.execute(
+                        f"SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM mqtt_outbox WHERE id IN ({marks})",
+                        chunk,
+                    ).fetchone()
+                    self._conn.execute(f"DELETE FROM mqtt_outbox WHERE id IN ({marks})", chunk)
+                    count, size = count + c, size + s
+            self._rows -= count  # only once committed
+            self._bytes -= size
+        return count
+
+    def _delete_ids(self, ids: list[int]) -> None:
+        for chunk in _chunks(ids, 500):
+            self._conn.execute(f"DELETE FROM mqtt_outbox WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+
+    def stats(self) -> dict[str, int]:
+        """Rows and bytes buffered, last seq, and the persisted drop counters."""
+        with self._lock:
+            return {"rows": self._rows, "bytes": self._bytes, "seq": self._seq, **self._dropped}
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def close(self) -> None:
+        """Close the connection; the data stays on disk."""
+        with self._lock:
+            self._conn.close()
+
+    def _counter(self, name: str) -> int:
+        row = self._conn.execute("SELECT value FROM mqtt_counters WHERE name = ?", (name,)).fetchone()
+        return row[0] if row else 0
+
+    def _set_counter(self, name: str, value: int) -> None:
+        self._conn.execute(
+            "INSERT INTO mqtt_counters (name, value) VALUES (?, ?) "
+            "ON CONFLICT(name) DO UPDATE SET value = excluded.value", (name, value)
+        )
+
+    def _transaction(self) -> "_Transaction":
+        return _Transaction(self._conn)
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT, rolled back on error (the connection is in autocommit mode)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def __enter__(self) -> None:
+        self._conn.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self._conn.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def _chunks(items: list[int], size: int) -> Iterable[list[int]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]

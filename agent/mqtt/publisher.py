@@ -1,0 +1,270 @@
+"""Outbox drain, status and results: what the agent says on MQTT, and the delivery rules it keeps.
+
+Delivery: QoS 1, a row leaves the outbox only after its PUBACK (at-least-once). Ordering: per
+connection, rows are split at the connection's start into *backlog* (created before it: sent with
+`"replayed": true`) and *live* rows. Each lane is sent in outbox order (= seq order); live rows may
+overtake the backlog (they get at least half of the in-flight window), so a fresh sample is never stuck
+behind a 100k-row backlog. A collector orders by (boot_id, seq) and drops duplicates by seq.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sqlite3
+import threading
+import time
+from typing import Any, Callable, Deque, Optional
+
+from agent.mqtt.client import MqttConnection, SessionInfo
+from agent.mqtt.outbox import EVENT, TELEMETRY, Outbox, OutboxRow, to_json_bytes
+from agent.mqtt.topics import STATES, Topics
+
+log = logging.getLogger(__name__)
+
+REPLAYED_SUFFIX = b',"replayed":true}'
+FETCH_ROWS = 500
+FLUSH_ROWS, FLUSH_AGE_S = 500, 0.2
+
+
+def mark_replayed(payload: bytes) -> bytes:
+    """Add `"replayed": true` to a stored JSON object without re-encoding it (cheap for 100k rows)."""
+    if payload.endswith(b"}") and len(payload) > 2:
+        return payload[:-1] + REPLAYED_SUFFIX
+    return payload
+
+
+class StatusBoard:
+    """The device's retained status: state, since when, model; the Last Will is the same with `offline`."""
+
+    def __init__(self, device_id: str, boot_id: str, agent_version: str,
+                 model_provider: Callable[[], Optional[dict[str, Any]]] | None = None) -> None:
+        self.device_id, self.boot_id, self.agent_version = device_id, boot_id, agent_version
+        self._model_provider = model_provider
+        self.state, self.since = "online", time.time()
+        self._extra: dict[str, Any] = {}
+
+    def set(self, state: str, **extra: Any) -> None:
+        """Change the state (`since` moves only when the state changes); extra fields replace old ones."""
+        if state not in STATES:
+            raise ValueError(f"unknown status state {state!r} (one of {', '.join(STATES)})")
+        if state != self.state:
+            self.state, self.since = state, time.time()
+        self._extra = extra
+
+    def payload(self, state: str | None = None) -> dict[str, Any]:
+        """The status object; `state` overrides the current one (Last Will, shutdown)."""
+        model = self._model_provider() if self._model_provider else None
+        body: dict[str, Any] = {"state": state or self.state, "device_id": self.device_id,
+                                "boot_id": self.boot_id, "agent_version": self.agent_version}
+        if model:
+            body["model"] = model
+        body.update(self._extra if state is None else {})
+        body.update({"since": self.since, "ts": time.time()})
+        return body
+
+    def for_connection(self, kind: str) -> dict[str, Any]:
+        """Callback for MqttConnection: at CONNACK ('online') the current state, else the one named."""
+        return self.payload(None if kind == "online" else kind)
+
+
+class Publisher:
+    """Feeds telemetry and events into the outbox and drains it to the broker in its own thread."""
+
+    def __init__(self, outbox: Outbox, connection: MqttConnection | None, topics: Topics, board: StatusBoard,
+                 *, results_rate_hz: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.outbox, self.topics, self.board, self._conn, self._clock = outbox, topics, board, connection, clock
+        self._results_interval = _interval(results_rate_hz)
+        self._last_result = float("-inf")
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+        self._acks: Deque[tuple[int, int, int]] = collections.deque()
+        self.counters = collections.Counter()  # type: ignore[var-annotated]
+        self._reset_session(None)
+        if connection is not None:
+            connection.add_listener(on_session=self._on_session, on_ack=self._on_ack)
+
+    # -- producer API (any thread) ------------------------------------------------------------------
+    def enqueue_telemetry(self, sample: dict[str, Any]) -> int:
+        """Buffer one telemetry sample (stamped with seq/boot_id/ts/device_id); returns its seq."""
+        seq = self.outbox.enqueue(TELEMETRY, self.topics.telemetry, {"device_id": self.topics.device_id, **sample})
+        self._wake.set()
+        return seq
+
+    def enqueue_event(self, type: str, **fields: Any) -> int:  # noqa: A002 - `type` is the wire name
+        """Buffer one event (`{"seq","boot_id","ts","type",...}`); returns its seq."""
+        seq = self.outbox.enqueue(EVENT, self.topics.events,
+                                  {"type": type, "device_id": self.topics.device_id, **fields})
+        self._wake.set()
+        return seq
+
+    def publish_status(self, state: str, **fields: Any) -> bool:
+        """Set the retained status; sent now if connected, else at the next CONNACK. True if sent now."""
+        self.board.set(state, **fields)
+        if self._conn is None:
+            return False
+        handle = self._conn.publish(self.topics.status, to_json_bytes(self.board.payload()), qos=1, retain=True)
+        if handle is None:
+            log.info("status %r recorded; it goes out with the next connection", state)
+        return handle is not None
+
+    def publish_result(self, result: dict[str, Any]) -> bool:
+        """Send one inference result at QoS 0 if connected and within the rate; never buffered (counted)."""
+        now = self._clock()
+        if self._results_interval is None or now - self._last_result < self._results_interval:
+            self.counters["results_rate_limited"] += 1
+            return False
+        if self._conn is None or self._conn.publish(self.topics.results, to_json_bytes(
+                {"ts": time.time(), "device_id": self.topics.device_id, **result}), qos=0) is None:
+            self.counters["results_dropped_offline"] += 1
+            return False
+        self._last_result = now
+        self.counters["results_sent"] += 1
+        return True
+
+    def set_results_rate(self, hz: float) -> None:
+        """Apply a new results rate live (from `set_config`)."""
+        self._results_interval = _interval(hz)
+
+    def stats(self) -> dict[str, Any]:
+        """Outbox size and drops plus delivery counters, for status and metrics."""
+        return {**self.outbox.stats(), **self.counters, "inflight": len(self._inflight)}
+
+    # -- drain thread -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start draining (no-op without a broker: rows wait in the outbox)."""
+        if self._conn is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="mqtt-outbox", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop draining; acknowledged rows are deleted first, unacknowledged ones stay for next time."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("outbox publisher did not stop within %.1f s", timeout)
+
+    def _on_session(self, info: SessionInfo | None) -> None:
+        self._wake.set()
+
+    def _on_ack(self, generation: int, mid: int, reason: int) -> None:
+        self._acks.append((generation, mid, reason))  # deque.append is thread-safe; no lock on paho's thread
+        # Wake the drain thread once a refill is worth it (or the window is empty), not per PUBACK:
+        # a thread switch per message costs more than the publish itself.
+        pending = len(self._acks)
+        if (pending >= max(1, self._window // 4) or pending >= len(self._inflight)) and not self._wake.is_set():
+            self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(0.5)
+            self._wake.clear()
+            try:
+                self._step()
+            except sqlite3.Error:
+                self.counters["db_errors"] += 1
+                log.exception("outbox database error; retrying in 1 s")
+                self._stop.wait(1.0)
+        self._collect_acks()
+        self._flush_acked(force=True)
+
+    def _step(self) -> None:
+        info = self._conn.session if self._conn is not None else None
+        self._collect_acks()
+        if info is None or info.generation != self._gen:
+            self._flush_acked(force=True)  # before a new boundary, or acked rows would be sent again
+            self._reset_session(info)
+            if info is None:
+                return
+        self._flush_acked(force=not self._inflight)
+        self._fill()
+
+    def _reset_session(self, info: SessionInfo | None) -> None:
+        self._gen = info.generation if info else None
+        self._inflight: dict[int, int] = {}
+        self._acked: list[int] = []
+        self._acked_since = self._clock()
+        self._live: Deque[OutboxRow] = collections.deque()
+        self._backlog: Deque[OutboxRow] = collections.deque()
+        self._window = info.send_window if info else 0
+        self._connected_at = info.connected_at if info else 0.0
+        self._boundary = self.outbox.max_id() if info else 0
+        self._live_cursor, self._backlog_cursor = self._boundary, 0
+        self._backlog_done = self._boundary == 0
+        if info and not self._backlog_done:
+            log.info("MQTT connected: replaying %d buffered rows", len(self.outbox))
+
+    def _collect_acks(self) -> None:
+        while self._acks:
+            generation, mid, reason = self._acks.popleft()
+            row_id = self._inflight.pop(mid, None) if generation == self._gen else None
+            if row_id is None:
+                continue  # status, meta, replies, or a previous connection's message
+            if reason >= 0x80:
+                self.counters["rejected"] += 1
+                log.error("broker rejected outbox row %d (reason 0x%02x); dropping it (check the ACL)", row_id, reason)
+            else:
+                self.counters["acked"] += 1
+            self._acked.append(row_id)
+
+    def _flush_acked(self, force: bool = False) -> None:
+        if not self._acked:
+            return
+        if force or len(self._acked) >= FLUSH_ROWS or self._clock() - self._acked_since >= FLUSH_AGE_S:
+            self.outbox.delete(self._acked)
+            self._acked, self._acked_since = [], self._clock()
+
+    def _fill(self) -> None:
+        budget = self._window - len(self._inflight)
+        if budget < max(1, self._window // 4):
+            return  # refill in batches, not one row per PUBACK
+        live_budget = budget if self._backlog_done else max(1, budget // 2)
+        sent = self._send_lane(self._live, "_live_cursor", None, live_budget)
+        remaining = budget - (sent or 0)
+        if sent is None or self._backlog_done or remaining <= 0:
+            return
+        replayed = self._send_lane(self._backlog, "_backlog_cursor", self._boundary, remaining)
+        if replayed is not None and replayed < remaining:  # the lane ran dry: the backlog is all sent
+            self._backlog_done = True
+            log.info("MQTT backlog replayed")
+
+    def _send_lane(self, buf: Deque[OutboxRow], cursor: str, upto: int | None, budget: int) -> int | None:
+        """Send up to `budget` rows of one lane in order; None when the connection refused a publish."""
+        sent = 0
+        while sent < budget:
+            if not buf:
+                if upto is None and self.outbox.last_id <= getattr(self, cursor):
+                    break  # nothing new since the last look: skip the query
+                rows = self.outbox.fetch(getattr(self, cursor), upto, FETCH_ROWS)
+                if not rows:
+                    break
+                buf.extend(rows)
+                setattr(self, cursor, rows[-1].id)
+            row = buf[0]
+            if not self._publish_row(row):
+                return None
+            buf.popleft()
+            sent += 1
+        return sent
+
+    def _publish_row(self, row: OutboxRow) -> bool:
+        replayed = row.created < self._connected_at
+        payload = mark_replayed(row.payload) if replayed else row.payload
+        handle = self._conn.publish(row.topic, payload, qos=row.qos, retain=row.retain) if self._conn else None
+        if handle is None or handle[0] != self._gen:
+            return False
+        self._inflight[handle[1]] = row.id
+        self.counters["sent"] += 1
+        self.counters["replayed"] += replayed
+        return True
+
+    def drained(self) -> bool:
+        """True when nothing is buffered or in flight (tests, shutdown, benchmarks)."""
+        return len(self.outbox) == 0 and not self._inflight
+
+
+def _interval(hz: float) -> float | None:
+    return None if hz <= 0 else 1.0 / hz

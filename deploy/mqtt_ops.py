@@ -1,0 +1,215 @@
+"""Operator side of the MQTT plane: send a command to a device and read the fleet's retained status.
+
+Used by `edge-deploy send` and `edge-deploy fleet status`. Connection settings are the device's own
+`MqttConfig` fields (ca_file, cert_file, key_file, username, password, credentials_file, protocol, ...),
+so both sides validate them the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from typing import Any, Callable, Optional
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from agent.mqtt.paho_setup import HINTS, RC_UNSUPPORTED_PROTOCOL, build_client, connect_kwargs, refusal_code
+from agent.mqtt.config import MqttConfig
+from agent.mqtt.topics import STATUS, TELEMETRY, Topics, fleet_filter, split_device_topic
+from engines.errors import EdgeError
+
+STATE_STYLES = {"online": "green", "degraded": "yellow", "updating": "cyan", "offline": "red", "stopped": "dim"}
+
+
+class OperatorError(EdgeError):
+    """The operator's tool could not talk to the broker (the device was never asked)."""
+
+    code = "MQTT_UNREACHABLE"
+
+
+class _Link:
+    """A short-lived operator connection: connect (MQTT 5, 3.1.1 fallback), subscribe, collect."""
+
+    def __init__(self, config: MqttConfig, on_message: Callable[[mqtt.MQTTMessage], None]) -> None:
+        self.config, self.on_message = config, on_message
+        self.client_id = f"edge-deploy-{uuid.uuid4().hex[:12]}"
+        self.protocol = "3.1.1" if config.protocol == "3.1.1" else "5"
+        self.client: Any = None
+
+    def open(self, subscriptions: list[str], timeout_s: float) -> None:
+        """Connect and subscribe, or raise OperatorError saying why not."""
+        refusal = self._try(subscriptions, timeout_s)
+        if refusal == RC_UNSUPPORTED_PROTOCOL and self.config.protocol == "auto":
+            self.protocol = "3.1.1"
+            refusal = self._try(subscriptions, timeout_s)
+        if refusal is not None:
+            code = refusal_code(refusal)
+            raise OperatorError(f"broker {self.config.url} refused the connection "
+                                f"({HINTS.get(code, f'reason {refusal:#x}')})", code=code)
+
+    def _try(self, subscriptions: list[str], timeout_s: float) -> int | None:
+        ready, outcome = threading.Event(), {}
+        client = build_client(self.config, self.client_id, self.protocol)
+
+        def on_connect(c: mqtt.Client, _u: Any, _f: Any, reason: Any, _p: Any) -> None:
+            outcome["reason"] = reason
+            if reason.is_failure:
+                ready.set()
+            else:
+                c.subscribe([(topic, 1) for topic in subscriptions])
+
+        client.on_connect = on_connect
+        client.on_subscribe = lambda *_: ready.set()
+        client.on_message = lambda _c, _u, msg: self.on_message(msg)
+        try:
+            client.connect(self.config.host, self.config.port, self.config.keepalive_s,
+                           **connect_kwargs(self.protocol))
+        except OSError as exc:  # includes ssl.SSLError
+            code = "MQTT_TLS_FAILED" if "SSL" in type(exc).__name__ else "MQTT_UNREACHABLE"
+            raise OperatorError(f"cannot connect to {self.config.url}: {exc}", code=code) from None
+        client.loop_start()
+        self.client = client
+        if not ready.wait(timeout_s):
+            self.close()
+            raise OperatorError(f"no answer from broker {self.config.url} within {timeout_s:g} s",
+                                code="MQTT_CONNECT_TIMEOUT")
+        reason = outcome.get("reason")
+        if reason is not None and reason.is_failure:
+            self.close()
+            return reason.value
+        return None
+
+    def close(self) -> None:
+        """Disconnect and stop paho's thread."""
+        if self.client is not None:
+            self.client.disconnect()
+            self.client.loop_stop()
+            self.client = None
+
+
+def send_command(broker_url: str, device_id: str, command: str, args: Optional[dict[str, Any]] = None,
+                 prefix: str = "edge", timeout_s: float = 10.0, *, command_id: str | None = None,
+                 **connection: Any) -> dict[str, Any]:
+    """Send one command and return the device's reply; ok:false/TIMEOUT when none comes in time.
+
+    MQTT 5: the request carries a Response Topic (`<prefix>/<device>/cmd/reply/<client>`) and
+    Correlation Data. A device on 3.1.1 answers on `<prefix>/<device>/cmd/reply`, matched by id.
+    Raises OperatorError when the broker cannot be reached or refuses us.
+    """
+    config = MqttConfig(url=broker_url, prefix=prefix, **connection)
+    topics = Topics(prefix, device_id)
+    command_id = command_id or uuid.uuid4().hex
+    correlation = uuid.uuid4().bytes
+    got, replied = [], threading.Event()
+
+    def on_message(msg: mqtt.MQTTMessage) -> None:
+        reply = _json(msg.payload)
+        props = getattr(msg, "properties", None)
+        mine = getattr(props, "CorrelationData", None) == correlation if msg.topic != topics.cmd_reply \
+            else isinstance(reply, dict) and reply.get("id") == command_id
+        if mine and isinstance(reply, dict):
+            got.append(reply)
+            replied.set()
+
+    link = _Link(config, on_message)
+    response_topic = f"{topics.cmd_reply}/{link.client_id}"
+    link.open([response_topic, topics.cmd_reply] if link.protocol == "5" else [topics.cmd_reply], timeout_s)
+    try:
+        _publish_request(link, topics.cmd, {"id": command_id, "command": command, "args": args or {}},
+                         response_topic, correlation)
+        if replied.wait(timeout_s):
+            return got[0]
+    finally:
+        link.close()
+    return {"id": command_id, "ok": False, "error": {"code": "TIMEOUT", "message": (
+        f"no reply from {device_id} within {timeout_s:g} s; is it online? (edge-deploy fleet status)")}}
+
+
+def _publish_request(link: _Link, topic: str, request: dict[str, Any], response_topic: str,
+                     correlation: bytes) -> None:
+    props = None
+    if link.protocol == "5":
+        props = Properties(PacketTypes.PUBLISH)
+        props.ResponseTopic, props.CorrelationData = response_topic, correlation
+    info = link.client.publish(topic, json.dumps(request).encode(), qos=1, properties=props)
+    info.wait_for_publish(5.0)
+
+
+def fleet_status(broker_url: str, prefix: str = "edge", wait_s: float = 3.0, **connection: Any) -> list[dict[str, Any]]:
+    """One row per device seen in retained `<prefix>/+/status` or `<prefix>/+/telemetry` within wait_s.
+
+    Telemetry is not retained: use a wait_s of at least the devices' telemetry interval to see fps.
+    """
+    config = MqttConfig(url=broker_url, prefix=prefix, **connection)
+    status: dict[str, dict] = {}
+    telemetry: dict[str, dict] = {}
+    lock = threading.Lock()
+
+    def on_message(msg: mqtt.MQTTMessage) -> None:
+        where, body = split_device_topic(prefix, msg.topic), _json(msg.payload)
+        if where is None or not isinstance(body, dict):
+            return
+        with lock:
+            (status if where[1] == STATUS else telemetry)[where[0]] = body
+
+    link = _Link(config, on_message)
+    link.open([fleet_filter(prefix, STATUS), fleet_filter(prefix, TELEMETRY)], min(10.0, max(wait_s, 2.0)))
+    try:
+        time.sleep(wait_s)
+    finally:
+        link.close()
+    with lock:
+        return [fleet_row(d, status.get(d, {}), telemetry.get(d, {})) for d in sorted(set(status) | set(telemetry))]
+
+
+def fleet_row(device: str, status: dict[str, Any], telemetry: dict[str, Any]) -> dict[str, Any]:
+    """Flatten one device's status and latest telemetry into a table row (absent fields stay None)."""
+    model = telemetry.get("model") or status.get("model") or {}
+    temps = {k: v for k, v in (telemetry.get("temp_c") or {}).items() if isinstance(v, (int, float))}
+    hottest = max(temps.items(), key=lambda kv: kv[1]) if temps else (None, None)
+    power = (telemetry.get("power_mw") or {}).get("total")
+    seen = [t for t in (status.get("ts"), telemetry.get("ts")) if isinstance(t, (int, float))]
+    return {
+        "device": device,
+        "state": status.get("state", "unknown"),
+        "model": f"{model.get('name')}@{model.get('version')}" if isinstance(model, dict) and model.get("name") else None,
+        "fps": telemetry.get("fps"),
+        "p99_ms": (telemetry.get("latency_ms") or {}).get("p99"),
+        "power_w": power / 1000.0 if isinstance(power, (int, float)) else None,
+        "hottest_zone": hottest[0],
+        "hottest_c": hottest[1],
+        "last_seen": max(seen) if seen else None,
+    }
+
+
+def render_fleet_table(rows: list[dict[str, Any]], now: float | None = None) -> Any:
+    """A rich Table of fleet rows; missing values shown as '-'."""
+    from rich.table import Table
+
+    now = time.time() if now is None else now
+    table = Table(title=f"{len(rows)} device(s)")
+    for name, justify in (("Device", "left"), ("State", "left"), ("Model", "left"), ("FPS", "right"),
+                          ("p99 ms", "right"), ("Power W", "right"), ("Hottest", "left"), ("Last seen", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for row in rows:
+        style = STATE_STYLES.get(row["state"], "")
+        hottest = f"{row['hottest_zone']} {row['hottest_c']:.1f} °C" if row["hottest_zone"] else "-"
+        seen = f"{max(0.0, now - row['last_seen']):.0f} s ago" if row["last_seen"] else "-"
+        table.add_row(row["device"], f"[{style}]{row['state']}[/]" if style else row["state"], row["model"] or "-",
+                      _num(row["fps"], 1), _num(row["p99_ms"], 1), _num(row["power_w"], 2), hottest, seen)
+    return table
+
+
+def _num(value: Any, digits: int) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-"
+
+
+def _json(payload: bytes) -> Any:
+    try:
+        return json.loads(payload)
+    except ValueError:
+        return None

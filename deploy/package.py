@@ -1,0 +1,181 @@
+"""`edge-deploy package`: turn an ONNX file and its settings into a signed artifact directory."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from agent.artifacts.builder import build_artifact
+from agent.artifacts.keys import load_private_key
+from agent.artifacts.layout import check_artifact_name
+from agent.artifacts.onnxcheck import check_loads, external_data_locations, load_proto, quantized
+from engines.errors import EdgeError
+from engines.manifest import BuildSpec, Gates, Manifest, ModelFile, PostprocessSpec
+from engines.preprocess import PreprocessSpec
+
+CALIBRATION_DIR = "calibration"
+_PLACEHOLDER = ModelFile(file="placeholder", sha256="0" * 64, size=0)
+
+
+class PackageError(EdgeError):
+    """The packaging request itself is wrong (bad option, missing file): a usage error."""
+
+    code = "PACKAGE_INVALID"
+
+
+@dataclass
+class PackageOptions:
+    """Everything `edge-deploy package` accepts; `preprocess` holds only the options that were given."""
+
+    model: Path
+    name: str
+    version: str
+    out: Path
+    key: Path | None = None
+    unsigned: bool = False
+    precision: str = "fp32"
+    calibration: Path | None = None
+    preprocess: dict[str, Any] = field(default_factory=dict)
+    postprocess: str = "raw"
+    params: list[str] = field(default_factory=list)
+    labels: Path | None = None
+    latency_budget_ms: float | None = None
+    min_accuracy: float | None = None
+    description: str = ""
+    force: bool = False
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """`640x480` -> (640, 480)."""
+    width, sep, height = text.lower().partition("x")
+    if not sep or not width.isdigit() or not height.isdigit():
+        raise PackageError(f"--input-size {text!r}: expected WIDTHxHEIGHT, e.g. 640x480")
+    return int(width), int(height)
+
+
+def parse_triplet(option: str, text: str) -> tuple[float, float, float]:
+    """`0.485,0.456,0.406` -> three floats (per channel, in the model's channel order)."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3:
+        raise PackageError(f"{option} {text!r}: expected three comma-separated numbers")
+    return values  # type: ignore[return-value]
+
+
+def parse_params(items: list[str]) -> dict[str, Any]:
+    """`k=v` pairs; v is read as JSON when it parses (numbers, lists, booleans), else kept as a string."""
+    params: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise PackageError(f"--param {item!r}: expected KEY=VALUE")
+        try:
+            params[key] = json.loads(value)
+        except ValueError:
+            params[key] = value
+    return params
+
+
+def read_labels(path: Path) -> list[str]:
+    """Class names from a JSON list or a text file with one name per line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeError) as exc:
+        raise PackageError(f"--labels {path}: cannot read ({exc})") from exc
+    if path.suffix.lower() == ".json":
+        try:
+            labels = json.loads(text)
+        except ValueError as exc:
+            raise PackageError(f"--labels {path}: not valid JSON ({exc})") from exc
+        if not isinstance(labels, list) or not all(isinstance(v, str) for v in labels):
+            raise PackageError(f"--labels {path}: a JSON labels file must be a list of strings")
+        return labels
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def calibration_files(directory: Path) -> dict[str, Path]:
+    """Artifact name -> source for each calibration image (a flat directory of regular files)."""
+    if not directory.is_dir():
+        raise PackageError(f"--calibration {directory}: not a directory")
+    found = {
+        f"{CALIBRATION_DIR}/{item.name}": item
+        for item in sorted(directory.iterdir())
+        if item.is_file() and not item.is_symlink() and not item.name.startswith(".")
+    }
+    if not found:
+        raise PackageError(f"--calibration {directory}: no image files in it")
+    return found
+
+
+def _validate_postprocess(kind: str, params: dict[str, Any]) -> None:
+    """Catch a wrong postprocess kind or parameter here rather than on a thousand devices."""
+    from engines.postprocess import POSTPROCESSORS
+
+    try:
+        POSTPROCESSORS.get(kind).Params.model_validate(params)
+    except LookupError as exc:
+        raise PackageError(f"--postprocess: {exc}") from exc
+    except ValidationError as exc:
+        problems = "; ".join(f"--param {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise PackageError(problems) from exc
+
+
+def _model_sources(model: Path, precision: str, has_calibration: bool) -> dict[str, Path]:
+    """The model and its external-data files, after proving ONNX and ONNX Runtime load it."""
+    if not model.is_file():
+        raise PackageError(f"{model}: model file not found")
+    name = check_artifact_name(model.name)
+    proto = load_proto(model)
+    sources = {name: model}
+    for location in sorted(external_data_locations(proto)):
+        sources[check_artifact_name(location)] = model.parent / location
+    check_loads(model, name, [n for n in sources if n != name])
+    if precision == "int8" and not has_calibration and not quantized(proto):
+        raise PackageError("--precision int8 needs --calibration DIR (or an already Q/DQ-quantized ONNX)")
+    return sources
+
+
+def build_template(opts: PackageOptions, model_file: str) -> Manifest:
+    """The manifest without hashes: every option validated by the shared schema (engines.manifest)."""
+    params = parse_params(opts.params)
+    _validate_postprocess(opts.postprocess, params)
+    try:
+        return Manifest(
+            name=opts.name,
+            version=opts.version,
+            description=opts.description,
+            model=_PLACEHOLDER.model_copy(update={"file": model_file}),
+            preprocess=PreprocessSpec(**opts.preprocess),
+            postprocess=PostprocessSpec(kind=opts.postprocess, params=params),
+            build=BuildSpec(precision=opts.precision, calibration=CALIBRATION_DIR if opts.calibration else None),
+            gates=Gates(latency_budget_ms=opts.latency_budget_ms, min_accuracy=opts.min_accuracy),
+            labels=read_labels(opts.labels) if opts.labels else None,
+        )
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise PackageError(f"invalid manifest: {problems}") from exc
+
+
+def package(opts: PackageOptions) -> Manifest:
+    """Validate the model and options, copy the files, write manifest.json and sign it."""
+    if opts.key is None and not opts.unsigned:
+        raise PackageError("--key KEY is required (or pass --unsigned explicitly; devices refuse unsigned artifacts)")
+    if opts.key is not None and opts.unsigned:
+        raise PackageError("--key and --unsigned exclude each other")
+    key = load_private_key(opts.key) if opts.key else None
+    sources = _model_sources(Path(opts.model), opts.precision, opts.calibration is not None)
+    template = build_template(opts, Path(opts.model).name)
+    if opts.calibration:
+        sources.update(calibration_files(opts.calibration))
+    if opts.labels:
+        name = check_artifact_name(opts.labels.name)
+        if name in sources:
+            raise PackageError(f"--labels {opts.labels}: its name {name!r} clashes with another packaged file")
+        sources[name] = opts.labels
+    return build_artifact(opts.out, template, sources, key, replace=opts.force)

@@ -1,0 +1,222 @@
+"""TensorRT backend: a serialized plan, name-based I/O, `execute_async_v3` on a non-default stream.
+
+`import tensorrt` is at module level on purpose: where it fails, the backend registry records the
+reason ("tensorrt: disabled (No module named 'tensorrt')") and the agent runs on ONNX Runtime. The
+same happens when neither cuda-python nor pycuda is installed (TensorRT alone cannot move tensors).
+
+Per engine: one execution context, one non-blocking CUDA stream, a pinned host array and a device
+buffer per I/O tensor (addresses bound once with `set_tensor_address`). With static shapes the
+enqueue is captured into a CUDA graph after a first plain run, replayed thereafter, and kept only if
+its outputs match the plain run's bit for bit; otherwise the reason is in `describe()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorrt as trt
+
+from engines import cuda_mem
+from engines.backends import BACKENDS
+from engines.backends.base import EngineOptions, TensorSpec
+from engines.cuda_mem import CudaError, CudaMemory, DeviceBuffer, open_cuda_memory
+from engines.errors import InferenceError, ModelError
+
+log = logging.getLogger(__name__)
+if (_missing := cuda_mem.missing_bindings()) is not None:
+    raise ImportError(_missing)  # disables the backend with this reason; "auto" then picks ONNX Runtime
+_LOGGER = trt.Logger(trt.Logger.WARNING)
+
+
+class _Binding:
+    """One I/O tensor: name, shape, dtype, pinned host array and device buffer."""
+
+    def __init__(self, cuda: CudaMemory, name: str, shape: tuple[int, ...], dtype: np.dtype, is_input: bool) -> None:
+        self.name, self.shape, self.dtype, self.is_input = name, shape, dtype, is_input
+        self.host = cuda.pinned_empty(shape, dtype)
+        self.host.fill(0)
+        self.device: DeviceBuffer = cuda.malloc(self.host.nbytes)
+
+    def spec(self) -> TensorSpec:
+        """The tensor as the Engine protocol describes it."""
+        return TensorSpec(self.name, self.shape, str(self.dtype))
+
+    def release(self, cuda: CudaMemory) -> None:
+        """Free both buffers."""
+        cuda.free(self.device)
+        cuda.free_pinned(self.host)
+
+
+class TrtEngine:
+    """A deserialized TensorRT engine with its context, stream, buffers and optional CUDA graph."""
+
+    backend = "tensorrt"
+
+    def __init__(self, plan: bytes, path: Path, options: EngineOptions, cuda_graphs: bool = True) -> None:
+        self.path, self.precision = path, options.precision
+        self._bindings: list[_Binding] = []
+        self._graph: Any = None
+        self._engine: Any = None
+        self._context: Any = None
+        self._stream: Any = None
+        self.cuda: CudaMemory | None = open_cuda_memory()
+        self.cuda_name = self.cuda.name
+        try:
+            self._setup(plan, options, cuda_graphs)
+        except BaseException:
+            self.close()  # a half-built engine must not leak device memory or the context
+            raise
+
+    def _setup(self, plan: bytes, options: EngineOptions, cuda_graphs: bool) -> None:
+        self._runtime = trt.Runtime(_LOGGER)
+        self._engine = self._runtime.deserialize_cuda_engine(plan)
+        if self._engine is None:
+            raise ModelError(f"{self.path.name}: TensorRT {trt.__version__} cannot deserialize this plan (built by "
+                             "another TensorRT version or for another GPU)", code="ENGINE_INCOMPATIBLE")
+        self._context = self._engine.create_execution_context()
+        self._stream = self.cuda.create_stream()
+        self._handle = self.cuda.stream_handle(self._stream)
+        self._bind(options.static_shapes)
+        self.inputs = [b.spec() for b in self._bindings if b.is_input]
+        self.outputs = [b.spec() for b in self._bindings if not b.is_input]
+        self.graph_status = self._capture_graph() if cuda_graphs else "disabled by configuration"
+
+    def _bind(self, static_shapes: dict[str, tuple[int, ...]]) -> None:
+        """Resolve every I/O tensor's shape (dynamic inputs from `static_shapes` or profile 0's opt)."""
+        names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
+        is_input = {n: self._engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT for n in names}
+        for name in (n for n in names if is_input[n]):
+            shape = tuple(self._engine.get_tensor_shape(name))
+            if any(d < 0 for d in shape):
+                shape = tuple(static_shapes.get(name) or self._engine.get_tensor_profile_shape(name, 0)[1])
+                if not self._context.set_input_shape(name, shape):
+                    raise ModelError(f"{self.path.name}: input {name} rejects shape {list(shape)}",
+                                     code="MODEL_SHAPE_MISMATCH")
+        for name in names:
+            shape = tuple(self._context.get_tensor_shape(name))
+            dtype = np.dtype(trt.nptype(self._engine.get_tensor_dtype(name)))
+            self._bindings.append(_Binding(self.cuda, name, shape, dtype, is_input[name]))
+            self._context.set_tensor_address(name, self._bindings[-1].device.ptr)
+
+    def _enqueue(self) -> None:
+        if self._graph is not None:
+            self.cuda.launch_graph(self._graph, self._stream)
+        elif not self._context.execute_async_v3(self._handle):
+            raise InferenceError(f"{self.path.name}: execute_async_v3 failed (see the TensorRT log)")
+
+    def _run(self) -> list[np.ndarray]:
+        """Inputs are already in the pinned arrays: copy in, enqueue, copy out, wait."""
+        for b in self._bindings:
+            if b.is_input:
+                self.cuda.copy_htod_async(b.device, b.host, self._stream)
+        self._enqueue()
+        outputs = [b for b in self._bindings if not b.is_input]
+        for b in outputs:
+            self.cuda.copy_dtoh_async(b.host, b.device, self._stream)
+        self.cuda.synchronize(self._stream)
+        return [b.host.copy() for b in outputs]
+
+    def _capture_graph(self) -> str:
+        """Capture `execute_async_v3` into a CUDA graph; keep it only if it reproduces a plain run."""
+        if not self.cuda.supports_graphs:
+            return f"{self.cuda.name} has no stream capture"
+        try:
+            expected = self._run()  # also the required first enqueue after shapes are set
+            self.cuda.begin_capture(self._stream)
+            try:
+                ok = self._context.execute_async_v3(self._handle)
+            finally:
+                graph = self.cuda.end_capture(self._stream)
+            if not ok:
+                self.cuda.destroy_graph(graph)
+                return "execute_async_v3 failed during capture"
+            self._graph = graph
+            if not all(np.array_equal(a, b) for a, b in zip(expected, self._run())):
+                self._drop_graph()
+                return "graph replay differs from a plain run"
+        except (CudaError, InferenceError) as exc:
+            self._drop_graph()
+            return f"capture failed: {exc}"
+        return "captured"
+
+    def _drop_graph(self) -> None:
+        if self._graph is not None:
+            graph, self._graph = self._graph, None
+            try:
+                self.cuda.destroy_graph(graph)
+            except CudaError as exc:
+                log.warning("%s: destroying CUDA graph: %s", self.path.name, exc)
+
+    def infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Copy feeds into the pinned inputs, run, return copies of the outputs (in `outputs` order)."""
+        if self.cuda is None:
+            raise InferenceError(f"{self.path.name}: engine is closed")
+        for b in self._bindings:
+            if not b.is_input:
+                continue
+            try:
+                np.copyto(b.host, feeds[b.name], casting="same_kind")
+            except (KeyError, ValueError, TypeError) as exc:
+                raise InferenceError(f"{self.path.name}: input {b.name} {list(b.shape)} {b.dtype}: {exc}") from exc
+        try:
+            return self._run()
+        except CudaError as exc:
+            raise InferenceError(f"{self.path.name}: {exc}") from exc
+
+    def describe(self) -> dict[str, Any]:
+        """Engine, CUDA and graph details for status and bench."""
+        return {
+            "backend": self.backend, "backend_version": trt.__version__, "precision": self.precision,
+            "cuda_memory": self.cuda_name, "cuda_graph": self._graph is not None, "cuda_graph_status": self.graph_status,
+            "inputs": [i.to_dict() for i in self.inputs], "outputs": [o.to_dict() for o in self.outputs],
+        }
+
+    def close(self) -> None:
+        """Free the graph, buffers and stream, then the context and engine (idempotent)."""
+        if self.cuda is None:
+            return
+        self._drop_graph()
+        for b in self._bindings:
+            b.release(self.cuda)
+        self._bindings = []
+        if self._stream is not None:
+            self.cuda.destroy_stream(self._stream)
+        self._context = self._engine = self._stream = None  # context before engine, as TensorRT requires
+        self.cuda.close()
+        self.cuda = None
+
+
+@BACKENDS.register("tensorrt")
+class TensorRTBackend:
+    """Loads plan files; a bare `.onnx` is built in process first (slow: use engines.provision)."""
+
+    name = "tensorrt"
+
+    def __init__(self, cuda_graphs: bool = True) -> None:
+        self.cuda_graphs = cuda_graphs
+
+    def version(self) -> str:
+        """TensorRT version string (part of the engine cache key)."""
+        return str(trt.__version__)
+
+    def load(self, model_path: Path, options: EngineOptions) -> TrtEngine:
+        """Deserialize a plan; an unloadable plan is ModelError code ENGINE_INCOMPATIBLE."""
+        model_path = Path(model_path)
+        if model_path.suffix == ".onnx":
+            plan = self._build_uncached(model_path, options)
+        else:
+            plan = model_path.read_bytes()
+        return TrtEngine(plan, model_path, options, self.cuda_graphs)
+
+    @staticmethod
+    def _build_uncached(model_path: Path, options: EngineOptions) -> bytes:
+        from engines.backends.tensorrt_build import build_serialized
+        from engines.build_spec import EngineBuildSpec
+
+        log.warning("%s: building a TensorRT engine in process without caching; "
+                    "use engines.provision to build once and reuse it", model_path.name)
+        spec = EngineBuildSpec(precision="fp32", input_shapes=dict(options.static_shapes))
+        return build_serialized(trt, model_path, spec, None, lambda stage, **kw: log.info("build %s %s", stage, kw))

@@ -1,0 +1,246 @@
+"""TensorRT engine builds from ONNX, written for TensorRT 8.6 through 11 by feature detection.
+
+Runs in the build child process (`build_plan`) or, for a bare `.onnx` given to the backend, in process
+(`build_serialized`). Every API that appeared or disappeared between those versions is probed with
+`hasattr` instead of comparing version strings:
+- explicit batch: the creation flag exists (and is required) before TensorRT 10, is a no-op after;
+- strongly typed networks (STRONGLY_TYPED, 9.1+) for Q/DQ INT8 and FP16-typed ONNX; the FP16/INT8
+  builder flags where they still exist (deprecated in 10.12, removed in 11);
+- builder optimisation level (8.6+), progress monitor (8.6+), parser node names (8.6+).
+`trt` is passed in so tests can drive this logic with a recording stand-in.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from engines.build_spec import EngineBuildError, EngineBuildSpec
+from engines.fsutil import atomic_write_bytes
+
+Emit = Callable[..., None]
+_OOM_MARKERS = ("out of memory", "outofmemory", "cudaerrormemoryallocation", "requested amount of gpu memory")
+MB = 1 << 20
+
+
+def build_plan(job: Any, emit: Emit) -> dict[str, Any]:
+    """Child-process entry: (INT8: Q/DQ ONNX first) -> serialized plan written to `job.out_path`."""
+    import tensorrt as trt
+
+    from engines.build_worker import StageTimer, to_fp16, quantize_model, static_model
+
+    report: dict[str, Any] = {"notes": [], "stages_s": {}}
+    onnx_path = job.onnx_path
+    if job.spec.precision == "int8":
+        timer = StageTimer(emit, report)
+        onnx_path = quantize_model(job, static_model(job, timer), timer, report)
+    elif job.spec.precision == "fp16" and not _has_flag(trt, "FP16"):
+        emit("fp16-convert")  # no FP16 builder flag (TensorRT 11): the ONNX itself carries FP16 types
+        onnx_path = to_fp16(onnx_path, job.work_dir / "fp16.onnx")
+        report["notes"].append("fp16 via a strongly typed FP16 ONNX (this TensorRT has no FP16 builder flag)")
+    t0 = time.monotonic()
+    plan = build_serialized(trt, onnx_path, job.spec, job.timing_cache, emit, report)
+    report["stages_s"]["tensorrt-build"] = round(time.monotonic() - t0, 3)
+    atomic_write_bytes(job.out_path, plan)
+    emit("verify")
+    if trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(plan) is None:
+        raise EngineBuildError("the plan TensorRT just built does not deserialize")
+    return report
+
+
+def build_serialized(trt: Any, onnx_path: Path, spec: EngineBuildSpec, timing_cache: Path | None,
+                     emit: Emit, report: dict[str, Any] | None = None) -> bytes:
+    """Parse, configure and build; returns the plan bytes or raises EngineBuildError with the cause."""
+    report = report if report is not None else {"notes": []}
+    logger = make_logger(trt)
+    typed = spec.precision == "int8" or (spec.precision == "fp16" and not _has_flag(trt, "FP16"))
+    strongly_typed = typed and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")
+    builder = trt.Builder(logger)
+    network = builder.create_network(network_flags(trt, strongly_typed))
+    parser = trt.OnnxParser(network, logger)
+    emit("parse")
+    if not parser.parse_from_file(str(onnx_path)):
+        raise EngineBuildError(f"ONNX parser: {parser_errors(parser)}")
+    config = builder.create_builder_config()
+    report["workspace_mb"] = set_workspace(trt, config, spec.workspace_mb)
+    if spec.optimization_level is not None and hasattr(config, "builder_optimization_level"):
+        config.builder_optimization_level = int(spec.optimization_level)
+    add_profiles(builder, network, config, spec)
+    report["precision_mode"] = set_precision(trt, config, spec.precision, strongly_typed)
+    cache = attach_timing_cache(config, timing_cache, report)
+    monitor = attach_progress_monitor(trt, config, emit)  # noqa: F841  (TensorRT holds a raw pointer to it)
+    emit("build")
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        errors = "; ".join(logger.errors[-5:]) or "no error message from TensorRT"
+        code = "ENGINE_BUILD_OOM" if any(m in errors.lower() for m in _OOM_MARKERS) else "ENGINE_BUILD_FAILED"
+        raise EngineBuildError(f"TensorRT build failed: {errors}", code=code)
+    save_timing_cache(config, cache, timing_cache)
+    return bytes(memoryview(plan))
+
+
+def make_logger(trt: Any) -> Any:
+    """An ILogger that writes warnings to the build log and keeps errors for the failure message."""
+
+    class _Logger(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+
+        def log(self, severity: Any, msg: str) -> None:
+            level = int(severity)
+            if level <= int(trt.ILogger.Severity.ERROR):
+                self.errors.append(msg)
+            if level <= int(trt.ILogger.Severity.WARNING):
+                print(f"[TRT {getattr(severity, 'name', level)}] {msg}", file=sys.stderr)
+
+    return _Logger()
+
+
+def network_flags(trt: Any, strongly_typed: bool) -> int:
+    """EXPLICIT_BATCH where the flag exists (required before TensorRT 10); STRONGLY_TYPED when asked."""
+    flags = 0
+    names = trt.NetworkDefinitionCreationFlag
+    if hasattr(names, "EXPLICIT_BATCH"):
+        flags |= 1 << int(names.EXPLICIT_BATCH)
+    if strongly_typed:
+        flags |= 1 << int(names.STRONGLY_TYPED)
+    return flags
+
+
+def parser_errors(parser: Any) -> str:
+    """Every parser error as `node NAME (OpType): description`."""
+    lines = []
+    for i in range(parser.num_errors):
+        err = parser.get_error(i)
+        name = err.node_name() if hasattr(err, "node_name") else ""
+        op = err.node_operator() if hasattr(err, "node_operator") else ""
+        where = f"node {name or '#' + str(err.node())}" + (f" ({op})" if op else "")
+        lines.append(f"{where}: {err.desc()}")
+    return "; ".join(lines) or "parse failed without an error record"
+
+
+def set_workspace(trt: Any, config: Any, workspace_mb: int | None) -> int | None:
+    """Workspace = the configured size, capped at 3/4 of free device memory (auto: half of it)."""
+    free = free_device_memory()
+    if workspace_mb is None and free is None:
+        return None  # TensorRT's default: all device memory it can get
+    wanted = workspace_mb * MB if workspace_mb is not None else (free or 0) // 2
+    limit = min(wanted, free * 3 // 4) if free else wanted
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(limit))
+    return int(limit) // MB
+
+
+def free_device_memory() -> int | None:
+    """Free device memory through the CUDA memory interface; None when no implementation works."""
+    from engines.cuda_mem import CudaError, open_cuda_memory
+
+    try:
+        cuda = open_cuda_memory()
+    except CudaError:
+        return None
+    try:
+        return cuda.mem_get_info()[0]
+    finally:
+        cuda.close()
+
+
+def add_profiles(builder: Any, network: Any, config: Any, spec: EngineBuildSpec) -> None:
+    """One optimisation profile covering every dynamic input (min/opt/max from the spec)."""
+    profile, used = builder.create_optimization_profile(), False
+    for i in range(network.num_inputs):
+        tensor = network.get_input(i)
+        shape = tuple(tensor.shape)
+        if all(d >= 0 for d in shape):
+            continue
+        ranges = spec.profiles.get(tensor.name)
+        if ranges is None:
+            static = spec.input_shapes.get(tensor.name)
+            if static is None:
+                raise EngineBuildError(f"input {tensor.name} has dynamic shape {list(shape)} and no profile",
+                                       code="MODEL_SHAPE_MISMATCH")
+            ranges_t = (static, static, static)
+        else:
+            ranges_t = (ranges.min, ranges.opt, ranges.max)
+        profile.set_shape(tensor.name, *ranges_t)
+        used = True
+    if used:
+        config.add_optimization_profile(profile)
+
+
+def set_precision(trt: Any, config: Any, precision: str, strongly_typed: bool) -> str:
+    """Builder flags for the precision; a strongly typed network takes its types from the ONNX."""
+    if strongly_typed:
+        return "strongly-typed"
+    if precision == "fp32":
+        if _has_flag(trt, "TF32"):
+            config.clear_flag(trt.BuilderFlag.TF32)  # fp32 means fp32: no 10-bit-mantissa matmuls
+        return "fp32"
+    if precision == "fp16":
+        config.set_flag(trt.BuilderFlag.FP16)
+        return "fp16-flag"
+    if not _has_flag(trt, "INT8"):
+        raise EngineBuildError("this TensorRT has neither strongly typed networks nor the INT8 flag")
+    config.set_flag(trt.BuilderFlag.INT8)  # explicit quantization: Q/DQ nodes decide what runs in int8
+    if _has_flag(trt, "FP16"):
+        config.set_flag(trt.BuilderFlag.FP16)
+    return "int8-flag"
+
+
+def attach_timing_cache(config: Any, path: Path | None, report: dict[str, Any]) -> Any:
+    """Reuse the device's timing cache (kernel timings) so rebuilds skip re-timing tactics."""
+    data = path.read_bytes() if path is not None and path.is_file() else b""
+    cache = config.create_timing_cache(data)
+    if cache is None or not config.set_timing_cache(cache, False):
+        report["notes"].append(f"timing cache {path} was unusable; starting a fresh one")
+        cache = config.create_timing_cache(b"")
+        config.set_timing_cache(cache, False)
+    elif data:
+        report["notes"].append(f"reused timing cache {path.name if path else ''} ({len(data)} bytes)")
+    return cache
+
+
+def save_timing_cache(config: Any, cache: Any, path: Path | None) -> None:
+    """Persist the grown timing cache (merged with one another build may have written meanwhile)."""
+    if path is None:
+        return
+    current = config.get_timing_cache() if hasattr(config, "get_timing_cache") else cache
+    if path.is_file() and hasattr(current, "combine"):
+        other = config.create_timing_cache(path.read_bytes())
+        if other is not None:
+            current.combine(other, False)
+    atomic_write_bytes(path, bytes(memoryview(current.serialize())))
+
+
+def attach_progress_monitor(trt: Any, config: Any, emit: Emit, min_interval_s: float = 0.5) -> Any:
+    """Layer/tactic progress as events, where this TensorRT has IProgressMonitor (8.6+)."""
+    if not hasattr(trt, "IProgressMonitor") or not hasattr(config, "progress_monitor"):
+        return None
+
+    class _Monitor(trt.IProgressMonitor):
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+            self._last = 0.0
+
+        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+            emit("build", phase=phase_name, parent=parent_phase, step=0, steps=num_steps)
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            now = time.monotonic()
+            if now - self._last >= min_interval_s:  # tactic steps come thousands a second
+                self._last = now
+                emit("build", phase=phase_name, step=step)
+            return True  # never cancel: the parent kills the process on timeout
+
+        def phase_finish(self, phase_name: str) -> None:
+            emit("build", phase=phase_name, done=True)
+
+    monitor = _Monitor()
+    config.progress_monitor = monitor
+    return monitor
+
+
+def _has_flag(trt: Any, name: str) -> bool:
+    return hasattr(trt, "BuilderFlag") and hasattr(trt.BuilderFlag, name)

@@ -1,0 +1,178 @@
+"""What an engine build depends on, and the cache key derived from it.
+
+The key is the sha256 of one canonical JSON document holding every input that changes the built file:
+the ONNX bytes (by hash), the backend and its version, the device parts that make an engine
+non-portable, and the build spec (precision, shapes, workspace, calibration set). Anything not in
+the key must not change the engine; anything that does change it must be in the key. A JetPack or
+TensorRT upgrade therefore misses by construction instead of loading a stale engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engines.errors import EdgeError
+from engines.fingerprint import DeviceFingerprint, fingerprint_for_backend
+
+# Bump when the builder's output changes for the same inputs (new fusions, quantizer settings...).
+KEY_SCHEMA = "edge-agent/engine-key/v1"
+PRECISIONS = ("fp32", "fp16", "int8")
+# Builder optimisation level 3 is TensorRT's default: the best trade of build time vs speed.
+DEFAULT_TRT_OPT_LEVEL = 3
+ENGINE_SUFFIX = {"onnxruntime": ".onnx", "tensorrt": ".plan"}
+
+
+class EngineBuildError(EdgeError):
+    """An engine could not be built; `code` says whether it failed, timed out or ran out of memory."""
+
+    code = "ENGINE_BUILD_FAILED"
+
+
+@dataclass(frozen=True)
+class ShapeProfile:
+    """TensorRT optimisation profile of one input: the smallest, typical and largest shapes."""
+
+    min: tuple[int, ...]
+    opt: tuple[int, ...]
+    max: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, list[int]]:
+        """Plain lists for JSON."""
+        return {"min": list(self.min), "opt": list(self.opt), "max": list(self.max)}
+
+
+@dataclass(frozen=True)
+class EngineBuildSpec:
+    """How one engine is built; every field is part of the cache key."""
+
+    precision: str = "fp32"
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    profiles: dict[str, ShapeProfile] = field(default_factory=dict)
+    workspace_mb: int | None = None
+    calibration_hash: str | None = None
+    calibration_count: int = 0
+    optimization_level: int | None = None
+    providers: tuple[str, ...] = ()
+    quantization: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise EdgeError(f"precision {self.precision!r}: use one of {', '.join(PRECISIONS)}", code="USAGE")
+        if self.precision == "int8" and not self.calibration_hash:
+            raise EdgeError("an int8 build needs a calibration set (its hash is part of the key)", code="USAGE")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Canonical, JSON-ready form (what goes into the key and the sidecar)."""
+        return {
+            "precision": self.precision,
+            "input_shapes": {k: list(v) for k, v in sorted(self.input_shapes.items())},
+            "profiles": {k: p.to_dict() for k, p in sorted(self.profiles.items())},
+            "workspace_mb": self.workspace_mb,
+            "calibration_hash": self.calibration_hash,
+            "calibration_count": self.calibration_count,
+            "optimization_level": self.optimization_level,
+            "providers": list(self.providers),
+            "quantization": self.quantization,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EngineBuildSpec":
+        """Inverse of `to_dict` (the child process reads the spec from its job file)."""
+        return cls(
+            precision=data["precision"],
+            input_shapes={k: tuple(v) for k, v in data.get("input_shapes", {}).items()},
+            profiles={k: ShapeProfile(tuple(p["min"]), tuple(p["opt"]), tuple(p["max"]))
+                      for k, p in data.get("profiles", {}).items()},
+            workspace_mb=data.get("workspace_mb"),
+            calibration_hash=data.get("calibration_hash"),
+            calibration_count=int(data.get("calibration_count", 0)),
+            optimization_level=data.get("optimization_level"),
+            providers=tuple(data.get("providers", ())),
+            quantization=dict(data.get("quantization", {})),
+        )
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """The key and the parts it was computed from (kept in the index and the sidecar)."""
+
+    key: str
+    parts: dict[str, Any]
+
+    @property
+    def short(self) -> str:
+        """First 16 hex digits: enough to tell engines apart in logs and tables."""
+        return self.key[:16]
+
+
+def device_part(fp: DeviceFingerprint, backend: str) -> dict[str, Any]:
+    """The fingerprint fields that make an engine of `backend` non-portable, plus the L4T release.
+
+    L4T is added for every backend: a JetPack upgrade swaps the CUDA/cuDNN libraries ONNX Runtime's
+    GPU providers link against, and rebuilding an ONNX Runtime engine costs seconds, so a device
+    upgrade always misses rather than risking a stale engine.
+    """
+    part = dict(fingerprint_for_backend(fp, backend))
+    part.setdefault("l4t", fp.l4t)
+    return part
+
+
+def canonical_json(data: Any) -> bytes:
+    """Sorted keys, no whitespace, ASCII: the same bytes on every Python and platform."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def make_cache_key(onnx_sha256: str, backend: str, backend_version: str, device: dict[str, Any],
+                   spec: EngineBuildSpec) -> CacheKey:
+    """sha256 of the canonical JSON of every input that changes the built engine."""
+    parts = {
+        "schema": KEY_SCHEMA,
+        "onnx_sha256": onnx_sha256,
+        "backend": backend,
+        "backend_version": backend_version,
+        "device": device,
+        "spec": spec.to_dict(),
+    }
+    return CacheKey(hashlib.sha256(canonical_json(parts)).hexdigest(), parts)
+
+
+def spec_summary(spec: EngineBuildSpec) -> str:
+    """One line for tables: `int8 1x3x480x640 cal=ab12cd34`."""
+    shapes = ",".join("x".join(map(str, s)) for s in spec.input_shapes.values()) or "dynamic"
+    text = f"{spec.precision} {shapes}"
+    if spec.calibration_hash:
+        text += f" cal={spec.calibration_hash[:8]}"
+    return text
+
+
+def quant_settings(backend: str) -> Any:
+    """The INT8 quantizer settings for a backend (part of the key: other settings, other engine).
+
+    ONNX Runtime's CPU kernels are fastest with U8 activations x S8 weights (engines.quantize.DEFAULT).
+    TensorRT's explicit quantization wants symmetric INT8 activations (zero point 0) and only its own
+    Q/DQ-aware ops, so DepthToSpace stays float there.
+    """
+    from dataclasses import replace
+
+    from engines import quantize
+
+    if backend == "tensorrt":
+        return replace(quantize.DEFAULT, activation_type="int8", extra_op_types=(),
+                       extra_options=(("ActivationSymmetric", True),))
+    return quantize.DEFAULT
+
+
+def settings_dict(settings: Any) -> dict[str, Any]:
+    """A quantizer settings object (dataclass, pydantic model or dict) as a JSON-ready dict."""
+    if settings is None:
+        return {}
+    if isinstance(settings, dict):
+        data = settings
+    elif hasattr(settings, "model_dump"):
+        data = settings.model_dump()
+    else:
+        data = asdict(settings)
+    return json.loads(json.dumps(data, default=str, sort_keys=True))

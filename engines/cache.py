@@ -1,0 +1,334 @@
+"""The engine cache: plain engine files + JSON sidecars on disk, an index table in the state database.
+
+Layout under `cache_dir`:
+    engines/<key>.plan | <key>.onnx   the engine itself (a TensorRT plan stays loadable by trtexec)
+    engines/<key>.<ext>.json          sidecar: key parts, build time, validation results
+    timing/<device digest>.cache      TensorRT timing caches, one per device fingerprint
+    quarantine/                       corrupt or incompatible engines, moved aside with the reason
+    locks/<key>.lock                  one build per key at a time, across processes
+
+Writes go temp -> fsync -> rename, file before sidecar before index row, so a crash leaves at worst an
+orphan file that `gc` removes. Every load re-hashes the file against the index: a corrupt engine is
+quarantined and reported, never loaded and never silently deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from engines.build_spec import ENGINE_SUFFIX, CacheKey
+from engines.errors import EdgeError
+from engines.fsutil import atomic_write_bytes, fsync_dir
+from engines.manifest import sha256_file
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[dict[str, Any]], None]
+ORPHAN_GRACE_S = 600.0  # files younger than this may belong to a build that is being committed
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS engines (
+    key TEXT PRIMARY KEY,
+    file TEXT NOT NULL,
+    file_sha256 TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    onnx_sha256 TEXT NOT NULL,
+    model TEXT NOT NULL DEFAULT '',
+    backend TEXT NOT NULL,
+    backend_version TEXT NOT NULL,
+    precision TEXT NOT NULL,
+    parts TEXT NOT NULL,
+    build_s REAL NOT NULL DEFAULT 0,
+    report TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    last_used REAL NOT NULL,
+    validation TEXT
+);
+CREATE INDEX IF NOT EXISTS engines_last_used ON engines(last_used);
+CREATE INDEX IF NOT EXISTS engines_onnx ON engines(onnx_sha256);
+"""
+
+
+def ensure_schema(conn: sqlite3.Connection) -> None:
+    """Create the index table if this database does not have it yet (idempotent)."""
+    conn.executescript(SCHEMA)
+
+
+@dataclass
+class CacheEntry:
+    """One indexed engine."""
+
+    key: str
+    path: Path
+    file_sha256: str
+    size: int
+    onnx_sha256: str
+    model: str
+    backend: str
+    backend_version: str
+    precision: str
+    parts: dict[str, Any]
+    build_s: float
+    created_at: float
+    last_used: float
+    report: dict[str, Any] = field(default_factory=dict)
+    validation: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form for `engines list --json`."""
+        data = asdict(self)
+        data["path"] = str(self.path)
+        return data
+
+    def sidecar(self) -> dict[str, Any]:
+        """The provenance written next to the engine file."""
+        data = self.to_dict()
+        data["file"] = self.path.name
+        del data["path"], data["last_used"]
+        return data
+
+
+@dataclass
+class GcReport:
+    """What `gc` removed and what it had to keep."""
+
+    removed: list[str]
+    freed_bytes: int
+    kept_bytes: int
+    pinned: list[str]
+    over_budget: bool
+    orphans: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form for `engines gc --json`."""
+        return asdict(self)
+
+
+class EngineCache:
+    """Index + files of built engines for one cache directory and one state database."""
+
+    def __init__(self, cache_dir: Path, db_path: Path, on_event: EventSink | None = None) -> None:
+        self.cache_dir = Path(cache_dir)
+        self.engines_dir = self.cache_dir / "engines"
+        self.quarantine_dir = self.cache_dir / "quarantine"
+        for sub in (self.engines_dir, self.quarantine_dir, self.cache_dir / "timing", self.cache_dir / "locks"):
+            sub.mkdir(parents=True, exist_ok=True)
+        self._on_event = on_event
+        self._lock = threading.RLock()
+        Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(str(db_path), timeout=10, isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        ensure_schema(self._conn)
+
+    # --- paths -------------------------------------------------------------------------------
+
+    def engine_path(self, key: str, backend: str) -> Path:
+        """Where the engine for `key` lives."""
+        return self.engines_dir / f"{key}{ENGINE_SUFFIX.get(backend, '.engine')}"
+
+    def timing_cache_path(self, device_digest: str) -> Path:
+        """TensorRT timing cache shared by all builds on one device fingerprint."""
+        return self.cache_dir / "timing" / f"{device_digest}.cache"
+
+    @contextlib.contextmanager
+    def build_lock(self, key: str, timeout_s: float) -> Iterator[None]:
+        """Hold the per-key lock so two processes never build the same engine at once."""
+        path = self.cache_dir / "locks" / f"{key}.lock"
+        with open(path, "a+b") as fh:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise EdgeError(f"engine {key[:16]} is being built by another process", code="BUSY") from None
+                    time.sleep(0.2)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+    # --- index -------------------------------------------------------------------------------
+
+    def get(self, key: str) -> CacheEntry | None:
+        """The index row for `key` without touching the file."""
+        with self._lock:
+            row = self._conn.execute("SELECT * FROM engines WHERE key = ?", (key,)).fetchone()
+            names = [d[0] for d in self._conn.execute("SELECT * FROM engines LIMIT 0").description]
+        return self._entry(dict(zip(names, row))) if row else None
+
+    def entries(self) -> list[CacheEntry]:
+        """Every indexed engine, most recently used first."""
+        with self._lock:
+            cursor = self._conn.execute("SELECT * FROM engines ORDER BY last_used DESC")
+            names = [d[0] for d in cursor.description]
+            rows = cursor.fetchall()
+        return [self._entry(dict(zip(names, row))) for row in rows]
+
+    def lookup(self, key: str) -> CacheEntry | None:
+        """The verified entry for `key`; a missing or altered file is dropped or quarantined first."""
+        entry = self.get(key)
+        if entry is None:
+            return None
+        if not entry.path.is_file():
+            self._delete_row(key)
+            self._emit("engine.cache.missing", key=key, path=str(entry.path))
+            return None
+        actual = sha256_file(entry.path)
+        if actual != entry.file_sha256 or entry.path.stat().st_size != entry.size:
+            self.quarantine(key, f"file sha256 {actual[:12]} != index {entry.file_sha256[:12]} (corrupt engine file)")
+            return None
+        return entry
+
+    def put(self, cache_key: CacheKey, built: Path, *, model: str, build_s: float,
+            report: dict[str, Any] | None = None) -> CacheEntry:
+        """Move a freshly built file into the cache, write its sidecar, then index it."""
+        parts = cache_key.parts
+        final = self.engine_path(cache_key.key, parts["backend"])
+        _fsync_file(built)
+        os.replace(built, final)
+        fsync_dir(final.parent)
+        now = time.time()
+        entry = CacheEntry(cache_key.key, final, sha256_file(final), final.stat().st_size, parts["onnx_sha256"],
+                           model, parts["backend"], parts["backend_version"], parts["spec"]["precision"],
+                           parts, round(build_s, 3), now, now, dict(report or {}))
+        self._write_sidecar(entry)
+        with self._lock:
+            self._conn.execute(
+                "INSERT OR REPLACE INTO engines (key, file, file_sha256, size, onnx_sha256, model, backend,"
+                " backend_version, precision, parts, build_s, report, created_at, last_used, validation)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+                (entry.key, final.name, entry.file_sha256, entry.size, entry.onnx_sha256, model, entry.backend,
+                 entry.backend_version, entry.precision, json.dumps(parts), entry.build_s,
+                 json.dumps(entry.report), now, now),
+            )
+        self._emit("engine.cache.stored", key=entry.key, size=entry.size, build_s=entry.build_s)
+        return entry
+
+    def record_validation(self, key: str, validation: dict[str, Any]) -> None:
+        """Store a gate result in the index and the sidecar (shown by `engines list`)."""
+        with self._lock:
+            self._conn.execute("UPDATE engines SET validation = ? WHERE key = ?", (json.dumps(validation), key))
+        entry = self.get(key)
+        if entry is not None:
+            self._write_sidecar(entry)
+
+    def touch(self, key: str) -> None:
+        """Mark `key` as just used (GC evicts least recently used first)."""
+        with self._lock:
+            self._conn.execute("UPDATE engines SET last_used = ? WHERE key = ?", (time.time(), key))
+
+    def quarantine(self, key: str, reason: str) -> Path | None:
+        """Move an engine and its sidecar aside with the reason; drop it from the index."""
+        entry = self.get(key)
+        path = entry.path if entry else next(iter(self.engines_dir.glob(f"{key}.*")), None)
+        target = None
+        if path is not None and path.exists():
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            target = self.quarantine_dir / f"{stamp}-{path.name}"
+            os.replace(path, target)
+            sidecar = _sidecar_path(path)
+            if sidecar.exists():
+                os.replace(sidecar, _sidecar_path(target))
+            atomic_write_bytes(target.with_name(target.name + ".reason"), (reason + "\n").encode())
+            fsync_dir(self.engines_dir)
+        self._delete_row(key)
+        log.warning("engine %s quarantined: %s", key[:16], reason)
+        self._emit("engine.quarantined", key=key, reason=reason, path=str(target) if target else None)
+        return target
+
+    def gc(self, budget_bytes: int, pinned: set[str] | frozenset[str] = frozenset(),
+           purge_quarantine: bool = False) -> GcReport:
+        """Evict least recently used engines until the total fits `budget_bytes`; pinned ones stay.
+
+        `pinned` holds cache keys or model sha256s (the active and previous models' engines).
+        """
+        entries = self.entries()
+        keep = [e for e in entries if e.key in pinned or e.onnx_sha256 in pinned]
+        kept_keys = {e.key for e in keep}
+        total = sum(e.size for e in entries)
+        removed, freed = [], 0
+        for entry in sorted((e for e in entries if e.key not in kept_keys), key=lambda e: e.last_used):
+            if total - freed <= budget_bytes:
+                break
+            self._remove(entry)
+            removed.append(entry.key)
+            freed += entry.size
+        orphans = self._remove_orphans()
+        if purge_quarantine:
+            shutil.rmtree(self.quarantine_dir, ignore_errors=True)
+            self.quarantine_dir.mkdir(exist_ok=True)
+        kept = total - freed
+        if removed:
+            self._emit("engine.cache.gc", removed=removed, freed_bytes=freed)
+        return GcReport(removed, freed, kept, [e.key for e in keep], kept > budget_bytes, orphans)
+
+    def quarantined(self) -> list[Path]:
+        """Engine files currently in quarantine."""
+        return sorted(p for p in self.quarantine_dir.iterdir() if p.suffix in (".plan", ".onnx", ".engine"))
+
+    def close(self) -> None:
+        """Close the index connection."""
+        with self._lock:
+            self._conn.close()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _entry(self, row: dict[str, Any]) -> CacheEntry:
+        return CacheEntry(
+            row["key"], self.engines_dir / row["file"], row["file_sha256"], row["size"], row["onnx_sha256"],
+            row["model"], row["backend"], row["backend_version"], row["precision"], json.loads(row["parts"]),
+            row["build_s"], row["created_at"], row["last_used"], json.loads(row["report"] or "{}"),
+            json.loads(row["validation"]) if row["validation"] else None,
+        )
+
+    def _write_sidecar(self, entry: CacheEntry) -> None:
+        atomic_write_bytes(_sidecar_path(entry.path), json.dumps(entry.sidecar(), indent=2, sort_keys=True).encode() + b"\n")
+
+    def _delete_row(self, key: str) -> None:
+        with self._lock:
+            self._conn.execute("DELETE FROM engines WHERE key = ?", (key,))
+
+    def _remove(self, entry: CacheEntry) -> None:
+        self._delete_row(entry.key)
+        entry.path.unlink(missing_ok=True)
+        _sidecar_path(entry.path).unlink(missing_ok=True)
+
+    def _remove_orphans(self) -> list[str]:
+        """Engine files with no index row (a crash between rename and insert), past a grace period."""
+        known = {e.path.name for e in self.entries()}
+        removed = []
+        for path in self.engines_dir.iterdir():
+            name = path.name[: -len(".json")] if path.name.endswith(".json") else path.name
+            if name in known or name.startswith(".") or time.time() - path.stat().st_mtime < ORPHAN_GRACE_S:
+                continue
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+        return removed
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self._on_event is not None:
+            self._on_event({"type": kind, **fields})
+
+
+def _sidecar_path(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+

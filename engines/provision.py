@@ -1,0 +1,328 @@
+"""One call from a verified model to a validated, cached engine for this device.
+
+    result = provision(source, cache_dir=..., db_path=...)      # hit: hash check only; miss: build + gates
+    runtime = load_provisioned(result, source)                   # a ModelRuntime on the cached engine
+
+A miss builds in a child process (engines.build), stores the file (engines.cache), then runs the gates
+(engines.validate) against the FP32 ONNX Runtime reference; a failing engine stays in the cache with
+its verdict, and is refused with GATE_ACCURACY / GATE_LATENCY until the thresholds change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import threading
+import uuid
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from engines import calibration as calib
+from engines.backends import BACKENDS, get_backend
+from engines.backends.base import Engine, EngineOptions
+from engines.build import Builder, BuildJob
+from engines.build_spec import (DEFAULT_TRT_OPT_LEVEL, CacheKey, EngineBuildError, EngineBuildSpec, ShapeProfile,
+                                canonical_json, device_part, make_cache_key, quant_settings, settings_dict)
+from engines.cache import CacheEntry, EngineCache
+from engines.errors import EdgeError, ModelError
+from engines.fingerprint import read_fingerprint
+from engines.manifest import sha256_file
+from engines.model import ModelSource
+from engines.runtime import ModelRuntime, load_runtime, preprocess_shape, resolve_backend
+from engines.validate import GateError, ValidationResult, min_accuracy_for, validate, validation_frames
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[dict[str, Any]], None]
+DEFAULT_TIMEOUT_S = 1800.0  # a large TensorRT build at optimisation level 3 on an Orin Nano: ~10-20 min
+_GPU_PROVIDERS = ("CUDAExecutionProvider", "ROCMExecutionProvider", "DmlExecutionProvider")
+
+
+class EngineIncompatibleError(EdgeError):
+    """A cached engine does not load on this device/library; it is quarantined and rebuilt."""
+
+    code = "ENGINE_INCOMPATIBLE"
+
+
+@dataclass
+class BuildPlan:
+    """Everything decided before a build: backend, spec, calibration set and the cache key."""
+
+    backend: str
+    precision: str
+    spec: EngineBuildSpec
+    key: CacheKey
+    calibration: calib.CalibrationSet | None
+    device_digest: str
+
+
+@dataclass
+class ProvisionResult:
+    """What `provision` produced: where the engine is, whether it was built now, and its gates."""
+
+    key: str
+    engine_path: Path
+    backend: str
+    precision: str
+    hit: bool
+    build_s: float
+    validation: ValidationResult | None
+    input_shapes: dict[str, tuple[int, ...]]
+    providers: tuple[str, ...]
+    cache_dir: Path
+    db_path: Path
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form for `engines build --json` and deployment events."""
+        data = asdict(self)
+        data.update(engine_path=str(self.engine_path), cache_dir=str(self.cache_dir), db_path=str(self.db_path),
+                    validation=self.validation.to_dict() if self.validation else None)
+        return data
+
+
+def provision(source: ModelSource, *, backend: str = "auto", precision: str | None = None, cache_dir: Path,
+              db_path: Path, calibration_dir: Path | None = None, on_progress: EventSink | None = None,
+              timeout_s: float = DEFAULT_TIMEOUT_S, validate: bool = True, fingerprint_root: Path = Path("/"),
+              builder: Builder | None = None, workspace_mb: int | None = None,
+              stop_event: threading.Event | None = None, revalidate: bool = False,
+              validation_samples: int = 8, latency_runs: int = 20) -> ProvisionResult:
+    """The cached engine for `source` on this device, built and validated first when missing."""
+    emit = _safe_sink(on_progress)
+    plan = plan_build(source, backend, precision, calibration_dir, fingerprint_root, workspace_mb)
+    cache = EngineCache(cache_dir, db_path, on_event=emit)
+    builder = builder or Builder()
+    try:
+        with cache.build_lock(plan.key.key, timeout_s):
+            entry, hit = _cached_or_built(cache, plan, source, builder, emit, timeout_s, stop_event)
+            verdict = None
+            if validate:
+                verdict = _gates(cache, entry, plan, source, emit, revalidate, validation_samples, latency_runs)
+                if verdict is None:  # the engine did not load: quarantined, build once more
+                    entry, hit = _cached_or_built(cache, plan, source, builder, emit, timeout_s, stop_event)
+                    verdict = _gates(cache, entry, plan, source, emit, True, validation_samples, latency_runs)
+                    if verdict is None:
+                        raise EngineIncompatibleError(f"{source.label}: a freshly built engine does not load")
+                verdict.raise_if_failed()
+            cache.touch(entry.key)
+    finally:
+        cache.close()
+    return ProvisionResult(entry.key, entry.path, plan.backend, plan.precision, hit, 0.0 if hit else entry.build_s,
+                           verdict, plan.spec.input_shapes, plan.spec.providers, Path(cache_dir), Path(db_path),
+                           entry.report)
+
+
+def load_provisioned(result: ProvisionResult, source: ModelSource, options: EngineOptions | None = None,
+                     cuda_graphs: bool = True) -> ModelRuntime:
+    """A ModelRuntime on the provisioned engine; an engine that no longer loads is quarantined."""
+    try:
+        engine = load_engine_file(result.engine_path, result.backend, result.precision, result.providers,
+                                  result.input_shapes, options, cuda_graphs)
+    except EngineIncompatibleError as exc:
+        cache = EngineCache(result.cache_dir, result.db_path)
+        try:
+            cache.quarantine(result.key, str(exc))
+        finally:
+            cache.close()
+        raise EngineIncompatibleError(f"{exc}; quarantined, provision again to rebuild") from exc
+    return ModelRuntime(source, engine)
+
+
+def plan_build(source: ModelSource, backend: str = "auto", precision: str | None = None,
+               calibration_dir: Path | None = None, fingerprint_root: Path = Path("/"),
+               workspace_mb: int | None = None) -> BuildPlan:
+    """Decide backend, spec and calibration set, and compute the cache key (no building)."""
+    backend = resolve_backend(backend)
+    precision = precision or source.manifest.build.precision
+    impl = get_backend(backend)
+    fingerprint = read_fingerprint(fingerprint_root)
+    device = device_part(fingerprint, backend)
+    shapes = input_shapes(source)
+    cal = _calibration(source, precision, calibration_dir)
+    spec = EngineBuildSpec(
+        precision=precision, input_shapes=shapes,
+        profiles={k: ShapeProfile(v, v, v) for k, v in shapes.items()} if backend == "tensorrt" else {},
+        workspace_mb=workspace_mb, calibration_hash=cal.digest if cal else None,
+        calibration_count=cal.count if cal else 0,
+        optimization_level=DEFAULT_TRT_OPT_LEVEL if backend == "tensorrt" else None,
+        providers=ort_build_providers(precision) if backend == "onnxruntime" else (),
+        quantization=settings_dict(quant_settings(backend)) if precision == "int8" else {},
+    )
+    key = make_cache_key(source.sha256 or sha256_file(source.onnx_path), backend, impl.version(), device, spec)
+    return BuildPlan(backend, precision, spec, key, cal, hashlib.sha256(canonical_json(device)).hexdigest())
+
+
+def ort_build_providers(precision: str) -> tuple[str, ...]:
+    """Providers an ONNX Runtime engine is optimised for; FP16 is refused without a GPU provider.
+
+    TensorRT's execution provider is left out: a model holding TensorRT-compiled nodes cannot be
+    saved, and the `tensorrt` backend is the better way to TensorRT anyway.
+    """
+    from engines.backends.onnxruntime_backend import choose_providers
+
+    providers = tuple(p for p in choose_providers(("auto",)) if p != "TensorrtExecutionProvider")
+    if precision == "fp16" and not any(p in _GPU_PROVIDERS for p in providers):
+        raise EngineBuildError(
+            f"fp16 on onnxruntime needs a GPU execution provider; this build has {list(providers)}. "
+            "Use fp32 or int8 here, or the tensorrt backend on a Jetson", code="ENGINE_PRECISION_UNSUPPORTED")
+    return providers
+
+
+def input_shapes(source: ModelSource) -> dict[str, tuple[int, ...]]:
+    """The single frame input pinned to the preprocess size (the engine is built for the camera's size)."""
+    import onnx
+
+    model = onnx.load(str(source.onnx_path), load_external_data=False)
+    initializers = {i.name for i in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in initializers]
+    if len(inputs) != 1:
+        raise ModelError(f"{source.label}: frame models need exactly one input, got {[i.name for i in inputs]}")
+    wanted = preprocess_shape(source)
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in inputs[0].type.tensor_type.shape.dim]
+    if len(dims) != len(wanted) or any(d is not None and d != w for d, w in zip(dims, wanted)):
+        raise ModelError(f"{source.label}: input {inputs[0].name} is {dims} but the manifest's preprocess makes "
+                         f"{list(wanted)}; set preprocess width/height/layout to match the model",
+                         code="MODEL_SHAPE_MISMATCH")
+    return {inputs[0].name: wanted}
+
+
+def load_engine_file(path: Path, backend: str, precision: str, providers: tuple[str, ...] = (),
+                     shapes: dict[str, tuple[int, ...]] | None = None, options: EngineOptions | None = None,
+                     cuda_graphs: bool = True) -> Engine:
+    """Load a cached engine; a file the backend cannot load is EngineIncompatibleError.
+
+    Other errors (no CUDA bindings, a shape the engine rejects) pass through unchanged: the engine
+    file is fine and rebuilding it would not help.
+    """
+    options = options or EngineOptions()
+    try:
+        if backend == "onnxruntime":
+            return load_ort_engine(path, providers, precision, options.intra_op_threads)
+        impl = BACKENDS.get(backend)(cuda_graphs=cuda_graphs) if backend == "tensorrt" else get_backend(backend)
+        return impl.load(path, replace(options, precision=precision, static_shapes=dict(shapes or {})))
+    except ModelError as exc:
+        if exc.code not in ("ENGINE_INCOMPATIBLE", "MODEL_LOAD_FAILED"):
+            raise
+        raise EngineIncompatibleError(f"{path.name}: {backend} cannot load this engine: {exc}") from exc
+    except (RuntimeError, OSError) as exc:  # e.g. a truncated or unreadable plan
+        raise EngineIncompatibleError(f"{path.name}: {backend} cannot load this engine: {exc}") from exc
+
+
+def load_ort_engine(path: Path, providers: tuple[str, ...], precision: str, threads: int = 0) -> Engine:
+    """An ONNX Runtime engine file loads with graph optimisation off: it was optimised when built."""
+    import onnxruntime as ort
+
+    from engines.backends.onnxruntime_backend import OrtEngine
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if threads > 0:
+        so.intra_op_num_threads = threads
+    try:
+        session = ort.InferenceSession(str(path), sess_options=so, providers=list(providers) or ["CPUExecutionProvider"])
+    except Exception as exc:  # ORT raises its own C++ exception types
+        raise EngineIncompatibleError(f"{path.name}: onnxruntime cannot load it: {exc}") from exc
+    return OrtEngine(session, path, precision)
+
+
+# --- steps -------------------------------------------------------------------------------------
+
+
+def _cached_or_built(cache: EngineCache, plan: BuildPlan, source: ModelSource, builder: Builder, emit: EventSink,
+                     timeout_s: float, stop_event: threading.Event | None) -> tuple[CacheEntry, bool]:
+    entry = cache.lookup(plan.key.key)
+    if entry is not None:
+        emit({"type": "engine.cache.hit", "key": entry.key, "model": source.label, "backend": plan.backend})
+        return entry, True
+    emit({"type": "engine.cache.miss", "key": plan.key.key, "model": source.label, "backend": plan.backend,
+          "precision": plan.precision})
+    return _build(cache, plan, source, builder, emit, timeout_s, stop_event), False
+
+
+def _build(cache: EngineCache, plan: BuildPlan, source: ModelSource, builder: Builder, emit: EventSink,
+           timeout_s: float, stop_event: threading.Event | None) -> CacheEntry:
+    work = cache.cache_dir / "tmp" / f"{plan.key.short}-{uuid.uuid4().hex[:8]}"
+    job = BuildJob(plan.backend, source.onnx_path, work / f"engine{cache.engine_path('x', plan.backend).suffix}",
+                   work, plan.spec, source.manifest.preprocess.model_dump(mode="json"), source.label,
+                   plan.calibration.to_dict() if plan.calibration else None,
+                   cache.timing_cache_path(plan.device_digest) if plan.backend == "tensorrt" else None)
+    try:
+        outcome = builder.build(job, timeout_s=timeout_s, on_progress=emit, stop_event=stop_event)
+        entry = cache.put(plan.key, outcome.path, model=source.label, build_s=outcome.seconds, report=outcome.report)
+    except EngineBuildError as exc:
+        saved = _keep_log(cache, plan, work)
+        raise EngineBuildError(f"{exc} (build log: {saved})" if saved else str(exc), code=exc.code) from exc
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for note in outcome.report.get("notes", []):
+        log.warning("%s: %s", source.label, note)
+    emit({"type": "engine.build.done", "key": entry.key, "model": source.label, "build_s": entry.build_s,
+          "size": entry.size, "notes": outcome.report.get("notes", [])})
+    return entry
+
+
+def _gates(cache: EngineCache, entry: CacheEntry, plan: BuildPlan, source: ModelSource, emit: EventSink,
+           revalidate: bool, samples: int, runs: int) -> ValidationResult | None:
+    """The stored verdict when it was judged against today's thresholds, else a fresh one (None: no load)."""
+    gates = source.manifest.gates
+    threshold = min_accuracy_for(plan.precision, gates)
+    if entry.validation and not revalidate:
+        stored = ValidationResult.from_dict(entry.validation)
+        if stored.same_thresholds(threshold, gates.latency_budget_ms):
+            return stored
+    try:
+        engine = load_engine_file(entry.path, plan.backend, plan.precision, plan.spec.providers, plan.spec.input_shapes)
+    except EngineIncompatibleError as exc:
+        cache.quarantine(entry.key, str(exc))
+        return None
+    emit({"type": "engine.validation.started", "key": entry.key, "model": source.label})
+    candidate = ModelRuntime(source, engine)
+    reference = load_runtime(source, "onnxruntime")
+    try:
+        spec = source.manifest.preprocess
+        verdict = validate(candidate, reference, validation_frames(spec.width, spec.height, samples),
+                           precision=plan.precision, gates=gates, latency_runs=runs)
+    finally:
+        candidate.close()
+        reference.close()
+    cache.record_validation(entry.key, verdict.to_dict())
+    emit({"type": "engine.validation", "key": entry.key, "model": source.label, **verdict.to_dict()})
+    return verdict
+
+
+def _calibration(source: ModelSource, precision: str, directory: Path | None) -> calib.CalibrationSet | None:
+    if precision != "int8":
+        return None
+    if directory is None and source.manifest.build.calibration:
+        directory = source.root / source.manifest.build.calibration
+    return calib.resolve(source.manifest.preprocess, directory)
+
+
+def _keep_log(cache: EngineCache, plan: BuildPlan, work: Path) -> Path | None:
+    """Keep the failed build's log under cache_dir/logs for the operator."""
+    src = work / "build.log"
+    if not src.is_file():
+        return None
+    logs = cache.cache_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    dst = logs / f"{plan.key.short}.log"
+    shutil.copyfile(src, dst)
+    return dst
+
+
+def _safe_sink(sink: EventSink | None) -> EventSink:
+    def emit(event: dict[str, Any]) -> None:
+        if sink is None:
+            return
+        try:
+            sink(event)
+        except Exception:  # a broken consumer must not fail provisioning
+            log.exception("progress callback failed")
+
+    return emit
+
+
+__all__ = ["BuildPlan", "EngineIncompatibleError", "GateError", "ProvisionResult", "load_provisioned",
+           "plan_build", "provision"]

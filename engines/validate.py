@@ -1,0 +1,206 @@
+"""Gates an engine must pass before it may become active: accuracy vs the FP32 reference, then latency.
+
+Accuracy is measured against the FP32 ONNX model on ONNX Runtime, on the same frames, with a metric
+that fits what the model outputs (chosen by its postprocessor):
+
+| postprocess      | metric                                                        |
+| classification   | top-1 agreement                                               |
+| yolo             | box-match F1 (same class, IoU >= 0.5, greedy by score)        |
+| db_text          | text-mask IoU at the postprocessor's `thresh`                 |
+| raw              | cosine similarity of the outputs                              |
+
+Default minimums when the manifest sets none (`gates.min_accuracy` overrides):
+- fp32 0.99: the engine differs from the reference only by kernel choice and summation order (~1e-6
+  relative); anything that flips more than 1 % of decisions is a broken build, not rounding.
+- fp16 0.95: a 10-bit mantissa (~5e-4 relative) moves values near a decision threshold; a few
+  percent of borderline pixels/boxes/top-1 ties may flip, more means overflow or a bad layer.
+- int8 0.90: per-tensor 8-bit activations carry ~0.4 % of each tensor's range as error; well
+  calibrated detectors and classifiers keep >= 90 % agreement, a collapsed one drops far below.
+Latency: warm-up runs, then timed `engine.infer` calls; p99 is compared with `gates.latency_budget_ms`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from engines.errors import EdgeError
+from engines.manifest import Gates
+from engines.postprocess import InferenceResult
+from engines.runtime import ModelRuntime
+
+DEFAULT_MIN_ACCURACY = {"fp32": 0.99, "fp16": 0.95, "int8": 0.90}
+METRICS = {"classification": "top1_agreement", "yolo": "box_f1", "db_text": "mask_iou", "raw": "cosine"}
+BOX_IOU = 0.5
+VALIDATION_SEED = 2024  # calibration frames use another seed, so validation never sees them
+
+
+class GateError(EdgeError):
+    """An engine failed a validation gate (code GATE_ACCURACY or GATE_LATENCY)."""
+
+    code = "GATE_ACCURACY"
+
+
+@dataclass
+class ValidationResult:
+    """Both gates' measurements and verdict (stored in the index and the sidecar)."""
+
+    precision: str
+    metric: str
+    accuracy: float
+    min_accuracy: float
+    samples: int
+    latency_ms: dict[str, float]
+    latency_budget_ms: float | None
+    passed: bool
+    code: str | None = None
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ValidationResult":
+        """Inverse of `to_dict`."""
+        return cls(**data)
+
+    def same_thresholds(self, min_accuracy: float, budget_ms: float | None) -> bool:
+        """True when this result was judged against these thresholds (else it is re-judged)."""
+        return abs(self.min_accuracy - min_accuracy) < 1e-12 and self.latency_budget_ms == budget_ms
+
+    def raise_if_failed(self) -> None:
+        """GateError with the failing gate's code."""
+        if not self.passed:
+            raise GateError(self.reason or "validation failed", code=self.code or "GATE_ACCURACY")
+
+
+def min_accuracy_for(precision: str, gates: Gates) -> float:
+    """The manifest's threshold, else the per-precision default."""
+    return gates.min_accuracy if gates.min_accuracy is not None else DEFAULT_MIN_ACCURACY[precision]
+
+
+def validation_frames(width: int, height: int, count: int = 8) -> list[np.ndarray]:
+    """Deterministic frames with text, never the calibration frames."""
+    from engines.bench import text_frames
+
+    return text_frames(width, height, count, seed=VALIDATION_SEED)
+
+
+def validate(candidate: ModelRuntime, reference: ModelRuntime, frames: Sequence[np.ndarray], *, precision: str,
+             gates: Gates, latency_runs: int = 20, warmup: int = 3) -> ValidationResult:
+    """Measure both gates; the result says which one failed (it does not raise)."""
+    kind = candidate.source.manifest.postprocess.kind
+    score = accuracy(kind, candidate.source.manifest.postprocess.params, reference, candidate, frames)
+    latency = measure_latency(candidate, frames[0], latency_runs, warmup)
+    threshold = min_accuracy_for(precision, gates)
+    result = ValidationResult(precision, METRICS.get(kind, "cosine"), round(score, 5), threshold, len(frames),
+                              latency, gates.latency_budget_ms, True)
+    if score < threshold:
+        result.passed, result.code = False, "GATE_ACCURACY"
+        result.reason = (f"{result.metric} {score:.3f} vs the FP32 reference is below {threshold:.2f} for {precision}: "
+                         "use real calibration images, another precision, or lower gates.min_accuracy")
+    elif gates.latency_budget_ms is not None and latency["p99"] > gates.latency_budget_ms:
+        result.passed, result.code = False, "GATE_LATENCY"
+        result.reason = (f"p99 latency {latency['p99']:.2f} ms exceeds the budget {gates.latency_budget_ms:g} ms: "
+                         "try int8/fp16, a smaller input size, or raise gates.latency_budget_ms")
+    return result
+
+
+def accuracy(kind: str, params: dict[str, Any], reference: ModelRuntime, candidate: ModelRuntime,
+             frames: Sequence[np.ndarray]) -> float:
+    """The kind's metric over `frames`, candidate vs reference."""
+    pairs = [(_run(reference, f), _run(candidate, f)) for f in frames]
+    if kind == "classification":
+        return float(np.mean([top1_agreement(r[0][0], c[0][0]) for r, c in pairs]))
+    if kind == "yolo":
+        return box_f1([r[1] for r, _ in pairs], [c[1] for _, c in pairs])
+    if kind == "db_text":
+        thresh = float(params.get("thresh", 0.3))
+        return float(np.mean([text_mask_iou(r[0][0], c[0][0], thresh) for r, c in pairs]))
+    return float(np.mean([cosine(a, b) for r, c in pairs for a, b in zip(r[0], c[0])]))
+
+
+def _run(runtime: ModelRuntime, frame: np.ndarray) -> tuple[list[np.ndarray], InferenceResult]:
+    """Raw outputs and the decoded result of one frame (through the runtime's own stages)."""
+    transform = runtime.preprocessor(frame)
+    outputs = [np.array(o, copy=True) for o in runtime.engine.infer({runtime.input_name: runtime.preprocessor.tensor})]
+    return outputs, runtime.postprocessor(outputs, transform)
+
+
+def top1_agreement(reference: np.ndarray, candidate: np.ndarray) -> float:
+    """1.0 when the arg-max class is the same, else 0.0."""
+    return float(np.argmax(reference.reshape(-1)) == np.argmax(candidate.reshape(-1)))
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Cosine similarity of two tensors; two zero tensors agree, one zero tensor does not."""
+    a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    na, nb = np.linalg.norm(a64), np.linalg.norm(b64)
+    if na == 0 or nb == 0:
+        return 1.0 if na == nb else 0.0
+    return float(np.dot(a64, b64) / (na * nb))
+
+
+def text_mask_iou(reference: np.ndarray, candidate: np.ndarray, threshold: float) -> float:
+    """IoU of the two text masks (prob > threshold); two empty masks agree."""
+    from engines.quantize import mask_iou
+
+    return float(mask_iou(reference, candidate, threshold))
+
+
+def box_f1(reference: Sequence[InferenceResult], candidate: Sequence[InferenceResult], iou: float = BOX_IOU) -> float:
+    """F1 of candidate boxes matched greedily (by score) to reference boxes of the same class."""
+    tp = fp = fn = 0
+    for ref, cand in zip(reference, candidate):
+        matched = _match(ref, cand, iou)
+        tp += matched
+        fp += len(cand.detections) - matched
+        fn += len(ref.detections) - matched
+    return 1.0 if tp + fp + fn == 0 else 2 * tp / (2 * tp + fp + fn)
+
+
+def _match(ref: InferenceResult, cand: InferenceResult, threshold: float) -> int:
+    free = list(ref.detections)
+    matched = 0
+    for det in sorted(cand.detections, key=lambda d: -d.score):
+        scores = [(box_iou(det.box, r.box), i) for i, r in enumerate(free) if r.class_id == det.class_id]
+        best = max(scores, default=(0.0, -1))
+        if best[0] >= threshold:
+            free.pop(best[1])
+            matched += 1
+    return matched
+
+
+def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
+    """IoU of two x1,y1,x2,y2 boxes."""
+    iw = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    ih = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = iw * ih
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def measure_latency(runtime: ModelRuntime, frame: np.ndarray, runs: int, warmup: int) -> dict[str, float]:
+    """Warm up, then time `runs` inference calls on one preprocessed frame (ms: mean, p50, p99)."""
+    runtime.preprocessor(frame)
+    feeds = {runtime.input_name: runtime.preprocessor.tensor}
+    for _ in range(warmup):
+        runtime.engine.infer(feeds)
+    samples = []
+    for _ in range(max(1, runs)):
+        t0 = time.perf_counter()
+        runtime.engine.infer(feeds)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return latency_stats(samples)
+
+
+def latency_stats(samples: Sequence[float]) -> dict[str, float]:
+    """mean, p50 and p99 (nearest rank) in ms, rounded to microseconds."""
+    ordered = sorted(samples)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]  # noqa: E731
+    return {"mean": round(float(np.mean(ordered)), 3), "p50": round(pick(0.5), 3), "p99": round(pick(0.99), 3),
+            "runs": len(ordered)}

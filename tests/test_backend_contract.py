@@ -1,0 +1,331 @@
+"""One contract for every engine backend, run over each one enabled here (skipped with its reason otherwise).
+
+ONNX Runtime runs it for real on any machine; TensorRT runs it wherever `tensorrt` imports and a CUDA
+memory implementation reaches a GPU. The second half drives the TensorRT build logic and runtime
+through recording stand-ins (tests/fake_nvidia.py) for the TensorRT 8.6, 10 and 11 API generations,
+so their control flow is tested on every machine too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from engines import cuda_mem
+from engines.backends import BACKENDS, get_backend
+from engines.backends.base import Engine, EngineOptions
+from engines.build_spec import EngineBuildError, EngineBuildSpec, ShapeProfile
+from engines.errors import EdgeError
+from engines.provision import load_engine_file, load_provisioned, provision
+from engines.registry import import_plugins
+from tests.engine_fixtures import conv_model, source
+from tests.fake_nvidia import FakeCudaMemory, fake_tensorrt
+
+BACKEND_NAMES = ("onnxruntime", "tensorrt")
+SIZE = 32
+
+
+def _skip_reason(name: str) -> str | None:
+    if name not in BACKENDS:
+        return f"{name} disabled here: {BACKENDS.disabled().get(name, 'not registered')}"
+    if name == "tensorrt":
+        available = cuda_mem.availability()
+        if all(reason is not None for reason in available.values()):
+            return f"tensorrt imports but no CUDA memory implementation works: {available}"
+    return None
+
+
+@pytest.fixture(scope="module", params=BACKEND_NAMES)
+def backend_name(request: pytest.FixtureRequest) -> str:
+    reason = _skip_reason(request.param)
+    if reason:
+        pytest.skip(reason)
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def built(backend_name: str, tmp_path_factory: pytest.TempPathFactory):
+    """One fp32 engine per backend, shared by the contract tests (each leaves it usable)."""
+    tmp_path = tmp_path_factory.mktemp(f"contract-{backend_name}")
+    src = source(conv_model(tmp_path / "tiny.onnx"), size=SIZE)
+    result = provision(src, backend=backend_name, cache_dir=tmp_path / "cache", db_path=tmp_path / "state.db",
+                       validation_samples=2, latency_runs=3)
+    runtime = load_provisioned(result, src)
+    yield result, src, runtime
+    runtime.close()
+
+
+def _reference(onnx_path: Path, x: np.ndarray) -> np.ndarray:
+    return ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+# --- the contract -----------------------------------------------------------------------------
+
+
+def test_backend_reports_its_version(backend_name: str) -> None:
+    version = get_backend(backend_name).version()
+    assert isinstance(version, str) and version[0].isdigit()
+
+
+def test_engine_io_is_name_based_and_pinned_to_the_preprocess_size(built) -> None:
+    result, _, runtime = built
+    engine = runtime.engine
+    assert isinstance(engine, Engine) and engine.backend == result.backend
+    assert [(i.name, i.shape, i.dtype) for i in engine.inputs] == [("x", (1, 3, SIZE, SIZE), "float32")]
+    assert [(o.name, o.shape) for o in engine.outputs] == [("y", (1, 4, SIZE, SIZE))]
+    assert result.validation.passed and result.validation.accuracy >= 0.99
+
+
+def test_outputs_match_the_fp32_onnx_reference(built) -> None:
+    result, src, runtime = built
+    x = np.random.default_rng(3).normal(size=(1, 3, SIZE, SIZE)).astype(np.float32)
+    out = runtime.engine.infer({"x": x})
+    assert len(out) == 1 and out[0].dtype == np.float32
+    np.testing.assert_allclose(out[0], _reference(src.onnx_path, x), rtol=1e-4, atol=1e-4)
+    again = runtime.engine.infer({"x": x * 0})  # outputs are the caller's: a new run must not change them
+    assert not np.array_equal(out[0], again[0])
+
+
+def test_describe_and_idempotent_close(built) -> None:
+    result, src, runtime = built
+    info = runtime.engine.describe()
+    assert info["backend"] == result.backend and info["precision"] == "fp32"
+    assert info["inputs"][0]["name"] == "x" and info["outputs"][0]["name"] == "y"
+    own = load_provisioned(result, src)  # close a separate instance: the shared one stays usable
+    own.close()
+    own.close()
+
+
+def test_a_missing_input_is_an_inference_error(built) -> None:
+    _, _, runtime = built
+    with pytest.raises(EdgeError) as info:
+        runtime.engine.infer({"not_x": np.zeros((1, 3, SIZE, SIZE), np.float32)})
+    assert info.value.code == "INFERENCE_FAILED"
+
+
+def test_an_unloadable_engine_file_is_engine_incompatible(built, tmp_path: Path) -> None:
+    result, _, _ = built
+    broken = tmp_path / f"broken{result.engine_path.suffix}"
+    broken.write_bytes(result.engine_path.read_bytes()[: 64])
+    with pytest.raises(EdgeError) as info:
+        load_engine_file(broken, result.backend, "fp32", result.providers, result.input_shapes)
+    assert info.value.code == "ENGINE_INCOMPATIBLE"
+
+
+def test_int8_engine_agrees_with_fp32(backend_name: str, tmp_path: Path) -> None:
+    src = source(conv_model(tmp_path / "tiny.onnx"), size=SIZE)
+    result = provision(src, backend=backend_name, precision="int8", cache_dir=tmp_path / "cache",
+                       db_path=tmp_path / "state.db", validation_samples=2, latency_runs=3)
+    assert result.precision == "int8" and result.validation.passed and result.validation.accuracy >= 0.9
+
+
+# --- TensorRT build logic on the 8.6 / 10 / 11 API shapes --------------------------------------
+
+from engines.backends import tensorrt_build as tb  # noqa: E402  (needs no tensorrt import)
+
+
+def _spec(precision: str = "fp32", **kw) -> EngineBuildSpec:
+    cal = {"calibration_hash": "c" * 64, "calibration_count": 4} if precision == "int8" else {}
+    return EngineBuildSpec(precision=precision, input_shapes={"x": (1, 3, 16, 16)}, optimization_level=3, **cal, **kw)
+
+
+@pytest.fixture
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tb, "free_device_memory", lambda: None)
+
+
+@pytest.mark.parametrize("generation,precision,net_flags,set_flags,cleared,mode", [
+    ("8.6", "fp32", 0b01, [], ["TF32"], "fp32"),
+    ("8.6", "fp16", 0b01, ["FP16"], [], "fp16-flag"),
+    ("8.6", "int8", 0b01, ["INT8", "FP16"], [], "int8-flag"),
+    ("10", "fp32", 0b01, [], ["TF32"], "fp32"),
+    ("10", "fp16", 0b01, ["FP16"], [], "fp16-flag"),
+    ("10", "int8", 0b11, [], [], "strongly-typed"),
+    ("11", "fp32", 0b00, [], ["TF32"], "fp32"),
+    ("11", "fp16", 0b01, [], [], "strongly-typed"),
+    ("11", "int8", 0b01, [], [], "strongly-typed"),
+])
+def test_precision_follows_the_features_of_each_tensorrt(no_gpu, tmp_path: Path, generation: str, precision: str,
+                                                          net_flags: int, set_flags: list, cleared: list, mode: str) -> None:
+    trt, report = fake_tensorrt(generation), {"notes": []}
+    plan = tb.build_serialized(trt, tmp_path / "m.onnx", _spec(precision), None, lambda *a, **k: None, report)
+    assert plan.startswith(b"PLAN")
+    assert trt.record["network_flags"] == net_flags
+    assert trt.record["set_flags"] == set_flags and trt.record["cleared_flags"] == cleared
+    assert report["precision_mode"] == mode and trt.record["opt_level"] == 3
+
+
+@pytest.mark.parametrize("node_names,expected", [(True, "node Conv_12 (Conv): bad pads"), (False, "node #0: bad pads")])
+def test_parser_errors_name_the_node_and_operator(no_gpu, tmp_path: Path, node_names: bool, expected: str) -> None:
+    trt = fake_tensorrt("10", parse_errors=(("Conv_12", "Conv", "bad pads"),), node_names=node_names)
+    with pytest.raises(EngineBuildError) as info:
+        tb.build_serialized(trt, tmp_path / "m.onnx", _spec(), None, lambda *a, **k: None)
+    assert expected in str(info.value) and info.value.code == "ENGINE_BUILD_FAILED"
+
+
+@pytest.mark.parametrize("message,code", [
+    ("Requested amount of GPU memory (1073741824 bytes) could not be allocated", "ENGINE_BUILD_OOM"),
+    ("[optimizer] no implementation for layer conv", "ENGINE_BUILD_FAILED"),
+])
+def test_failed_builds_are_typed(no_gpu, tmp_path: Path, message: str, code: str) -> None:
+    trt = fake_tensorrt("10", build_errors=(message,))
+    with pytest.raises(EngineBuildError) as info:
+        tb.build_serialized(trt, tmp_path / "m.onnx", _spec(), None, lambda *a, **k: None)
+    assert info.value.code == code and message in str(info.value)
+
+
+@pytest.mark.parametrize("stored,reused,saved", [
+    (b"seed", True, b"seed+timed"), (b"other-gpu", False, b"+timed"), (b"garbage", False, b"+timed"), (None, False, b"+timed"),
+])
+def test_timing_cache_is_reused_and_saved(no_gpu, tmp_path: Path, stored: bytes | None, reused: bool, saved: bytes) -> None:
+    path = tmp_path / "timing" / "dev.cache"
+    path.parent.mkdir()
+    if stored is not None:
+        path.write_bytes(stored)
+    trt, report = fake_tensorrt("10"), {"notes": []}
+    tb.build_serialized(trt, tmp_path / "m.onnx", _spec(), path, lambda *a, **k: None, report)
+    assert trt.record["timing_cache_in"] == (stored if reused else b"")
+    assert path.read_bytes().startswith(saved)
+    assert any(n.startswith("reused timing cache") for n in report["notes"]) == reused
+    assert any(n.endswith("unusable; starting a fresh one") for n in report["notes"]) == (stored in (b"other-gpu", b"garbage"))
+
+
+def test_progress_monitor_reports_phases(no_gpu, tmp_path: Path) -> None:
+    trt, events = fake_tensorrt("10"), []
+    tb.build_serialized(trt, tmp_path / "m.onnx", _spec(), None, lambda stage, **kw: events.append((stage, kw)))
+    phases = [kw for stage, kw in events if stage == "build" and "phase" in kw]
+    assert phases[0] == {"phase": "Building engine", "parent": None, "step": 0, "steps": 3}
+    assert phases[-1] == {"phase": "Building engine", "done": True}
+    assert trt.record["monitor_calls"] == [True, True, True]  # never cancels: the parent owns the timeout
+    assert [stage for stage, _ in events][:2] == ["parse", "build"]
+
+
+def test_profiles_cover_dynamic_inputs_only(no_gpu, tmp_path: Path) -> None:
+    trt = fake_tensorrt("10", input_shape=(-1, 3, -1, -1))
+    profile = ShapeProfile((1, 3, 8, 8), (1, 3, 16, 16), (2, 3, 32, 32))
+    tb.build_serialized(trt, tmp_path / "m.onnx", _spec(profiles={"x": profile}), None, lambda *a, **k: None)
+    assert trt.record["profiles"] == [{"x": ((1, 3, 8, 8), (1, 3, 16, 16), (2, 3, 32, 32))}]
+    pinned = fake_tensorrt("10", input_shape=(-1, 3, -1, -1))
+    tb.build_serialized(pinned, tmp_path / "m.onnx", _spec(), None, lambda *a, **k: None)
+    assert pinned.record["profiles"] == [{"x": ((1, 3, 16, 16),) * 3}]
+    static = fake_tensorrt("10", input_shape=(1, 3, 16, 16))
+    tb.build_serialized(static, tmp_path / "m.onnx", _spec(), None, lambda *a, **k: None)
+    assert static.record["profiles"] == []
+    with pytest.raises(EngineBuildError) as info:
+        spec = EngineBuildSpec(precision="fp32")
+        tb.build_serialized(fake_tensorrt("10"), tmp_path / "m.onnx", spec, None, lambda *a, **k: None)
+    assert info.value.code == "MODEL_SHAPE_MISMATCH"
+
+
+@pytest.mark.parametrize("free_mb,workspace_mb,expected_mb", [(1000, 2048, 750), (1000, 256, 256), (1000, None, 500),
+                                                              (None, 256, 256), (None, None, None)])
+def test_workspace_respects_free_device_memory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, free_mb, workspace_mb,
+                                               expected_mb) -> None:
+    monkeypatch.setattr(tb, "free_device_memory", lambda: free_mb and free_mb << 20)
+    trt, report = fake_tensorrt("10"), {"notes": []}
+    tb.build_serialized(trt, tmp_path / "m.onnx", _spec(workspace_mb=workspace_mb), None, lambda *a, **k: None, report)
+    assert report["workspace_mb"] == expected_mb
+    assert trt.record["pool"].get("WORKSPACE") == (expected_mb << 20 if expected_mb else None)
+
+
+# --- TensorRT runtime (TrtEngine) on the stand-ins ---------------------------------------------
+
+
+@pytest.fixture
+def fake_backend(monkeypatch: pytest.MonkeyPatch):
+    """Import engines.backends.tensorrt_backend against fake tensorrt + a given fake CUDA; registry restored after."""
+
+    def install(cuda: FakeCudaMemory):
+        monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt("10", cuda=cuda))
+        monkeypatch.setattr(cuda_mem, "missing_bindings", lambda: None)
+        monkeypatch.delitem(sys.modules, "engines.backends.tensorrt_backend", raising=False)
+        monkeypatch.setattr(BACKENDS, "_plugins", {k: v for k, v in BACKENDS._plugins.items() if k != "tensorrt"})
+        monkeypatch.setattr(BACKENDS, "_disabled", dict(BACKENDS._disabled))
+        module = importlib.import_module("engines.backends.tensorrt_backend")
+        monkeypatch.setattr(module, "open_cuda_memory", lambda: cuda)
+        return module
+
+    yield install
+    sys.modules.pop("engines.backends.tensorrt_backend", None)
+
+
+def _plan(tmp_path: Path) -> Path:
+    path = tmp_path / "e.plan"
+    path.write_bytes(b"PLAN-fake")
+    return path
+
+
+def test_trt_engine_binds_by_name_and_replays_a_cuda_graph(fake_backend, tmp_path: Path) -> None:
+    cuda = FakeCudaMemory()
+    module = fake_backend(cuda)
+    engine = module.TensorRTBackend().load(_plan(tmp_path), EngineOptions(static_shapes={"x": (1, 3, 4, 4)}))
+    assert [(i.name, i.shape) for i in engine.inputs] == [("x", (1, 3, 4, 4))]
+    assert [(o.name, o.shape) for o in engine.outputs] == [("y", (1, 3, 4, 4))]
+    assert engine.graph_status == "captured" and engine.describe()["cuda_graph"] is True
+    x = np.arange(48, dtype=np.float32).reshape(1, 3, 4, 4)
+    launches = cuda.launches
+    np.testing.assert_array_equal(engine.infer({"x": x})[0], 2 * x + 1)
+    assert cuda.launches == launches + 1
+    engine.close()
+    engine.close()
+    assert cuda.closed
+
+
+def test_trt_engine_uses_profile_opt_shape_without_a_static_shape(fake_backend, tmp_path: Path) -> None:
+    module = fake_backend(FakeCudaMemory())
+    engine = module.TensorRTBackend().load(_plan(tmp_path), EngineOptions())
+    assert engine.inputs[0].shape == (2, 3, 4, 4)
+    engine.close()
+
+
+@pytest.mark.parametrize("cuda_kwargs,graphs,status", [
+    ({"supports_graphs": False}, True, "fake has no stream capture"),
+    ({"corrupt_replay": True}, True, "graph replay differs from a plain run"),
+    ({}, False, "disabled by configuration"),
+])
+def test_trt_engine_falls_back_to_plain_enqueue(fake_backend, tmp_path: Path, cuda_kwargs: dict, graphs: bool,
+                                                status: str) -> None:
+    module = fake_backend(FakeCudaMemory(**cuda_kwargs))
+    engine = module.TensorRTBackend(cuda_graphs=graphs).load(_plan(tmp_path), EngineOptions(static_shapes={"x": (1, 3, 4, 4)}))
+    assert engine.graph_status == status and engine.describe()["cuda_graph"] is False
+    x = np.ones((1, 3, 4, 4), np.float32)
+    np.testing.assert_array_equal(engine.infer({"x": x})[0], 3 * x)
+    engine.close()
+
+
+def test_tensorrt_without_cuda_bindings_is_disabled_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt("10"))
+    monkeypatch.setattr(cuda_mem, "missing_bindings", lambda: "neither cuda-python nor pycuda is installed")
+    monkeypatch.delitem(sys.modules, "engines.backends.tensorrt_backend", raising=False)
+    monkeypatch.setattr(BACKENDS, "_plugins", {k: v for k, v in BACKENDS._plugins.items() if k != "tensorrt"})
+    monkeypatch.setattr(BACKENDS, "_disabled", {})
+    import_plugins(BACKENDS, "engines.backends", [("tensorrt", "tensorrt_backend")])
+    assert "tensorrt" not in BACKENDS and "cuda-python" in BACKENDS.disabled()["tensorrt"]
+    sys.modules.pop("engines.backends.tensorrt_backend", None)
+
+
+def test_trt_engine_errors_are_typed(fake_backend, tmp_path: Path) -> None:
+    cuda = FakeCudaMemory()
+    module = fake_backend(cuda)
+    bad = tmp_path / "bad.plan"
+    bad.write_bytes(b"not a plan")
+    with pytest.raises(EdgeError) as info:
+        module.TensorRTBackend().load(bad, EngineOptions())
+    assert info.value.code == "ENGINE_INCOMPATIBLE" and cuda.closed
+    cuda.closed = False
+    with pytest.raises(EdgeError) as info:
+        module.TensorRTBackend().load(_plan(tmp_path), EngineOptions(static_shapes={"x": (1, 3, 5, 5)}))
+    assert info.value.code == "MODEL_SHAPE_MISMATCH" and cuda.closed
+    engine = module.TensorRTBackend().load(_plan(tmp_path), EngineOptions(static_shapes={"x": (1, 3, 4, 4)}))
+    with pytest.raises(EdgeError) as info:
+        engine.infer({"x": np.zeros((1, 3, 5, 5), np.float32)})
+    assert info.value.code == "INFERENCE_FAILED"
+    engine.close()
+    with pytest.raises(EdgeError) as info:
+        engine.infer({"x": np.zeros((1, 3, 4, 4), np.float32)})
+    assert info.value.code == "INFERENCE_FAILED"

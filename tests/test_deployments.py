@@ -1,0 +1,142 @@
+"""Deployments under a running loop: real artifacts, real engine builds and gates, real swaps."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.config import AgentConfig
+from agent.runner import Agent
+from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def published(tmp_path: Path):
+    """A key pair, a bootstrap artifact (v1) and a candidate (v2) published as file:// URLs."""
+    private, public = make_key(tmp_path / "keys")
+    v1 = make_artifact(tmp_path / "pub" / "v1", "1.0.0", private)
+    v2 = make_artifact(tmp_path / "pub" / "v2", "2.0.0", private)
+    return {"private": private, "public": public, "v1": v1, "v2": v2, "url2": (v2 / "manifest.json").as_uri()}
+
+
+@pytest.fixture
+def running_agent(tmp_path: Path, published):
+    agents = []
+
+    def start(**overrides) -> Agent:
+        agent = Agent(AgentConfig(**agent_settings(tmp_path, published["public"], published["v1"], **overrides)))
+        agent.start()
+        agents.append(agent)
+        assert wait_for(lambda: agent.stats.frames >= 3, timeout=60), "loop never produced frames"
+        return agent
+
+    yield start
+    for agent in agents:
+        agent.stop()
+
+
+def test_overlap_swap_loses_no_frame_and_rollback_restores(running_agent, published) -> None:
+    agent = running_agent()
+    reply = agent.manager.request(published["url2"])
+    assert reply["accepted"] and not reply["joined"]
+    assert agent.manager.request(published["url2"])["joined"]  # same manifest: joins
+    assert wait_terminal(agent, reply["deployment_id"]) == "active"
+    dep = agent.deployments.get(reply["deployment_id"])
+    states = [t["state"] for t in agent.deployments.transitions(dep.id)]
+    assert states == ["requested", "fetching", "verifying", "building", "validating", "ready", "activating", "active"]
+    assert agent.active.source.manifest.version == "2.0.0"
+    assert wait_for(lambda: agent.worker.window.frames >= 3, timeout=60)
+    assert agent.stats.errors == 0 and agent.mailbox.dropped == 0, "a frame was lost across the swap"
+    assert agent.previous is not None  # kept loaded for instant rollback
+    assert agent.store.model_slot("active")["version"] == "2.0.0"
+
+    result = agent.manager.request_rollback()
+    assert result["model"]["version"] == "1.0.0"
+    assert agent.active.source.manifest.version == "1.0.0"
+    assert agent.deployments.get(dep.id).state == "rolled_back"
+    assert agent.store.model_slot("active")["version"] == "1.0.0"
+    frames = agent.stats.frames
+    assert wait_for(lambda: agent.stats.frames > frames + 2, timeout=60)
+    assert agent.stats.errors == 0
+
+
+def test_stop_start_swap_reports_its_gap(running_agent, published) -> None:
+    agent = running_agent(deployments={"swap_strategy": "stop_start"})
+    dep_id = agent.manager.request(published["url2"])["deployment_id"]
+    assert wait_terminal(agent, dep_id) == "active"
+    swap = [e for e in agent.store.events(50) if e["type"] == "deployment" and e["payload"].get("state") == "active"]
+    assert swap and swap[0]["payload"]["swap"]["strategy"] == "stop_start"
+    assert swap[0]["payload"]["swap"]["gap_ms"] > 0
+    assert agent.previous is None  # nothing kept: the device could not hold two
+
+
+def test_candidate_failing_its_latency_gate_never_becomes_active(running_agent, published, tmp_path: Path) -> None:
+    slow = make_artifact(tmp_path / "pub" / "slow", "3.0.0", published["private"], budget_ms=0.001)
+    agent = running_agent()
+    dep_id = agent.manager.request((slow / "manifest.json").as_uri())["deployment_id"]
+    assert wait_terminal(agent, dep_id) == "failed"
+    dep = agent.deployments.get(dep_id)
+    assert dep.reason == "GATE_LATENCY"
+    assert agent.active.source.manifest.version == "1.0.0"
+    assert agent.store.model_slot("active")["version"] == "1.0.0"
+    frames = agent.stats.frames
+    assert wait_for(lambda: agent.stats.frames > frames, timeout=30), "old model stopped serving"
+
+
+def test_watch_window_rolls_back_when_fps_falls_below_the_floor(running_agent, published) -> None:
+    """A 5 fps camera under a 50 fps floor: the new model cannot meet it, the watch rolls back with the numbers."""
+    agent = running_agent(deployments={"watch_window_s": 60.0, "min_fps": 50.0})
+    dep_id = agent.manager.request(published["url2"])["deployment_id"]
+    assert wait_terminal(agent, dep_id, timeout=300, states=("failed", "rolled_back")) == "rolled_back"
+    dep = agent.deployments.get(dep_id)
+    assert dep.reason == "WATCH_FPS" and dep.details["watch"]["fps"] < 50.0
+    assert agent.active.source.manifest.version == "1.0.0"
+    assert agent.store.model_slot("active")["version"] == "1.0.0"
+    event = next(e for e in agent.store.events(100) if e["type"] == "rolled_back")
+    assert event["payload"]["deployment_id"] == dep_id and event["payload"]["floor"] == 50.0
+
+
+@pytest.mark.parametrize("tamper,code", [
+    ("model_byte", "ARTIFACT_SHA256_MISMATCH"),
+    ("manifest", "ARTIFACT_SIGNATURE_INVALID"),
+    ("unsigned", "ARTIFACT_UNSIGNED"),
+])
+def test_refused_artifacts_keep_the_old_model(running_agent, published, tmp_path: Path, tamper: str, code: str) -> None:
+    bad = make_artifact(tmp_path / "pub" / f"bad-{tamper}", "9.0.0", published["private"])
+    if tamper == "model_byte":
+        model = next(bad.glob("*.onnx"))
+        data = bytearray(model.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        model.write_bytes(bytes(data))
+    elif tamper == "manifest":
+        manifest = bad / "manifest.json"
+        manifest.write_text(manifest.read_text().replace('"9.0.0"', '"9.0.1"'))
+    else:
+        (bad / "manifest.json.sig").unlink()
+    agent = running_agent()
+    dep_id = agent.manager.request((bad / "manifest.json").as_uri())["deployment_id"]
+    assert wait_terminal(agent, dep_id) == "failed"
+    assert agent.deployments.get(dep_id).reason == code
+    assert agent.active.source.manifest.version == "1.0.0"
+    assert not list((agent.config.state_dir / "artifacts" / "deployed").glob("*")), \
+        "a refused artifact was left in the artifacts directory"
+
+
+def test_second_deployment_while_busy_is_refused(running_agent, published, tmp_path: Path) -> None:
+    from agent.deployments.manager import BusyError
+
+    other = make_artifact(tmp_path / "pub" / "v3", "3.0.0", published["private"])
+    agent = running_agent()
+    first = agent.manager.request(published["url2"])["deployment_id"]
+    with pytest.raises(BusyError) as info:
+        agent.manager.request((other / "manifest.json").as_uri())
+    assert info.value.code == "BUSY"
+    assert wait_terminal(agent, first) == "active"
+    time.sleep(0.1)
+    second = agent.manager.request((other / "manifest.json").as_uri())  # free again after the first ends
+    assert wait_terminal(agent, second["deployment_id"]) == "active"

@@ -1,0 +1,70 @@
+"""Connection building blocks: backoff, refusal classification, reply routing, protocol fallback rule."""
+
+from __future__ import annotations
+
+import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.reasoncodes import ReasonCode
+
+from agent.mqtt import CommandWorker, MqttConfig
+from agent.mqtt.client import CommandMessage, MqttConnection, _Session, send_window
+from agent.mqtt.paho_setup import Backoff, refusal_code
+from agent.mqtt.topics import Topics
+
+
+def test_backoff_grows_caps_and_resets() -> None:
+    backoff = Backoff(0.5, 8.0, rng=lambda: 1.0)
+    assert [backoff.next() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0]
+    backoff.reset()
+    assert backoff.next() == 0.5
+    low = Backoff(0.5, 8.0, rng=lambda: 0.0)
+    assert low.next() == 0.25 and low.long() == pytest.approx(6.4)  # jitter: never the same instant fleet-wide
+
+
+@pytest.mark.parametrize(("name", "code"), [
+    ("Bad user name or password", "MQTT_AUTH_FAILED"),
+    ("Not authorized", "MQTT_NOT_AUTHORIZED"),
+    ("Banned", "MQTT_NOT_AUTHORIZED"),
+    ("Unsupported protocol version", "MQTT_PROTOCOL_UNSUPPORTED"),
+    ("Server unavailable", "MQTT_CONNECT_REFUSED"),
+])
+def test_refusals_are_classified(name: str, code: str) -> None:
+    assert refusal_code(ReasonCode(PacketTypes.CONNACK, name).value) == code
+
+
+def _connection(protocol: str = "auto") -> MqttConnection:
+    return MqttConnection(MqttConfig(url="mqtt://127.0.0.1:1", protocol=protocol), "dev",
+                          status_payload=lambda state: {"state": state})
+
+
+@pytest.mark.parametrize(("configured", "attempt", "refusal", "outcome"), [
+    ("auto", "5", 0x84, "fallback"),   # auto: a broker without MQTT 5 gets 3.1.1 next
+    ("5", "5", 0x84, "failed"),        # pinned to 5: report, back off, do not switch
+    ("auto", "5", 0x87, "auth"),
+    ("auto", "5", 0x88, "failed"),
+])
+def test_attempt_outcomes(configured: str, attempt: str, refusal: int, outcome: str) -> None:
+    session = _Session(1, attempt, refusal=refusal)
+    assert _connection(configured)._outcome(session) == outcome
+
+
+def test_connection_needs_a_url() -> None:
+    with pytest.raises(ValueError, match="needs \\[mqtt\\] url"):
+        MqttConnection(MqttConfig(), "dev", status_payload=dict)
+
+
+def test_reply_routing() -> None:
+    worker = CommandWorker(lambda payload: {}, Topics("edge", "dev"))
+    v5 = CommandMessage(b"{}", "ops/replies/1", b"corr", "5")
+    topic, props = worker.route(v5)
+    assert topic == "ops/replies/1" and props.CorrelationData == b"corr"
+    assert worker.route(CommandMessage(b"{}", None, None, "5")) == ("edge/dev/cmd/reply", None)
+    assert worker.route(CommandMessage(b"{}", "ops/#", b"c", "5")) == ("edge/dev/cmd/reply", None)
+    assert worker.route(CommandMessage(b"{}", None, None, "3.1.1")) == ("edge/dev/cmd/reply", None)
+
+
+def test_send_window_respects_the_brokers_receive_maximum() -> None:
+    assert send_window(500, None) == 500  # MQTT 3.1.1: no Receive Maximum
+    assert send_window(500, 20) == 15     # Mosquitto's default: keep slots for status and replies
+    assert send_window(500, 65535) == 500
+    assert send_window(500, 4) == 2 and send_window(500, 1) == 1
