@@ -250,9 +250,9 @@ def print_table(result: dict[str, Any], ok: dict[str, bool]) -> None:
             ("drain / bare paho", result["drain_vs_paho_ceiling"], "", ""),
             ("lost", result["lost"], "0", ok["lost"]), ("duplicated", result["duplicated"], "0", ok["duplicated"]),
             ("telemetry CPU, % of one core", result["telemetry_cpu_overhead_pct"], "<= 1", ok["telemetry_cpu_overhead_pct"])]
-    print(f"\n{'metric':34} {'value':>12} {'goal':>9}  pass")
+    print(f"\n{'metric':42} {'value':>12} {'goal':>9}  pass")
     for name, value, goal, passed in rows:
-        print(f"{name:34} {value!s:>12} {goal:>9}  {'' if passed == '' else ('yes' if passed else 'NO')}")
+        print(f"{name:42} {value!s:>12} {goal:>9}  {'' if passed == '' else ('yes' if passed else 'NO')}")
     print(f"(rows={result['rows']}, sampler: {result['sampler']}, {result['telemetry_seconds']} s per phase)")
 
 

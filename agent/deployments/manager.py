@@ -8,7 +8,6 @@ a deployment `active`.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from agent.artifacts.config import ArtifactsConfig
-from agent.artifacts.fetch import fetch_artifact
+from agent.artifacts.fetch import fetch_into
 from agent.artifacts.trust import verify_artifact
 from agent.deployments.config import DeploymentConfig
 from agent.deployments.store import Deployment, DeploymentStore
@@ -176,10 +175,12 @@ class DeploymentManager(threading.Thread):
 
     def _prepare(self, dep: Deployment) -> tuple[ModelSource, Any]:
         self._step(dep, "fetching")
-        target = self.artifacts_dir / _artifact_dirname(dep.url)
-        path = fetch_artifact(dep.url, target, self.artifacts, self._progress(dep), self.stop_event)
+        # content-addressed (<name>-<version>-<manifest sha>): a URL republished with new bytes never
+        # overwrites the directory of the model that is serving
+        path = fetch_into(dep.url, self.artifacts_dir, self.artifacts, self._progress(dep), self.stop_event)
         self._step(dep, "verifying", artifact_dir=str(path))
-        source = verify_artifact(path, self.artifacts)
+        # fetch already verified everything; this re-hash proves the published directory, not the download
+        source = verify_artifact(path, self.artifacts, check_model=False)
         m = source.manifest
         self._step(dep, "building", model_name=m.name, model_version=m.version, sha256=source.sha256)
         provisioned = self.host.provision(source, self._progress(dep), self.stop_event)
@@ -210,7 +211,8 @@ class DeploymentManager(threading.Thread):
     def _fail(self, dep: Deployment, code: str, message: str) -> None:
         log.warning("deployment %s failed (%s): %s", dep.id, code, message)
         if code not in RESUMABLE:  # bytes that failed verification are worthless; a broken download may resume
-            shutil.rmtree(self.artifacts_dir / f"{_artifact_dirname(dep.url)}.partial", ignore_errors=True)
+            for partial in self.artifacts_dir.glob("*.partial"):
+                shutil.rmtree(partial, ignore_errors=True)
         try:
             self.store.transition(dep, "failed", reason=code, message=message[:2000])
         except EdgeError:
@@ -243,17 +245,13 @@ class DeploymentManager(threading.Thread):
             row = self.store.state.model_slot(slot)
             if row:
                 keep.add(Path(row["path"]).resolve())
-        dirs = sorted((p for p in self.artifacts_dir.glob("*") if p.is_dir() and not p.name.endswith(".partial")),
+        dirs = sorted((p for p in self.artifacts_dir.glob("*") if p.is_dir() and (p / "manifest.json").is_file()
+                       and not p.name.endswith(".partial") and ".quarantine-" not in p.name),
                       key=lambda p: p.stat().st_mtime, reverse=True)
         for path in dirs[self.config.keep_versions:]:
             if path.resolve() not in keep:
                 shutil.rmtree(path, ignore_errors=True)
                 self.emit("artifact_collected", path=str(path))
-
-
-def _artifact_dirname(url: str) -> str:
-    """One directory per manifest URL: a redeploy of the same URL reuses (and re-verifies) what is there."""
-    return hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 def _engine_summary(provisioned: Any) -> dict[str, Any]:
