@@ -180,6 +180,29 @@ def bench(
 
 
 @app.command()
+def telemetry(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (sources, sysfs root)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """One telemetry sample from the sources this device has (absent fields are not readable here)."""
+    from agent.telemetry import collector_from_names
+
+    cfg = load_config_or_exit(config)
+    collector = collector_from_names(cfg.telemetry.sources, cfg.telemetry.sysfs_root)
+    try:
+        sample = collector.sample()
+    finally:
+        collector.close()
+    if as_json:
+        out.print_json(json.dumps(sample))
+        return
+    for key, value in sample.items():
+        out.print(f"{key:14s} {json.dumps(value)}  [dim]({collector.origins.get(key, '?')})[/]", highlight=False)
+    for name, reason in collector.skipped.items():
+        out.print(f"[dim]source {name} not used: {reason}[/]")
+
+
+@app.command()
 def deploy(
     url: str = typer.Argument(..., help="Manifest URL: https://…/manifest.json, http://…, file:///…"),
     wait: bool = typer.Option(False, "--wait", help="Follow progress; exit 0 when active, 1 when failed."),

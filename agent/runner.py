@@ -21,6 +21,7 @@ from agent.deployments.manager import DeploymentManager
 from agent.deployments.store import Deployment, DeploymentStore
 from agent.frame_stats import FrameStats
 from agent.mailbox import FreshestMailbox
+from agent.plane import AgentPlane
 from agent.sdnotify import Notifier, ProgressWatchdog
 from agent.model_loading import LoadedModel, ModelLoader
 from agent.sources import create_source
@@ -55,6 +56,7 @@ class Agent:
         self.capture: CaptureThread | None = None
         self._capture_stop = threading.Event()
         self.dispatcher: CommandDispatcher | None = None
+        self.plane: AgentPlane | None = None
         self.control_server: ControlSocketServer | None = None
         self.notifier = Notifier()
         self.watchdog: ProgressWatchdog | None = None
@@ -94,6 +96,11 @@ class Agent:
         self.loader = ModelLoader(cfg, self.stop_event)
         self.manager = DeploymentManager(self.deployments, self, cfg.state_dir / "artifacts" / "deployed",
                                          self.loader.artifacts, cfg.deployments, self.emit, self.stop_event)
+        self.dispatcher = CommandDispatcher(AgentController(self, on_set_config=self._set_live_config),
+                                            state_db_path(cfg.state_dir), max_payload_bytes=cfg.mqtt.max_payload_bytes)
+        self.plane = AgentPlane(self)  # before the model loads, so start-up events reach the outbox
+        self.event_sinks.append(self.plane.on_event)
+        self.plane.start()
         self.manager.recover()
         self.active = self._load_initial()
         self.stats = FrameStats()  # fps and duration count from the first frame the model can take
@@ -103,8 +110,6 @@ class Agent:
         self.worker.start()
         self.capture.start()
         self.manager.start()
-        self.dispatcher = CommandDispatcher(AgentController(self), state_db_path(cfg.state_dir),
-                                            max_payload_bytes=cfg.mqtt.max_payload_bytes)
         self.control_server = ControlSocketServer(cfg.control_socket_path(), self.dispatcher.dispatch, cfg.control.group)
         self.control_server.start()
         self.state = "running"
@@ -129,12 +134,17 @@ class Agent:
     def _load_initial(self) -> LoadedModel:
         assert self.loader is not None and self.store is not None
         source, origin = self.loader.initial_source(self.store.model_slot("active"), self.emit)
-        loaded = self.loader.load(source, origin, on_progress=lambda e: self.emit("engine_progress", **e))
+        loaded = self.loader.load(source, origin, on_progress=self._engine_progress)
         self._record_active(loaded)
         self.emit("model_loaded", model=loaded.describe(), origin=origin)
         log.info("model %s loaded on %s (%s, cache %s)", source.label, loaded.describe()["backend"],
                  loaded.describe()["precision"], "hit" if loaded.provisioned.hit else "miss")
         return loaded
+
+    def _engine_progress(self, event: dict[str, Any]) -> None:
+        """Engine cache/build/validation progress of the start-up model, as `engine` events."""
+        fields = {k: v for k, v in event.items() if k != "type"}
+        self.emit("engine", event=event.get("type", "progress"), **fields)
 
     def _record_active(self, loaded: LoadedModel, deployment_id: str | None = None) -> None:
         assert self.store is not None
@@ -144,6 +154,11 @@ class Agent:
 
     def _on_result(self, frame: Frame, result: Any, runtime: Any) -> None:
         self.last_result = {"frame": frame.index, **result.to_dict(max_items=20)}
+        if self.plane is not None:
+            self.plane.on_result(self.last_result)
+
+    def _set_live_config(self, changes: dict[str, Any]) -> dict[str, Any]:
+        return self.plane.set_config(changes) if self.plane is not None else {}
 
     def wait(self, duration: float | None, tick: Callable[["Agent"], None] | None = None, tick_s: float = 1.0) -> None:
         """Block until stopped (signal) or `duration` elapsed, calling `tick` periodically."""
@@ -161,6 +176,8 @@ class Agent:
         """Write the live numbers where `edge-agent status` (another process) can read them."""
         if self.store is None:
             return
+        if self.plane is not None:
+            self.plane.health_changed(self.health())
         summary = self.summary()
         self.store.set_kv(LIVE_KEY, {
             "ts": time.time(), "state": self.health(), "fps": summary["fps"], "frames": summary["frames"],
@@ -197,6 +214,9 @@ class Agent:
                 if thread.is_alive():
                     log.error("thread %s did not stop within %.1f s", thread.name, JOIN_TIMEOUT_S)
         summary = self.summary()
+        if self.plane is not None:
+            self.plane.stop()
+            self.plane = None
         for loaded in {id(m): m for m in (self.active, self.previous) if m is not None}.values():
             loaded.runtime.close()
         if self.dispatcher is not None:

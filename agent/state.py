@@ -53,7 +53,17 @@ def _m002_deployments(db: sqlite_utils.Database) -> None:
     migrate_deployments(db)
 
 
-MIGRATIONS: list[Migration] = [_m001_core, _m002_deployments]
+def _m003_planes(db: sqlite_utils.Database) -> None:
+    """MQTT outbox and counters, command replies, engine cache index (each module owns its DDL)."""
+    from agent.commands import ensure_schema as replies
+    from agent.mqtt import ensure_schema as outbox
+    from engines.cache import ensure_schema as engines
+
+    for ensure in (outbox, replies, engines):
+        ensure(db.conn)
+
+
+MIGRATIONS: list[Migration] = [_m001_core, _m002_deployments, _m003_planes]
 
 
 class StateStoreError(EdgeError):

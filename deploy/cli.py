@@ -189,6 +189,16 @@ def fetch(
     typer.echo(f"fetched and verified {url} into {path}")
 
 
+def _mount_fleet() -> None:
+    from deploy.fleet_cli import fleet_app, send
+
+    app.command("send")(send)
+    app.add_typer(fleet_app, name="fleet")
+
+
+_mount_fleet()
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -61,8 +61,10 @@ CREATE INDEX IF NOT EXISTS engines_onnx ON engines(onnx_sha256);
 
 
 def ensure_schema(conn: sqlite3.Connection) -> None:
-    """Create the index table if this database does not have it yet (idempotent)."""
-    conn.executescript(SCHEMA)
+    """Create the index table (idempotent); statement by statement so a caller's transaction stays open."""
+    for statement in SCHEMA.split(";"):
+        if statement.strip():
+            conn.execute(statement)
 
 
 @dataclass

@@ -142,6 +142,17 @@ def _status(version: str | None, state: str | None = "active", p99: float | None
         (_status("1.0.0", state="failed"), 50, False, True, "deployment failed"),
         (_status("1.0.0", state="rolled_back"), 50, False, True, "deployment rolled_back"),
         (_status("2.0.0"), "", False, True, "no latency budget"),
+        (json.dumps({"state": "degraded", "model": {"name": "det", "version": "2.0.0"}, "latency_ms": {"p99": 1}}),
+         50, False, False, "agent is degraded"),
+        (json.dumps({"state": "stopped", "model": {"name": "det", "version": "2.0.0"}, "latency_ms": {"p99": 1}}),
+         50, False, False, "agent is stopped"),
+        # A running daemon reports the deployment and the recent latency window under `live`.
+        (json.dumps({"state": "online", "model": {"name": "det", "version": "2.0.0"}, "latency_ms": {"p99": 90},
+                     "live": {"window_latency_ms": {"p99": 30}, "deployment": {"state": "active", "watching": True}}}),
+         50, True, False, "p99 30.0 ms"),
+        (json.dumps({"state": "online", "model": {"name": "det", "version": "1.0.0"},
+                     "live": {"deployment": {"state": "rolled_back", "reason": "GATE_LATENCY", "message": "p99 80"}}}),
+         50, False, True, "deployment rolled_back: GATE_LATENCY p99 80"),
         ("not json", 50, False, False, "printed no JSON"),
         ("", 50, False, False, "gave no status"),
     ],
@@ -202,14 +213,20 @@ def _config_check(path):
 
 
 def main():
-    args = sys.argv[1:]
+    args = []
+    rest = iter(sys.argv[1:])
+    for arg in rest:  # options the stub does not need
+        if arg in ("--config", "--timeout"):
+            next(rest)
+        elif arg not in ("--json", "--wait"):
+            args.append(arg)
     if args[:1] == ["run"]:
         return _run()
     if args[:2] == ["config", "check"]:
         return _config_check(args[2])
     state = _load()
     if args[:1] == ["status"]:
-        out = {"model": state["model"], "deployment": state["deployment"]}
+        out = {"state": "online", "model": state["model"], "deployment": state["deployment"]}
         if state["model"]:
             slow = state["model"]["version"] == os.environ.get("STUB_SLOW_VERSION")
             out["latency_ms"] = {"p99": 80.0 if slow else 10.0}

@@ -1,0 +1,115 @@
+"""Wires the MQTT plane, telemetry and results into a running Agent (agent.runner)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from agent.mailbox import FreshestMailbox
+from agent.mqtt import MqttPlane
+from agent.state import state_db_path
+from agent.telemetry_loop import PrometheusExporter, TelemetryThread
+from engines.fingerprint import read_fingerprint
+
+log = logging.getLogger(__name__)
+
+LIVE_CONFIG_KEY = "live_config"
+
+
+def agent_version() -> str:
+    """The installed distribution's version."""
+    try:
+        return version("jetson-edge-agent")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class AgentPlane:
+    """MQTT plane + telemetry thread + results forwarder; started after the frame path, stopped before it."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        cfg = agent.config
+        self.stop_event = threading.Event()
+        self.meta = self._meta()
+        self.mqtt = MqttPlane(cfg.mqtt, device_id=cfg.device_id, db_path=state_db_path(cfg.state_dir),
+                              dispatch=agent.dispatcher.dispatch if agent.dispatcher else None,
+                              agent_version=agent_version(), meta_provider=lambda: self.meta,
+                              model_provider=lambda: agent.active.describe() if agent.active else None,
+                              root=cfg.telemetry.sysfs_root)
+        live = agent.store.get_kv(LIVE_CONFIG_KEY, {}) if agent.store else {}
+        interval = live.get("telemetry_interval_s", cfg.mqtt.telemetry_interval_s)
+        sinks = [self.mqtt.enqueue_telemetry]
+        self.prometheus = PrometheusExporter(cfg.telemetry.prometheus_port, cfg.telemetry.prometheus_bind) \
+            if cfg.telemetry.prometheus_port else None
+        if self.prometheus is not None:
+            sinks.append(self.prometheus)
+        self.telemetry = TelemetryThread(agent, interval, sinks, self.stop_event)
+        self.telemetry.on_throttle = self._throttle_event
+        if "results_rate_hz" in live:
+            self.mqtt.set_results_rate(live["results_rate_hz"])
+        self._results: FreshestMailbox[dict] = FreshestMailbox()
+        self._results_thread = threading.Thread(target=self._forward_results, name="results", daemon=True)
+        self._status = None
+
+    def _meta(self) -> dict[str, Any]:
+        """What this device is (retained `meta` topic); read once: it does not change while running."""
+        fp = read_fingerprint(self.agent.config.telemetry.sysfs_root)
+        cfg = self.agent.config
+        return {"device_id": cfg.device_id, "agent_version": agent_version(), "fingerprint": fp.to_dict(),
+                "cameras": [{"name": cfg.camera.name, "kind": cfg.camera.kind}],
+                "engine": self.agent.active.describe() if self.agent.active else None}
+
+    def start(self) -> None:
+        """MQTT first (so start-up events queue), then telemetry and results."""
+        self.mqtt.start()
+        self.telemetry.start()
+        self._results_thread.start()
+
+    def stop(self) -> None:
+        """Reverse order; the MQTT plane flushes briefly and publishes `stopped`."""
+        self.stop_event.set()
+        self._results.close()
+        self._results_thread.join(2)
+        self.telemetry.stop()
+        if self.prometheus is not None:
+            self.prometheus.stop()
+        self.mqtt.stop(timeout=5, flush_s=1)
+
+    # --- hooks the agent calls ---------------------------------------------------------------
+
+    def on_event(self, type_: str, **fields: Any) -> None:
+        """Every agent event goes to the outbox (QoS 1, survives outages)."""
+        self.mqtt.enqueue_event(type_, **fields)
+
+    def on_result(self, result: dict[str, Any]) -> None:
+        """Called on the frame path: never blocks; the newest result replaces an unsent one."""
+        self._results.put(result)
+
+    def _forward_results(self) -> None:
+        while not self.stop_event.is_set():
+            result = self._results.get(timeout=0.5)
+            if result is not None:
+                self.mqtt.publish_result(result)
+
+    def health_changed(self, state: str) -> None:
+        """Retained status follows the agent's health."""
+        if state != self._status:
+            self._status = state
+            self.mqtt.publish_status(state)
+
+    def set_config(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Apply whitelisted live settings; the caller persists them."""
+        applied: dict[str, Any] = {}
+        if "telemetry_interval_s" in changes:
+            self.telemetry.set_interval(float(changes["telemetry_interval_s"]))
+            applied["telemetry_interval_s"] = changes["telemetry_interval_s"]
+        if "results_rate_hz" in changes:
+            self.mqtt.set_results_rate(float(changes["results_rate_hz"]))
+            applied["results_rate_hz"] = changes["results_rate_hz"]
+        return applied
+
+    def _throttle_event(self, throttled: bool, details: dict[str, Any]) -> None:
+        self.agent.emit("throttling" if throttled else "throttling_cleared", **details)

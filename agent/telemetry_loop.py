@@ -1,0 +1,149 @@
+"""Telemetry sampling for a running agent: device sources + frame-path numbers, every interval.
+
+Samples go to the MQTT plane's outbox (store-and-forward) and, when enabled, a Prometheus endpoint.
+A field no source can read is absent, never zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from agent.telemetry import collector_from_names, energy_mj_per_frame
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[dict[str, Any]], None]
+
+
+class FramePathMeter:
+    """Turns the agent's cumulative counters into per-interval numbers."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self._last = (time.monotonic(), 0, 0)
+
+    def sample(self) -> dict[str, Any]:
+        """fps, frames, drops and latency for the interval since the previous call."""
+        agent = self.agent
+        now, frames, dropped = time.monotonic(), agent.stats.frames, agent.mailbox.dropped
+        then, frames_before, dropped_before = self._last
+        self._last = (now, frames, dropped)
+        interval = max(now - then, 1e-6)
+        window = agent.worker.window if agent.worker is not None else None
+        out: dict[str, Any] = {
+            "fps": round((frames - frames_before) / interval, 2),
+            "frames": frames,
+            "dropped_frames": dropped,
+            "interval_s": round(interval, 3),
+            "frames_in_interval": frames - frames_before,
+            "errors": agent.stats.errors,
+            "latency_ms": window.latency.summary() if window is not None else {},
+            "stages_ms": window.stage_means() if window is not None else {},
+        }
+        if agent.active is not None:
+            out["model"] = agent.active.describe()
+        return out
+
+
+class TelemetryThread(threading.Thread):
+    """Samples every `interval_s` (changeable live) and hands each sample to the sinks."""
+
+    def __init__(self, agent: Any, interval_s: float, sinks: list[Sink], stop_event: threading.Event) -> None:
+        super().__init__(name="telemetry", daemon=True)
+        cfg = agent.config.telemetry
+        self.collector = collector_from_names(cfg.sources, cfg.sysfs_root)
+        self.meter = FramePathMeter(agent)
+        self.interval_s = interval_s
+        self.sinks = sinks
+        self.stop_event = stop_event
+        self.on_throttle: Callable[[bool, dict[str, Any]], None] | None = None
+        self._throttled = False
+        self._wake = threading.Event()
+
+    def set_interval(self, seconds: float) -> None:
+        """Apply a new interval now (the `set_config` command)."""
+        self.interval_s = seconds
+        self._wake.set()
+
+    def sample(self) -> dict[str, Any]:
+        """One full sample: device sources first, then the frame path."""
+        sample = self.collector.sample()
+        frame_path = self.meter.sample()
+        energy = energy_mj_per_frame(sample.get("power_mw"), frame_path.pop("interval_s"), frame_path.pop("frames_in_interval"))
+        sample.update(frame_path)
+        if energy is not None:
+            sample["energy_mj_per_frame"] = round(energy, 3)
+        return sample
+
+    def run(self) -> None:
+        """Sample, publish, wait; a failing sink or source is logged, never fatal."""
+        while not self.stop_event.is_set():
+            self._wake.clear()
+            if self._wake.wait(self.interval_s) or self.stop_event.is_set():
+                continue  # interval changed (or stopping): start a fresh wait
+            try:
+                sample = self.sample()
+            except Exception:
+                log.exception("telemetry sample failed")
+                continue
+            self._check_throttle(sample)
+            for sink in self.sinks:
+                try:
+                    sink(sample)
+                except Exception:
+                    log.exception("telemetry sink failed")
+
+    def _check_throttle(self, sample: dict[str, Any]) -> None:
+        throttled = bool(sample.get("throttled"))
+        if throttled != self._throttled and self.on_throttle is not None:
+            self.on_throttle(throttled, sample.get("throttle") or {})
+        self._throttled = throttled
+
+    def stop(self) -> None:
+        """Wake and join."""
+        self._wake.set()
+        self.join(2)
+        self.collector.close()
+
+
+class PrometheusExporter:
+    """The same figures as telemetry on a Prometheus endpoint (off by default, loopback by default)."""
+
+    def __init__(self, port: int, bind: str) -> None:
+        try:
+            import prometheus_client as prom
+        except ImportError as exc:
+            raise RuntimeError("telemetry.prometheus_port is set but prometheus-client is not installed: "
+                               "pip install 'jetson-edge-agent[prometheus]'") from exc
+        self.registry = prom.CollectorRegistry()
+        gauge = lambda name, doc, labels=(): prom.Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
+        self.fps = gauge("edge_agent_fps", "Frames per second over the last interval")
+        self.latency = gauge("edge_agent_latency_ms", "Glass-to-result latency of the active model", ("quantile",))
+        self.frames = gauge("edge_agent_frames", "Frames processed since start")
+        self.dropped = gauge("edge_agent_dropped_frames", "Frames replaced unread in the mailbox since start")
+        self.power = gauge("edge_agent_power_mw", "Power by rail (total = board input)", ("rail",))
+        self.temp = gauge("edge_agent_temp_c", "Temperature by thermal zone", ("zone",))
+        self.throttled = gauge("edge_agent_throttled", "1 while the SoC is throttling")
+        self.server, self.thread = prom.start_http_server(port, addr=bind, registry=self.registry)
+
+    def __call__(self, sample: dict[str, Any]) -> None:
+        """Update the gauges from one telemetry sample (absent fields stay absent)."""
+        self.fps.set(sample.get("fps", 0))
+        self.frames.set(sample.get("frames", 0))
+        self.dropped.set(sample.get("dropped_frames", 0))
+        for quantile, value in (sample.get("latency_ms") or {}).items():
+            self.latency.labels(quantile).set(value)
+        for rail, value in (sample.get("power_mw") or {}).items():
+            self.power.labels(rail).set(value)
+        for zone, value in (sample.get("temp_c") or {}).items():
+            self.temp.labels(zone).set(value)
+        if "throttled" in sample:
+            self.throttled.set(1 if sample["throttled"] else 0)
+
+    def stop(self) -> None:
+        """Close the HTTP server."""
+        self.server.shutdown()
+        self.server.server_close()

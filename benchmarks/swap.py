@@ -1,0 +1,160 @@
+"""Hot-swap benchmark: frame interval in steady state vs around a model swap, and the stop_start gap.
+
+One process, the real agent (synthetic 640x480 camera, demo detector): a running loop on the FP32 model,
+then a deployment of its INT8 variant with the `overlap` strategy, then a deployment back to FP32 with
+`stop_start`. The camera runs at half the loop's measured capacity, as a real camera that the model keeps
+up with: any frame the swap costs shows up as a dropped frame or a long interval.
+
+Engines are built before the timed part (the swap is measured, not the build; builds run in a child
+process and are covered by benchmarks/engines.py).
+
+Usage: python benchmarks/swap.py [--out out/bench-swap.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import _common  # noqa: F401  (puts the repo on sys.path)
+from _common import machine, write_json
+
+from agent.config import AgentConfig
+from agent.runner import Agent
+from engines.bench import text_frames
+from engines.model import load_model
+from engines.provision import load_provisioned, provision
+from tests.deploy_fixtures import make_key
+
+STEADY_S = 8.0
+AFTER_S = 4.0
+
+
+def package(out: Path, version: str, precision: str, key: Path) -> Path:
+    """The demo detector at 640x480 as a signed artifact."""
+    from agent.artifacts.builder import build_artifact
+    from agent.artifacts.keys import load_private_key
+    from agent.demo import bundled_demo_onnx, demo_manifest
+
+    onnx = bundled_demo_onnx()
+    template = demo_manifest(onnx).model_copy(update={"version": version})
+    template = template.model_copy(update={"build": template.build.model_copy(update={"precision": precision})})
+    build_artifact(out, template, {template.model.file: onnx}, load_private_key(key), replace=True)
+    return out
+
+
+def capacity_fps(artifact: Path, cache: Path, db: Path) -> float:
+    """Sequential frames per second of the FP32 engine on this machine."""
+    source = load_model(artifact)
+    runtime = load_provisioned(provision(source, backend="onnxruntime", cache_dir=cache, db_path=db), source)
+    frames = text_frames(640, 480, 4)
+    runtime.warmup(frames[0], 2)
+    t0 = time.perf_counter()
+    for i in range(10):
+        runtime.run(frames[i % 4])
+    runtime.close()
+    return 10 / (time.perf_counter() - t0)
+
+
+def intervals(stamps: list[float], start: float, end: float) -> list[float]:
+    """Result-to-result intervals (ms) whose second result falls in [start, end]."""
+    return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:]) if start <= b <= end]
+
+
+def deploy_and_time(agent: Agent, url: str, stamps: list[float]) -> dict:
+    """Deploy `url`, wait for active, and time the intervals around the swap."""
+    lost_before = agent.mailbox.dropped + agent.stats.errors
+    requested = time.monotonic()
+    dep_id = agent.manager.request(url)["deployment_id"]
+    activating = None
+    while True:
+        dep = agent.deployments.get(dep_id)
+        if dep.state == "activating" and activating is None:
+            activating = time.monotonic()
+        if dep.state in ("active", "failed", "rolled_back"):
+            break
+        time.sleep(0.002)
+    if dep.state != "active":
+        raise SystemExit(f"deployment failed: {dep.reason}: {dep.message}")
+    active = time.monotonic()
+    time.sleep(AFTER_S)
+    swap_event = next(e["payload"]["swap"] for e in agent.store.events(50)
+                      if e["type"] == "deployment" and e["payload"].get("state") == "active")
+    around = intervals(stamps, activating or requested, active + AFTER_S)
+    return {"max_interval_ms": round(max(around), 1), "intervals": len(around),
+            "lost": agent.mailbox.dropped + agent.stats.errors - lost_before,
+            "gap_ms": swap_event.get("gap_ms"), "prepare_s": round((activating or active) - requested, 2),
+            "swap_s": round(active - (activating or active), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("out/bench-swap.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        private, public = make_key(tmp / "keys")
+        v1 = package(tmp / "pub" / "v1", "1.0.0", "fp32", private)
+        v2 = package(tmp / "pub" / "v2", "2.0.0-int8", "int8", private)
+        v3 = package(tmp / "pub" / "v3", "3.0.0", "fp32", private)
+        cache, db = tmp / "cache", tmp / "state" / "state.db"
+        db.parent.mkdir(parents=True)
+        fps = capacity_fps(v1, cache, db)
+        print(f"loop capacity {fps:.2f} fps; camera at {fps / 2:.2f} fps")
+        print("building the INT8 engine before the timed part ...")
+        provision(load_model(v2), backend="onnxruntime", cache_dir=cache, db_path=db)
+
+        config = AgentConfig(state_dir=tmp / "state", cache_dir=cache, device_id="bench",
+                             model={"path": v1}, camera={"kind": "synthetic", "fps": fps / 2},
+                             artifacts={"trusted_keys": [str(public)]},
+                             deployments={"watch_window_s": 0})
+        stamps: list[float] = []
+        agent = Agent(config)
+        agent.start()
+        lock = threading.Lock()
+        original = agent.worker.on_result
+
+        def stamp(frame, result, runtime):
+            with lock:
+                stamps.append(time.monotonic())
+            original(frame, result, runtime)
+
+        agent.worker.on_result = stamp
+        try:
+            time.sleep(2.0)
+            t0 = time.monotonic()
+            time.sleep(STEADY_S)
+            steady = statistics.median(intervals(stamps, t0, time.monotonic()))
+            overlap = deploy_and_time(agent, (v2 / "manifest.json").as_uri(), stamps)
+            agent.config.deployments.swap_strategy = "stop_start"
+            stop_start = deploy_and_time(agent, (v3 / "manifest.json").as_uri(), stamps)
+        finally:
+            agent.stop()
+
+    result = {
+        "steady_interval_ms": round(steady, 1),
+        "swap_max_interval_ms": overlap["max_interval_ms"],
+        "swap_ratio": round(overlap["max_interval_ms"] / steady, 3),
+        "frames_lost": overlap["lost"],
+        "overlap_gap_ms": overlap["gap_ms"],
+        "stop_start_gap_ms": stop_start["gap_ms"],
+        "stop_start_max_interval_ms": stop_start["max_interval_ms"],
+        "stop_start_frames_lost": stop_start["lost"],
+        "camera_fps": round(fps / 2, 2),
+        "overlap": overlap,
+        "stop_start": stop_start,
+        "machine": machine(),
+        "goal": {"frames_lost": 0, "swap_ratio": "<= 1.5 (overlap)"},
+    }
+    print(f"steady interval {result['steady_interval_ms']} ms; overlap swap: max interval "
+          f"{result['swap_max_interval_ms']} ms (ratio {result['swap_ratio']}), {result['frames_lost']} frames lost; "
+          f"stop_start gap {result['stop_start_gap_ms']} ms ({stop_start['lost']} frames dropped)")
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
