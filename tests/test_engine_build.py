@@ -33,7 +33,14 @@ def _provision(src, tmp_path: Path, **kwargs):
 
 
 def _no_children() -> bool:
-    return not psutil.Process().children(recursive=True)
+    """No build worker left (other children, such as the session's Mosquitto broker, are not ours)."""
+    def is_worker(proc: psutil.Process) -> bool:
+        try:
+            return "mosquitto" not in " ".join(proc.cmdline())
+        except psutil.Error:
+            return False
+
+    return not [p for p in psutil.Process().children(recursive=True) if is_worker(p)]
 
 
 @pytest.fixture(scope="module")
