@@ -37,7 +37,9 @@ class LoadedModel:
 
     def describe(self) -> dict[str, Any]:
         """The `model` object of status, telemetry and events."""
-        return {**self.runtime.describe(), "engine_key": self.provisioned.key[:12], "origin": self.origin}
+        budget = self.source.manifest.gates.latency_budget_ms
+        return {**self.runtime.describe(), "engine_key": self.provisioned.key[:12], "origin": self.origin,
+                **({"latency_budget_ms": budget} if budget is not None else {})}
 
     def deployment_ok(self, dep: Any) -> bool:
         """True while this model is the one `dep` deployed."""

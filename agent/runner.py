@@ -144,6 +144,7 @@ class Agent:
     def _engine_progress(self, event: dict[str, Any]) -> None:
         """Engine cache/build/validation progress of the start-up model, as `engine` events."""
         fields = {k: v for k, v in event.items() if k != "type"}
+        self.notifier.extend_timeout(120)  # a TensorRT build on a cache miss outlasts TimeoutStartSec
         self.emit("engine", event=event.get("type", "progress"), **fields)
 
     def _record_active(self, loaded: LoadedModel, deployment_id: str | None = None) -> None:

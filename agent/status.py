@@ -49,7 +49,8 @@ def _model_row(row: dict[str, Any] | None) -> dict[str, Any] | None:
     if row is None:
         return None
     return {"name": row["name"], "version": row["version"], "path": row["path"], "sha256": row["sha256"][:12],
-            "since": row["since"], **{k: v for k, v in row["info"].items() if k in ("backend", "precision")}}
+            "since": row["since"],
+            **{k: v for k, v in row["info"].items() if k in ("backend", "precision", "latency_budget_ms", "origin")}}
 
 
 def render_status(report: dict[str, Any], console: Console) -> None:

@@ -339,7 +339,7 @@ def test_fleet_install_rollout_rollback(tmp_path: Path) -> None:
     _wheel(tmp_path / "wheelhouse")
     inventory = _inventory(tmp_path)
     hosts = ["dev-a", "dev-b", "dev-c"]
-    fast_gate = ["-e", "edge_model_poll_s=0.5", "-e", "edge_model_hold_s=1", "-e", "edge_model_gate_timeout_s=2"]
+    fast_gate = ["-e", "edge_model_poll_s=1", "-e", "edge_model_hold_s=1", "-e", "edge_model_gate_timeout_s=2"]
     try:
         # Check mode on a fresh host changes nothing and does not fail.
         rc, out, recap = _playbook(tmp_path, inventory, "site.yml", "--check", "--diff", "--limit", "dev-a")
