@@ -5,6 +5,7 @@ need=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
 command -v mosquitto_passwd >/dev/null 2>&1 || need+=(mosquitto-clients)
 command -v ffmpeg >/dev/null 2>&1 || need+=(ffmpeg)
+command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
