@@ -159,17 +159,22 @@ def status(
 @app.command()
 def bench(
     model: Path = typer.Argument(..., help="Model directory, manifest.json or .onnx file."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32 | fp16 | int8"),
+    precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | fp16 | int8 (default: the manifest's)"),
     iterations: int = typer.Option(50, "--iterations", "-n", min=1, help="Timed runs after warm-up."),
     warmup: int = typer.Option(5, "--warmup", min=0, help="Untimed runs first."),
     backend: str = typer.Option("auto", "--backend", help="auto | onnxruntime | tensorrt"),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (engine cache location)."),
 ) -> None:
-    """Latency of this model on this device, per stage (preprocess, infer, postprocess)."""
+    """Latency of the engine this device would build for MODEL, per stage (preprocess, infer, postprocess)."""
     from agent.bench import render_bench, run_bench
+    from agent.state import state_db_path
 
+    cfg = load_config_or_exit(config)
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
     try:
-        report = run_bench(model, backend=backend, precision=precision, iterations=iterations, warmup=warmup)
+        report = run_bench(model, backend=backend, precision=precision, iterations=iterations, warmup=warmup,
+                           cache_dir=cfg.cache_dir, db_path=state_db_path(cfg.state_dir))
     except EdgeError as exc:
         err.print(f"[red]bench failed ({exc.code}):[/] {exc}")
         raise typer.Exit(EXIT_FAILED) from exc

@@ -325,6 +325,18 @@ class Agent:
             old.runtime.close()
             self.previous = None
 
+    def collect_engines(self, pinned: set[str]) -> None:
+        """Engine cache GC after a deployment (budget from `[engines] cache_budget_mb`)."""
+        from engines.cache import EngineCache
+
+        cache = EngineCache(self.config.cache_dir, state_db_path(self.config.state_dir), on_event=self._engine_progress)
+        try:
+            report = cache.gc(self.config.engines.cache_budget_mb * 2**20, pinned)
+        finally:
+            cache.close()
+        if report.removed:
+            log.info("engine cache: collected %d engine(s), %.1f MB", len(report.removed), report.freed_bytes / 2**20)
+
     def commit_active(self, source: ModelSource, provisioned: Any, dep: Deployment, store: DeploymentStore) -> None:
         """The new active model and the deployment's `active` state, in one transaction."""
         assert self.store is not None and self.active is not None

@@ -10,9 +10,9 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 
-from engines.backends.base import EngineOptions
 from engines.errors import ModelError
 from engines.model import load_model
+from engines.provision import load_provisioned, provision
 from engines.runtime import ModelRuntime, load_runtime
 
 
@@ -61,24 +61,30 @@ def time_runtime(runtime: ModelRuntime, frames: Sequence[np.ndarray], iterations
 def run_bench(
     model_path: Path,
     backend: str = "auto",
-    precision: str = "fp32",
+    precision: str | None = None,
     iterations: int = 50,
     warmup: int = 5,
-    options: EngineOptions | None = None,
+    cache_dir: Path | None = None,
+    db_path: Path | None = None,
 ) -> dict[str, Any]:
-    """Load the model as the agent would and report latency per stage."""
-    if precision != "fp32":
-        raise ModelError(f"precision {precision!r}: build the engine first with `edge-agent engines build`", code="USAGE")
+    """Latency per stage of the engine this device would run: cached, or built (and cached) first."""
     source = load_model(model_path)
     t0 = time.perf_counter()
-    runtime = load_runtime(source, backend, options)
+    if cache_dir is None or db_path is None:
+        if precision not in (None, "fp32"):
+            raise ModelError(f"precision {precision!r} needs an engine cache (cache_dir and db_path)", code="USAGE")
+        runtime, built = load_runtime(source, backend), None
+    else:
+        built = provision(source, backend=backend, precision=precision, cache_dir=cache_dir, db_path=db_path,
+                          validate=False)
+        runtime = load_provisioned(built, source)
     load_s = time.perf_counter() - t0
     try:
         spec = source.manifest.preprocess
         report = time_runtime(runtime, text_frames(spec.width, spec.height), iterations, warmup)
         return {
             "model": runtime.describe(),
-            "engine": runtime.engine.describe(),
+            "engine": {**runtime.engine.describe(), **({"key": built.key[:12], "cache_hit": built.hit} if built else {})},
             "load_s": round(load_s, 3),
             "iterations": iterations,
             "warmup": warmup,

@@ -97,6 +97,7 @@ def test_bad_model_path_fails_with_exit_2(agent_env, tmp_path: Path) -> None:
     assert bad.returncode == 2 and "model.path" in bad.stderr
 
 
+@pytest.mark.slow
 def test_bench_json_has_stage_breakdown(agent_env, tmp_path: Path) -> None:
     from agent.demo import prepare_demo_model_dir
 
@@ -106,5 +107,11 @@ def test_bench_json_has_stage_breakdown(agent_env, tmp_path: Path) -> None:
     report = json.loads(result.stdout)
     assert set(report["stages_ms"]) == {"preprocess", "infer", "postprocess", "total"}
     assert report["model"]["name"] == "demo-det" and report["fps"] > 0
+    assert report["engine"]["cache_hit"] is False
+    int8 = run_cli("bench", str(model_dir), "--precision", "int8", "--iterations", "2", "--warmup", "1", "--json")
+    assert int8.returncode == 0, int8.stderr
+    assert json.loads(int8.stdout)["model"]["precision"] == "int8"
+    again = json.loads(run_cli("bench", str(model_dir), "--iterations", "2", "--warmup", "1", "--json").stdout)
+    assert again["engine"]["cache_hit"] is True  # the engine built for the first bench is reused
     missing = run_cli("bench", str(tmp_path / "missing.onnx"))
     assert missing.returncode == 1 and "MODEL_NOT_FOUND" in missing.stderr

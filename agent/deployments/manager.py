@@ -171,6 +171,7 @@ class DeploymentManager(threading.Thread):
                 self._current = None
                 self.progress = {}
         self._collect_artifacts()
+        self._collect_engines()
         self._watch(dep)
 
     def _prepare(self, dep: Deployment) -> tuple[ModelSource, Any]:
@@ -238,6 +239,15 @@ class DeploymentManager(threading.Thread):
             if self._watching is dep:
                 self._watching = None
 
+    def _collect_engines(self) -> None:
+        """Keep the engine cache within its budget (LRU), never touching the active or previous engine."""
+        collect = getattr(self.host, "collect_engines", None)
+        if collect is not None:
+            try:
+                collect(_pinned(self.store.state))
+            except Exception:
+                log.exception("engine cache GC failed")
+
     def _collect_artifacts(self) -> None:
         """Remove artifact directories beyond the newest `keep_versions`, never the active or previous one."""
         keep = set()
@@ -252,6 +262,11 @@ class DeploymentManager(threading.Thread):
             if path.resolve() not in keep:
                 shutil.rmtree(path, ignore_errors=True)
                 self.emit("artifact_collected", path=str(path))
+
+
+def _pinned(state: Any) -> set[str]:
+    """Model sha256s of the active and previous models: their engines are never collected."""
+    return {row["sha256"] for row in (state.model_slot("active"), state.model_slot("previous")) if row}
 
 
 def _engine_summary(provisioned: Any) -> dict[str, Any]:

@@ -1,0 +1,35 @@
+"""The optional Prometheus endpoint serves the telemetry figures (real HTTP on loopback)."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from agent.telemetry_loop import PrometheusExporter
+from tests.fixtures_mqtt import free_port
+
+
+def test_exporter_serves_the_sample_figures() -> None:
+    port = free_port()
+    exporter = PrometheusExporter(port, "127.0.0.1")
+    try:
+        exporter({"fps": 12.5, "frames": 300, "dropped_frames": 4, "latency_ms": {"p50": 40.0, "p99": 61.2},
+                  "power_mw": {"total": 7300, "VDD_CPU_GPU_CV": 2100}, "temp_c": {"tj": 55.5}, "throttled": False})
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        exporter.stop()
+    assert "edge_agent_fps 12.5" in text
+    assert 'edge_agent_latency_ms{quantile="p99"} 61.2' in text
+    assert 'edge_agent_power_mw{rail="total"} 7300.0' in text
+    assert 'edge_agent_temp_c{zone="tj"} 55.5' in text
+    assert "edge_agent_throttled 0.0" in text
+
+
+def test_absent_fields_stay_absent() -> None:
+    port = free_port()
+    exporter = PrometheusExporter(port, "127.0.0.1")
+    try:
+        exporter({"fps": 1.0, "frames": 1, "dropped_frames": 0})
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        exporter.stop()
+    assert "edge_agent_power_mw{" not in text and "edge_agent_temp_c{" not in text
