@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterator
 
 import paho.mqtt.client as mqtt
 import pytest
+
+from tests.helpers import wait_for
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -376,10 +378,5 @@ def plane_factory(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, step: float = 0.01) -> bool:
-    """Poll `predicate` until it holds or `timeout` passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return bool(predicate())
+    """Poll `predicate` until it holds or `timeout` passes (tests.helpers.wait_for with MQTT-test defaults)."""
+    return bool(wait_for(predicate, timeout=timeout, interval=step))

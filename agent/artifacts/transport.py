@@ -95,28 +95,24 @@ class _FileResponse:
         self.fh.close()
 
 
-class _TimedHTTPConnection(http.client.HTTPConnection):
-    """Connects within the connect timeout, then reads with the read timeout."""
+class _ReadTimeout:
+    """Connects within the connect timeout, then reads with the read timeout (after TLS, for HTTPS)."""
 
     def __init__(self, *args: object, read_timeout: float, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         self._read_timeout = read_timeout
 
     def connect(self) -> None:
-        super().connect()
-        self.sock.settimeout(self._read_timeout)
+        super().connect()  # type: ignore[misc]
+        self.sock.settimeout(self._read_timeout)  # type: ignore[attr-defined]
 
 
-class _TimedHTTPSConnection(http.client.HTTPSConnection):
-    """As _TimedHTTPConnection; the switch happens after the TLS handshake."""
+class _TimedHTTPConnection(_ReadTimeout, http.client.HTTPConnection):
+    """Plain HTTP with separate connect and read timeouts."""
 
-    def __init__(self, *args: object, read_timeout: float, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._read_timeout = read_timeout
 
-    def connect(self) -> None:
-        super().connect()
-        self.sock.settimeout(self._read_timeout)
+class _TimedHTTPSConnection(_ReadTimeout, http.client.HTTPSConnection):
+    """HTTPS with separate connect and read timeouts."""
 
 
 class _HTTPHandler(urllib.request.HTTPHandler):
