@@ -92,6 +92,7 @@ class Agent:
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self.store = StateStore(state_db_path(cfg.state_dir))
         self.run_id = self.store.start_run(os.getpid())
+        self.store.set_kv(LIVE_KEY, {"ts": time.time(), "state": "starting"})
         self.deployments = DeploymentStore(self.store)
         self.loader = ModelLoader(cfg, self.stop_event)
         self.manager = DeploymentManager(self.deployments, self, cfg.state_dir / "artifacts" / "deployed",
@@ -116,6 +117,7 @@ class Agent:
         self.watchdog = ProgressWatchdog(self.notifier, lambda: self.worker.heartbeat if self.worker else 0)
         self.watchdog.start()
         self.notifier.ready(f"serving {self.active.source.label}")
+        self.persist_live()
 
     def restart_capture(self) -> dict[str, Any]:
         """Reopen the camera with a fresh thread (the `restart_pipeline` command); the model stays loaded."""

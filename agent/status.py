@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -22,7 +23,7 @@ def read_status(config: AgentConfig) -> dict[str, Any]:
     try:
         live = store.get_kv(LIVE_KEY) or {}
         last_run = store.last_run()
-        running = bool(last_run and last_run["status"] == "running" and live.get("ts", 0) > time.time() - 30)
+        running = bool(last_run and last_run["status"] == "running" and _alive(last_run.get("pid")))
         report: dict[str, Any] = {
             "device_id": config.device_id,
             "state": live.get("state", "running") if running else "stopped",
@@ -36,6 +37,19 @@ def read_status(config: AgentConfig) -> dict[str, Any]:
         return report
     finally:
         store.close()
+
+
+def _alive(pid: int | None) -> bool:
+    """True while the process that recorded the run still exists (a crashed agent's run looks 'running')."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by the service user
+    return True
 
 
 def _latest_latency(live: dict[str, Any] | None, last_run: dict[str, Any] | None) -> dict[str, Any]:

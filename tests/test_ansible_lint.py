@@ -1,9 +1,9 @@
-"""Ansible: ansible-lint (production profile), syntax checks, the roles' filters, and the playbooks run
-for real against a simulated fleet (process mode, `ansible_connection: local`, one root per host).
+"""Ansible: ansible-lint (production profile), syntax checks, the roles' filters, and the edge_agent role's
+wheelhouse install path.
 
-The fleet test installs a stand-in `edge-agent` (STUB below, packaged as a wheel) because what it tests
-is the roles: venv + wheelhouse install, validated config, process lifecycle, check mode, idempotence,
-canary waves, the health gate, rescue + rollback. The rollout test with real agents comes with deploy.
+The playbooks driving real agents (install, check mode, idempotence, canary waves, the health gate,
+rescue and rollback) are in tests/test_fleet_rollout.py. The one playbook test here installs a stand-in
+wheel, because installing the real agent's wheel needs a wheelhouse of all its dependencies.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,11 +36,18 @@ def _tool(name: str) -> str | None:
 ANSIBLE_PLAYBOOK = _tool("ansible-playbook")
 ANSIBLE_LINT = _tool("ansible-lint")
 needs_ansible = pytest.mark.skipif(ANSIBLE_PLAYBOOK is None, reason="ansible-core not installed (test extra)")
+_RECAP = re.compile(r"^(\S+)\s+:\s+(ok=.*)$", re.MULTILINE)
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
+# What the agents and their CLI must not inherit from the shell that runs the tests: each host gets its
+# own from the role (edge_agent_cli_env).
+_HOST_ENV = ("STATE_DIRECTORY", "CACHE_DIRECTORY", "RUNTIME_DIRECTORY", "LOGS_DIRECTORY", "NOTIFY_SOCKET")
+
+
+def ansible_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of an ansible-playbook run: this repo's ansible.cfg, a private ANSIBLE_HOME."""
     home = tmp_path / "ansible-home"
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_") and k not in _HOST_ENV}
     env.update({
         "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
         "ANSIBLE_HOME": str(home),
@@ -49,6 +57,26 @@ def _env(tmp_path: Path) -> dict[str, str]:
         "ANSIBLE_FORCE_COLOR": "0",
     })
     return env
+
+
+@dataclass
+class PlaybookRun:
+    """One ansible-playbook run: exit status, stdout + stderr, and the PLAY RECAP counters per host."""
+
+    rc: int
+    output: str
+    recap: dict[str, dict[str, int]]
+
+
+def run_playbook(tmp_path: Path, inventory: Path, playbook: str, *args: str, timeout: float = 600) -> PlaybookRun:
+    """Run one of the repo's playbooks from ansible/ with `inventory`."""
+    result = subprocess.run(
+        [ANSIBLE_PLAYBOOK, "-i", str(inventory), playbook, *args],
+        cwd=ANSIBLE_DIR, env=ansible_env(tmp_path), capture_output=True, text=True, timeout=timeout, check=False,
+    )
+    recap = {m.group(1): {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
+             for m in _RECAP.finditer(result.stdout)}
+    return PlaybookRun(result.returncode, result.stdout + result.stderr, recap)
 
 
 def _load(name: str, path: Path):
@@ -70,7 +98,7 @@ gate_filter = _load("edge_model_gate", ANSIBLE_DIR / "roles/edge_model/filter_pl
 def test_ansible_lint_production_profile(tmp_path: Path) -> None:
     result = subprocess.run(
         [ANSIBLE_LINT, "--offline", "--profile", "production", "--nocolor"],
-        cwd=ANSIBLE_DIR, env=_env(tmp_path), capture_output=True, text=True, timeout=600, check=False,
+        cwd=ANSIBLE_DIR, env=ansible_env(tmp_path), capture_output=True, text=True, timeout=600, check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -80,7 +108,7 @@ def test_ansible_lint_production_profile(tmp_path: Path) -> None:
 def test_syntax_check(playbook: str, tmp_path: Path) -> None:
     result = subprocess.run(
         [ANSIBLE_PLAYBOOK, "-i", "inventory/example.yml", "--syntax-check", playbook],
-        cwd=ANSIBLE_DIR, env=_env(tmp_path), capture_output=True, text=True, timeout=300, check=False,
+        cwd=ANSIBLE_DIR, env=ansible_env(tmp_path), capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -135,6 +163,9 @@ def _status(version: str | None, state: str | None = "active", p99: float | None
         (_status("2.0.0"), 50, True, False, "det 2.0.0 active, p99 20.0 ms <= 50 ms"),
         (_status("2.0.0", state=None), 50, True, False, "active"),  # no deployment in progress
         (_status("2.0.0", budget=40), "", True, False, "<= 40 ms"),  # budget from the manifest
+        # What `edge-agent status --json` prints: the manifest's gate as model.latency_budget_ms.
+        (json.dumps({"state": "online", "model": {"name": "det", "version": "2.0.0", "latency_budget_ms": 40},
+                     "latency_ms": {"p99": 20}}), "", True, False, "<= 40 ms"),
         (_status("2.0.0", p99=61.2), 50, False, False, "GATE_LATENCY: p99 61.2 ms > budget 50 ms"),
         (_status("2.0.0", p99=None), 50, False, False, "no latency measured yet"),
         (_status("1.0.0"), 50, False, False, "active model is 'det 1.0.0', expected 'det 2.0.0'"),
@@ -163,39 +194,33 @@ def test_gate_filter(status: str, budget, ok: bool, final: bool, reason: str) ->
     assert reason in verdict["reason"]
 
 
-# ---- the playbooks against a simulated fleet ---------------------------------------------------------
 
-STUB = r'''"""Stand-in for the edge-agent CLI in the Ansible role tests."""
-import json
+
+# ---- the install path, with a stand-in wheel -------------------------------------------------------
+
+STUB = '''"""Stand-in for the agent's wheel: `edge-agent config check` and `edge-agent run`, nothing else."""
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
 
 
-def _state_file():
-    return Path(os.environ["EDGE_AGENT_STATE_DIR"]) / "stub-status.json"
-
-
-def _load():
-    f = _state_file()
-    if f.exists():
-        return json.loads(f.read_text())
-    return {"model": None, "deployment": None, "history": [], "calls": []}
-
-
-def _save(state):
-    f = _state_file()
-    f.parent.mkdir(parents=True, exist_ok=True)
-    f.write_text(json.dumps(state))
-
-
 def _run():
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    while not stop:
-        time.sleep(0.05)
+    # The role's process mode counts the agent as started once its control socket exists.
+    path = Path(os.environ["RUNTIME_DIRECTORY"]) / "control.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    try:
+        while not stop:
+            time.sleep(0.05)
+    finally:
+        server.close()
+        path.unlink()
     return 0
 
 
@@ -203,7 +228,7 @@ def _config_check(path):
     try:
         import tomllib
     except ImportError:
-        return 0
+        import tomli as tomllib
     try:
         tomllib.loads(Path(path).read_text())
     except Exception as exc:
@@ -213,44 +238,11 @@ def _config_check(path):
 
 
 def main():
-    args = []
-    rest = iter(sys.argv[1:])
-    for arg in rest:  # options the stub does not need
-        if arg in ("--config", "--timeout"):
-            next(rest)
-        elif arg not in ("--json", "--wait"):
-            args.append(arg)
+    args = sys.argv[1:]
     if args[:1] == ["run"]:
         return _run()
     if args[:2] == ["config", "check"]:
         return _config_check(args[2])
-    state = _load()
-    if args[:1] == ["status"]:
-        out = {"state": "online", "model": state["model"], "deployment": state["deployment"]}
-        if state["model"]:
-            slow = state["model"]["version"] == os.environ.get("STUB_SLOW_VERSION")
-            out["latency_ms"] = {"p99": 80.0 if slow else 10.0}
-        print(json.dumps(out))
-        return 0
-    if args[:1] == ["deploy"]:
-        manifest = json.loads(Path(args[1].removeprefix("file://")).read_text())
-        state["calls"].append(["deploy", manifest["version"]])
-        if state["model"]:
-            state["history"].append(state["model"])
-        state["model"] = {k: manifest[k] for k in ("name", "version", "gates")}
-        state["deployment"] = {"state": "active"}
-        _save(state)
-        return 0
-    if args[:1] == ["rollback"]:
-        state["calls"].append(["rollback"])
-        if not state["history"]:
-            _save(state)
-            print("no previous model", file=sys.stderr)
-            return 1
-        state["model"] = state["history"].pop()
-        state["deployment"] = {"state": "rolled_back"}
-        _save(state)
-        return 0
     print(f"stub: unknown command {args}", file=sys.stderr)
     return 2
 '''
@@ -277,14 +269,7 @@ def _wheel(wheelhouse: Path, version: str = "0.1.0") -> None:
         whl.writestr(f"{dist_info}/RECORD", record + f"{dist_info}/RECORD,,\n")
 
 
-def _inventory(tmp_path: Path) -> Path:
-    hosts = {}
-    for name in ("dev-a", "dev-b", "dev-c"):
-        hosts[name] = {
-            "edge_agent_root": str(tmp_path / "hosts" / name),
-            "edge_agent_config": {"device_id": name, "log_level": "INFO", "mqtt": {"url": "", "prefix": "edge"}},
-        }
-    hosts["dev-b"]["edge_agent_cli_extra_env"] = {"STUB_SLOW_VERSION": "2.0.0"}  # fails 2.0.0's gate
+def _stub_inventory(tmp_path: Path) -> Path:
     inventory = {"edge_devices": {
         "vars": {
             "ansible_connection": "local",
@@ -294,99 +279,52 @@ def _inventory(tmp_path: Path) -> Path:
             "edge_agent_wheelhouse": str(tmp_path / "wheelhouse"),
             "edge_agent_python": sys.executable,
             "edge_agent_venv_system_site_packages": False,
-            "edge_agent_env": {"EDGE_AGENT_MQTT__PREFIX": "edge"},
+            "edge_agent_timeout_start_sec": 30,
             "edge_agent_timeout_stop_sec": 5,
         },
-        "hosts": hosts,
+        "hosts": {"dev-a": {
+            "edge_agent_root": str(tmp_path / "hosts" / "dev-a"),
+            "edge_agent_config": {"device_id": "dev-a", "mqtt": {"url": ""}},
+        }},
     }}
     path = tmp_path / "inventory.json"  # JSON is YAML
     path.write_text(json.dumps(inventory, indent=2))
     return path
 
 
-def _playbook(tmp_path: Path, inventory: Path, playbook: str, *args: str) -> tuple[int, str, dict]:
-    result = subprocess.run(
-        [ANSIBLE_PLAYBOOK, "-i", str(inventory), playbook, *args],
-        cwd=ANSIBLE_DIR, env=_env(tmp_path), capture_output=True, text=True, timeout=600, check=False,
-    )
-    output = result.stdout + result.stderr
-    recap = {
-        m.group(1): {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
-        for m in re.finditer(r"^(\S+)\s+:\s+(ok=.*)$", result.stdout, re.MULTILINE)
-    }
-    return result.returncode, output, recap
-
-
-def _stub_state(tmp_path: Path, host: str) -> dict:
-    return json.loads((tmp_path / "hosts" / host / "var/lib/edge-agent/stub-status.json").read_text())
-
-
-def _procctl(tmp_path: Path, host: str, action: str) -> subprocess.CompletedProcess:
-    script = tmp_path / "hosts" / host / "opt/edge-agent/bin/edge-agent-procctl"
-    return subprocess.run([str(script), action], capture_output=True, text=True, timeout=60, check=False)
-
-
-def _manifest(tmp_path: Path, version: str) -> str:
-    path = tmp_path / f"manifest-{version}.json"
-    path.write_text(json.dumps({"name": "det", "version": version, "gates": {"latency_budget_ms": 50}}))
-    return f"file://{path}"
-
-
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(600)
 @needs_ansible
-def test_fleet_install_rollout_rollback(tmp_path: Path) -> None:
+def test_role_installs_from_the_wheelhouse(tmp_path: Path) -> None:
+    """site.yml with edge_agent_venv_manage=true: wheelhouse copy, venv, pip install, check mode, a second run.
+
+    STUB stands in for the agent's wheel: this tests the role's install mechanics, not the agent (a real
+    wheelhouse would hold numpy, onnxruntime, opencv, ... built for the device). The real agent is
+    installed, started and driven through rollouts in tests/test_fleet_rollout.py.
+    """
     _wheel(tmp_path / "wheelhouse")
-    inventory = _inventory(tmp_path)
-    hosts = ["dev-a", "dev-b", "dev-c"]
-    fast_gate = ["-e", "edge_model_poll_s=1", "-e", "edge_model_hold_s=1", "-e", "edge_model_gate_timeout_s=2"]
+    inventory = _stub_inventory(tmp_path)
+    root = tmp_path / "hosts" / "dev-a"
+    procctl = root / "opt/edge-agent/bin/edge-agent-procctl"
     try:
-        # Check mode on a fresh host changes nothing and does not fail.
-        rc, out, recap = _playbook(tmp_path, inventory, "site.yml", "--check", "--diff", "--limit", "dev-a")
-        assert rc == 0, out
-        assert not (tmp_path / "hosts" / "dev-a" / "etc").exists()
+        # Check mode on a fresh host: reports what it would do, writes nothing, does not fail.
+        run = run_playbook(tmp_path, inventory, "site.yml", "--check", "--diff")
+        assert run.rc == 0, run.output
+        assert not root.exists(), sorted(str(p) for p in root.rglob("*"))
 
-        rc, out, recap = _playbook(tmp_path, inventory, "site.yml")
-        assert rc == 0, out
-        for host in hosts:
-            assert _procctl(tmp_path, host, "status").returncode == 0, host
-        toml = (tmp_path / "hosts/dev-a/etc/edge-agent/agent.toml").read_text()
-        assert 'device_id = "dev-a"' in toml
-        assert f'state_dir = "{tmp_path}/hosts/dev-a/var/lib/edge-agent"' in toml
+        run = run_playbook(tmp_path, inventory, "site.yml")
+        assert run.rc == 0, run.output
+        assert (root / "opt/edge-agent/wheelhouse/jetson_edge_agent-0.1.0-py3-none-any.whl").is_file()
+        assert "include-system-site-packages = false" in (root / "opt/edge-agent/venv/pyvenv.cfg").read_text()
+        assert subprocess.run([str(procctl), "status"], capture_output=True, check=False, timeout=60).returncode == 0
+        assert (root / "run/edge-agent/control.sock").is_socket()
 
-        # Idempotent: a second run changes nothing and keeps the same process.
-        pid = (tmp_path / "hosts/dev-a/run/edge-agent/edge-agent.pid").read_text()
-        rc, out, recap = _playbook(tmp_path, inventory, "site.yml", "--limit", "dev-a")
-        assert rc == 0, out
-        assert recap["dev-a"]["changed"] == 0, out
-        assert (tmp_path / "hosts/dev-a/run/edge-agent/edge-agent.pid").read_text() == pid
-
-        # A first model everywhere; its latency budget comes from the manifest via the status.
-        rc, out, recap = _playbook(tmp_path, inventory, "rollout-model.yml", *fast_gate,
-                                   "-e", f"edge_model_manifest_url={_manifest(tmp_path, '1.0.0')}",
-                                   "-e", "edge_model_name=det", "-e", "edge_model_version=1.0.0")
-        assert rc == 0, out
-        assert all(_stub_state(tmp_path, h)["model"]["version"] == "1.0.0" for h in hosts)
-
-        # 2.0.0 is too slow on dev-b: canary dev-a passes, wave 2 (dev-b) fails, is rolled back, and
-        # the rollout stops before dev-c.
-        rc, out, recap = _playbook(tmp_path, inventory, "rollout-model.yml", *fast_gate,
-                                   "-e", f"edge_model_manifest_url={_manifest(tmp_path, '2.0.0')}",
-                                   "-e", "edge_model_name=det", "-e", "edge_model_version=2.0.0",
-                                   "-e", "edge_model_latency_budget_ms=45")
-        assert rc != 0, out
-        assert "GATE_LATENCY: p99 80.0 ms > budget 45 ms" in out
-        assert "Rolled back to det 1.0.0" in out
-        assert _stub_state(tmp_path, "dev-a")["model"]["version"] == "2.0.0"
-        assert _stub_state(tmp_path, "dev-b")["model"]["version"] == "1.0.0"
-        assert _stub_state(tmp_path, "dev-b")["calls"][-1] == ["rollback"]
-        assert _stub_state(tmp_path, "dev-c")["calls"] == [["deploy", "1.0.0"]]
-        assert "dev-c" not in recap or recap["dev-c"]["changed"] == 0
-
-        rc, out, recap = _playbook(tmp_path, inventory, "rollback-model.yml", "-e", "rollback_hosts=dev-a")
-        assert rc == 0, out
-        assert _stub_state(tmp_path, "dev-a")["model"]["version"] == "1.0.0"
+        # Idempotent: pip finds the version installed, nothing changes, the same process keeps running.
+        pid = (root / "run/edge-agent/edge-agent.pid").read_text()
+        run = run_playbook(tmp_path, inventory, "site.yml")
+        assert run.rc == 0, run.output
+        assert run.recap["dev-a"]["changed"] == 0, run.output
+        assert (root / "run/edge-agent/edge-agent.pid").read_text() == pid
     finally:
-        for host in hosts:
-            if (tmp_path / "hosts" / host / "opt/edge-agent/bin/edge-agent-procctl").exists():
-                _procctl(tmp_path, host, "stop")
+        if procctl.exists():
+            subprocess.run([str(procctl), "stop"], capture_output=True, check=False, timeout=60)

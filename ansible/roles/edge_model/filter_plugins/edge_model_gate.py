@@ -20,8 +20,12 @@ def _identity(model: object) -> str:
 def _budget(status: Mapping, budget_ms: object) -> float | None:
     if budget_ms not in (None, ""):
         return float(budget_ms)  # type: ignore[arg-type]
-    gates = (status.get("model") or {}).get("gates") or {}
-    value = gates.get("latency_budget_ms")
+    model = status.get("model") or {}
+    # `edge-agent status` reports the active manifest's gate as model.latency_budget_ms; the nested
+    # manifest shape (model.gates.latency_budget_ms) is accepted too.
+    value = model.get("latency_budget_ms")
+    if value is None:
+        value = (model.get("gates") or {}).get("latency_budget_ms")
     return float(value) if value is not None else None
 
 
@@ -68,7 +72,7 @@ def edge_model_gate(status: object, name: str, version: str, budget_ms: object =
     elif budget is None:
         result["final"] = True
         result["reason"] = ("no latency budget: set edge_model_latency_budget_ms "
-                            "(or have the status report model.gates.latency_budget_ms)")
+                            "(or gates.latency_budget_ms in the model's manifest)")
     elif p99 is None:
         result["reason"] = "no latency measured yet"
     elif float(p99) > budget:
