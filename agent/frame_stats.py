@@ -27,6 +27,7 @@ class FrameStats:
 
     def __init__(self) -> None:
         self.latency = LatencyHistogram()
+        self.processing = LatencyHistogram()  # preprocess + infer + postprocess: latency minus time in the mailbox
         self.stages = {name: LatencyHistogram() for name in STAGES}
         self.frames = 0
         self.errors = 0
@@ -38,6 +39,7 @@ class FrameStats:
         for name in STAGES:
             self.stages[name].record(getattr(timing, name))
         self.latency.record(timing.latency)
+        self.processing.record(timing.preprocess + timing.infer + timing.postprocess)
         with self._lock:
             self.frames += 1
 

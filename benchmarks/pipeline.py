@@ -113,7 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=15.0, help="Seconds per loop per round.")
     parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds.")
-    parser.add_argument("--camera-fps", type=float, default=60.0, help="Replay camera rate for the agent loop.")
+    parser.add_argument("--camera-fps", type=float, default=30.0, help="Replay camera rate for the agent loop (a typical camera).")
     parser.add_argument("--out", type=Path, default=Path("out/bench-pipeline.json"))
     args = parser.parse_args()
 
@@ -164,30 +164,39 @@ def main() -> None:
         "camera_fps": args.camera_fps,
         "seconds_per_loop": args.seconds * args.rounds,
         "machine": machine(),
+        "agent_vs_naive_p99": round(_merge([s.processing for s in agent_stats]).get("p99", 0)
+                                    / percentiles(totals["naive"][2])["p99"], 3),
         "goal": {"agent_vs_bare": ">= 0.97", "agent_vs_naive": ">= 1.0 at equal or better p99"},
     }
     print()
-    print(f"{'loop':8s} {'fps':>8s} {'p50 ms':>8s} {'p99 ms':>8s}")
-    for name, lat in (("bare", result["bare_latency_ms"]), ("naive", result["naive_latency_ms"]),
-                      ("agent", agent_latency["glass_to_result"])):
-        print(f"{name:8s} {result[name + '_fps']:8.2f} {lat.get('p50', 0):8.1f} {lat.get('p99', 0):8.1f}")
+    print(f"{'loop':9s} {'fps':>8s} {'p50 ms':>8s} {'p99 ms':>8s}")
+    rows = (("bare", "bare", result["bare_latency_ms"]), ("naive", "naive", result["naive_latency_ms"]),
+            ("agent", "agent", agent_latency["processing"]), ("agent g2r", "agent", agent_latency["glass_to_result"]))
+    for label, name, lat in rows:
+        print(f"{label:9s} {result[name + '_fps']:8.2f} {lat.get('p50', 0):8.1f} {lat.get('p99', 0):8.1f}")
+    print("(agent = pickup to result, as bare/naive are timed; agent g2r = capture to result, incl. mailbox wait)")
     print(f"agent_vs_bare {result['agent_vs_bare']}  agent_vs_naive {result['agent_vs_naive']}")
     write_json(args.out, result)
 
 
-def _merge_latency(all_stats: list[FrameStats]) -> dict:
+def _merge(histograms: list) -> dict:
     from agent.histogram import LatencyHistogram
 
-    glass, processing = LatencyHistogram(), LatencyHistogram()
-    for stats in all_stats:
-        for src, dst in ((stats.latency, glass),):
-            for i, c in enumerate(src._counts):
-                dst._counts[i] += c
-            dst.count += src.count
-            dst.total += src.total
-            dst.max = max(dst.max, src.max)
-    summary = glass.summary()
-    return {**summary, "glass_to_result": summary}
+    merged = LatencyHistogram()
+    for src in histograms:
+        for i, c in enumerate(src._counts):
+            merged._counts[i] += c
+        merged.count += src.count
+        merged.total += src.total
+        merged.max = max(merged.max, src.max)
+    return merged.summary()
+
+
+def _merge_latency(all_stats: list[FrameStats]) -> dict:
+    """Glass-to-result (capture timestamp to result, includes the frame's wait in the mailbox) and
+    processing (pickup to result: the same span the bare and naive loops time)."""
+    glass = _merge([s.latency for s in all_stats])
+    return {**glass, "glass_to_result": glass, "processing": _merge([s.processing for s in all_stats])}
 
 
 def _merge_stages(all_stats: list[FrameStats]) -> dict:
