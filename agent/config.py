@@ -51,6 +51,11 @@ class ModelConfig(Strict):
     )
     threads: int = Field(0, ge=0, le=256, description="Inference threads (ONNX Runtime intra-op); 0 = one per core.")
     warmup_runs: int = Field(3, ge=0, le=100, description="Inference runs on a blank frame before real frames.")
+    spin_wait: bool = Field(
+        False,
+        description="Let ONNX Runtime threads spin between parallel sections. Off by default: during a hot swap two "
+        "engines share the CPU and spinning threads steal each other's cores.",
+    )
 
     @field_validator("path")
     @classmethod

@@ -88,7 +88,7 @@ class ModelLoader:
 
     def load_provisioned(self, source: ModelSource, provisioned: ProvisionResult, origin: str) -> LoadedModel:
         """Load the engine file and warm it up."""
-        options = EngineOptions(intra_op_threads=self.config.model.threads)
+        options = EngineOptions(intra_op_threads=self.config.model.threads, allow_spinning=self.config.model.spin_wait)
         runtime = load_provisioned(provisioned, source, options)
         spec = source.manifest.preprocess
         if self.config.model.warmup_runs:

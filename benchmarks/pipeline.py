@@ -35,6 +35,8 @@ from agent.mailbox import FreshestMailbox
 from agent.sources.base import SourceConfigBase
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
 from agent.worker import InferenceWorker
+from agent.config import AgentConfig
+from engines.backends.base import EngineOptions
 from engines.model import load_model
 from engines.runtime import load_runtime
 
@@ -121,7 +123,8 @@ def main() -> None:
     frames = [scene.render(i * 7) for i in range(16)]
     with tempfile.TemporaryDirectory() as tmp:
         source = load_model(prepare_demo_model_dir(Path(tmp)))
-        runtime = load_runtime(source, "onnxruntime")
+        # the agent's engine settings (AgentConfig defaults: spin_wait off); bare and naive share this session
+        runtime = load_runtime(source, "onnxruntime", EngineOptions(allow_spinning=AgentConfig().model.spin_wait))
         session = runtime.engine.session  # the same engine for (a) and (b): the ratio is the frame path's cost
         tensors = []
         for frame in frames:

@@ -199,7 +199,7 @@ def load_engine_file(path: Path, backend: str, precision: str, providers: tuple[
     options = options or EngineOptions()
     try:
         if backend == "onnxruntime":
-            return load_ort_engine(path, providers, precision, options.intra_op_threads)
+            return load_ort_engine(path, providers, precision, options.intra_op_threads, options.allow_spinning)
         impl = BACKENDS.get(backend)(cuda_graphs=cuda_graphs) if backend == "tensorrt" else get_backend(backend)
         return impl.load(path, replace(options, precision=precision, static_shapes=dict(shapes or {})))
     except ModelError as exc:
@@ -210,7 +210,8 @@ def load_engine_file(path: Path, backend: str, precision: str, providers: tuple[
         raise EngineIncompatibleError(f"{path.name}: {backend} cannot load this engine: {exc}") from exc
 
 
-def load_ort_engine(path: Path, providers: tuple[str, ...], precision: str, threads: int = 0) -> Engine:
+def load_ort_engine(path: Path, providers: tuple[str, ...], precision: str, threads: int = 0,
+                    allow_spinning: bool = True) -> Engine:
     """An ONNX Runtime engine file loads with graph optimisation off: it was optimised when built."""
     import onnxruntime as ort
 
@@ -218,6 +219,8 @@ def load_ort_engine(path: Path, providers: tuple[str, ...], precision: str, thre
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if not allow_spinning:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads > 0:
         so.intra_op_num_threads = threads
     try:

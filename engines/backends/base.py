@@ -37,6 +37,9 @@ class EngineOptions:
     static_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     optimized_model_path: Path | None = None
     precision: str = "fp32"
+    # ORT's intra-op threads spin after each parallel section. One session: a little lower latency. Two
+    # sessions warming/serving side by side on a small CPU: their spinning threads steal each other's cores.
+    allow_spinning: bool = True
 
 
 @runtime_checkable

@@ -98,6 +98,8 @@ class OnnxRuntimeBackend:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if options.intra_op_threads > 0:
             so.intra_op_num_threads = options.intra_op_threads
+        if not options.allow_spinning:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if options.optimized_model_path is not None:
             so.optimized_model_filepath = str(options.optimized_model_path)
         for dim_name, value in _free_dim_overrides(model_path, options.static_shapes).items():
