@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from agent.sources.opencv_capture import redact
 
 _HEADER = re.compile(r"^\s*\[\[?\s*([A-Za-z0-9_.\-\"' ]+?)\s*\]\]?\s*(#.*)?$")
+_SECRET_WORDS = ("password", "secret", "token", "credential")
 _KEY = re.compile(r"^\s*([A-Za-z0-9_\-\"'. ]+?)\s*=")
 
 
@@ -78,8 +79,8 @@ def explain(error: ValidationError, toml_text: str | None = None, camera_kinds: 
         from_env = env_var if env_var in os.environ else None
         line = None if from_env else _line_for(path, key_lines)
         value = None if item["type"] in ("missing", "extra_forbidden") and not from_env else item.get("input")
-        if isinstance(value, (dict, list)):
-            value = None
+        if isinstance(value, (dict, list)) or any(word in p for p in path for word in _SECRET_WORDS):
+            value = None  # never echo a password, even a mistyped one
         elif isinstance(value, str) and "://" in value:
             value = redact(value)  # never echo credentials embedded in camera or broker URLs
         message = item["msg"]

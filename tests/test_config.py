@@ -119,3 +119,11 @@ def test_configuration_reference_is_current() -> None:
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     assert committed == render(), "docs/configuration.md is stale: python -m agent.config_docs > docs/configuration.md"
+
+
+def test_errors_never_echo_secrets(agent_env, tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[mqtt]\nurl = "mqtt://broker:1883"\npassword = 123456789\nbogus = "hunter2-secret"\n')
+    result = check(path)
+    assert result.returncode == 2 and "mqtt.password (line 3)" in result.stderr
+    assert "123456789" not in result.stderr
