@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable
 
 from agent.state import state_db_path
+from agent.status import model_row
 from engines.errors import EdgeError
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class AgentController:
             "state": agent.health(),
             "model": summary["model"],
             "previous_model": agent.previous.describe() if agent.previous else (
-                _slot(store.model_slot("previous")) if store else None),
+                model_row(store.model_slot("previous")) if store else None),
             "deployment": agent.manager.status() if agent.manager else None,
             "recent_deployments": recent,
             "fps": summary["fps"],
@@ -86,12 +87,6 @@ class AgentController:
         if self.on_restart_pipeline is not None:
             return self.on_restart_pipeline()
         return self.agent.restart_capture()
-
-
-def _slot(row: dict | None) -> dict | None:
-    if row is None:
-        return None
-    return {"name": row["name"], "version": row["version"], **{k: row["info"].get(k) for k in ("backend", "precision")}}
 
 
 def _jsonable(entry: Any) -> dict:

@@ -66,6 +66,14 @@ class LatencyHistogram:
         out["max"] = round(self.max, 1)
         return out
 
+    def merge(self, other: "LatencyHistogram") -> None:
+        """Add another histogram's samples (same bucket layout)."""
+        with self._lock:
+            self._counts = [a + b for a, b in zip(self._counts, other._counts)]
+            self.count += other.count
+            self.total += other.total
+            self.max = max(self.max, other.max)
+
     def reset(self) -> None:
         """Forget all samples (a new watch window)."""
         with self._lock:

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import psutil
 
 from agent.capture import CaptureThread
@@ -196,7 +195,8 @@ class Agent:
             return "degraded"
         if self.capture is not None and self.capture.stats.losses and not self.capture.stats.connected:
             return "degraded"
-        if self.manager is not None and self.manager.status() and not self.manager.status().get("watching"):
+        deployment = self.manager.status() if self.manager is not None else None
+        if deployment and not deployment.get("watching"):
             return "updating"
         return "online"
 
@@ -385,9 +385,3 @@ def _status_text(type_: str, fields: dict[str, Any]) -> str:
     if type_ == "deployment":
         return f"deployment {fields.get('deployment_id')}: {fields.get('state')}"
     return f"{type_} {fields.get('camera') or fields.get('reason') or ''}".strip()
-
-
-def warm_frame(source: ModelSource) -> np.ndarray:
-    """A blank frame at the model's input size (warm-up)."""
-    spec = source.manifest.preprocess
-    return np.zeros((spec.height, spec.width, 3), np.uint8)

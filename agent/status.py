@@ -27,8 +27,8 @@ def read_status(config: AgentConfig) -> dict[str, Any]:
         report: dict[str, Any] = {
             "device_id": config.device_id,
             "state": live.get("state", "running") if running else "stopped",
-            "model": _model_row(store.model_slot("active")),
-            "previous_model": _model_row(store.model_slot("previous")),
+            "model": model_row(store.model_slot("active")),
+            "previous_model": model_row(store.model_slot("previous")),
             "live": live if running else None,
             "latency_ms": _latest_latency(live if running else None, last_run),
             "last_run": last_run,
@@ -59,7 +59,8 @@ def _latest_latency(live: dict[str, Any] | None, last_run: dict[str, Any] | None
     return summary.get("latency_ms") or {}
 
 
-def _model_row(row: dict[str, Any] | None) -> dict[str, Any] | None:
+def model_row(row: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An active_model row as status shows it (also used by the `status` command)."""
     if row is None:
         return None
     return {"name": row["name"], "version": row["version"], "path": row["path"], "sha256": row["sha256"][:12],

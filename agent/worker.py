@@ -42,7 +42,6 @@ class InferenceWorker(threading.Thread):
         self.on_result = on_result
         self.max_consecutive_errors = max_consecutive_errors
         self.consecutive_errors = 0
-        self.progress = 0  # frames attempted
         self.heartbeat = 0  # loop turns, idle ones too: the systemd watchdog follows this
         self.window = FrameStats()  # numbers of the current model only (the deployment watch reads them)
         self._lock = threading.Lock()
@@ -110,7 +109,6 @@ class InferenceWorker(threading.Thread):
 
     def _process(self, frame: Frame, wait_ms: float) -> None:
         runtime = self.runtime
-        self.progress += 1
         try:
             result, times = runtime.run(frame.image)
         except (EdgeError, ValueError) as exc:

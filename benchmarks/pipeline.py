@@ -186,12 +186,8 @@ def _merge(histograms: list) -> dict:
     from agent.histogram import LatencyHistogram
 
     merged = LatencyHistogram()
-    for src in histograms:
-        for i, c in enumerate(src._counts):
-            merged._counts[i] += c
-        merged.count += src.count
-        merged.total += src.total
-        merged.max = max(merged.max, src.max)
+    for histogram in histograms:
+        merged.merge(histogram)
     return merged.summary()
 
 

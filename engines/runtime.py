@@ -82,19 +82,13 @@ def preprocess_shape(source: ModelSource) -> tuple[int, ...]:
 
 def resolve_backend(name: str) -> str:
     """`auto` picks TensorRT where it is installed and usable, else ONNX Runtime."""
-    if name != "auto":
-        if name not in BACKENDS:
-            raise BackendUnavailableError(str(_lookup_error(name)))
-        return name
-    return "tensorrt" if "tensorrt" in BACKENDS else "onnxruntime"
-
-
-def _lookup_error(name: str) -> Exception:
+    if name == "auto":
+        return "tensorrt" if "tensorrt" in BACKENDS else "onnxruntime"
     try:
         BACKENDS.get(name)
-    except LookupError as exc:
-        return exc
-    return LookupError(name)
+    except LookupError as exc:  # the registry says whether it is unknown or disabled, and why
+        raise BackendUnavailableError(str(exc)) from exc
+    return name
 
 
 def load_runtime(source: ModelSource, backend: str = "auto", options: EngineOptions | None = None) -> ModelRuntime:

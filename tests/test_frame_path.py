@@ -114,3 +114,13 @@ def test_letterbox_transform_maps_boxes_back() -> None:
 def test_preprocess_rejects_what_is_not_a_bgr_frame(bad: np.ndarray) -> None:
     with pytest.raises(ValueError, match="HxWx3 uint8"):
         Preprocessor(PreprocessSpec(width=64, height=48))(bad)
+
+
+def test_histogram_merge_equals_recording_everything_in_one() -> None:
+    values = np.random.default_rng(2).uniform(1, 300, 2_000)
+    one, a, b = LatencyHistogram(), LatencyHistogram(), LatencyHistogram()
+    for i, v in enumerate(values):
+        one.record(float(v))
+        (a if i % 2 else b).record(float(v))
+    a.merge(b)
+    assert a.summary() == one.summary() and a.count == one.count
