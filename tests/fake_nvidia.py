@@ -1,30 +1,31 @@
 """Recording stand-ins for the TensorRT Python API and for a CUDA memory implementation.
 
 They let the TensorRT build logic and the TrtEngine runtime run on machines without a GPU, so their
-control flow (feature detection across TensorRT 8.6 / 10 / 11, I/O binding, CUDA-graph capture and
+control flow (feature detection across TensorRT 8.5 to 11, I/O binding, CUDA-graph capture and
 fallback, error mapping) is tested everywhere. They model the API's *shape*, not its numerics: the
 real libraries are exercised by the contract suites wherever they import.
+
+The TensorRT stand-in exposes, per version, exactly the names NVIDIA's real bindings of that version
+define: tests/data/tensorrt_api/<version>.json, generated from NVIDIA/TensorRT's pybind11 sources by
+scripts/extract_tensorrt_api.py. A name outside that table raises AttributeError (so `hasattr`
+feature detection sees what the real module would); a name in the table that this fake does not
+model raises NotImplementedError, so a test never silently takes a branch the real module would not.
 """
 
 from __future__ import annotations
 
 import ctypes
 import enum
+import functools
+import json
 import time
 import types
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from engines.cuda_mem import CudaError, DeviceBuffer
-
-GENERATIONS = {
-    # generation: (network creation flags, builder flags, has IProgressMonitor, parser errors carry node names)
-    "8.6": (("EXPLICIT_BATCH",), ("FP16", "INT8", "TF32"), True, True),
-    "10": (("EXPLICIT_BATCH", "STRONGLY_TYPED"), ("FP16", "INT8", "TF32"), True, True),
-    "11": (("STRONGLY_TYPED",), ("TF32",), True, True),
-}
-
 
 class FakeCudaMemory:
     """Host memory posing as device memory; stream work runs at once, or is recorded while capturing."""
@@ -120,160 +121,325 @@ class FakeCudaMemory:
         self.closed = True
 
 
-# --- TensorRT ---------------------------------------------------------------------------------
+# --- TensorRT: the real API of each version, from NVIDIA's binding sources --------------------
+
+API_DIR = Path(__file__).resolve().parent / "data" / "tensorrt_api"
 
 
-class Severity(enum.IntEnum):
-    INTERNAL_ERROR = 0
-    ERROR = 1
-    WARNING = 2
-    INFO = 3
-    VERBOSE = 4
+def api_versions() -> list[str]:
+    """Every TensorRT version with a recorded API table, oldest first."""
+    names = [p.stem for p in API_DIR.glob("*.json")]
+    return sorted(names, key=lambda v: tuple(int(x) for x in v.split(".")))
 
 
-def fake_tensorrt(generation: str = "10", *, parse_errors: tuple[tuple[str, str, str], ...] = (),
+class ApiTable:
+    """One version's table: classes (with bases), enums (with values), module functions and attributes."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data, self.version = data, data["version"]
+        self.classes: dict[str, dict[str, Any]] = data["classes"]
+        self.enums: dict[str, dict[str, Any]] = data["enums"]
+
+    @functools.lru_cache(maxsize=None)
+    def members(self, cls: str) -> frozenset[str]:
+        """A class's members including those inherited from its bound base classes."""
+        entry = self.classes[cls]
+        names = set(entry["members"])
+        for base in entry["bases"]:
+            names |= self.members(base)
+        return frozenset(names)
+
+    def module_names(self) -> set[str]:
+        """Every top-level name of the real `tensorrt` module."""
+        top = {n for n in (*self.classes, *self.enums) if "." not in n}
+        return top | set(self.data["functions"]) | set(self.data["attributes"])
+
+    def has(self, dotted: str) -> bool:
+        """`Builder`, `BuilderFlag.FP16`, `IBuilderConfig.progress_monitor`, `ILogger.Severity.ERROR`."""
+        head, _, member = dotted.rpartition(".")
+        if not head:
+            return dotted in self.module_names()
+        if head in self.enums:
+            return member in self.enums[head]["members"] or member in self.enums[head]["methods"]
+        if head in self.classes:
+            return member in self.members(head) or f"{head}.{member}" in self.enums
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def load_api(version: str) -> ApiTable:
+    """The table for `version` (a file name stem under tests/data/tensorrt_api/)."""
+    return ApiTable(json.loads((API_DIR / f"{version}.json").read_text()))
+
+
+class _Guarded:
+    """Public attribute access checked against the real class's members (and inherited ones)."""
+
+    API = ""
+
+    def __init__(self, api: ApiTable) -> None:
+        object.__setattr__(self, "_api", api)
+
+    def _check(self, name: str) -> None:
+        api = object.__getattribute__(self, "_api")
+        if name not in api.members(self.API):
+            raise AttributeError(f"tensorrt {api.version}: '{self.API}' object has no attribute '{name}'")
+
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("_") or name == "API":
+            return object.__getattribute__(self, name)
+        object.__getattribute__(self, "_check")(name)
+        try:
+            return object.__getattribute__(self, name)
+        except AttributeError:
+            raise NotImplementedError(f"the fake {self.API} does not model {name!r}, which the real one has") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("_"):
+            self._check(name)
+        object.__setattr__(self, name, value)
+
+
+def _enum(api: ApiTable, name: str) -> type[enum.IntEnum]:
+    """An IntEnum with the real members and, where the header gave them, the real values."""
+    members = api.enums[name]["members"]
+    values = {k: (v if v is not None else 1000 + i) for i, (k, v) in enumerate(members.items())}
+    return enum.IntEnum(name.rpartition(".")[2], values)  # type: ignore[return-value]
+
+
+class _Unmodelled:
+    """A real top-level name this fake does not model: present (hasattr is True), unusable."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"the fake tensorrt does not model {self._name}")
+
+    def __getattr__(self, item: str) -> Any:
+        raise NotImplementedError(f"the fake tensorrt does not model {self._name}.{item}")
+
+
+class FakeTensorRT(types.ModuleType):
+    """A `tensorrt` module of one version; names outside its table raise AttributeError."""
+
+    def __init__(self, api: ApiTable) -> None:
+        super().__init__("tensorrt")
+        self._api = api
+        self.__version__ = api.version
+
+    def _install(self, name: str, value: Any) -> None:
+        if self._api.has(name):
+            setattr(self, name, value)
+
+
+def fake_tensorrt(version: str = "10.3.0", *, parse_errors: tuple[tuple[str, str, str], ...] = (),
                   build_errors: tuple[str, ...] = (), input_shape: tuple[int, ...] = (-1, 3, -1, -1),
-                  cuda: FakeCudaMemory | None = None, node_names: bool | None = None) -> types.ModuleType:
-    """A `tensorrt` module of one API generation; `trt.record` collects what the code under test did."""
-    net_flags, builder_flags, has_monitor, named = GENERATIONS[generation]
-    node_names = named if node_names is None else node_names
-    trt = types.ModuleType("tensorrt")
-    trt.__version__ = f"{generation}.0-fake"
-    trt.record = record = {"network_flags": None, "set_flags": [], "cleared_flags": [], "pool": {}, "profiles": [],
-                           "opt_level": None, "timing_cache_in": None, "monitor_calls": []}
-    trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(**{n: i for i, n in enumerate(net_flags)})
-    trt.BuilderFlag = types.SimpleNamespace(**{n: n for n in builder_flags})
-    trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE="WORKSPACE")
-    trt.TensorIOMode = types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT")
-    trt.DataType = types.SimpleNamespace(FLOAT="FLOAT")
-    trt.nptype = lambda dtype: np.float32
+                  cuda: FakeCudaMemory | None = None) -> FakeTensorRT:
+    """A `tensorrt` module with the API of `version`; `trt._record` collects what the code under test did."""
+    api = load_api(version)
+    trt = FakeTensorRT(api)
+    trt._record = record = {"network_flags": None, "set_flags": [], "cleared_flags": [], "pool": {}, "profiles": [],
+                            "opt_level": None, "timing_cache_in": None, "monitor_calls": []}
+    for name in sorted(api.module_names() - {"__version__"}):
+        setattr(trt, name, _Unmodelled(name))
+    for name in (n for n in api.enums if "." not in n):
+        setattr(trt, name, _enum(api, name))
+    for alias, member in _DTYPE_ALIASES.items():  # `trt.float32 is trt.DataType.FLOAT` in the real package
+        if api.has(alias) and api.has(f"DataType.{member}"):
+            setattr(trt, alias, trt.DataType[member])
+    _install_loggers(trt, api)
+    ctx = _Ctx(api, record, trt, parse_errors, build_errors, input_shape, cuda)
+    trt._install("Builder", lambda logger: _Builder(ctx, logger))
+    trt._install("OnnxParser", lambda network, logger: _Parser(ctx, network))
+    trt._install("Runtime", lambda logger: _Runtime(ctx))
+    trt._install("nptype", _nptype(trt))
+    return trt
+
+
+_DTYPE_ALIASES = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BF16", "int8": "INT8", "int32": "INT32",
+                  "int64": "INT64", "bool": "BOOL", "uint8": "UINT8", "fp8": "FP8", "int4": "INT4", "fp4": "FP4"}
+
+
+def _nptype(trt: FakeTensorRT) -> Callable[[Any], Any]:
+    mapping = {"FLOAT": np.float32, "HALF": np.float16, "INT8": np.int8, "INT32": np.int32, "INT64": np.int64,
+               "BOOL": np.bool_, "UINT8": np.uint8}
+
+    def nptype(trt_type: Any) -> Any:
+        if getattr(trt_type, "name", None) in mapping and type(trt_type) is trt.DataType:
+            return mapping[trt_type.name]
+        raise TypeError("Could not resolve TensorRT datatype to an equivalent numpy datatype.")
+
+    return nptype
+
+
+def _install_loggers(trt: FakeTensorRT, api: ApiTable) -> None:
+    """ILogger (with its nested Severity), Logger (with the Severity members the package copies onto it),
+    IProgressMonitor: real Python classes, because the code under test subclasses them."""
+    severity = _enum(api, "ILogger.Severity")
 
     class ILogger:
-        Severity = globals()["Severity"]
+        Severity = severity
 
         def __init__(self) -> None:
             pass
 
     class Logger(ILogger):
-        WARNING = Severity.WARNING
-
-        def __init__(self, level: Any = None) -> None:
+        def __init__(self, min_severity: Any = severity.WARNING) -> None:
             super().__init__()
+            self.min_severity = min_severity
 
         def log(self, severity: Any, msg: str) -> None:
             pass
 
-    trt.ILogger, trt.Logger = ILogger, Logger
-    if has_monitor:
-        class IProgressMonitor:
-            def __init__(self) -> None:
-                pass
+    for member in severity:
+        if api.has(f"Logger.{member.name}"):
+            setattr(Logger, member.name, member)
+    trt._install("ILogger", ILogger)
+    trt._install("Logger", Logger)
 
-        trt.IProgressMonitor = IProgressMonitor
-    trt.Builder = lambda logger: _Builder(logger, record, build_errors)
-    trt.OnnxParser = lambda network, logger: _Parser(network, parse_errors, node_names, input_shape)
-    trt.Runtime = lambda logger: _Runtime(cuda)
-    return trt
+    class IProgressMonitor:
+        def __init__(self) -> None:
+            pass
 
-
-class _Tensor:
-    def __init__(self, name: str, shape: tuple[int, ...]) -> None:
-        self.name, self.shape = name, shape
+    trt._install("IProgressMonitor", IProgressMonitor)
 
 
-class _Network:
-    def __init__(self, flags: int) -> None:
-        self.flags = flags
-        self.inputs: list[_Tensor] = []
+class _Ctx:
+    """What one fake module's objects share: the table, the record and the injected behaviour."""
+
+    def __init__(self, api: ApiTable, record: dict, trt: FakeTensorRT, parse_errors: tuple, build_errors: tuple,
+                 input_shape: tuple[int, ...], cuda: FakeCudaMemory | None) -> None:
+        self.api, self.record, self.trt = api, record, trt
+        self.parse_errors, self.build_errors, self.input_shape, self.cuda = parse_errors, build_errors, input_shape, cuda
+
+
+class _Tensor(_Guarded):
+    API = "ITensor"
+
+    def __init__(self, ctx: _Ctx, name: str, shape: tuple[int, ...]) -> None:
+        super().__init__(ctx.api)
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "shape", shape)
+
+
+class _Network(_Guarded):
+    API = "INetworkDefinition"
+
+    def __init__(self, ctx: _Ctx, flags: int) -> None:
+        super().__init__(ctx.api)
+        self._ctx, self._inputs = ctx, []
 
     @property
     def num_inputs(self) -> int:
-        return len(self.inputs)
+        return len(self._inputs)
 
     def get_input(self, i: int) -> _Tensor:
-        return self.inputs[i]
+        return self._inputs[i]
 
 
-class _Profile:
-    def __init__(self) -> None:
-        self.shapes: dict[str, tuple] = {}
+class _Profile(_Guarded):
+    API = "IOptimizationProfile"
 
-    def set_shape(self, name: str, lo: Any, opt: Any, hi: Any) -> None:
-        self.shapes[name] = (tuple(lo), tuple(opt), tuple(hi))
+    def __init__(self, ctx: _Ctx) -> None:
+        super().__init__(ctx.api)
+        self._shapes: dict[str, tuple] = {}
+
+    def set_shape(self, input: str, min: Any, opt: Any, max: Any) -> None:  # noqa: A002  (the real keywords)
+        self._shapes[input] = (tuple(min), tuple(opt), tuple(max))
 
 
-class _TimingCache:
-    def __init__(self, data: bytes) -> None:
-        self.data = data
+class _TimingCache(_Guarded):
+    API = "ITimingCache"
+
+    def __init__(self, ctx: _Ctx, data: bytes) -> None:
+        super().__init__(ctx.api)
+        self._data = data
 
     def serialize(self) -> bytes:
-        return self.data + b"+timed"
+        return self._data + b"+timed"
 
-    def combine(self, other: "_TimingCache", ignore_mismatch: bool) -> bool:
+    def combine(self, input_cache: "_TimingCache", ignore_mismatch: bool) -> bool:
         return True
 
 
-class _Config:
-    def __init__(self, record: dict) -> None:
-        self.record = record
-        self.builder_optimization_level = 3
-        self.progress_monitor = None
-        self._cache: _TimingCache | None = None
+class _Config(_Guarded):
+    API = "IBuilderConfig"
 
-    def set_memory_pool_limit(self, pool: str, size: int) -> None:
-        self.record["pool"][pool] = size
+    def __init__(self, ctx: _Ctx) -> None:
+        super().__init__(ctx.api)
+        self._ctx, self._cache = ctx, None
+        object.__setattr__(self, "_opt_level", 3)  # TensorRT's default level
+        object.__setattr__(self, "_monitor", None)
 
-    def set_flag(self, flag: str) -> None:
-        self.record["set_flags"].append(flag)
+    builder_optimization_level = property(lambda self: self._opt_level,
+                                          lambda self, v: object.__setattr__(self, "_opt_level", v))
+    progress_monitor = property(lambda self: self._monitor, lambda self, v: object.__setattr__(self, "_monitor", v))
 
-    def clear_flag(self, flag: str) -> None:
-        self.record["cleared_flags"].append(flag)
+    def set_memory_pool_limit(self, pool: Any, pool_size: int) -> None:
+        self._ctx.record["pool"][pool.name] = pool_size
+
+    def set_flag(self, flag: Any) -> None:
+        self._ctx.record["set_flags"].append(flag.name)
+
+    def clear_flag(self, flag: Any) -> None:
+        self._ctx.record["cleared_flags"].append(flag.name)
 
     def add_optimization_profile(self, profile: _Profile) -> int:
-        self.record["profiles"].append(profile.shapes)
+        self._ctx.record["profiles"].append(profile._shapes)
         return 0
 
-    def create_timing_cache(self, data: bytes) -> _TimingCache | None:
-        return None if data == b"garbage" else _TimingCache(bytes(data))
+    def create_timing_cache(self, serialized_timing_cache: bytes) -> _TimingCache | None:
+        data = bytes(serialized_timing_cache)
+        return None if data == b"garbage" else _TimingCache(self._ctx, data)
 
     def set_timing_cache(self, cache: _TimingCache, ignore_mismatch: bool) -> bool:
-        self.record["timing_cache_in"] = cache.data
+        self._ctx.record["timing_cache_in"] = cache._data
         self._cache = cache
-        return cache.data != b"other-gpu"
+        return cache._data != b"other-gpu"
 
     def get_timing_cache(self) -> _TimingCache | None:
         return self._cache
 
 
-class _Builder:
-    def __init__(self, logger: Any, record: dict, errors: tuple[str, ...]) -> None:
-        self.logger, self.record, self.errors = logger, record, errors
+class _Builder(_Guarded):
+    API = "Builder"
 
-    def create_network(self, flags: int) -> _Network:
-        self.record["network_flags"] = flags
-        return _Network(flags)
+    def __init__(self, ctx: _Ctx, logger: Any) -> None:
+        super().__init__(ctx.api)
+        self._ctx, self._logger = ctx, logger
+
+    def create_network(self, flags: int = 0) -> _Network:
+        self._ctx.record["network_flags"] = flags
+        return _Network(self._ctx, flags)
 
     def create_builder_config(self) -> _Config:
-        return _Config(self.record)
+        return _Config(self._ctx)
 
     def create_optimization_profile(self) -> _Profile:
-        return _Profile()
+        return _Profile(self._ctx)
 
     def build_serialized_network(self, network: _Network, config: _Config) -> bytes | None:
-        self.record["opt_level"] = config.builder_optimization_level
-        monitor = config.progress_monitor
+        record = self._ctx.record
+        record["opt_level"] = config._opt_level
+        monitor = config._monitor
         if monitor is not None:
             monitor.phase_start("Building engine", None, 3)
             for step in range(3):
-                self.record["monitor_calls"].append(monitor.step_complete("Building engine", step))
+                record["monitor_calls"].append(monitor.step_complete("Building engine", step))
             monitor.phase_finish("Building engine")
-        for msg in self.errors:
-            self.logger.log(Severity.ERROR, msg)
-        return None if self.errors else b"PLAN" + bytes(config.record["set_flags"].__repr__(), "ascii")
+        for msg in self._ctx.build_errors:
+            self._logger.log(self._ctx.trt.ILogger.Severity.ERROR, msg)
+        return None if self._ctx.build_errors else b"PLAN" + repr(record["set_flags"]).encode("ascii")
 
 
-class _Err:
-    def __init__(self, index: int, name: str, op: str, desc: str) -> None:
+class _Err(_Guarded):
+    """ParserError: `node_name()`/`node_operator()` exist only where the real table has them (10.x+)."""
+
+    API = "ParserError"
+
+    def __init__(self, ctx: _Ctx, index: int, name: str, op: str, desc: str) -> None:
+        super().__init__(ctx.api)
         self._index, self._name, self._op, self._desc = index, name, op, desc
 
     def desc(self) -> str:
@@ -282,8 +448,6 @@ class _Err:
     def node(self) -> int:
         return self._index
 
-
-class _NamedErr(_Err):
     def node_name(self) -> str:
         return self._name
 
@@ -291,89 +455,100 @@ class _NamedErr(_Err):
         return self._op
 
 
-class _Parser:
-    def __init__(self, network: _Network, errors: tuple, node_names: bool, input_shape: tuple[int, ...]) -> None:
-        self.network, self.node_names, self.input_shape = network, node_names, input_shape
-        self.errors = [(_NamedErr if node_names else _Err)(i, *e) for i, e in enumerate(errors)]
+class _Parser(_Guarded):
+    API = "OnnxParser"
 
-    def parse_from_file(self, path: str) -> bool:
-        self.network.inputs.append(_Tensor("x", self.input_shape))
-        return not self.errors
+    def __init__(self, ctx: _Ctx, network: _Network) -> None:
+        super().__init__(ctx.api)
+        self._ctx, self._network = ctx, network
+        self._errors = [_Err(ctx, i, *e) for i, e in enumerate(ctx.parse_errors)]
+
+    def parse_from_file(self, model: str) -> bool:
+        self._network._inputs.append(_Tensor(self._ctx, "x", self._ctx.input_shape))
+        return not self._errors
 
     @property
     def num_errors(self) -> int:
-        return len(self.errors)
+        return len(self._errors)
 
-    def get_error(self, i: int) -> _Err:
-        return self.errors[i]
+    def get_error(self, index: int) -> _Err:
+        return self._errors[index]
 
 
 # --- TensorRT runtime: a plan whose engine computes y = 2x + 1 ---------------------------------
 
 
-class _Runtime:
-    def __init__(self, cuda: FakeCudaMemory | None) -> None:
-        self.cuda = cuda
+class _Runtime(_Guarded):
+    API = "Runtime"
 
-    def deserialize_cuda_engine(self, plan: bytes) -> "_Engine | None":
-        return _Engine(self.cuda) if plan.startswith(b"PLAN") else None
+    def __init__(self, ctx: _Ctx) -> None:
+        super().__init__(ctx.api)
+        self._ctx = ctx
+
+    def deserialize_cuda_engine(self, serialized_engine: bytes) -> "_Engine | None":
+        return _Engine(self._ctx) if bytes(serialized_engine).startswith(b"PLAN") else None
 
 
-class _Engine:
-    num_io_tensors = 2
+class _Engine(_Guarded):
+    API = "ICudaEngine"
 
-    def __init__(self, cuda: FakeCudaMemory | None) -> None:
-        self.cuda = cuda
+    def __init__(self, ctx: _Ctx) -> None:
+        super().__init__(ctx.api)
+        self._ctx = ctx
 
-    def get_tensor_name(self, i: int) -> str:
-        return ("x", "y")[i]
+    num_io_tensors = property(lambda self: 2)
 
-    def get_tensor_mode(self, name: str) -> str:
-        return "INPUT" if name == "x" else "OUTPUT"
+    def get_tensor_name(self, index: int) -> str:
+        return ("x", "y")[index]
+
+    def get_tensor_mode(self, name: str) -> Any:
+        mode = self._ctx.trt.TensorIOMode
+        return mode.INPUT if name == "x" else mode.OUTPUT
 
     def get_tensor_shape(self, name: str) -> tuple[int, ...]:
         return (-1, 3, 4, 4)
 
-    def get_tensor_profile_shape(self, name: str, profile: int) -> list[tuple[int, ...]]:
+    def get_tensor_profile_shape(self, name: str, profile_index: int) -> list[tuple[int, ...]]:
         return [(1, 3, 4, 4), (2, 3, 4, 4), (4, 3, 4, 4)]
 
-    def get_tensor_dtype(self, name: str) -> str:
-        return "FLOAT"
+    def get_tensor_dtype(self, name: str) -> Any:
+        return self._ctx.trt.DataType.FLOAT
 
-    def create_execution_context(self) -> "_Context":
-        return _Context(self.cuda)
+    def create_execution_context(self, *args: Any) -> "_Context":
+        return _Context(self._ctx)
 
 
-class _Context:
-    def __init__(self, cuda: FakeCudaMemory | None) -> None:
-        self.cuda = cuda
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.addresses: dict[str, int] = {}
-        self.executions = 0
+class _Context(_Guarded):
+    API = "IExecutionContext"
+
+    def __init__(self, ctx: _Ctx) -> None:
+        super().__init__(ctx.api)
+        self._cuda = ctx.cuda
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._addresses: dict[str, int] = {}
 
     def set_input_shape(self, name: str, shape: tuple[int, ...]) -> bool:
-        if len(shape) != 4 or shape[1:] != (3, 4, 4):
+        if len(shape) != 4 or tuple(shape[1:]) != (3, 4, 4):
             return False
-        self.shapes[name] = self.shapes["y"] = tuple(shape)
+        self._shapes[name] = self._shapes["y"] = tuple(shape)
         return True
 
     def get_tensor_shape(self, name: str) -> tuple[int, ...]:
-        return self.shapes[name]
+        return self._shapes[name]
 
-    def set_tensor_address(self, name: str, ptr: int) -> bool:
-        self.addresses[name] = ptr
+    def set_tensor_address(self, name: str, memory: int) -> bool:
+        self._addresses[name] = memory
         return True
 
     def execute_async_v3(self, stream_handle: int) -> bool:
-        count = int(np.prod(self.shapes["x"]))
-        src, dst = self.addresses["x"], self.addresses["y"]
+        count = int(np.prod(self._shapes["x"]))
+        src, dst = self._addresses["x"], self._addresses["y"]
 
         def compute() -> None:
             x = np.ctypeslib.as_array((ctypes.c_float * count).from_address(src))
             y = np.ctypeslib.as_array((ctypes.c_float * count).from_address(dst))
             y[:] = 2 * x + 1
 
-        self.executions += 1
-        assert self.cuda is not None
-        self.cuda.enqueue(compute)
+        assert self._cuda is not None
+        self._cuda.enqueue(compute)
         return True
