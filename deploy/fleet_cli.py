@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 
 from deploy.mqtt_ops import OperatorError, fleet_status, render_fleet_table, send_command
 
@@ -23,6 +24,22 @@ def _connection(ca_file: Optional[Path], cert_file: Optional[Path], key_file: Op
     fields = {"ca_file": ca_file, "cert_file": cert_file, "key_file": key_file, "username": username,
               "password": password}
     return {k: v for k, v in fields.items() if v is not None}
+
+
+def _fail(exc: OperatorError) -> NoReturn:
+    """`CODE: message` on stderr and exit 1; the message is printed as text, never as markup."""
+    err.print(f"[red]{exc.code}:[/] {escape(str(exc))}")
+    raise typer.Exit(1) from exc
+
+
+def _invalid(exc: ValidationError) -> NoReturn:
+    """One line per bad connection setting, and exit 2. Inputs are left out: --broker or --password
+    may hold the broker password (the messages themselves never do, see agent.mqtt.config)."""
+    err.print("[red]invalid connection settings:[/]")
+    for item in exc.errors(include_input=False, include_url=False):
+        where = ".".join(str(p) for p in item["loc"]) or "connection"
+        err.print(f"  {where}: {item['msg']}", markup=False, highlight=False)
+    raise typer.Exit(2) from exc
 
 
 def _parse_args(pairs: list[str]) -> dict[str, Any]:
@@ -57,11 +74,9 @@ def send(
         reply = send_command(broker, device, command, _parse_args(arg), prefix=prefix, timeout_s=timeout,
                              **_connection(ca_file, cert_file, key_file, username, password))
     except OperatorError as exc:
-        err.print(f"[red]{exc.code}:[/] {exc}")
-        raise typer.Exit(1) from exc
+        _fail(exc)
     except ValidationError as exc:
-        err.print(f"[red]invalid connection settings:[/] {exc.errors(include_input=False)}")
-        raise typer.Exit(2) from exc
+        _invalid(exc)
     out.print_json(json.dumps(reply))
     raise typer.Exit(0 if reply.get("ok") else 1)
 
@@ -82,8 +97,9 @@ def status(
     try:
         rows = fleet_status(broker, prefix, wait, **_connection(ca_file, cert_file, key_file, username, password))
     except OperatorError as exc:
-        err.print(f"[red]{exc.code}:[/] {exc}")
-        raise typer.Exit(1) from exc
+        _fail(exc)
+    except ValidationError as exc:
+        _invalid(exc)
     if as_json:
         out.print_json(json.dumps(rows, default=str))
     else:

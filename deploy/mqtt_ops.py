@@ -168,18 +168,19 @@ def fleet_status(broker_url: str, prefix: str = "edge", wait_s: float = 3.0, **c
 
 def fleet_row(device: str, status: dict[str, Any], telemetry: dict[str, Any]) -> dict[str, Any]:
     """Flatten one device's status and latest telemetry into a table row (absent fields stay None)."""
-    model = telemetry.get("model") or status.get("model") or {}
-    temps = {k: v for k, v in (telemetry.get("temp_c") or {}).items() if isinstance(v, (int, float))}
+    # Devices write these payloads: any field may have any JSON type, and none may crash the view.
+    model = _dict(telemetry.get("model")) or _dict(status.get("model"))
+    temps = {k: v for k, v in _dict(telemetry.get("temp_c")).items() if _is_num(v)}
     hottest = max(temps.items(), key=lambda kv: kv[1]) if temps else (None, None)
-    power = (telemetry.get("power_mw") or {}).get("total")
-    seen = [t for t in (status.get("ts"), telemetry.get("ts")) if isinstance(t, (int, float))]
+    power = _dict(telemetry.get("power_mw")).get("total")
+    seen = [t for t in (status.get("ts"), telemetry.get("ts")) if _is_num(t)]
     return {
         "device": device,
-        "state": status.get("state", "unknown"),
-        "model": f"{model.get('name')}@{model.get('version')}" if isinstance(model, dict) and model.get("name") else None,
+        "state": str(status.get("state", "unknown")),
+        "model": f"{model.get('name')}@{model.get('version')}" if model.get("name") else None,
         "fps": telemetry.get("fps"),
-        "p99_ms": (telemetry.get("latency_ms") or {}).get("p99"),
-        "power_w": power / 1000.0 if isinstance(power, (int, float)) else None,
+        "p99_ms": _dict(telemetry.get("latency_ms")).get("p99"),
+        "power_w": power / 1000.0 if _is_num(power) else None,
         "hottest_zone": hottest[0],
         "hottest_c": hottest[1],
         "last_seen": max(seen) if seen else None,
@@ -187,8 +188,13 @@ def fleet_row(device: str, status: dict[str, Any], telemetry: dict[str, Any]) ->
 
 
 def render_fleet_table(rows: list[dict[str, Any]], now: float | None = None) -> Any:
-    """A rich Table of fleet rows; missing values shown as '-'."""
+    """A rich Table of fleet rows; missing values shown as '-'.
+
+    Every cell is a rich `Text`, never markup: device ids, states, model names and zone names come from
+    what devices publish, and a string like `[/]` or `[link=...]` must print as itself, not be parsed.
+    """
     from rich.table import Table
+    from rich.text import Text
 
     now = time.time() if now is None else now
     table = Table(title=f"{len(rows)} device(s)")
@@ -196,16 +202,25 @@ def render_fleet_table(rows: list[dict[str, Any]], now: float | None = None) -> 
                           ("p99 ms", "right"), ("Power W", "right"), ("Hottest", "left"), ("Last seen", "right")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for row in rows:
-        style = STATE_STYLES.get(row["state"], "")
+        state = str(row["state"])
         hottest = f"{row['hottest_zone']} {row['hottest_c']:.1f} °C" if row["hottest_zone"] else "-"
         seen = f"{max(0.0, now - row['last_seen']):.0f} s ago" if row["last_seen"] else "-"
-        table.add_row(row["device"], f"[{style}]{row['state']}[/]" if style else row["state"], row["model"] or "-",
-                      _num(row["fps"], 1), _num(row["p99_ms"], 1), _num(row["power_w"], 2), hottest, seen)
+        cells = (str(row["device"]), state, str(row["model"] or "-"), _num(row["fps"], 1), _num(row["p99_ms"], 1),
+                 _num(row["power_w"], 2), hottest, seen)
+        table.add_row(*(Text(cell, style=STATE_STYLES.get(state, "") if i == 1 else "") for i, cell in enumerate(cells)))
     return table
 
 
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _is_num(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _num(value: Any, digits: int) -> str:
-    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-"
+    return f"{value:.{digits}f}" if _is_num(value) else "-"
 
 
 def _json(payload: bytes) -> Any:

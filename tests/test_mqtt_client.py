@@ -55,12 +55,23 @@ def test_connection_needs_a_url() -> None:
 
 def test_reply_routing() -> None:
     worker = CommandWorker(lambda payload: {}, Topics("edge", "dev"))
-    v5 = CommandMessage(b"{}", "ops/replies/1", b"corr", "5")
+    v5 = CommandMessage(b"{}", "edge/dev/cmd/reply/ops-1", b"corr", "5")
     topic, props = worker.route(v5)
-    assert topic == "ops/replies/1" and props.CorrelationData == b"corr"
+    assert topic == "edge/dev/cmd/reply/ops-1" and props.CorrelationData == b"corr"
     assert worker.route(CommandMessage(b"{}", None, None, "5")) == ("edge/dev/cmd/reply", None)
-    assert worker.route(CommandMessage(b"{}", "ops/#", b"c", "5")) == ("edge/dev/cmd/reply", None)
+    assert worker.route(CommandMessage(b"{}", "edge/dev/cmd/reply/#", b"c", "5"))[0] == "edge/dev/cmd/reply"
     assert worker.route(CommandMessage(b"{}", None, None, "3.1.1")) == ("edge/dev/cmd/reply", None)
+
+
+@pytest.mark.parametrize("asked", [
+    "ops/replies/1", "other-tenant/x", "$SYS/x", "edge/other-dev/cmd/reply", "edge/dev/cmd/replyX",
+    "edge/dev/cmd", "edge/dev/status", "edge/dev/cmd/reply/+", "xedge/dev/cmd/reply", "",
+])
+def test_reply_routing_stays_in_the_devices_own_tree(asked: str) -> None:
+    worker = CommandWorker(lambda payload: {}, Topics("edge", "dev"))
+    topic, props = worker.route(CommandMessage(b"{}", asked, b"corr", "5"))
+    assert topic == "edge/dev/cmd/reply" and props.CorrelationData == b"corr"
+    assert worker.counters["response_topic_refused"] == 1
 
 
 def test_send_window_respects_the_brokers_receive_maximum() -> None:

@@ -65,13 +65,13 @@ def test_mqtt5_reply_goes_to_response_topic_with_correlation_data(mqtt_broker, p
                                                                    collector_factory) -> None:
     plane_factory(mqtt_broker.url, "v5-dev")
     plain = collector_factory(mqtt_broker.url, ["edge/v5-dev/cmd/reply"])
-    replies = collector_factory(mqtt_broker.url, ["ops/replies/#"])
+    replies = collector_factory(mqtt_broker.url, ["edge/v5-dev/cmd/reply/+"])
     props = Properties(PacketTypes.PUBLISH)
-    props.ResponseTopic, props.CorrelationData = "ops/replies/42", b"\x00corr\xff"
+    props.ResponseTopic, props.CorrelationData = "edge/v5-dev/cmd/reply/42", b"\x00corr\xff"
     replies.client.publish("edge/v5-dev/cmd", json.dumps({"id": "c-1", "command": "ping"}), qos=1, properties=props)
     assert replies.wait_for(lambda m: len(m) == 1)
     topic, payload, received = replies.messages[0]
-    assert topic == "ops/replies/42" and received.CorrelationData == b"\x00corr\xff"
+    assert topic == "edge/v5-dev/cmd/reply/42" and received.CorrelationData == b"\x00corr\xff"
     assert json.loads(payload)["id"] == "c-1" and json.loads(payload)["ok"] is True
     assert not plain.wait_for(lambda m: len(m) > 0, timeout=0.3)
 
@@ -105,7 +105,7 @@ def test_send_command_times_out_with_ok_false(mqtt_broker) -> None:
 def test_fuzz_through_the_broker(mqtt_broker, plane_factory, collector_factory) -> None:
     limit = 4096
     plane = plane_factory(mqtt_broker.url, "fuzz-dev", max_payload_bytes=limit)
-    replies = collector_factory(mqtt_broker.url, ["fuzz/replies"])
+    replies = collector_factory(mqtt_broker.url, ["edge/fuzz-dev/cmd/reply/fuzz"])
     oracle, count = Oracle(limit), [0]
 
     @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -114,7 +114,7 @@ def test_fuzz_through_the_broker(mqtt_broker, plane_factory, collector_factory) 
         for payload in batch:
             corr = uuid.uuid4().bytes
             props = Properties(PacketTypes.PUBLISH)
-            props.ResponseTopic, props.CorrelationData = "fuzz/replies", corr
+            props.ResponseTopic, props.CorrelationData = "edge/fuzz-dev/cmd/reply/fuzz", corr
             replies.client.publish("edge/fuzz-dev/cmd", payload, qos=1, properties=props)
             assert replies.wait_for(lambda m: any(p.CorrelationData == corr for _, _, p in m), timeout=5)
             reply = next(json.loads(b) for _, b, p in replies.messages if p.CorrelationData == corr)

@@ -89,15 +89,24 @@ class CommandWorker:
             self._send_reply(message, reply)
 
     def route(self, message: CommandMessage) -> tuple[str, Optional[Properties]]:
-        """MQTT 5 with a response topic: that topic + correlation data; otherwise `<...>/cmd/reply`."""
-        if message.protocol == "5" and message.response_topic is not None:
-            if is_publish_topic(message.response_topic):
-                props = Properties(PacketTypes.PUBLISH)
-                if message.correlation_data is not None:
-                    props.CorrelationData = message.correlation_data
-                return message.response_topic, props
-            log.warning("invalid response topic %r; replying on %s", message.response_topic, self.topics.cmd_reply)
-        return self.topics.cmd_reply, None
+        """MQTT 5: the request's Response Topic + Correlation Data when it lies under this device's
+        `<prefix>/<device>/cmd/reply[/...]`; otherwise (3.1.1, none, or a topic of another device,
+        tenant or `$SYS`) `<prefix>/<device>/cmd/reply`. A sender must not steer the device's publishes
+        out of its own tree: the broker's ACL lets the device write there, and only there."""
+        own, wanted = self.topics.cmd_reply, message.response_topic
+        if message.protocol != "5":
+            return own, None
+        props = Properties(PacketTypes.PUBLISH)
+        if message.correlation_data is not None:
+            props.CorrelationData = message.correlation_data
+        if wanted is None:
+            return own, None
+        if is_publish_topic(wanted) and (wanted == own or wanted.startswith(own + "/")):
+            return wanted, props
+        self.counters["response_topic_refused"] += 1
+        log.warning("response topic %r refused (only %s[/...] is allowed); replying on %s",
+                    wanted[:200] if isinstance(wanted, str) else wanted, own, own)
+        return own, props
 
     def _send_reply(self, message: CommandMessage, reply: dict) -> None:
         topic, props = self.route(message)

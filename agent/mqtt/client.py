@@ -234,7 +234,7 @@ class MqttConnection:
     def _connect(self, session: _Session) -> bool:
         try:
             session.client.connect(self.config.host, self.config.port, self.config.keepalive_s,
-                                   **connect_kwargs(session.protocol))
+                                   **connect_kwargs(session.protocol, self.config.max_packet_bytes))
             return True
         except ssl.SSLError as exc:  # includes certificate verification failures
             self._fail("MQTT_TLS_FAILED", f"TLS handshake with {self.config.host}:{self.config.port} failed: "
@@ -332,7 +332,18 @@ class MqttConnection:
         props = getattr(msg, "properties", None)
         response_topic = getattr(props, "ResponseTopic", None) if props is not None else None
         correlation = getattr(props, "CorrelationData", None) if props is not None else None
-        self._on_command(CommandMessage(bytes(msg.payload), response_topic, correlation, session.protocol))
+        self._on_command(CommandMessage(self._bounded(msg.payload), response_topic, correlation, session.protocol))
+
+    def _bounded(self, payload: bytes) -> bytes:
+        """The payload, or only its first max_payload_bytes + 1 bytes when it is larger: enough for the
+        dispatcher to answer PAYLOAD_TOO_LARGE, without queueing a copy of a huge message (MQTT 3.1.1
+        has no Maximum Packet Size, so the broker may deliver one)."""
+        limit = self.config.max_payload_bytes
+        if len(payload) <= limit:
+            return bytes(payload)
+        log.warning("command of %d bytes is over max_payload_bytes (%d): answering PAYLOAD_TOO_LARGE",
+                    len(payload), limit)
+        return bytes(memoryview(payload)[:limit + 1])
 
     def _notify_session(self, info: SessionInfo | None) -> None:
         for listener in self._session_listeners:

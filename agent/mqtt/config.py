@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import stat
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -13,16 +14,23 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from agent.mqtt.topics import check_prefix
 
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+# scheme://<userinfo>@ — the user info ends at the last '@' before the host (a password may hold '@').
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s/?#]*@")
 
 # Bounds shared with the `set_config` command, so a live change obeys the same rules as the file.
 TELEMETRY_INTERVAL_BOUNDS = {"ge": 0.1, "le": 3600.0}
 RESULTS_RATE_BOUNDS = {"ge": 0.0, "le": 100.0}
+# Room in an MQTT packet besides the payload: fixed header, topic, packet id and the properties of a
+# command (Response Topic, Correlation Data). Part of the Maximum Packet Size the agent announces.
+PACKET_HEADROOM_BYTES = 8 * 1024
 
 
 class MqttConfig(BaseModel):
     """How the device reaches its broker, and the limits of what it buffers and accepts."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Errors never show inputs: `url` and `password` may hold the broker password (nested in
+    # AgentConfig, `_hide_secrets` below keeps them out of str(error) as well).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, hide_input_in_errors=True)
 
     url: str = Field(
         default="",
@@ -71,7 +79,9 @@ class MqttConfig(BaseModel):
     )
     max_payload_bytes: int = Field(
         default=64 * 1024, ge=256, le=16 * 1024 * 1024,
-        description="Largest command payload accepted; larger ones get PAYLOAD_TOO_LARGE.",
+        description="Largest command payload accepted; larger ones get PAYLOAD_TOO_LARGE. With MQTT 5 the "
+        "agent also sends this plus 8 KiB (topic, properties) as its Maximum Packet Size, so the broker "
+        "drops larger messages before they reach the device.",
     )
     telemetry_interval_s: float = Field(
         default=5.0, **TELEMETRY_INTERVAL_BOUNDS, description="Seconds between telemetry samples."
@@ -80,6 +90,21 @@ class MqttConfig(BaseModel):
         default=1.0, **RESULTS_RATE_BOUNDS,
         description="Most inference results per second sent at QoS 0 (never buffered); 0 = off.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hide_secrets(cls, data: Any) -> Any:
+        # pydantic prints a failing model's input dict with repr(); these inputs repr without secrets.
+        if not isinstance(data, dict):
+            return data
+        # In place: a failing model-level rule reports the caller's own dict object as its input.
+        if isinstance(data.get("url"), str):
+            data["url"] = _RedactedUrl(data["url"])
+        if isinstance(data.get("password"), str):
+            data["password"] = _Hidden(data["password"])
+        elif data.get("password") is not None and not isinstance(data["password"], SecretStr):
+            data["password"] = _Mistyped()  # refused as "not a valid string", without echoing it
+        return data
 
     @field_validator("protocol", mode="before")
     @classmethod
@@ -154,6 +179,12 @@ class MqttConfig(BaseModel):
         """False when no broker is configured (url empty)."""
         return bool(self.url)
 
+    @property
+    def max_packet_bytes(self) -> int:
+        """The MQTT 5 Maximum Packet Size sent in CONNECT: the largest command plus room for its topic
+        and properties (Response Topic, Correlation Data)."""
+        return self.max_payload_bytes + PACKET_HEADROOM_BYTES
+
     def effective_client_id(self, device_id: str) -> str:
         """The client id to connect with: the configured one or one derived from the device id."""
         return self.client_id or f"edge-agent-{device_id}"
@@ -166,21 +197,48 @@ class MqttConfig(BaseModel):
         return self.username, password
 
 
+def redact_url(url: str) -> str:
+    """`url` with any user info (`user:password@`, `token@`) replaced by `***@`: safe for messages."""
+    return _USERINFO.sub(r"\g<scheme>***@", url)
+
+
+class _Hidden(str):
+    """A secret as validation input: pydantic prints inputs with repr() in errors; this repr is `'***'`."""
+
+    def __repr__(self) -> str:
+        return "'***'"
+
+
+class _Mistyped:
+    """Stands in for a password given as a number, list, ...: fails validation, repr()s as `***`."""
+
+    def __repr__(self) -> str:
+        return "***"
+
+
+class _RedactedUrl(str):
+    """A broker URL as validation input whose repr() hides the credentials it may hold."""
+
+    def __repr__(self) -> str:
+        return repr(redact_url(str.__str__(self)))
+
+
 def _parse_url(url: str) -> tuple[str, str, int]:
-    """(scheme, host, port) of a broker URL; ValueError says what is wrong with it."""
+    """(scheme, host, port) of a broker URL; ValueError says what is wrong with it (never its password)."""
+    shown = redact_url(url)
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise ValueError(f"invalid broker url {url!r}: {exc}") from None
+        raise ValueError(f"invalid broker url {shown!r}: {redact_url(str(exc))}") from None
     if parts.scheme not in DEFAULT_PORTS:
-        raise ValueError(f"broker url {url!r} must start with mqtt:// or mqtts://")
+        raise ValueError(f"broker url {shown!r} must start with mqtt:// or mqtts://")
     if not parts.hostname:
-        raise ValueError(f"broker url {url!r} has no host")
-    if parts.username or parts.password:
-        raise ValueError(f"broker url {url!r} holds credentials; use username/password or credentials_file")
+        raise ValueError(f"broker url {shown!r} has no host")
+    if "@" in parts.netloc:
+        raise ValueError(f"broker url {shown!r} holds credentials; use username/password or credentials_file")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ValueError(f"broker url {url!r} must be scheme://host[:port] with no path or query")
+        raise ValueError(f"broker url {shown!r} must be scheme://host[:port] with no path or query")
     return parts.scheme, parts.hostname, port or DEFAULT_PORTS[parts.scheme]
 
 

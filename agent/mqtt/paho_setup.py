@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from agent.mqtt.config import MqttConfig
 
@@ -65,7 +67,14 @@ def tls_context(config: MqttConfig) -> ssl.SSLContext:
     """Server verification against ca_file (or system CAs), plus the client certificate when set."""
     ctx = ssl.create_default_context(cafile=str(config.ca_file) if config.ca_file else None)
     if config.cert_file is not None and config.key_file is not None:
-        ctx.load_cert_chain(str(config.cert_file), str(config.key_file))
+        key_file = config.key_file
+
+        def no_passphrase() -> bytes:
+            # Without a callback OpenSSL would prompt on the terminal (and hang or fail far from here).
+            raise ValueError(f"key_file {key_file} is encrypted; the agent needs an unencrypted key, readable "
+                             "by its user only (mode 0600; see docs/mqtt.md, Security model)")
+
+        ctx.load_cert_chain(str(config.cert_file), str(key_file), password=no_passphrase)
     if config.tls_insecure:
         ctx.check_hostname = False
     return ctx
@@ -106,9 +115,18 @@ def _no_delay(_client: Any, _userdata: Any, sock: Any) -> None:
         log.debug("TCP_NODELAY not set: %s", exc)
 
 
-def connect_kwargs(protocol: str) -> dict[str, Any]:
-    """Arguments for paho's connect(): a clean session (the outbox, not the broker, keeps our backlog)."""
-    return {"clean_start": True} if protocol == "5" else {}
+def connect_kwargs(protocol: str, max_packet_bytes: int | None = None) -> dict[str, Any]:
+    """Arguments for paho's connect(): a clean session (the outbox, not the broker, keeps our backlog)
+    and, on MQTT 5, the Maximum Packet Size we accept, so the broker drops a larger PUBLISH instead of
+    sending it (paho would read all of it into memory before anyone could refuse it)."""
+    if protocol != "5":
+        return {}
+    kwargs: dict[str, Any] = {"clean_start": True}
+    if max_packet_bytes is not None:
+        props = Properties(PacketTypes.CONNECT)
+        props.MaximumPacketSize = max_packet_bytes
+        kwargs["properties"] = props
+    return kwargs
 
 
 def refusal_code(reason_value: int) -> str:
