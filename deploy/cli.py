@@ -194,6 +194,9 @@ def _mount_fleet() -> None:
 
     app.command("send")(send)
     app.add_typer(fleet_app, name="fleet")
+    from deploy.fleet.command import collect
+
+    app.command("collect")(collect)
 
 
 _mount_fleet()

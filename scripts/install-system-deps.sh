@@ -6,6 +6,8 @@ command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mos
 command -v mosquitto_passwd >/dev/null 2>&1 || need+=(mosquitto-clients)
 command -v ffmpeg >/dev/null 2>&1 || need+=(ffmpeg)
 command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
+# PostgreSQL server for the fleet collector tests (started per test session as an unprivileged user).
+compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || command -v initdb >/dev/null 2>&1 || need+=(postgresql)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytest_plugins = ["tests.fixtures_mqtt"]
+pytest_plugins = ["tests.fixtures_mqtt", "tests.fixtures_postgres"]
 
 LEAK_GRACE_S = 3.0
 

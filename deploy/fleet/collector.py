@@ -1,0 +1,402 @@
+"""`edge-deploy collect`: the fleet's MQTT stream into SQLite or PostgreSQL, each message stored once.
+
+    paho network thread ──► bounded queue ──► writer thread: batch ─► one transaction ─► PUBACKs
+    (manual ack: nothing is acknowledged before it is committed, so a killed collector loses nothing:
+     the broker redelivers to its persistent session, and the unique key drops what was already stored)
+
+- Telemetry and events come through an MQTT 5 shared subscription (`$share/<group>/<p>/+/telemetry`),
+  so several collectors split one fleet's stream. Status and meta are retained, and a broker does not
+  send retained messages to shared subscriptions, so every collector subscribes to them directly; the
+  upsert keeps the newest by the device's clock. MQTT 3.1.1: plain subscriptions, with a warning.
+- Memory is bounded by the MQTT 5 Receive Maximum (`inflight`): the broker sends no more unacknowledged
+  messages than that, and keeps the rest queued for us while the database is away.
+- Database away: the batch is retried with capped, jittered backoff (counted: `db_retries`,
+  `db_wait_s`); broker away: paho reconnects with backoff (`broker_reconnects`, `broker_wait_s`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from agent.mqtt.config import MqttConfig
+from agent.mqtt.paho_setup import RC_UNSUPPORTED_PROTOCOL, Backoff, refusal_code, tls_context
+from agent.mqtt.topics import EVENTS, META, STATUS, TELEMETRY, check_prefix, fleet_filter
+from deploy.fleet.db import TRANSIENT_ERRORS, FleetDB, open_db
+from deploy.fleet.records import DeviceUpdate, Malformed, Row, parse_message
+from deploy.fleet.schema import Partitions, ensure_schema
+from deploy.fleet.writer import write_batch
+
+log = logging.getLogger(__name__)
+
+SHARED_LEAVES = (TELEMETRY, EVENTS)
+RETAINED_LEAVES = (STATUS, META)
+PARTITION_CHECK_S = 3600.0
+
+
+@dataclass
+class CollectorConfig:
+    """Everything `edge-deploy collect` can set; connection security reuses the agent's MqttConfig."""
+
+    broker_url: str
+    db_url: str
+    group: str = "edge-collectors"
+    prefix: str = "edge"
+    client_id: Optional[str] = None
+    protocol: str = "auto"  # auto | 5 | 3.1.1
+    batch_size: int = 1000
+    max_wait_s: float = 0.25  # longest a message waits for its batch to fill
+    linger_s: float = 0.02  # a batch is written once no message came for this long
+    inflight: int = 2000  # MQTT 5 Receive Maximum: unacknowledged messages in memory at most
+    session_expiry_s: int = 7 * 86400  # the broker keeps our subscription and backlog this long offline
+    max_payload_bytes: int = 256 * 1024
+    retention_days: float = 30.0
+    timescale: str = "auto"
+    db_retry_min_s: float = 0.5
+    db_retry_max_s: float = 30.0
+    reconnect_min_s: int = 1
+    reconnect_max_s: int = 30
+    mqtt: dict[str, Any] = field(default_factory=dict)  # username, credentials_file, ca_file, ...
+
+    def __post_init__(self) -> None:
+        check_prefix(self.prefix)
+        if not self.group or any(c in self.group for c in "/+#$"):
+            raise ValueError(f"group {self.group!r} must be one topic level without '/', '+', '#', '$'")
+        if self.protocol not in ("auto", "5", "3.1.1"):
+            raise ValueError(f"protocol {self.protocol!r} must be auto, 5 or 3.1.1")
+        if not 1 <= self.inflight <= 65535 or self.batch_size < 1:
+            raise ValueError("inflight must be 1..65535 and batch_size >= 1")
+        self.broker = MqttConfig(url=self.broker_url, prefix=self.prefix, **self.mqtt)
+
+    def effective_client_id(self) -> str:
+        """Fixed per collector (a persistent session is found again by its client id after a restart)."""
+        return self.client_id or f"edge-collector-{self.group}-{socket.gethostname()}"[:128]
+
+
+@dataclass
+class Inbound:
+    """One delivered message, waiting for its batch."""
+
+    topic: str
+    payload: bytes
+    mid: int
+    qos: int
+    epoch: int  # connection it arrived on: a PUBACK belongs to that connection only
+
+
+class Collector:
+    """Subscribe, batch, store, acknowledge; survives broker and database outages."""
+
+    def __init__(self, config: CollectorConfig, *, db_opener: Callable[[str], FleetDB] = open_db) -> None:
+        self.config, self._db_opener = config, db_opener
+        self.protocol = "3.1.1" if config.protocol == "3.1.1" else "5"
+        self.queue: queue.Queue[Inbound] = queue.Queue(maxsize=config.inflight + config.batch_size)
+        self.stop_event = threading.Event()
+        self.connected = threading.Event()
+        self.subscribed = threading.Event()
+        self.totals: Counter = Counter()  # since start, for logs and tests
+        self._pending: Counter = Counter()  # not yet added to collector_stats
+        self._lock = threading.Lock()
+        self._epoch, self._down_since = 0, time.monotonic()
+        self._fallback = threading.Event()
+        self.db: FleetDB | None = None
+        self.partitions: Partitions | None = None
+        self.client: Any = None
+        self._writer = threading.Thread(target=self._write_loop, name="collector-writer", daemon=True)
+        self._db_backoff = Backoff(config.db_retry_min_s, config.db_retry_max_s)
+        self._partition_check = 0.0
+
+    # -- life cycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Open the store (waiting while it is unreachable), then connect and start writing."""
+        self.db = self._open_store()
+        if self.db is None:
+            return  # stopped while waiting for the database
+        self._writer.start()
+        self._connect()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Write what has arrived, acknowledge it, disconnect; the rest stays with the broker."""
+        self.stop_event.set()
+        if self._writer.is_alive():
+            self._writer.join(timeout)
+        if self.client is not None:
+            self.client.disconnect()
+            self.client.loop_stop()
+        if self.db is not None:
+            self.db.close()
+
+    def run(self, stop: threading.Event) -> None:
+        """Block until `stop` is set (the CLI's SIGTERM); switches to MQTT 3.1.1 when the broker asks."""
+        while not stop.wait(0.2):
+            if self._fallback.is_set():
+                self._fallback.clear()
+                self._reconnect_as_311()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since start plus the live state (for logs, tests and the CLI's exit summary)."""
+        with self._lock:
+            out = dict(self.totals)
+        out.update({"queued": self.queue.qsize(), "connected": self.connected.is_set(), "protocol": self.protocol})
+        return out
+
+    def _count(self, name: str, value: float = 1) -> None:
+        with self._lock:
+            self.totals[name] += value
+            self._pending[name] += value
+
+    # -- the store -----------------------------------------------------------------------------------
+    def _open_store(self) -> FleetDB | None:
+        while not self.stop_event.is_set():
+            try:
+                db = self._db_opener(self.config.db_url)
+                layout = ensure_schema(db, timescale=self.config.timescale, retention_days=self.config.retention_days)
+                if layout == "partitioned":
+                    self.partitions = Partitions(db, self.config.retention_days)
+                log.info("fleet store %s ready (%s)", db.dialect, layout)
+                self._db_backoff.reset()
+                return db
+            except TRANSIENT_ERRORS as exc:
+                self._db_wait(exc)
+        return None
+
+    def _db_wait(self, exc: BaseException) -> None:
+        delay = self._db_backoff.next()
+        self._count("db_retries")
+        self._count("db_wait_s", delay)
+        log.warning("fleet store unavailable (%s); retrying in %.2f s", str(exc).strip()[:200], delay)
+        self.stop_event.wait(delay)
+
+    # -- MQTT ----------------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        cfg, broker = self.config, self.config.broker
+        v5 = self.protocol == "5"
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=cfg.effective_client_id(),
+                             protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311, clean_session=None if v5 else False,
+                             manual_ack=True)
+        username, password = broker.resolve_credentials()
+        if username is not None:
+            client.username_pw_set(username, password)
+        if broker.tls:
+            client.tls_set_context(tls_context(broker))
+            client.tls_insecure_set(broker.tls_insecure)
+        client.reconnect_delay_set(cfg.reconnect_min_s, cfg.reconnect_max_s)
+        client.max_inflight_messages_set(20)  # we publish nothing; this is the outgoing window
+        client.on_connect, client.on_disconnect = self._on_connect, self._on_disconnect
+        client.on_message, client.on_subscribe = self._on_message, self._on_subscribe
+        kwargs: dict[str, Any] = {"clean_start": False, "properties": self._connect_properties()} if v5 else {}
+        client.connect_async(broker.host, broker.port, broker.keepalive_s, **kwargs)
+        self.client = client
+        client.loop_start()
+
+    def _connect_properties(self) -> Properties:
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = self.config.session_expiry_s
+        props.ReceiveMaximum = self.config.inflight
+        return props
+
+    def subscriptions(self) -> list[str]:
+        """Shared filters for telemetry/events (MQTT 5), plain ones for the retained status/meta."""
+        p, group = self.config.prefix, self.config.group
+        if self.protocol == "5":
+            shared = [f"$share/{group}/{fleet_filter(p, leaf)}" for leaf in SHARED_LEAVES]
+        else:
+            shared = [fleet_filter(p, leaf) for leaf in SHARED_LEAVES]
+        return shared + [fleet_filter(p, leaf) for leaf in RETAINED_LEAVES]
+
+    def _on_connect(self, client: mqtt.Client, _u: Any, flags: Any, reason: Any, _p: Any) -> None:
+        if reason.is_failure:
+            self._refused(client, reason.value)
+            return
+        with self._lock:
+            down = time.monotonic() - self._down_since
+        if self.totals["broker_connects"]:
+            self._count("broker_reconnects")
+            self._count("broker_wait_s", down)
+        self._count("broker_connects")
+        if self.protocol != "5":
+            log.warning("MQTT 3.1.1: no shared subscriptions; this collector takes the whole stream "
+                        "(run one per fleet, or use an MQTT 5 broker to split it between several)")
+        log.info("connected to %s as %s (MQTT %s, session present: %s)", self.config.broker_url,
+                 self.config.effective_client_id(), self.protocol, getattr(flags, "session_present", None))
+        client.subscribe([(topic, 1) for topic in self.subscriptions()])
+        self.connected.set()
+
+    def _refused(self, client: mqtt.Client, value: int) -> None:
+        self._count("broker_refusals")
+        if value == RC_UNSUPPORTED_PROTOCOL and self.config.protocol == "auto" and self.protocol == "5":
+            log.warning("broker %s does not speak MQTT 5; falling back to 3.1.1", self.config.broker_url)
+            self._fallback.set()
+            return
+        log.error("broker %s refused the connection: %s", self.config.broker_url, refusal_code(value))
+
+    def _reconnect_as_311(self) -> None:
+        old, self.client = self.client, None
+        old.disconnect()
+        old.loop_stop()
+        self.protocol = "3.1.1"
+        self._connect()
+
+    def _on_subscribe(self, _c: Any, _u: Any, _mid: int, reasons: list, _p: Any) -> None:
+        refused = [r for r in reasons if getattr(r, "is_failure", False)]
+        if refused:
+            log.error("broker refused %d of our subscriptions (%s): check its ACL", len(refused), refused)
+            self._count("subscriptions_refused", len(refused))
+        self.subscribed.set()
+
+    def _on_disconnect(self, _c: Any, _u: Any, _f: Any, reason: Any, _p: Any) -> None:
+        with self._lock:
+            self._epoch += 1  # PUBACKs for messages of the old connection must not be sent on the new one
+            self._down_since = time.monotonic()
+        self.connected.clear()
+        self.subscribed.clear()
+        if not self.stop_event.is_set():
+            log.warning("disconnected from %s (%s); reconnecting", self.config.broker_url, reason)
+
+    def _on_message(self, _c: Any, _u: Any, msg: mqtt.MQTTMessage) -> None:
+        # Blocking here when the queue is full stops reading the socket: TCP pushes back to the broker.
+        self.queue.put(Inbound(msg.topic, bytes(msg.payload), msg.mid, msg.qos, self._epoch))
+
+    # -- the writer ----------------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while not self.stop_event.is_set():
+            if not self._process(self._gather()):
+                return
+        left = self.queue.qsize()  # stopping: what has already arrived, once; later ones stay with the broker
+        while left > 0:
+            batch = self._gather(min(left, self.config.batch_size))
+            left -= max(len(batch), 1)
+            if not self._process(batch):
+                return
+
+    def _process(self, batch: list[Inbound]) -> bool:
+        """Store and acknowledge one batch; False when stopped during a database outage (nothing acked)."""
+        if not batch:
+            return True
+        if not self._store(batch):
+            return False
+        self._ack(batch)
+        return True
+
+    def _gather(self, limit: int = 0) -> list[Inbound]:
+        """Up to batch_size messages: until full, max_wait_s after the first, or linger_s of silence."""
+        try:
+            first = self.queue.get(timeout=0.1)
+        except queue.Empty:
+            return []
+        batch, deadline = [first], time.monotonic() + self.config.max_wait_s
+        while len(batch) < (limit or self.config.batch_size):
+            wait = min(self.config.linger_s, deadline - time.monotonic())
+            if wait <= 0:
+                break
+            try:
+                batch.append(self.queue.get(timeout=wait))
+            except queue.Empty:
+                break
+        return batch
+
+    def _parse(self, batch: list[Inbound], now: float) -> tuple[list[Row], list[DeviceUpdate]]:
+        rows: list[Row] = []
+        updates: list[DeviceUpdate] = []
+        for item in batch:
+            try:
+                parsed = parse_message(self.config.prefix, item.topic, item.payload, now, self.config.max_payload_bytes)
+            except Malformed as exc:
+                self._count("malformed")
+                log.warning("dropped a malformed message: %s", exc)
+                continue
+            (rows if isinstance(parsed, Row) else updates).append(parsed)
+        self._count("messages", len(batch))
+        return rows, updates
+
+    def _store(self, batch: list[Inbound]) -> bool:
+        """Commit the batch, retrying while the database is away; False if stopped before it committed."""
+        rows, updates = self._parse(batch, time.time())
+        while True:
+            try:
+                self._commit(rows, updates)
+                self._db_backoff.reset()
+                return True
+            except TRANSIENT_ERRORS as exc:
+                self._db_wait(exc)
+                if self.stop_event.is_set():
+                    return False
+                self._reconnect_db()
+            except Exception as exc:  # noqa: BLE001 - a row the database refuses must not stop the stream
+                if self._isolate(rows, updates, exc):
+                    return True
+
+    def _commit(self, rows: list[Row], updates: list[DeviceUpdate]) -> None:
+        now = time.time()
+        for row in rows:
+            row.values["received"] = now
+        self._ensure_partitions(rows)
+        with self._lock:
+            pending = dict(self._pending)
+        result = write_batch(self.db, rows, updates, pending, now)  # type: ignore[arg-type]
+        with self._lock:
+            self._pending.subtract(pending)
+            self._pending = +self._pending
+            self.totals["duplicates"] += result.duplicates
+            self.totals.update({f"inserted_{t}": n for t, n in result.inserted.items()})
+            self.totals["batches"] += 1
+
+    def _ensure_partitions(self, rows: list[Row]) -> None:
+        if self.partitions is None:
+            return
+        for table in ("telemetry", "events"):
+            self.partitions.ensure(table, [r.ts for r in rows if r.table == table])
+        if time.monotonic() - self._partition_check > PARTITION_CHECK_S:
+            self._partition_check = time.monotonic()
+            self.partitions.drop_expired()
+
+    def _reconnect_db(self) -> None:
+        try:
+            self.db.reconnect()  # type: ignore[union-attr]
+        except TRANSIENT_ERRORS as exc:
+            log.debug("fleet store still unavailable: %s", exc)
+
+    def _isolate(self, rows: list[Row], updates: list[DeviceUpdate], exc: Exception) -> bool:
+        """The database refused the batch for its content: store item by item, drop what it refuses.
+
+        False when the database went away meanwhile: the caller retries the whole batch (what was
+        already stored is skipped by the unique key).
+        """
+        log.warning("fleet store refused a batch (%s); storing it message by message", str(exc).strip()[:200])
+        for one in [([r], []) for r in rows] + [([], [u]) for u in updates]:
+            try:
+                self._commit(*one)  # type: ignore[arg-type]
+            except TRANSIENT_ERRORS as away:
+                self._db_wait(away)
+                return False
+            except Exception as single:  # noqa: BLE001 - counted, logged, dropped
+                self._count("rejected_by_db")
+                log.error("fleet store refused a message of %s: %s", (one[0] or one[1])[0].device_id,
+                          str(single).strip()[:200])
+        return True
+
+    def _ack(self, batch: list[Inbound]) -> None:
+        """PUBACK, in arrival order, what is committed, on the connection it came from."""
+        with self._lock:
+            epoch = self._epoch
+        stale = 0
+        for item in batch:
+            if item.qos == 0:
+                continue
+            if item.epoch != epoch:
+                stale += 1  # the broker redelivers it on the new connection; the unique key drops it
+                continue
+            self.client.ack(item.mid, item.qos)
+        if stale:
+            self._count("acks_skipped_reconnected", stale)

@@ -1,0 +1,98 @@
+"""`edge-deploy collect`: the command-line entry of the fleet collector (mounted by deploy/cli.py).
+
+Runs until SIGTERM or SIGINT, then writes and acknowledges what has arrived and prints its counters
+as one JSON line on stdout. Under systemd (Type=notify) it reports READY=1 once the store is open and
+the collector is started. Exit 0 after a clean stop, 2 for bad options.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from pydantic import ValidationError
+
+EXIT_USAGE = 2
+
+
+def collect(
+    broker: str = typer.Option(..., "--broker", help="Broker URL: mqtt://host:1883 or mqtts://host:8883."),
+    db: str = typer.Option("sqlite:///fleet.db", "--db", help="Fleet store: sqlite:///PATH or postgresql://..."),
+    group: str = typer.Option("edge-collectors", "--group", help="Shared-subscription group; collectors "
+                              "with the same group split the stream."),
+    prefix: str = typer.Option("edge", "--prefix", help="Topic prefix of the devices."),
+    client_id: Optional[str] = typer.Option(None, "--client-id", help="Fixed MQTT client id (default "
+                                            "edge-collector-<group>-<hostname>); unique per collector."),
+    protocol: str = typer.Option("auto", "--protocol", help="auto (MQTT 5, 3.1.1 fallback), 5 or 3.1.1."),
+    batch_size: int = typer.Option(1000, "--batch-size", min=1, help="Most messages per transaction."),
+    max_wait_s: float = typer.Option(0.25, "--max-wait-s", min=0.001, help="Longest a message waits for "
+                                     "its batch."),
+    inflight: int = typer.Option(2000, "--inflight", min=1, max=65535, help="Unacknowledged messages held "
+                                 "at most (MQTT 5 Receive Maximum): bounds memory."),
+    session_expiry_s: int = typer.Option(7 * 86400, "--session-expiry-s", min=0, help="How long the "
+                                         "broker keeps this collector's backlog while it is away."),
+    retention_days: float = typer.Option(30.0, "--retention-days", min=0, help="PostgreSQL: drop "
+                                         "telemetry/events partitions older than this; 0 keeps all."),
+    timescale: str = typer.Option("auto", "--timescale", help="auto: hypertables where TimescaleDB is "
+                                  "installed; off: native partitions."),
+    ca_file: Optional[Path] = typer.Option(None, "--ca-file", help="CA bundle of the broker (mqtts)."),
+    cert_file: Optional[Path] = typer.Option(None, "--cert-file", help="Client certificate (mqtts)."),
+    key_file: Optional[Path] = typer.Option(None, "--key-file", help="Client key (mqtts)."),
+    username: Optional[str] = typer.Option(None, "--username", help="Broker user name."),
+    credentials_file: Optional[Path] = typer.Option(None, "--credentials-file", help="File 'user:password' "
+                                                    "(mode 0600)."),
+    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
+) -> None:
+    """Store the fleet's telemetry, events, status and meta from MQTT into SQLite or PostgreSQL."""
+    from deploy.fleet.collector import Collector, CollectorConfig
+
+    security = {"ca_file": ca_file, "cert_file": cert_file, "key_file": key_file, "username": username,
+                "credentials_file": credentials_file}
+    try:
+        config = CollectorConfig(
+            broker_url=broker, db_url=db, group=group, prefix=prefix, client_id=client_id, protocol=protocol,
+            batch_size=batch_size, max_wait_s=max_wait_s, inflight=inflight, session_expiry_s=session_expiry_s,
+            retention_days=retention_days, timescale=timescale,
+            mqtt={k: v for k, v in security.items() if v is not None},
+        )  # fmt: skip
+        _check_db_url(db)
+    except (ValueError, ValidationError) as exc:
+        typer.echo(f"error: invalid collector settings: {_describe(exc)}", err=True)
+        raise typer.Exit(EXIT_USAGE) from exc
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    typer.echo(json.dumps(_run(Collector(config))))
+
+
+def _check_db_url(url: str) -> None:
+    if not url.startswith(("sqlite:///", "postgresql://", "postgres://")):
+        raise ValueError(f"--db {url!r}: use sqlite:///PATH or postgresql://...")
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'broker'}: {e['msg']}"
+                         for e in exc.errors(include_input=False, include_url=False))
+    return str(exc)
+
+
+def _run(collector: Any) -> dict[str, Any]:
+    """Start, wait for SIGTERM/SIGINT, stop; the counters at exit."""
+    from agent.sdnotify import Notifier
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: (stop.set(), collector.stop_event.set()))
+    notifier = Notifier()
+    collector.start()
+    notifier.ready("collecting")
+    try:
+        collector.run(stop)
+    finally:
+        notifier.stopping("writing the last batch")
+        collector.stop()
+    return collector.stats()

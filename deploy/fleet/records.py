@@ -1,0 +1,199 @@
+"""What a device's MQTT message becomes in the fleet store: parsing and normalizing, no I/O.
+
+A device is not trusted to send what docs/mqtt.md promises. A message that cannot be keyed (not JSON,
+not an object, no usable `seq`/`boot_id`/`ts`, too large) raises `Malformed` and is counted and dropped.
+A field of the wrong type, NaN, out of range or absent becomes NULL, never 0. Strings are capped and
+stripped of NUL (PostgreSQL TEXT cannot hold it); markup is stored as text, never interpreted here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from agent.mqtt.topics import EVENTS, META, STATUS, TELEMETRY, split_device_topic
+
+MAX_TEXT = 256  # characters kept of a short text column (names, versions, types, ids)
+MAX_JSON_TEXT = 64 * 1024  # characters kept of status_json / meta_json
+BIGINT_MAX = 2**63 - 1
+ONLINE_STATES = ("online", "degraded", "updating")
+
+
+class Malformed(ValueError):
+    """A message the store cannot key or hold; the text says what is wrong (for the log and counter)."""
+
+
+@dataclass
+class Row:
+    """One keyed row for `telemetry` or `events`."""
+
+    table: str
+    device_id: str
+    boot_id: str
+    seq: int
+    ts: float
+    values: dict[str, Any]
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.device_id, self.boot_id, self.seq)
+
+
+@dataclass
+class DeviceUpdate:
+    """A retained `status` or `meta` message: an upsert of the device's row."""
+
+    leaf: str
+    device_id: str
+    ts: float | None
+    values: dict[str, Any]
+
+
+def parse_message(prefix: str, topic: str, payload: bytes, received: float,
+                  max_bytes: int = 256 * 1024) -> Row | DeviceUpdate:
+    """The store's view of one message; raises Malformed saying why it cannot be stored."""
+    where = split_device_topic(prefix, topic)
+    if where is None:
+        raise Malformed(f"topic {topic!r} is not <prefix>/<device>/<leaf>")
+    device_id, leaf = where
+    if len(device_id) > MAX_TEXT or "\x00" in device_id:
+        raise Malformed(f"device id on topic {topic[:80]!r} is too long or holds NUL")
+    if len(payload) > max_bytes:
+        raise Malformed(f"{topic}: payload of {len(payload)} bytes exceeds {max_bytes}")
+    body = _json_object(topic, payload)
+    text = payload.decode("utf-8")
+    if leaf == TELEMETRY:
+        return _row("telemetry", device_id, body, received, text, telemetry_values(body))
+    if leaf == EVENTS:
+        etype = short_text(body.get("type"))
+        if etype is None:
+            raise Malformed(f"{topic}: event without a string 'type'")
+        return _row("events", device_id, body, received, text,
+                    {"type": etype, "deployment_id": short_text(body.get("deployment_id")),
+                     "deployment_state": short_text(body.get("state")) if etype == "deployment" else None})
+    if leaf == STATUS:
+        return DeviceUpdate(STATUS, device_id, number(body.get("ts")), status_values(body, text))
+    if leaf == META:
+        return DeviceUpdate(META, device_id, number(body.get("ts")), meta_values(body, text))
+    raise Malformed(f"{topic}: leaf {leaf!r} is not stored")
+
+
+def _json_object(topic: str, payload: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(payload, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise Malformed(f"{topic}: not JSON ({str(exc)[:80]})") from None
+    if not isinstance(body, dict):
+        raise Malformed(f"{topic}: JSON {type(body).__name__}, expected an object")
+    return body
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _row(table: str, device_id: str, body: dict[str, Any], received: float, text: str,
+         values: dict[str, Any]) -> Row:
+    seq, boot_id, ts = body.get("seq"), short_text(body.get("boot_id")), number(body.get("ts"))
+    if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq <= BIGINT_MAX:
+        raise Malformed(f"{device_id}/{table}: 'seq' must be an integer 0..2^63-1, got {str(seq)[:40]!r}")
+    if boot_id is None:
+        raise Malformed(f"{device_id}/{table}: 'boot_id' must be a string")
+    if ts is None:
+        raise Malformed(f"{device_id}/{table}: 'ts' must be a finite number")
+    values = {"device_id": device_id, "boot_id": boot_id, "seq": seq, "ts": ts, "received": received,
+              **values, "payload": text.replace("\x00", "")}
+    return Row(table, device_id, boot_id, seq, ts, values)
+
+
+def number(value: Any) -> float | None:
+    """A finite int/float as float; anything else (bool, str, NaN, inf) None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        result = float(value)
+    except OverflowError:  # an int beyond float range
+        return None
+    return result if math.isfinite(result) else None
+
+
+def integer(value: Any) -> int | None:
+    """An int that fits BIGINT (floats with no fraction accepted); else None."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if -BIGINT_MAX <= value <= BIGINT_MAX else None
+
+
+def short_text(value: Any, limit: int = MAX_TEXT) -> str | None:
+    """A string, NUL-free and capped at `limit` characters; anything else None."""
+    if not isinstance(value, str):
+        return None
+    return value.replace("\x00", "")[:limit]
+
+
+def boolean(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _obj(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _temps(zones: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(hottest non-GPU zone, hottest GPU zone): the SoC and GPU temperatures of the dashboard."""
+    soc = [number(v) for k, v in zones.items() if "gpu" not in k.lower()]
+    gpu = [number(v) for k, v in zones.items() if "gpu" in k.lower()]
+    soc_ok, gpu_ok = [v for v in soc if v is not None], [v for v in gpu if v is not None]
+    return (max(soc_ok) if soc_ok else None), (max(gpu_ok) if gpu_ok else None)
+
+
+def telemetry_values(body: dict[str, Any]) -> dict[str, Any]:
+    """The telemetry columns of one sample (see docs/telemetry.md for the fields)."""
+    latency, model = _obj(body.get("latency_ms")), _obj(body.get("model"))
+    power_mw = number(_obj(body.get("power_mw")).get("total"))
+    soc_temp, gpu_temp = _temps(_obj(body.get("temp_c")))
+    return {
+        "fps": number(body.get("fps")), "frames": integer(body.get("frames")),
+        "dropped_frames": integer(body.get("dropped_frames")),
+        "p50_ms": number(latency.get("p50")), "p95_ms": number(latency.get("p95")),
+        "p99_ms": number(latency.get("p99")), "max_ms": number(latency.get("max")),
+        "power_w": power_mw / 1000.0 if power_mw is not None else None,
+        "energy_mj_per_frame": number(body.get("energy_mj_per_frame")),
+        "soc_temp_c": soc_temp, "gpu_temp_c": gpu_temp,
+        "cpu_util": number(body.get("cpu_util")), "gpu_util": number(body.get("gpu_util")),
+        "gpu_freq_mhz": number(body.get("gpu_freq_mhz")), "throttled": boolean(body.get("throttled")),
+        "model_name": short_text(model.get("name")), "model_version": short_text(model.get("version")),
+        "precision": short_text(model.get("precision")), "replayed": body.get("replayed") is True,
+    }
+
+
+def status_values(body: dict[str, Any], text: str) -> dict[str, Any]:
+    """The devices columns a status message sets."""
+    state, model = short_text(body.get("state")), _obj(body.get("model"))
+    return {
+        "online": state in ONLINE_STATES if state is not None else None, "state": state,
+        "state_since": number(body.get("since")), "boot_id": short_text(body.get("boot_id")),
+        "agent_version": short_text(body.get("agent_version")), "model_name": short_text(model.get("name")),
+        "model_version": short_text(model.get("version")), "precision": short_text(model.get("precision")),
+        "backend": short_text(model.get("backend")), "latency_budget_ms": number(model.get("latency_budget_ms")),
+        "status_json": _capped_json(text),
+    }
+
+
+def meta_values(body: dict[str, Any], text: str) -> dict[str, Any]:
+    """The devices columns a meta message sets."""
+    fingerprint = _obj(body.get("fingerprint"))
+    values = {"module": short_text(fingerprint.get("module") or body.get("module")),
+              "agent_version": short_text(body.get("agent_version")), "meta_json": _capped_json(text)}
+    if values["agent_version"] is None:  # status carries it too; an absent one here must not erase it
+        del values["agent_version"]
+    return values
+
+
+def _capped_json(text: str) -> str | None:
+    """The JSON text as received, or None when it is too large to keep in the devices row."""
+    return text.replace("\x00", "") if len(text) <= MAX_JSON_TEXT else None

@@ -1,0 +1,202 @@
+"""Tables of the fleet store, for SQLite and PostgreSQL, and the PostgreSQL time partitions.
+
+Column names are the interface agreed with the dashboard (docs/fleet.md). Times are unix seconds as
+REAL / DOUBLE PRECISION: `ts` is the device's clock, `received` the collector's. `(device_id, boot_id,
+seq)` is unique, so a replay or a redelivered message is stored once. PostgreSQL range-partitions
+telemetry and events by day on `ts` (its unique key then has to include `ts`; a duplicate carries the
+same `ts`, it was stamped when the sample was produced), or makes them TimescaleDB hypertables where
+that extension is installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from deploy.fleet.db import FleetDB
+
+log = logging.getLogger(__name__)
+
+DAY_S = 86400.0
+
+TELEMETRY_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("device_id", "TEXT NOT NULL"), ("boot_id", "TEXT NOT NULL"), ("seq", "BIGINT NOT NULL"),
+    ("ts", "REAL NOT NULL"), ("received", "REAL NOT NULL"), ("fps", "REAL"), ("frames", "BIGINT"),
+    ("dropped_frames", "BIGINT"), ("p50_ms", "REAL"), ("p95_ms", "REAL"), ("p99_ms", "REAL"), ("max_ms", "REAL"),
+    ("power_w", "REAL"), ("energy_mj_per_frame", "REAL"), ("soc_temp_c", "REAL"), ("gpu_temp_c", "REAL"),
+    ("cpu_util", "REAL"), ("gpu_util", "REAL"), ("gpu_freq_mhz", "REAL"), ("throttled", "BOOLEAN"),
+    ("model_name", "TEXT"), ("model_version", "TEXT"), ("precision", "TEXT"), ("replayed", "BOOLEAN NOT NULL"),
+    ("payload", "TEXT NOT NULL"),
+)
+EVENT_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("device_id", "TEXT NOT NULL"), ("boot_id", "TEXT NOT NULL"), ("seq", "BIGINT NOT NULL"),
+    ("ts", "REAL NOT NULL"), ("received", "REAL NOT NULL"), ("type", "TEXT NOT NULL"), ("deployment_id", "TEXT"),
+    ("payload", "TEXT NOT NULL"),
+)
+DEVICE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("device_id", "TEXT PRIMARY KEY"), ("online", "BOOLEAN"), ("state", "TEXT"), ("state_since", "REAL"),
+    ("last_seen", "REAL"), ("boot_id", "TEXT"), ("agent_version", "TEXT"), ("model_name", "TEXT"),
+    ("model_version", "TEXT"), ("precision", "TEXT"), ("backend", "TEXT"), ("latency_budget_ms", "REAL"),
+    ("module", "TEXT"), ("deployment_state", "TEXT"), ("status_json", "TEXT"), ("meta_json", "TEXT"),
+    # Added by the collector: the device clock of the status / meta stored, so an older retained copy
+    # arriving late (a second collector, a reconnect) never overwrites a newer one.
+    ("status_ts", "REAL"), ("meta_ts", "REAL"), ("deployment_ts", "REAL"),
+)
+OTHER_TABLES = (
+    "CREATE TABLE IF NOT EXISTS device_seq (device_id TEXT PRIMARY KEY, min_seq BIGINT NOT NULL, "
+    "max_seq BIGINT NOT NULL, received BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS collector_stats (name TEXT PRIMARY KEY, value REAL NOT NULL)",
+)
+INDEXES = (
+    "CREATE INDEX IF NOT EXISTS telemetry_device_ts ON telemetry (device_id, ts)",
+    "CREATE INDEX IF NOT EXISTS telemetry_model_ts ON telemetry (model_name, ts)",
+    "CREATE INDEX IF NOT EXISTS events_device_ts ON events (device_id, ts)",
+    "CREATE INDEX IF NOT EXISTS events_deployment ON events (deployment_id)",
+)
+TIME_TABLES = ("telemetry", "events")
+
+
+def _pg_type(sql_type: str) -> str:
+    return sql_type.replace("REAL", "DOUBLE PRECISION")
+
+
+def _columns(columns: tuple[tuple[str, str], ...], dialect: str) -> str:
+    return ", ".join(f"{name} {_pg_type(kind) if dialect == 'postgresql' else kind}" for name, kind in columns)
+
+
+def create_statements(dialect: str, partitioned: bool = False) -> list[str]:
+    """CREATE TABLE/INDEX statements for `dialect`; `partitioned` makes telemetry/events day-partitioned."""
+    key = "UNIQUE (device_id, boot_id, seq, ts)" if partitioned else "UNIQUE (device_id, boot_id, seq)"
+    tail = " PARTITION BY RANGE (ts)" if partitioned else ""
+    out = [f"CREATE TABLE IF NOT EXISTS {name} ({_columns(cols, dialect)}, {key}){tail}"
+           for name, cols in (("telemetry", TELEMETRY_COLUMNS), ("events", EVENT_COLUMNS))]
+    out.append(f"CREATE TABLE IF NOT EXISTS devices ({_columns(DEVICE_COLUMNS, dialect)})")
+    out += list(OTHER_TABLES)
+    if partitioned:  # rows with a day outside the managed window land here instead of failing the batch
+        out += [f"CREATE TABLE IF NOT EXISTS {t}_default PARTITION OF {t} DEFAULT" for t in TIME_TABLES]
+    return out + list(INDEXES)
+
+
+def ensure_schema(db: FleetDB, *, timescale: str = "auto", retention_days: float = 30.0) -> str:
+    """Create what is missing; returns the layout: "sqlite", "partitioned" or "timescaledb"."""
+    if db.dialect == "sqlite":
+        with db.transaction():
+            for sql in create_statements("sqlite"):
+                db.execute(sql)
+        return "sqlite"
+    layout = existing_layout(db)
+    if layout is None and timescale != "off" and _timescale_available(db):
+        layout = _try_timescale(db, retention_days)
+    if layout is None:
+        with db.transaction():
+            for sql in create_statements("postgresql", partitioned=True):
+                db.execute(sql)
+        layout = "partitioned"
+    return layout
+
+
+def existing_layout(db: FleetDB) -> str | None:
+    """How an existing PostgreSQL store was made (None: no telemetry table yet)."""
+    rows = db.query("SELECT c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE c.relname = 'telemetry' AND n.nspname = current_schema()")
+    if not rows:
+        return None
+    if rows[0]["relkind"] == "p":
+        return "partitioned"
+    return "timescaledb" if _is_hypertable(db) else "plain"
+
+
+def _is_hypertable(db: FleetDB) -> bool:
+    try:
+        return bool(db.query("SELECT 1 FROM timescaledb_information.hypertables WHERE hypertable_name = 'telemetry'"))
+    except Exception:  # noqa: BLE001 - no timescaledb schema: not a hypertable
+        return False
+
+
+def _timescale_available(db: FleetDB) -> bool:
+    return bool(db.query("SELECT 1 FROM pg_available_extensions WHERE name = 'timescaledb'"))
+
+
+def _try_timescale(db: FleetDB, retention_days: float) -> str | None:
+    """Hypertables chunked by day on `ts` (seconds -> microseconds), with a retention policy; None on failure."""
+    try:
+        with db.transaction():
+            db.execute("CREATE EXTENSION IF NOT EXISTS timescaledb")
+            db.execute("CREATE OR REPLACE FUNCTION fleet_ts_us(ts DOUBLE PRECISION) RETURNS BIGINT "
+                       "LANGUAGE SQL IMMUTABLE AS 'SELECT (ts * 1000000)::BIGINT'")
+            for sql in create_statements("postgresql"):
+                db.execute(sql.replace("UNIQUE (device_id, boot_id, seq)", "UNIQUE (device_id, boot_id, seq, ts)"))
+            for table in TIME_TABLES:
+                db.query(f"SELECT create_hypertable('{table}', 'ts', chunk_time_interval => 86400000000, "
+                         "time_partitioning_func => 'fleet_ts_us', if_not_exists => TRUE)")
+                if retention_days > 0:
+                    db.query(f"SELECT add_retention_policy('{table}', BIGINT '{int(retention_days * DAY_S * 1e6)}', "
+                             "if_not_exists => TRUE)")
+        return "timescaledb"
+    except Exception as exc:  # noqa: BLE001 - fall back to native partitioning, and say why
+        log.warning("TimescaleDB is installed but hypertables could not be set up (%s); "
+                    "using native PostgreSQL partitions", exc)
+        return None
+
+
+def partition_name(table: str, day: int) -> str:
+    """`telemetry_p20261201` for unix day `day` (UTC)."""
+    return f"{table}_p{datetime.fromtimestamp(day * DAY_S, tz=timezone.utc):%Y%m%d}"
+
+
+class Partitions:
+    """Creates day partitions ahead of the rows that need them and drops those past retention."""
+
+    def __init__(self, db: FleetDB, retention_days: float, *, ahead_days: int = 2,
+                 clock: Any = time.time) -> None:
+        self.db, self.retention_days, self.ahead_days, self.clock = db, retention_days, ahead_days, clock
+        self.known: set[tuple[str, int]] = set()
+        self.errors = 0
+
+    def window(self) -> tuple[int, int]:
+        """Days (inclusive) for which partitions are made; others go to the default partition."""
+        today = int(self.clock() // DAY_S)
+        back = int(self.retention_days) if self.retention_days > 0 else 366
+        return today - back, today + self.ahead_days
+
+    def ensure(self, table: str, timestamps: list[float]) -> None:
+        """Make the partitions of the days in `timestamps` (inside the window) exist."""
+        low, high = self.window()
+        for day in {int(ts // DAY_S) for ts in timestamps}:
+            if low <= day <= high and (table, day) not in self.known:
+                self._create(table, day)
+
+    def _create(self, table: str, day: int) -> None:
+        name = partition_name(table, day)
+        try:
+            self.db.execute(f"CREATE TABLE IF NOT EXISTS {name} PARTITION OF {table} "
+                            f"FOR VALUES FROM ({day * DAY_S}) TO ({(day + 1) * DAY_S})")
+        except Exception as exc:  # noqa: BLE001 - the row still lands in the default partition
+            if not self._exists(name):
+                self.errors += 1
+                log.warning("partition %s not created (rows of that day stay in %s_default): %s", name, table, exc)
+        self.known.add((table, day))
+
+    def _exists(self, name: str) -> bool:
+        return bool(self.db.query("SELECT 1 FROM pg_class WHERE relname = ?", (name,)))
+
+    def drop_expired(self) -> list[str]:
+        """Drop day partitions wholly older than the retention; returns their names."""
+        if self.retention_days <= 0:
+            return []
+        cutoff = partition_name("x", int(self.clock() // DAY_S) - int(self.retention_days))[3:]
+        dropped = []
+        for table in TIME_TABLES:
+            rows = self.db.query("SELECT c.relname AS name FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                                 "JOIN pg_class p ON p.oid = i.inhparent WHERE p.relname = ?", (table,))
+            for name in sorted(r["name"] for r in rows):
+                suffix = name[len(table) + 2:]
+                if name.startswith(f"{table}_p") and suffix.isdigit() and suffix < cutoff:
+                    self.db.execute(f"DROP TABLE IF EXISTS {name}")
+                    self.known = {k for k in self.known if partition_name(k[0], k[1]) != name}
+                    dropped.append(name)
+        if dropped:
+            log.info("dropped partitions past %s days of retention: %s", self.retention_days, ", ".join(dropped))
+        return dropped

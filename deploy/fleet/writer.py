@@ -1,0 +1,131 @@
+"""One batch of messages into the fleet store, in one transaction: rows, per-device seq counts, device
+rows and the collector's counters commit together or not at all.
+
+Exactly once per (device_id, boot_id, seq): rows go in with ON CONFLICT DO NOTHING, and only the rows
+really inserted count towards `device_seq.received`, so a replay or a redelivery changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from deploy.fleet.db import FleetDB
+from deploy.fleet.records import STATUS, DeviceUpdate, Row
+from deploy.fleet.schema import EVENT_COLUMNS, TELEMETRY_COLUMNS
+
+COLUMNS = {"telemetry": [c for c, _ in TELEMETRY_COLUMNS], "events": [c for c, _ in EVENT_COLUMNS]}
+PG_CHUNK_ROWS = 500  # rows per multi-row INSERT (PostgreSQL allows 65535 parameters per statement)
+
+
+@dataclass
+class BatchResult:
+    """What one committed batch changed."""
+
+    inserted: Counter = field(default_factory=Counter)  # per table
+    duplicates: int = 0
+    devices: int = 0
+
+
+def write_batch(db: FleetDB, rows: list[Row], updates: list[DeviceUpdate], stats: dict[str, float],
+                received: float) -> BatchResult:
+    """Store the batch and add `stats` to collector_stats, atomically."""
+    result = BatchResult()
+    unique = list({row.key + (row.table,): row for row in rows}.values())
+    result.duplicates = len(rows) - len(unique)
+    with db.transaction():
+        new = _insert_rows(db, unique)
+        result.duplicates += len(unique) - len(new)
+        result.inserted.update(row.table for row in new)
+        _count_seqs(db, new)
+        result.devices = _touch_devices(db, new, received) + _apply_updates(db, updates)
+        _add_stats(db, {**stats, "duplicates": stats.get("duplicates", 0) + result.duplicates,
+                        **{f"inserted_{t}": n + stats.get(f"inserted_{t}", 0) for t, n in result.inserted.items()}})
+    return result
+
+
+def _insert_rows(db: FleetDB, rows: list[Row]) -> list[Row]:
+    """Insert, skipping keys already stored; returns the rows that were new."""
+    if db.dialect == "postgresql":
+        return _insert_pg(db, rows)
+    new = []
+    for row in rows:
+        cols = COLUMNS[row.table]
+        sql = f"INSERT INTO {row.table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) ON CONFLICT DO NOTHING"
+        if db.execute(sql, [row.values[c] for c in cols]) == 1:
+            new.append(row)
+    return new
+
+
+def _insert_pg(db: Any, rows: list[Row]) -> list[Row]:
+    new: list[Row] = []
+    for table in COLUMNS:
+        mine = [row for row in rows if row.table == table]
+        for start in range(0, len(mine), PG_CHUNK_ROWS):
+            chunk = mine[start:start + PG_CHUNK_ROWS]
+            cols = COLUMNS[table]
+            values = ", ".join("(" + ", ".join(["%s"] * len(cols)) + ")" for _ in chunk)
+            params = [row.values[c] for row in chunk for c in cols]
+            got = db.execute_raw(f"INSERT INTO {table} ({', '.join(cols)}) VALUES {values} ON CONFLICT DO NOTHING "
+                                 "RETURNING device_id, boot_id, seq", params)
+            keys = {(r["device_id"], r["boot_id"], r["seq"]) for r in got}
+            new += [row for row in chunk if row.key in keys]
+    return new
+
+
+def _count_seqs(db: FleetDB, rows: Iterable[Row]) -> None:
+    """device_seq: lowest and highest seq seen and how many rows were stored, per device."""
+    per: dict[str, list[int]] = {}
+    for row in rows:
+        low, high, n = per.get(row.device_id, [row.seq, row.seq, 0])
+        per[row.device_id] = [min(low, row.seq), max(high, row.seq), n + 1]
+    least, greatest = ("LEAST", "GREATEST") if db.dialect == "postgresql" else ("MIN", "MAX")
+    sql = ("INSERT INTO device_seq (device_id, min_seq, max_seq, received) VALUES (?, ?, ?, ?) "
+           f"ON CONFLICT (device_id) DO UPDATE SET min_seq = {least}(device_seq.min_seq, excluded.min_seq), "
+           f"max_seq = {greatest}(device_seq.max_seq, excluded.max_seq), "
+           "received = device_seq.received + excluded.received")
+    for device_id, (low, high, n) in sorted(per.items()):
+        db.execute(sql, (device_id, low, high, n))
+
+
+def _touch_devices(db: FleetDB, rows: list[Row], received: float) -> int:
+    """last_seen for every device heard from, and deployment_state from `deployment` events."""
+    greatest = "GREATEST" if db.dialect == "postgresql" else "MAX"
+    devices = sorted({row.device_id for row in rows})
+    for device_id in devices:
+        db.execute(f"INSERT INTO devices (device_id, last_seen) VALUES (?, ?) ON CONFLICT (device_id) DO UPDATE "
+                   f"SET last_seen = {greatest}(COALESCE(devices.last_seen, 0), excluded.last_seen)",
+                   (device_id, received))
+    for row in rows:
+        if row.table == "events" and row.values.get("deployment_state") is not None:
+            _deployment_state(db, row, row.values["deployment_state"])
+    return len(devices)
+
+
+def _deployment_state(db: FleetDB, row: Row, state: str) -> None:
+    """The newest deployment step (by device clock) wins, whatever order the events arrive in."""
+    db.execute("UPDATE devices SET deployment_state = ?, deployment_ts = ? WHERE device_id = ? "
+               "AND (deployment_ts IS NULL OR deployment_ts <= ?)", (state, row.ts, row.device_id, row.ts))
+
+
+def _apply_updates(db: FleetDB, updates: list[DeviceUpdate]) -> int:
+    """Upsert status/meta; a copy older (by device clock) than the one stored is ignored."""
+    for update in updates:
+        stamp = "status_ts" if update.leaf == STATUS else "meta_ts"
+        values = {**update.values, stamp: update.ts}
+        cols = list(values)
+        sets = ", ".join(f"{c} = excluded.{c}" for c in cols)
+        db.execute(f"INSERT INTO devices (device_id, {', '.join(cols)}) VALUES ({', '.join('?' * (len(cols) + 1))}) "
+                   f"ON CONFLICT (device_id) DO UPDATE SET {sets} WHERE devices.{stamp} IS NULL "
+                   f"OR excluded.{stamp} IS NULL OR excluded.{stamp} >= devices.{stamp}",
+                   (update.device_id, *values.values()))
+    return len(updates)
+
+
+def _add_stats(db: FleetDB, stats: dict[str, float]) -> None:
+    sql = ("INSERT INTO collector_stats (name, value) VALUES (?, ?) ON CONFLICT (name) DO UPDATE "
+           "SET value = collector_stats.value + excluded.value")
+    for name, value in sorted(stats.items()):
+        if value:
+            db.execute(sql, (name, float(value)))

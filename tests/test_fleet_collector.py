@@ -1,0 +1,410 @@
+"""The fleet collector against a real Mosquitto, real SQLite files and a real PostgreSQL server.
+
+Exactly once per (device_id, boot_id, seq): duplicates and replays stored once, gaps counted as lost on
+the device; two collectors splitting one stream; a collector killed with SIGKILL mid-stream losing
+nothing; broker and database outages; malformed device messages counted and dropped, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import paho.mqtt.client as mqtt
+import pytest
+
+from deploy.fleet.collector import Collector, CollectorConfig
+from deploy.fleet.db import FleetDBError, open_db, to_pyformat
+from deploy.fleet.records import Malformed, parse_message
+from deploy.fleet.schema import ensure_schema
+from deploy.fleet.writer import write_batch
+from tests.fixtures_mqtt import Broker
+from tests.helpers import wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOT = "boot-1"
+
+
+def sample(seq: int, device: str = "dev-1", **extra: Any) -> dict[str, Any]:
+    """A telemetry sample shaped like agent/telemetry_loop.py's (plus the outbox stamp)."""
+    return {"seq": seq, "boot_id": BOOT, "ts": 1_764_547_200.0 + seq, "device_id": device, "fps": 29.5,
+            "frames": 100 * seq, "dropped_frames": 1, "latency_ms": {"p50": 10.0, "p95": 12.0, "p99": 15.5, "max": 20.0},
+            "power_mw": {"total": 7500, "VDD_IN": 7500}, "energy_mj_per_frame": 254.2,
+            "temp_c": {"cpu-thermal": 51.0, "gpu-thermal": 49.5, "soc0-thermal": 52.5}, "cpu_util": 35.0,
+            "gpu_util": 80.0, "gpu_freq_mhz": 918, "throttled": False,
+            "model": {"name": "det", "version": "2.0.0", "precision": "fp16", "backend": "tensorrt"}, **extra}
+
+
+class Publisher:
+    """A device stand-in: publishes QoS 1 JSON (or raw bytes) and waits for the broker's PUBACKs."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.split("://")[1].rsplit(":", 1)
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        self.client.max_inflight_messages_set(1000)
+        self.client.max_queued_messages_set(0)
+        self.client.connect(host, int(port))
+        self.client.loop_start()
+
+    def send(self, topic: str, body: Any, *, retain: bool = False) -> None:
+        payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(10)
+
+    def send_many(self, items: list[tuple[str, Any]]) -> None:
+        infos = [self.client.publish(t, b if isinstance(b, bytes) else json.dumps(b).encode(), qos=1) for t, b in items]
+        for info in infos:
+            info.wait_for_publish(30)
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+@pytest.fixture
+def publisher(mqtt_broker: Broker) -> Iterator[Publisher]:
+    pub = Publisher(mqtt_broker.url)
+    yield pub
+    pub.close()
+
+
+@pytest.fixture
+def collectors() -> Iterator[list[Collector]]:
+    """Collectors made in a test are stopped at its end."""
+    made: list[Collector] = []
+    yield made
+    for collector in made:
+        collector.stop()
+
+
+def start_collector(made: list[Collector], broker_url: str, db_url: str, prefix: str, **kwargs: Any) -> Collector:
+    config = CollectorConfig(broker_url=broker_url, db_url=db_url, prefix=prefix,
+                             client_id=kwargs.pop("client_id", f"test-{prefix}-{len(made)}"), **kwargs)
+    collector = Collector(config)
+    made.append(collector)
+    collector.start()
+    assert wait_for(collector.subscribed.is_set, 10), "collector did not subscribe"
+    return collector
+
+
+def count(url: str, table: str = "telemetry") -> int:
+    db = open_db(url)
+    try:
+        return db.query(f"SELECT COUNT(*) AS n FROM {table}")[0]["n"]
+    finally:
+        db.close()
+
+
+def query(url: str, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
+    db = open_db(url)
+    try:
+        return db.query(sql, params)
+    finally:
+        db.close()
+
+
+def stat(url: str, name: str) -> float:
+    rows = query(url, "SELECT value FROM collector_stats WHERE name = ?", (name,))
+    return rows[0]["value"] if rows else 0.0
+
+
+def unique_prefix(request: pytest.FixtureRequest) -> str:
+    """A topic prefix per test: the session broker is shared, retained messages must not leak across."""
+    return "t" + str(abs(hash(request.node.nodeid)))[:10]
+
+
+# ---- parsing (no I/O) ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("payload", "why"), [
+    (b"not json", "not JSON"),
+    (b"\xff\xfe", "not JSON"),
+    (b"[1, 2]", "expected an object"),
+    (json.dumps({"boot_id": BOOT, "ts": 1.0}).encode(), "'seq'"),
+    (json.dumps({"seq": "7", "boot_id": BOOT, "ts": 1.0}).encode(), "'seq'"),
+    (json.dumps({"seq": True, "boot_id": BOOT, "ts": 1.0}).encode(), "'seq'"),
+    (json.dumps({"seq": 2**64, "boot_id": BOOT, "ts": 1.0}).encode(), "'seq'"),
+    (json.dumps({"seq": 1, "boot_id": 5, "ts": 1.0}).encode(), "'boot_id'"),
+    (json.dumps({"seq": 1, "boot_id": BOOT, "ts": "yesterday"}).encode(), "'ts'"),
+    (b'{"seq": 1, "boot_id": "b", "ts": NaN}', "not JSON"),
+    (b"[" * 100000 + b"]" * 100000, "not JSON"),
+])
+def test_unkeyable_telemetry_is_malformed(payload: bytes, why: str) -> None:
+    with pytest.raises(Malformed, match=why):
+        parse_message("edge", "edge/dev-1/telemetry", payload, 0.0)
+
+
+def test_oversized_payload_is_malformed() -> None:
+    big = json.dumps(sample(1, note="x" * 300_000)).encode()
+    with pytest.raises(Malformed, match="exceeds"):
+        parse_message("edge", "edge/dev-1/telemetry", big, 0.0, max_bytes=256 * 1024)
+
+
+def test_wrong_types_become_null_and_text_is_kept_verbatim() -> None:
+    body = sample(3, fps="fast", frames=2**70, gpu_util=True, throttled="yes", cpu_util=float("1e308"),
+                  latency_ms=[1, 2], model={"name": "<script>alert(1)</script>", "version": 2},
+                  temp_c={"gpu": "hot", "cpu": 40})
+    row = parse_message("edge", "edge/dev-1/telemetry", json.dumps(body).encode(), 5.0)
+    v = row.values
+    assert (v["fps"], v["frames"], v["gpu_util"], v["throttled"], v["p99_ms"]) == (None, None, None, None, None)
+    assert v["model_name"] == "<script>alert(1)</script>" and v["model_version"] is None
+    assert (v["soc_temp_c"], v["gpu_temp_c"], v["cpu_util"]) == (40.0, None, 1e308)
+    assert json.loads(v["payload"]) == body and v["replayed"] is False
+
+
+def test_absent_fields_are_null_never_zero() -> None:
+    row = parse_message("edge", "edge/dev-1/telemetry", json.dumps({"seq": 1, "boot_id": BOOT, "ts": 9.0}).encode(), 1)
+    assert all(row.values[k] is None for k in ("fps", "frames", "power_w", "soc_temp_c", "throttled", "p50_ms"))
+
+
+def test_to_pyformat_leaves_quoted_text_alone() -> None:
+    assert to_pyformat("SELECT '?', \"a%\" FROM t WHERE a = ? AND b LIKE 'x%'") == \
+        "SELECT '?', \"a%%\" FROM t WHERE a = %s AND b LIKE 'x%%'"
+
+
+def test_open_db_refuses_bad_urls(tmp_path: Path) -> None:
+    for url in ("mysql://x/y", "sqlite://relative.db", "sqlite:///"):
+        with pytest.raises(FleetDBError, match="URL"):
+            open_db(url)
+
+
+# ---- the store ----------------------------------------------------------------------------------------
+
+def _rows(seqs: list[int], device: str = "dev-1", **extra: Any) -> list:
+    return [parse_message("edge", f"edge/{device}/telemetry", json.dumps(sample(s, device, **extra)).encode(), 1.0)
+            for s in seqs]
+
+
+def test_store_keeps_each_seq_once_and_counts_gaps(fleet_db_url: str) -> None:
+    db = open_db(fleet_db_url)
+    try:
+        ensure_schema(db)
+        ensure_schema(db)  # idempotent
+        first = write_batch(db, _rows([1, 2, 2, 3, 5]), [], {"malformed": 2}, 10.0)
+        again = write_batch(db, _rows([3, 5, 6], replayed=True), [], {}, 11.0)
+        assert (first.inserted["telemetry"], first.duplicates) == (4, 1)
+        assert (again.inserted["telemetry"], again.duplicates) == (1, 2)
+        seq = db.query("SELECT min_seq, max_seq, received FROM device_seq WHERE device_id = ?", ("dev-1",))[0]
+        assert (seq["min_seq"], seq["max_seq"], seq["received"]) == (1, 6, 5)
+        assert seq["max_seq"] - seq["min_seq"] + 1 - seq["received"] == 1  # seq 4: lost on the device
+        stats = {r["name"]: r["value"] for r in db.query("SELECT name, value FROM collector_stats")}
+        assert (stats["duplicates"], stats["malformed"], stats["inserted_telemetry"]) == (3, 2, 5)
+        row = db.query("SELECT * FROM telemetry WHERE seq = ?", (6,))[0]
+        assert (row["power_w"], row["soc_temp_c"], row["gpu_temp_c"], bool(row["replayed"])) == (7.5, 52.5, 49.5, True)
+        assert db.query("SELECT last_seen FROM devices")[0]["last_seen"] == 11.0
+    finally:
+        db.close()
+
+
+def test_status_newest_by_device_clock_wins(fleet_db_url: str) -> None:
+    def status(state: str, ts: float) -> Any:
+        body = {"state": state, "boot_id": BOOT, "agent_version": "0.1.0", "since": ts - 1, "ts": ts,
+                "model": {"name": "det", "version": "2.0.0", "backend": "tensorrt", "latency_budget_ms": 40}}
+        return parse_message("edge", "edge/dev-1/status", json.dumps(body).encode(), ts)
+
+    meta = parse_message("edge", "edge/dev-1/meta", json.dumps({"fingerprint": {"module": "orin-nano-8gb"}}).encode(), 1)
+    db = open_db(fleet_db_url)
+    try:
+        ensure_schema(db)
+        write_batch(db, [], [status("online", 100.0), meta], {}, 100.0)
+        write_batch(db, [], [status("offline", 90.0)], {}, 101.0)  # an older retained copy, late
+        row = db.query("SELECT * FROM devices WHERE device_id = ?", ("dev-1",))[0]
+        assert (row["state"], bool(row["online"]), row["module"], row["latency_budget_ms"]) == \
+            ("online", True, "orin-nano-8gb", 40.0)
+        write_batch(db, [], [status("offline", 110.0)], {}, 111.0)
+        row = db.query("SELECT state, online, agent_version FROM devices")[0]
+        assert (row["state"], bool(row["online"]), row["agent_version"]) == ("offline", False, "0.1.0")
+    finally:
+        db.close()
+
+
+def test_postgres_partitions_by_day_and_drops_expired(postgres_server: Any) -> None:
+    from deploy.fleet.schema import Partitions
+
+    url = postgres_server.create_database()
+    db = open_db(url)
+    try:
+        assert ensure_schema(db, timescale="off") == "partitioned"
+        now = 1_764_547_200.0  # 2025-12-01 00:00 UTC
+        parts = Partitions(db, retention_days=3, clock=lambda: now)
+        rows = _rows([1, 2]) + [parse_message("edge", "edge/dev-1/telemetry", json.dumps(
+            {**sample(3), "ts": now - 5 * 86400}).encode(), 1.0)]
+        rows[0].values["ts"] = rows[0].ts = now - 2 * 86400 + 5
+        parts.ensure("telemetry", [r.ts for r in rows])
+        write_batch(db, rows, [], {}, now)
+        names = {r["relname"] for r in db.query("SELECT relname FROM pg_class WHERE relkind = 'r' AND relname LIKE 'telemetry_p%'")}
+        assert names == {"telemetry_p20251129", "telemetry_p20251201"}  # 5 days old: default partition
+        assert count(url) == 3
+        assert Partitions(db, retention_days=1, clock=lambda: now).drop_expired() == ["telemetry_p20251129"]
+        assert count(url) == 2
+    finally:
+        db.close()
+        postgres_server.drop_database(url)
+
+
+# ---- the collector with a real broker -------------------------------------------------------------------
+
+def test_collects_exactly_once_with_duplicates_replays_and_gaps(
+        fleet_db_url: str, mqtt_broker: Broker, publisher: Publisher, collectors: list,
+        request: pytest.FixtureRequest) -> None:
+    p = unique_prefix(request)
+    start_collector(collectors, mqtt_broker.url, fleet_db_url, p, max_wait_s=0.05)
+    publisher.send(f"{p}/dev-1/status", {"state": "online", "boot_id": BOOT, "ts": 5.0, "since": 1.0}, retain=True)
+    seqs = [1, 2, 3, 3, 4, 2, 6, 7]  # 3 and 2 again (a redelivery, a replay), 5 lost on the device
+    publisher.send_many([(f"{p}/dev-1/telemetry", sample(s, replayed=s == 2)) for s in seqs])
+    publisher.send(f"{p}/dev-1/events", {"seq": 8, "boot_id": BOOT, "ts": 3.0, "type": "deployment",
+                                          "deployment_id": "d-1", "state": "active"})
+    assert wait_for(lambda: count(fleet_db_url) == 6 and count(fleet_db_url, "events") == 1, 15)
+    assert wait_for(lambda: stat(fleet_db_url, "duplicates") == 2, 10)
+    seq = query(fleet_db_url, "SELECT min_seq, max_seq, received FROM device_seq")[0]
+    assert seq["max_seq"] - seq["min_seq"] + 1 - seq["received"] == 1
+    dev = query(fleet_db_url, "SELECT state, deployment_state, last_seen FROM devices")[0]
+    assert (dev["state"], dev["deployment_state"]) == ("online", "active") and dev["last_seen"] > 0
+    publisher.send(f"{p}/dev-1/status", b"", retain=True)  # clear the retained copy
+
+
+def test_malformed_messages_are_counted_and_never_stop_the_stream(
+        fleet_db_url: str, mqtt_broker: Broker, publisher: Publisher, collectors: list,
+        request: pytest.FixtureRequest) -> None:
+    p = unique_prefix(request)
+    collector = start_collector(collectors, mqtt_broker.url, fleet_db_url, p, max_wait_s=0.05)
+    topic = f"{p}/dev-1/telemetry"
+    junk: list[tuple[str, Any]] = [
+        (topic, b"\x00\x01garbage"), (topic, b"[]"), (topic, {"seq": "1", "boot_id": BOOT, "ts": 1}),
+        (topic, {**sample(1), "note": "y" * 400_000}),  # larger than max_payload_bytes
+        (f"{p}/dev-1/events", {"seq": 2, "boot_id": BOOT, "ts": 1.0}),  # an event without a type
+        (f"{p}/dev-1/events", {"seq": 3, "boot_id": BOOT, "ts": 1.0, "type": "x\u0000" + "t" * 5000}),
+    ]
+    markup = {**sample(4), "fps": "NaN", "model": {"name": "<img src=x onerror=alert(1)>", "version": "'; DROP TABLE"}}
+    publisher.send_many(junk + [(topic, markup), (topic, sample(5))])
+    assert wait_for(lambda: count(fleet_db_url) == 2 and count(fleet_db_url, "events") == 1, 15)
+    assert wait_for(lambda: stat(fleet_db_url, "malformed") == 5, 10)
+    row = query(fleet_db_url, "SELECT fps, model_name, model_version FROM telemetry WHERE seq = ?", (4,))[0]
+    assert row == {"fps": None, "model_name": "<img src=x onerror=alert(1)>", "model_version": "'; DROP TABLE"}
+    etype = query(fleet_db_url, "SELECT type FROM events")[0]["type"]
+    assert etype == "x" + "t" * 255  # NUL stripped, capped
+    assert collector.stats()["malformed"] == 5
+
+
+def test_two_collectors_split_one_stream(
+        fleet_db_url: str, mqtt_broker: Broker, publisher: Publisher, collectors: list,
+        request: pytest.FixtureRequest) -> None:
+    p = unique_prefix(request)
+    one = start_collector(collectors, mqtt_broker.url, fleet_db_url, p, group="g1")
+    two = start_collector(collectors, mqtt_broker.url, fleet_db_url, p, group="g1")
+    sent = [(f"{p}/dev-{d}/telemetry", sample(s, f"dev-{d}")) for s in range(1, 101) for d in range(10)]
+    publisher.send_many(sent)
+    assert wait_for(lambda: count(fleet_db_url) == 1000, 30), count(fleet_db_url)
+    assert wait_for(lambda: one.stats().get("messages", 0) + two.stats().get("messages", 0) == 1000, 10)
+    assert one.stats()["messages"] > 0 and two.stats()["messages"] > 0  # split, not copied
+    keys = query(fleet_db_url, "SELECT device_id, seq FROM telemetry")
+    assert sorted((r["device_id"], r["seq"]) for r in keys) == sorted((f"dev-{d}", s) for s in range(1, 101)
+                                                                      for d in range(10))
+    assert stat(fleet_db_url, "duplicates") == 0
+
+
+def test_mqtt_311_falls_back_to_plain_subscriptions(
+        mqtt_broker: Broker, publisher: Publisher, collectors: list, tmp_path: Path,
+        request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> None:
+    p, url = unique_prefix(request), f"sqlite:///{tmp_path / 'fleet.db'}"
+    caplog.set_level(logging.WARNING, logger="deploy.fleet.collector")
+    collector = start_collector(collectors, mqtt_broker.url, url, p, protocol="3.1.1")
+    assert not any(s.startswith("$share/") for s in collector.subscriptions())
+    assert "no shared subscriptions" in caplog.text
+    publisher.send(f"{p}/dev-1/telemetry", sample(1))
+    assert wait_for(lambda: count(url) == 1, 10)
+
+
+def test_broker_outage_reconnects_and_resubscribes(
+        broker_factory: Any, collectors: list, tmp_path: Path) -> None:
+    broker = broker_factory()
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    collector = start_collector(collectors, broker.url, url, "edge")
+    pub = Publisher(broker.url)
+    pub.send("edge/dev-1/telemetry", sample(1))
+    pub.close()
+    assert wait_for(lambda: count(url) == 1, 10)
+    broker.stop()
+    assert wait_for(lambda: not collector.connected.is_set(), 10)
+    broker.start()
+    assert wait_for(collector.subscribed.is_set, 30), "collector did not come back"
+    pub = Publisher(broker.url)
+    pub.send("edge/dev-1/telemetry", sample(2))
+    pub.close()
+    assert wait_for(lambda: count(url) == 2, 10)
+    assert wait_for(lambda: stat(url, "broker_reconnects") >= 1, 10)
+
+
+@pytest.mark.allow_leaks  # the restarted PostgreSQL belongs to the session fixture again
+def test_database_outage_waits_and_loses_nothing(
+        postgres_server: Any, mqtt_broker: Broker, publisher: Publisher, collectors: list,
+        request: pytest.FixtureRequest) -> None:
+    p, url = unique_prefix(request), postgres_server.create_database()
+    collector = start_collector(collectors, mqtt_broker.url, url, p, max_wait_s=0.05, db_retry_min_s=0.05,
+                                db_retry_max_s=0.5)
+    publisher.send(f"{p}/dev-1/telemetry", sample(1))
+    assert wait_for(lambda: count(url) == 1, 10)
+    postgres_server.stop()
+    try:
+        publisher.send_many([(f"{p}/dev-1/telemetry", sample(s)) for s in range(2, 52)])
+        assert wait_for(lambda: collector.stats().get("db_retries", 0) >= 2, 15)
+    finally:
+        postgres_server.start()
+    assert wait_for(lambda: count(url) == 51, 30), count(url)
+    assert wait_for(lambda: stat(url, "db_retries") >= 2, 10)
+    assert stat(url, "duplicates") == 0
+    postgres_server.drop_database(url)
+
+
+def _collect_cmd(broker: str, db: str, prefix: str, client_id: str) -> list[str]:
+    return [sys.executable, "-m", "deploy.cli", "collect", "--broker", broker, "--db", db, "--prefix", prefix,
+            "--client-id", client_id, "--max-wait-s", "0.05", "--inflight", "50", "--batch-size", "20"]
+
+
+def test_collector_killed_mid_stream_loses_nothing(
+        fleet_db_url: str, mqtt_broker: Broker, publisher: Publisher, request: pytest.FixtureRequest) -> None:
+    p = unique_prefix(request)
+    cmd = _collect_cmd(mqtt_broker.url, fleet_db_url, p, f"kill-{p}")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert wait_for(lambda: _subscribed(publisher, p, fleet_db_url), 30, interval=0.3)
+        publisher.send_many([(f"{p}/dev-1/telemetry", sample(s)) for s in range(1, 2001)])
+        assert wait_for(lambda: count(fleet_db_url) > 0, 15)
+        proc.send_signal(signal.SIGKILL)  # mid-stream: some stored, some in a batch, some at the broker
+        proc.wait(10)
+        stored_at_kill = count(fleet_db_url)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert wait_for(lambda: count(fleet_db_url) == 2000, 60), count(fleet_db_url)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err.decode()
+        assert json.loads(out.decode().strip().splitlines()[-1])["connected"] is not None
+        assert stored_at_kill < 2000, "the kill came too late to test anything"
+        assert query(fleet_db_url, "SELECT received FROM device_seq WHERE device_id = ?", ("dev-1",))[0]["received"] == 2000
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _subscribed(publisher: Publisher, prefix: str, url: str) -> bool:
+    """Publish a probe event; true once one is stored (a message sent before the shared subscription
+    exists goes nowhere, so the test must not start before it does)."""
+    publisher.send(f"{prefix}/probe/events", {"seq": 1, "boot_id": BOOT, "ts": 1.0, "type": "probe"})
+    try:
+        return count(url, "events") > 0
+    except Exception:  # noqa: BLE001 - the collector has not created the tables yet
+        return False
+
+
+def test_cli_refuses_bad_options() -> None:
+    result = subprocess.run([sys.executable, "-m", "deploy.cli", "collect", "--broker", "mqtt://127.0.0.1:1",
+                             "--db", "mysql://x", "--group", "a/b"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert result.returncode == 2, result.stderr
+    assert "group 'a/b'" in result.stderr
