@@ -25,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_DIR = ROOT / "ansible"
-PLAYBOOKS = ["site.yml", "rollout-model.yml", "rollback-model.yml"]
+PLAYBOOKS = ["site.yml", "rollout-model.yml", "rollback-model.yml", "collector.yml"]
 
 
 def _tool(name: str) -> str | None:
