@@ -6,6 +6,11 @@ Two implementations sit behind it, tried in this order:
 - `pycuda` (engines/cuda_mem_pycuda.py): for JetPack images that only ship it.
 Both use the device's primary context, the one TensorRT's runtime API calls use, so buffers and
 streams from either are valid for `execute_async_v3`. CUDA graphs are optional (`supports_graphs`).
+
+Opening an implementation initialises CUDA (`cudaFree(0)`), so "opened" means "really runs here",
+not only "imports": cuda-python 13.x links the CUDA 13 runtime statically and fails right there on a
+JetPack 6 driver (CUDA 12.x); the error then names both versions and the pip pin that fixes it.
+Optional extras beyond the Protocol: `versions()`, `device_properties()`, `clear_error()`.
 """
 
 from __future__ import annotations
@@ -77,6 +82,26 @@ def import_cudart() -> Any:
     return cudart
 
 
+def cuda_version_text(value: int | None) -> str | None:
+    """12060 -> "12.6" (CUDA encodes 1000*major + 10*minor); 0/None -> None."""
+    if not value:
+        return None
+    return f"{value // 1000}.{(value % 1000) // 10}"
+
+
+def version_mismatch_fix(built: int | None, driver: int | None, package: str = "cuda-python") -> str | None:
+    """After a failed CUDA init: the pip pin that matches the driver when the binding is built for a newer CUDA.
+
+    Pinned to the driver's major.minor: JetPack 6 (Orin) drivers are not SBSA drivers, so a binding
+    for a newer minor is not assumed to run on them either.
+    """
+    if not built or not driver or built <= driver:
+        return None
+    major, minor = driver // 1000, (driver % 1000) // 10
+    return (f"{package} is built for CUDA {cuda_version_text(built)} but this driver supports CUDA "
+            f"{cuda_version_text(driver)}: `pip install '{package}>={major}.{minor},<{major}.{minor + 1}'`")
+
+
 def missing_bindings() -> str | None:
     """None when cuda-python or pycuda imports (no GPU needed), else why neither does."""
     try:
@@ -100,15 +125,54 @@ class CudaPythonMemory:
     def __init__(self) -> None:
         self.rt = import_cudart()
         self._ok = self.rt.cudaError_t.cudaSuccess
-        self._call("cudaFree", self.rt.cudaFree(0))  # initialises the primary context, surfacing driver errors now
+        try:
+            self._call("cudaFree(0)", self.rt.cudaFree(0))  # initialises the primary context: driver errors now
+        except CudaError as exc:
+            fix = version_mismatch_fix(*self._raw_versions())
+            raise CudaError(f"{exc}; {fix}" if fix else str(exc)) from None
         self.supports_graphs = all(hasattr(self.rt, n) for n in ("cudaStreamBeginCapture", "cudaGraphLaunch"))
+
+    def _raw_versions(self) -> tuple[int | None, int | None]:
+        """(CUDA version these bindings are built for, CUDA version the driver supports) as integers."""
+        def query(fn_name: str) -> int | None:
+            fn = getattr(self.rt, fn_name, None)
+            try:
+                err, value = fn()  # type: ignore[misc]
+            except Exception:  # a missing or broken query only loses the diagnosis, not the error itself
+                return None
+            return int(value) if err == self._ok else None
+
+        return query("cudaRuntimeGetVersion"), query("cudaDriverGetVersion")
+
+    def versions(self) -> dict[str, str | None]:
+        """{"built_for": "13.0", "driver": "12.6"}: cuda-python's compiled-in CUDA and the driver's."""
+        built, driver = self._raw_versions()
+        return {"built_for": cuda_version_text(built), "driver": cuda_version_text(driver)}
+
+    def device_properties(self) -> dict[str, Any]:
+        """GPU 0: name, compute capability, SM count, total memory in bytes."""
+        prop = self._call("cudaGetDeviceProperties", self.rt.cudaGetDeviceProperties(0))
+        name = prop.name.split(b"\0", 1)[0].decode() if isinstance(prop.name, bytes) else str(prop.name)
+        return {"name": name.strip(), "compute_capability": f"{prop.major}.{prop.minor}",
+                "sm_count": int(prop.multiProcessorCount), "total_memory": int(prop.totalGlobalMem)}
+
+    def clear_error(self) -> str | None:
+        """Read and reset the runtime's last error (as trtexec does after a failed graph capture)."""
+        result = self.rt.cudaGetLastError()
+        err = result[0] if isinstance(result, tuple) else result
+        return None if err == self._ok else self._error_name(err)
+
+    def _error_name(self, err: Any) -> str:
+        if hasattr(self.rt, "cudaGetErrorName"):
+            name = self.rt.cudaGetErrorName(err)[1]
+            return name.decode() if isinstance(name, bytes) else str(name)
+        return str(err)
 
     def _call(self, what: str, result: Any) -> Any:
         """cuda-python returns (err, *values); raise on err, unwrap one value."""
         err, *values = result if isinstance(result, tuple) else (result,)
         if err != self._ok:
-            name = self.rt.cudaGetErrorName(err)[1] if hasattr(self.rt, "cudaGetErrorName") else err
-            raise CudaError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+            raise CudaError(f"{what} failed: {self._error_name(err)}")
         return values[0] if len(values) == 1 else tuple(values) or None
 
     def malloc(self, nbytes: int) -> DeviceBuffer:
@@ -214,6 +278,11 @@ class CudaPythonMemory:
 
     def close(self) -> None:
         """Nothing to release: the runtime API owns the primary context."""
+
+
+def open_implementation(name: str) -> CudaMemory:
+    """Open one named implementation, raising its own error (ImportError, CudaError...): for the doctor."""
+    return _open(name)
 
 
 def _open(name: str) -> CudaMemory:

@@ -3,6 +3,9 @@
 pycuda's calls need a current context in the calling thread, while the agent loads engines in one
 thread and runs them in another. So the device's *primary* context (the one the CUDA runtime, and
 with it TensorRT, uses) is retained once and pushed around each call: both libraries then share it.
+
+No CUDA graphs here: stream capture (`Stream.begin_capture`, graph instantiate/launch) exists only in
+unmerged pycuda pull requests, not in any released pycuda, so this implementation never claims it.
 """
 
 from __future__ import annotations
@@ -29,8 +32,22 @@ class PyCudaMemory:
         except cuda.Error as exc:
             raise CudaError(f"pycuda cannot open GPU {device}: {exc}") from exc
         self._pinned: dict[int, Any] = {}
-        # Stream capture arrived in pycuda 2022.1; older releases simply run without CUDA graphs.
-        self.supports_graphs = hasattr(cuda.Stream, "begin_capture")
+        self._device = device
+        self.supports_graphs = False  # no released pycuda has stream capture (see the module docstring)
+
+    def versions(self) -> dict[str, str | None]:
+        """{"built_for": "12.2", "driver": "12.6"}: the CUDA pycuda was compiled against, and the driver's."""
+        built = cuda.get_version()  # (major, minor, patch) of the CUDA headers pycuda was built with
+        driver = cuda.get_driver_version()  # 12060
+        return {"built_for": f"{built[0]}.{built[1]}", "driver": f"{driver // 1000}.{(driver % 1000) // 10}"}
+
+    def device_properties(self) -> dict[str, Any]:
+        """GPU `device`: name, compute capability, SM count, total memory in bytes."""
+        dev = cuda.Device(self._device)
+        major, minor = dev.compute_capability()
+        return {"name": dev.name(), "compute_capability": f"{major}.{minor}",
+                "sm_count": int(dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)),
+                "total_memory": int(dev.total_memory())}
 
     @contextlib.contextmanager
     def _current(self, what: str) -> Iterator[None]:
@@ -126,24 +143,19 @@ class PyCudaMemory:
         return int(free), int(total)
 
     def begin_capture(self, stream: Any) -> None:
-        """Start recording `stream` into a graph (thread-local mode)."""
-        with self._current("Stream.begin_capture"):
-            stream.begin_capture(cuda.capture_mode.THREAD_LOCAL)
+        """Not available: `supports_graphs` is False, callers check it first."""
+        raise CudaError("pycuda has no stream capture in any released version")
 
     def end_capture(self, stream: Any) -> Any:
-        """Stop recording; returns (graph, executable graph)."""
-        with self._current("Stream.end_capture"):
-            graph = stream.end_capture()
-            return graph, graph.instantiate()
+        """Not available (see begin_capture)."""
+        raise CudaError("pycuda has no stream capture in any released version")
 
     def launch_graph(self, graph: Any, stream: Any) -> None:
-        """Replay a captured graph on `stream`."""
-        with self._current("GraphExec.launch"):
-            graph[1].launch(stream)
+        """Not available (see begin_capture)."""
+        raise CudaError("pycuda has no stream capture in any released version")
 
     def destroy_graph(self, graph: Any) -> None:
-        """pycuda frees graphs with their objects."""
-        del graph
+        """Nothing was ever captured."""
 
     def close(self) -> None:
         """Release our hold on the primary context."""

@@ -5,6 +5,12 @@ Runtime session's speed depends on the CPU ISA its kernels dispatch to. The engi
 these parts (see `fingerprint_for_backend`), so a JetPack upgrade or a different module rebuilds
 instead of loading a stale engine. Everything is queried, nothing is looked up in a table, and a
 part this device cannot tell is None — never a guess.
+
+- `cuda_runtime` is the libcudart TensorRT actually loaded (read from /proc/self/maps after `import
+  tensorrt`), not cuda-python's compiled-in version, which says nothing about what TensorRT runs on.
+- `module_sku` (`compatible` = "nvidia,p3767-0005"), `sm_count` and `gpu_memory_gib` tell apart
+  modules that share a model string or an SoC (Orin Nano 4 GB vs 8 GB, Orin NX 8 vs 16 GB): TensorRT
+  picks tactics for the SM count and memory it measured, so their plans must not be shared.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ T = TypeVar("T")
 
 # First line of /etc/nv_tegra_release: "# R35 (release), REVISION: 3.1, GCID: ..."; R36+ adds more
 # lines after it (KERNEL_VARIANT, TARGET_USERSPACE_LIB_DIR...), which carry no version.
+_CUDART_RE = re.compile(r"libcudart\.so\.(\d+)(?:\.(\d+))?")
+_SKU_RE = re.compile(rb"nvidia,(p\d{4}-\d{4})")
 _RELEASE_RE = re.compile(r"^#\s*R(?P<major>\d+)\s*\(release\),\s*REVISION:\s*(?P<rev>\d+(?:\.\d+)*)")
 
 # ISA features that change which kernels ONNX Runtime (MLAS) dispatches to.
@@ -33,7 +41,8 @@ _ISA_ALIASES = {"avx512vnni": "avx512_vnni", "neon": "asimd", "dotprod": "asimdd
 
 BACKEND_FIELDS: dict[str, tuple[str, ...]] = {
     "onnxruntime": ("onnxruntime", "ort_providers", "cpu_arch", "cpu_isa", "module"),
-    "tensorrt": ("tensorrt", "cuda_runtime", "compute_capability", "gpu_name", "module", "soc", "l4t"),
+    "tensorrt": ("tensorrt", "cuda_runtime", "compute_capability", "gpu_name", "module", "soc", "l4t",
+                 "module_sku", "sm_count", "gpu_memory_gib"),
 }
 
 
@@ -53,6 +62,9 @@ class DeviceFingerprint:
     ort_providers: tuple[str, ...] | None = None
     cpu_arch: str | None = None
     cpu_isa: tuple[str, ...] | None = None
+    module_sku: str | None = None
+    sm_count: int | None = None
+    gpu_memory_gib: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (tuples become lists) for the `meta` topic and engine sidecars."""
@@ -71,19 +83,22 @@ class CudaInfo:
     driver: str | None = None
     gpu_name: str | None = None
     compute_capability: str | None = None
+    sm_count: int | None = None
+    total_memory: int | None = None
 
 
-def read_fingerprint(root: Path = Path("/")) -> DeviceFingerprint:
-    """Read every fingerprint part; files under `root`, libraries from this interpreter."""
+def read_fingerprint(root: Path = Path("/"), maps: Path = Path("/proc/self/maps")) -> DeviceFingerprint:
+    """Read every fingerprint part; files under `root`, libraries from this interpreter (`maps`: its mappings)."""
     arch, isa = read_cpu_isa(root)
     ort = _probe("onnxruntime", _onnxruntime_info)
     cuda = _probe("cuda-python", query_cuda) or CudaInfo()
+    tensorrt = _probe("tensorrt", _tensorrt_version)  # imports it, which maps its libcudart
     return DeviceFingerprint(
         module=read_module(root),
         soc=read_soc(root),
         l4t=read_l4t_release(root),
-        tensorrt=_probe("tensorrt", _tensorrt_version),
-        cuda_runtime=cuda.runtime,
+        tensorrt=tensorrt,
+        cuda_runtime=loaded_cudart_version(maps) if tensorrt else None,
         cuda_driver=cuda.driver,
         gpu_name=cuda.gpu_name,
         compute_capability=cuda.compute_capability,
@@ -91,6 +106,9 @@ def read_fingerprint(root: Path = Path("/")) -> DeviceFingerprint:
         ort_providers=ort[1] if ort else None,
         cpu_arch=arch,
         cpu_isa=isa,
+        module_sku=read_module_sku(root),
+        sm_count=cuda.sm_count,
+        gpu_memory_gib=round(cuda.total_memory / 2**30) if cuda.total_memory else None,
     )
 
 
@@ -132,6 +150,56 @@ def read_soc(root: Path = Path("/")) -> str | None:
             if match:
                 return match.group(1).decode()
     return None
+
+
+def read_module_sku(root: Path = Path("/")) -> str | None:
+    """The module part number from `compatible` ("p3767-0005" = Orin Nano 8 GB): the carrier+module entry
+    ("nvidia,p3768-0000+p3767-0005-super") is skipped for the module's own one."""
+    for rel in ("proc/device-tree/compatible", "sys/firmware/devicetree/base/compatible"):
+        raw = _read_bytes(root / rel)
+        if raw is None:
+            continue
+        for entry in raw.split(b"\0"):
+            match = _SKU_RE.fullmatch(entry.strip())
+            if match:
+                return match.group(1).decode()
+    return None
+
+
+def loaded_cudart_version(maps: Path = Path("/proc/self/maps")) -> str | None:
+    """"12.6" for the libcudart mapped into this process (the one TensorRT uses), else None.
+
+    The version comes from the file name (libcudart.so.12.6.68); pip's CUDA wheels name it only
+    libcudart.so.12, and then the loaded library itself is asked (cudaRuntimeGetVersion needs no GPU).
+    """
+    raw = _read_bytes(maps)
+    if raw is None:
+        return None
+    paths = sorted({line.split()[-1] for line in raw.decode("utf-8", "replace").splitlines()
+                    if "libcudart.so" in line and "/" in line})
+    versions = {v for v in (_cudart_file_version(path) for path in paths) if v}
+    if len(versions) > 1:
+        log.warning("several libcudart versions mapped (%s); the CUDA runtime part stays unknown", sorted(versions))
+        return None
+    return versions.pop() if versions else None
+
+
+def _cudart_file_version(path: str) -> str | None:
+    match = _CUDART_RE.search(path.rsplit("/", 1)[-1])
+    if match is None:
+        return None
+    if match.group(2) is not None:
+        return f"{match.group(1)}.{match.group(2)}"
+    return _probe("libcudart", lambda: _ask_cudart(path))
+
+
+def _ask_cudart(path: str) -> str | None:
+    import ctypes
+
+    value = ctypes.c_int(0)
+    if ctypes.CDLL(path).cudaRuntimeGetVersion(ctypes.byref(value)) != 0:
+        return None
+    return _cuda_version(value.value)
 
 
 def read_l4t_release(root: Path = Path("/")) -> str | None:
@@ -184,7 +252,11 @@ def parse_cpuinfo(text: str) -> tuple[str | None, tuple[str, ...] | None]:
 
 
 def query_cuda() -> CudaInfo:
-    """CUDA runtime/driver versions and GPU 0 through cuda-python; raises ImportError when absent."""
+    """CUDA driver version and GPU 0 through cuda-python; raises ImportError when absent.
+
+    The runtime API first; when it cannot see the GPU (cuda-python built for a newer CUDA major than
+    the driver fails every runtime call) the driver API, which works across majors, fills GPU 0 in.
+    """
     try:
         cudart = _import_cudart()
     except ImportError as runtime_exc:
@@ -192,7 +264,15 @@ def query_cuda() -> CudaInfo:
             return _cuda_via_driver(_import_cuda_driver())
         except ImportError:
             raise runtime_exc from None
-    return _cuda_via_runtime(cudart)
+    info = _cuda_via_runtime(cudart)
+    if info.gpu_name is None:
+        try:
+            via_driver = _cuda_via_driver(_import_cuda_driver())
+        except ImportError:
+            return info
+        return CudaInfo(info.runtime, info.driver or via_driver.driver, via_driver.gpu_name,
+                        via_driver.compute_capability, via_driver.sm_count, via_driver.total_memory)
+    return info
 
 
 def _import_cudart() -> Any:
@@ -217,12 +297,13 @@ def _cuda_via_runtime(cudart: Any) -> CudaInfo:
     runtime = _cuda_call("cudaRuntimeGetVersion", ok, cudart.cudaRuntimeGetVersion)
     driver = _cuda_call("cudaDriverGetVersion", ok, cudart.cudaDriverGetVersion)
     count = _cuda_call("cudaGetDeviceCount", ok, cudart.cudaGetDeviceCount)
-    name = cc = None
+    name = cc = sms = memory = None
     if count:
         prop = _cuda_call("cudaGetDeviceProperties", ok, cudart.cudaGetDeviceProperties, 0)
         if prop is not None:
             name, cc = _decode(prop.name), f"{prop.major}.{prop.minor}"
-    return CudaInfo(_cuda_version(runtime), _cuda_version(driver), name, cc)
+            sms, memory = int(prop.multiProcessorCount), int(prop.totalGlobalMem)
+    return CudaInfo(_cuda_version(runtime), _cuda_version(driver), name, cc, sms, memory)
 
 
 def _cuda_via_driver(drv: Any) -> CudaInfo:
@@ -240,8 +321,12 @@ def _cuda_via_driver(drv: Any) -> CudaInfo:
     minor = _cuda_call("cuDeviceGetAttribute", ok, drv.cuDeviceGetAttribute,
                        attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
     name = _cuda_call("cuDeviceGetName", ok, drv.cuDeviceGetName, 256, dev)
+    sms = _cuda_call("cuDeviceGetAttribute", ok, drv.cuDeviceGetAttribute,
+                     attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)
+    memory = _cuda_call("cuDeviceTotalMem", ok, drv.cuDeviceTotalMem, dev)
     cc = f"{major}.{minor}" if major is not None and minor is not None else None
-    return CudaInfo(None, _cuda_version(driver), _decode(name) if name is not None else None, cc)
+    return CudaInfo(None, _cuda_version(driver), _decode(name) if name is not None else None, cc,
+                    int(sms) if sms is not None else None, int(memory) if memory is not None else None)
 
 
 def _cuda_call(what: str, ok: Any, fn: Callable[..., Any], *args: Any) -> Any:

@@ -10,12 +10,15 @@ from pathlib import Path
 import onnxruntime
 import pytest
 
+from engines import fingerprint
 from engines.fingerprint import (
+    CudaInfo,
     DeviceFingerprint,
     _cuda_call,
     _cuda_version,
     backend_digest,
     fingerprint_for_backend,
+    loaded_cudart_version,
     parse_cpuinfo,
     parse_l4t_release,
     query_cuda,
@@ -23,6 +26,7 @@ from engines.fingerprint import (
     read_fingerprint,
     read_l4t_release,
     read_module,
+    read_module_sku,
     read_soc,
 )
 
@@ -154,7 +158,7 @@ def _fp(**changes: object) -> DeviceFingerprint:
     base = dict(module="NVIDIA Jetson AGX Orin Developer Kit", soc="tegra234", l4t="36.4.4", tensorrt="10.3.0",
                 cuda_runtime="12.6", cuda_driver="12.6", gpu_name="Orin", compute_capability="8.7",
                 onnxruntime="1.20.1", ort_providers=("CPUExecutionProvider",), cpu_arch="aarch64",
-                cpu_isa=("asimd", "asimdhp", "asimddp"))
+                cpu_isa=("asimd", "asimdhp", "asimddp"), module_sku="p3701-0005", sm_count=16, gpu_memory_gib=61)
     base.update(changes)
     return DeviceFingerprint(**base)  # type: ignore[arg-type]
 
@@ -165,7 +169,8 @@ def test_digest_is_stable_and_canonical() -> None:
     assert '"cpu_isa":["asimd","asimdhp","asimddp"]' in canonical
     assert fp.digest() == _fp().digest()
     # golden value: a change of the canonical form would silently invalidate every cached engine
-    assert fp.digest() == "bcc1b5ba7e009c8a4b43c8a9db478f291866b1d76955bc0d9e3bc57d29f1074b"
+    # (changed once, on purpose, when module_sku/sm_count/gpu_memory_gib joined: TensorRT plans rebuild once)
+    assert fp.digest() == "0afb31c21f835fb9720f6f5051bbca2ec68d654ce36cb97d1eafcbdb1a49a2b3"
     assert _fp(l4t="36.4.7").digest() != fp.digest()
 
 
@@ -176,7 +181,8 @@ def test_backend_subsets() -> None:
         "cpu_isa": ["asimd", "asimdhp", "asimddp"], "module": "NVIDIA Jetson AGX Orin Developer Kit"}
     assert fingerprint_for_backend(fp, "tensorrt") == {
         "tensorrt": "10.3.0", "cuda_runtime": "12.6", "compute_capability": "8.7", "gpu_name": "Orin",
-        "module": "NVIDIA Jetson AGX Orin Developer Kit", "soc": "tegra234", "l4t": "36.4.4"}
+        "module": "NVIDIA Jetson AGX Orin Developer Kit", "soc": "tegra234", "l4t": "36.4.4",
+        "module_sku": "p3701-0005", "sm_count": 16, "gpu_memory_gib": 61}
     with pytest.raises(ValueError, match="unknown backend 'tflite'"):
         fingerprint_for_backend(fp, "tflite")
 
@@ -189,3 +195,49 @@ def test_backend_digest_changes_only_with_parts_that_matter() -> None:
     new_driver = _fp(cuda_driver="12.8")  # a newer driver runs the same plan
     assert backend_digest(new_driver, "tensorrt") == backend_digest(fp, "tensorrt")
     assert backend_digest(_fp(cpu_isa=("asimd",)), "onnxruntime") != backend_digest(fp, "onnxruntime")
+
+
+# --- issue 9: module SKU, SM count, memory; the CUDA runtime TensorRT really loaded ----------------
+
+
+@pytest.mark.parametrize(("board", "sku"), [("agx-orin", "p3701-0005"), ("orin-nano", "p3767-0005"),
+                                            ("thor", "p3834-0008"), ("nano", None), ("x86-xeon-6972p", None)])
+def test_module_sku_is_the_module_entry_of_compatible(board: str, sku: str | None) -> None:
+    # orin-nano's first entry is carrier+module ("nvidia,p3768-0000+p3767-0005-super"): the module's own one wins
+    assert read_module_sku(BOARDS / board) == sku
+
+
+def test_two_skus_sharing_a_model_string_do_not_share_a_plan() -> None:
+    nano_8gb, nano_4gb = _fp(module_sku="p3767-0005"), _fp(module_sku="p3767-0004", sm_count=8, gpu_memory_gib=3)
+    assert nano_8gb.module == nano_4gb.module
+    assert backend_digest(nano_8gb, "tensorrt") != backend_digest(nano_4gb, "tensorrt")
+    assert backend_digest(_fp(sm_count=8), "tensorrt") != backend_digest(_fp(), "tensorrt")
+    assert backend_digest(_fp(gpu_memory_gib=30), "tensorrt") != backend_digest(_fp(), "tensorrt")
+    assert backend_digest(nano_8gb, "onnxruntime") == backend_digest(nano_4gb, "onnxruntime")
+
+
+def _maps(tmp_path: Path, *libs: str) -> Path:
+    path = tmp_path / "maps"
+    path.write_text("".join(f"ffff{i:04x}000-ffff{i:04x}fff r-xp 00000000 b3:01 {i} {lib}\n"
+                            for i, lib in enumerate(libs)))
+    return path
+
+
+def test_cuda_runtime_is_the_libcudart_tensorrt_loaded_not_cuda_pythons(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fingerprint, "_tensorrt_version", lambda: "10.3.0")
+    # cuda-python 13 reports the CUDA it was compiled for; TensorRT runs on JetPack's libcudart 12.6
+    monkeypatch.setattr(fingerprint, "query_cuda", lambda: CudaInfo("13.0", "12.6", "Orin", "8.7", 16, 64_339_000_000))
+    maps = _maps(tmp_path, "/usr/lib/aarch64-linux-gnu/libnvinfer.so.10.3.0",
+                 "/usr/local/cuda-12.6/targets/aarch64-linux/lib/libcudart.so.12.6.68")
+    fp = read_fingerprint(BOARDS / "agx-orin", maps)
+    assert (fp.tensorrt, fp.cuda_runtime, fp.cuda_driver) == ("10.3.0", "12.6", "12.6")
+    assert (fp.module_sku, fp.sm_count, fp.gpu_memory_gib) == ("p3701-0005", 16, 60)
+
+
+def test_loaded_cudart_version_is_none_when_unknown_or_ambiguous(tmp_path: Path) -> None:
+    assert loaded_cudart_version(tmp_path / "absent") is None
+    assert loaded_cudart_version(_maps(tmp_path, "/usr/lib/libc.so.6")) is None
+    two = _maps(tmp_path, "/a/libcudart.so.12.6.68", "/b/libcudart.so.13.0.48")
+    assert loaded_cudart_version(two) is None  # two runtimes in one process: say nothing rather than guess
+    assert loaded_cudart_version(_maps(tmp_path, "/site-packages/nvidia/cuda_runtime/lib/libcudart.so.12")) is None

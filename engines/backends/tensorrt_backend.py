@@ -7,7 +7,12 @@ same happens when neither cuda-python nor pycuda is installed (TensorRT alone ca
 Per engine: one execution context, one non-blocking CUDA stream, a pinned host array and a device
 buffer per I/O tensor (addresses bound once with `set_tensor_address`). With static shapes the
 enqueue is captured into a CUDA graph after a first plain run, replayed thereafter, and kept only if
-its outputs match the plain run's bit for bit; otherwise the reason is in `describe()`.
+its outputs match the plain run's bit for bit; otherwise the reason is in `describe()`. A failed
+capture leaves a sticky "last error" in the CUDA runtime; it is read and cleared at once (as trtexec
+does), so the plain path that follows does not inherit it. TensorRT 8.5 is never captured (it fails).
+
+This module imports when tensorrt and a CUDA binding import; whether they really run on this device
+(driver, GPU, memory) is `engines.doctor`'s question, which `auto` backend selection asks.
 """
 
 from __future__ import annotations
@@ -22,13 +27,13 @@ import tensorrt as trt
 from engines import cuda_mem
 from engines.backends import BACKENDS
 from engines.backends.base import EngineOptions, TensorSpec
+from engines.backends.tensorrt_compat import graph_capture_blocker, numpy_dtype, shared_logger
 from engines.cuda_mem import CudaError, CudaMemory, DeviceBuffer, open_cuda_memory
 from engines.errors import InferenceError, ModelError
 
 log = logging.getLogger(__name__)
 if (_missing := cuda_mem.missing_bindings()) is not None:
     raise ImportError(_missing)  # disables the backend with this reason; "auto" then picks ONNX Runtime
-_LOGGER = trt.Logger(trt.Logger.WARNING)
 
 
 class _Binding:
@@ -71,7 +76,7 @@ class TrtEngine:
             raise
 
     def _setup(self, plan: bytes, options: EngineOptions, cuda_graphs: bool) -> None:
-        self._runtime = trt.Runtime(_LOGGER)
+        self._runtime = trt.Runtime(shared_logger(trt))  # one logger per process: see tensorrt_compat
         self._engine = self._runtime.deserialize_cuda_engine(plan)
         if self._engine is None:
             raise ModelError(f"{self.path.name}: TensorRT {trt.__version__} cannot deserialize this plan (built by "
@@ -97,7 +102,7 @@ class TrtEngine:
                                      code="MODEL_SHAPE_MISMATCH")
         for name in names:
             shape = tuple(self._context.get_tensor_shape(name))
-            dtype = np.dtype(trt.nptype(self._engine.get_tensor_dtype(name)))
+            dtype = numpy_dtype(self._engine.get_tensor_dtype(name), name)  # not trt.nptype: see tensorrt_compat
             self._bindings.append(_Binding(self.cuda, name, shape, dtype, is_input[name]))
             self._context.set_tensor_address(name, self._bindings[-1].device.ptr)
 
@@ -123,6 +128,9 @@ class TrtEngine:
         """Capture `execute_async_v3` into a CUDA graph; keep it only if it reproduces a plain run."""
         if not self.cuda.supports_graphs:
             return f"{self.cuda.name} has no stream capture"
+        blocker = graph_capture_blocker(trt)
+        if blocker:
+            return blocker
         try:
             expected = self._run()  # also the required first enqueue after shapes are set
             self.cuda.begin_capture(self._stream)
@@ -132,15 +140,27 @@ class TrtEngine:
                 graph = self.cuda.end_capture(self._stream)
             if not ok:
                 self.cuda.destroy_graph(graph)
-                return "execute_async_v3 failed during capture"
+                return "execute_async_v3 failed during capture" + self._clear_cuda_error()
             self._graph = graph
             if not all(np.array_equal(a, b) for a, b in zip(expected, self._run())):
                 self._drop_graph()
                 return "graph replay differs from a plain run"
         except (CudaError, InferenceError) as exc:
             self._drop_graph()
-            return f"capture failed: {exc}"
+            return f"capture failed: {exc}" + self._clear_cuda_error()
         return "captured"
+
+    def _clear_cuda_error(self) -> str:
+        """Reset the runtime's sticky last error after a failed capture; text for the graph status."""
+        clear = getattr(self.cuda, "clear_error", None)
+        if clear is None:
+            return ""
+        try:
+            cleared = clear()
+        except CudaError as exc:
+            log.warning("%s: clearing the CUDA error after a failed capture: %s", self.path.name, exc)
+            return f" (CUDA error not cleared: {exc})"
+        return f" (cleared CUDA error {cleared})" if cleared else ""
 
     def _drop_graph(self) -> None:
         if self._graph is not None:

@@ -6,17 +6,20 @@ Runs in the build child process (`build_plan`) or, for a bare `.onnx` given to t
 - explicit batch: the creation flag exists (and is required) before TensorRT 10, is a no-op after;
 - strongly typed networks (STRONGLY_TYPED, 9.1+) for Q/DQ INT8 and FP16-typed ONNX; the FP16/INT8
   builder flags where they still exist (deprecated in 10.12, removed in 11);
-- builder optimisation level (8.6+), progress monitor (8.6+), parser node names (8.6+).
+- builder optimisation level (8.6+); progress monitor and parser node names (9.1+: both are absent
+  from 8.6's binding, see tests/data/tensorrt_api/8.6.1.json, and present in 10.x).
+Builds log through the process-wide logger of tensorrt_compat: TensorRT keeps only the first logger
+it is given, so a private build logger would lose the error text whenever a Runtime exists already.
 `trt` is passed in so tests can drive this logic with a recording stand-in.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from engines.backends.tensorrt_compat import shared_logger
 from engines.build_spec import EngineBuildError, EngineBuildSpec
 from engines.fsutil import atomic_write_bytes
 
@@ -45,7 +48,7 @@ def build_plan(job: Any, emit: Emit) -> dict[str, Any]:
     report["stages_s"]["tensorrt-build"] = round(time.monotonic() - t0, 3)
     atomic_write_bytes(job.out_path, plan)
     emit("verify")
-    if trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(plan) is None:
+    if trt.Runtime(shared_logger(trt)).deserialize_cuda_engine(plan) is None:
         raise EngineBuildError("the plan TensorRT just built does not deserialize")
     return report
 
@@ -55,6 +58,7 @@ def build_serialized(trt: Any, onnx_path: Path, spec: EngineBuildSpec, timing_ca
     """Parse, configure and build; returns the plan bytes or raises EngineBuildError with the cause."""
     report = report if report is not None else {"notes": []}
     logger = make_logger(trt)
+    mark = logger.mark()
     typed = spec.precision == "int8" or (spec.precision == "fp16" and not _has_flag(trt, "FP16"))
     strongly_typed = typed and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")
     builder = trt.Builder(logger)
@@ -74,7 +78,7 @@ def build_serialized(trt: Any, onnx_path: Path, spec: EngineBuildSpec, timing_ca
     emit("build")
     plan = builder.build_serialized_network(network, config)
     if plan is None:
-        errors = "; ".join(logger.errors[-5:]) or "no error message from TensorRT"
+        errors = "; ".join(logger.errors_since(mark)[-5:]) or "no error message from TensorRT"
         code = "ENGINE_BUILD_OOM" if any(m in errors.lower() for m in _OOM_MARKERS) else "ENGINE_BUILD_FAILED"
         raise EngineBuildError(f"TensorRT build failed: {errors}", code=code)
     save_timing_cache(config, cache, timing_cache)
@@ -82,21 +86,8 @@ def build_serialized(trt: Any, onnx_path: Path, spec: EngineBuildSpec, timing_ca
 
 
 def make_logger(trt: Any) -> Any:
-    """An ILogger that writes warnings to the build log and keeps errors for the failure message."""
-
-    class _Logger(trt.ILogger):
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-            self.errors: list[str] = []
-
-        def log(self, severity: Any, msg: str) -> None:
-            level = int(severity)
-            if level <= int(trt.ILogger.Severity.ERROR):
-                self.errors.append(msg)
-            if level <= int(trt.ILogger.Severity.WARNING):
-                print(f"[TRT {getattr(severity, 'name', level)}] {msg}", file=sys.stderr)
-
-    return _Logger()
+    """The process-wide capturing logger (warnings to the build log, errors kept for the failure message)."""
+    return shared_logger(trt)
 
 
 def network_flags(trt: Any, strongly_typed: bool) -> int:
@@ -215,7 +206,7 @@ def save_timing_cache(config: Any, cache: Any, path: Path | None) -> None:
 
 
 def attach_progress_monitor(trt: Any, config: Any, emit: Emit, min_interval_s: float = 0.5) -> Any:
-    """Layer/tactic progress as events, where this TensorRT has IProgressMonitor (8.6+)."""
+    """Layer/tactic progress as events, where this TensorRT has IProgressMonitor (9.1+)."""
     if not hasattr(trt, "IProgressMonitor") or not hasattr(config, "progress_monitor"):
         return None
 

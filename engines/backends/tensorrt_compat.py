@@ -1,0 +1,108 @@
+"""What differs between TensorRT releases at run time, kept out of the backend and the builder.
+
+- dtypes: `trt.nptype` is not used. On TensorRT 8.5 it names `np.bool`, which numpy 1.24 removed
+  (NVIDIA/TensorRT#2557), and on every release it raises TypeError for BF16/FP8/INT4/FP4, which
+  numpy cannot hold. The agent maps I/O dtypes itself and refuses the rest with a clear error.
+- logging: TensorRT keeps ONE logger pointer per process, the first one a Runtime/Builder got; later
+  loggers are ignored. So every Runtime and Builder here gets the same capturing logger
+  (`shared_logger`), and a build reads the errors logged since it started.
+- CUDA graphs: capturing `execute_async_v3` fails on TensorRT 8.5.2, so capture starts at 8.6.
+Importable without TensorRT: `trt` is passed in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+import threading
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from engines.errors import ModelError
+
+# TensorRT DataType member name -> numpy dtype (names as in every binding since 8.5).
+NUMPY_DTYPES: dict[str, Any] = {
+    "FLOAT": np.float32, "HALF": np.float16, "INT8": np.int8, "INT32": np.int32, "INT64": np.int64,
+    "BOOL": np.bool_, "UINT8": np.uint8, "DOUBLE": np.float64,
+}
+_ERRORS_KEPT = 200
+_SHARED: dict[int, Any] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def dtype_name(dtype: Any) -> str:
+    """"FLOAT" for `trt.DataType.FLOAT` (pybind11 enums have `.name`; str() gives "DataType.FLOAT")."""
+    name = getattr(dtype, "name", None) or str(dtype)
+    return str(name).rsplit(".", 1)[-1].upper()
+
+
+def numpy_dtype(dtype: Any, tensor: str) -> np.dtype:
+    """The numpy dtype of an I/O tensor; BF16/FP8/INT4/FP4 I/O is a ModelError naming the tensor."""
+    name = dtype_name(dtype)
+    if name in NUMPY_DTYPES:
+        return np.dtype(NUMPY_DTYPES[name])
+    raise ModelError(f"I/O tensor {tensor!r} is {name}, which numpy cannot hold, so the agent cannot feed or read "
+                     "it; export the model with float32/float16 inputs and outputs (cast inside the graph)",
+                     code="MODEL_DTYPE_UNSUPPORTED")
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """"8.5.2.2" -> (8, 5, 2, 2); non-numeric tails ("10.0-fake") are ignored."""
+    return tuple(int(p) for p in re.findall(r"\d+", version.split("-", 1)[0])[:4])
+
+
+def graph_capture_blocker(trt: Any) -> str | None:
+    """Why CUDA-graph capture is not attempted with this TensorRT, or None."""
+    if version_tuple(str(getattr(trt, "__version__", "0"))) < (8, 6):
+        return (f"skipped: capturing execute_async_v3 into a CUDA graph fails on TensorRT {trt.__version__} "
+                "(works from 8.6); plain enqueue is used")
+    return None
+
+
+def shared_logger(trt: Any) -> Any:
+    """The one logger every Runtime and Builder of this `trt` module gets (TensorRT keeps only the first)."""
+    with _SHARED_LOCK:
+        logger = _SHARED.get(id(trt))
+        if logger is None:
+            logger = _SHARED[id(trt)] = _make_logger(trt)
+        return logger
+
+
+def _make_logger(trt: Any) -> Any:
+    class CapturingLogger(trt.ILogger):
+        """Warnings to stderr; errors kept (numbered) so a build can report the ones it caused."""
+
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self._count = itertools.count(1)
+            self._errors: deque[tuple[int, str]] = deque(maxlen=_ERRORS_KEPT)
+            self._lock = threading.Lock()
+
+        @property
+        def errors(self) -> list[str]:
+            """Every error still kept, oldest first."""
+            with self._lock:
+                return [msg for _, msg in self._errors]
+
+        def mark(self) -> int:
+            """A point in the error stream; `errors_since(mark)` returns what came after it."""
+            with self._lock:
+                return self._errors[-1][0] if self._errors else 0
+
+        def errors_since(self, mark: int) -> list[str]:
+            """Errors logged after `mark` (by any thread: TensorRT's logger is process-wide)."""
+            with self._lock:
+                return [msg for n, msg in self._errors if n > mark]
+
+        def log(self, severity: Any, msg: str) -> None:
+            level = int(severity)
+            if level <= int(trt.ILogger.Severity.ERROR):
+                with self._lock:
+                    self._errors.append((next(self._count), msg))
+            if level <= int(trt.ILogger.Severity.WARNING):
+                print(f"[TRT {getattr(severity, 'name', level)}] {msg}", file=sys.stderr)
+
+    return CapturingLogger()
