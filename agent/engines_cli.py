@@ -1,4 +1,4 @@
-"""`edge-agent engines ...`: fingerprint, build, list and gc of the device's engine cache.
+"""`edge-agent engines ...`: fingerprint, doctor, build, list and gc of the device's engine cache.
 
 Mounted by agent.cli as `app.add_typer(engines_app, name="engines")`. Paths come from the agent's
 config: `cache_dir` for engines, the state database for the index and the active/previous models
@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from engines.errors import EdgeError
@@ -72,6 +73,36 @@ def fingerprint(
     table = Table(title="device fingerprint", show_header=False, title_justify="left")
     for key, value in data.items():
         table.add_row(key, "-" if value is None else ", ".join(value) if isinstance(value, list) else str(value))
+    out.print(table)
+
+
+@engines_app.command("doctor")
+def doctor(
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    root: Path = typer.Option(Path("/"), "--root", help="Read device files under this root (tests, recorded boards)."),
+    config: Optional[Path] = _CONFIG,
+) -> None:
+    """Can the TensorRT path really run here? Each check: ok/fail, what was found, the exact fix. Exit 0 usable, 1 not."""
+    from engines.doctor import pid_note, run_doctor
+
+    cache_dir, _ = _paths(config)
+    report = run_doctor(root, cache_dir)
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+    else:
+        _render_doctor(report, pid_note())
+    if not report.usable:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _render_doctor(report: Any, note: str) -> None:
+    verdict = "[green]usable[/]" if report.usable else "[red]NOT usable[/] (the agent runs ONNX Runtime)"
+    table = Table(title=f"TensorRT path: {verdict}", title_justify="left", caption=note)
+    for col in ("check", "", "found", "fix"):
+        table.add_column(col, overflow="fold")
+    for c in report.checks:
+        mark = "[green]ok[/]" if c.ok else ("[red]FAIL[/]" if c.required else "[yellow]fail[/]")
+        table.add_row(c.name, mark, escape(c.found), escape(c.fix))  # fixes hold `[extra]` brackets
     out.print(table)
 
 

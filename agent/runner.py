@@ -26,10 +26,11 @@ from agent.model_loading import LoadedModel, ModelLoader
 from agent.sources import create_source
 from agent.sources.base import Frame
 from agent.state import StateStore, state_db_path
-from agent.status import LIVE_KEY
+from agent.status import BACKEND_KEY, LIVE_KEY
 from agent.worker import InferenceWorker
 from engines.errors import EdgeError
 from engines.model import ModelSource
+from engines.runtime import choose_backend
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,10 @@ class Agent:
     def _load_initial(self) -> LoadedModel:
         assert self.loader is not None and self.store is not None
         source, origin = self.loader.initial_source(self.store.model_slot("active"), self.emit)
+        choice = choose_backend("auto").to_dict() if self.config.model.backend == "auto" else None
+        self.store.set_kv(BACKEND_KEY, choice)  # which backend `auto` runs and why not TensorRT, for `status`
+        if choice:
+            self.emit("backend_selected", **choice)
         loaded = self.loader.load(source, origin, on_progress=self._engine_progress)
         self._record_active(loaded)
         self.emit("model_loaded", model=loaded.describe(), origin=origin)

@@ -12,6 +12,7 @@ from agent.config import AgentConfig
 from agent.state import StateStore, state_db_path
 
 LIVE_KEY = "live_status"
+BACKEND_KEY = "backend_choice"  # {"requested", "backend", "reason"} of the last start with backend = auto
 
 
 def read_status(config: AgentConfig) -> dict[str, Any]:
@@ -28,6 +29,7 @@ def read_status(config: AgentConfig) -> dict[str, Any]:
             "device_id": config.device_id,
             "state": live.get("state", "running") if running else "stopped",
             "model": model_row(store.model_slot("active")),
+            "backend_selection": store.get_kv(BACKEND_KEY),
             "previous_model": model_row(store.model_slot("previous")),
             "live": live if running else None,
             "latency_ms": _latest_latency(live if running else None, last_run),
@@ -74,6 +76,10 @@ def render_status(report: dict[str, Any], console: Console) -> None:
     if report.get("model"):
         m = report["model"]
         console.print(f"  model    {m['name']}@{m['version']} ({m.get('backend', '?')}, {m.get('precision', '?')})")
+    choice = report.get("backend_selection")
+    if choice:
+        why = f": {choice['reason']}" if choice.get("reason") else ""
+        console.print(f"  backend  {choice['backend']} ({choice['requested']}{why})", highlight=False, markup=False)
     if report.get("previous_model"):
         m = report["previous_model"]
         console.print(f"  previous {m['name']}@{m['version']}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +17,8 @@ from engines.errors import BackendUnavailableError, ModelError
 from engines.model import ModelSource
 from engines.postprocess import InferenceResult, PostprocessContext, build_postprocessor
 from engines.preprocess import Preprocessor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,15 +84,71 @@ def preprocess_shape(source: ModelSource) -> tuple[int, ...]:
     return (1, 3, p.height, p.width) if p.layout == "nchw" else (1, p.height, p.width, 3)
 
 
-def resolve_backend(name: str) -> str:
-    """`auto` picks TensorRT where it is installed and usable, else ONNX Runtime."""
-    if name == "auto":
-        return "tensorrt" if "tensorrt" in BACKENDS else "onnxruntime"
+@dataclass(frozen=True)
+class BackendChoice:
+    """Which backend runs and, when `auto` did not get TensorRT, why (for the event and `status`)."""
+
+    requested: str
+    backend: str
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """`{"requested", "backend", "reason"}`."""
+        return dataclasses.asdict(self)
+
+
+_auto_choice: tuple[int, BackendChoice] | None = None  # (id of the tensorrt plugin it was decided for, choice)
+_auto_lock = threading.Lock()
+
+
+def choose_backend(name: str) -> BackendChoice:
+    """`auto`: TensorRT only when it really runs here (engines.doctor's required checks), else ONNX Runtime.
+
+    Importing tensorrt proves little: a CUDA binding for the wrong CUDA major, or no GPU, only shows
+    when CUDA initialises, and then every engine load would fail. The decision is made once per process.
+    """
+    global _auto_choice
+    if name != "auto":
+        try:
+            BACKENDS.get(name)
+        except LookupError as exc:  # the registry says whether it is unknown or disabled, and why
+            raise BackendUnavailableError(str(exc)) from exc
+        return BackendChoice(name, name)
+    plugin = id(BACKENDS.get("tensorrt")) if "tensorrt" in BACKENDS else 0
+    with _auto_lock:
+        if _auto_choice is None or _auto_choice[0] != plugin:
+            _auto_choice = (plugin, _decide_auto())
+            if _auto_choice[1].reason:
+                log.warning("backend auto -> %s: %s", _auto_choice[1].backend, _auto_choice[1].reason)
+        return _auto_choice[1]
+
+
+def _decide_auto() -> BackendChoice:
+    if "tensorrt" not in BACKENDS:
+        reason = BACKENDS.disabled().get("tensorrt", "not registered")
+        return BackendChoice("auto", "onnxruntime", f"tensorrt backend disabled: {reason}")
+    from engines.doctor import tensorrt_readiness
+
     try:
-        BACKENDS.get(name)
-    except LookupError as exc:  # the registry says whether it is unknown or disabled, and why
-        raise BackendUnavailableError(str(exc)) from exc
-    return name
+        report = tensorrt_readiness()
+    except Exception as exc:  # a check that crashes must not stop the agent: run ONNX Runtime and say why
+        log.exception("TensorRT readiness checks failed")
+        return BackendChoice("auto", "onnxruntime", f"TensorRT readiness checks failed: {type(exc).__name__}: {exc}")
+    if report.usable:
+        return BackendChoice("auto", "tensorrt")
+    return BackendChoice("auto", "onnxruntime", f"TensorRT cannot run here: {report.reason()}")
+
+
+def forget_backend_choice() -> None:
+    """Decide `auto` again on next use (after installing a driver or binding in a running process; tests)."""
+    global _auto_choice
+    with _auto_lock:
+        _auto_choice = None
+
+
+def resolve_backend(name: str) -> str:
+    """The backend name `choose_backend` picks."""
+    return choose_backend(name).backend
 
 
 def load_runtime(source: ModelSource, backend: str = "auto", options: EngineOptions | None = None) -> ModelRuntime:
