@@ -6,14 +6,13 @@ import io
 import logging
 import os
 import socket
-import threading
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from agent.sdnotify import Notifier, ProgressWatchdog, configure_logging
+from tests.helpers import wait_for
 
 
 class Listener:
@@ -132,39 +131,26 @@ def test_watchdog_period_is_half_the_interval(monkeypatch: pytest.MonkeyPatch, l
 
 
 def test_pings_while_progressing_and_stops_when_stalled(listener: Listener) -> None:
+    """The test is the inference loop: each frame it counts must bring one ping, a stall none."""
     notifier = Notifier()
     frames = [0]
-    advancing = threading.Event()
-    advancing.set()
-    stop = threading.Event()
-
-    def inference_loop() -> None:
-        while not stop.wait(0.005):
-            if advancing.is_set():
-                frames[0] += 1
-
-    loop = threading.Thread(target=inference_loop)
-    loop.start()
-    watchdog = ProgressWatchdog(notifier, lambda: frames[0], period_s=0.05)
+    watchdog = ProgressWatchdog(notifier, lambda: frames[0], period_s=0.02)
     try:
         assert watchdog.start()
-        time.sleep(0.6)  # about 12 periods
-        pings = [m for m in listener.pending() if m == "WATCHDOG=1"]
-        assert len(pings) >= 3
+        assert wait_for(lambda: watchdog.stalls >= 1)  # it has read the counter: the next change is progress
+        for _ in range(3):
+            frames[0] += 1
+            assert listener.recv() == "WATCHDOG=1"  # blocks until the ping (the socket timeout is 2 s)
 
-        advancing.clear()  # the loop hangs
-        time.sleep(0.15)
-        listener.pending()  # a ping decided just before the stall may still have been sent
-        time.sleep(0.4)  # about 8 periods without progress
-        assert listener.pending() == []
-        assert watchdog.stalls >= 3
+        stalls = watchdog.stalls
+        assert wait_for(lambda: watchdog.stalls >= stalls + 3)  # the loop hangs: three periods without progress
+        assert listener.pending() == [] and watchdog.pings == 3
 
-        advancing.set()  # the loop recovers
+        frames[0] += 1  # the loop recovers
         assert listener.recv() == "WATCHDOG=1"
+        assert wait_for(lambda: watchdog.pings == 4)
     finally:
         watchdog.stop()
-        stop.set()
-        loop.join()
         notifier.close()
     assert not watchdog._thread.is_alive()
 
@@ -176,9 +162,8 @@ def test_failing_probe_counts_as_stall(listener: Listener) -> None:
         raise RuntimeError("counter gone")
 
     with ProgressWatchdog(notifier, broken, period_s=0.02) as watchdog:
-        time.sleep(0.15)
+        assert wait_for(lambda: watchdog.stalls >= 2)
     assert watchdog.pings == 0
-    assert watchdog.stalls >= 2
     assert listener.pending() == []
     notifier.close()
 
