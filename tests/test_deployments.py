@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -137,6 +136,13 @@ def test_second_deployment_while_busy_is_refused(running_agent, published, tmp_p
         agent.manager.request((other / "manifest.json").as_uri())
     assert info.value.code == "BUSY"
     assert wait_terminal(agent, first) == "active"
-    time.sleep(0.1)
+    # The row says active just before the worker lets go of the deployment: wait for the worker itself.
+    assert wait_for(lambda: _no_deployment_in_progress(agent)), "the first deployment never released the worker"
     second = agent.manager.request((other / "manifest.json").as_uri())  # free again after the first ends
     assert wait_terminal(agent, second["deployment_id"]) == "active"
+
+
+def _no_deployment_in_progress(agent: Agent) -> bool:
+    """What `request` checks before refusing with BUSY (a deployment being watched does not count)."""
+    status = agent.manager.status()
+    return status is None or status["watching"]
