@@ -6,6 +6,7 @@ agent/testhooks.py (the only test hook in the agent), killed with SIGKILL, and s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -62,7 +63,9 @@ def published(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("pub")
     private, public = make_key(root / "keys")
     return {"public": public, "v1": make_artifact(root / "v1", "1.0.0", private),
-            "url2": (make_artifact(root / "v2", "2.0.0", private) / "manifest.json").as_uri()}
+            "url2": (make_artifact(root / "v2", "2.0.0", private) / "manifest.json").as_uri(),
+            # INT8: a different engine cache key than v1's fp32, so deploying it really spawns a build child
+            "url2_int8": (make_artifact(root / "v2i8", "2.0.0", private, precision="int8") / "manifest.json").as_uri()}
 
 
 @pytest.mark.parametrize("point", ["fetching", "building", "validating", "activating", "activated"])
@@ -76,14 +79,12 @@ def test_kill_during_deployment_then_restart(tmp_path: Path, published, point: s
         reply = send_command(socket_path, "deploy", {"url": published["url2"]})
         assert reply["ok"], reply
         assert wait_for(pause_file.exists, timeout=240), f"never reached {point}: {_stderr(proc)}"
-        children = _children(proc.pid)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-    assert wait_for(lambda: not any(_alive(pid) for pid in children), timeout=20), "a build child outlived the agent"
 
     store = StateStore(tmp_path / "state" / "state.db")
     before = store.query("SELECT state FROM deployments")[0]["state"]
@@ -105,18 +106,72 @@ def test_kill_during_deployment_then_restart(tmp_path: Path, published, point: s
     assert active["version"] == "1.0.0"
     result = json.loads(summary.read_text())
     assert result["frames"] > 0 and result["errors"] == 0 and result["model"]["version"] == "1.0.0"
-    deployed = tmp_path / "state" / "artifacts" / "deployed"
-    for partial in deployed.glob("*.partial"):  # a partial download may stay for resuming; it is never loaded
-        assert partial.name.endswith(".partial")
+    # A partial download (`<name>.partial/`) may stay for resuming; every other artifact directory is complete.
+    checked = _check_complete_artifacts(tmp_path / "state" / "artifacts" / "deployed")
+    assert checked >= (0 if point == "fetching" else 1)  # past fetching, v2 was stored complete
 
 
-def _children(pid: int) -> list[int]:
+def _check_complete_artifacts(deployed: Path) -> int:
+    """Every non-partial artifact directory holds a model whose size and sha256 match its manifest."""
+    checked = 0
+    dirs = sorted(deployed.iterdir()) if deployed.is_dir() else []
+    for directory in (d for d in dirs if d.is_dir() and not d.name.endswith(".partial")):
+        manifest = json.loads((directory / "manifest.json").read_text())
+        model = (directory / manifest["model"]["file"]).read_bytes()
+        assert len(model) == manifest["model"]["size"], f"{directory.name}: model file is truncated"
+        assert hashlib.sha256(model).hexdigest() == manifest["model"]["sha256"], f"{directory.name}: model differs"
+        checked += 1
+    return checked
+
+
+def _build_children(pid: int) -> list:
     import psutil
 
     try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        return [c for c in psutil.Process(pid).children(recursive=True) if "build-worker" in " ".join(c.cmdline())]
     except psutil.Error:
         return []
+
+
+def test_kill_while_the_build_child_runs_leaves_no_build_behind(tmp_path: Path, published) -> None:
+    """SIGKILL the agent while its engine-build child exists: the child must not run on without it.
+
+    The child is frozen (SIGSTOP) the moment it is seen, so the agent is killed while it is certainly
+    alive; it is then resumed and must exit by itself, and the restarted agent must be consistent.
+    """
+    config = write_config(tmp_path, published["public"], published["v1"])
+    proc = start_agent(config, {})
+    socket_path = tmp_path / "state" / "control.sock"
+    child = None
+    try:
+        assert wait_for(socket_path.exists, timeout=180), f"agent did not start: {_stderr(proc)}"
+        assert send_command(socket_path, "deploy", {"url": published["url2_int8"]})["ok"]
+        assert wait_for(lambda: bool(_build_children(proc.pid)) or proc.poll() is not None, timeout=240,
+                        interval=0.005) and proc.poll() is None, \
+            f"no build child was ever seen: {_stderr(proc)}"
+        child = _build_children(proc.pid)[0]
+        child.suspend()
+        job = json.loads(Path(child.cmdline()[-1]).read_text())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        child.resume()
+        assert wait_for(lambda: not _alive(child.pid), timeout=60), "the build child outlived the agent"
+        assert not Path(job["out_path"]).exists(), "the build child finished its build after the agent died"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        if child is not None and _alive(child.pid):
+            child.kill()
+    restart = start_agent(config, {}, "--duration", "2")
+    _, err = restart.communicate(timeout=240)
+    assert restart.returncode == 0, err
+    store = StateStore(tmp_path / "state" / "state.db")
+    try:
+        assert store.query("SELECT state, reason FROM deployments")[0] == {"state": "failed", "reason": "INTERRUPTED"}
+        assert store.model_slot("active")["version"] == "1.0.0"
+    finally:
+        store.close()
 
 
 def _alive(pid: int) -> bool:

@@ -85,16 +85,21 @@ def test_status_before_any_run(agent_env) -> None:
     assert json.loads(result.stdout)["state"] == "never_run"
 
 
-def test_bad_model_path_fails_with_exit_2(agent_env, tmp_path: Path) -> None:
-    result = run_cli("run", "--duration", "1", timeout=120)
-    assert result.returncode == 0 or result.returncode == 1  # sanity: defaults are runnable
-    env_bad = tmp_path / "nope.onnx"
-    os.environ["EDGE_AGENT_MODEL__PATH"] = str(env_bad)
-    try:
-        bad = run_cli("run", "--duration", "1")
-    finally:
-        del os.environ["EDGE_AGENT_MODEL__PATH"]
-    assert bad.returncode == 2 and "model.path" in bad.stderr
+@pytest.mark.parametrize("via", ["environment", "config file"])
+def test_bad_model_path_fails_with_exit_2(agent_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via: str) -> None:
+    """A missing model is invalid configuration (exit 2, naming the field and the path), not a failed run."""
+    missing = tmp_path / "nope.onnx"
+    args: tuple[str, ...] = ()
+    if via == "environment":
+        monkeypatch.setenv("EDGE_AGENT_MODEL__PATH", str(missing))
+    else:
+        config = tmp_path / "agent.toml"
+        config.write_text(f'[model]\npath = "{missing}"\n')
+        args = ("--config", str(config))
+    bad = run_cli("run", *args, "--duration", "1")
+    assert bad.returncode == 2, f"exit {bad.returncode}: {bad.stderr[-1000:]}"
+    assert "model.path" in bad.stderr and "nope.onnx" in bad.stderr, bad.stderr
+    assert "run summary" not in bad.stdout
 
 
 @pytest.mark.slow
