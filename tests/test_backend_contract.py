@@ -12,10 +12,13 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnxruntime as ort
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engines import cuda_mem
 from engines.backends import BACKENDS, get_backend
@@ -265,8 +268,13 @@ def test_profiles_cover_dynamic_inputs_only(no_gpu, tmp_path: Path) -> None:
     assert info.value.code == "MODEL_SHAPE_MISMATCH"
 
 
-@pytest.mark.parametrize("free_mb,workspace_mb,expected_mb", [(1000, 2048, 750), (1000, 256, 256), (1000, None, 500),
-                                                              (None, 256, 256), (None, None, None)])
+@pytest.mark.parametrize("free_mb,workspace_mb,expected_mb", [
+    pytest.param(1000, 2048, 750, id="request-over-3/4-of-free-is-capped-at-3/4"),  # a quarter stays for the loop
+    pytest.param(1000, 256, 256, id="request-that-fits-is-honoured"),
+    pytest.param(1000, None, 500, id="auto-is-half-of-free"),
+    pytest.param(None, 256, 256, id="free-unknown-request-honoured"),
+    pytest.param(None, None, None, id="nothing-known-tensorrt-default"),  # no pool limit set at all
+])
 def test_workspace_respects_free_device_memory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, free_mb, workspace_mb,
                                                expected_mb) -> None:
     monkeypatch.setattr(tb, "free_device_memory", lambda: free_mb and free_mb << 20)
@@ -274,6 +282,48 @@ def test_workspace_respects_free_device_memory(monkeypatch: pytest.MonkeyPatch, 
     tb.build_serialized(trt, tmp_path / "m.onnx", _spec(workspace_mb=workspace_mb), None, lambda *a, **k: None, report)
     assert report["workspace_mb"] == expected_mb
     assert trt._record["pool"].get("WORKSPACE") == (expected_mb << 20 if expected_mb else None)
+
+
+class _PoolConfig:
+    """Records `set_memory_pool_limit` the way TensorRT's IBuilderConfig takes it."""
+
+    def __init__(self) -> None:
+        self.limits: dict[str, int] = {}
+
+    def set_memory_pool_limit(self, pool: str, size: int) -> None:
+        self.limits[pool] = size
+
+
+def _workspace_bytes(free_mb: int | None, workspace_mb: int | None) -> int | None:
+    trt, config = SimpleNamespace(MemoryPoolType=SimpleNamespace(WORKSPACE="WORKSPACE")), _PoolConfig()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tb, "free_device_memory", lambda: None if free_mb is None else free_mb * tb.MB)
+        reported = tb.set_workspace(trt, config, workspace_mb)
+    limit = config.limits.get("WORKSPACE")
+    assert reported == (None if limit is None else limit // tb.MB)  # the report says what was set
+    return limit
+
+
+@given(st.one_of(st.none(), st.integers(1, 1 << 18)), st.one_of(st.none(), st.integers(1, 1 << 18)),
+       st.integers(0, 1 << 18))
+def test_workspace_rules_hold_for_any_sizes(free_mb: int | None, workspace_mb: int | None, more_mb: int) -> None:
+    """Oracle: the rules docs/engines.md promises, checked for any sizes rather than recomputed: a quarter
+    of free device memory always stays free, a request is a ceiling that is met whenever it fits, auto
+    takes half, and more free memory never gives a smaller workspace."""
+    got = _workspace_bytes(free_mb, workspace_mb)
+    if free_mb is None and workspace_mb is None:
+        assert got is None
+        return
+    assert got is not None
+    if free_mb is not None:
+        assert 4 * got <= 3 * free_mb * tb.MB
+        assert got <= _workspace_bytes(free_mb + more_mb, workspace_mb)
+    if workspace_mb is not None:
+        assert got <= workspace_mb * tb.MB
+        if free_mb is None or 4 * workspace_mb <= 3 * free_mb:
+            assert got == workspace_mb * tb.MB
+    else:
+        assert got == free_mb * tb.MB // 2
 
 
 # --- TensorRT runtime (TrtEngine) on the stand-ins ---------------------------------------------
