@@ -224,13 +224,24 @@ def _run():
     return 0
 
 
+def _line_check(text):
+    # Python 3.10 has no tomllib, and this wheel declares no dependencies (the wheelhouse holds only it):
+    # every line must be blank, a comment, a [table] header or a key = value pair.
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if line and not line.startswith("#") and not line.startswith("[") and "=" not in line:
+            raise ValueError(f"line {number} is not TOML: {line!r}")
+
+
 def _config_check(path):
     try:
-        import tomllib
-    except ImportError:
-        import tomli as tomllib
-    try:
-        tomllib.loads(Path(path).read_text())
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            import tomllib
+        except ImportError:
+            _line_check(text)
+        else:
+            tomllib.loads(text)
     except Exception as exc:
         print(f"invalid config: {exc}", file=sys.stderr)
         return 2
@@ -269,6 +280,40 @@ def _wheel(wheelhouse: Path, version: str = "0.1.0") -> None:
         whl.writestr(f"{dist_info}/RECORD", record + f"{dist_info}/RECORD,,\n")
 
 
+SECRET = "Zq8-role-s3cr3t"
+
+
+def _tls_file(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / "controller-files" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"-----BEGIN {name}-----\n{body}\n-----END {name}-----\n")
+    return path
+
+
+def _assert_secrets_installed(root: Path) -> None:
+    """Modes of what the role wrote (process mode: owned by the connecting user, so modes are the check)."""
+    etc = root / "etc/edge-agent"
+    modes = {p.relative_to(etc).as_posix(): p.stat().st_mode & 0o777 for p in etc.rglob("*") if p.is_file()}
+    assert modes == {"agent.toml": 0o640, "edge-agent.env": 0o600, "mqtt.credentials": 0o600,
+                     "tls/ca.pem": 0o640, "tls/client.key": 0o400}, modes
+    assert f'credentials_file = "{etc / "mqtt.credentials"}"' in (etc / "agent.toml").read_text()
+    assert "[control]" not in (etc / "agent.toml").read_text()  # the socket group is a systemd-mode setting
+    assert json.loads((etc / "mqtt.credentials").read_text()) == {"username": "dev-a", "password": SECRET}
+
+
+def test_stand_in_checks_configs_without_tomllib_or_tomli(tmp_path: Path, monkeypatch) -> None:
+    """On Python 3.10 there is no tomllib, and the stand-in's wheelhouse has no tomli."""
+    for name in ("tomllib", "tomli"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import` of either now raises ImportError
+    namespace: dict = {}
+    exec(compile(STUB, "edge_agent_stub.py", "exec"), namespace)
+    good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+    good.write_text('# managed\ndevice_id = "a"\n\n[mqtt]\nurl = ""\n')
+    bad.write_text("[mqtt]\nthis is not toml\n")
+    assert namespace["_config_check"](str(good)) == 0
+    assert namespace["_config_check"](str(bad)) == 2
+
+
 def _stub_inventory(tmp_path: Path) -> Path:
     inventory = {"edge_devices": {
         "vars": {
@@ -285,6 +330,11 @@ def _stub_inventory(tmp_path: Path) -> Path:
         "hosts": {"dev-a": {
             "edge_agent_root": str(tmp_path / "hosts" / "dev-a"),
             "edge_agent_config": {"device_id": "dev-a", "mqtt": {"url": ""}},
+            # Secrets: none may show up in the playbook's output, --diff included (issue 12, item 14).
+            "edge_agent_env": {"EDGE_AGENT_MQTT__PASSWORD": SECRET},
+            "edge_agent_mqtt_credentials": {"username": "dev-a", "password": SECRET},
+            "edge_agent_tls_files": [{"src": str(_tls_file(tmp_path, "ca.pem", "CERTIFICATE"))},
+                                     {"src": str(_tls_file(tmp_path, "client.key", SECRET))}],
         }},
     }}
     path = tmp_path / "inventory.json"  # JSON is YAML
@@ -311,9 +361,12 @@ def test_role_installs_from_the_wheelhouse(tmp_path: Path) -> None:
         run = run_playbook(tmp_path, inventory, "site.yml", "--check", "--diff")
         assert run.rc == 0, run.output
         assert not root.exists(), sorted(str(p) for p in root.rglob("*"))
+        assert SECRET not in run.output
 
-        run = run_playbook(tmp_path, inventory, "site.yml")
+        run = run_playbook(tmp_path, inventory, "site.yml", "--diff")
         assert run.rc == 0, run.output
+        assert SECRET not in run.output
+        _assert_secrets_installed(root)
         assert (root / "opt/edge-agent/wheelhouse/jetson_edge_agent-0.1.0-py3-none-any.whl").is_file()
         assert "include-system-site-packages = false" in (root / "opt/edge-agent/venv/pyvenv.cfg").read_text()
         assert subprocess.run([str(procctl), "status"], capture_output=True, check=False, timeout=60).returncode == 0
@@ -321,9 +374,10 @@ def test_role_installs_from_the_wheelhouse(tmp_path: Path) -> None:
 
         # Idempotent: pip finds the version installed, nothing changes, the same process keeps running.
         pid = (root / "run/edge-agent/edge-agent.pid").read_text()
-        run = run_playbook(tmp_path, inventory, "site.yml")
+        run = run_playbook(tmp_path, inventory, "site.yml", "--diff")
         assert run.rc == 0, run.output
         assert run.recap["dev-a"]["changed"] == 0, run.output
+        assert SECRET not in run.output
         assert (root / "run/edge-agent/edge-agent.pid").read_text() == pid
     finally:
         if procctl.exists():
