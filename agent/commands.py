@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Protocol, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from agent.artifacts.urlpolicy import Channel
 from agent.mqtt.config import RESULTS_RATE_BOUNDS, TELEMETRY_INTERVAL_BOUNDS
 from engines.errors import EdgeError
 from engines.registry import Registry, UnknownPluginError
@@ -41,7 +42,8 @@ class AgentControl(Protocol):
         """Active model, deployment in progress, health, last telemetry."""
         ...
 
-    def deploy(self, url: str, timeout_s: float | None) -> dict:
+    def deploy(self, url: str, timeout_s: float | None, *, allow_downgrade: bool = False,
+               channel: Channel = "mqtt") -> dict:
         """Start a deployment and return at once: {"accepted": True, "deployment_id": ...}."""
         ...
 
@@ -72,17 +74,33 @@ class Envelope(_Strict):
     id: str = Field(min_length=1, max_length=MAX_ID_CHARS, description="Unique per request; replies echo it.")
     command: str = Field(min_length=1, max_length=64, description="Command name.")
     args: dict[str, Any] = Field(default_factory=dict, description="Arguments of the command.")
+    _channel: Channel = PrivateAttr(default="mqtt")  # set by the transport that received it, never by the sender
 
 
 class NoArgs(_Strict):
     """Commands that take no arguments."""
 
 
-class DeployArgs(_Strict):
+class _Channelled(_Strict):
+    """Args of a command whose rules depend on where it came from; the dispatcher sets the channel, never the sender."""
+
+    _channel: Channel = PrivateAttr(default="mqtt")
+
+    @property
+    def channel(self) -> Channel:
+        """`local` (control socket) or `mqtt` (remote)."""
+        return self._channel
+
+
+class DeployArgs(_Channelled):
     """deploy: fetch, verify, build, validate and activate the artifact at `url`."""
 
-    url: str = Field(min_length=1, max_length=2048, description="Manifest URL (https://, http://, file://).")
+    url: str = Field(min_length=1, max_length=2048,
+                     description="Manifest URL: https:// (http:// when allowed; file:// from the control socket only).")
     timeout_s: Optional[float] = Field(default=None, gt=0, le=86400, description="Give up after this long.")
+    allow_downgrade: bool = Field(default=False, description="Accept a version older than the highest deployed.")
+
+
 
 
 class SetConfigArgs(_Strict):
@@ -136,7 +154,7 @@ def _status(control: AgentControl, args: NoArgs) -> dict:
 
 @command("deploy", DeployArgs, "Start a deployment; replies at once, progress follows as events.")
 def _deploy(control: AgentControl, args: DeployArgs) -> dict:
-    return control.deploy(args.url, args.timeout_s)
+    return control.deploy(args.url, args.timeout_s, allow_downgrade=args.allow_downgrade, channel=args.channel)
 
 
 @command("rollback", NoArgs, "Return to the previous active model.")
@@ -237,13 +255,14 @@ class CommandDispatcher:
         self._running: set[str] = set()
         self._running_lock = threading.Lock()
 
-    def dispatch(self, payload: bytes | bytearray | memoryview | str) -> dict[str, Any]:
-        """Answer one request; never raises (a broken handler becomes an INTERNAL reply)."""
+    def dispatch(self, payload: bytes | bytearray | memoryview | str, channel: Channel = "mqtt") -> dict[str, Any]:
+        """Answer one request that arrived on `channel`; never raises (a broken handler becomes an INTERNAL reply)."""
         raw = payload.encode("utf-8", "surrogatepass") if isinstance(payload, str) else bytes(payload)
         try:
             envelope = self._envelope(self._decode(raw))
         except _Rejected as rejected:
             return rejected.reply
+        envelope._channel = channel
         return self._run_once(envelope)
 
     def _decode(self, raw: bytes) -> Any:
@@ -293,6 +312,8 @@ class CommandDispatcher:
             args = spec.args.model_validate(envelope.args)
         except ValidationError as exc:
             return error_reply(envelope.id, "INVALID_COMMAND", describe_errors(exc, "args"))
+        if isinstance(args, _Channelled):
+            args._channel = envelope._channel
         reply = self._call(envelope, spec, args)
         self.replies.put(envelope.id, envelope.command, reply)
         return reply

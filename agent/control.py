@@ -50,9 +50,11 @@ class AgentController:
             "ts": time.time(),
         }
 
-    def deploy(self, url: str, timeout_s: float | None) -> dict:
-        """Accept a deployment; progress follows as events."""
-        return self.agent.manager.request(url)
+    def deploy(self, url: str, timeout_s: float | None, *, allow_downgrade: bool = False,
+               channel: str = "mqtt") -> dict:
+        """Accept a deployment (URL policy of `channel`, deadline `timeout_s`); progress follows as events."""
+        return self.agent.manager.request(url, timeout_s=timeout_s, allow_downgrade=allow_downgrade,
+                                          channel=channel)
 
     def rollback(self) -> dict:
         """Back to the previous model."""

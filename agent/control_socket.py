@@ -1,7 +1,8 @@
 """Local control socket: one JSON request line in, one JSON reply line out, over a Unix stream socket.
 
-`edge-agent deploy`/`rollback` use it; the requests go through the same dispatcher as MQTT commands.
-The socket is mode 0660 so only the agent's user and group (operators added to it) can talk to it.
+`edge-agent deploy`/`rollback` use it; the requests go through the same dispatcher as MQTT commands,
+marked as the `local` channel (only local requests may deploy `file://` URLs). The socket is mode 0660
+so only the agent's user and group (operators added to it) can talk to it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from engines.errors import EdgeError
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 64 * 1024
-Dispatch = Callable[[bytes], dict]
+Dispatch = Callable[..., dict]  # dispatch(payload: bytes, channel="local") -> reply
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -30,7 +31,7 @@ class _Handler(socketserver.StreamRequestHandler):
 
     def handle(self) -> None:
         line = self.rfile.readline(MAX_REQUEST_BYTES + 1)
-        reply = self.server.dispatch(line.rstrip(b"\n"))  # type: ignore[attr-defined]
+        reply = self.server.dispatch(line.rstrip(b"\n"), channel="local")  # type: ignore[attr-defined]
         self.wfile.write(json.dumps(reply).encode() + b"\n")
 
 

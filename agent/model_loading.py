@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 
 from agent.artifacts.config import ArtifactsConfig
-from agent.artifacts.trust import ensure_demo_key, package_demo, verify_artifact
+from agent.artifacts.trust import demo_trust, deployment_trust, package_demo, verify_artifact
 from agent.config import AgentConfig
 from agent.state import state_db_path
 from engines.backends.base import EngineOptions
@@ -52,16 +52,18 @@ class ModelLoader:
     def __init__(self, config: AgentConfig, stop_event: threading.Event) -> None:
         self.config = config
         self.stop_event = stop_event
-        self.artifacts = self._artifacts_config(config)
+        if config.model.path is None:  # demo mode: the key exists before deployment trust is derived
+            self.demo_artifacts()
+        # What deployments (and the deployment manager) trust: the configured keys only, and never the
+        # demo key, whose private half lives on this device (state_dir/keys/demo.key).
+        self.artifacts = deployment_trust(config.artifacts, config.state_dir)
 
-    @staticmethod
-    def _artifacts_config(config: AgentConfig) -> ArtifactsConfig:
-        """Configured trust; in demo mode (no model configured) the locally generated demo key is trusted too."""
-        artifacts = config.artifacts
-        if config.model.path is None:
-            _, public = ensure_demo_key(config.state_dir)
-            artifacts = artifacts.model_copy(update={"trusted_keys": [*artifacts.trusted_keys, str(public)]})
-        return artifacts
+    def demo_artifacts(self) -> ArtifactsConfig:
+        """Trust for the local demo artifact only: the on-device demo key and nothing else."""
+        return demo_trust(self.config.artifacts, self.config.state_dir)
+
+    def _trust(self, origin: str) -> ArtifactsConfig:
+        return self.demo_artifacts() if origin == "demo" else self.artifacts
 
     def initial_source(self, active_row: dict[str, Any] | None, emit: Callable[..., None]) -> tuple[ModelSource, str]:
         """The deployed active model when it still verifies, else the configured (or demo) model."""
@@ -73,7 +75,7 @@ class ModelLoader:
                           active_row["name"], active_row["version"], exc.code, exc)
                 emit("model_invalid", path=active_row["path"], code=exc.code, message=str(exc))
         if self.config.model.path is None:
-            return verify_artifact(package_demo(self.config.state_dir), self.artifacts), "demo"
+            return verify_artifact(package_demo(self.config.state_dir), self.demo_artifacts()), "demo"
         return load_model(self.config.model.path), "config"
 
     def provision(self, source: ModelSource, on_progress: Progress | None = None,
@@ -101,7 +103,7 @@ class ModelLoader:
 
     def load_path(self, path: Path, origin: str) -> LoadedModel:
         """Verify the artifact at `path` again (deployed ones are signed), then provision and load."""
-        source = verify_artifact(path, self.artifacts) if origin in ("deployment", "demo") else load_model(path)
+        source = verify_artifact(path, self._trust(origin)) if origin in ("deployment", "demo") else load_model(path)
         return self.load(source, origin)
 
     def reload(self, loaded: LoadedModel) -> LoadedModel:

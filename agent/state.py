@@ -63,7 +63,14 @@ def _m003_planes(db: sqlite_utils.Database) -> None:
         ensure(db.conn)
 
 
-MIGRATIONS: list[Migration] = [_m001_core, _m002_deployments, _m003_planes]
+def _m004_model_versions(db: sqlite_utils.Database) -> None:
+    """Highest deployed version per model name (the downgrade rule; agent.deployments.versions owns it)."""
+    from agent.deployments.versions import ensure_schema
+
+    ensure_schema(db.conn)
+
+
+MIGRATIONS: list[Migration] = [_m001_core, _m002_deployments, _m003_planes, _m004_model_versions]
 
 
 class StateStoreError(EdgeError):

@@ -175,6 +175,7 @@ def fetch(
     allow_unsigned: bool = typer.Option(False, "--allow-unsigned", help="Accept an unsigned artifact."),
     ca_file: Optional[Path] = typer.Option(None, "--ca-file", help="CA bundle for https (replaces the system store)."),
     limit_kbps: int = typer.Option(0, "--limit-kbps", help="Bandwidth cap in kbit/s; 0 = none."),
+    allow_http: bool = typer.Option(False, "--allow-http", help="Accept a plain http:// URL (artifacts.allow_http)."),
 ) -> None:
     """Download and verify an artifact exactly as a device would (to test a published artifact)."""
     from agent.artifacts.fetch import fetch_artifact
@@ -184,7 +185,8 @@ def fetch(
         if event["bytes"] == event["total"]:
             typer.echo(f"  {event['file']}: {event['total']} bytes", err=True)
 
-    config = trust_config(trust, allow_unsigned=allow_unsigned, ca_file=ca_file, bandwidth_limit_kbps=limit_kbps)
+    config = trust_config(trust, allow_unsigned=allow_unsigned, ca_file=ca_file, bandwidth_limit_kbps=limit_kbps,
+                          allow_http=allow_http)
     path = _run(lambda: fetch_artifact(url, out, config, on_progress=progress))
     typer.echo(f"fetched and verified {url} into {path}")
 

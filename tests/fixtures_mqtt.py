@@ -311,6 +311,7 @@ class FakeControl:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
+        self.deploy_options: dict[str, Any] = {}
         self.config: dict[str, Any] = {"telemetry_interval_s": 5.0, "results_rate_hz": 1.0, "log_level": "INFO"}
         self.fail_rollback = False
         self.crash_engines = False
@@ -319,8 +320,9 @@ class FakeControl:
         self.calls.append(("status", None))
         return {"state": "online", "model": {"name": "demo-det", "version": "1.0.0"}}
 
-    def deploy(self, url: str, timeout_s: float | None) -> dict:
+    def deploy(self, url: str, timeout_s: float | None, **options: Any) -> dict:
         self.calls.append(("deploy", (url, timeout_s)))
+        self.deploy_options = options  # allow_downgrade, channel
         return {"accepted": True, "deployment_id": f"dep-{len(self.calls)}"}
 
     def rollback(self) -> dict:

@@ -17,6 +17,7 @@ from agent.runner import Agent
 from deploy.cli import app as deploy_app
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
 from tests.helpers import wait_for
+from tests.http_server import ArtifactServer
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +28,15 @@ def live(tmp_path: Path, mqtt_broker, collector_factory):
     v1 = make_artifact(tmp_path / "pub" / "v1", "1.0.0", private)
     v2 = make_artifact(tmp_path / "pub" / "v2", "2.0.0", private)
     settings = agent_settings(tmp_path, public, v1, device_id="cam-01",
-                              mqtt={"url": mqtt_broker.url, "telemetry_interval_s": 1.0})
+                              mqtt={"url": mqtt_broker.url, "telemetry_interval_s": 1.0},
+                              artifacts={"allow_http": True})  # remote deploys need http(s); file:// is local only
     collector = collector_factory(mqtt_broker.url, ["edge/cam-01/#"])
     agent = Agent(AgentConfig(**settings))
-    agent.start()
-    yield {"agent": agent, "collector": collector, "broker": mqtt_broker, "url2": (v2 / "manifest.json").as_uri()}
-    agent.stop()
+    with ArtifactServer(tmp_path / "pub") as server:
+        agent.start()
+        yield {"agent": agent, "collector": collector, "broker": mqtt_broker, "url2": server.url("v2/manifest.json"),
+               "file2": (v2 / "manifest.json").as_uri()}
+        agent.stop()
 
 
 def send(broker, *args: str) -> tuple[int, dict]:
@@ -74,6 +78,8 @@ def test_status_telemetry_and_commands_over_a_real_broker(live) -> None:
 
 def test_deploy_over_mqtt_reports_progress_as_events(live) -> None:
     agent, collector, broker = live["agent"], live["collector"], live["broker"]
+    code, reply = send(broker, "deploy", "--arg", f"url={live['file2']}")
+    assert code == 1 and reply["error"]["code"] == "ARTIFACT_URL_REFUSED"  # file:// never from a remote command
     code, reply = send(broker, "deploy", "--arg", f"url={live['url2']}")
     assert code == 0 and reply["result"]["accepted"]
     dep_id = reply["result"]["deployment_id"]

@@ -1,4 +1,7 @@
-"""Deployments under a running loop: real artifacts, real engine builds and gates, real swaps."""
+"""Deployments under a running loop: real artifacts, real engine builds and gates, real swaps.
+
+Artifacts are published as file:// URLs, which only the local channel (the control socket) may deploy.
+"""
 
 from __future__ import annotations
 
@@ -41,9 +44,9 @@ def running_agent(tmp_path: Path, published):
 
 def test_overlap_swap_loses_no_frame_and_rollback_restores(running_agent, published) -> None:
     agent = running_agent()
-    reply = agent.manager.request(published["url2"])
+    reply = agent.manager.request(published["url2"], channel="local")
     assert reply["accepted"] and not reply["joined"]
-    assert agent.manager.request(published["url2"])["joined"]  # same manifest: joins
+    assert agent.manager.request(published["url2"], channel="local")["joined"]  # same manifest: joins
     assert wait_terminal(agent, reply["deployment_id"]) == "active"
     dep = agent.deployments.get(reply["deployment_id"])
     states = [t["state"] for t in agent.deployments.transitions(dep.id)]
@@ -66,7 +69,7 @@ def test_overlap_swap_loses_no_frame_and_rollback_restores(running_agent, publis
 
 def test_stop_start_swap_reports_its_gap(running_agent, published) -> None:
     agent = running_agent(deployments={"swap_strategy": "stop_start"})
-    dep_id = agent.manager.request(published["url2"])["deployment_id"]
+    dep_id = agent.manager.request(published["url2"], channel="local")["deployment_id"]
     assert wait_terminal(agent, dep_id) == "active"
     swap = [e for e in agent.store.events(50) if e["type"] == "deployment" and e["payload"].get("state") == "active"]
     assert swap and swap[0]["payload"]["swap"]["strategy"] == "stop_start"
@@ -77,7 +80,7 @@ def test_stop_start_swap_reports_its_gap(running_agent, published) -> None:
 def test_candidate_failing_its_latency_gate_never_becomes_active(running_agent, published, tmp_path: Path) -> None:
     slow = make_artifact(tmp_path / "pub" / "slow", "3.0.0", published["private"], budget_ms=0.001)
     agent = running_agent()
-    dep_id = agent.manager.request((slow / "manifest.json").as_uri())["deployment_id"]
+    dep_id = agent.manager.request((slow / "manifest.json").as_uri(), channel="local")["deployment_id"]
     assert wait_terminal(agent, dep_id) == "failed"
     dep = agent.deployments.get(dep_id)
     assert dep.reason == "GATE_LATENCY"
@@ -90,7 +93,7 @@ def test_candidate_failing_its_latency_gate_never_becomes_active(running_agent, 
 def test_watch_window_rolls_back_when_fps_falls_below_the_floor(running_agent, published) -> None:
     """A 5 fps camera under a 50 fps floor: the new model cannot meet it, the watch rolls back with the numbers."""
     agent = running_agent(deployments={"watch_window_s": 60.0, "min_fps": 50.0})
-    dep_id = agent.manager.request(published["url2"])["deployment_id"]
+    dep_id = agent.manager.request(published["url2"], channel="local")["deployment_id"]
     assert wait_terminal(agent, dep_id, timeout=300, states=("failed", "rolled_back")) == "rolled_back"
     dep = agent.deployments.get(dep_id)
     assert dep.reason == "WATCH_FPS" and dep.details["watch"]["fps"] < 50.0
@@ -118,7 +121,7 @@ def test_refused_artifacts_keep_the_old_model(running_agent, published, tmp_path
     else:
         (bad / "manifest.json.sig").unlink()
     agent = running_agent()
-    dep_id = agent.manager.request((bad / "manifest.json").as_uri())["deployment_id"]
+    dep_id = agent.manager.request((bad / "manifest.json").as_uri(), channel="local")["deployment_id"]
     assert wait_terminal(agent, dep_id) == "failed"
     assert agent.deployments.get(dep_id).reason == code
     assert agent.active.source.manifest.version == "1.0.0"
@@ -131,14 +134,14 @@ def test_second_deployment_while_busy_is_refused(running_agent, published, tmp_p
 
     other = make_artifact(tmp_path / "pub" / "v3", "3.0.0", published["private"])
     agent = running_agent()
-    first = agent.manager.request(published["url2"])["deployment_id"]
+    first = agent.manager.request(published["url2"], channel="local")["deployment_id"]
     with pytest.raises(BusyError) as info:
-        agent.manager.request((other / "manifest.json").as_uri())
+        agent.manager.request((other / "manifest.json").as_uri(), channel="local")
     assert info.value.code == "BUSY"
     assert wait_terminal(agent, first) == "active"
     # The row says active just before the worker lets go of the deployment: wait for the worker itself.
     assert wait_for(lambda: _no_deployment_in_progress(agent)), "the first deployment never released the worker"
-    second = agent.manager.request((other / "manifest.json").as_uri())  # free again after the first ends
+    second = agent.manager.request((other / "manifest.json").as_uri(), channel="local")  # free again after the first ends
     assert wait_terminal(agent, second["deployment_id"]) == "active"
 
 

@@ -59,8 +59,9 @@ def server(published: Path):  # type: ignore[no-untyped-def]
 
 
 def config(key: KeyInfo, **fields: object) -> ArtifactsConfig:
-    """Device config trusting `key`, with fast retries for tests."""
-    base = {"trusted_keys": [str(key.public)], "retry_backoff_s": 0.01, "connect_timeout_s": 5, "read_timeout_s": 5}
+    """Device config trusting `key`, with fast retries for tests; the loopback server speaks plain http."""
+    base = {"trusted_keys": [str(key.public)], "retry_backoff_s": 0.01, "connect_timeout_s": 5, "read_timeout_s": 5,
+            "allow_http": True}
     return ArtifactsConfig(**{**base, **fields})  # type: ignore[arg-type]
 
 
@@ -353,11 +354,14 @@ def test_cli_fetch(tmp_path: Path, key: KeyInfo, server: ArtifactServer) -> None
     from deploy.cli import app
 
     result = CliRunner().invoke(
-        app, ["fetch", server.url("manifest.json"), "-o", str(tmp_path / "d"), "--trust", str(key.public)]
+        app, ["fetch", server.url("manifest.json"), "-o", str(tmp_path / "d"), "--trust", str(key.public), "--allow-http"]
     )
     assert result.exit_code == 0, result.output
-    bad = CliRunner().invoke(app, ["fetch", server.url("manifest.json"), "-o", str(tmp_path / "e")])
+    bad = CliRunner().invoke(app, ["fetch", server.url("manifest.json"), "-o", str(tmp_path / "e"), "--allow-http"])
     assert bad.exit_code == 1 and "ARTIFACT_SIGNATURE_INVALID" in bad.output
+    plain = CliRunner().invoke(app, ["fetch", server.url("manifest.json"), "-o", str(tmp_path / "f"),
+                                     "--trust", str(key.public)])
+    assert plain.exit_code == 1 and "ARTIFACT_URL_REFUSED" in plain.output
     assert json.loads((tmp_path / "d" / "manifest.json").read_bytes())["name"] == "tiny"
 
 
@@ -409,11 +413,10 @@ def test_connection_refused_is_retried_then_fails(tmp_path: Path, key: KeyInfo) 
 def test_redirect_from_https_to_http_is_refused() -> None:
     import urllib.request
 
-    from agent.artifacts.transport import FetchError, _NoDowngradeRedirect
+    from agent.artifacts.transport import FetchError, _PolicyRedirect
 
+    redirect = _PolicyRedirect(ArtifactsConfig(allow_http=True))  # even where http is allowed
     request = urllib.request.Request("https://models.example/a/manifest.json")
     with pytest.raises(FetchError, match="refusing redirect"):
-        _NoDowngradeRedirect().redirect_request(
-            request, None, 302, "Found", {}, "http://models.example/a/manifest.json"
-        )
-    assert _NoDowngradeRedirect().redirect_request(request, None, 302, "Found", {}, "https://cdn.example/m.json")
+        redirect.redirect_request(request, None, 302, "Found", {}, "http://models.example/a/manifest.json")
+    assert redirect.redirect_request(request, None, 302, "Found", {}, "https://cdn.example/m.json")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from agent.artifacts.keys import is_inline_key
 
@@ -47,6 +49,42 @@ class ArtifactsConfig(BaseModel):
     min_free_mb: int = Field(
         256, ge=0, description="Free disk space (MiB) that must remain after the download; checked before it starts."
     )
+    allowed_urls: list[str] = Field(
+        default_factory=list,
+        description=(
+            "URL prefixes artifacts may be fetched from, e.g. `https://models.example.com/fleet/`; a URL matches "
+            "when scheme, host and port are equal and its path starts with the prefix's path. Empty: any https URL."
+        ),
+    )
+    allow_http: bool = Field(
+        False, description="Accept plain http:// artifact URLs (no transport security; development networks only)."
+    )
+    fetch_timeout_s: float = Field(
+        3600.0, gt=0, le=86400,
+        description="Longest a whole artifact download may take; a deploy command's timeout_s shortens it.",
+    )
+    # Key ids refused whatever trusted_keys says (the device's own demo key for deployments); set in code only.
+    _refused_key_ids: frozenset[str] = PrivateAttr(default_factory=frozenset)
+
+    @property
+    def refused_key_ids(self) -> frozenset[str]:
+        """Signing key ids this trust never accepts, even when listed in trusted_keys or allow_unsigned is on."""
+        return self._refused_key_ids
+
+    def refusing(self, key_ids: set[str] | frozenset[str]) -> "ArtifactsConfig":
+        """A copy that also refuses signatures by `key_ids`."""
+        copy = self.model_copy()
+        copy._refused_key_ids = frozenset(self._refused_key_ids | set(key_ids))
+        return copy
+
+    @field_validator("allowed_urls")
+    @classmethod
+    def _prefixes_are_urls(cls, value: list[str]) -> list[str]:
+        for index, entry in enumerate(value):
+            parts = urlsplit(entry.strip())
+            if parts.scheme not in ("https", "http") or not parts.hostname:
+                raise ValueError(f"allowed_urls[{index}] {entry!r}: must be an https:// (or http://) URL prefix with a host")
+        return value
 
     @field_validator("trusted_keys")
     @classmethod

@@ -4,6 +4,10 @@ Layout while fetching `dest_dir`: everything goes to `dest_dir.partial/`, each f
 `.incoming/<sha256>.part` (resumed with HTTP Range after a broken connection), then fsync'ed and
 renamed to its name. Only when the whole directory passes `verify_artifact` is it renamed to
 `dest_dir`, so `dest_dir` existing means a complete, verified artifact.
+
+Every URL passes the URL policy of the requesting channel (agent.artifacts.urlpolicy). A whole fetch
+has one deadline (`artifacts.fetch_timeout_s`, shortened by `timeout_s`); a watcher thread shuts the
+connection down when the deadline passes or the stop event is set, so neither waits for a slow server.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 from urllib.parse import quote, urljoin, urlsplit, urlunsplit
 
 from agent.artifacts.config import ArtifactsConfig
@@ -39,6 +44,7 @@ from agent.artifacts.trust import (
     unique_entries,
     verify_artifact,
 )
+from agent.artifacts.urlpolicy import LOCAL, Channel
 from engines.errors import EdgeError
 from engines.fsutil import atomic_write_bytes, fsync_dir
 from engines.manifest import MANIFEST_NAME, ArtifactHashError, Manifest, ModelFile, sha256_file
@@ -49,6 +55,14 @@ MAX_BACKOFF_S = 60.0
 INCOMING = ".incoming"
 # A trusted-key config problem or a signed model that cannot load is not fixed by downloading it again.
 NOT_REFETCHABLE = {"KEY_INVALID", "MODEL_LOAD_FAILED"}
+WATCH_INTERVAL_S = 0.1
+ManifestCheck = Callable[[Manifest], None]
+
+
+class FetchTimeout(FetchError):
+    """The fetch did not finish before its deadline (artifacts.fetch_timeout_s or the command's timeout_s)."""
+
+    code = "ARTIFACT_FETCH_TIMEOUT"
 
 
 def fetch_artifact(
@@ -57,14 +71,18 @@ def fetch_artifact(
     config: ArtifactsConfig,
     on_progress: ProgressCallback | None = None,
     stop_event: threading.Event | None = None,
+    *,
+    channel: Channel = LOCAL,
+    timeout_s: float | None = None,
 ) -> Path:
     """Fetch, verify and atomically publish an artifact at `dest_dir`; an existing verified one is reused."""
     dest_dir = Path(dest_dir)
     if dest_dir.exists() and _reusable(dest_dir, config):
         return dest_dir
-    fetcher = _Fetcher(config, stop_event or threading.Event())
-    remote = _remote_manifest(fetcher, manifest_url, config)
-    return _download_artifact(fetcher, remote, dest_dir, on_progress)
+    fetcher = _Fetcher(config, stop_event or threading.Event(), channel, timeout_s)
+    with fetcher.watching():
+        remote = _remote_manifest(fetcher, manifest_url, config)
+        return _download_artifact(fetcher, remote, dest_dir, on_progress)
 
 
 def fetch_into(
@@ -73,18 +91,26 @@ def fetch_into(
     config: ArtifactsConfig,
     on_progress: ProgressCallback | None = None,
     stop_event: threading.Event | None = None,
+    *,
+    channel: Channel = LOCAL,
+    timeout_s: float | None = None,
+    check_manifest: ManifestCheck | None = None,
 ) -> Path:
     """Like fetch_artifact into `store_dir/<name>-<version>-<manifest sha256[:16]>` (content-addressed).
 
     A URL republished with new content gets a new directory instead of reusing (or overwriting) the
     old one, which may be the active model. Costs one manifest request even when nothing changed.
+    `check_manifest` sees the verified manifest before any file is downloaded (e.g. the downgrade rule).
     """
-    fetcher = _Fetcher(config, stop_event or threading.Event())
-    remote = _remote_manifest(fetcher, manifest_url, config)
-    dest_dir = Path(store_dir) / artifact_dirname(remote.manifest, remote.manifest_bytes)
-    if dest_dir.exists() and _reusable(dest_dir, config):
-        return dest_dir
-    return _download_artifact(fetcher, remote, dest_dir, on_progress)
+    fetcher = _Fetcher(config, stop_event or threading.Event(), channel, timeout_s)
+    with fetcher.watching():
+        remote = _remote_manifest(fetcher, manifest_url, config)
+        if check_manifest is not None:
+            check_manifest(remote.manifest)
+        dest_dir = Path(store_dir) / artifact_dirname(remote.manifest, remote.manifest_bytes)
+        if dest_dir.exists() and _reusable(dest_dir, config):
+            return dest_dir
+        return _download_artifact(fetcher, remote, dest_dir, on_progress)
 
 
 def artifact_dirname(manifest: Manifest, manifest_bytes: bytes) -> str:
@@ -200,9 +226,12 @@ def _check_disk(partial: Path, entries: list[ModelFile], config: ArtifactsConfig
 class _Fetcher:
     """Downloads with retries, backoff, resume and an optional bandwidth cap."""
 
-    def __init__(self, config: ArtifactsConfig, stop: threading.Event) -> None:
+    def __init__(self, config: ArtifactsConfig, stop: threading.Event, channel: Channel = LOCAL,
+                 timeout_s: float | None = None) -> None:
         self.config, self.stop = config, stop
-        self.transport = Transport(config)
+        self.timeout_s = min(config.fetch_timeout_s, timeout_s if timeout_s is not None else config.fetch_timeout_s)
+        self.deadline = time.monotonic() + self.timeout_s
+        self.transport = Transport(config, channel)
         self.progress = Progress(None, 0)
         self.bucket: TokenBucket | None = None
         if config.bandwidth_limit_kbps:
@@ -210,6 +239,37 @@ class _Fetcher:
             self.bucket = TokenBucket(rate, capacity=max(1024.0, min(rate / 4, CHUNK)))
         self.chunk = int(min(CHUNK, self.bucket.capacity)) if self.bucket else CHUNK
         self.validators: dict[str, str] = {}
+
+    def check(self) -> None:
+        """Raise when the fetch was cancelled (stop event) or its deadline has passed."""
+        if self.stop.is_set():
+            raise cancelled()
+        if time.monotonic() >= self.deadline:
+            raise FetchTimeout(f"the artifact download did not finish within {self.timeout_s:g} s "
+                               "(deploy timeout_s or artifacts.fetch_timeout_s)")
+
+    def _sleep(self, delay: float) -> None:
+        """Wait `delay` seconds, or less when stopped or when the deadline comes first."""
+        self.stop.wait(max(0.0, min(delay, self.deadline - time.monotonic())))
+        self.check()
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """While the block runs, a watcher aborts the connections once cancelled or overdue."""
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(WATCH_INTERVAL_S):
+                if self.stop.is_set() or time.monotonic() >= self.deadline:
+                    self.transport.abort()  # again each tick: a new connection may have opened meanwhile
+
+        watcher = threading.Thread(target=watch, name="fetch-watch", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            done.set()
+            watcher.join()
 
     def get_manifest(self, manifest_url: str) -> tuple[bytes, bytes | None]:
         """manifest.json (required) and manifest.json.sig (absent: unsigned, trust decides)."""
@@ -232,6 +292,7 @@ class _Fetcher:
             expected = response.header("Content-Length")
         finally:
             response.close()
+        self.check()  # an abort ends the body early; without Content-Length that would look complete
         if len(data) > cap:
             raise EdgeError(f"{url}: over the {cap}-byte limit for this file", code="ARTIFACT_TOO_LARGE")
         if expected is not None and expected.isdigit() and int(expected) != len(data):
@@ -241,8 +302,7 @@ class _Fetcher:
     def _with_retries(self, url: str, attempt: Callable[[], bytes]) -> bytes:
         failures = 0
         while True:
-            if self.stop.is_set():
-                raise cancelled()
+            self.check()
             try:
                 return attempt()
             except Retryable as exc:
@@ -251,12 +311,12 @@ class _Fetcher:
 
     def _backoff(self, url: str, failures: int, exc: Exception) -> None:
         """Sleep before the next attempt, or give up once `retries` attempts in a row made no progress."""
+        self.check()  # an aborted connection looks like a dropped one: say why it really ended
         if failures > self.config.retries:
             raise FetchError(f"{url}: giving up after {failures} failed attempts: {exc}") from exc
         delay = min(MAX_BACKOFF_S, self.config.retry_backoff_s * 2 ** (failures - 1)) if failures else 0.0
         log.warning("fetch %s: %s; retry %d/%d in %.1fs", url, exc, failures, self.config.retries, delay)
-        if self.stop.wait(delay):
-            raise cancelled()
+        self._sleep(delay)
 
     def fetch_file(self, url: str, partial: Path, entry: ModelFile) -> None:
         """One listed file, verified by sha256; a resumed download that does not match is redone from zero."""
@@ -283,8 +343,7 @@ class _Fetcher:
         """Fill `part` up to entry.size; return True when any byte came from a resumed (Range) request."""
         failures, resumed = 0, False
         while True:
-            if self.stop.is_set():
-                raise cancelled()
+            self.check()
             before = _part_size(part, entry.size)
             if before == entry.size:
                 return resumed
@@ -339,8 +398,7 @@ class _Fetcher:
             fh.seek(start)
             try:
                 while have < entry.size:
-                    if self.stop.is_set():
-                        raise cancelled()
+                    self.check()
                     block = response.read(min(self.chunk, entry.size - have))
                     if not block:
                         raise Retryable(f"{entry.file}: connection closed after {have} of {entry.size} bytes")

@@ -25,20 +25,40 @@ def load_proto(path: Path) -> Any:
         raise ModelLoadError(f"{path.name}: not an ONNX model ({type(exc).__name__}: {exc})") from exc
 
 
-def _graph_tensors(graph: Any) -> Iterator[Any]:
-    yield from graph.initializer
-    for sparse in graph.sparse_initializer:
-        yield sparse.values
-        yield sparse.indices
-    for node in graph.node:
+def _sparse(sparse: Any) -> Iterator[Any]:
+    yield sparse.values
+    yield sparse.indices
+
+
+def _node_tensors(nodes: Iterable[Any]) -> Iterator[Any]:
+    """Every tensor in the nodes' attributes: t, tensors, sparse_tensor(s), and inside subgraphs."""
+    for node in nodes:
         for attr in node.attribute:
             if attr.HasField("t"):
                 yield attr.t
             yield from attr.tensors
+            if attr.HasField("sparse_tensor"):
+                yield from _sparse(attr.sparse_tensor)
+            for sparse in attr.sparse_tensors:
+                yield from _sparse(sparse)
             if attr.HasField("g"):
                 yield from _graph_tensors(attr.g)
             for sub in attr.graphs:
                 yield from _graph_tensors(sub)
+
+
+def _graph_tensors(graph: Any) -> Iterator[Any]:
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from _sparse(sparse)
+    yield from _node_tensors(graph.node)
+
+
+def _model_tensors(proto: Any) -> Iterator[Any]:
+    """The main graph and every model-local function: ONNX Runtime loads external data from both."""
+    yield from _graph_tensors(proto.graph)
+    for function in proto.functions:
+        yield from _node_tensors(function.node)
 
 
 def external_data_locations(proto: Any) -> set[str]:
@@ -46,7 +66,7 @@ def external_data_locations(proto: Any) -> set[str]:
     from onnx import TensorProto
 
     found: set[str] = set()
-    for tensor in _graph_tensors(proto.graph):
+    for tensor in _model_tensors(proto):
         if tensor.data_location == TensorProto.EXTERNAL:
             found.update(e.value for e in tensor.external_data if e.key == "location")
     return found

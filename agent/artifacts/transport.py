@@ -2,7 +2,10 @@
 
 urllib + ssl only (no new dependencies): certificate verification is always on (custom CA via
 `artifacts.ca_file`), a redirect may not downgrade https to http, and the connect and read timeouts
-are separate (urllib alone has one timeout for both).
+are separate (urllib alone has one timeout for both). Every URL, redirect targets included, must pass
+the URL policy (agent.artifacts.urlpolicy) for the channel the request came from. `abort()` shuts the
+open sockets down from another thread, so a cancelled or overdue fetch stops even inside a read that
+a trickling server (one byte just inside the read timeout) would otherwise keep going for hours.
 """
 
 from __future__ import annotations
@@ -12,13 +15,16 @@ import http.client
 import os
 import socket
 import ssl
+import threading
 import urllib.error
+import weakref
 import urllib.request
 from pathlib import Path
 from typing import BinaryIO, Protocol
 from urllib.parse import urlsplit
 
 from agent.artifacts.config import ArtifactsConfig
+from agent.artifacts.urlpolicy import LOCAL, REMOTE, Channel, check_url
 from engines.errors import EdgeError
 
 USER_AGENT = "edge-agent-fetch/1"
@@ -95,16 +101,39 @@ class _FileResponse:
         self.fh.close()
 
 
+class _Sockets:
+    """The sockets of one Transport, so another thread can shut them down (abort a blocked read)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: "weakref.WeakSet[socket.socket]" = weakref.WeakSet()
+
+    def add(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._open.add(sock)
+
+    def shutdown(self) -> None:
+        """Wake every read blocked on these sockets (it sees EOF or an error)."""
+        with self._lock:
+            sockets = list(self._open)
+        for sock in sockets:
+            try:  # the plain socket's shutdown: SSLSocket.shutdown would drop its TLS state under a reader
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
+
+
 class _ReadTimeout:
     """Connects within the connect timeout, then reads with the read timeout (after TLS, for HTTPS)."""
 
-    def __init__(self, *args: object, read_timeout: float, **kwargs: object) -> None:
+    def __init__(self, *args: object, read_timeout: float, sockets: _Sockets, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
-        self._read_timeout = read_timeout
+        self._read_timeout, self._sockets = read_timeout, sockets
 
     def connect(self) -> None:
         super().connect()  # type: ignore[misc]
         self.sock.settimeout(self._read_timeout)  # type: ignore[attr-defined]
+        self._sockets.add(self.sock)  # type: ignore[attr-defined]
 
 
 class _TimedHTTPConnection(_ReadTimeout, http.client.HTTPConnection):
@@ -116,28 +145,36 @@ class _TimedHTTPSConnection(_ReadTimeout, http.client.HTTPSConnection):
 
 
 class _HTTPHandler(urllib.request.HTTPHandler):
-    def __init__(self, read_timeout: float) -> None:
+    def __init__(self, read_timeout: float, sockets: _Sockets) -> None:
         super().__init__()
-        self._read_timeout = read_timeout
+        self._read_timeout, self._sockets = read_timeout, sockets
 
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(functools.partial(_TimedHTTPConnection, read_timeout=self._read_timeout), req)
+        factory = functools.partial(_TimedHTTPConnection, read_timeout=self._read_timeout, sockets=self._sockets)
+        return self.do_open(factory, req)
 
 
 class _HTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, context: ssl.SSLContext, read_timeout: float) -> None:
+    def __init__(self, context: ssl.SSLContext, read_timeout: float, sockets: _Sockets) -> None:
         super().__init__(context=context)
-        self._tls, self._read_timeout = context, read_timeout
+        self._tls, self._read_timeout, self._sockets = context, read_timeout, sockets
 
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        factory = functools.partial(_TimedHTTPSConnection, read_timeout=self._read_timeout)
+        factory = functools.partial(_TimedHTTPSConnection, read_timeout=self._read_timeout, sockets=self._sockets)
         return self.do_open(factory, req, context=self._tls)
 
 
-class _NoDowngradeRedirect(urllib.request.HTTPRedirectHandler):
+class _PolicyRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is a new URL: it must pass the same policy, and may not downgrade https to http."""
+
+    def __init__(self, config: ArtifactsConfig) -> None:
+        super().__init__()
+        self._config = config
+
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
         if urlsplit(req.full_url).scheme == "https" and urlsplit(newurl).scheme != "https":
             raise FetchError(f"{req.full_url}: refusing redirect from https to {newurl}")
+        check_url(newurl, self._config, REMOTE)  # never to file://, whoever asked
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -152,25 +189,31 @@ def tls_context(config: ArtifactsConfig) -> ssl.SSLContext:
 class Transport:
     """Opens URLs for the downloader; one per fetch (it owns the TLS context and the opener)."""
 
-    def __init__(self, config: ArtifactsConfig) -> None:
-        self.config = config
+    def __init__(self, config: ArtifactsConfig, channel: Channel = LOCAL) -> None:
+        self.config, self.channel = config, channel
         self._opener: urllib.request.OpenerDirector | None = None
+        self._sockets = _Sockets()
 
     def _get_opener(self) -> urllib.request.OpenerDirector:
         if self._opener is None:
             read_timeout = self.config.read_timeout_s
             self._opener = urllib.request.build_opener(
-                _HTTPHandler(read_timeout),
-                _HTTPSHandler(tls_context(self.config), read_timeout),
-                _NoDowngradeRedirect(),
+                _HTTPHandler(read_timeout, self._sockets),
+                _HTTPSHandler(tls_context(self.config), read_timeout, self._sockets),
+                _PolicyRedirect(self.config),
             )
         return self._opener
+
+    def abort(self) -> None:
+        """Shut down this transport's open connections (any thread): blocked reads return at once."""
+        self._sockets.shutdown()
 
     def open(self, url: str, offset: int = 0, validator: str | None = None) -> Response:
         """GET `url` from byte `offset` (Range, with If-Range when a validator is known)."""
         scheme = urlsplit(url).scheme.lower()
         if scheme not in SCHEMES:
             raise FetchError(f"{url}: unsupported URL scheme {scheme!r} (use http, https or file)")
+        check_url(url, self.config, self.channel)
         if scheme == "file":
             return _open_file(url, offset)
         headers = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}

@@ -18,6 +18,7 @@ from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.keys import (
     MAX_SIG_BYTES,
     KeyFileError,
+    SignatureError,
     SignatureFile,
     decode_signature,
     encode_public,
@@ -62,6 +63,11 @@ def check_signature(manifest_bytes: bytes, sig_bytes: bytes | None, config: Arti
             code="ARTIFACT_UNSIGNED",
         )
     sig = decode_signature(sig_bytes)
+    if sig.key_id in config.refused_key_ids:
+        raise SignatureError(
+            f"manifest signed by key {sig.key_id}, this device's own demo key: it signs only the local demo "
+            "model and is never trusted for a deployment; sign with the fleet key (`edge-deploy package --key`)"
+        )
     trusted = load_trusted_keys(config)
     if config.allow_unsigned and sig.key_id not in trusted:
         log.warning("artifact signed by unknown key %s; accepted as unsigned (allow_unsigned)", sig.key_id)
@@ -210,6 +216,31 @@ def ensure_demo_key(state_dir: Path) -> tuple[Path, Path]:
     write_keypair(private, force=True, pub_path=public)
     log.info("generated the demo signing key %s", private)
     return private, public
+
+
+def demo_key_id(state_dir: Path) -> str | None:
+    """Key id of the device's demo key (state_dir/keys/demo.key or .pub), or None when there is none."""
+    keys_dir = Path(state_dir) / "keys"
+    try:
+        if (keys_dir / "demo.pub").is_file():
+            return key_id(load_public_key(str(keys_dir / "demo.pub")))
+        if (keys_dir / "demo.key").is_file():
+            return key_id(load_private_key(keys_dir / "demo.key").public_key())
+    except KeyFileError as exc:  # unreadable: nothing it signs can verify, but say so
+        log.warning("demo key in %s is unreadable (%s)", keys_dir, exc)
+    return None
+
+
+def deployment_trust(config: ArtifactsConfig, state_dir: Path) -> ArtifactsConfig:
+    """The trust for deployments: the configured keys, never the on-device demo key (its private half is here)."""
+    demo = demo_key_id(state_dir)
+    return config.refusing({demo}) if demo else config
+
+
+def demo_trust(config: ArtifactsConfig, state_dir: Path) -> ArtifactsConfig:
+    """The trust for the local demo artifact only: the demo key alone (created on first use)."""
+    _, public = ensure_demo_key(state_dir)
+    return config.model_copy(update={"trusted_keys": [str(public)], "allow_unsigned": False})
 
 
 def package_demo(state_dir: Path) -> Path:

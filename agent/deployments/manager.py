@@ -13,14 +13,18 @@ import queue
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from agent.artifacts.config import ArtifactsConfig
-from agent.artifacts.fetch import fetch_into
+from agent.artifacts.fetch import FetchTimeout, fetch_into
+from agent.artifacts.transport import FetchError
 from agent.artifacts.trust import verify_artifact
+from agent.artifacts.urlpolicy import Channel, UrlRefused, check_url
 from agent.deployments.config import DeploymentConfig
 from agent.deployments.store import Deployment, DeploymentStore
+from agent.deployments.versions import VersionMemory
 from agent.testhooks import pause_point
 from engines.errors import EdgeError
 from engines.model import ModelSource
@@ -31,6 +35,19 @@ EventSink = Callable[..., None]
 
 
 RESUMABLE = {"ARTIFACT_FETCH_FAILED", "ARTIFACT_NO_SPACE", "INTERRUPTED", "CANCELLED"}
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What the deploy command said besides the URL; kept in memory (an interrupted deployment is not resumed)."""
+
+    channel: Channel = "mqtt"
+    allow_downgrade: bool = False
+    deadline: float | None = None  # time.monotonic() by which the deployment must be active
+
+    def remaining_s(self) -> float | None:
+        """Seconds left before the deadline (None: no deadline from the command)."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
 class BusyError(EdgeError):
@@ -77,14 +94,23 @@ class DeploymentManager(threading.Thread):
         self._rollback_lock = threading.Lock()
         self._current: Deployment | None = None
         self._watching: Deployment | None = None
+        self._options: dict[str, RequestOptions] = {}
+        self.versions = VersionMemory(store.state)
         self.progress: dict[str, Any] = {}
 
     # --- requests (any thread) -----------------------------------------------------------------
 
-    def request(self, url: str) -> dict[str, Any]:
-        """Start a deployment; the same URL while busy joins it; another one is refused with BUSY."""
+    def request(self, url: str, *, timeout_s: float | None = None, allow_downgrade: bool = False,
+                channel: Channel = "mqtt") -> dict[str, Any]:
+        """Start a deployment; the same URL while busy joins it; another one is refused with BUSY.
+
+        The URL must pass the policy of the channel the command came from (ARTIFACT_URL_REFUSED), checked
+        here so the refusal is the command's reply; `timeout_s` bounds the whole deployment up to activation.
+        """
         if not url or len(url) > 2048:
             raise EdgeError("deploy: url must be a non-empty manifest URL", code="INVALID_COMMAND")
+        check_url(url, self.artifacts, channel)
+        options = RequestOptions(channel, allow_downgrade, None if timeout_s is None else time.monotonic() + timeout_s)
         with self._lock:
             current = self._current
             if current is not None:
@@ -94,6 +120,7 @@ class DeploymentManager(threading.Thread):
                                 "retry when it is active or failed")
             dep = self.store.create(url)
             self._current = dep
+            self._options[dep.id] = options
         self._queue.put(dep)
         self.emit("deployment", deployment_id=dep.id, state="requested", url=url)
         return {"accepted": True, "deployment_id": dep.id, "joined": False, "state": "requested"}
@@ -151,10 +178,12 @@ class DeploymentManager(threading.Thread):
     def _deploy(self, dep: Deployment) -> None:
         try:
             source, provisioned = self._prepare(dep)
+            self._check_deadline(dep)
             self._step(dep, "activating")
             swap = self.host.activate(source, provisioned, dep)
             pause_point("activated")
             self.host.commit_active(source, provisioned, dep, self.store)
+            self._remember_version(dep)
             self.emit("deployment", deployment_id=dep.id, state="active", model=f"{dep.model_name}@{dep.model_version}",
                       swap=swap)
             log.info("deployment %s active: %s@%s (swap gap %s ms)", dep.id, dep.model_name, dep.model_version,
@@ -170,15 +199,14 @@ class DeploymentManager(threading.Thread):
             with self._lock:
                 self._current = None
                 self.progress = {}
+                self._options.pop(dep.id, None)
         self._collect_artifacts()
         self._collect_engines()
         self._watch(dep)
 
     def _prepare(self, dep: Deployment) -> tuple[ModelSource, Any]:
         self._step(dep, "fetching")
-        # content-addressed (<name>-<version>-<manifest sha>): a URL republished with new bytes never
-        # overwrites the directory of the model that is serving
-        path = fetch_into(dep.url, self.artifacts_dir, self.artifacts, self._progress(dep), self.stop_event)
+        path = self._fetch(dep, self._options.get(dep.id, RequestOptions()))
         self._step(dep, "verifying", artifact_dir=str(path))
         # fetch already verified everything; this re-hash proves the published directory, not the download
         source = verify_artifact(path, self.artifacts, check_model=False)
@@ -190,6 +218,43 @@ class DeploymentManager(threading.Thread):
         self._step(dep, "ready", engine_key=getattr(provisioned, "key", None),
                    details={"engine": _engine_summary(provisioned)})
         return source, provisioned
+
+    def _fetch(self, dep: Deployment, options: RequestOptions) -> Path:
+        """Download under the request's URL policy and deadline, refusing a downgrade before any model byte.
+
+        Fetch failures go on the wire as generic text (the code stays): the detail (HTTP status and reason,
+        file system errors) could tell a remote sender about hosts and files it cannot see; it is logged here.
+        """
+        def check(manifest: Any) -> None:
+            self.versions.check(manifest.name, manifest.version, options.allow_downgrade)
+
+        try:
+            # content-addressed (<name>-<version>-<manifest sha>): a URL republished with new bytes never
+            # overwrites the directory of the model that is serving
+            return fetch_into(dep.url, self.artifacts_dir, self.artifacts, self._progress(dep), self.stop_event,
+                              channel=options.channel, timeout_s=options.remaining_s(), check_manifest=check)
+        except FetchTimeout:
+            raise
+        except (FetchError, UrlRefused) as exc:
+            log.error("deployment %s: fetching %s failed (%s): %s", dep.id, dep.url, exc.code, exc)
+            raise EdgeError(f"fetching the artifact failed ({exc.code}); the device log has the details "
+                            f"(deployment {dep.id})", code=exc.code) from exc
+
+    def _check_deadline(self, dep: Deployment) -> None:
+        """A deployment whose requester's timeout_s has passed is not activated any more."""
+        options = self._options.get(dep.id)
+        if options is not None and options.remaining_s() == 0.0:
+            raise EdgeError("the deployment did not reach activation within the deploy command's timeout_s",
+                            code="DEPLOY_TIMEOUT")
+
+    def _remember_version(self, dep: Deployment) -> None:
+        """Raise the high mark for the downgrade rule; the model is active either way, so a failure is logged."""
+        try:
+            if dep.model_name and dep.model_version:
+                self.versions.record(dep.model_name, dep.model_version, dep.id)
+        except Exception:
+            log.exception("deployment %s: could not record %s@%s as deployed", dep.id, dep.model_name,
+                          dep.model_version)
 
     def _step(self, dep: Deployment, state: str, **fields: Any) -> None:
         self.store.transition(dep, state, **fields)
