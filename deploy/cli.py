@@ -199,6 +199,9 @@ def _mount_fleet() -> None:
     from deploy.fleet.command import collect
 
     app.command("collect")(collect)
+    from deploy.fleet.dashboard.command import dashboard
+
+    app.command("dashboard")(dashboard)
 
 
 _mount_fleet()

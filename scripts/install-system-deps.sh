@@ -8,6 +8,9 @@ command -v ffmpeg >/dev/null 2>&1 || need+=(ffmpeg)
 command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 # PostgreSQL server for the fleet collector tests (started per test session as an unprivileged user).
 compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || command -v initdb >/dev/null 2>&1 || need+=(postgresql)
+# Headless Chromium and its WebDriver for the dashboard browser tests (Debian's packages; nothing downloaded by tests).
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"

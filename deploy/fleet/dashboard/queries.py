@@ -1,0 +1,208 @@
+"""Read-only queries of the dashboard over the fleet store (`deploy.fleet.db`), in SQL both dialects accept.
+
+Every function takes a FleetDB (`query(sql, params) -> list[dict]`, `?` placeholders) and returns plain
+JSON-ready data. A value the store does not have is `None` (shown as "—"), never 0.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+# Deployment states after which nothing is in progress any more.
+TERMINAL_DEPLOYMENT_STATES = ("active", "failed", "rolled_back")
+# Event types drawn on the device page's time axis.
+MARKER_TYPES = ("deployment", "adapt", "throttling", "throttling_cleared", "rolled_back", "rollback", "model_loaded")
+MAX_POINTS = 600  # points per series on a device chart: one bucket per pixel column, about
+
+_LATEST_TELEMETRY = """
+SELECT t.device_id, t.ts, t.fps, t.p50_ms, t.p99_ms, t.power_w, t.energy_mj_per_frame, t.soc_temp_c,
+       t.gpu_temp_c, t.throttled
+FROM telemetry t
+JOIN (SELECT device_id, MAX(ts) AS ts FROM telemetry GROUP BY device_id) newest
+  ON newest.device_id = t.device_id AND newest.ts = t.ts
+"""
+
+_DEVICES = """
+SELECT device_id, online, state, state_since, last_seen, agent_version, model_name, model_version, precision,
+       backend, latency_budget_ms, module, deployment_state
+FROM devices ORDER BY device_id
+"""
+
+
+def fleet(db: Any) -> list[dict[str, Any]]:
+    """One row per device: its status row joined with its latest telemetry sample."""
+    latest = {row["device_id"]: row for row in db.query(_LATEST_TELEMETRY, ())}
+    rows = []
+    for dev in db.query(_DEVICES, ()):
+        sample = latest.get(dev["device_id"], {})
+        row = {**dev, **{k: sample.get(k) for k in ("ts", "fps", "p50_ms", "p99_ms", "power_w",
+                                                      "energy_mj_per_frame", "soc_temp_c", "gpu_temp_c",
+                                                      "throttled")}}
+        row["online"] = _bool(row["online"])
+        row["throttled"] = _bool(row["throttled"])
+        row["deploying"] = _deploying(row.get("deployment_state"))
+        rows.append(row)
+    return rows
+
+
+def device(db: Any, device_id: str) -> dict[str, Any] | None:
+    """The device's status row with its parsed status/meta JSON, or None when the store has no such device."""
+    rows = db.query("SELECT * FROM devices WHERE device_id = ?", (device_id,))
+    if not rows:
+        return None
+    row = dict(rows[0])
+    row["online"] = _bool(row.get("online"))
+    for column in ("status_json", "meta_json"):
+        row[column.removesuffix("_json")] = _parse(row.pop(column, None))
+    row["deploying"] = _deploying(row.get("deployment_state"))
+    return row
+
+
+def _series_sql(bucketed: bool) -> str:
+    head = "SELECT {} FROM telemetry WHERE device_id = ? AND ts >= ? AND ts <= ?"
+    if not bucketed:
+        cols = ("ts, fps, p50_ms, p99_ms, power_w, soc_temp_c, gpu_temp_c, gpu_freq_mhz, "
+                "CASE WHEN throttled THEN 1 WHEN NOT throttled THEN 0 END AS throttled")
+        return head.format(cols) + " ORDER BY ts"
+    # One row per time bucket: averages, except p99 and throttling, where the worst value is the story.
+    cols = ("MIN(ts) AS ts, AVG(fps) AS fps, AVG(p50_ms) AS p50_ms, MAX(p99_ms) AS p99_ms, AVG(power_w) AS power_w, "
+            "AVG(soc_temp_c) AS soc_temp_c, AVG(gpu_temp_c) AS gpu_temp_c, AVG(gpu_freq_mhz) AS gpu_freq_mhz, "
+            "MAX(CASE WHEN throttled THEN 1 WHEN NOT throttled THEN 0 END) AS throttled")
+    return head.format(cols) + " GROUP BY CAST(ts / ? AS INTEGER) ORDER BY 1"
+
+
+SERIES = ("fps", "p50_ms", "p99_ms", "power_w", "soc_temp_c", "gpu_temp_c", "gpu_freq_mhz", "throttled")
+
+
+def series(db: Any, device_id: str, since: float, until: float) -> dict[str, list[Any]]:
+    """Columns over time (`ts` plus SERIES), at most about MAX_POINTS rows; gaps stay None."""
+    count = db.query("SELECT COUNT(*) AS n FROM telemetry WHERE device_id = ? AND ts >= ? AND ts <= ?",
+                     (device_id, since, until))[0]["n"]
+    params: tuple[Any, ...] = (device_id, since, until)
+    if count > MAX_POINTS:
+        params += (max((until - since) / MAX_POINTS, 1.0),)
+    rows = db.query(_series_sql(count > MAX_POINTS), params)
+    return {key: [_num(row[key]) for row in rows] for key in ("ts", *SERIES)}
+
+
+def markers(db: Any, device_id: str, since: float, until: float) -> list[dict[str, Any]]:
+    """Deployments, adapt and throttle events in the window, for the time axis."""
+    marks = ", ".join("?" for _ in MARKER_TYPES)
+    rows = db.query(f"SELECT ts, type, deployment_id, payload FROM events WHERE device_id = ? AND ts >= ? "
+                    f"AND ts <= ? AND type IN ({marks}) ORDER BY ts", (device_id, since, until, *MARKER_TYPES))
+    out = []
+    for row in rows:
+        payload = _parse(row["payload"]) or {}
+        if row["type"] == "deployment" and payload.get("state") not in ("requested", *TERMINAL_DEPLOYMENT_STATES):
+            continue  # intermediate steps belong in the history table, not on the axis
+        out.append({"ts": row["ts"], "type": row["type"], "label": _marker_label(row["type"], payload)})
+    return out
+
+
+def _marker_label(kind: str, payload: dict[str, Any]) -> str:
+    if kind == "deployment":
+        return f"deployment {payload.get('state')}" + (f" ({payload['reason']})" if payload.get("reason") else "")
+    if kind == "adapt":
+        return f"adapt {payload.get('from', '?')} → {payload.get('to', '?')}"
+    return kind.replace("_", " ")
+
+
+def deployments(db: Any, device_id: str, limit: int = 20) -> list[dict[str, Any]]:
+    """The device's deployments, newest first, each with its steps and how long each step took."""
+    rows = db.query("SELECT ts, deployment_id, payload FROM events WHERE device_id = ? AND type = ? "
+                    "AND deployment_id IS NOT NULL ORDER BY ts", (device_id, "deployment"))
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        payload = _parse(row["payload"]) or {}
+        by_id.setdefault(row["deployment_id"], []).append({
+            "state": payload.get("state"), "ts": row["ts"], "reason": payload.get("reason"),
+            "message": payload.get("message"), "model": payload.get("model"), "url": payload.get("url"),
+        })
+    history = [_deployment(dep_id, steps) for dep_id, steps in by_id.items()]
+    history.sort(key=lambda dep: dep["started"], reverse=True)
+    return history[:limit]
+
+
+def _deployment(dep_id: str, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    for step, after in zip(steps, steps[1:] + [None]):
+        step["duration_s"] = round(after["ts"] - step["ts"], 3) if after is not None else None
+    last = steps[-1]
+    model = next((s["model"] for s in reversed(steps) if s.get("model")), None)
+    url = next((s["url"] for s in steps if s.get("url")), None)
+    return {"deployment_id": dep_id, "started": steps[0]["ts"], "state": last["state"], "model": model, "url": url,
+            "total_s": round(last["ts"] - steps[0]["ts"], 3), "steps": steps}
+
+
+_MODEL_DEVICES = """
+SELECT t.device_id, d.module, t.model_version, t.precision, COUNT(*) AS samples,
+       AVG(t.p50_ms) AS p50_ms, AVG(t.p99_ms) AS p99_ms, MAX(t.p99_ms) AS p99_max_ms,
+       AVG(t.energy_mj_per_frame) AS energy_mj_per_frame, AVG(t.fps) AS fps, AVG(t.power_w) AS power_w
+FROM telemetry t LEFT JOIN devices d ON d.device_id = t.device_id
+WHERE t.model_name = ? AND t.ts >= ?
+GROUP BY t.device_id, d.module, t.model_version, t.precision
+ORDER BY d.module, t.device_id, t.model_version
+"""
+
+
+def models(db: Any, since: float) -> list[dict[str, Any]]:
+    """Every model seen in telemetry since `since`, with how many devices ran it."""
+    return db.query("SELECT model_name, COUNT(DISTINCT device_id) AS devices, MAX(ts) AS last_ts FROM telemetry "
+                    "WHERE model_name IS NOT NULL AND ts >= ? GROUP BY model_name ORDER BY model_name", (since,))
+
+
+def model_view(db: Any, model_name: str, since: float) -> dict[str, Any]:
+    """Latency and energy per frame of one model across the devices that ran it, grouped by module."""
+    rows = db.query(_MODEL_DEVICES, (model_name, since))
+    modules: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        modules.setdefault(row["module"] or "", []).append({k: _num(v) if k not in _TEXT else v for k, v in row.items()})
+    groups = [{"module": module or None, "devices": devs, **_module_summary(devs)} for module, devs in modules.items()]
+    return {"model_name": model_name, "since": since, "modules": groups}
+
+
+_TEXT = ("device_id", "module", "model_version", "precision")
+
+
+def _module_summary(devs: list[dict[str, Any]]) -> dict[str, Any]:
+    def mean(key: str) -> float | None:
+        values = [d[key] for d in devs if d[key] is not None]
+        return sum(values) / len(values) if values else None
+
+    return {"p50_ms": mean("p50_ms"), "p99_ms": mean("p99_ms"), "energy_mj_per_frame": mean("energy_mj_per_frame")}
+
+
+def window(range_s: float, now: float | None = None) -> tuple[float, float]:
+    """(since, until) for the last `range_s` seconds."""
+    until = time.time() if now is None else now
+    return until - range_s, until
+
+
+def _num(value: Any) -> Any:
+    """Numbers as float (PostgreSQL gives Decimal for AVG of some types); None stays None."""
+    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def _bool(value: Any) -> bool | None:
+    return None if value is None else bool(value)
+
+
+def _deploying(state: Any) -> bool | None:
+    return None if state is None else state not in TERMINAL_DEPLOYMENT_STATES
+
+
+def _parse(text: Any) -> Any:
+    if not text:
+        return None
+    if isinstance(text, (dict, list)):
+        return text
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        return None

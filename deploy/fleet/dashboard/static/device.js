@@ -1,0 +1,172 @@
+// One device: facts, charts over time (uPlot, vendored) with deployments and adapt/throttle events marked on
+// the time axis, and the deployment history with each step's duration. Refreshed from /api/device.
+"use strict";
+
+const CHARTS = [
+  {id: "latency", title: "latency ms", series: [["p50_ms", "p50", "#3b82f6"], ["p99_ms", "p99", "#ef4444"]], budget: true},
+  {id: "fps", title: "frames per second", series: [["fps", "fps", "#10b981"]]},
+  {id: "power", title: "power W", series: [["power_w", "power", "#f59e0b"]]},
+  {id: "temperature", title: "temperature °C", series: [["soc_temp_c", "SoC", "#8b5cf6"], ["gpu_temp_c", "GPU", "#ec4899"]]},
+  {id: "clocks", title: "GPU clock MHz", series: [["gpu_freq_mhz", "GPU clock", "#0ea5e9"]]},
+];
+const MARK_COLORS = {deployment: "#2563eb", adapt: "#16a34a", throttling: "#dc2626", throttling_cleared: "#f87171",
+                     rolled_back: "#b45309", rollback: "#b45309", model_loaded: "#64748b"};
+const deviceId = param("id");
+const plots = {};
+
+function fact(name, value) {
+  return [el("dt", {text: name}), el("dd", {}, [value])];
+}
+
+function renderFacts(dev) {
+  document.getElementById("title").textContent = dev.device_id;
+  document.title = `${dev.device_id} — edge dashboard`;
+  const status = dev.online === null ? DASH : dev.online ? (dev.state || "online") : "offline";
+  const facts = [
+    ...fact("status", `${status} since ${fmtTime(dev.state_since)}`),
+    ...fact("last seen", fmtTime(dev.last_seen)),
+    ...fact("model", modelLabel(dev.model_name, dev.model_version)),
+    ...fact("precision / backend", `${fmtText(dev.precision)} / ${fmtText(dev.backend)}`),
+    ...fact("latency budget", missing(dev.latency_budget_ms) ? DASH : `${fmtNum(dev.latency_budget_ms, 0)} ms`),
+    ...fact("module", fmtText(dev.module)),
+    ...fact("agent", fmtText(dev.agent_version)),
+    ...fact("deployment", missing(dev.deployment_state) ? DASH
+      : dev.deploying ? `${dev.deployment_state} (in progress)` : dev.deployment_state),
+  ];
+  document.getElementById("facts").replaceChildren(...facts);
+}
+
+function markerPlugin(markers) {
+  return {hooks: {draw: [(u) => {
+    const ctx = u.ctx;
+    ctx.save();
+    ctx.lineWidth = 2 * devicePixelRatio;
+    for (const m of markers) {
+      const x = Math.round(u.valToPos(m.ts, "x", true));
+      if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) continue;
+      ctx.strokeStyle = MARK_COLORS[m.type] || "#64748b";
+      ctx.setLineDash(m.type === "deployment" ? [] : [6 * devicePixelRatio, 4 * devicePixelRatio]);
+      ctx.beginPath();
+      ctx.moveTo(x, u.bbox.top);
+      ctx.lineTo(x, u.bbox.top + u.bbox.height);
+      ctx.stroke();
+    }
+    ctx.restore();
+  }]}};
+}
+
+function budgetShown(spec, data) {
+  // The budget line only when it is near the data: a 5 s budget would flatten a 100 ms latency curve.
+  const budget = data.device.latency_budget_ms;
+  if (!spec.budget || missing(budget)) return null;
+  const worst = Math.max(...data.series.p99_ms.filter((v) => !missing(v)));
+  return budget <= 2 * worst ? budget : null;
+}
+
+function chartData(spec, data, budget) {
+  const cols = [data.series.ts, ...spec.series.map(([key]) => data.series[key])];
+  if (budget !== null) cols.push(data.series.ts.map(() => budget));
+  return cols;
+}
+
+function xRange(data) {
+  // Start where the data (or the first marker) starts when that is inside the range: a device that reported
+  // for ten minutes fills the chart instead of a sliver at the right edge of the hour.
+  const first = Math.min(...[data.series.ts[0], data.markers.length ? data.markers[0].ts : undefined]
+    .filter((v) => !missing(v)));
+  if (!Number.isFinite(first)) return [data.since, data.until];
+  const pad = Math.max(1, (data.until - first) * 0.03);
+  return [Math.max(data.since, first - pad), data.until];
+}
+
+function countPoints(spec, data) {
+  return spec.series.reduce((n, [key]) => n + data.series[key].filter((v) => !missing(v)).length, 0);
+}
+
+function renderChart(spec, data) {
+  const box = document.getElementById("chart-" + spec.id);
+  const points = countPoints(spec, data);
+  box.dataset.points = String(points);
+  if (points === 0) {
+    if (plots[spec.id]) { plots[spec.id].destroy(); delete plots[spec.id]; }
+    box.querySelector(".plot").replaceChildren(el("p", {class: "empty", text: `${DASH} no ${spec.title} reported in this range`}));
+    return;
+  }
+  const budget = budgetShown(spec, data);
+  const series = [{}, ...spec.series.map(([, label, color]) => ({label, stroke: color, width: 2, spanGaps: false,
+                                                                  points: {show: data.series.ts.length < 80}}))];
+  if (budget !== null) series.push({label: "budget", stroke: "#94a3b8", dash: [4, 4], width: 1});
+  const cols = chartData(spec, data, budget);
+  const width = Math.max(320, box.clientWidth - 16);
+  const [xMin, xMax] = xRange(data);
+  if (plots[spec.id]) plots[spec.id].destroy();
+  box.querySelector(".plot").replaceChildren();
+  plots[spec.id] = new uPlot({width, height: 180, series, scales: {x: {time: true, min: xMin, max: xMax}},
+                              plugins: [markerPlugin(data.markers)], legend: {live: false}},
+                             cols, box.querySelector(".plot"));
+}
+
+function renderMarkers(markers) {
+  const rows = markers.slice().reverse().map((m) => el("tr", {}, [
+    el("td", {text: fmtTime(m.ts)}),
+    el("td", {}, [el("span", {class: "mark " + (m.type.startsWith("throttl") ? "throttle" : m.type)}), m.label]),
+  ]));
+  document.querySelector("#markers tbody").replaceChildren(
+    ...(rows.length ? rows : [el("tr", {}, [el("td", {colspan: 2, class: "muted", text: "no events in this range"})])]));
+}
+
+function renderDeployments(history) {
+  const box = document.getElementById("deployments");
+  if (!history.length) { box.replaceChildren(el("p", {class: "muted", text: "no deployments recorded"})); return; }
+  box.replaceChildren(...history.map((dep) => el("details", {class: "deployment", open: dep === history[0] ? "" : null}, [
+    el("summary", {}, [
+      el("code", {text: dep.deployment_id}), " ",
+      el("span", {class: dep.state === "active" ? "ok" : dep.state === "failed" || dep.state === "rolled_back" ? "bad" : "busy",
+                  text: fmtText(dep.state)}),
+      ` ${fmtText(dep.model)} · started ${fmtTime(dep.started)} · ${fmtDuration(dep.total_s)}`,
+    ]),
+    el("table", {class: "grid compact steps"}, [
+      el("thead", {}, [el("tr", {}, ["step", "at", "took", "detail"].map((h) => el("th", {text: h})))]),
+      el("tbody", {}, dep.steps.map((s) => el("tr", {}, [
+        el("td", {text: fmtText(s.state)}), el("td", {text: fmtTime(s.ts)}),
+        el("td", {class: "num", text: fmtDuration(s.duration_s)}),
+        el("td", {text: [s.reason, s.message].filter((v) => !missing(v)).join(": ") || DASH}),
+      ]))),
+    ]),
+  ])));
+}
+
+function buildChartBoxes() {
+  document.getElementById("charts").replaceChildren(...CHARTS.map((spec) =>
+    el("figure", {id: "chart-" + spec.id, class: "chart"}, [el("figcaption", {text: spec.title}), el("div", {class: "plot"})])));
+}
+
+async function refresh() {
+  const range = document.getElementById("range").value;
+  try {
+    const data = await getJSON(`/api/device?id=${encodeURIComponent(deviceId)}&range=${encodeURIComponent(range)}`);
+    showError(null);
+    setUpdated(data.until);
+    renderFacts(data.device);
+    for (const spec of CHARTS) renderChart(spec, data);
+    renderMarkers(data.markers);
+    renderDeployments(data.deployments);
+    document.body.dataset.loaded = "true";
+  } catch (err) {
+    showError("Could not load the device: " + err.message);
+  }
+}
+
+async function loop() {
+  await refresh();
+  window.setTimeout(loop, 10000);
+}
+
+if (!deviceId) {
+  showError("No device given: open this page from the fleet table (/device?id=DEVICE).");
+} else {
+  document.getElementById("title").textContent = deviceId;
+  buildChartBoxes();
+  document.getElementById("range").addEventListener("change", refresh);
+  loop();
+}

@@ -1,0 +1,184 @@
+"""The dashboard's JSON API, access control and serving rules, over a real SQLite fleet store and a real
+uvicorn server on loopback (the pages themselves are tested in a real browser: test_dashboard_browser.py)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from deploy.cli import app as deploy_app
+from deploy.fleet.dashboard import queries
+from deploy.fleet.dashboard.auth import AuthSettings, settings_from
+from deploy.fleet.dashboard.server import exposure_warning, parse_bind
+from deploy.fleet.db import ensure_schema, open_db
+from tests.dashboard_fixtures import HOSTILE_ID, HOSTILE_MODEL, add_sample, fill_fleet, running_dashboard
+
+
+@pytest.fixture
+def store(fleet_db_url: str) -> str:
+    """The known fleet in a fresh SQLite file or PostgreSQL database (the same queries serve both)."""
+    url = fleet_db_url
+    db = open_db(url)
+    ensure_schema(db)
+    fill_fleet(db, time.time())
+    db.close()
+    return url
+
+
+@pytest.fixture
+def dash(store: str):
+    with running_dashboard(store) as dashboard:
+        yield dashboard
+
+
+def by_id(devices: list[dict]) -> dict[str, dict]:
+    return {d["device_id"]: d for d in devices}
+
+
+def test_fleet_lists_every_device_with_its_latest_sample_and_missing_values_as_null(dash) -> None:
+    data = dash.json("/api/fleet")
+    devices = by_id(data["devices"])
+    assert set(devices) == {"orin-01", "pc-01", HOSTILE_ID}
+    orin, pc = devices["orin-01"], devices["pc-01"]
+    assert orin["p99_ms"] == 49.0 and orin["power_w"] == 7.5 and orin["throttled"] is False  # the last of 20 samples
+    assert orin["deploying"] is False and pc["deploying"] is True and pc["deployment_state"] == "building"
+    # A PC cannot measure power or temperature: null (shown as "—"), never 0.
+    assert pc["power_w"] is None and pc["energy_mj_per_frame"] is None and pc["soc_temp_c"] is None
+    assert pc["throttled"] is None and pc["module"] is None
+    hostile = devices[HOSTILE_ID]
+    assert hostile["online"] is False and hostile["model_name"] == HOSTILE_MODEL and hostile["deploying"] is None
+
+
+def test_device_has_series_markers_and_deployment_steps_with_durations(dash) -> None:
+    data = dash.json("/api/device?id=orin-01&range=1h")
+    assert data["device"]["module"] == "NVIDIA Jetson Orin Nano"
+    series = data["series"]
+    assert len(series["ts"]) == 20 and series["p99_ms"][0] == 30.0 and series["throttled"][15] == 1
+    kinds = [(m["type"], m["label"]) for m in data["markers"]]
+    assert kinds == [("deployment", "deployment requested"), ("deployment", "deployment active"),
+                     ("throttling", "throttling"), ("adapt", "adapt det@2.0.0/int8 → det@1.0.0/int8")]
+    [dep] = data["deployments"]
+    assert dep["deployment_id"] == "dep-2" and dep["state"] == "active" and dep["model"] == "det@2.0.0"
+    took = {s["state"]: s["duration_s"] for s in dep["steps"]}
+    assert took["building"] == pytest.approx(60.0) and took["fetching"] == pytest.approx(2.5)
+    assert took["active"] is None and dep["total_s"] == pytest.approx(71.0)
+
+
+def test_missing_measurements_stay_null_in_series(dash) -> None:
+    series = dash.json("/api/device?id=pc-01&range=1h")["series"]
+    assert series["power_w"] == [None] * 20 and series["soc_temp_c"] == [None] * 20
+    assert series["throttled"] == [None] * 20 and series["fps"][0] == 12.0
+
+
+def test_hostile_device_id_round_trips_through_the_api(dash) -> None:
+    data = dash.json("/api/device?id=" + urllib.parse.quote(HOSTILE_ID) + "&range=1h")
+    assert data["device"]["device_id"] == HOSTILE_ID and data["series"]["p99_ms"] == [5.0]
+
+
+def test_model_view_groups_devices_by_module(dash) -> None:
+    data = dash.json("/api/model?name=det&range=1h")
+    modules = {g["module"]: g for g in data["modules"]}
+    assert set(modules) == {None, "NVIDIA Jetson Orin Nano"}
+    [orin] = modules["NVIDIA Jetson Orin Nano"]["devices"]
+    assert orin["samples"] == 20 and orin["p99_max_ms"] == 49.0 and orin["energy_mj_per_frame"] == 250.0
+    [pc] = modules[None]["devices"]
+    assert pc["p99_ms"] == pytest.approx(55.0) and pc["energy_mj_per_frame"] is None
+    names = [m["model_name"] for m in dash.json("/api/models?range=1h")["models"]]
+    assert names == sorted(["det", HOSTILE_MODEL])
+
+
+def test_long_ranges_are_bucketed_keeping_the_worst_p99(tmp_path: Path) -> None:
+    db = open_db(f"sqlite:///{tmp_path / 'many.db'}")
+    ensure_schema(db)
+    now = time.time()
+    n = queries.MAX_POINTS * 3
+    with db.transaction():
+        for i in range(n):
+            add_sample(db, "d", i, now - n + i, p99_ms=500.0 if i == n // 2 else 10.0, fps=5.0)
+    series = queries.series(db, "d", now - n - 1, now)
+    db.close()
+    assert 2 < len(series["ts"]) <= queries.MAX_POINTS + 1
+    assert max(series["p99_ms"]) == 500.0 and series["ts"] == sorted(series["ts"])
+
+
+def test_errors_are_clear_and_the_api_is_read_only(dash) -> None:
+    status, _, body = dash.get("/api/device?id=nope")
+    assert status == 404 and "nope" in json.loads(body)["error"]
+    status, _, body = dash.get("/api/device?id=orin-01&range=2y")
+    assert status == 400 and "range '2y'" in json.loads(body)["error"]
+    status, _, body = dash.get("/api/device")
+    assert status == 400 and "'id'" in json.loads(body)["error"]
+    for method in ("POST", "PUT", "DELETE"):
+        assert dash.get("/api/fleet", method=method)[0] == 405
+
+
+def test_pages_carry_a_strict_content_security_policy(dash) -> None:
+    for path in ("/", "/device?id=x", "/model", "/api/fleet"):
+        status, headers, _ = dash.get(path)
+        csp = {k.lower(): v for k, v in headers.items()}["content-security-policy"]
+        assert status == 200 and "script-src 'self'" in csp and "unsafe-inline" not in csp
+
+
+def test_a_store_without_the_fleet_schema_answers_503_naming_the_problem(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    open_db(url).close()
+    with running_dashboard(url) as dash:
+        status, _, body = dash.get("/api/fleet")
+    assert status == 503 and "no such table" in json.loads(body)["error"]
+
+
+def _basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def test_token_and_basic_auth_guard_everything_but_healthz(store: str) -> None:
+    auth = AuthSettings(token="s3cret-token", basic=("ops", "pa:ss"))
+    with running_dashboard(store, auth=auth) as dash:
+        status, headers, _ = dash.get("/api/fleet")
+        assert status == 401 and "Basic" in {k.lower(): v for k, v in headers.items()}["www-authenticate"]
+        assert dash.get("/", {"Authorization": "Bearer wrong"})[0] == 401
+        assert dash.get("/api/fleet", _basic("ops", "wrong"))[0] == 401
+        assert dash.get("/api/fleet", {"Authorization": "Bearer s3cret-token"})[0] == 200
+        assert dash.get("/api/fleet", _basic("ops", "pa:ss"))[0] == 200
+        assert dash.get("/", _basic("anyone", "s3cret-token"))[0] == 200  # browsers: the token as password
+        assert dash.get("/healthz")[0] == 200
+
+
+def test_auth_settings_from_environment_and_file(tmp_path: Path) -> None:
+    assert not settings_from({}).enabled
+    assert settings_from({"EDGE_DASHBOARD_BASIC_AUTH": "ops:pw"}).basic == ("ops", "pw")
+    with pytest.raises(ValueError, match="EDGE_DASHBOARD_BASIC_AUTH must be 'user:password'"):
+        settings_from({"EDGE_DASHBOARD_BASIC_AUTH": "no-colon"})
+    token = tmp_path / "token"
+    token.write_text("abc\n")
+    assert settings_from({}, token_file=token).token == "abc"
+    token.write_text("")
+    with pytest.raises(ValueError, match="the file is empty"):
+        settings_from({}, token_file=token)
+
+
+def test_bind_parsing_and_exposure_warning() -> None:
+    assert parse_bind("127.0.0.1:8080") == ("127.0.0.1", 8080)
+    assert parse_bind("[::1]:9000") == ("::1", 9000)
+    for bad, why in (("8080", "expected HOST:PORT"), ("h:x", "not a number"), ("h:70000", "outside")):
+        with pytest.raises(ValueError, match=why):
+            parse_bind(bad)
+    assert exposure_warning("127.0.0.1", AuthSettings()) is None and exposure_warning("::1", AuthSettings()) is None
+    assert "without authentication" in exposure_warning("0.0.0.0", AuthSettings())
+    assert "TLS reverse proxy" in exposure_warning("10.0.0.5", AuthSettings(token="t"))
+
+
+def test_cli_refuses_a_missing_store_and_a_bad_bind(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(deploy_app, ["dashboard", "--db", f"sqlite:///{tmp_path / 'none.db'}"])
+    assert result.exit_code == 2 and "no fleet database" in result.stderr
+    assert not (tmp_path / "none.db").exists()  # read-only: never creates the store
+    (tmp_path / "f.db").touch()
+    result = runner.invoke(deploy_app, ["dashboard", "--db", f"sqlite:///{tmp_path / 'f.db'}", "--bind", "nohost"])
+    assert result.exit_code == 2 and "expected HOST:PORT" in result.stderr
