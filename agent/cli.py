@@ -209,15 +209,17 @@ def telemetry(
 
 @app.command()
 def deploy(
-    url: str = typer.Argument(..., help="Manifest URL: https://…/manifest.json, http://…, file:///…"),
+    url: str = typer.Argument(..., help="Manifest URL: https://…/manifest.json, http://… (allow_http), file:///…"),
     wait: bool = typer.Option(False, "--wait", help="Follow progress; exit 0 when active, 1 when failed."),
     timeout: float = typer.Option(3600.0, "--timeout", min=1, help="Seconds to wait with --wait."),
+    allow_downgrade: bool = typer.Option(False, "--allow-downgrade",
+                                         help="Accept a version older than the highest deployed (ARTIFACT_DOWNGRADE)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for the socket path)."),
 ) -> None:
     """Ask the running agent to deploy a model artifact."""
     from agent.deploy_cli import run_deploy
 
-    raise typer.Exit(run_deploy(load_config_or_exit(config), url, wait, timeout, out, err))
+    raise typer.Exit(run_deploy(load_config_or_exit(config), url, wait, timeout, out, err, allow_downgrade))
 
 
 @app.command()

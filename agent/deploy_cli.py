@@ -31,10 +31,11 @@ def _find(status: dict[str, Any], dep_id: str) -> dict[str, Any] | None:
     return next((d for d in status.get("recent_deployments", []) if d.get("deployment_id") == dep_id), None)
 
 
-def run_deploy(config: AgentConfig, url: str, wait: bool, timeout: float, out: Console, err: Console) -> int:
+def run_deploy(config: AgentConfig, url: str, wait: bool, timeout: float, out: Console, err: Console,
+               allow_downgrade: bool = False) -> int:
     """Send `deploy`; with wait, print each state change until active (0) or failed (1)."""
     try:
-        accepted = _call(config, "deploy", {"url": url})
+        accepted = _call(config, "deploy", {"url": url, **({"allow_downgrade": True} if allow_downgrade else {})})
     except EdgeError as exc:
         err.print(f"[red]deploy refused ({exc.code}):[/] {exc}")
         return 1

@@ -187,7 +187,12 @@ def test_highest_version_survives_a_restart_and_a_deliberate_downgrade(tmp_path:
 
 
 @pytest.mark.slow
-def test_older_signed_version_is_refused_unless_allow_downgrade(tmp_path: Path, keys, start_agent) -> None:
+def test_older_signed_version_is_refused_unless_allow_downgrade(tmp_path: Path, keys, start_agent,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from agent.cli import app
+
     agent = start_agent(_settings(tmp_path, keys))
     v2 = make_artifact(tmp_path / "pub" / "v2", "2.0.0", keys["private"])
     first = agent.manager.request((v2 / "manifest.json").as_uri(), channel="local")["deployment_id"]
@@ -201,8 +206,9 @@ def test_older_signed_version_is_refused_unless_allow_downgrade(tmp_path: Path, 
     assert not list(deployed.glob("demo-det-1.0.0-*")), "the old model was downloaded before the refusal"
     assert agent.active.source.manifest.version == "2.0.0"
 
-    reply = send_command(tmp_path / "ctl.sock", "deploy", {"url": old_url, "allow_downgrade": True})
-    assert wait_terminal(agent, reply["result"]["deployment_id"]) == "active"
+    monkeypatch.setenv("EDGE_AGENT_CONTROL__SOCKET", str(tmp_path / "ctl.sock"))  # what the CLI talks to
+    result = CliRunner().invoke(app, ["deploy", old_url, "--allow-downgrade", "--wait", "--timeout", "240"])
+    assert result.exit_code == 0, result.output
     assert agent.active.source.manifest.version == "1.0.0"
     assert agent.manager.versions.highest("demo-det") == "2.0.0"
     assert agent.manager.request_rollback()["model"]["version"] == "2.0.0"  # rollback stays allowed
