@@ -42,8 +42,8 @@ def postgres_bin_dir() -> Path | None:
 class PostgresServer:
     """One postgres process on a throw-away data directory; stop()/start() keep port and data."""
 
-    def __init__(self, bin_dir: Path) -> None:
-        self.bin_dir, self.port = bin_dir, free_port()
+    def __init__(self, bin_dir: Path, *, durable: bool = False) -> None:
+        self.bin_dir, self.port, self.durable = bin_dir, free_port(), durable
         self.root = Path(tempfile.mkdtemp(prefix="edge-pg-"))
         self.data = self.root / "data"
         self.log_path = self.root / "postgres.log"
@@ -75,8 +75,7 @@ class PostgresServer:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self._as_user([
             str(self.bin_dir / "postgres"), "-D", str(self.data), "-p", str(self.port), "-k", str(self.root),
-            "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "synchronous_commit=off",
-            "-c", "full_page_writes=off", "-c", "max_connections=50", "-c", "shared_buffers=32MB",
+            "-c", "listen_addresses=127.0.0.1", "-c", "max_connections=50", *self._speed_settings(),
         ]), stdout=log, stderr=subprocess.STDOUT, cwd=self.root)
         log.close()
         deadline = time.monotonic() + timeout
@@ -89,6 +88,13 @@ class PostgresServer:
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"postgres did not accept connections within {timeout} s\n{self.log_text()}")
+
+    def _speed_settings(self) -> list[str]:
+        """Tests trade durability for speed; a benchmark (durable=True) keeps PostgreSQL's defaults."""
+        if self.durable:
+            return ["-c", "shared_buffers=128MB"]
+        return ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
+                "-c", "shared_buffers=32MB"]
 
     def _ready(self) -> bool:
         import psycopg

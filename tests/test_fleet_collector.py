@@ -246,6 +246,34 @@ def test_postgres_partitions_by_day_and_drops_expired(postgres_server: Any) -> N
         postgres_server.drop_database(url)
 
 
+def test_collectors_starting_together_create_the_schema_once(postgres_server: Any) -> None:
+    """Several collectors opening a fresh PostgreSQL store at the same moment all start (no catalog race)."""
+    import threading
+
+    for _ in range(3):
+        url = postgres_server.create_database()
+        dbs = [open_db(url) for _ in range(4)]
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(len(dbs))
+
+        def open_store(db: Any) -> None:
+            barrier.wait()
+            try:
+                ensure_schema(db, timescale="off")
+            except Exception as exc:  # noqa: BLE001 - collected for the assertion
+                errors.append(exc)
+
+        threads = [threading.Thread(target=open_store, args=(db,)) for db in dbs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        for db in dbs:
+            db.close()
+        postgres_server.drop_database(url)
+        assert not errors, errors
+
+
 # ---- the collector with a real broker -------------------------------------------------------------------
 
 def test_collects_exactly_once_with_duplicates_replays_and_gaps(
@@ -345,13 +373,16 @@ def test_database_outage_waits_and_loses_nothing(
         request: pytest.FixtureRequest) -> None:
     p, url = unique_prefix(request), postgres_server.create_database()
     collector = start_collector(collectors, mqtt_broker.url, url, p, max_wait_s=0.05, db_retry_min_s=0.05,
-                                db_retry_max_s=0.5)
+                                db_retry_max_s=0.5, inflight=10, batch_size=4)
     publisher.send(f"{p}/dev-1/telemetry", sample(1))
     assert wait_for(lambda: count(url) == 1, 10)
     postgres_server.stop()
     try:
         publisher.send_many([(f"{p}/dev-1/telemetry", sample(s)) for s in range(2, 52)])
         assert wait_for(lambda: collector.stats().get("db_retries", 0) >= 2, 15)
+        # Bounded memory: nothing is acknowledged, so the broker sends no more than the Receive Maximum.
+        assert wait_for(lambda: collector.stats()["held"] == 10, 10), collector.stats()
+        assert max(collector.held_high_water, collector.stats()["held"]) == 10
     finally:
         postgres_server.start()
     assert wait_for(lambda: count(url) == 51, 30), count(url)

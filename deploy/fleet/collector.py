@@ -116,6 +116,8 @@ class Collector:
         self._writer = threading.Thread(target=self._write_loop, name="collector-writer", daemon=True)
         self._db_backoff = Backoff(config.db_retry_min_s, config.db_retry_max_s)
         self._partition_check = 0.0
+        self._holding = 0  # messages of the batch being written (not in the queue any more)
+        self.held_high_water = 0  # most messages held unacknowledged at once (bounded by `inflight`)
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -148,7 +150,8 @@ class Collector:
         """Counters since start plus the live state (for logs, tests and the CLI's exit summary)."""
         with self._lock:
             out = dict(self.totals)
-        out.update({"queued": self.queue.qsize(), "connected": self.connected.is_set(), "protocol": self.protocol})
+        out.update({"queued": self.queue.qsize(), "held": self.queue.qsize() + self._holding,
+                    "connected": self.connected.is_set(), "protocol": self.protocol})
         return out
 
     def _count(self, name: str, value: float = 1) -> None:
@@ -204,6 +207,9 @@ class Collector:
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = self.config.session_expiry_s
         props.ReceiveMaximum = self.config.inflight
+        # A PUBLISH far over max_payload_bytes is not even sent to us (the broker drops it): reading a
+        # 100 MB message into memory just to count it as malformed would defeat the memory bound.
+        props.MaximumPacketSize = self.config.max_payload_bytes * 4 + 1024
         return props
 
     def subscriptions(self) -> list[str]:
@@ -267,6 +273,7 @@ class Collector:
     def _on_message(self, _c: Any, _u: Any, msg: mqtt.MQTTMessage) -> None:
         # Blocking here when the queue is full stops reading the socket: TCP pushes back to the broker.
         self.queue.put(Inbound(msg.topic, bytes(msg.payload), msg.mid, msg.qos, self._epoch))
+        self.held_high_water = max(self.held_high_water, self.queue.qsize() + self._holding)
 
     # -- the writer ----------------------------------------------------------------------------------
     def _write_loop(self) -> None:
@@ -284,9 +291,11 @@ class Collector:
         """Store and acknowledge one batch; False when stopped during a database outage (nothing acked)."""
         if not batch:
             return True
+        self._holding = len(batch)
         if not self._store(batch):
             return False
         self._ack(batch)
+        self._holding = 0
         return True
 
     def _gather(self, limit: int = 0) -> list[Inbound]:

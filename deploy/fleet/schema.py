@@ -20,6 +20,7 @@ from deploy.fleet.db import FleetDB
 log = logging.getLogger(__name__)
 
 DAY_S = 86400.0
+SCHEMA_LOCK_ID = 0x45444745464C54  # pg_advisory_xact_lock key of schema changes ("EDGEFLT")
 
 TELEMETRY_COLUMNS: tuple[tuple[str, str], ...] = (
     ("device_id", "TEXT NOT NULL"), ("boot_id", "TEXT NOT NULL"), ("seq", "BIGINT NOT NULL"),
@@ -86,14 +87,17 @@ def ensure_schema(db: FleetDB, *, timescale: str = "auto", retention_days: float
             for sql in create_statements("sqlite"):
                 db.execute(sql)
         return "sqlite"
-    layout = existing_layout(db)
-    if layout is None and timescale != "off" and _timescale_available(db):
-        layout = _try_timescale(db, retention_days)
-    if layout is None:
-        with db.transaction():
+    with db.transaction():
+        # Collectors starting together on a fresh database would race in CREATE ... IF NOT EXISTS
+        # (PostgreSQL then fails one of them on pg_type's unique index): one at a time.
+        db.query("SELECT pg_advisory_xact_lock(?) AS locked", (SCHEMA_LOCK_ID,))
+        layout = existing_layout(db)
+        if layout is None and timescale != "off" and _timescale_available(db):
+            layout = _try_timescale(db, retention_days)
+        if layout is None:
             for sql in create_statements("postgresql", partitioned=True):
                 db.execute(sql)
-        layout = "partitioned"
+            layout = "partitioned"
     return layout
 
 
