@@ -1,33 +1,43 @@
 """One contract for every CUDA memory implementation (cuda-python, pycuda), run wherever each one works.
 
-Implementations that do not import or reach a GPU here are skipped with the reason. The recording
-stand-in from tests/fake_nvidia.py runs the same contract on every machine, which keeps this suite
-itself exercised where no GPU is available.
+Implementations that do not import or reach a GPU here are skipped with the reason. Everywhere, the
+same contract also runs (a) on the recording stand-in FakeCudaMemory and (b) on the product's own
+CudaPythonMemory over a stand-in runtime module per cuda-python release in tests/data/cuda_api/
+(12.4 with only `cuda.cudart`, 12.9 with both import paths, 13.x with only `cuda.bindings.runtime`;
+names and `(err, *values)` return shapes from the published wheels, host memory posing as the GPU).
 """
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from engines import cuda_mem
 from engines.cuda_mem import CudaError
-from tests.fake_nvidia import FakeCudaMemory
+from tests.fake_nvidia import FakeCudaMemory, cuda_api_tables, fake_cuda_runtime, install_cuda_python, load_cuda_api
 
-IMPLEMENTATIONS = (*cuda_mem.IMPLEMENTATIONS, "fake")
+RELEASES = tuple(f"cuda-python@{stem}" for stem in cuda_api_tables())
+IMPLEMENTATIONS = (*cuda_mem.IMPLEMENTATIONS, "fake", *RELEASES)
 
 
 @pytest.fixture(scope="module", params=IMPLEMENTATIONS)
 def cuda(request: pytest.FixtureRequest):
-    if request.param == "fake":
-        impl = FakeCudaMemory()
-    else:
-        try:
-            impl = cuda_mem.open_cuda_memory(request.param)
-        except CudaError as exc:
-            pytest.skip(f"{request.param} unavailable here: {exc}")
-    yield impl
-    impl.close()
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "fake":
+            impl = FakeCudaMemory()
+        elif request.param in RELEASES:
+            install_cuda_python(mp, request.param.split("@", 1)[1])
+            impl = cuda_mem.CudaPythonMemory()
+        else:
+            try:
+                impl = cuda_mem.open_cuda_memory(request.param)
+            except CudaError as exc:
+                pytest.skip(f"{request.param} unavailable here: {exc}")
+        yield impl
+        impl.close()
 
 
 @pytest.fixture
@@ -124,3 +134,45 @@ def test_availability_names_a_reason_for_every_missing_implementation() -> None:
     report = cuda_mem.availability()
     assert set(report) == set(cuda_mem.IMPLEMENTATIONS)
     assert all(reason is None or reason for reason in report.values())
+
+
+# --- cuda-python releases: import paths and the names CudaPythonMemory calls ---------------------
+
+
+@pytest.mark.parametrize("stem", cuda_api_tables())
+def test_import_cudart_finds_each_releases_module(monkeypatch: pytest.MonkeyPatch, stem: str) -> None:
+    rt = install_cuda_python(monkeypatch, stem)
+    assert cuda_mem.import_cudart() is rt and cuda_mem.missing_bindings() is None
+
+
+def test_the_tables_cover_the_import_path_change() -> None:
+    """12.x before 12.6: only `cuda.cudart`; 12.6-12.9: both; 13.x: only `cuda.bindings.runtime`."""
+    paths = {stem: load_cuda_api(stem)["import_paths"] for stem in cuda_api_tables()}
+    assert any(p["cuda.cudart"] is True and p["cuda.bindings.runtime"] is not True for p in paths.values())
+    assert any(p["cuda.cudart"] is not True and p["cuda.bindings.runtime"] is True for p in paths.values())
+
+
+def _runtime_names_used() -> set[str]:
+    """Every `self.rt.NAME` in engines/cuda_mem.py (the product's use of cuda-python)."""
+    tree = ast.parse(Path(cuda_mem.__file__).read_text())
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+            and n.value.attr == "rt"}
+
+
+@pytest.mark.parametrize("stem", cuda_api_tables())
+def test_cuda_mem_calls_only_what_each_release_has_or_feature_detects(stem: str) -> None:
+    api = load_cuda_api(stem)
+    names = _runtime_names_used()
+    assert {"cudaMalloc", "cudaMemcpyAsync", "cudaGraphLaunch"} <= names
+    guarded = {n.value for n in ast.walk(ast.parse(Path(cuda_mem.__file__).read_text()))
+               if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    known = set(api["functions"]) | set(api["enums"]) | set(api["constants"])
+    missing = sorted(n for n in names - known if n not in guarded)
+    assert not missing, f"cuda-python {api['version']} lacks {missing}, used without a hasattr/getattr check"
+
+
+@pytest.mark.parametrize("stem", cuda_api_tables())
+def test_the_stand_in_runtime_has_exactly_the_releases_names(stem: str) -> None:
+    api, rt = load_cuda_api(stem), fake_cuda_runtime(stem)
+    public = {n for n in vars(rt) if not n.startswith("_")}
+    assert public == set(api["functions"]) | set(api["enums"]) | set(api["constants"])
