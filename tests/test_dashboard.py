@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
 import urllib.parse
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from typer.testing import CliRunner
 
 from deploy.cli import app as deploy_app
 from deploy.fleet.dashboard import queries
+from deploy.fleet.dashboard.app import clean
 from deploy.fleet.dashboard.auth import AuthSettings, settings_from
 from deploy.fleet.dashboard.server import exposure_warning, parse_bind
 from deploy.fleet.db import ensure_schema, open_db
@@ -182,3 +185,19 @@ def test_cli_refuses_a_missing_store_and_a_bad_bind(tmp_path: Path) -> None:
     (tmp_path / "f.db").touch()
     result = runner.invoke(deploy_app, ["dashboard", "--db", f"sqlite:///{tmp_path / 'f.db'}", "--bind", "nohost"])
     assert result.exit_code == 2 and "expected HOST:PORT" in result.stderr
+
+
+def test_pages_load_nothing_from_other_origins() -> None:
+    static = Path(__file__).resolve().parents[1] / "deploy" / "fleet" / "dashboard" / "static"
+    for page in static.glob("*.html"):
+        text = page.read_text()
+        refs = re.findall(r'(?:src|href)="([^"]+)"', text)
+        assert refs and all(ref.startswith("/") for ref in refs), f"{page.name}: {refs}"
+    assert (static / "vendor" / "uplot" / "LICENSE").read_text().startswith("The MIT License")
+    assert "1.6.32" in (static / "vendor" / "uplot" / "README.md").read_text()
+
+
+def test_json_cleaning_turns_nan_and_decimal_into_json_values() -> None:
+    cleaned = clean({"a": float("nan"), "b": [Decimal("1.5"), float("inf")], "c": None, "d": 0.0})
+    assert cleaned == {"a": None, "b": [1.5, None], "c": None, "d": 0.0}
+    json.dumps(cleaned, allow_nan=False)

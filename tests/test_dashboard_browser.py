@@ -163,6 +163,8 @@ def test_fleet_page_lists_every_device_escaped_with_missing_values_as_dashes(liv
     assert float(_column(web, "fps")["cam-02"]) > 0
     assert console_errors(web) == []
     _screenshot(web, "dashboard-fleet.png")
+    updated = web.find_element("id", "updated").text
+    assert wait_for(lambda: web.find_element("id", "updated").text != updated, timeout=15), "the table never refreshed"
 
     web.find_element("id", "filter").send_keys("cam-02")
     assert wait_for(lambda: _row_order(web) == ["cam-02"], timeout=10)
