@@ -6,8 +6,10 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 DEMO_SECONDS ?= 20
 PYTEST_ARGS ?=
+# Other Pythons the devices run (3.10: JetPack 6, 3.12: JetPack 7); missing ones are skipped with a note.
+EXTRA_PYTHONS ?= python3.10 python3.12
 
-.PHONY: demo test venv system-deps bench clean
+.PHONY: demo test test-pythons venv system-deps bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,11 +28,18 @@ system-deps:
 demo: $(STAMP)
 	$(VENV)/bin/edge-agent run --duration $(DEMO_SECONDS)
 
+# The whole suite; the skips must be exactly those tests/expected_skips.txt expects on this machine.
+# Then the interpreter-sensitive subset on each of EXTRA_PYTHONS (scripts/test_pythons.py).
 test: $(STAMP) system-deps
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) scripts/check_skips.py -- -q -rs $(PYTEST_ARGS)
+	$(PY) scripts/test_pythons.py $(EXTRA_PYTHONS)
+
+# Only the subset on the extra Pythons, one cached venv each (.venv-py310, .venv-py312).
+test-pythons: $(STAMP) system-deps
+	$(PY) scripts/test_pythons.py $(EXTRA_PYTHONS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/pipeline.py --out out/bench-pipeline.json
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) .venv-py* out .pytest_cache
