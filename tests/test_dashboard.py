@@ -20,7 +20,7 @@ from deploy.fleet.dashboard.app import clean
 from deploy.fleet.dashboard.auth import AuthSettings, settings_from
 from deploy.fleet.dashboard.server import exposure_warning, parse_bind
 from deploy.fleet.db import ensure_schema, open_db
-from tests.dashboard_fixtures import HOSTILE_ID, HOSTILE_MODEL, add_sample, fill_fleet, running_dashboard
+from tests.dashboard_fixtures import HOSTILE_ID, HOSTILE_MODEL, add_device, add_sample, fill_fleet, running_dashboard
 
 
 @pytest.fixture
@@ -56,6 +56,23 @@ def test_fleet_lists_every_device_with_its_latest_sample_and_missing_values_as_n
     assert pc["throttled"] is None and pc["module"] is None
     hostile = devices[HOSTILE_ID]
     assert hostile["online"] is False and hostile["model_name"] == HOSTILE_MODEL and hostile["deploying"] is None
+
+
+def test_fleet_shows_the_model_of_the_newest_sample_when_the_status_lags(tmp_path: Path) -> None:
+    db = open_db(f"sqlite:///{tmp_path / 'lag.db'}")
+    ensure_schema(db)
+    now = time.time()
+    add_device(db, "lag-01", online=True, model_name="det", model_version="1.0.0", precision="fp32")
+    add_sample(db, "lag-01", 1, now - 10, model_name="det", model_version="1.0.0", precision="fp32")
+    add_sample(db, "lag-01", 2, now, model_name="det", model_version="2.0.0", precision="int8")
+    add_device(db, "quiet-01", online=True, model_name="det", model_version="1.0.0", precision="fp32")
+    add_sample(db, "quiet-01", 1, now, fps=3.0)  # a sample without a model keeps the status's
+    rows = by_id(queries.fleet(db))
+    lagging = queries.device(db, "lag-01")
+    db.close()
+    assert lagging is not None and lagging["model_version"] == "2.0.0"
+    assert (rows["lag-01"]["model_version"], rows["lag-01"]["precision"]) == ("2.0.0", "int8")
+    assert (rows["quiet-01"]["model_version"], rows["quiet-01"]["fps"]) == ("1.0.0", 3.0)
 
 
 def test_device_has_series_markers_and_deployment_steps_with_durations(dash) -> None:

@@ -18,7 +18,7 @@ MAX_POINTS = 600  # points per series on a device chart: one bucket per pixel co
 
 _LATEST_TELEMETRY = """
 SELECT t.device_id, t.ts, t.fps, t.p50_ms, t.p99_ms, t.power_w, t.energy_mj_per_frame, t.soc_temp_c,
-       t.gpu_temp_c, t.throttled
+       t.gpu_temp_c, t.throttled, t.model_name, t.model_version, t.precision
 FROM telemetry t
 JOIN (SELECT device_id, MAX(ts) AS ts FROM telemetry GROUP BY device_id) newest
   ON newest.device_id = t.device_id AND newest.ts = t.ts
@@ -40,6 +40,10 @@ def fleet(db: Any) -> list[dict[str, Any]]:
         row = {**dev, **{k: sample.get(k) for k in ("ts", "fps", "p50_ms", "p99_ms", "power_w",
                                                       "energy_mj_per_frame", "soc_temp_c", "gpu_temp_c",
                                                       "throttled")}}
+        if sample.get("model_name"):
+            # The newest sample names the model that ran last; the retained status can lag behind it (it is
+            # republished on a health change, and a fast deployment may never show one).
+            row.update({k: sample[k] for k in ("model_name", "model_version", "precision")})
         row["online"] = _bool(row["online"])
         row["throttled"] = _bool(row["throttled"])
         row["deploying"] = _deploying(row.get("deployment_state"))
@@ -57,6 +61,10 @@ def device(db: Any, device_id: str) -> dict[str, Any] | None:
     for column in ("status_json", "meta_json"):
         row[column.removesuffix("_json")] = _parse(row.pop(column, None))
     row["deploying"] = _deploying(row.get("deployment_state"))
+    newest = db.query("SELECT model_name, model_version, precision FROM telemetry WHERE device_id = ? "
+                      "ORDER BY ts DESC LIMIT 1", (device_id,))
+    if newest and newest[0]["model_name"]:
+        row.update(newest[0])  # as in fleet(): the newest sample's model over a status that may lag
     return row
 
 
