@@ -43,8 +43,9 @@ VERSION_DESELECT = [
     "tests/test_engine_build.py::test_demo_int8_build_from_generated_frames_passes_the_gate",
     "tests/test_quantize.py::test_demo_detector_int8_mask_iou",
 ]
-# Only the Ansible tests need these (not in VERSION_TESTS); they are the slowest part of the test extra.
-NOT_NEEDED = {"ansible-core", "ansible-lint"}
+# Only the Ansible and browser tests need these (not in VERSION_TESTS); ansible-lint is the slowest part
+# of the test extra to install.
+NOT_NEEDED = {"ansible-core", "ansible-lint", "selenium"}
 PROBE = "import sys, venv, ensurepip; print('py%d%d' % sys.version_info[:2])"
 
 
@@ -77,9 +78,26 @@ def _pyenv_candidates(python: str) -> list[str]:
 
 
 def requirements(pyproject: Path = REPO / "pyproject.toml") -> list[str]:
-    """The project's test extra, less what only VERSION_TESTS do not need."""
-    extra = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["optional-dependencies"]["test"]
-    return [req for req in extra if re.split(r"[<>=!~; \[]", req, maxsplit=1)[0].lower() not in NOT_NEEDED]
+    """The project's test extra (its own extras it names expanded), less what VERSION_TESTS do not need."""
+    project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
+    return [req for req in _extra(project, "test", set()) if _name(req) not in NOT_NEEDED]
+
+
+def _extra(project: dict, extra: str, seen: set[str]) -> list[str]:
+    seen.add(extra)
+    out = []
+    for req in project["optional-dependencies"][extra]:
+        own = re.fullmatch(rf"{re.escape(project['name'])}\[([\w,\s-]+)\]", req.strip())
+        if own is None:
+            out.append(req)
+            continue
+        for name in (n.strip() for n in own[1].split(",")):
+            out += [] if name in seen else _extra(project, name, seen)
+    return out
+
+
+def _name(req: str) -> str:
+    return re.split(r"[<>=!~; \[]", req.strip(), maxsplit=1)[0].lower()
 
 
 def stamp_text(python_version: str, reqs: list[str]) -> str:
