@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
     entries = parse_expected(args.expected.read_text(encoding="utf-8"))  # a broken list fails before the run
 
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        sys.path[0] = str(REPO)  # as `python -m pytest` from the repository: scripts/ must not shadow modules
     import pytest
 
     recorder = SkipRecorder()
