@@ -195,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="arguments for pytest (after --)")
     args = parser.parse_args(argv)
     pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
-    entries = parse_expected(args.expected.read_text(encoding="utf-8"))  # a broken list fails before the run
+    try:  # a broken list fails before the run, not after it
+        entries = parse_expected(args.expected.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        print(f"{args.expected}: {exc}", file=sys.stderr)
+        return 2
 
     if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
         sys.path[0] = str(REPO)  # as `python -m pytest` from the repository: scripts/ must not shadow modules
