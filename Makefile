@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # Other Pythons the devices run (3.10: JetPack 6, 3.12: JetPack 7); missing ones are skipped with a note.
 EXTRA_PYTHONS ?= python3.10 python3.12
 
-.PHONY: demo test test-pythons venv system-deps bench clean
+.PHONY: demo test test-pythons venv system-deps bench device-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ test-pythons: $(STAMP) system-deps
 
 bench: $(STAMP)
 	$(PY) benchmarks/pipeline.py --out out/bench-pipeline.json
+
+# On an NVIDIA GPU machine (Jetson or not), with what is installed there: one JSON report, path printed last.
+device-check:
+	bash scripts/device-check.sh
 
 clean:
 	rm -rf $(VENV) .venv-py* out .pytest_cache

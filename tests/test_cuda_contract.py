@@ -19,7 +19,7 @@ from engines import cuda_mem
 from engines.cuda_mem import CudaError
 from tests.fake_nvidia import FakeCudaMemory, cuda_api_tables, fake_cuda_runtime, install_cuda_python, load_cuda_api
 
-RELEASES = tuple(f"cuda-python@{stem}" for stem in cuda_api_tables())
+RELEASES = tuple(f"stand-in-{stem}" for stem in cuda_api_tables())  # CudaPythonMemory on a release's table
 IMPLEMENTATIONS = (*cuda_mem.IMPLEMENTATIONS, "fake", *RELEASES)
 
 
@@ -29,7 +29,7 @@ def cuda(request: pytest.FixtureRequest):
         if request.param == "fake":
             impl = FakeCudaMemory()
         elif request.param in RELEASES:
-            install_cuda_python(mp, request.param.split("@", 1)[1])
+            install_cuda_python(mp, request.param.removeprefix("stand-in-"))
             impl = cuda_mem.CudaPythonMemory()
         else:
             try:

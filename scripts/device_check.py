@@ -1,0 +1,371 @@
+#!/usr/bin/env python3
+"""Device check: does the TensorRT path work on THIS NVIDIA machine (Jetson or discrete GPU)?
+
+Run by scripts/device-check.sh (`make device-check`) with whatever is installed here; installs nothing.
+The checks run in the order a first run on a new device fails: versions, driver, `engines doctor`,
+CUDA memory for real, NVML telemetry, TensorRT import, the backend contract tests, FP16 and INT8 builds
+of the demo model compared to ONNX Runtime FP32, CUDA-graph capture, the timing cache written then
+reused, and our latency beside `trtexec --loadEngine` on the same plan. Every check lands in one JSON
+report, whose path is printed last; a check that cannot run says why (`skipped`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+TRTEXEC_PATHS = ("/usr/src/tensorrt/bin/trtexec", "/usr/local/tensorrt/bin/trtexec")
+DEMO_SIZE = (320, 256)  # width, height: multiples of 32 (the DB detector's FPN)
+MIN_COSINE = {"fp16": 0.999, "int8": 0.98}  # against ONNX Runtime FP32 on held-out frames
+
+
+class Skip(Exception):
+    """A check that cannot run here; the message says why."""
+
+
+class Failed(Exception):
+    """A check that ran and failed; `details` go into the report beside the message."""
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.details = details
+
+
+class Check:
+    """Runs the checks in order and collects their results; later checks read earlier state."""
+
+    def __init__(self, work: Path) -> None:
+        self.work, self.results, self.state = work, [], {}
+
+    def run(self, name: str, fn: Callable[["Check"], dict[str, Any]]) -> None:
+        t0 = time.monotonic()
+        try:
+            entry = {"name": name, "ok": True, **fn(self)}
+        except Skip as exc:
+            entry = {"name": name, "ok": None, "skipped": str(exc)}
+        except Failed as exc:
+            entry = {"name": name, "ok": False, "error": str(exc), **exc.details}
+        except Exception as exc:  # every failure is reported, the next check still runs
+            entry = {"name": name, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                     "traceback": traceback.format_exc(limit=6)}
+        entry["seconds"] = round(time.monotonic() - t0, 2)
+        self.results.append(entry)
+        mark = {True: "ok  ", False: "FAIL", None: "skip"}[entry["ok"]]
+        text = entry.get("error") if entry["ok"] is False else entry.get("summary") or entry.get("skipped")
+        print(f"[{mark}] {name}: {text}", flush=True)
+
+
+def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**os.environ, **(env or {})})
+
+
+def _module_version(name: str) -> str | None:
+    try:
+        module = __import__(name, fromlist=["_"])
+    except Exception as exc:  # report why, not only that it is missing
+        return f"not importable ({type(exc).__name__}: {exc})"
+    return str(getattr(module, "__version__", "installed"))
+
+
+# --- 1-3: what is here -------------------------------------------------------------------------
+
+
+def check_versions(c: Check) -> dict[str, Any]:
+    found = {"python": sys.version.split()[0], "platform": platform.platform(), "machine": platform.machine()}
+    for module in ("numpy", "onnx", "onnxruntime", "tensorrt", "cuda.bindings", "cuda", "pycuda", "pynvml", "jtop"):
+        found[module] = _module_version(module)
+    release = Path("/etc/nv_tegra_release")
+    if release.is_file():
+        found["l4t"] = release.read_text().splitlines()[0].strip()
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        q = _run([smi, "--query-gpu=name,driver_version,compute_cap,memory.total", "--format=csv,noheader"], 60)
+        found["nvidia_smi"] = (q.stdout or q.stderr).strip()
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    if nvcc:
+        found["nvcc"] = _run([nvcc, "--version"], 60).stdout.strip().splitlines()[-1:]
+    return {"found": found, "summary": f"python {found['python']}, tensorrt {found['tensorrt']}"}
+
+
+def check_driver(c: Check) -> dict[str, Any]:
+    proc_version = Path("/proc/driver/nvidia/version")
+    jetson = Path("/etc/nv_tegra_release").is_file()
+    if proc_version.is_file():
+        return {"summary": proc_version.read_text().splitlines()[0].strip(), "jetson": jetson}
+    if jetson:
+        return {"summary": "Jetson (L4T) driver", "jetson": True}
+    raise RuntimeError("no NVIDIA driver: /proc/driver/nvidia/version is missing and this is not a Jetson")
+
+
+def check_doctor(c: Check) -> dict[str, Any]:
+    proc = _run([sys.executable, "-m", "agent.cli", "engines", "doctor", "--json"], 300)
+    try:
+        report = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        raise RuntimeError(f"exit {proc.returncode}, no JSON: {(proc.stderr or proc.stdout)[-800:]}") from None
+    failed = [ch["name"] for ch in report.get("checks", []) if not ch.get("ok")]
+    if proc.returncode != 0 or not report.get("usable"):
+        raise Failed(f"doctor says not usable (exit {proc.returncode}); failing: {failed}", report=report)
+    return {"report": report, "summary": f"usable; {len(report.get('checks', []))} checks, failing: {failed}"}
+
+
+# --- 4-5, 7: the contract suites for real --------------------------------------------------------
+
+
+def pytest_suite(c: Check, name: str, args: list[str], real: Callable[[str], bool], timeout: float = 1200) -> dict[str, Any]:
+    """Run a pytest selection; ok only when it passes AND at least one test of the real thing ran."""
+    xml = c.work / f"{name}.xml"
+    proc = _run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={xml}", *args],
+                timeout)
+    cases = [(tc.get("name", ""), tc) for tc in ET.parse(xml).getroot().iter("testcase")] if xml.is_file() else []
+    outcome = {n: ("skipped" if tc.find("skipped") is not None else "failed" if tc.find("failure") is not None
+                   or tc.find("error") is not None else "passed") for n, tc in cases}
+    ran_real = sorted(n for n, o in outcome.items() if real(n) and o == "passed")
+    result = {"exit": proc.returncode, "passed": sum(o == "passed" for o in outcome.values()),
+              "failed": sorted(n for n, o in outcome.items() if o == "failed"),
+              "skipped": sum(o == "skipped" for o in outcome.values()), "real_passed": ran_real,
+              "tail": proc.stdout[-3000:]}
+    if proc.returncode != 0:
+        raise Failed(f"pytest exit {proc.returncode}; failed: {result['failed']}", **result)
+    if not ran_real:
+        raise Failed("no test ran against the real implementation (all skipped; reasons in `tail`)", **result)
+    return {**result, "summary": f"{len(ran_real)} real tests passed, {result['skipped']} skipped"}
+
+
+def check_cuda_contract(c: Check) -> dict[str, Any]:
+    return pytest_suite(c, "cuda-contract", ["tests/test_cuda_contract.py", "-k", "not fake and not stand"],
+                        lambda n: re.search(r"\[(cuda-python|pycuda)(-shape\d+-\w+)?\]$", n) is not None)
+
+
+def check_nvml(c: Check) -> dict[str, Any]:
+    try:
+        from agent.telemetry.nvml_source import NvmlSource
+    except ImportError as exc:
+        raise Skip(f"nvidia-ml-py is not installed ({exc})") from None
+    source = NvmlSource()
+    ok, reason = source.available()
+    if not ok:
+        raise RuntimeError(reason)
+    try:
+        first, second = source.sample(), source.sample()
+    finally:
+        source.close()
+    if not first:
+        raise RuntimeError("NVML initialised but answered no field (a Jetson iGPU answers NotSupported: use jtop/sysfs)")
+    return {"sample": first, "second": second, "summary": f"fields {sorted(first)}"}
+
+
+def check_tensorrt(c: Check) -> dict[str, Any]:
+    try:
+        import tensorrt as trt
+    except Exception as exc:
+        c.state["no_trt"] = f"tensorrt does not import: {type(exc).__name__}: {exc}"
+        raise RuntimeError(c.state["no_trt"]) from None
+    return {"version": trt.__version__, "summary": f"TensorRT {trt.__version__} from {Path(trt.__file__).parent}"}
+
+
+def _needs_trt(c: Check) -> None:
+    if "no_trt" in c.state:
+        raise Skip(c.state["no_trt"])
+
+
+def check_backend_contract(c: Check) -> dict[str, Any]:
+    _needs_trt(c)
+    return pytest_suite(c, "backend-contract", ["tests/test_backend_contract.py", "-k", "tensorrt"],
+                        lambda n: n.endswith("[tensorrt]"))
+
+
+# --- 8-10: the demo model through TensorRT --------------------------------------------------------
+
+
+def _demo(c: Check) -> Any:
+    if "demo" not in c.state:
+        from agent.demo import prepare_demo_model_dir
+        from engines.model import load_model
+
+        c.state["demo"] = load_model(prepare_demo_model_dir(c.work / "models", *DEMO_SIZE))
+    return c.state["demo"]
+
+
+def _held_out_inputs(source: Any, count: int = 4) -> list[Any]:
+    from engines.bench import text_frames
+    from engines.preprocess import Preprocessor
+
+    pre, out = Preprocessor(source.manifest.preprocess), []
+    for frame in text_frames(source.manifest.preprocess.width, source.manifest.preprocess.height, count, seed=4242):
+        pre(frame)
+        out.append(pre.tensor.copy())
+    return out
+
+
+def compare(got: list[Any], want: list[Any]) -> dict[str, float]:
+    """Relative L2 error, cosine similarity and max |difference| of two lists of output arrays."""
+    import numpy as np
+
+    g = np.concatenate([np.asarray(a, np.float64).ravel() for a in got])
+    w = np.concatenate([np.asarray(a, np.float64).ravel() for a in want])
+    norm = float(np.linalg.norm(w)) or 1.0
+    return {"rel_l2": round(float(np.linalg.norm(g - w)) / norm, 6),
+            "cosine": round(float(g @ w / ((np.linalg.norm(g) * np.linalg.norm(w)) or 1.0)), 6),
+            "max_abs": round(float(np.max(np.abs(g - w))), 6)}
+
+
+def build_and_compare(c: Check, precision: str) -> dict[str, Any]:
+    _needs_trt(c)
+    import onnxruntime as ort
+
+    from engines.provision import load_provisioned, provision
+
+    source = _demo(c)
+    cache = c.work / "cache"
+    result = provision(source, backend="tensorrt", precision=precision, cache_dir=cache, db_path=c.work / "state.db",
+                       validation_samples=4, latency_runs=20)
+    c.state[f"built_{precision}"] = result
+    runtime = load_provisioned(result, source)
+    try:
+        engine = runtime.engine
+        name = engine.inputs[0].name
+        inputs = _held_out_inputs(source)
+        got = [engine.infer({name: x})[0] for x in inputs]
+        c.state[f"describe_{precision}"] = engine.describe()
+    finally:
+        runtime.close()
+    session = ort.InferenceSession(str(source.onnx_path), providers=["CPUExecutionProvider"])
+    want = [session.run(None, {name: x})[0] for x in inputs]
+    numbers = compare(got, want)
+    entry = {"engine": str(result.engine_path), "precision": result.precision, "build_s": round(result.build_s, 1),
+             "report": result.report, "validation": result.validation.to_dict() if result.validation else None,
+             "vs_onnxruntime_fp32": numbers, "summary": f"{precision} vs ORT fp32: {numbers}"}
+    if numbers["cosine"] < MIN_COSINE[precision]:
+        raise Failed(f"{precision} outputs disagree with ONNX Runtime FP32: {numbers} (min cosine "
+                     f"{MIN_COSINE[precision]})", **{k: v for k, v in entry.items() if k != "summary"})
+    return entry
+
+
+def check_cuda_graph(c: Check) -> dict[str, Any]:
+    _needs_trt(c)
+    info = c.state.get("describe_fp16") or c.state.get("describe_int8")
+    if info is None:
+        raise Skip("no TensorRT engine was loaded (see the build checks)")
+    if not info.get("cuda_graph"):
+        raise RuntimeError(f"CUDA graph not in use: {info.get('cuda_graph_status')} (cuda memory: {info.get('cuda_memory')})")
+    return {"status": info.get("cuda_graph_status"), "cuda_memory": info.get("cuda_memory"),
+            "summary": f"captured with {info.get('cuda_memory')}"}
+
+
+def check_timing_cache(c: Check) -> dict[str, Any]:
+    _needs_trt(c)
+    first, second = c.state.get("built_fp16"), c.state.get("built_int8")
+    if first is None or second is None:
+        raise Skip("needs both the FP16 and the INT8 build")
+    files = sorted((c.work / "cache" / "timing").glob("*.cache"))
+    if not files or files[0].stat().st_size == 0:
+        raise RuntimeError(f"no timing cache written under {c.work / 'cache' / 'timing'}")
+    notes = (second.report or {}).get("notes", [])
+    if not any(str(n).startswith("reused timing cache") for n in notes):
+        raise RuntimeError(f"the second build did not reuse the timing cache; its notes: {notes}")
+    return {"file": str(files[0]), "bytes": files[0].stat().st_size, "notes": notes,
+            "summary": f"{files[0].stat().st_size} bytes written, reused by the INT8 build"}
+
+
+# --- 11: latency beside trtexec ------------------------------------------------------------------
+
+
+def find_trtexec() -> str | None:
+    return shutil.which("trtexec") or next((p for p in TRTEXEC_PATHS if os.access(p, os.X_OK)), None)
+
+
+def parse_trtexec(text: str) -> dict[str, float]:
+    """Mean/median of trtexec's `GPU Compute Time:` and `Latency:` summary lines (ms)."""
+    out = {}
+    for label, key in (("GPU Compute Time", "gpu_compute"), ("Latency", "latency")):
+        m = re.search(rf"\]\s*{label}: min = [\d.]+ ms, max = [\d.]+ ms, mean = ([\d.]+) ms, median = ([\d.]+) ms", text)
+        if m:
+            out[f"{key}_mean_ms"], out[f"{key}_median_ms"] = float(m.group(1)), float(m.group(2))
+    return out
+
+
+def check_trtexec(c: Check) -> dict[str, Any]:
+    _needs_trt(c)
+    result = c.state.get("built_fp16")
+    if result is None:
+        raise Skip("no FP16 plan was built")
+    trtexec = find_trtexec()
+    if trtexec is None:
+        raise Skip(f"trtexec not found on PATH or in {TRTEXEC_PATHS}")
+    ours = _our_latency(c, result)
+    info = c.state["describe_fp16"]["inputs"][0]
+    shape = "x".join(str(d) for d in info["shape"])
+    proc = _run([trtexec, f"--loadEngine={result.engine_path}", f"--shapes={info['name']}:{shape}",
+                 "--warmUp=500", "--iterations=200", "--duration=0", "--useCudaGraph"], 600)
+    theirs = parse_trtexec(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not theirs:
+        raise RuntimeError(f"trtexec exit {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}")
+    ratio = round(ours["infer"]["p50"] / theirs["gpu_compute_median_ms"], 2) if theirs.get("gpu_compute_median_ms") else None
+    return {"ours_ms": ours, "trtexec_ms": theirs, "infer_p50_over_trtexec_gpu_median": ratio,
+            "summary": f"our infer p50 {ours['infer']['p50']} ms vs trtexec GPU compute median "
+                       f"{theirs.get('gpu_compute_median_ms')} ms (x{ratio})"}
+
+
+def _our_latency(c: Check, result: Any) -> dict[str, Any]:
+    from engines.bench import text_frames, time_runtime
+    from engines.provision import load_provisioned
+
+    source = _demo(c)
+    runtime = load_provisioned(result, source)
+    try:
+        spec = source.manifest.preprocess
+        return time_runtime(runtime, text_frames(spec.width, spec.height), iterations=200, warmup=20)["stages_ms"]
+    finally:
+        runtime.close()
+
+
+CHECKS: tuple[tuple[str, Callable[[Check], dict[str, Any]]], ...] = (
+    ("versions", check_versions), ("nvidia-driver", check_driver), ("engines-doctor", check_doctor),
+    ("cuda-memory-contract", check_cuda_contract), ("nvml-telemetry", check_nvml), ("tensorrt-import", check_tensorrt),
+    ("backend-contract", check_backend_contract), ("build-fp16", lambda c: build_and_compare(c, "fp16")),
+    ("build-int8", lambda c: build_and_compare(c, "int8")), ("cuda-graph", check_cuda_graph),
+    ("timing-cache", check_timing_cache), ("trtexec-latency", check_trtexec),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "out" / "device-check", help="report directory")
+    parser.add_argument("--only", action="append", help="run only these checks (repeatable; default: all)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    work = Path(tempfile.mkdtemp(prefix="device-check-"))
+    check = Check(work)
+    for name, fn in CHECKS:
+        if not args.only or name in args.only:
+            check.run(name, fn)
+    report = {"host": socket.gethostname(), "started_utc": stamp, "repo": str(REPO), "work_dir": str(work),
+              "ok": all(r["ok"] is not False for r in check.results),
+              "first_failure": next((r["name"] for r in check.results if r["ok"] is False), None),
+              "checks": check.results}
+    path = args.out / f"{socket.gethostname()}-{stamp}.json"
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(path)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    sys.exit(main())

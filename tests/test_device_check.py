@@ -1,0 +1,74 @@
+"""scripts/device-check.sh / scripts/device_check.py: the parts that can be checked without a GPU.
+
+The device checks themselves need NVIDIA hardware; here: the report is written (path printed last)
+and names why TensorRT checks are skipped, trtexec's summary is parsed from a real run's output,
+and the output comparison computes what it says.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "device-check.sh"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("device_check", REPO / "scripts" / "device_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# VERBATIM trtexec performance summary from a Jetson run (NobuoTsukamoto/tensorrt-examples, README of the
+# deeplab-edgetpu example, 2021-12-02).
+TRTEXEC_SUMMARY = """\
+[12/02/2021-19:58:58] [I] === Performance summary ===
+[12/02/2021-19:58:58] [I] Throughput: 9.85818 qps
+[12/02/2021-19:58:58] [I] Latency: min = 100.036 ms, max = 104.225 ms, mean = 101.425 ms, median = 101.092 ms, percentile(99%) = 104.225 ms
+[12/02/2021-19:58:58] [I] End-to-End Host Latency: min = 100.049 ms, max = 104.233 ms, mean = 101.438 ms, median = 101.105 ms, percentile(99%) = 104.233 ms
+[12/02/2021-19:58:58] [I] Enqueue Time: min = 57.1197 ms, max = 61.1654 ms, mean = 58.9862 ms, median = 58.2306 ms, percentile(99%) = 61.1654 ms
+[12/02/2021-19:58:58] [I] H2D Latency: min = 0.307251 ms, max = 0.312866 ms, mean = 0.310417 ms, median = 0.310425 ms, percentile(99%) = 0.312866 ms
+[12/02/2021-19:58:58] [I] GPU Compute Time: min = 99.6099 ms, max = 103.805 ms, mean = 101.003 ms, median = 100.67 ms, percentile(99%) = 103.805 ms
+[12/02/2021-19:58:58] [I] D2H Latency: min = 0.110596 ms, max = 0.114624 ms, mean = 0.112055 ms, median = 0.111938 ms, percentile(99%) = 0.114624 ms
+"""
+
+
+def test_trtexec_summary_is_parsed_from_a_real_run() -> None:
+    assert _module().parse_trtexec(TRTEXEC_SUMMARY) == {
+        "latency_mean_ms": 101.425, "latency_median_ms": 101.092,  # not H2D / End-to-End Host Latency
+        "gpu_compute_mean_ms": 101.003, "gpu_compute_median_ms": 100.67,
+    }
+    assert _module().parse_trtexec("&&&& FAILED TensorRT.trtexec") == {}
+
+
+def test_compare_reports_relative_error_cosine_and_max_difference() -> None:
+    compare = _module().compare
+    a = [np.array([3.0, 4.0]), np.array([0.0])]
+    assert compare(a, a) == {"rel_l2": 0.0, "cosine": 1.0, "max_abs": 0.0}
+    assert compare([np.array([3.0, 4.0, 0.0])], [np.array([3.0, 0.0, 0.0])]) == {
+        "rel_l2": round(4 / 3, 6), "cosine": 0.6, "max_abs": 4.0}
+
+
+def test_the_script_writes_one_report_and_prints_its_path_last(tmp_path: Path) -> None:
+    proc = subprocess.run(["bash", str(SCRIPT), "--out", str(tmp_path), "--only", "versions", "--only", "tensorrt-import",
+                           "--only", "build-fp16"], capture_output=True, text=True, timeout=300)
+    report_path = Path(proc.stdout.strip().splitlines()[-1])
+    assert report_path.parent == tmp_path and report_path.is_file(), proc.stdout + proc.stderr
+    report = json.loads(report_path.read_text())
+    checks = {c["name"]: c for c in report["checks"]}
+    assert list(checks) == ["versions", "tensorrt-import", "build-fp16"]
+    assert checks["versions"]["ok"] is True and checks["versions"]["found"]["python"] == sys.version.split()[0]
+    if importlib.util.find_spec("tensorrt") is None:
+        assert checks["tensorrt-import"]["ok"] is False and "tensorrt" in checks["tensorrt-import"]["error"]
+        assert checks["build-fp16"]["ok"] is None and "tensorrt does not import" in checks["build-fp16"]["skipped"]
+        assert report["first_failure"] == "tensorrt-import" and proc.returncode == 1
+    else:
+        pytest.skip("TensorRT imports here: the full check belongs to `make device-check` on this machine")
