@@ -21,6 +21,7 @@ from deploy.fleet.dashboard.auth import AuthSettings, settings_from
 from deploy.fleet.dashboard.server import exposure_warning, parse_bind
 from deploy.fleet.db import ensure_schema, open_db
 from tests.dashboard_fixtures import HOSTILE_ID, HOSTILE_MODEL, add_device, add_sample, fill_fleet, running_dashboard
+from tests.helpers import wait_for
 
 
 @pytest.fixture
@@ -218,3 +219,22 @@ def test_json_cleaning_turns_nan_and_decimal_into_json_values() -> None:
     cleaned = clean({"a": float("nan"), "b": [Decimal("1.5"), float("inf")], "c": None, "d": 0.0})
     assert cleaned == {"a": None, "b": [1.5, None], "c": None, "d": 0.0}
     json.dumps(cleaned, allow_nan=False)
+
+
+def test_a_postgresql_restart_is_a_503_then_the_dashboard_reconnects(postgres_server) -> None:
+    url = postgres_server.create_database()
+    db = open_db(url)
+    ensure_schema(db)
+    fill_fleet(db, time.time())
+    db.close()
+    with running_dashboard(url) as dash:
+        assert len(dash.json("/api/fleet")["devices"]) == 3
+        postgres_server.stop()
+        try:
+            status, _, body = dash.get("/api/fleet")
+            assert status == 503 and "fleet database query failed" in json.loads(body)["error"]
+        finally:
+            postgres_server.start()
+        assert wait_for(lambda: dash.get("/api/fleet")[0] == 200, timeout=30)
+        assert len(dash.json("/api/fleet")["devices"]) == 3
+    postgres_server.drop_database(url)

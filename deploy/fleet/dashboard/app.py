@@ -24,6 +24,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from deploy.fleet.dashboard import queries
+from deploy.fleet.db import TRANSIENT_ERRORS, open_db
 from deploy.fleet.dashboard.auth import AuthMiddleware, AuthSettings
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,6 @@ class Store:
         self.db: Any = None
 
     def _open(self) -> None:
-        from deploy.fleet.db import open_db
-
         self.db = open_db(self.db_url)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -58,9 +57,20 @@ class Store:
         def job() -> Any:
             if self.db is None:
                 self._open()
-            return fn(self.db, *args)
+            try:
+                return fn(self.db, *args)
+            except TRANSIENT_ERRORS:
+                self._drop()  # the database went away: the next request connects afresh
+                raise
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, job)
+
+    def _drop(self) -> None:
+        db, self.db = self.db, None
+        try:
+            db.close()
+        except Exception:  # noqa: BLE001 - the connection is already broken; nothing to save
+            log.debug("closing a broken fleet database connection failed", exc_info=True)
 
     def close(self) -> None:
         """Close the connection on its own thread, then stop the thread."""
