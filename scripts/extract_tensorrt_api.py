@@ -11,6 +11,7 @@ test instead of a first run on a device. The truth is NVIDIA/TensorRT at each re
 Usage (re-runnable; rewrites tests/data/tensorrt_api/<version>.json):
     python scripts/extract_tensorrt_api.py --git-dir /path/to/TensorRT.git [--tag 8.5.2 --tag v10.3.0 ...]
 The git directory is a clone (bare is fine) of https://github.com/NVIDIA/TensorRT with its tags.
+`--check` re-derives the tables and exits 1 when a stored one differs (nothing is written).
 Each output file records the tag, commit, the files read, and the preprocessor settings used.
 """
 
@@ -386,14 +387,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--git-dir", type=Path, required=True, help="a clone of NVIDIA/TensorRT with its tags")
     parser.add_argument("--tag", action="append", help=f"release tag (repeatable; default {' '.join(DEFAULT_TAGS)})")
     parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--check", action="store_true", help="compare with the stored tables instead of writing; exit 1 on a difference")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    differ = []
     for tag in args.tag or DEFAULT_TAGS:
         table = extract(Git(args.git_dir, tag))
         path = args.out / f"{table['version']}.json"
-        path.write_text(json.dumps(table, indent=1, sort_keys=False) + "\n")
+        text = json.dumps(table, indent=1, sort_keys=False) + "\n"
+        if args.check:
+            same = path.is_file() and path.read_text() == text
+            differ += [] if same else [str(path)]
+            print(f"{tag}: {path} {'matches' if same else 'DIFFERS'}", file=sys.stderr)
+            continue
+        path.write_text(text)
         print(f"{tag} -> {path} ({len(table['classes'])} classes, {len(table['enums'])} enums)", file=sys.stderr)
-    return 0
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":
