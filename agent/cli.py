@@ -87,7 +87,7 @@ def run(
     summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Write the run summary here at exit."),
 ) -> None:
     """Run the agent: camera -> model -> results, until SIGTERM/SIGINT or --duration."""
-    from agent.live_view import LiveView, status_line
+    from agent.pipeline.live_view import LiveView, status_line
     from agent.runner import Agent
 
     cfg = load_config_or_exit(config)

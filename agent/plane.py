@@ -7,7 +7,7 @@ import threading
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from agent.mailbox import FreshestMailbox
+from agent.pipeline.mailbox import FreshestMailbox
 from agent.mqtt import MqttPlane
 from agent.state import state_db_path
 from agent.telemetry_loop import PrometheusExporter, TelemetryThread

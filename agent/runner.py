@@ -11,15 +11,15 @@ from typing import Any, Callable
 
 import psutil
 
-from agent.capture import CaptureThread
+from agent.pipeline.capture import CaptureThread
 from agent.commands import CommandDispatcher
 from agent.control import AgentController
 from agent.control_socket import ControlSocketServer
 from agent.config import AgentConfig
 from agent.deployments.manager import DeploymentManager
 from agent.deployments.store import Deployment, DeploymentStore
-from agent.frame_stats import FrameStats
-from agent.mailbox import FreshestMailbox
+from agent.pipeline.frame_stats import FrameStats
+from agent.pipeline.mailbox import FreshestMailbox
 from agent.plane import AgentPlane
 from agent.sdnotify import Notifier, ProgressWatchdog
 from agent.model_loading import LoadedModel, ModelLoader
@@ -27,7 +27,7 @@ from agent.sources import create_source
 from agent.sources.base import Frame
 from agent.state import StateStore, state_db_path
 from agent.status import BACKEND_KEY, LIVE_KEY
-from agent.worker import InferenceWorker
+from agent.pipeline.worker import InferenceWorker
 from engines.errors import EdgeError
 from engines.model import ModelSource
 from engines.runtime import choose_backend

@@ -28,13 +28,13 @@ import numpy as np
 import onnxruntime as ort
 from _common import machine, percentiles, write_json
 
-from agent.capture import CaptureThread
+from agent.pipeline.capture import CaptureThread
 from agent.demo import prepare_demo_model_dir
-from agent.frame_stats import FrameStats
-from agent.mailbox import FreshestMailbox
+from agent.pipeline.frame_stats import FrameStats
+from agent.pipeline.mailbox import FreshestMailbox
 from agent.sources.base import SourceConfigBase
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
-from agent.worker import InferenceWorker
+from agent.pipeline.worker import InferenceWorker
 from agent.config import AgentConfig
 from engines.backends.base import EngineOptions
 from engines.model import load_model
@@ -183,7 +183,7 @@ def main() -> None:
 
 
 def _merge(histograms: list) -> dict:
-    from agent.histogram import LatencyHistogram
+    from agent.pipeline.histogram import LatencyHistogram
 
     merged = LatencyHistogram()
     for histogram in histograms:

@@ -13,8 +13,8 @@ from typing import Any, Callable, ClassVar, Iterator
 import numpy as np
 import pytest
 
-from agent.capture import CaptureThread
-from agent.mailbox import FreshestMailbox
+from agent.pipeline.capture import CaptureThread
+from agent.pipeline.mailbox import FreshestMailbox
 from agent.sources import create_source
 from agent.sources.base import Frame, SourceConfigBase
 from agent.sources.file import FileConfig
@@ -238,8 +238,8 @@ def test_finite_file_source_ends_instead_of_reopening(tmp_path) -> None:
     import cv2
     import numpy as np
 
-    from agent.capture import CaptureThread
-    from agent.mailbox import FreshestMailbox
+    from agent.pipeline.capture import CaptureThread
+    from agent.pipeline.mailbox import FreshestMailbox
     from agent.sources import create_source
     from agent.sources.file import FileConfig
     from tests.helpers import wait_for

@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from agent.histogram import LatencyHistogram
-from agent.mailbox import FreshestMailbox
+from agent.pipeline.histogram import LatencyHistogram
+from agent.pipeline.mailbox import FreshestMailbox
 from engines.preprocess import Preprocessor, PreprocessSpec
 
 

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from agent.histogram import LatencyHistogram
+from agent.pipeline.histogram import LatencyHistogram
 from agent.telemetry_loop import PrometheusExporter
 from deploy.fleet.db import ensure_schema, open_db
 from tests.dashboard_fixtures import HOSTILE_ID, fill_fleet

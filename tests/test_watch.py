@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from agent.deployments.config import DeploymentConfig
 from agent.deployments.watch import judge
-from agent.frame_stats import FrameStats, FrameTiming
+from agent.pipeline.frame_stats import FrameStats, FrameTiming
 
 
 def stats(latencies: list[float], errors: int = 0) -> FrameStats:

@@ -6,9 +6,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from agent.capture import CaptureThread
+from agent.pipeline.capture import CaptureThread
 from agent.deployments.config import DeploymentConfig
-from agent.worker import InferenceWorker
+from agent.pipeline.worker import InferenceWorker
 
 POLL_S = 0.25
 

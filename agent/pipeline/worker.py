@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Callable
 
-from agent.frame_stats import FrameStats, FrameTiming
-from agent.mailbox import FreshestMailbox
+from agent.pipeline.frame_stats import FrameStats, FrameTiming
+from agent.pipeline.mailbox import FreshestMailbox
 from agent.sources.base import Frame
 from engines.errors import EdgeError
 from engines.postprocess import InferenceResult

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from agent.mailbox import FreshestMailbox
+from agent.pipeline.mailbox import FreshestMailbox
 from agent.sources.base import Frame, SourceError, validate_image
 
 log = logging.getLogger(__name__)

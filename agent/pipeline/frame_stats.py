@@ -6,7 +6,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from agent.histogram import LatencyHistogram
+from agent.pipeline.histogram import LatencyHistogram
 
 STAGES = ("capture_wait", "preprocess", "infer", "postprocess")
 
