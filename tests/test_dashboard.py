@@ -6,8 +6,12 @@ from __future__ import annotations
 import base64
 import json
 import re
+import signal
+import subprocess
+import sys
 import time
 import urllib.parse
+import urllib.request
 from decimal import Decimal
 from pathlib import Path
 
@@ -21,6 +25,7 @@ from deploy.fleet.dashboard.auth import AuthSettings, settings_from
 from deploy.fleet.dashboard.server import exposure_warning, parse_bind
 from deploy.fleet.db import ensure_schema, open_db
 from tests.dashboard_fixtures import HOSTILE_ID, HOSTILE_MODEL, add_device, add_sample, fill_fleet, running_dashboard
+from tests.fixtures_mqtt import free_port
 from tests.helpers import wait_for
 
 
@@ -221,6 +226,7 @@ def test_json_cleaning_turns_nan_and_decimal_into_json_values() -> None:
     json.dumps(cleaned, allow_nan=False)
 
 
+@pytest.mark.allow_leaks  # the restarted PostgreSQL belongs to the session fixture
 def test_a_postgresql_restart_is_a_503_then_the_dashboard_reconnects(postgres_server) -> None:
     url = postgres_server.create_database()
     db = open_db(url)
@@ -238,3 +244,34 @@ def test_a_postgresql_restart_is_a_503_then_the_dashboard_reconnects(postgres_se
         assert wait_for(lambda: dash.get("/api/fleet")[0] == 200, timeout=30)
         assert len(dash.json("/api/fleet")["devices"]) == 3
     postgres_server.drop_database(url)
+
+
+def test_the_cli_serves_on_loopback_and_stops_on_sigterm(tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 'fleet.db'}"
+    db = open_db(store)
+    ensure_schema(db)
+    fill_fleet(db, time.time())
+    db.close()
+    port = free_port()
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "dashboard", "--db", store, "--bind",
+                             f"127.0.0.1:{port}", "--token-file", str(token)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def fleet_status() -> int | None:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/api/fleet",
+                                                 headers={"Authorization": "Bearer t0ken"})
+                return urllib.request.urlopen(request, timeout=5).status
+            except OSError:
+                return None
+
+        assert wait_for(lambda: fleet_status() == 200 or proc.poll() is not None, timeout=60)
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    # uvicorn shuts down cleanly, then re-raises SIGTERM (systemd counts that as a clean stop).
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert f"dashboard on http://127.0.0.1:{port}" in out and "Application shutdown complete" in out
