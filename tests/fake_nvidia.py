@@ -713,3 +713,172 @@ def install_cuda_python(monkeypatch: Any, stem: str) -> types.ModuleType:
     if has_cudart:
         cuda.cudart = rt
     return rt
+
+
+# --- pycuda.driver, from each release's sources (no release has stream capture) ----------------
+
+PYCUDA_API_DIR = Path(__file__).resolve().parent / "data" / "pycuda_api"
+
+
+def pycuda_api_tables() -> list[str]:
+    """Every recorded pycuda release (file stems), oldest first."""
+    return sorted((p.stem for p in PYCUDA_API_DIR.glob("*.json")),
+                  key=lambda s: tuple(int(x) for x in s.split("-", 1)[1].split(".")))
+
+
+class PycudaTable:
+    """One pycuda release's table, with the interface _Guarded reads (`members`, `version`)."""
+
+    def __init__(self, stem: str) -> None:
+        self.data = json.loads((PYCUDA_API_DIR / f"{stem}.json").read_text())
+        self.version = f"pycuda {self.data['version']}"
+
+    def members(self, cls: str) -> set[str]:
+        return set(self.data["classes"].get(cls, ()))
+
+
+def fake_pycuda(stem: str, total_bytes: int = 8 << 30) -> tuple[types.ModuleType, types.ModuleType]:
+    """(`pycuda`, `pycuda.driver`) of release `stem`: only its names, host memory posing as the GPU."""
+    api = PycudaTable(stem)
+    drv = types.ModuleType("pycuda.driver")
+    for name in api.data["functions"] + list(api.data["classes"]):
+        setattr(drv, name, _Unmodelled(name))
+    errors = _pycuda_errors(api)
+    for name, cls in errors.items():
+        setattr(drv, name, cls)
+    for name, members in api.data["enums"].items():
+        setattr(drv, name, enum.IntEnum(name, {m: i for i, m in enumerate(members)}))
+    gpu = _HostGpu(total_bytes)
+    for name, value in _pycuda_behaviour(api, gpu, errors).items():
+        if name in api.data["functions"] or name in api.data["classes"]:
+            setattr(drv, name, value)
+    package = types.ModuleType("pycuda")
+    package.__path__, package.driver = [], drv
+    return package, drv
+
+
+def _pycuda_errors(api: PycudaTable) -> dict[str, type]:
+    """pycuda's exceptions: Error, and the others derived from it (DECLARE_EXC(X, CudaError))."""
+    base = type("Error", (Exception,), {})
+    return {name: base if name == "Error" else type(name, (base,), {}) for name in api.data["exceptions"]}
+
+
+def _pycuda_behaviour(api: PycudaTable, gpu: _HostGpu, errors: dict[str, type]) -> dict[str, Any]:
+    class Context(_Guarded):
+        API = "Context"
+
+        def push(self) -> None:
+            pass
+
+        def detach(self) -> None:
+            pass
+
+        @staticmethod
+        def pop() -> None:
+            pass
+
+    class Device(_Guarded):
+        API = "Device"
+
+        def __init__(self, number: int) -> None:
+            super().__init__(api)
+
+        def retain_primary_context(self) -> Context:
+            return Context(api)
+
+        def compute_capability(self) -> tuple[int, int]:
+            return (8, 7)
+
+        def name(self) -> str:
+            return "stand-in GPU"
+
+        def total_memory(self) -> int:
+            return gpu.total
+
+    class DeviceAllocation(_Guarded):
+        API = "DeviceAllocation"
+
+        def __init__(self, ptr: int) -> None:
+            super().__init__(api)
+            self._ptr = ptr
+
+        def __int__(self) -> int:
+            return self._ptr
+
+        def free(self) -> None:
+            gpu.buffers.pop(self._ptr, None)
+
+    class PagelockedHostAllocation(_Guarded):
+        API = "PagelockedHostAllocation"
+
+        def __init__(self, shape: tuple, dtype: Any) -> None:
+            super().__init__(api)
+            self._ptr = gpu.alloc(max(1, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize))
+            self.__array_interface__ = {"shape": tuple(shape), "typestr": np.dtype(dtype).str,
+                                        "data": (self._ptr, False), "version": 3}
+
+        def free(self) -> None:
+            gpu.buffers.pop(self._ptr, None)
+
+    class Stream(_Guarded):
+        API = "Stream"
+
+        def __init__(self, flags: int = 0) -> None:
+            super().__init__(api)
+            self._handle = _CudaHandle()
+
+        handle = property(lambda self: int(self._handle))
+
+        def synchronize(self) -> None:
+            pass
+
+    clock = [0.0]
+
+    class Event(_Guarded):
+        API = "Event"
+
+        def __init__(self, flags: int | None = None) -> None:
+            super().__init__(api)
+            self._at = 0.0
+
+        def record(self, stream: Any = None) -> "Event":
+            clock[0] += 0.25
+            self._at = clock[0]
+            return self
+
+        def synchronize(self) -> "Event":
+            return self
+
+        def time_since(self, event: "Event") -> float:
+            return self._at - event._at
+
+        def time_till(self, event: "Event") -> float:
+            return event._at - self._at
+
+    def mem_alloc(nbytes: int) -> DeviceAllocation:
+        ptr = gpu.alloc(int(nbytes))
+        if ptr is None:
+            raise errors["MemoryError"]("cuMemAlloc failed: out of memory")
+        return DeviceAllocation(ptr)
+
+    def copy(dst: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+    used = lambda: sum(len(b) for b in gpu.buffers.values())  # noqa: E731
+    return {
+        "init": lambda flags=0: None, "Device": Device, "Context": Context, "Stream": Stream, "Event": Event,
+        "mem_alloc": mem_alloc, "mem_get_info": lambda: (gpu.total - used(), gpu.total),
+        "pagelocked_empty": lambda shape, dtype, order="C", mem_flags=0: np.asarray(
+            PagelockedHostAllocation(tuple(shape), dtype)),
+        "memcpy_htod_async": lambda dest, src, stream=None: copy(int(dest), src.ctypes.data, src.nbytes),
+        "memcpy_dtoh_async": lambda dest, src, stream=None: copy(dest.ctypes.data, int(src), dest.nbytes),
+        "get_version": lambda: (12, 6, 0), "get_driver_version": lambda: 12060,
+    }
+
+
+def install_pycuda(monkeypatch: Any, stem: str) -> types.ModuleType:
+    """Make `import pycuda.driver` give release `stem`'s stand-in (and cuda-python absent)."""
+    package, drv = fake_pycuda(stem)
+    monkeypatch.setitem(sys.modules, "pycuda", package)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", drv)
+    return drv

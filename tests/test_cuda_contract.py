@@ -10,6 +10,8 @@ names and `(err, *values)` return shapes from the published wheels, host memory 
 from __future__ import annotations
 
 import ast
+import importlib
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +19,27 @@ import pytest
 
 from engines import cuda_mem
 from engines.cuda_mem import CudaError
-from tests.fake_nvidia import FakeCudaMemory, cuda_api_tables, fake_cuda_runtime, install_cuda_python, load_cuda_api
+from tests.fake_nvidia import (
+    FakeCudaMemory,
+    PycudaTable,
+    cuda_api_tables,
+    fake_cuda_runtime,
+    install_cuda_python,
+    install_pycuda,
+    load_cuda_api,
+    pycuda_api_tables,
+)
 
 RELEASES = tuple(f"stand-in-{stem}" for stem in cuda_api_tables())  # CudaPythonMemory on a release's table
-IMPLEMENTATIONS = (*cuda_mem.IMPLEMENTATIONS, "fake", *RELEASES)
+PYCUDA_RELEASES = tuple(f"stand-in-{stem}" for stem in pycuda_api_tables())  # PyCudaMemory on a release's table
+IMPLEMENTATIONS = (*cuda_mem.IMPLEMENTATIONS, "fake", *RELEASES, *PYCUDA_RELEASES)
+
+
+def _pycuda_memory(mp: pytest.MonkeyPatch, stem: str):
+    """engines.cuda_mem_pycuda imported against release `stem`'s pycuda.driver stand-in."""
+    install_pycuda(mp, stem)
+    mp.delitem(sys.modules, "engines.cuda_mem_pycuda", raising=False)
+    return importlib.import_module("engines.cuda_mem_pycuda").PyCudaMemory()
 
 
 @pytest.fixture(scope="module", params=IMPLEMENTATIONS)
@@ -31,6 +50,8 @@ def cuda(request: pytest.FixtureRequest):
         elif request.param in RELEASES:
             install_cuda_python(mp, request.param.removeprefix("stand-in-"))
             impl = cuda_mem.CudaPythonMemory()
+        elif request.param in PYCUDA_RELEASES:
+            impl = _pycuda_memory(mp, request.param.removeprefix("stand-in-"))
         else:
             try:
                 impl = cuda_mem.open_cuda_memory(request.param)
@@ -38,6 +59,8 @@ def cuda(request: pytest.FixtureRequest):
                 pytest.skip(f"{request.param} unavailable here: {exc}")
         yield impl
         impl.close()
+    if request.param in PYCUDA_RELEASES:
+        sys.modules.pop("engines.cuda_mem_pycuda", None)  # bound to the stand-in: never reuse it
 
 
 @pytest.fixture
@@ -104,7 +127,11 @@ def test_an_impossible_allocation_is_a_cuda_error(cuda) -> None:
         cuda.malloc(1 << 50)
 
 
-def test_captured_graph_replays_with_current_inputs(cuda, stream) -> None:
+def test_captured_graph_replays_with_current_inputs(cuda, stream, request: pytest.FixtureRequest) -> None:
+    if not cuda.supports_graphs and request.node.callspec.params["cuda"] in PYCUDA_RELEASES:
+        with pytest.raises(CudaError):  # no pycuda release has stream capture: refused, never half-done
+            cuda.begin_capture(stream)
+        return
     if not cuda.supports_graphs:
         pytest.skip(f"{cuda.name} has no stream capture")
     src, dst = cuda.pinned_empty((64,), np.float32), cuda.pinned_empty((64,), np.float32)
@@ -176,3 +203,30 @@ def test_the_stand_in_runtime_has_exactly_the_releases_names(stem: str) -> None:
     api, rt = load_cuda_api(stem), fake_cuda_runtime(stem)
     public = {n for n in vars(rt) if not n.startswith("_")}
     assert public == set(api["functions"]) | set(api["enums"]) | set(api["constants"])
+
+
+# --- pycuda releases: no stream capture anywhere, and the names PyCudaMemory calls ----------------
+
+
+@pytest.mark.parametrize("stem", pycuda_api_tables())
+def test_no_pycuda_release_has_stream_capture(stem: str) -> None:
+    table = PycudaTable(stem).data
+    assert table["stream_capture"] is False
+    assert "begin_capture" not in table["classes"]["Stream"] and "Graph" not in table["classes"]
+
+
+def _pycuda_names_used() -> set[str]:
+    """Every `cuda.NAME` in engines/cuda_mem_pycuda.py (`import pycuda.driver as cuda`)."""
+    path = Path(cuda_mem.__file__).with_name("cuda_mem_pycuda.py")
+    tree = ast.parse(path.read_text())
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "cuda"}
+
+
+@pytest.mark.parametrize("stem", pycuda_api_tables())
+def test_cuda_mem_pycuda_calls_only_what_each_release_has(stem: str) -> None:
+    table = PycudaTable(stem).data
+    known = set(table["functions"]) | set(table["classes"]) | set(table["enums"]) | set(table["exceptions"])
+    used = _pycuda_names_used()
+    assert {"mem_alloc", "memcpy_htod_async", "Stream"} <= used
+    assert not used - known, f"pycuda {table['version']} lacks {sorted(used - known)}"
