@@ -19,8 +19,7 @@ import pytest
 
 from engines import cuda_mem
 from engines.cuda_mem import CudaError
-from tests.fake_nvidia import (
-    FakeCudaMemory,
+from tests.fake_cuda_releases import (
     PycudaTable,
     cuda_api_tables,
     fake_cuda_runtime,
@@ -29,6 +28,7 @@ from tests.fake_nvidia import (
     load_cuda_api,
     pycuda_api_tables,
 )
+from tests.fake_nvidia import FakeCudaMemory
 
 RELEASES = tuple(f"stand-in-{stem}" for stem in cuda_api_tables())  # CudaPythonMemory on a release's table
 PYCUDA_RELEASES = tuple(f"stand-in-{stem}" for stem in pycuda_api_tables())  # PyCudaMemory on a release's table
