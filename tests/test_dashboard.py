@@ -81,6 +81,22 @@ def test_fleet_shows_the_model_of_the_newest_sample_when_the_status_lags(tmp_pat
     assert (rows["quiet-01"]["model_version"], rows["quiet-01"]["fps"]) == ("1.0.0", 3.0)
 
 
+def test_fleet_rows_are_one_per_device_and_week_old_samples_are_not_live(tmp_path: Path) -> None:
+    db = open_db(f"sqlite:///{tmp_path / 'old.db'}")
+    ensure_schema(db)
+    now = time.time()
+    add_device(db, "silent-01", online=False)
+    add_sample(db, "silent-01", 1, now - queries.LATEST_LOOKBACK_S - 60, fps=9.0)
+    add_device(db, "twice-01", online=True)
+    add_sample(db, "twice-01", 1, now - 5, fps=1.0)
+    db.execute("INSERT INTO telemetry (device_id, boot_id, seq, ts, received, fps, replayed, payload) "
+               "VALUES ('twice-01', 'b2', 1, ?, ?, 1.0, ?, '{}')", (now - 5, now, False))  # same ts, new boot
+    rows = queries.fleet(db, now)
+    db.close()
+    assert [r["device_id"] for r in rows] == ["silent-01", "twice-01"]
+    assert rows[0]["fps"] is None and rows[0]["ts"] is None and rows[1]["fps"] == 1.0
+
+
 def test_device_has_series_markers_and_deployment_steps_with_durations(dash) -> None:
     data = dash.json("/api/device?id=orin-01&range=1h")
     assert data["device"]["module"] == "NVIDIA Jetson Orin Nano"
@@ -115,8 +131,8 @@ def test_model_view_groups_devices_by_module(dash) -> None:
     assert orin["samples"] == 20 and orin["p99_max_ms"] == 49.0 and orin["energy_mj_per_frame"] == 250.0
     [pc] = modules[None]["devices"]
     assert pc["p99_ms"] == pytest.approx(55.0) and pc["energy_mj_per_frame"] is None
-    names = [m["model_name"] for m in dash.json("/api/models?range=1h")["models"]]
-    assert names == sorted(["det", HOSTILE_MODEL])
+    assert dash.json("/api/models")["models"] == sorted(
+        [{"model_name": "det", "devices": 2}, {"model_name": HOSTILE_MODEL, "devices": 1}], key=lambda m: m["model_name"])
 
 
 def test_long_ranges_are_bucketed_keeping_the_worst_p99(tmp_path: Path) -> None:

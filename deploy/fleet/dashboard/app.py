@@ -154,15 +154,11 @@ def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: floa
         return response
 
     async def api_models(request: Request) -> Response:
-        try:
-            since, _ = _range(request, "24h")
-        except BadRequest as exc:
-            return _json({"error": str(exc)}, 400)
-        return await api(request, lambda db: {"models": queries.models(db, since), "since": since})
+        return await api(request, lambda db: {"models": queries.models(db)})
 
     async def api_model(request: Request) -> Response:
         try:
-            name, (since, _) = _required(request, "name"), _range(request, "24h")
+            name, (since, _) = _required(request, "name"), _range(request, "1h")
         except BadRequest as exc:
             return _json({"error": str(exc)}, 400)
         return await api(request, queries.model_view, name, since)

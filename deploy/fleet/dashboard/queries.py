@@ -16,39 +16,39 @@ TERMINAL_DEPLOYMENT_STATES = ("active", "failed", "rolled_back")
 MARKER_TYPES = ("deployment", "adapt", "throttling", "throttling_cleared", "rolled_back", "rollback", "model_loaded")
 MAX_POINTS = 600  # points per series on a device chart: one bucket per pixel column, about
 
-_LATEST_TELEMETRY = """
-SELECT t.device_id, t.ts, t.fps, t.p50_ms, t.p99_ms, t.power_w, t.energy_mj_per_frame, t.soc_temp_c,
-       t.gpu_temp_c, t.throttled, t.model_name, t.model_version, t.precision
-FROM telemetry t
-JOIN (SELECT device_id, MAX(ts) AS ts FROM telemetry GROUP BY device_id) newest
-  ON newest.device_id = t.device_id AND newest.ts = t.ts
+LATEST_LOOKBACK_S = 7 * 86400  # a device silent for longer shows no live numbers ("—"), only when it was last seen
+
+# Each device's newest sample through the (device_id, ts) index, one probe per device: PostgreSQL has no loose
+# index scan, so `GROUP BY device_id` with MAX(ts) would read every stored sample on every refresh.
+_FLEET = """
+SELECT d.device_id, d.online, d.state, d.state_since, d.last_seen, d.agent_version, d.model_name, d.model_version,
+       d.precision, d.backend, d.latency_budget_ms, d.module, d.deployment_state,
+       t.ts, t.fps, t.p50_ms, t.p99_ms, t.power_w, t.energy_mj_per_frame, t.soc_temp_c, t.gpu_temp_c, t.throttled,
+       t.model_name AS sample_model_name, t.model_version AS sample_model_version, t.precision AS sample_precision
+FROM devices d
+LEFT JOIN telemetry t ON t.device_id = d.device_id
+  AND t.ts = (SELECT MAX(l.ts) FROM telemetry l WHERE l.device_id = d.device_id AND l.ts >= ?)
+ORDER BY d.device_id
 """
 
-_DEVICES = """
-SELECT device_id, online, state, state_since, last_seen, agent_version, model_name, model_version, precision,
-       backend, latency_budget_ms, module, deployment_state
-FROM devices ORDER BY device_id
-"""
 
-
-def fleet(db: Any) -> list[dict[str, Any]]:
-    """One row per device: its status row joined with its latest telemetry sample."""
-    latest = {row["device_id"]: row for row in db.query(_LATEST_TELEMETRY, ())}
-    rows = []
-    for dev in db.query(_DEVICES, ()):
-        sample = latest.get(dev["device_id"], {})
-        row = {**dev, **{k: sample.get(k) for k in ("ts", "fps", "p50_ms", "p99_ms", "power_w",
-                                                      "energy_mj_per_frame", "soc_temp_c", "gpu_temp_c",
-                                                      "throttled")}}
-        if sample.get("model_name"):
+def fleet(db: Any, now: float | None = None) -> list[dict[str, Any]]:
+    """One row per device: its status row joined with its newest telemetry sample (of the last week)."""
+    since = (time.time() if now is None else now) - LATEST_LOOKBACK_S
+    rows: dict[str, dict[str, Any]] = {}
+    for row in db.query(_FLEET, (since,)):
+        if row["device_id"] in rows:
+            continue  # two samples with the same newest ts (a second boot): one row per device is enough
+        sample_model = [row.pop(k) for k in ("sample_model_name", "sample_model_version", "sample_precision")]
+        if sample_model[0]:
             # The newest sample names the model that ran last; the retained status can lag behind it (it is
             # republished on a health change, and a fast deployment may never show one).
-            row.update({k: sample[k] for k in ("model_name", "model_version", "precision")})
+            row["model_name"], row["model_version"], row["precision"] = sample_model
         row["online"] = _bool(row["online"])
         row["throttled"] = _bool(row["throttled"])
         row["deploying"] = _deploying(row.get("deployment_state"))
-        rows.append(row)
-    return rows
+        rows[row["device_id"]] = row
+    return list(rows.values())
 
 
 def device(db: Any, device_id: str) -> dict[str, Any] | None:
@@ -154,10 +154,13 @@ ORDER BY d.module, t.device_id, t.model_version
 """
 
 
-def models(db: Any, since: float) -> list[dict[str, Any]]:
-    """Every model seen in telemetry since `since`, with how many devices ran it."""
-    return db.query("SELECT model_name, COUNT(DISTINCT device_id) AS devices, MAX(ts) AS last_ts FROM telemetry "
-                    "WHERE model_name IS NOT NULL AND ts >= ? GROUP BY model_name ORDER BY model_name", (since,))
+def models(db: Any) -> list[dict[str, Any]]:
+    """The models the fleet runs now (by the fleet table's rule), with how many devices run each."""
+    counts: dict[str, int] = {}
+    for row in fleet(db):
+        if row["model_name"]:
+            counts[row["model_name"]] = counts.get(row["model_name"], 0) + 1
+    return [{"model_name": name, "devices": n} for name, n in sorted(counts.items())]
 
 
 def model_view(db: Any, model_name: str, since: float) -> dict[str, Any]:

@@ -40,8 +40,8 @@ function renderModel(data) {
                                                       text: "no telemetry for this model in this range"})])]));
 }
 
-async function loadModels(range, chosen) {
-  const data = await getJSON(`/api/models?range=${encodeURIComponent(range)}`);
+async function loadModels(chosen) {
+  const data = await getJSON("/api/models");
   const select = document.getElementById("model");
   const names = data.models.map((m) => m.model_name);
   if (chosen && !names.includes(chosen)) names.unshift(chosen);
@@ -52,8 +52,8 @@ async function loadModels(range, chosen) {
 async function refresh() {
   const range = document.getElementById("range").value;
   try {
-    const name = await loadModels(range, document.getElementById("model").value || param("name"));
-    if (!name) { showError("No model has reported telemetry in this range."); return; }
+    const name = await loadModels(document.getElementById("model").value || param("name"));
+    if (!name) { showError("No device runs a model yet."); return; }
     document.getElementById("title").textContent = name;
     document.title = `${name} — edge dashboard`;
     const data = await getJSON(`/api/model?name=${encodeURIComponent(name)}&range=${encodeURIComponent(range)}`);
