@@ -216,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"  {problem}", file=sys.stderr)
         print(HOW_TO_UPDATE.format(expected=args.expected), file=sys.stderr)
+        listed = {e.test_id for e in entries}
+        for test_id, reason in sorted(recorder.record.skipped.items()):
+            if test_id not in listed:  # a starting point: replace machine-specific detail with *
+                print(f"  {test_id} | {reason}", file=sys.stderr)
     else:
         print(f"skip check ({args.label}): {len(recorder.record.skipped)} skipped, all expected "
               f"(conditions holding here: {here})")
