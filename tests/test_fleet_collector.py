@@ -306,15 +306,18 @@ def test_malformed_messages_are_counted_and_never_stop_the_stream(
         (topic, {**sample(1), "note": "y" * 400_000}),  # larger than max_payload_bytes
         (f"{p}/dev-1/events", {"seq": 2, "boot_id": BOOT, "ts": 1.0}),  # an event without a type
         (f"{p}/dev-1/events", {"seq": 3, "boot_id": BOOT, "ts": 1.0, "type": "x\u0000" + "t" * 5000}),
+        (f"{p}/dev-2/events", b'{"seq": 1, "boot_id": "b\\ud800", "ts": 1.0, "type": "lone \\udc00 surrogate"}'),
     ]
     markup = {**sample(4), "fps": "NaN", "model": {"name": "<img src=x onerror=alert(1)>", "version": "'; DROP TABLE"}}
     publisher.send_many(junk + [(topic, markup), (topic, sample(5))])
-    assert wait_for(lambda: count(fleet_db_url) == 2 and count(fleet_db_url, "events") == 1, 15)
+    assert wait_for(lambda: count(fleet_db_url) == 2 and count(fleet_db_url, "events") == 2, 15)
     assert wait_for(lambda: stat(fleet_db_url, "malformed") == 5, 10)
+    assert stat(fleet_db_url, "rejected_by_db") == 0
     row = query(fleet_db_url, "SELECT fps, model_name, model_version FROM telemetry WHERE seq = ?", (4,))[0]
     assert row == {"fps": None, "model_name": "<img src=x onerror=alert(1)>", "model_version": "'; DROP TABLE"}
-    etype = query(fleet_db_url, "SELECT type FROM events")[0]["type"]
+    etype = query(fleet_db_url, "SELECT type FROM events WHERE device_id = ?", ("dev-1",))[0]["type"]
     assert etype == "x" + "t" * 255  # NUL stripped, capped
+    assert query(fleet_db_url, "SELECT type FROM events WHERE device_id = ?", ("dev-2",))[0]["type"] == "lone ? surrogate"
     assert collector.stats()["malformed"] == 5
 
 

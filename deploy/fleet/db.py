@@ -163,12 +163,6 @@ class PostgresDB(FleetDB):
         with self._lock:
             return self.conn.execute(to_pyformat(sql), tuple(params)).rowcount
 
-    def execute_raw(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        """Run psycopg-style SQL (`%s`) and return its rows (for RETURNING); used by the collector."""
-        with self._lock:
-            cur = self.conn.execute(sql, tuple(params))
-            return list(cur.fetchall()) if cur.description else []
-
     @contextmanager
     def transaction(self) -> Iterator[FleetDB]:
         with self._lock, self.conn.transaction():

@@ -132,7 +132,8 @@ def short_text(value: Any, limit: int = MAX_TEXT) -> str | None:
     """A string, NUL-free and capped at `limit` characters; anything else None."""
     if not isinstance(value, str):
         return None
-    return value.replace("\x00", "")[:limit]
+    # JSON may carry lone surrogates ("\ud800"): valid Python, but no database stores them as text.
+    return value.replace("\x00", "")[:limit].encode("utf-8", "replace").decode("utf-8")
 
 
 def boolean(value: Any) -> bool | None:
