@@ -394,6 +394,33 @@ def test_database_outage_waits_and_loses_nothing(
     postgres_server.drop_database(url)
 
 
+@pytest.mark.allow_leaks  # the restarted PostgreSQL belongs to the session fixture again
+def test_collector_started_while_the_database_is_down_waits_for_it(
+        postgres_server: Any, mqtt_broker: Broker, publisher: Publisher, collectors: list,
+        request: pytest.FixtureRequest) -> None:
+    import threading
+
+    p, url = unique_prefix(request), postgres_server.create_database()
+    config = CollectorConfig(broker_url=mqtt_broker.url, db_url=url, prefix=p, client_id=f"late-{p}",
+                             db_retry_min_s=0.05, db_retry_max_s=0.5)
+    collector = Collector(config)
+    collectors.append(collector)
+    postgres_server.stop()
+    try:
+        starter = threading.Thread(target=collector.start)
+        starter.start()
+        assert wait_for(lambda: collector.stats().get("db_retries", 0) >= 2, 15)
+        assert starter.is_alive() and not collector.connected.is_set()  # no subscription before a store
+    finally:
+        postgres_server.start()
+    starter.join(30)
+    assert wait_for(collector.subscribed.is_set, 15)
+    publisher.send(f"{p}/dev-1/telemetry", sample(1))
+    assert wait_for(lambda: count(url) == 1, 15)
+    assert wait_for(lambda: stat(url, "db_retries") >= 2, 10)
+    postgres_server.drop_database(url)
+
+
 def _collect_cmd(broker: str, db: str, prefix: str, client_id: str) -> list[str]:
     return [sys.executable, "-m", "deploy.cli", "collect", "--broker", broker, "--db", db, "--prefix", prefix,
             "--client-id", client_id, "--max-wait-s", "0.05", "--inflight", "50", "--batch-size", "20"]
