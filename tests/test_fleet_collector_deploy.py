@@ -23,15 +23,28 @@ needs_analyze = pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-anal
 MAX_EXPOSURE = 1.2
 
 
-def _render_template() -> str:
+def _render_template(name: str = "edge-fleet-collector.service.j2", **overrides: object) -> str:
     jinja2 = pytest.importorskip("jinja2", reason="jinja2 comes with ansible-core (test extra)")
     yaml = pytest.importorskip("yaml")
-    values = {"inventory_hostname": "collector-1", **yaml.safe_load((ROLE / "defaults/main.yml").read_text()),
-              **yaml.safe_load((ROLE / "vars/main.yml").read_text())}
+    values = {"inventory_hostname": "collector-1", "ansible_managed": "Ansible managed",
+              **yaml.safe_load((ROLE / "defaults/main.yml").read_text()),
+              **yaml.safe_load((ROLE / "vars/main.yml").read_text()), **overrides}
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     for _ in range(3):  # defaults refer to each other
         values = {k: env.from_string(v).render(**values) if isinstance(v, str) else v for k, v in values.items()}
-    return env.from_string((ROLE / "templates/edge-fleet-collector.service.j2").read_text()).render(**values)
+    return env.from_string((ROLE / "templates" / name).read_text()).render(**values)
+
+
+def _env_options(text: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("EDGE_COLLECTOR_OPTIONS="))
+
+
+def test_env_file_passes_the_credentials_file_only_when_credentials_are_set() -> None:
+    plain = _render_template("collector.env.j2", fleet_collector_options=["--retention-days", "90"])
+    assert _env_options(plain) == "EDGE_COLLECTOR_OPTIONS=--retention-days 90"
+    with_creds = _render_template("collector.env.j2", fleet_collector_mqtt_credentials={"username": "c", "password": "p"})
+    assert _env_options(with_creds) == "EDGE_COLLECTOR_OPTIONS=--credentials-file /etc/edge-fleet-collector/mqtt.cred"
+    assert "EDGE_COLLECTOR_CLIENT_ID=edge-collector-collector-1" in plain
 
 
 def test_unit_file_is_the_rendered_ansible_template() -> None:
