@@ -114,6 +114,8 @@ def build(
     backend: str = typer.Option("auto", "--backend", help="auto | onnxruntime | tensorrt"),
     timeout: float = typer.Option(1800.0, "--timeout", min=1, help="Seconds before the build is stopped."),
     workspace_mb: Optional[int] = typer.Option(None, "--workspace-mb", min=1, help="TensorRT workspace limit."),
+    device: Optional[str] = typer.Option(None, "--device", help="TensorRT: gpu | dla | dla:N (DLA core N, GPU "
+                                         "fallback on; default: the manifest's build.device)."),
     no_validate: bool = typer.Option(False, "--no-validate", help="Skip the accuracy and latency gates."),
     revalidate: bool = typer.Option(False, "--revalidate", help="Re-run the gates even if a verdict is stored."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
@@ -123,14 +125,22 @@ def build(
     from engines.model import load_model
     from engines.provision import provision
 
+    from engines.build_spec import parse_device
+
     if precision is not None and precision not in ("fp32", "fp16", "int8"):
         err.print(f"[red]--precision {precision!r}:[/] use fp32, fp16 or int8")
         raise typer.Exit(2)
+    try:
+        parse_device(device)
+    except EdgeError as exc:
+        err.print(f"[red]--device:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from exc
     cache_dir, db_path = _paths(config)
     try:
         result = provision(load_model(model), backend=backend, precision=precision, cache_dir=cache_dir,
                            db_path=db_path, calibration_dir=calibration, on_progress=_progress_printer(as_json),
-                           timeout_s=timeout, validate=not no_validate, workspace_mb=workspace_mb, revalidate=revalidate)
+                           timeout_s=timeout, validate=not no_validate, workspace_mb=workspace_mb, revalidate=revalidate,
+                           device=device)
     except EdgeError as exc:
         err.print(f"[red]engine build failed ({exc.code}):[/] {exc}", highlight=False)
         raise typer.Exit(EXIT_FAILED) from exc
@@ -165,6 +175,8 @@ def _render_result(result: Any) -> None:
         table.add_row("accuracy", f"{v.metric} {v.accuracy:.4f} (min {v.min_accuracy})")
         budget = f" (budget {v.latency_budget_ms} ms)" if v.latency_budget_ms else ""
         table.add_row("latency", f"p50 {v.latency_ms['p50']} ms, p99 {v.latency_ms['p99']} ms{budget}")
+    if result.report.get("dla"):
+        table.add_row("DLA", _dla(result.report))
     for note in result.report.get("notes", []):
         table.add_row("note", note)
     out.print(table)
@@ -189,10 +201,11 @@ def list_engines(
                                    "quarantined": [str(p) for p in quarantined]}))
         return
     table = Table(title=f"engine cache {cache_dir}", title_justify="left")
-    for col in ("key", "model", "backend", "precision", "device", "size MB", "last used", "validation"):
+    for col in ("key", "model", "backend", "precision", "device", "DLA", "size MB", "last used", "validation"):
         table.add_column(col, justify="right" if col == "size MB" else "left")
     for e in entries:
         table.add_row(e.key[:12], e.model, f"{e.backend} {e.backend_version}", e.precision, _device(e.parts),
+                      _dla(e.report),
                       f"{e.size / 2**20:.1f}", time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)),
                       _verdict(e.validation))
     out.print(table)
@@ -205,6 +218,14 @@ def _device(parts: dict[str, Any]) -> str:
     bits = [d.get("module"), f"L4T {d['l4t']}" if d.get("l4t") else None, d.get("compute_capability"),
             d.get("cpu_arch")]
     return " ".join(str(b) for b in bits if b) or "-"
+
+
+def _dla(report: dict[str, Any]) -> str:
+    """`dla:0, 3/41 on GPU` from the build report (sidecar); `-` for GPU engines."""
+    dla = report.get("dla")
+    if not dla:
+        return "-"
+    return f"dla:{dla['core']}, {dla['gpu_fallback_layers']}/{dla['layers']} on GPU"
 
 
 def _verdict(validation: dict[str, Any] | None) -> str:

@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--calibration", type=Path)
     build.add_argument("--backend", default="auto")
     build.add_argument("--timeout", type=float, default=1800.0)
+    build.add_argument("--device", help="TensorRT: gpu | dla | dla:N (default: the manifest's build.device)")
     build.add_argument("--no-validate", action="store_true")
     build.add_argument("--json", action="store_true")
     build.set_defaults(func=_build)
@@ -86,7 +87,8 @@ def _build(args: argparse.Namespace) -> int:
 
     result = provision(load_model(args.model), backend=args.backend, precision=args.precision,
                        cache_dir=args.cache_dir, db_path=args.db, calibration_dir=args.calibration,
-                       on_progress=progress, timeout_s=args.timeout, validate=not args.no_validate)
+                       on_progress=progress, timeout_s=args.timeout, validate=not args.no_validate,
+                       device=args.device)
     print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else
           f"{'hit' if result.hit else 'built'} {result.key[:16]} {result.engine_path} ({result.build_s:.1f} s)")
     return 0

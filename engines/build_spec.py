@@ -23,6 +23,8 @@ PRECISIONS = ("fp32", "fp16", "int8")
 # Builder optimisation level 3 is TensorRT's default: the best trade of build time vs speed.
 DEFAULT_TRT_OPT_LEVEL = 3
 ENGINE_SUFFIX = {"onnxruntime": ".onnx", "tensorrt": ".plan"}
+# The ONNX Runtime CPU quantization recipe (engines.quantize.DEFAULT) and its version in the key.
+CPU_RECIPE, CPU_RECIPE_VERSION = "onnxruntime-cpu", 1
 
 
 class EngineBuildError(EdgeError):
@@ -57,16 +59,24 @@ class EngineBuildSpec:
     optimization_level: int | None = None
     providers: tuple[str, ...] = ()
     quantization: dict[str, Any] = field(default_factory=dict)
+    #: TensorRT only: the DLA core the network runs on (GPU fallback for what DLA cannot run); None: GPU.
+    dla_core: int | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise EdgeError(f"precision {self.precision!r}: use one of {', '.join(PRECISIONS)}", code="USAGE")
         if self.precision == "int8" and not self.calibration_hash:
             raise EdgeError("an int8 build needs a calibration set (its hash is part of the key)", code="USAGE")
+        if self.dla_core is not None:
+            if isinstance(self.dla_core, bool) or not isinstance(self.dla_core, int) or self.dla_core < 0:
+                raise EdgeError(f"DLA core {self.dla_core!r}: use a core number 0, 1, ...", code="USAGE")
+            if self.precision == "fp32":
+                raise EdgeError("DLA runs FP16 and INT8 networks only: build dla:N with --precision fp16 or int8",
+                                code="ENGINE_PRECISION_UNSUPPORTED")
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical, JSON-ready form (what goes into the key and the sidecar)."""
-        return {
+        data: dict[str, Any] = {
             "precision": self.precision,
             "input_shapes": {k: list(v) for k, v in sorted(self.input_shapes.items())},
             "profiles": {k: p.to_dict() for k, p in sorted(self.profiles.items())},
@@ -77,6 +87,9 @@ class EngineBuildSpec:
             "providers": list(self.providers),
             "quantization": self.quantization,
         }
+        if self.dla_core is not None:  # only when set, so GPU engines keep the keys they had
+            data["dla_core"] = self.dla_core
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineBuildSpec":
@@ -92,6 +105,7 @@ class EngineBuildSpec:
             optimization_level=data.get("optimization_level"),
             providers=tuple(data.get("providers", ())),
             quantization=dict(data.get("quantization", {})),
+            dla_core=data.get("dla_core"),
         )
 
 
@@ -145,24 +159,76 @@ def spec_summary(spec: EngineBuildSpec) -> str:
     text = f"{spec.precision} {shapes}"
     if spec.calibration_hash:
         text += f" cal={spec.calibration_hash[:8]}"
+    if spec.dla_core is not None:
+        text += f" dla:{spec.dla_core}"
     return text
 
 
-def quant_settings(backend: str) -> Any:
-    """The INT8 quantizer settings for a backend (part of the key: other settings, other engine).
+class DlaUnavailableError(EdgeError):
+    """A build asked for a DLA core this device (or backend) does not have."""
 
-    ONNX Runtime's CPU kernels are fastest with U8 activations x S8 weights (engines.quantize.DEFAULT).
-    TensorRT's explicit quantization wants symmetric INT8 activations (zero point 0) and only its own
-    Q/DQ-aware ops, so DepthToSpace stays float there.
+    code = "ENGINE_DLA_UNAVAILABLE"
+
+
+def parse_device(text: str | None) -> str | int | None:
+    """`gpu` (or empty) -> None, `dla` -> "dla" (prefer), `dla:N` -> N; else a USAGE error naming the value."""
+    value = (text or "gpu").strip().lower()
+    if value in ("gpu", "dla"):
+        return None if value == "gpu" else "dla"
+    head, sep, core = value.partition(":")
+    if head == "dla" and sep and core.isdigit():
+        return int(core)
+    raise EdgeError(f"device {text!r}: use gpu, dla (DLA core 0 where the module has one) or dla:N",
+                    code="USAGE")
+
+
+def resolve_device(text: str | None, backend: str, fp: DeviceFingerprint) -> int | None:
+    """The DLA core to build for, or None for the GPU.
+
+    `dla:N` is strict: a device whose fingerprint shows fewer DLA cores (Orin Nano, Thor, x86), or a
+    backend other than TensorRT, fails with ENGINE_DLA_UNAVAILABLE before anything is built. `dla` is
+    the fleet-friendly form for manifests: core 0 where the module has DLA, the GPU elsewhere.
+    TensorRT's own `Builder.num_DLA_cores` is checked again in the build (releases without DLA, such as
+    11.0-11.3, are expected to report 0 even on an Orin).
     """
-    from dataclasses import replace
+    wanted = parse_device(text)
+    if wanted is None:
+        return None
+    cores = fp.dla_cores or 0
+    if wanted == "dla":
+        return 0 if backend == "tensorrt" and cores > 0 else None
+    if backend != "tensorrt":
+        raise DlaUnavailableError(f"dla:{wanted} needs the tensorrt backend (this build uses {backend})")
+    if int(wanted) >= cores:
+        seen = "no DLA cores" if not cores else f"{cores} DLA core(s) (0..{cores - 1})"
+        raise DlaUnavailableError(f"dla:{wanted} requested, but this device ({fp.module or 'unknown module'}) has "
+                                  f"{seen} in its device tree; build for the GPU (--device gpu)")
+    return int(wanted)
 
+
+
+def quant_settings(backend: str) -> Any:
+    """The INT8 quantization recipe for a backend (part of the key: another recipe, another engine).
+
+    ONNX Runtime's CPU kernels are fastest with U8 activations x S8 7-bit weights and Q/DQ around every
+    op they fuse (engines.quantize.DEFAULT). TensorRT wants symmetric INT8, per-channel weights, no
+    bias Q/DQ and Q/DQ only on the inputs of the ops it runs in INT8 (engines.quantize_trt).
+    """
+    if backend == "tensorrt":
+        from engines.quantize_trt import TRT_RECIPE
+
+        return TRT_RECIPE
     from engines import quantize
 
-    if backend == "tensorrt":
-        return replace(quantize.DEFAULT, activation_type="int8", extra_op_types=(),
-                       extra_options=(("ActivationSymmetric", True),))
     return quantize.DEFAULT
+
+
+def quant_recipe_key(backend: str) -> dict[str, Any]:
+    """The recipe's name, version and settings as they go into the cache key's `spec.quantization`."""
+    settings = quant_settings(backend)
+    if hasattr(settings, "key_dict"):
+        return settings.key_dict()
+    return {"recipe": CPU_RECIPE, "version": CPU_RECIPE_VERSION, **settings_dict(settings)}
 
 
 def settings_dict(settings: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, Callable
 
@@ -140,9 +141,11 @@ def static_model(job: BuildJob, timer: "StageTimer") -> Path:
     return static
 
 
-def quantize_model(job: BuildJob, model: Path, timer: "StageTimer", report: dict[str, Any]) -> Path:
-    """Calibration frames through the model's Preprocessor -> Q/DQ ONNX (explicit quantization)."""
-    from engines import calibration, quantize
+def quantize_model(job: BuildJob, model: Path, timer: "StageTimer", report: dict[str, Any],
+                   fp16_casts: bool = False) -> Path:
+    """Calibration frames through the model's Preprocessor -> Q/DQ ONNX (explicit quantization), with the
+    backend's recipe (build_spec.quant_settings); `fp16_casts`: TensorRT without weak typing."""
+    from engines import calibration, quantize, quantize_trt
     from engines.preprocess import PreprocessSpec
 
     if not job.calibration:
@@ -154,7 +157,11 @@ def quantize_model(job: BuildJob, model: Path, timer: "StageTimer", report: dict
     report["calibration"] = {"count": cal.count, "generated": cal.generated, "digest": cal.digest}
     out = job.work_dir / "qdq.onnx"
     with timer("quantize", count=len(tensors)):
-        qreport = quantize.quantize_int8(model, out, tensors, settings=quant_settings(job.backend))
+        recipe = quant_settings(job.backend)
+        if isinstance(recipe, quantize_trt.TrtQuantRecipe):
+            qreport = quantize_trt.quantize_int8_trt(model, out, tensors, recipe=replace(recipe, fp16_casts=fp16_casts))
+        else:
+            qreport = quantize.quantize_int8(model, out, tensors, settings=recipe)
     report["quantization"] = _jsonable(qreport)
     return out
 

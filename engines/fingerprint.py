@@ -31,6 +31,7 @@ T = TypeVar("T")
 # lines after it (KERNEL_VARIANT, TARGET_USERSPACE_LIB_DIR...), which carry no version.
 _CUDART_RE = re.compile(r"libcudart\.so\.(\d+)(?:\.(\d+))?")
 _SKU_RE = re.compile(rb"nvidia,(p\d{4}-\d{4})")
+_DLA_NODE_RE = re.compile(r"nvdla\d+(@[0-9a-f]+)?")
 _RELEASE_RE = re.compile(r"^#\s*R(?P<major>\d+)\s*\(release\),\s*REVISION:\s*(?P<rev>\d+(?:\.\d+)*)")
 
 # ISA features that change which kernels ONNX Runtime (MLAS) dispatches to.
@@ -65,10 +66,19 @@ class DeviceFingerprint:
     module_sku: str | None = None
     sm_count: int | None = None
     gpu_memory_gib: int | None = None
+    #: Deep Learning Accelerator cores enabled in the device tree (AGX Orin 2, Orin NX 16 GB 2, NX 8 GB 1,
+    #: Orin Nano 0); None without a device tree (x86, containers without /proc/device-tree).
+    dla_cores: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (tuples become lists) for the `meta` topic and engine sidecars."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        """JSON-ready dict (tuples become lists) for the `meta` topic and engine sidecars.
+
+        `dla_cores` is left out while unknown (no device tree), so the digest of a fingerprint without
+        it stays what it was before the field existed."""
+        data = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        if data["dla_cores"] is None:
+            del data["dla_cores"]
+        return data
 
     def digest(self) -> str:
         """sha256 of the canonical JSON, stable across runs and Python versions."""
@@ -109,6 +119,7 @@ def read_fingerprint(root: Path = Path("/"), maps: Path = Path("/proc/self/maps"
         module_sku=read_module_sku(root),
         sm_count=cuda.sm_count,
         gpu_memory_gib=round(cuda.total_memory / 2**30) if cuda.total_memory else None,
+        dla_cores=read_dla_cores(root),
     )
 
 
@@ -164,6 +175,42 @@ def read_module_sku(root: Path = Path("/")) -> str | None:
             if match:
                 return match.group(1).decode()
     return None
+
+
+def read_dla_cores(root: Path = Path("/")) -> int | None:
+    """DLA cores the device tree enables: `nvdla<N>@<addr>` nodes under host1x whose `status` is okay.
+
+    Orin (tegra234) has `bus@0/host1x@13e00000/nvdla0@15880000` and `nvdla1@158c0000`; the module's
+    device tree sets `status = "disabled"` on the cores a SKU lacks (both on Orin Nano, nvdla1 on
+    Orin NX 8 GB), so the nodes exist everywhere and only their status tells. Xavier (tegra194) has the
+    same two nodes. None when there is no device tree at all (not a Jetson)."""
+    for rel in ("proc/device-tree", "sys/firmware/devicetree/base"):
+        base = root / rel
+        if base.is_dir():
+            return sum(1 for node in _dla_nodes(base) if _dt_enabled(node))
+    return None
+
+
+def _dla_nodes(base: Path, depth: int = 3) -> list[Path]:
+    """`nvdla*` nodes within `depth` levels of the device-tree root (they sit under bus@0/host1x@...)."""
+    found, level = [], [base]
+    for _ in range(depth):
+        nxt = []
+        for directory in level:
+            try:
+                children = [c for c in directory.iterdir() if c.is_dir() and not c.is_symlink()]
+            except OSError:
+                continue
+            found += [c for c in children if _DLA_NODE_RE.fullmatch(c.name)]
+            nxt += [c for c in children if c.name.startswith(("bus@", "host1x"))]
+        level = nxt
+    return found
+
+
+def _dt_enabled(node: Path) -> bool:
+    """A device-tree node without `status`, or with "okay"/"ok", is enabled."""
+    status = _read_dt_string(node / "status")
+    return status is None or status in ("okay", "ok")
 
 
 def loaded_cudart_version(maps: Path = Path("/proc/self/maps")) -> str | None:

@@ -69,6 +69,9 @@ class BuildSpec(BaseModel):
 
     precision: Precision = Field("fp32", description="Engine precision.")
     calibration: str | None = Field(None, description="Directory of calibration images inside the artifact.")
+    device: str = Field("gpu", pattern=r"^(gpu|dla|dla:[0-9]+)$",
+                        description="TensorRT: gpu; dla (DLA core 0 where the module has one, else the GPU); "
+                                    "dla:N (that core or fail with ENGINE_DLA_UNAVAILABLE). GPU fallback is on.")
 
     @field_validator("calibration")
     @classmethod

@@ -24,7 +24,8 @@ from engines.backends import BACKENDS, get_backend
 from engines.backends.base import Engine, EngineOptions
 from engines.build import Builder, BuildJob
 from engines.build_spec import (DEFAULT_TRT_OPT_LEVEL, CacheKey, EngineBuildError, EngineBuildSpec, ShapeProfile,
-                                canonical_json, device_part, make_cache_key, quant_settings, settings_dict)
+                                canonical_json, device_part, make_cache_key, quant_recipe_key,
+                                resolve_device)
 from engines.cache import CacheEntry, EngineCache
 from engines.errors import EdgeError, ModelError
 from engines.fingerprint import read_fingerprint
@@ -88,10 +89,10 @@ def provision(source: ModelSource, *, backend: str = "auto", precision: str | No
               timeout_s: float = DEFAULT_TIMEOUT_S, validate: bool = True, fingerprint_root: Path = Path("/"),
               builder: Builder | None = None, workspace_mb: int | None = None,
               stop_event: threading.Event | None = None, revalidate: bool = False,
-              validation_samples: int = 8, latency_runs: int = 20) -> ProvisionResult:
+              validation_samples: int = 8, latency_runs: int = 20, device: str | None = None) -> ProvisionResult:
     """The cached engine for `source` on this device, built and validated first when missing."""
     emit = _safe_sink(on_progress)
-    plan = plan_build(source, backend, precision, calibration_dir, fingerprint_root, workspace_mb)
+    plan = plan_build(source, backend, precision, calibration_dir, fingerprint_root, workspace_mb, device)
     cache = EngineCache(cache_dir, db_path, on_event=emit)
     builder = builder or Builder()
     try:
@@ -132,12 +133,15 @@ def load_provisioned(result: ProvisionResult, source: ModelSource, options: Engi
 
 def plan_build(source: ModelSource, backend: str = "auto", precision: str | None = None,
                calibration_dir: Path | None = None, fingerprint_root: Path = Path("/"),
-               workspace_mb: int | None = None) -> BuildPlan:
-    """Decide backend, spec and calibration set, and compute the cache key (no building)."""
+               workspace_mb: int | None = None, device: str | None = None) -> BuildPlan:
+    """Decide backend, spec and calibration set, and compute the cache key (no building).
+
+    `device`: gpu | dla | dla:N (default: the manifest's build.device); see build_spec.resolve_device."""
     backend = resolve_backend(backend)
     precision = precision or source.manifest.build.precision
     impl = get_backend(backend)
     fingerprint = read_fingerprint(fingerprint_root)
+    dla_core = resolve_device(device or source.manifest.build.device, backend, fingerprint)
     device = device_part(fingerprint, backend)
     shapes = input_shapes(source)
     cal = _calibration(source, precision, calibration_dir)
@@ -148,7 +152,7 @@ def plan_build(source: ModelSource, backend: str = "auto", precision: str | None
         calibration_count=cal.count if cal else 0,
         optimization_level=DEFAULT_TRT_OPT_LEVEL if backend == "tensorrt" else None,
         providers=ort_build_providers(precision) if backend == "onnxruntime" else (),
-        quantization=settings_dict(quant_settings(backend)) if precision == "int8" else {},
+        quantization=quant_recipe_key(backend) if precision == "int8" else {}, dla_core=dla_core,
     )
     key = make_cache_key(source.sha256 or sha256_file(source.onnx_path), backend, impl.version(), device, spec)
     return BuildPlan(backend, precision, spec, key, cal, hashlib.sha256(canonical_json(device)).hexdigest())

@@ -4,8 +4,10 @@ Runs in the build child process (`build_plan`) or, for a bare `.onnx` given to t
 (`build_serialized`). Every API that appeared or disappeared between those versions is probed with
 `hasattr` instead of comparing version strings:
 - explicit batch: the creation flag exists (and is required) before TensorRT 10, is a no-op after;
-- strongly typed networks (STRONGLY_TYPED, 9.1+) for Q/DQ INT8 and FP16-typed ONNX; the FP16/INT8
-  builder flags where they still exist (deprecated in 10.12, removed in 11);
+- the FP16/INT8 builder flags (weak typing) wherever they still exist (deprecated in 10.12, removed in
+  11), so an INT8 build keeps FP16 for the layers that are not quantized; strongly typed networks
+  only where the flags are gone, from an ONNX that carries FP16 itself (engines.quantize_trt);
+- DLA (`dla:N` specs): default device type, DLA core, GPU fallback, per-layer `can_run_on_DLA`;
 - builder optimisation level (8.6+); progress monitor and parser node names (9.1+: both are absent
   from 8.6's binding, see tests/data/tensorrt_api/8.6.1.json, and present in 10.x).
 Builds log through the process-wide logger of tensorrt_compat: TensorRT keeps only the first logger
@@ -38,7 +40,8 @@ def build_plan(job: Any, emit: Emit) -> dict[str, Any]:
     onnx_path = job.onnx_path
     if job.spec.precision == "int8":
         timer = StageTimer(emit, report)
-        onnx_path = quantize_model(job, static_model(job, timer), timer, report)
+        fp16_casts = strongly_typed_only(trt)  # no weak typing: the ONNX itself must say FP16
+        onnx_path = quantize_model(job, static_model(job, timer), timer, report, fp16_casts=fp16_casts)
     elif job.spec.precision == "fp16" and not _has_flag(trt, "FP16"):
         emit("fp16-convert")  # no FP16 builder flag (TensorRT 11): the ONNX itself carries FP16 types
         onnx_path = to_fp16(onnx_path, job.work_dir / "fp16.onnx")
@@ -48,7 +51,10 @@ def build_plan(job: Any, emit: Emit) -> dict[str, Any]:
     report["stages_s"]["tensorrt-build"] = round(time.monotonic() - t0, 3)
     atomic_write_bytes(job.out_path, plan)
     emit("verify")
-    if trt.Runtime(shared_logger(trt)).deserialize_cuda_engine(plan) is None:
+    runtime = trt.Runtime(shared_logger(trt))
+    if job.spec.dla_core is not None:
+        runtime.DLA_core = int(job.spec.dla_core)  # a DLA plan deserializes onto the core it names
+    if runtime.deserialize_cuda_engine(plan) is None:
         raise EngineBuildError("the plan TensorRT just built does not deserialize")
     return report
 
@@ -59,7 +65,9 @@ def build_serialized(trt: Any, onnx_path: Path, spec: EngineBuildSpec, timing_ca
     report = report if report is not None else {"notes": []}
     logger = make_logger(trt)
     mark = logger.mark()
-    typed = spec.precision == "int8" or (spec.precision == "fp16" and not _has_flag(trt, "FP16"))
+    # Weak typing (FP16/INT8 builder flags) wherever this TensorRT still has it, so INT8 builds keep FP16
+    # for the layers that are not quantized; strongly typed only where the flags are gone (TensorRT 11).
+    typed = spec.precision in ("fp16", "int8") and strongly_typed_only(trt)
     strongly_typed = typed and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")
     builder = trt.Builder(logger)
     network = builder.create_network(network_flags(trt, strongly_typed))
@@ -73,6 +81,8 @@ def build_serialized(trt: Any, onnx_path: Path, spec: EngineBuildSpec, timing_ca
         config.builder_optimization_level = int(spec.optimization_level)
     add_profiles(builder, network, config, spec)
     report["precision_mode"] = set_precision(trt, config, spec.precision, strongly_typed)
+    if spec.dla_core is not None:
+        report["dla"] = configure_dla(trt, builder, network, config, int(spec.dla_core))
     cache = attach_timing_cache(config, timing_cache, report)
     monitor = attach_progress_monitor(trt, config, emit)  # noqa: F841  (TensorRT holds a raw pointer to it)
     emit("build")
@@ -231,6 +241,46 @@ def attach_progress_monitor(trt: Any, config: Any, emit: Emit, min_interval_s: f
     monitor = _Monitor()
     config.progress_monitor = monitor
     return monitor
+
+
+def strongly_typed_only(trt: Any) -> bool:
+    """True where this TensorRT has no FP16 builder flag (11+): precision then comes from the ONNX types."""
+    return not _has_flag(trt, "FP16")
+
+
+_DLA_API = ("Builder.num_DLA_cores", "IBuilderConfig.default_device_type", "IBuilderConfig.DLA_core",
+            "IBuilderConfig.can_run_on_DLA", "BuilderFlag.GPU_FALLBACK", "DeviceType.DLA")
+
+
+def configure_dla(trt: Any, builder: Any, network: Any, config: Any, core: int) -> dict[str, Any]:
+    """Run the network on DLA core `core` with GPU fallback; returns what falls back to the GPU.
+
+    The core count is TensorRT's own (`Builder.num_DLA_cores`): 0 off Orin/Xavier, and expected to be 0
+    on releases without DLA even on an Orin (NVIDIA: 10.7 was the last 10.x with DLA; 11.0-11.3 have none)."""
+    missing = [name for name in _DLA_API if not _has_api(trt, builder, config, name)]
+    if missing:
+        raise EngineBuildError(f"this TensorRT {getattr(trt, '__version__', '?')} has no DLA API ({', '.join(missing)})",
+                               code="ENGINE_DLA_UNAVAILABLE")
+    cores = int(builder.num_DLA_cores)
+    if core >= cores:
+        seen = "no DLA cores" if cores == 0 else f"DLA cores 0..{cores - 1}"
+        raise EngineBuildError(f"dla:{core} requested but TensorRT {getattr(trt, '__version__', '?')} reports {seen} "
+                               "(Builder.num_DLA_cores); build for the GPU", code="ENGINE_DLA_UNAVAILABLE")
+    config.default_device_type = trt.DeviceType.DLA
+    config.DLA_core = core
+    config.set_flag(trt.BuilderFlag.GPU_FALLBACK)
+    layers = [network.get_layer(i) for i in range(network.num_layers)]
+    gpu = [layer.name for layer in layers if not config.can_run_on_DLA(layer)]
+    return {"core": core, "cores": cores, "layers": len(layers), "gpu_fallback_layers": len(gpu),
+            "gpu_layers": gpu[:50]}
+
+
+def _has_api(trt: Any, builder: Any, config: Any, dotted: str) -> bool:
+    owner, _, name = dotted.partition(".")
+    target = {"Builder": builder, "IBuilderConfig": config}.get(owner)
+    if target is None:
+        target = getattr(trt, owner, None)
+    return target is not None and hasattr(target, name)
 
 
 def _has_flag(trt: Any, name: str) -> bool:

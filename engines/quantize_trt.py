@@ -1,0 +1,322 @@
+"""INT8 Q/DQ models for TensorRT: the quantization recipe TensorRT's explicit quantization runs well.
+
+The CPU recipe (engines.quantize.DEFAULT) is tuned for ONNX Runtime's MLAS kernels: U8 activations
+with a zero point, 7-bit (`reduce_range`) weights, bias quantized to int32 and Q/DQ around every op
+ORT can fuse. TensorRT reads the same graph differently (NVIDIA "Working with Quantized Types",
+Q/DQ placement recommendations; ModelOpt's ONNX PTQ defaults for TensorRT):
+
+- INT8 only, symmetric: every zero point is 0 (TensorRT rejects non-zero INT8 zero points) and
+  activations are int8, never uint8.
+- Weights per output channel (axis 0 of a Conv/Gemm(transB) weight), full 8-bit range: TensorRT's
+  INT8 kernels have no saturating int16 accumulation, so `reduce_range` only costs accuracy.
+- No bias Q/DQ: TensorRT fuses the float bias into the INT8 convolution itself.
+- Q/DQ only on the *inputs* of the ops TensorRT runs in INT8 (`op_types`: Conv, Gemm, MatMul).
+  TensorRT propagates Q/DQ across Relu/pooling/concat and fuses the output scale into the next
+  quantized op; an extra Q/DQ pair on an op's output would force a reformat there.
+- Everything else runs FP16, never FP32: where the TensorRT has the FP16 builder flag (weak typing,
+  up to 10.x) the builder sets it beside INT8; where networks are strongly typed only (TensorRT 11,
+  no FP16 flag) the ONNX itself carries it (`fp16_casts`): float tensors become FP16, the Q/DQ
+  scales too (opset 19, so DequantizeLinear yields FP16), with casts only at the FP32 graph I/O.
+
+Weights keep a float initializer with a QuantizeLinear -> DequantizeLinear pair on it (what
+TensorRT's ONNX parser and pytorch-quantization exports use on every release since 8.x).
+Calibration uses ONNX Runtime's calibrators on the CPU (MinMax by default), so a build needs no GPU
+for this step. NVIDIA ModelOpt (`nvidia-modelopt[onnx]`) does the same job; see docs/engines.md for
+why it is not the default here.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from engines.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TRT_RECIPE", "TrtQuantRecipe", "TrtQuantReport", "check_trt_qdq", "quantize_int8_trt"]
+
+_QDQ = ("QuantizeLinear", "DequantizeLinear")
+#: FP16's smallest normal number: lower Q/DQ scales lose their precision or become 0 in FP16.
+FP16_MIN_SCALE = 2.0 ** -14
+#: Ops kept FP32 in an FP16-typed model (their FP16 accumulation overflows on large feature maps).
+FP32_OPS = ("GlobalAveragePool", "ReduceMean", "ReduceSum", "ReduceL2", "Softmax")
+
+
+@dataclass(frozen=True)
+class TrtQuantRecipe:
+    """How `quantize_int8_trt` quantizes; name and version go into the engine cache key."""
+
+    name: str = "tensorrt-qdq"
+    #: Bump when the produced graph changes for the same inputs (the cache key then misses).
+    version: int = 1
+    #: Ops whose inputs get Q/DQ (TensorRT runs them in INT8); everything else stays FP16/FP32.
+    op_types: tuple[str, ...] = ("Conv", "Gemm", "MatMul")
+    #: "MinMax" (seconds), "Entropy" or "Percentile" (minutes on a 2-core CPU).
+    calibrate_method: str = "MinMax"
+    #: Opset before quantizing; 13 is the lowest with per-channel Q/DQ and parses on TensorRT 8.5+.
+    opset: int = 13
+    #: The exact FP32 rewrites of engines.quantize.simplify_graph (conv affine folding etc.).
+    simplify: bool = True
+    #: Strongly typed TensorRT (no FP16 builder flag): write the non-quantized graph in FP16.
+    fp16_casts: bool = False
+    #: Opset for `fp16_casts` (FP16 Q/DQ scales need 19).
+    fp16_opset: int = 19
+
+    def key_dict(self) -> dict[str, Any]:
+        """What goes into the cache key (everything that changes the produced model)."""
+        return {"recipe": self.name, "version": self.version, "op_types": list(self.op_types),
+                "calibrate_method": self.calibrate_method, "opset": self.opset, "simplify": self.simplify,
+                "fp16_casts": self.fp16_casts}
+
+
+TRT_RECIPE = TrtQuantRecipe()
+
+
+@dataclass
+class TrtQuantReport:
+    """What `quantize_int8_trt` did."""
+
+    out_onnx: Path
+    recipe: dict[str, Any]
+    calibration_samples: int
+    quantize_s: float
+    total_s: float
+    rewrites: dict[str, int]
+    #: Ops (by type) whose inputs carry Q/DQ in the written model.
+    quantized_ops: dict[str, int] = field(default_factory=dict)
+    op_counts: dict[str, int] = field(default_factory=dict)
+
+
+def quantize_int8_trt(fp32_onnx: Path, out_onnx: Path, calibration: Iterable[np.ndarray] | list[np.ndarray], *,
+                      recipe: TrtQuantRecipe = TRT_RECIPE) -> TrtQuantReport:
+    """Quantize `fp32_onnx` for TensorRT into `out_onnx` (replaced atomically; temp files removed).
+
+    `calibration` yields preprocessed input tensors (or {input: tensor} dicts) and is consumed once.
+    The result is checked with `check_trt_qdq`; a violation is a ModelError, never a silent engine.
+    """
+    from engines import quantize as q
+
+    t0 = time.perf_counter()
+    fp32_onnx, out_onnx = Path(fp32_onnx), Path(out_onnx)
+    out_onnx.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_onnx.name}.", suffix=".trtquant", dir=out_onnx.parent))
+    try:
+        opset = recipe.fp16_opset if recipe.fp16_casts else recipe.opset
+        model, rewrites = q._prepare(fp32_onnx, opset, recipe.simplify)
+        inits = {t.name for t in model.graph.initializer}
+        reader = q._Reader(calibration, [vi for vi in model.graph.input if vi.name not in inits])
+        prepared, quantized = tmp / "prepared.onnx", tmp / "quantized.onnx"
+        onnx.save(model, str(prepared))
+        del model
+        t1 = time.perf_counter()
+        _quantize_static(prepared, quantized, reader, recipe)
+        t2 = time.perf_counter()
+        qmodel = onnx.load(str(quantized))
+        _unshare_qdq(qmodel, set(recipe.op_types))
+        if recipe.fp16_casts:
+            qmodel = to_fp16_typed(qmodel)
+        problems = check_trt_qdq(qmodel, recipe.op_types, fp16=recipe.fp16_casts)
+        if problems:
+            raise ModelError("the TensorRT Q/DQ model breaks the recipe: " + "; ".join(problems[:5]))
+        q._save_atomic(qmodel, out_onnx)
+        report = TrtQuantReport(out_onnx, recipe.key_dict(), reader.count, t2 - t1, 0.0, rewrites,
+                                quantized_ops(qmodel), _op_counts(qmodel))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report.total_s = time.perf_counter() - t0
+    log.info("TensorRT Q/DQ %s -> %s in %.1fs (%d calibration samples)", fp32_onnx, out_onnx, report.total_s,
+             reader.count)
+    return report
+
+
+def _quantize_static(prepared: Path, out: Path, reader: Any, recipe: TrtQuantRecipe) -> None:
+    """ONNX Runtime's static quantizer with the options that give TensorRT's placement and types."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+               "percentile": CalibrationMethod.Percentile}
+    try:
+        method = methods[recipe.calibrate_method.lower()]
+    except KeyError:
+        raise ValueError(f"unsupported calibrate_method {recipe.calibrate_method!r}") from None
+    quantize_static(
+        str(prepared), str(out), reader, quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
+        weight_type=QuantType.QInt8, per_channel=True, reduce_range=False, calibrate_method=method,
+        op_types_to_quantize=list(recipe.op_types),
+        extra_options={
+            "ActivationSymmetric": True, "WeightSymmetric": True,  # zero point 0 everywhere
+            "QuantizeBias": False,  # TensorRT fuses the float bias into the INT8 kernel
+            "AddQDQPairToWeight": True,  # float weight -> Q -> DQ, as TensorRT's parser expects
+            "OpTypesToExcludeOutputQuantization": list(recipe.op_types),  # Q/DQ on inputs only
+            "QDQKeepRemovableActivations": True,  # keep Relu/Clip: exact, and TensorRT fuses them
+        },
+    )
+
+
+def _unshare_qdq(model: onnx.ModelProto, allowed: set[str]) -> int:
+    """Give every non-quantized consumer of a Q/DQ'd tensor the float tensor back.
+
+    ONNX Runtime puts one Q/DQ pair on a tensor and rewires *all* its consumers, so a Resize or Add
+    that shares an input with a Conv would read the quantized copy, and TensorRT would run or
+    reformat it in INT8 there. Pointing such consumers at the Q's input is exact for the float path.
+    """
+    q_input = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+    float_of = {n.output[0]: q_input[n.input[0]] for n in model.graph.node
+                if n.op_type == "DequantizeLinear" and n.input[0] in q_input}
+    rewired = 0
+    for node in model.graph.node:
+        if node.op_type in allowed or node.op_type in _QDQ:
+            continue
+        for i, name in enumerate(node.input):
+            if name in float_of:
+                node.input[i] = float_of[name]
+                rewired += 1
+    outputs = {o.name for o in model.graph.output}
+    if rewired and not outputs & set(float_of):
+        _drop_dead_nodes(model)
+    return rewired
+
+
+def _drop_dead_nodes(model: onnx.ModelProto) -> None:
+    """Remove Q/DQ nodes whose outputs nobody reads any more (repeat until stable)."""
+    while True:
+        used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+        dead = [n for n in model.graph.node if n.op_type in _QDQ and not any(o in used for o in n.output)]
+        if not dead:
+            return
+        for node in dead:
+            model.graph.node.remove(node)
+
+
+def _clamp_scales(model: onnx.ModelProto, floor: float) -> int:
+    """Raise Q/DQ scales below `floor` to it; returns how many values changed.
+
+    A weight channel with max|w| < 127 * 2^-14 has a scale below FP16's smallest normal number: in
+    FP16 it turns subnormal or zero (PP-OCRv4 det: 68 channels, down to 1e-35), and a zero scale makes
+    the weight's QuantizeLinear divide by zero. At the floor those weights still quantize within
+    2^-15 of their value."""
+    scales = {n.input[1] for n in model.graph.node if n.op_type in _QDQ}
+    changed = 0
+    for i, tensor in enumerate(model.graph.initializer):
+        if tensor.name not in scales:
+            continue
+        value = numpy_helper.to_array(tensor)
+        low = value < floor
+        if np.any(low):
+            changed += int(low.sum())
+            model.graph.initializer[i].CopyFrom(numpy_helper.from_array(np.maximum(value, floor).astype(value.dtype),
+                                                                        tensor.name))
+    return changed
+
+
+def to_fp16_typed(model: onnx.ModelProto) -> onnx.ModelProto:
+    """FP16 everywhere a strongly typed TensorRT would otherwise compute FP32; FP32 graph I/O via casts."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    if _opset(model) < 19:
+        raise ModelError(f"FP16 Q/DQ scales need opset 19, the model has {_opset(model)}")
+    _clamp_scales(model, FP16_MIN_SCALE)
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST
+
+    # Reductions over a whole feature map overflow FP16 sums (GlobalAveragePool over 240x320 on the
+    # demo model: IoU 0.44 in FP16); they stay FP32 between casts, as ModelOpt's AutoCast keeps them.
+    blocked = [*DEFAULT_OP_BLOCK_LIST, *FP32_OPS]
+    return convert_float_to_float16(model, keep_io_types=True, op_block_list=blocked)
+
+
+# ------------------------------------------------------------------------------------- checking
+
+
+def check_trt_qdq(model: onnx.ModelProto, op_types: Iterable[str] = TRT_RECIPE.op_types,
+                  fp16: bool = False) -> list[str]:
+    """Every way `model` departs from the TensorRT recipe, as messages (empty: conforms)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    producers = {o: n for n in model.graph.node for o in n.output}
+    allowed = set(op_types)
+    problems: list[str] = []
+    for node in model.graph.node:
+        if node.op_type in _QDQ:
+            problems += _check_qdq_node(node, inits)
+        if node.op_type == "DequantizeLinear":
+            problems += _check_dq_consumers(node, model, allowed, producers)
+        if node.op_type in ("Conv", "Gemm") and len(node.input) > 2 and node.input[2] in producers \
+                and producers[node.input[2]].op_type == "DequantizeLinear":
+            problems.append(f"{node.name or node.op_type}: bias has Q/DQ")
+    if fp16:
+        problems += _check_fp16(model, inits)
+    return problems
+
+
+def _check_qdq_node(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> list[str]:
+    name = node.name or node.output[0]
+    if len(node.input) < 3 or node.input[2] not in inits:
+        return [f"{name}: no constant zero point"]
+    zp = inits[node.input[2]]
+    problems = []
+    if zp.data_type != onnx.TensorProto.INT8:
+        problems.append(f"{name}: zero point is {onnx.TensorProto.DataType.Name(zp.data_type)}, not INT8")
+    if np.any(numpy_helper.to_array(zp) != 0):
+        problems.append(f"{name}: non-zero zero point")
+    scale = inits.get(node.input[1])
+    if scale is not None and numpy_helper.to_array(scale).size > 1 and _axis(node) != 0:
+        problems.append(f"{name}: per-channel scale on axis {_axis(node)}, not 0")
+    return problems
+
+
+def _check_dq_consumers(node: onnx.NodeProto, model: onnx.ModelProto, allowed: set[str],
+                        producers: dict[str, onnx.NodeProto]) -> list[str]:
+    users = [n for n in model.graph.node if node.output[0] in n.input]
+    bad = sorted({u.op_type for u in users if u.op_type not in allowed})
+    if bad:
+        return [f"{node.name or node.output[0]}: Q/DQ feeds {', '.join(bad)} (only {', '.join(sorted(allowed))})"]
+    return []
+
+
+def _check_fp16(model: onnx.ModelProto, inits: dict[str, onnx.TensorProto]) -> list[str]:
+    """Strongly typed: Q/DQ scales and quantized ops' weights FP16 (so they compute FP16), casts at I/O."""
+    problems = []
+    for node in model.graph.node:
+        if node.op_type in _QDQ and node.input[1] in inits \
+                and inits[node.input[1]].data_type != onnx.TensorProto.FLOAT16:
+            problems.append(f"{node.name or node.output[0]}: scale is not FP16")
+    if not any(n.op_type == "Cast" for n in model.graph.node):
+        problems.append("FP16-typed model without casts at its FP32 inputs/outputs")
+    return problems
+
+
+def quantized_ops(model: onnx.ModelProto) -> dict[str, int]:
+    """Op types (with counts) that consume at least one DequantizeLinear output."""
+    dq_out = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type not in _QDQ and any(i in dq_out for i in node.input):
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def _axis(node: onnx.NodeProto) -> int:
+    for a in node.attribute:
+        if a.name == "axis":
+            return int(a.i)
+    return 1  # the ONNX default
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def _op_counts(model: onnx.ModelProto) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for n in model.graph.node:
+        counts[n.op_type] = counts.get(n.op_type, 0) + 1
+    return counts
