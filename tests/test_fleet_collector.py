@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -248,8 +251,6 @@ def test_postgres_partitions_by_day_and_drops_expired(postgres_server: Any) -> N
 
 def test_collectors_starting_together_create_the_schema_once(postgres_server: Any) -> None:
     """Several collectors opening a fresh PostgreSQL store at the same moment all start (no catalog race)."""
-    import threading
-
     for _ in range(3):
         url = postgres_server.create_database()
         dbs = [open_db(url) for _ in range(4)]
@@ -350,6 +351,90 @@ def test_mqtt_311_falls_back_to_plain_subscriptions(
     assert wait_for(lambda: count(url) == 1, 10)
 
 
+class Mqtt311Gate:
+    """A real Mosquitto seen through a gate that speaks for a 3.1.1-only broker: an MQTT 5 CONNECT gets the
+    3.1.1 answer "unacceptable protocol version" (CONNACK return code 1) and the connection is closed, as
+    Mosquitto <= 1.5 does; 3.1.1 connections are passed through to the real broker byte for byte."""
+
+    def __init__(self, broker_port: int) -> None:
+        self.broker_port, self.refused_v5 = broker_port, 0
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._accept, name="mqtt311-gate", daemon=True)]
+        self.threads[0].start()
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        self.server.settimeout(0.1)
+        while not self.stopping.is_set():
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                continue
+            thread = threading.Thread(target=self._serve, args=(client,), name="mqtt311-gate-conn", daemon=True)
+            self.threads.append(thread)
+            thread.start()
+
+    def _serve(self, client: Any) -> None:
+        with client:
+            head = client.recv(1024)  # CONNECT: fixed header, remaining length, "\0\4MQTT", level
+            start = 2 + next(i for i in range(4) if not head[1 + i] & 0x80)
+            if head[start + 6] == 5:
+                self.refused_v5 += 1
+                client.sendall(b"\x20\x02\x00\x01")
+                return
+            with socket.create_connection(("127.0.0.1", self.broker_port)) as upstream:
+                upstream.sendall(head)
+                self._pump(client, upstream)
+
+    def _pump(self, a: Any, b: Any) -> None:
+        while not self.stopping.is_set():
+            ready, _, _ = select.select([a, b], [], [], 0.1)
+            for sock in ready:
+                data = sock.recv(65536)
+                if not data:
+                    return
+                (b if sock is a else a).sendall(data)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.server.close()
+        for thread in self.threads:
+            thread.join(5)
+
+
+def test_mqtt5_refused_falls_back_to_311(
+        mqtt_broker: Broker, publisher: Publisher, collectors: list, tmp_path: Path,
+        request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> None:
+    p, url = unique_prefix(request), f"sqlite:///{tmp_path / 'fleet.db'}"
+    gate = Mqtt311Gate(mqtt_broker.port)
+    caplog.set_level(logging.WARNING, logger="deploy.fleet.collector")
+    try:
+        config = CollectorConfig(broker_url=gate.url, db_url=url, prefix=p, client_id=f"old-{p}")
+        collector = Collector(config)
+        collectors.append(collector)
+        collector.start()
+        stop = threading.Event()
+        runner = threading.Thread(target=collector.run, args=(stop,))
+        runner.start()
+        try:
+            assert wait_for(collector.subscribed.is_set, 15), caplog.text
+        finally:
+            stop.set()
+            runner.join(5)
+        assert gate.refused_v5 >= 1 and collector.protocol == "3.1.1"
+        assert "falling back to 3.1.1" in caplog.text and "no shared subscriptions" in caplog.text
+        publisher.send(f"{p}/dev-1/telemetry", sample(1))
+        assert wait_for(lambda: count(url) == 1, 10)
+        collector.stop()
+    finally:
+        gate.close()
+
+
 def test_broker_outage_reconnects_and_resubscribes(
         broker_factory: Any, collectors: list, tmp_path: Path) -> None:
     broker = broker_factory()
@@ -398,8 +483,6 @@ def test_database_outage_waits_and_loses_nothing(
 def test_collector_started_while_the_database_is_down_waits_for_it(
         postgres_server: Any, mqtt_broker: Broker, publisher: Publisher, collectors: list,
         request: pytest.FixtureRequest) -> None:
-    import threading
-
     p, url = unique_prefix(request), postgres_server.create_database()
     config = CollectorConfig(broker_url=mqtt_broker.url, db_url=url, prefix=p, client_id=f"late-{p}",
                              db_retry_min_s=0.05, db_retry_max_s=0.5)
