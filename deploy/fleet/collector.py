@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import socket
@@ -139,12 +140,17 @@ class Collector:
         if self.db is not None:
             self.db.close()
 
-    def run(self, stop: threading.Event) -> None:
-        """Block until `stop` is set (the CLI's SIGTERM); switches to MQTT 3.1.1 when the broker asks."""
+    def run(self, stop: threading.Event, report_every_s: float = 60.0) -> None:
+        """Block until `stop` is set (the CLI's SIGTERM); switches to MQTT 3.1.1 when the broker asks,
+        and logs the counters every `report_every_s` (what was stored, dropped and waited for)."""
+        next_report = time.monotonic() + report_every_s
         while not stop.wait(0.2):
             if self._fallback.is_set():
                 self._fallback.clear()
                 self._reconnect_as_311()
+            if time.monotonic() >= next_report:
+                next_report += report_every_s
+                log.info("collector: %s", json.dumps(self.stats(), sort_keys=True))
 
     def stats(self) -> dict[str, Any]:
         """Counters since start plus the live state (for logs, tests and the CLI's exit summary)."""
