@@ -204,3 +204,33 @@ def test_demo_detector_trt_recipe_mask_iou(tmp_path: Path) -> None:
         assert (ref > 0.3).mean() > 0.01
         ious.append(mask_iou(ref, got, 0.3))
     assert float(np.mean(ious)) >= 0.9, ious
+
+
+def _conv_bn_model(path: Path) -> Path:
+    """Conv -> BatchNormalization whose variance (1e6) is beyond FP16's range, as in PP-OCRv4 det (9.8e7)."""
+    rng = np.random.default_rng(4)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "g", "beta", "mean", "var"], ["y"])]
+    inits = [_init("w", rng.normal(0, 300.0, (4, 3, 3, 3))), _init("b", np.zeros(4)), _init("g", np.ones(4)),
+             _init("beta", np.zeros(4)), _init("mean", np.zeros(4)), _init("var", np.full(4, 1e6))]
+    graph = helper.make_graph(nodes, "conv_bn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16, 16])], inits)
+    return _save(graph, path)
+
+
+def test_fp16_onnx_for_strongly_typed_tensorrt_folds_batchnorm_first(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    # TensorRT 11 has no FP16 flag: the FP16 ONNX is the precision. Converted as is, the BN variance
+    # (beyond 65504) was clamped to 1e4 and every output came out 10x too large.
+    monkeypatch.setattr(tb, "free_device_memory", lambda: None)
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt("11.1.0"))
+    fp32 = _conv_bn_model(tmp_path / "m.onnx")
+    spec = EngineBuildSpec(precision="fp16", input_shapes={"x": (1, 3, 16, 16)})
+    job = BuildJob("tensorrt", fp32, tmp_path / "out.plan", tmp_path / "work", spec, {}, "bn")
+    job.work_dir.mkdir()
+    tb.build_plan(job, lambda *a, **k: None)
+    fp16 = job.work_dir / "fp16.onnx"
+    assert "BatchNormalization" not in {n.op_type for n in onnx.load(str(fp16)).graph.node}
+    x = _inputs(1, (1, 3, 16, 16))[0]
+    ref, got = _run(fp32, {"x": x}), _run(fp16, {"x": x})
+    np.testing.assert_allclose(got, ref, rtol=0.02, atol=0.02 * float(np.abs(ref).max()))

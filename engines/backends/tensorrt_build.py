@@ -34,7 +34,7 @@ def build_plan(job: Any, emit: Emit) -> dict[str, Any]:
     """Child-process entry: (INT8: Q/DQ ONNX first) -> serialized plan written to `job.out_path`."""
     import tensorrt as trt
 
-    from engines.build_worker import StageTimer, to_fp16, quantize_model, static_model
+    from engines.build_worker import StageTimer, _rewrite, quantize_model, static_model, to_fp16
 
     report: dict[str, Any] = {"notes": [], "stages_s": {}}
     onnx_path = job.onnx_path
@@ -44,6 +44,9 @@ def build_plan(job: Any, emit: Emit) -> dict[str, Any]:
         onnx_path = quantize_model(job, static_model(job, timer), timer, report, fp16_casts=fp16_casts)
     elif job.spec.precision == "fp16" and not _has_flag(trt, "FP16"):
         emit("fp16-convert")  # no FP16 builder flag (TensorRT 11): the ONNX itself carries FP16 types
+        # Fold BatchNormalization/affine constants into the convolutions first (exact): a BN variance
+        # beyond FP16's range (PP-OCRv4 det: 9.8e7) would otherwise be clamped to 1e4 by the converter.
+        onnx_path = _rewrite(onnx_path, job.work_dir / "rewritten.onnx", report)
         onnx_path = to_fp16(onnx_path, job.work_dir / "fp16.onnx")
         report["notes"].append("fp16 via a strongly typed FP16 ONNX (this TensorRT has no FP16 builder flag)")
     t0 = time.monotonic()
