@@ -248,7 +248,7 @@ def check_trt_qdq(model: onnx.ModelProto, op_types: Iterable[str] = TRT_RECIPE.o
         if node.op_type in _QDQ:
             problems += _check_qdq_node(node, inits)
         if node.op_type == "DequantizeLinear":
-            problems += _check_dq_consumers(node, model, allowed, producers)
+            problems += _check_dq_consumers(node, model, allowed)
         if node.op_type in ("Conv", "Gemm") and len(node.input) > 2 and node.input[2] in producers \
                 and producers[node.input[2]].op_type == "DequantizeLinear":
             problems.append(f"{node.name or node.op_type}: bias has Q/DQ")
@@ -273,8 +273,7 @@ def _check_qdq_node(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) ->
     return problems
 
 
-def _check_dq_consumers(node: onnx.NodeProto, model: onnx.ModelProto, allowed: set[str],
-                        producers: dict[str, onnx.NodeProto]) -> list[str]:
+def _check_dq_consumers(node: onnx.NodeProto, model: onnx.ModelProto, allowed: set[str]) -> list[str]:
     users = [n for n in model.graph.node if node.output[0] in n.input]
     bad = sorted({u.op_type for u in users if u.op_type not in allowed})
     if bad:
