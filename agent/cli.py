@@ -77,7 +77,7 @@ def load_config_or_exit(path: Optional[Path]) -> Any:
 def config_check(path: Path = typer.Argument(..., help="TOML config file to validate.")) -> None:
     """Validate a config file: exit 0 when valid, 2 with every problem listed when not."""
     config = load_config_or_exit(path)
-    out.print(f"{path}: OK (device_id={config.device_id}, camera={config.camera.kind}, model={config.model.path or 'demo'})")
+    out.print(f"{path}: OK (device_id={config.device_id}, cameras={','.join(c.name + ':' + c.kind for c in config.camera_list())}, model={config.model.path or 'demo'})")
 
 
 @app.command()

@@ -18,6 +18,7 @@ from agent.artifacts.config import ArtifactsConfig
 from agent.deployments.config import DeploymentConfig
 from agent.mqtt.config import MqttConfig
 from agent.paths import default_cache_dir, default_runtime_dir, default_state_dir
+from agent.pipeline.config import BatchConfig, check_cameras, default_kinds
 from agent.sources import source_config_models
 from agent.sources.synthetic import SyntheticConfig
 
@@ -120,6 +121,10 @@ class AgentConfig(BaseSettings):
     log_level: LogLevel = Field("INFO", description="Log verbosity.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The model to run.")
     camera: CameraConfig = Field(default_factory=SyntheticConfig, description="Camera source; `kind` selects the type.")
+    cameras: list[CameraConfig] = Field(  # type: ignore[valid-type]
+        default_factory=list, description="Several cameras ([[cameras]]), each with a unique `name`; empty: [camera]."
+    )
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="Batching of frames from several cameras.")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Frame path settings.")
     artifacts: ArtifactsConfig = Field(default_factory=ArtifactsConfig, description="Trust and fetching of model artifacts.")
     deployments: DeploymentConfig = Field(default_factory=DeploymentConfig, description="Swap, watch and rollback.")
@@ -135,13 +140,20 @@ class AgentConfig(BaseSettings):
         runtime = default_runtime_dir()
         return (runtime if runtime != default_state_dir() else self.state_dir) / "control.sock"
 
+    def camera_list(self) -> list[Any]:
+        """The cameras to run: `[[cameras]]`, else the one `[camera]`."""
+        return list(self.cameras) if self.cameras else [self.camera]
+
     @model_validator(mode="before")
     @classmethod
     def _default_camera_kind(cls, data: Any) -> Any:
         # `EDGE_AGENT_CAMERA__FPS=10` alone must tune the default camera, not fail for a missing `kind`.
-        if isinstance(data, dict) and isinstance(data.get("camera"), dict):
-            data["camera"].setdefault("kind", "synthetic")
-        return data
+        return default_kinds(data)
+
+    @model_validator(mode="after")
+    def _cameras_consistent(self) -> "AgentConfig":
+        check_cameras(self.camera, self.cameras, "camera" in self.model_fields_set)
+        return self
 
     @model_validator(mode="after")
     def _dirs_differ(self) -> "AgentConfig":

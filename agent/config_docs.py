@@ -64,7 +64,7 @@ def section(model: type[BaseModel], prefix: str, env_prefix: str) -> list[str]:
     subsections: list[tuple[str, type[BaseModel], str]] = []
     for name, field in model.model_fields.items():
         key = field.alias or name
-        if name == "camera":
+        if name in ("camera", "cameras"):
             continue  # a union on `kind`: documented per kind below
         sub = _is_section(field.annotation)
         env = f"`{env_prefix}{name.upper()}`"
@@ -79,9 +79,17 @@ def section(model: type[BaseModel], prefix: str, env_prefix: str) -> list[str]:
     return out
 
 
+CAMERAS_TEXT = """One camera: a `[camera]` table. Several: one `[[cameras]]` table per camera, each with a unique
+`name` (any kind, each with its own fps, size and reopen settings); setting both is an error. Environment:
+`EDGE_AGENT_CAMERA__<KEY>` tunes `[camera]`; `EDGE_AGENT_CAMERAS` takes the whole list as JSON, e.g.
+`[{"name": "left", "kind": "v4l2", "device": "/dev/video0"}, {"name": "right", "kind": "synthetic"}]`.
+`kind` defaults to `synthetic` in both. Each camera has its own capture thread and freshest-frame
+mailbox; the batcher (`[batch]`) takes the newest frame of each ready camera into one engine call."""
+
+
 def camera_sections() -> list[str]:
     """One table per camera kind (the `[camera]` table is a union selected by `kind`)."""
-    out = ["", "## [camera]", "", "`kind` selects the source; each kind has its own keys.", ""]
+    out = ["", "## [camera] and [[cameras]]", "", CAMERAS_TEXT, "", "`kind` selects the source; each kind has its own keys.", ""]
     for name in SOURCES.names():
         model = SOURCES.get(name).Config
         out += [f"### kind = \"{name}\"", "", (model.__doc__ or "").strip().splitlines()[0], ""]

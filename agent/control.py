@@ -47,6 +47,7 @@ class AgentController:
             "latency_ms": summary["latency_ms"],
             "window_latency_ms": agent.worker.window.latency.summary() if agent.worker else {},
             "camera": summary["camera"],
+            "cameras": summary["cameras"],
             "ts": time.time(),
         }
 

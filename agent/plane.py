@@ -59,7 +59,7 @@ class AgentPlane:
         fp = read_fingerprint(self.agent.config.telemetry.sysfs_root)
         cfg = self.agent.config
         return {"device_id": cfg.device_id, "agent_version": agent_version(), "fingerprint": fp.to_dict(),
-                "cameras": [{"name": cfg.camera.name, "kind": cfg.camera.kind}],
+                "cameras": [{"name": c.name, "kind": c.kind} for c in cfg.camera_list()],
                 "engine": self.agent.active.describe() if self.agent.active else None}
 
     def start(self) -> None:

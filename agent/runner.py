@@ -11,19 +11,20 @@ from typing import Any, Callable
 
 import psutil
 
-from agent.pipeline.capture import CaptureThread
 from agent.commands import CommandDispatcher
 from agent.control import AgentController
 from agent.control_socket import ControlSocketServer
 from agent.config import AgentConfig
 from agent.deployments.manager import DeploymentManager
 from agent.deployments.store import Deployment, DeploymentStore
+from agent.pipeline.batch_size import BatchSize, batch_curve, resolve_batch_size
+from agent.pipeline.batcher import Batcher
+from agent.pipeline.cameras import CameraGroup
 from agent.pipeline.frame_stats import FrameStats
-from agent.pipeline.mailbox import FreshestMailbox
+from agent.pipeline.summary import camera_numbers, capture_totals
 from agent.plane import AgentPlane
 from agent.sdnotify import Notifier, ProgressWatchdog
 from agent.model_loading import LoadedModel, ModelLoader
-from agent.sources import create_source
 from agent.sources.base import Frame
 from agent.state import StateStore, state_db_path
 from agent.status import BACKEND_KEY, LIVE_KEY
@@ -45,7 +46,8 @@ class Agent:
         self.config = config
         self.stop_event = threading.Event()
         self.stats = FrameStats()
-        self.mailbox: FreshestMailbox[Frame] = FreshestMailbox()
+        self.batcher: Batcher | None = None
+        self.batch_size: BatchSize | None = None
         self.store: StateStore | None = None
         self.deployments: DeploymentStore | None = None
         self.manager: DeploymentManager | None = None
@@ -53,8 +55,7 @@ class Agent:
         self.active: LoadedModel | None = None
         self.previous: LoadedModel | None = None
         self.worker: InferenceWorker | None = None
-        self.capture: CaptureThread | None = None
-        self._capture_stop = threading.Event()
+        self.cameras: CameraGroup | None = None
         self.dispatcher: CommandDispatcher | None = None
         self.plane: AgentPlane | None = None
         self.control_server: ControlSocketServer | None = None
@@ -104,12 +105,7 @@ class Agent:
         self.plane.start()
         self.manager.recover()
         self.active = self._load_initial()
-        self.stats = FrameStats()  # fps and duration count from the first frame the model can take
-        self.worker = InferenceWorker(self.active.runtime, self.mailbox, self.stop_event, self.stats,
-                                      self._on_result, cfg.pipeline.max_consecutive_errors)
-        self.capture = CaptureThread(create_source(cfg.camera), self.mailbox, self._capture_stop, self.emit)
-        self.worker.start()
-        self.capture.start()
+        self._start_frame_path()
         self.manager.start()
         self.control_server = ControlSocketServer(cfg.control_socket_path(), self.dispatcher.dispatch, cfg.control.group)
         self.control_server.start()
@@ -119,19 +115,30 @@ class Agent:
         self.notifier.ready(f"serving {self.active.source.label}")
         self.persist_live()
 
+    def _start_frame_path(self) -> None:
+        """Cameras -> batcher -> worker, sized by `[batch]` and what the loaded engine measured."""
+        cfg, active = self.config, self.active
+        assert active is not None
+        cameras = cfg.camera_list()
+        self.batch_size = resolve_batch_size(cfg.batch.max_size, len(cameras), batch_curve(active.provisioned),
+                                             active.source.manifest.gates.latency_budget_ms)
+        log.info("%d camera(s), batch size %d (%s)", len(cameras), self.batch_size.size, self.batch_size.reason)
+        self.batcher = Batcher([c.name for c in cameras], self.batch_size.size, cfg.batch.timeout_ms / 1e3)
+        self.cameras = CameraGroup(cameras, self.batcher, self.emit)
+        self.batcher.is_live = self.cameras.is_live
+        self.stats = FrameStats()  # fps and duration count from the first frame the model can take
+        self.worker = InferenceWorker(active.runtime, self.batcher, self.stop_event, self.stats,
+                                      self._on_result, cfg.pipeline.max_consecutive_errors)
+        self.worker.start()
+        self.cameras.start()
+
     def restart_capture(self) -> dict[str, Any]:
-        """Reopen the camera with a fresh thread (the `restart_pipeline` command); the model stays loaded."""
-        old = self.capture
-        if old is not None:
-            self._capture_stop.set()
-            old.join(JOIN_TIMEOUT_S)
-        self._capture_stop = threading.Event()
-        if self.stop_event.is_set():
+        """Reopen every camera with fresh threads (the `restart_pipeline` command); the model stays loaded."""
+        if self.cameras is None or self.stop_event.is_set():
             return {"restarted": False}
-        self.capture = CaptureThread(create_source(self.config.camera), self.mailbox, self._capture_stop, self.emit)
-        self.capture.start()
-        self.emit("pipeline_restarted", camera=self.config.camera.name)
-        return {"restarted": True, "camera": self.config.camera.name}
+        self.cameras.restart(JOIN_TIMEOUT_S)
+        self.emit("pipeline_restarted", cameras=self.cameras.names)
+        return {"restarted": True, "cameras": self.cameras.names}
 
     def _load_initial(self) -> LoadedModel:
         assert self.loader is not None and self.store is not None
@@ -160,7 +167,7 @@ class Agent:
         self.store.set_active_model(m.name, m.version, str(loaded.source.root), loaded.source.sha256, info)
 
     def _on_result(self, frame: Frame, result: Any, runtime: Any) -> None:
-        self.last_result = {"frame": frame.index, **result.to_dict(max_items=20)}
+        self.last_result = {"camera": frame.source, "frame": frame.index, **result.to_dict(max_items=20)}
         if self.plane is not None:
             self.plane.on_result(self.last_result)
 
@@ -190,15 +197,15 @@ class Agent:
             "ts": time.time(), "state": self.health(), "fps": summary["fps"], "frames": summary["frames"],
             "dropped_frames": summary["dropped_frames"], "latency_ms": summary["latency_ms"],
             "window_latency_ms": self.worker.window.latency.summary() if self.worker else {},
-            "errors": summary["errors"], "model": summary["model"],
-            "deployment": self.manager.status() if self.manager else None,
+            "errors": summary["errors"], "model": summary["model"], "cameras": summary["cameras"],
+            "batch": summary.get("batch"), "deployment": self.manager.status() if self.manager else None,
         })
 
     def health(self) -> str:
         """online, degraded (inference failing or camera down) or updating (a deployment in progress)."""
         if self.worker is not None and self.worker.degraded:
             return "degraded"
-        if self.capture is not None and self.capture.stats.losses and not self.capture.stats.connected:
+        if self.cameras is not None and self.cameras.any_lost():
             return "degraded"
         deployment = self.manager.status() if self.manager is not None else None
         if deployment and not deployment.get("watching"):
@@ -211,12 +218,14 @@ class Agent:
         if self.watchdog is not None:
             self.watchdog.stop()
         self.stop_event.set()
-        self._capture_stop.set()
-        self.mailbox.close()
+        if self.batcher is not None:
+            self.batcher.close()
         if self.control_server is not None:
             self.control_server.stop()
             self.control_server = None
-        for thread in (self.manager, self.capture, self.worker):
+        if self.cameras is not None:
+            self.cameras.stop(JOIN_TIMEOUT_S)
+        for thread in (self.manager, self.worker):
             if thread is not None and thread.is_alive():
                 thread.join(JOIN_TIMEOUT_S)
                 if thread.is_alive():
@@ -239,22 +248,19 @@ class Agent:
         return summary
 
     def summary(self) -> dict[str, Any]:
-        """The run summary of CONTRACT.md."""
-        capture = self.capture.stats if self.capture is not None else None
+        """The run summary of CONTRACT.md, with `cameras` per camera and the batch size in use."""
         return {
             "frames": self.stats.frames,
             "fps": round(self.stats.fps(), 2),
-            "dropped_frames": self.mailbox.dropped,
+            "dropped_frames": self.batcher.dropped if self.batcher is not None else 0,
             "latency_ms": self.stats.latency.summary(),
             "stages_ms": self.stats.stage_means(),
             "model": self.active.describe() if self.active is not None else {},
             "errors": self.stats.errors,
-            "camera": {
-                "frames": capture.frames if capture else 0,
-                "losses": capture.losses if capture else 0,
-                "recoveries": capture.recoveries if capture else 0,
-                "bad_frames": capture.bad_frames if capture else 0,
-            },
+            "camera": capture_totals(self.cameras),
+            "cameras": camera_numbers(self.worker, self.batcher, self.cameras),
+            "batch": {**self.batch_size.to_dict(), "batches": self.worker.batches if self.worker else 0}
+            if self.batch_size is not None else None,
             "duration_s": round(time.monotonic() - self.stats.started, 2),
         }
 
@@ -271,6 +277,7 @@ class Agent:
         strategy = self.config.deployments.swap_strategy
         with self._swap_lock:
             fps_before = self.worker.window.fps()
+            fps_cameras = {name: round(w.fps(), 2) for name, w in self.worker.camera_windows.items()}
             before = self.worker.last_result_at
             if strategy == "overlap":
                 candidate = self.loader.load_provisioned(source, provisioned, "deployment")
@@ -281,7 +288,7 @@ class Agent:
             self._retire(self.active)
             self.active = candidate
         self._last_swap = {"strategy": strategy, "gap_ms": gap_ms, "fps_before": round(fps_before, 2),
-                           "previous_loaded": self.previous is not None}
+                           "fps_before_cameras": fps_cameras, "previous_loaded": self.previous is not None}
         return dict(self._last_swap)
 
     def _stop_start(self, source: ModelSource, provisioned: Any) -> LoadedModel:
@@ -355,10 +362,11 @@ class Agent:
         """Judge the new model for the watch window; the first violation (with numbers) or None."""
         from agent.deployments.watch import watch_model
 
-        assert self.worker is not None and self.capture is not None
+        assert self.worker is not None and self.cameras is not None
         budget = self.active.source.manifest.gates.latency_budget_ms if self.active else None
-        return watch_model(self.worker, self.capture, self.config.deployments, budget, stop,
-                           fps_before=self._last_swap.get("fps_before"), still_current=lambda: self.active is not None and self.active.deployment_ok(dep))
+        return watch_model(self.worker, self.cameras, self.config.deployments, budget, stop,
+                           fps_before=self._last_swap.get("fps_before_cameras"),
+                           still_current=lambda: self.active is not None and self.active.deployment_ok(dep))
 
     def rollback(self, reason: str, numbers: dict[str, Any] | None = None) -> dict[str, Any]:
         """Back to the previous model: instant when it is still loaded, else loaded again from its artifact."""

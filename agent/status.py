@@ -33,6 +33,7 @@ def read_status(config: AgentConfig) -> dict[str, Any]:
             "previous_model": model_row(store.model_slot("previous")),
             "live": live if running else None,
             "latency_ms": _latest_latency(live if running else None, last_run),
+            "cameras": _latest_cameras(live if running else None, last_run),
             "last_run": last_run,
             "events": [{"ts": e["ts"], "type": e["type"], **e["payload"]} for e in store.events(10)],
         }
@@ -61,6 +62,13 @@ def _latest_latency(live: dict[str, Any] | None, last_run: dict[str, Any] | None
     return summary.get("latency_ms") or {}
 
 
+def _latest_cameras(live: dict[str, Any] | None, last_run: dict[str, Any] | None) -> dict[str, Any]:
+    """Per-camera numbers of the running daemon, else of the last run."""
+    if live:
+        return live.get("cameras") or {}
+    return ((last_run or {}).get("summary") or {}).get("cameras") or {}
+
+
 def model_row(row: dict[str, Any] | None) -> dict[str, Any] | None:
     """An active_model row as status shows it (also used by the `status` command)."""
     if row is None:
@@ -86,6 +94,10 @@ def render_status(report: dict[str, Any], console: Console) -> None:
     if report.get("live"):
         live = report["live"]
         console.print(f"  live     {live.get('fps', 0):.1f} fps, p99 {live.get('latency_ms', {}).get('p99', '-')} ms, frames {live.get('frames', 0)}")
+    for name, cam in (report.get("cameras") or {}).items():
+        state = "" if cam.get("connected", True) else " (down)"
+        console.print(f"  camera   {name}{state}: {cam.get('fps', 0):.1f} fps, p99 {cam.get('latency_ms', {}).get('p99', '-')} ms, "
+                      f"frames {cam.get('frames', 0)}, dropped {cam.get('dropped_frames', 0)}", highlight=False, markup=False)
     if report.get("last_run"):
         run = report["last_run"]
         console.print(f"  last run #{run['id']} {run['status']}")

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from agent.pipeline.summary import camera_numbers
 from agent.telemetry import collector_from_names, energy_mj_per_frame
 
 log = logging.getLogger(__name__)
@@ -24,11 +25,13 @@ class FramePathMeter:
     def __init__(self, agent: Any) -> None:
         self.agent = agent
         self._last = (time.monotonic(), 0, 0)
+        self._last_cameras: dict[str, int] = {}
 
     def sample(self) -> dict[str, Any]:
         """fps, frames, drops and latency for the interval since the previous call."""
         agent = self.agent
-        now, frames, dropped = time.monotonic(), agent.stats.frames, agent.mailbox.dropped
+        dropped = agent.batcher.dropped if agent.batcher is not None else 0
+        now, frames = time.monotonic(), agent.stats.frames
         then, frames_before, dropped_before = self._last
         self._last = (now, frames, dropped)
         interval = max(now - then, 1e-6)
@@ -43,8 +46,23 @@ class FramePathMeter:
             "latency_ms": window.latency.summary() if window is not None else {},
             "stages_ms": window.stage_means() if window is not None else {},
         }
+        cameras = self._cameras(interval)
+        if cameras:
+            out["cameras"] = cameras
         if agent.active is not None:
             out["model"] = agent.active.describe()
+        return out
+
+    def _cameras(self, interval: float) -> dict[str, dict[str, Any]]:
+        """Per camera: fps over the interval, frames and drops since start, latency since start."""
+        numbers = camera_numbers(self.agent.worker, self.agent.batcher, self.agent.cameras)
+        out = {}
+        for name, cam in numbers.items():
+            before = self._last_cameras.get(name, 0)
+            self._last_cameras[name] = cam["frames"]
+            out[name] = {"fps": round((cam["frames"] - before) / interval, 2), "frames": cam["frames"],
+                         "dropped_frames": cam["dropped_frames"], "latency_ms": cam["latency_ms"],
+                         "connected": cam["connected"]}
         return out
 
 
@@ -127,6 +145,13 @@ class PrometheusExporter:
         self.power = gauge("edge_agent_power_mw", "Power by rail (total = board input)", ("rail",))
         self.temp = gauge("edge_agent_temp_c", "Temperature by thermal zone", ("zone",))
         self.throttled = gauge("edge_agent_throttled", "1 while the SoC is throttling")
+        self.camera_fps = gauge("edge_agent_camera_fps", "Frames per second of one camera over the last interval",
+                                ("camera",))
+        self.camera_frames = gauge("edge_agent_camera_frames", "Frames of one camera processed since start", ("camera",))
+        self.camera_dropped = gauge("edge_agent_camera_dropped_frames", "Frames of one camera replaced unread",
+                                    ("camera",))
+        self.camera_latency = gauge("edge_agent_camera_latency_ms", "Glass-to-result latency of one camera",
+                                    ("camera", "quantile"))
         self.server, self.thread = prom.start_http_server(port, addr=bind, registry=self.registry)
 
     def __call__(self, sample: dict[str, Any]) -> None:
@@ -142,6 +167,12 @@ class PrometheusExporter:
             self.temp.labels(zone).set(value)
         if "throttled" in sample:
             self.throttled.set(1 if sample["throttled"] else 0)
+        for name, cam in (sample.get("cameras") or {}).items():
+            self.camera_fps.labels(name).set(cam.get("fps", 0))
+            self.camera_frames.labels(name).set(cam.get("frames", 0))
+            self.camera_dropped.labels(name).set(cam.get("dropped_frames", 0))
+            for quantile, value in (cam.get("latency_ms") or {}).items():
+                self.camera_latency.labels(name, quantile).set(value)
 
     def stop(self) -> None:
         """Close the HTTP server."""

@@ -67,7 +67,7 @@ def intervals(stamps: list[float], start: float, end: float) -> list[float]:
 
 def deploy_and_time(agent: Agent, url: str, stamps: list[float]) -> dict:
     """Deploy `url`, wait for active, and time the intervals around the swap."""
-    lost_before = agent.mailbox.dropped + agent.stats.errors
+    lost_before = agent.batcher.dropped + agent.stats.errors
     requested = time.monotonic()
     dep_id = agent.manager.request(url)["deployment_id"]
     activating = None
@@ -86,7 +86,7 @@ def deploy_and_time(agent: Agent, url: str, stamps: list[float]) -> dict:
                       if e["type"] == "deployment" and e["payload"].get("state") == "active")
     around = intervals(stamps, activating or requested, active + AFTER_S)
     return {"max_interval_ms": round(max(around), 1), "intervals": len(around),
-            "lost": agent.mailbox.dropped + agent.stats.errors - lost_before,
+            "lost": agent.batcher.dropped + agent.stats.errors - lost_before,
             "gap_ms": swap_event.get("gap_ms"), "prepare_s": round((activating or active) - requested, 2),
             "swap_s": round(active - (activating or active), 3)}
 

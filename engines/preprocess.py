@@ -110,8 +110,14 @@ class Preprocessor:
         self._pad = (pad_x, pad_y, new_w, new_h)
         return FrameTransform(new_w / frame_w, new_h / frame_h, float(pad_x), float(pad_y), frame_w, frame_h)
 
-    def __call__(self, frame: np.ndarray) -> FrameTransform:
-        """Fill `self.tensor` from `frame` (HxWx3 BGR uint8) and return the coordinate transform."""
+    def __call__(self, frame: np.ndarray, out: np.ndarray | None = None) -> FrameTransform:
+        """Fill `self.tensor` (or `out`, slot i of a batch: `batch[i:i+1]`) from `frame`; returns the transform.
+
+        `out` lets one preallocated [N, C, H, W] batch tensor take N frames without a copy per frame.
+        """
+        target = self.tensor if out is None else out
+        if target.shape != self.tensor.shape or target.dtype != self.tensor.dtype:
+            raise ValueError(f"out has shape {target.shape} {target.dtype}, expected {self.tensor.shape} {self.tensor.dtype}")
         if frame.ndim != 3 or frame.shape[2] != 3 or frame.dtype != np.uint8:
             raise ValueError(f"expected an HxWx3 uint8 BGR frame, got shape {frame.shape} dtype {frame.dtype}")
         h, w = frame.shape[:2]
@@ -119,7 +125,7 @@ class Preprocessor:
             self._transform = self._geometry(w, h)
             self._frame_size = (w, h)
         image = self._resize(frame)
-        self._fill(image)
+        self._fill(image, target)
         assert self._transform is not None
         return self._transform
 
@@ -135,22 +141,22 @@ class Preprocessor:
         self._resized[pad_y : pad_y + new_h, pad_x : pad_x + new_w] = self._letterbox_inner
         return self._resized
 
-    def _fill(self, image: np.ndarray) -> None:
+    def _fill(self, image: np.ndarray, tensor: np.ndarray) -> None:
         # cv2.split + cv2.LUT into the tensor's own planes: about 4x faster than numpy here.
         planes = cv2.split(image, self._planes)
         nchw = self.spec.layout == "nchw"
         for c_model, c_bgr in enumerate(self._order):
             src = planes[c_bgr]
             if nchw:
-                dst = self.tensor[0, c_model]
+                dst = tensor[0, c_model]
                 if self._luts is None:
                     dst[...] = src
-                elif self.tensor.dtype == np.float16:
+                elif tensor.dtype == np.float16:
                     np.take(self._luts[c_model], src, out=dst, mode="clip")
                 else:
                     cv2.LUT(src, self._luts[c_model], dst=dst)
             else:
-                dst = self.tensor[0, :, :, c_model]
+                dst = tensor[0, :, :, c_model]
                 if self._luts is None:
                     dst[...] = src
                 else:  # uint8 indices are always in range: "clip" skips numpy's bounds buffer

@@ -53,7 +53,7 @@ def test_overlap_swap_loses_no_frame_and_rollback_restores(running_agent, publis
     assert states == ["requested", "fetching", "verifying", "building", "validating", "ready", "activating", "active"]
     assert agent.active.source.manifest.version == "2.0.0"
     assert wait_for(lambda: agent.worker.window.frames >= 3, timeout=60)
-    assert agent.stats.errors == 0 and agent.mailbox.dropped == 0, "a frame was lost across the swap"
+    assert agent.stats.errors == 0 and agent.batcher.dropped == 0, "a frame was lost across the swap"
     assert agent.previous is not None  # kept loaded for instant rollback
     assert agent.store.model_slot("active")["version"] == "2.0.0"
 

@@ -1,4 +1,4 @@
-"""The watch window after activation: latency, error rate and fps of the new model against its limits."""
+"""The watch window after activation: latency, error rate and fps of the new model against its limits, per camera."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import threading
 import time
 from typing import Any, Callable
 
-from agent.pipeline.capture import CaptureThread
 from agent.deployments.config import DeploymentConfig
 from agent.pipeline.worker import InferenceWorker
 
@@ -34,17 +33,30 @@ def judge(window: Any, config: DeploymentConfig, budget_ms: float | None, fps_fl
     return None
 
 
-def watch_model(worker: InferenceWorker, capture: CaptureThread, config: DeploymentConfig, budget_ms: float | None,
-                stop: threading.Event, fps_before: float | None, still_current: Callable[[], bool]) -> dict[str, Any] | None:
-    """Poll until the window ends, the model is replaced, or a limit is broken."""
-    floor = max(config.min_fps, (fps_before or 0.0) * config.min_fps_ratio)
-    deadline = time.monotonic() + config.watch_window_s
+def judge_cameras(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms: float | None,
+                  fps_before: dict[str, float]) -> dict[str, Any] | None:
+    """The first camera whose window breaks a limit (its fps floor from its own fps before the swap)."""
+    for name, window in worker.camera_windows.items():
+        floor = max(config.min_fps, fps_before.get(name, 0.0) * config.min_fps_ratio)
+        violation = judge(window, config, budget_ms, floor, cameras.is_live(name))
+        if violation is not None:
+            violation.update(camera=name, message=f"camera {name}: {violation['message']}",
+                             frames=window.frames, errors=window.errors)
+            return violation
+    return None
+
+
+def watch_model(worker: InferenceWorker, cameras: Any, config: DeploymentConfig, budget_ms: float | None,
+                stop: threading.Event, fps_before: dict[str, float] | None,
+                still_current: Callable[[], bool]) -> dict[str, Any] | None:
+    """Poll until the window ends, the model is replaced, or a limit is broken on any camera."""
+    started = time.monotonic()
+    deadline = started + config.watch_window_s
     while time.monotonic() < deadline and still_current():
         if stop.wait(POLL_S):
             return None
-        violation = judge(worker.window, config, budget_ms, floor, capture.stats.connected)
+        violation = judge_cameras(worker, cameras, config, budget_ms, fps_before or {})
         if violation is not None:
-            violation.update(frames=worker.window.frames, errors=worker.window.errors,
-                             window_s=round(time.monotonic() - (deadline - config.watch_window_s), 1))
+            violation.update(window_s=round(time.monotonic() - started, 1))
             return violation
     return None

@@ -68,7 +68,7 @@ class CaptureThread(threading.Thread):
         try:
             self.source.open()
         except SourceError as exc:
-            self._lost(str(exc))
+            self._lost(str(exc), exc.code)
             return False
         except Exception as exc:  # a backend bug must not kill the thread
             log.exception("camera %s: unexpected error while opening", self._name)
@@ -108,7 +108,7 @@ class CaptureThread(threading.Thread):
                 self.stats.bad_frames += 1
                 log.warning("camera %s: %s", self._name, exc)
                 return True
-            self._lost(str(exc))
+            self._lost(str(exc), exc.code)
             return False
         except Exception as exc:
             log.exception("camera %s: unexpected read error", self._name)
@@ -128,13 +128,13 @@ class CaptureThread(threading.Thread):
             self.on_event("camera_recovered", camera=self._name, down_s=round(down_s, 2))
             self._lost_since = None
 
-    def _lost(self, reason: str) -> None:
+    def _lost(self, reason: str, code: str = "CAMERA_FAILED") -> None:
         self.stats.connected = False
         if self._lost_since is None:
             self._lost_since = time.monotonic()
             self.stats.losses += 1
             log.warning("camera %s lost: %s (reopening with backoff)", self._name, reason)
-            self.on_event("camera_lost", camera=self._name, reason=reason)
+            self.on_event("camera_lost", camera=self._name, code=code or "CAMERA_FAILED", reason=reason)
         else:
             log.debug("camera %s still down: %s", self._name, reason)
 

@@ -56,3 +56,24 @@ class FrameStats:
     def stage_means(self) -> dict[str, float]:
         """Mean ms per stage (the `stages_ms` of the summary)."""
         return {name: round(h.mean, 2) for name, h in self.stages.items() if h.mean is not None}
+
+
+class CameraStats:
+    """FrameStats per camera name, created on a camera's first frame (its fps counts from there)."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, FrameStats] = {}
+        self._lock = threading.Lock()
+
+    def of(self, name: str) -> FrameStats:
+        """The stats of camera `name`."""
+        stats = self._by_name.get(name)
+        if stats is None:
+            with self._lock:
+                stats = self._by_name.setdefault(name, FrameStats())
+        return stats
+
+    def items(self) -> list[tuple[str, FrameStats]]:
+        """(name, stats) of every camera seen so far."""
+        with self._lock:
+            return list(self._by_name.items())

@@ -21,10 +21,21 @@ def status_line(summary: dict[str, Any]) -> str:
     label = f"{model.get('name', '?')}@{model.get('version', '?')} {model.get('backend', '?')}/{model.get('precision', '?')}"
     p50 = lat.get("p50", float("nan"))
     p99 = lat.get("p99", float("nan"))
-    return (
+    line = (
         f"{label} | {summary.get('fps', 0):.1f} fps | p50 {p50:.1f} p99 {p99:.1f} ms | "
         f"frames {summary.get('frames', 0)} | dropped {summary.get('dropped_frames', 0)} | errors {summary.get('errors', 0)}"
     )
+    cameras = summary.get("cameras") or {}
+    if len(cameras) > 1:  # every camera on the line: a stalled one must be visible at a glance
+        line += " | " + " ".join(_camera_part(name, cam) for name, cam in cameras.items())
+    return line
+
+
+def _camera_part(name: str, cam: dict[str, Any]) -> str:
+    """`left 2.0fps p99 31.2` or `door down`."""
+    if not cam.get("connected", True) and not cam.get("frames"):
+        return f"{name} down"
+    return f"{name} {cam.get('fps', 0):.1f}fps p99 {(cam.get('latency_ms') or {}).get('p99', float('nan')):.1f}"
 
 
 class LiveView:

@@ -15,8 +15,9 @@ T = TypeVar("T")
 class FreshestMailbox(Generic[T]):
     """Thread-safe single slot with drop counting."""
 
-    def __init__(self) -> None:
+    def __init__(self, signal: threading.Condition | None = None) -> None:
         self._cond = threading.Condition()
+        self._signal = signal  # shared by several mailboxes: one waiter (the batcher) watches them all
         self._item: T | None = None
         self._closed = False
         self.dropped = 0
@@ -30,7 +31,23 @@ class FreshestMailbox(Generic[T]):
                 self.dropped += 1
             self._item = item
             self._cond.notify()
-            return replaced
+        if self._signal is not None:
+            with self._signal:
+                self._signal.notify_all()
+        return replaced
+
+    def peek(self) -> T | None:
+        """The unread item without taking it (None when empty)."""
+        with self._cond:
+            return self._item
+
+    def take(self) -> T | None:
+        """The unread item, never waiting; None when empty."""
+        with self._cond:
+            item, self._item = self._item, None
+            if item is not None:
+                self.delivered += 1
+            return item
 
     def get(self, timeout: float | None = None) -> T | None:
         """Newest item, waiting up to `timeout`; None on timeout or after close()."""
@@ -47,3 +64,11 @@ class FreshestMailbox(Generic[T]):
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if self._signal is not None:
+            with self._signal:
+                self._signal.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        """True after close()."""
+        return self._closed

@@ -1,6 +1,7 @@
-"""The inference worker: newest frame -> model -> result, with stage timings and glass-to-result latency.
+"""The inference worker: batches of the newest frames -> model -> per-frame results, with stage timings
+and glass-to-result latency, overall and per camera.
 
-The model it runs is swapped only between two frames (`swap`), so a deployment never tears a frame.
+The model it runs is swapped only between two batches (`swap`), so a deployment never tears a frame.
 """
 
 from __future__ import annotations
@@ -8,9 +9,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
-from agent.pipeline.frame_stats import FrameStats, FrameTiming
+from agent.pipeline.batch_runtime import BatchRuntime
+from agent.pipeline.frame_stats import CameraStats, FrameStats, FrameTiming
 from agent.pipeline.mailbox import FreshestMailbox
 from agent.sources.base import Frame
 from engines.errors import EdgeError
@@ -22,31 +24,50 @@ log = logging.getLogger(__name__)
 ResultSink = Callable[[Frame, InferenceResult, ModelRuntime], None]
 
 
-class InferenceWorker(threading.Thread):
-    """Runs frames through the active ModelRuntime until `stop_event` is set."""
+class FrameBatches(Protocol):
+    """Where the worker takes its batches (agent.pipeline.batcher.Batcher)."""
 
-    def __init__(
-        self,
-        runtime: ModelRuntime,
-        mailbox: FreshestMailbox[Frame],
-        stop_event: threading.Event,
-        stats: FrameStats,
-        on_result: ResultSink | None = None,
-        max_consecutive_errors: int = 100,
-    ) -> None:
-        super().__init__(name="inference", daemon=True)
-        self.runtime = runtime
+    max_size: int
+
+    def next_batch(self, stop: threading.Event, idle_s: float = 0.2) -> list[Frame]:
+        """A batch of frames, [] when idle or stopping."""
+        ...
+
+
+class SingleMailbox:
+    """One camera's mailbox as batches of one (benchmarks and tests that drive a bare mailbox)."""
+
+    max_size = 1
+
+    def __init__(self, mailbox: FreshestMailbox[Frame]) -> None:
         self.mailbox = mailbox
+
+    def next_batch(self, stop: threading.Event, idle_s: float = 0.2) -> list[Frame]:
+        """The newest frame, or [] after idle_s."""
+        frame = self.mailbox.get(timeout=idle_s)
+        return [frame] if frame is not None else []
+
+
+class InferenceWorker(threading.Thread):
+    """Runs batches through the active ModelRuntime until `stop_event` is set."""
+
+    def __init__(self, runtime: ModelRuntime, frames: FrameBatches | FreshestMailbox[Frame], stop_event: threading.Event,
+                 stats: FrameStats, on_result: ResultSink | None = None, max_consecutive_errors: int = 100) -> None:
+        super().__init__(name="inference", daemon=True)
+        self.frames: FrameBatches = SingleMailbox(frames) if isinstance(frames, FreshestMailbox) else frames
+        self.batch = BatchRuntime(runtime, self.frames.max_size)
         self.stop_event = stop_event
         self.stats = stats
+        self.cameras = CameraStats()  # per camera, since start
         self.on_result = on_result
         self.max_consecutive_errors = max_consecutive_errors
         self.consecutive_errors = 0
         self.heartbeat = 0  # loop turns, idle ones too: the systemd watchdog follows this
         self.window = FrameStats()  # numbers of the current model only (the deployment watch reads them)
+        self.camera_windows = CameraStats()  # the same, per camera
+        self.batches = 0
         self._lock = threading.Lock()
-        self._pending: ModelRuntime | None = None
-        self._pending_window: FrameStats | None = None
+        self._pending: BatchRuntime | None = None
         self._swapped = threading.Event()
         self._pause_requested = False
         self._paused = threading.Event()
@@ -54,23 +75,29 @@ class InferenceWorker(threading.Thread):
         self.last_result_at: float | None = None
 
     @property
+    def runtime(self) -> ModelRuntime:
+        """The model the next batch runs on."""
+        return self.batch.runtime
+
+    @property
     def degraded(self) -> bool:
         """True while inference keeps failing."""
         return self.consecutive_errors >= self.max_consecutive_errors
 
     def swap(self, runtime: ModelRuntime, timeout: float = 10.0) -> ModelRuntime | None:
-        """Replace the model at the next frame boundary; returns the one it replaced."""
+        """Replace the model at the next batch boundary; returns the one it replaced."""
+        prepared = BatchRuntime(runtime, self.frames.max_size)  # allocated here, off the frame path
         with self._lock:
             self._swapped.clear()
-            self._pending, self._pending_window = runtime, FrameStats()
+            self._pending = prepared
         if self.is_alive() and not self._paused.is_set() and not self._swapped.wait(timeout):
-            raise EdgeError("the inference loop did not reach a frame boundary in time", code="SWAP_TIMEOUT")
+            raise EdgeError("the inference loop did not reach a batch boundary in time", code="SWAP_TIMEOUT")
         if not self.is_alive() or self._paused.is_set():
             self._take_pending()
         return self._previous
 
     def pause(self, timeout: float = 10.0) -> None:
-        """Stop taking frames after the current one (stop_start swaps); frames wait in the mailbox."""
+        """Stop taking frames after the current batch (stop_start swaps); frames wait in the mailboxes."""
         self._pause_requested = True
         if self.is_alive() and not self._paused.wait(timeout):
             raise EdgeError("the inference loop did not pause in time", code="SWAP_TIMEOUT")
@@ -83,14 +110,14 @@ class InferenceWorker(threading.Thread):
     def _take_pending(self) -> None:
         with self._lock:
             if self._pending is not None:
-                self._previous, self.runtime = self.runtime, self._pending
-                self.window = self._pending_window or FrameStats()
-                self._pending = self._pending_window = None
+                self._previous, self.batch = self.batch.runtime, self._pending
+                self.window, self.camera_windows = FrameStats(), CameraStats()
+                self._pending = None
                 self.consecutive_errors = 0
                 self._swapped.set()
 
     def run(self) -> None:
-        """Loop: wait for a frame, run it, record timings."""
+        """Loop: wait for a batch, run it, record timings."""
         while not self.stop_event.is_set():
             self.heartbeat += 1
             if self._pending is not None:
@@ -100,39 +127,43 @@ class InferenceWorker(threading.Thread):
                 self.stop_event.wait(0.01)
                 continue
             wait_start = time.perf_counter()
-            frame = self.mailbox.get(timeout=0.2)
-            if frame is None:
-                continue
-            self._process(frame, (time.perf_counter() - wait_start) * 1e3)
+            frames = self.frames.next_batch(self.stop_event)
+            if frames:
+                self._process(frames, (time.perf_counter() - wait_start) * 1e3)
         if self._pending is not None:
             self._take_pending()
 
-    def _process(self, frame: Frame, wait_ms: float) -> None:
-        runtime = self.runtime
+    def _process(self, frames: list[Frame], wait_ms: float) -> None:
+        batch = self.batch
         try:
-            result, times = runtime.run(frame.image)
+            outcomes = batch.run([f.image for f in frames], [f.source for f in frames])
         except (EdgeError, ValueError) as exc:
-            self._failed(frame, exc)
+            self._failed(frames, exc)
             return
-        except Exception as exc:  # never let one bad frame kill the loop
-            log.exception("inference failed on frame %d", frame.index)
-            self._failed(frame, exc)
+        except Exception as exc:  # never let one bad batch kill the loop
+            log.exception("inference failed on a batch of %d", len(frames))
+            self._failed(frames, exc)
             return
         self.consecutive_errors = 0
-        latency = (time.monotonic() - frame.captured_at) * 1e3
-        timing = FrameTiming(wait_ms, times.preprocess, times.infer, times.postprocess, latency)
-        self.stats.record(timing)
-        self.window.record(timing)
-        self.last_result_at = time.monotonic()
+        self.batches += 1
+        now = time.monotonic()
+        for frame, outcome in zip(frames, outcomes):
+            latency = (now - frame.captured_at) * 1e3
+            timing = FrameTiming(wait_ms, outcome.preprocess, outcome.infer, outcome.postprocess, latency)
+            for stats in (self.stats, self.window, self.cameras.of(frame.source), self.camera_windows.of(frame.source)):
+                stats.record(timing)
+        self.last_result_at = now
         if self.on_result is not None:
-            try:
-                self.on_result(frame, result, runtime)
-            except Exception:
-                log.exception("result sink failed")
+            for frame, outcome in zip(frames, outcomes):
+                try:
+                    self.on_result(frame, outcome.result, batch.runtime)
+                except Exception:
+                    log.exception("result sink failed")
 
-    def _failed(self, frame: Frame, exc: Exception) -> None:
-        self.stats.record_error()
-        self.window.record_error()
+    def _failed(self, frames: list[Frame], exc: Exception) -> None:
+        for frame in frames:
+            for stats in (self.stats, self.window, self.cameras.of(frame.source), self.camera_windows.of(frame.source)):
+                stats.record_error()
         self.consecutive_errors += 1
         if self.consecutive_errors in (1, self.max_consecutive_errors):
-            log.warning("inference error on frame %d (%d in a row): %s", frame.index, self.consecutive_errors, exc)
+            log.warning("inference error on a batch of %d (%d in a row): %s", len(frames), self.consecutive_errors, exc)

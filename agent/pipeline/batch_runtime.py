@@ -1,0 +1,88 @@
+"""One engine call for a batch of frames: preprocess into the slots of one preallocated [N, C, H, W] tensor,
+infer once, split the outputs back per frame and postprocess each with its own coordinate transform.
+
+An engine whose batch dimension is fixed at 1 (or that refuses a larger batch) runs the same slots one by
+one; the reason is logged once and `batched` turns False, so results never depend on what the engine takes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from engines.postprocess import InferenceResult
+from engines.preprocess import Preprocessor
+from engines.runtime import ModelRuntime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FrameOutcome:
+    """One frame's result and its share of the batch's stage times (ms)."""
+
+    result: InferenceResult
+    preprocess: float
+    infer: float
+    postprocess: float
+
+
+class BatchRuntime:
+    """Wraps a ModelRuntime for batches of up to `max_size` frames; preallocates everything at construction."""
+
+    def __init__(self, runtime: ModelRuntime, max_size: int) -> None:
+        self.runtime = runtime
+        self.max_size = max(1, max_size)
+        single = runtime.preprocessor.tensor
+        self.tensor = np.zeros((self.max_size, *single.shape[1:]), dtype=single.dtype)
+        self.batched = self.max_size > 1 and _batch_dim(runtime) in (None, self.max_size)
+        self._fixed = _batch_dim(runtime)
+        self._preprocessors: dict[str, Preprocessor] = {}  # per camera: each keeps its own frame geometry
+
+    def run(self, images: Sequence[np.ndarray], cameras: Sequence[str]) -> list[FrameOutcome]:
+        """Results in the order of `images` (one per camera name)."""
+        n = len(images)
+        if not 1 <= n <= self.max_size:
+            raise ValueError(f"batch of {n} frames, this runtime takes 1..{self.max_size}")
+        t0 = time.perf_counter()
+        transforms = [self._preprocessor(cam)(img, self.tensor[i : i + 1]) for i, (img, cam) in enumerate(zip(images, cameras))]
+        t1 = time.perf_counter()
+        per_frame = self._infer(n)
+        t2 = time.perf_counter()
+        results = []
+        for outputs, transform in zip(per_frame, transforms):
+            start = time.perf_counter()
+            result = self.runtime.postprocessor(outputs, transform)
+            results.append((result, (time.perf_counter() - start) * 1e3))
+        pre, inf = (t1 - t0) * 1e3 / n, (t2 - t1) * 1e3 / n
+        return [FrameOutcome(r, pre, inf, post) for r, post in results]
+
+    def _preprocessor(self, camera: str) -> Preprocessor:
+        pre = self._preprocessors.get(camera)
+        if pre is None:
+            pre = self._preprocessors[camera] = Preprocessor(self.runtime.preprocessor.spec)
+        return pre
+
+    def _infer(self, n: int) -> list[list[np.ndarray]]:
+        """Each frame's outputs (leading dimension 1): one call when the engine batches, else one per slot."""
+        name = self.runtime.input_name
+        if self.batched and n > 1:
+            rows = self.max_size if self._fixed is not None else n  # a fixed-N engine always gets N slots
+            try:
+                outputs = self.runtime.engine.infer({name: self.tensor[:rows]})
+                return [[out[i : i + 1] for out in outputs] for i in range(n)]
+            except Exception as exc:  # a session pinned to batch 1: fall back, say why once
+                self.batched = False
+                log.warning("engine %s did not take a batch of %d (%s): running frames one by one",
+                            self.runtime.source.label, rows, str(exc).splitlines()[0][:200])
+        return [list(self.runtime.engine.infer({name: self.tensor[i : i + 1]})) for i in range(n)]
+
+
+def _batch_dim(runtime: ModelRuntime) -> int | None:
+    """The engine's leading input dimension: an int when fixed, None when dynamic."""
+    shape = runtime.engine.inputs[0].shape
+    return shape[0] if shape else None

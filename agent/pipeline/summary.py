@@ -1,0 +1,37 @@
+"""Per-camera numbers of a run, in one shape for the run summary, `status`, telemetry and Prometheus."""
+
+from __future__ import annotations
+
+from typing import Any
+
+CAPTURE_FIELDS = ("frames", "losses", "recoveries", "bad_frames")
+
+
+def camera_numbers(worker: Any, batcher: Any, cameras: Any) -> dict[str, dict[str, Any]]:
+    """`{"<name>": {"frames", "fps", "dropped_frames", "latency_ms", "errors", "connected", "capture"}}`."""
+    if cameras is None or batcher is None:
+        return {}
+    processed = dict(worker.cameras.items()) if worker is not None else {}
+    out: dict[str, dict[str, Any]] = {}
+    for name in cameras.names:
+        stats, capture = processed.get(name), cameras.stats(name)
+        out[name] = {
+            "frames": stats.frames if stats else 0,
+            "fps": round(stats.fps(), 2) if stats else 0.0,
+            "dropped_frames": batcher.mailbox(name).dropped,
+            "latency_ms": stats.latency.summary() if stats else {},
+            "errors": stats.errors if stats else 0,
+            "connected": bool(capture and capture.connected),
+            "capture": {f: getattr(capture, f) for f in CAPTURE_FIELDS} if capture else dict.fromkeys(CAPTURE_FIELDS, 0),
+        }
+    return out
+
+
+def capture_totals(cameras: Any) -> dict[str, int]:
+    """The capture counters of all cameras added up (the run summary's `camera` object)."""
+    totals = dict.fromkeys(CAPTURE_FIELDS, 0)
+    for name in (cameras.names if cameras is not None else []):
+        capture = cameras.stats(name)
+        for field in CAPTURE_FIELDS:
+            totals[field] += getattr(capture, field) if capture else 0
+    return totals

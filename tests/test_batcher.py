@@ -1,0 +1,215 @@
+"""Batching semantics (nvstreammux): full batch, timeout, no starving, a camera lost and back; and the
+batch runtime on the real demo model: one [N, C, H, W] call gives the same results as N batch-1 calls."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from agent.pipeline.batch_runtime import BatchRuntime
+from agent.pipeline.batcher import Batcher
+from agent.sources.base import Frame
+from agent.sources.synthetic import SyntheticConfig, SyntheticScene
+from tests.helpers import wait_for
+
+IMAGE = np.zeros((8, 8, 3), np.uint8)
+
+
+class FakeClock:
+    """A clock that moves only when the test says so: timeouts fire by decision, not by the wall clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def put(batcher: Batcher, name: str, index: int = 1, at: float = 0.0) -> None:
+    batcher.mailbox(name).put(Frame(IMAGE, index, at, name))
+
+
+def names(batch: list[Frame]) -> list[str]:
+    return [f.source for f in batch]
+
+
+class Waiter:
+    """next_batch in a thread, so a test can watch it block and see what releases it."""
+
+    def __init__(self, batcher: Batcher) -> None:
+        self.batcher, self.stop, self.result = batcher, threading.Event(), None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.result = self.batcher.next_batch(self.stop, idle_s=3600)
+
+    def done(self) -> bool:
+        return self.result is not None
+
+    def close(self) -> None:
+        self.stop.set()
+        with self.batcher.signal:
+            self.batcher.signal.notify_all()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def waiter() -> Callable[[Batcher], Waiter]:
+    started: list[Waiter] = []
+
+    def start(batcher: Batcher) -> Waiter:
+        started.append(Waiter(batcher))
+        return started[-1]
+
+    yield start
+    for w in started:
+        w.close()
+
+
+def test_full_batch_is_sent_when_the_last_camera_delivers(waiter) -> None:
+    clock = FakeClock()  # frozen: only fullness can release the batch
+    batcher = Batcher(["a", "b"], max_size=2, timeout_s=0.05, clock=clock)
+    put(batcher, "a")
+    w = waiter(batcher)
+    assert not wait_for(w.done, timeout=0.3), "sent before full and before its timeout"
+    put(batcher, "b")
+    assert wait_for(w.done, timeout=5)
+    assert sorted(names(w.result)) == ["a", "b"]
+
+
+def test_partial_batch_is_sent_when_the_timeout_since_its_first_frame_passes(waiter) -> None:
+    clock = FakeClock()
+    batcher = Batcher(["a", "b", "c"], max_size=3, timeout_s=0.05, clock=clock)
+    put(batcher, "a", at=0.0)
+    put(batcher, "b", at=0.01)
+    w = waiter(batcher)
+    assert not wait_for(w.done, timeout=0.3)
+    clock.now = 0.049  # not yet: 49 ms after the first frame
+    with batcher.signal:
+        batcher.signal.notify_all()
+    assert not wait_for(w.done, timeout=0.3)
+    clock.now = 0.05
+    with batcher.signal:
+        batcher.signal.notify_all()
+    assert wait_for(w.done, timeout=5)
+    assert names(w.result) == ["a", "b"]
+
+
+def test_a_batch_holds_the_newest_frame_of_each_camera() -> None:
+    batcher = Batcher(["a", "b"], max_size=2, timeout_s=0.0)
+    put(batcher, "a", 1)
+    put(batcher, "a", 2)
+    put(batcher, "b", 7)
+    batch = batcher.next_batch(threading.Event())
+    assert [(f.source, f.index) for f in batch] == [("a", 2), ("b", 7)]
+    assert batcher.mailbox("a").dropped == 1 and batcher.dropped == 1
+
+
+@pytest.mark.parametrize("cameras,max_size", [(4, 2), (3, 2), (5, 3), (4, 1)])
+def test_no_camera_starves_when_there_are_more_cameras_than_the_batch(cameras: int, max_size: int) -> None:
+    all_names = [f"cam{i}" for i in range(cameras)]
+    batcher = Batcher(all_names, max_size=max_size, timeout_s=0.0)
+    taken = dict.fromkeys(all_names, 0)
+    rounds = cameras * max_size  # every camera ready every time: the worst case for the first camera
+    for _ in range(rounds):
+        for name in all_names:
+            put(batcher, name)
+        batch = batcher.next_batch(threading.Event())
+        assert len(batch) == max_size and len(set(names(batch))) == max_size
+        for name in names(batch):
+            taken[name] += 1
+    assert set(taken.values()) == {rounds * max_size // cameras}, taken
+
+
+def test_a_lost_camera_stops_joining_and_does_not_hold_the_batch_back() -> None:
+    clock = FakeClock()
+    live = {"a": True, "b": True, "c": True}
+    batcher = Batcher(["a", "b", "c"], max_size=3, timeout_s=10.0, is_live=live.__getitem__, clock=clock)
+    live["c"] = False  # lost: the batch is full with every live camera, no 10 s wait
+    put(batcher, "a")
+    put(batcher, "b")
+    assert names(batcher.next_batch(threading.Event())) == ["a", "b"]
+    live["c"] = True  # back: its frames join again
+    for name in ("a", "b", "c"):
+        put(batcher, name)
+    assert sorted(names(batcher.next_batch(threading.Event()))) == ["a", "b", "c"]
+
+
+def test_idle_and_closed_batcher_return_empty_batches() -> None:
+    batcher = Batcher(["a"], max_size=1, timeout_s=0.0)
+    assert batcher.next_batch(threading.Event(), idle_s=0.01) == []
+    put(batcher, "a")
+    batcher.close()
+    assert names(batcher.next_batch(threading.Event())) == ["a"]  # what is left, then nothing
+    assert batcher.next_batch(threading.Event(), idle_s=5) == []
+
+
+def test_bad_batcher_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="at least one camera"):
+        Batcher([], 1, 0.0)
+    with pytest.raises(ValueError, match="max_size"):
+        Batcher(["a"], 0, 0.0)
+
+
+# --- the batch runtime on the real demo model -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo_source(tmp_path_factory):
+    from agent.demo import prepare_demo_model_dir
+    from engines.model import load_model
+
+    return load_model(prepare_demo_model_dir(tmp_path_factory.mktemp("demo"), 160, 128))
+
+
+def frames(count: int) -> list[np.ndarray]:
+    scenes = [SyntheticScene(SyntheticConfig(width=200 + 40 * i, height=150 + 20 * i, seed=i)) for i in range(count)]
+    return [scene.render(3) for scene in scenes]
+
+
+def detections(result) -> list:
+    return [(d["text"] if "text" in d else None, [round(v) for v in d["box"]]) for d in result.to_dict()["detections"]]
+
+
+def test_one_batched_call_equals_batch1_calls_on_the_demo_model(demo_source) -> None:
+    from engines.backends import get_backend
+    from engines.backends.base import EngineOptions
+    from engines.runtime import ModelRuntime, load_runtime
+
+    images = frames(3)
+    single = load_runtime(demo_source, "onnxruntime")  # pinned to batch 1, as the agent loads it today
+    dynamic = ModelRuntime(demo_source, get_backend("onnxruntime").load(demo_source.onnx_path, EngineOptions()))
+    try:
+        expected = [single.run(img)[0] for img in images]
+        batched = BatchRuntime(dynamic, 3)
+        assert batched.batched
+        outcomes = batched.run(images, ["a", "b", "c"])
+        assert batched.batched, "the dynamic-batch engine fell back to one frame per call"
+        assert [detections(o.result) for o in outcomes] == [detections(r) for r in expected]
+        assert all(detections(r) for r in expected), "the scenes have text: an empty result proves nothing"
+        fallback = BatchRuntime(single, 3)  # a batch-1 engine runs the slots one by one, same results
+        assert [detections(o.result) for o in fallback.run(images, ["a", "b", "c"])] == [detections(r) for r in expected]
+        assert not fallback.batched
+    finally:
+        single.close()
+        dynamic.close()
+
+
+def test_preprocessing_writes_straight_into_the_batch_slots(demo_source) -> None:
+    from engines.preprocess import Preprocessor
+
+    images = frames(2)
+    spec = demo_source.manifest.preprocess
+    batch = np.zeros((2, 3, spec.height, spec.width), np.float32)
+    for i, img in enumerate(images):
+        Preprocessor(spec)(img, batch[i : i + 1])
+    for i, img in enumerate(images):
+        alone = Preprocessor(spec)
+        alone(img)
+        np.testing.assert_array_equal(batch[i], alone.tensor[0])
+    with pytest.raises(ValueError, match="shape"):
+        Preprocessor(spec)(images[0], batch)

@@ -1,0 +1,141 @@
+"""Many cameras in a real agent run: per-camera results and stats with the real demo model, one camera
+failing while the others keep flowing, and a swap between two batches with no frame lost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from agent.config import AgentConfig
+from agent.runner import Agent
+from agent.pipeline.live_view import status_line
+from agent.status import read_status, render_status
+from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def synthetic(name: str, seed: int, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "kind": "synthetic", "width": 160, "height": 120, "fps": 5, "seed": seed, **extra}
+
+
+@pytest.fixture
+def published(tmp_path: Path) -> dict[str, Any]:
+    private, public = make_key(tmp_path / "keys")
+    v1 = make_artifact(tmp_path / "pub" / "v1", "1.0.0", private)
+    v2 = make_artifact(tmp_path / "pub" / "v2", "2.0.0", private)
+    return {"public": public, "v1": v1, "url2": (v2 / "manifest.json").as_uri()}
+
+
+@pytest.fixture
+def start_agent(tmp_path: Path, published):
+    agents: list[Agent] = []
+
+    def start(cameras: list[dict[str, Any]], **overrides: Any) -> tuple[Agent, list[tuple], list[tuple]]:
+        settings = agent_settings(tmp_path, published["public"], published["v1"], **overrides)
+        settings.pop("camera")
+        settings["cameras"] = cameras
+        results: list[tuple] = []
+        events: list[tuple] = []
+        agent = Agent(AgentConfig(**settings), on_event=lambda type_, **f: events.append((type_, f)))
+        agent.start()
+        agents.append(agent)
+        original = agent.worker.on_result
+
+        def collect(frame, result, runtime) -> None:
+            results.append((frame.source, frame.index, result))
+            original(frame, result, runtime)
+
+        agent.worker.on_result = collect
+        return agent, results, events
+
+    yield start
+    for agent in agents:
+        if agent.state != "stopped":
+            agent.stop()
+
+
+def per_camera(results: list[tuple], name: str) -> int:
+    return sum(1 for camera, _, _ in results if camera == name)
+
+
+def test_per_camera_results_and_stats_with_a_failing_camera(start_agent, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-video.mp4"
+    cameras = [synthetic("left", 1), synthetic("right", 2),
+               {"name": "door", "kind": "file", "path": str(missing), "reopen_initial_s": 0.05, "reopen_max_s": 0.2}]
+    agent, results, events = start_agent(cameras, batch={"max_size": 3, "timeout_ms": 50})
+    assert agent.batch_size.size == 3
+    assert wait_for(lambda: per_camera(results, "left") >= 6 and per_camera(results, "right") >= 6, timeout=120), \
+        "the live cameras stalled behind the failing one"
+    lost = [f for t, f in events if t == "camera_lost"]
+    assert lost and lost[0]["camera"] == "door" and lost[0]["code"] == "CAMERA_FAILED"
+    assert str(missing) in lost[0]["reason"]
+    assert agent.health() == "degraded"
+    assert wait_for(lambda: agent.cameras.stats("door").reopen_attempts >= 3, timeout=30), "no reopen with backoff"
+    # results carry their camera's name; every detection result came from the demo model on that camera
+    assert {camera for camera, _, _ in results} == {"left", "right"}
+    assert all(r.to_dict()["detections"] for _, _, r in results[:4]), "synthetic text was not detected"
+    assert agent.last_result["camera"] in ("left", "right")
+
+    summary = agent.stop()
+    cams = summary["cameras"]
+    assert set(cams) == {"left", "right", "door"}
+    for name in ("left", "right"):
+        assert cams[name]["frames"] >= 6 and cams[name]["fps"] > 0 and cams[name]["latency_ms"]["p99"] > 0
+        assert set(cams[name]) >= {"frames", "fps", "dropped_frames", "latency_ms"}
+    assert cams["door"]["frames"] == 0 and not cams["door"]["connected"] and cams["door"]["capture"]["losses"] == 1
+    assert summary["frames"] == cams["left"]["frames"] + cams["right"]["frames"]
+    assert summary["dropped_frames"] == sum(c["dropped_frames"] for c in cams.values())
+    assert summary["batch"]["max_size"] == 3 and summary["batch"]["batches"] > 0
+
+    status = read_status(agent.config)
+    assert set(status["cameras"]) == {"left", "right", "door"}
+    console = Console(record=True, width=200)
+    render_status(status, console)
+    text = console.export_text()
+    assert "camera   door (down)" in text and "camera   left:" in text and "camera   right:" in text
+    line = status_line(summary)
+    assert "door down" in line and "left " in line and "right " in line
+
+
+def test_telemetry_and_prometheus_numbers_per_camera(start_agent) -> None:
+    from agent.telemetry_loop import FramePathMeter
+
+    agent, results, _ = start_agent([synthetic("a", 1), synthetic("b", 2)], batch={"max_size": 2, "timeout_ms": 50})
+    meter = FramePathMeter(agent)
+    assert wait_for(lambda: per_camera(results, "a") >= 3 and per_camera(results, "b") >= 3, timeout=120)
+    sample = meter.sample()
+    assert set(sample["cameras"]) == {"a", "b"}
+    for cam in sample["cameras"].values():
+        assert cam["frames"] >= 3 and cam["fps"] > 0 and "p99" in cam["latency_ms"]
+    assert sum(c["frames"] for c in sample["cameras"].values()) <= sample["frames"]
+
+
+def test_swap_between_two_batches_loses_no_frame(start_agent, published) -> None:
+    agent, _, _ = start_agent([synthetic("a", 1), synthetic("b", 2)], batch={"max_size": 2, "timeout_ms": 100})
+    seen: list[tuple[str, int, int]] = []  # (camera, frame index, id of the runtime that ran it)
+    original = agent.worker.on_result
+
+    def record(frame, result, runtime) -> None:
+        seen.append((frame.source, frame.index, id(runtime)))
+        original(frame, result, runtime)
+
+    agent.worker.on_result = record
+    assert wait_for(lambda: len(seen) >= 4, timeout=120)
+    old_runtime = id(agent.worker.runtime)
+    reply = agent.manager.request(published["url2"], channel="local")
+    assert wait_terminal(agent, reply["deployment_id"]) == "active"
+    assert agent.active.source.manifest.version == "2.0.0"
+    assert wait_for(lambda: all(agent.worker.camera_windows.of(n).frames >= 3 for n in ("a", "b")), timeout=60)
+    agent.stop()
+    assert agent.stats.errors == 0
+    for camera in ("a", "b"):
+        mine = [(index, rt) for cam, index, rt in seen if cam == camera]
+        cut = next(i for i, (_, rt) in enumerate(mine) if rt != old_runtime)
+        assert cut > 0 and all(rt != old_runtime for _, rt in mine[cut:]), "old and new model interleaved"
+        last_old, first_new = mine[cut - 1][0], mine[cut][0]
+        assert first_new == last_old + 1, f"camera {camera}: frames {last_old + 1}..{first_new - 1} lost at the swap"

@@ -1,0 +1,112 @@
+"""`[[cameras]]`, the one-camera `[camera]` shorthand, `[batch]`, environment overrides, and the errors
+a wrong camera list gets (duplicate names, both forms at once, a batch size out of range)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from agent.cli import app
+from agent.config import load_config
+from agent.pipeline.batch_size import resolve_batch_size
+
+TWO_CAMERAS = """
+[[cameras]]
+name = "left"
+fps = 10
+width = 320
+height = 240
+
+[[cameras]]
+name = "door"
+kind = "file"
+path = "/var/lib/edge-agent/door.mp4"
+loop = true
+reopen_max_s = 5
+
+[batch]
+max_size = 2
+timeout_ms = 15
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "agent.toml"
+    path.write_text(text)
+    return path
+
+
+def check(path: Path) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["config", "check", str(path)])
+    return result.exit_code, result.stdout + result.stderr
+
+
+def test_cameras_list_with_its_own_settings_per_camera(agent_env, tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, TWO_CAMERAS))
+    left, door = cfg.camera_list()
+    assert (left.name, left.kind, left.fps, left.width) == ("left", "synthetic", 10, 320)  # kind defaults
+    assert (door.name, door.kind, door.loop, door.reopen_max_s) == ("door", "file", True, 5)
+    assert (cfg.batch.max_size, cfg.batch.timeout_ms) == (2, 15)
+    code, out = check(write(tmp_path, TWO_CAMERAS))
+    assert code == 0 and "left:synthetic,door:file" in out
+
+
+def test_camera_table_stays_the_one_camera_shorthand(agent_env, tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, '[camera]\nname = "gate"\nfps = 7\n'))
+    assert [(c.name, c.fps) for c in cfg.camera_list()] == [("gate", 7)]
+    assert cfg.batch.max_size == "auto"
+    assert [c.name for c in load_config(None).camera_list()] == ["cam0"]  # embedded defaults: one camera
+
+
+def test_environment_overrides_cameras_and_batch(agent_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGE_AGENT_CAMERA__FPS", "12")
+    assert load_config(write(tmp_path, '[camera]\nfps = 5\n')).camera_list()[0].fps == 12
+    monkeypatch.delenv("EDGE_AGENT_CAMERA__FPS")
+    monkeypatch.setenv("EDGE_AGENT_CAMERAS", json.dumps([{"name": "a"}, {"name": "b", "fps": 3}]))
+    monkeypatch.setenv("EDGE_AGENT_BATCH__MAX_SIZE", "2")
+    monkeypatch.setenv("EDGE_AGENT_BATCH__TIMEOUT_MS", "40")
+    cfg = load_config(None)
+    assert [(c.name, c.fps) for c in cfg.camera_list()] == [("a", 30), ("b", 3)]
+    assert (cfg.batch.max_size, cfg.batch.timeout_ms) == (2, 40)
+    monkeypatch.setenv("EDGE_AGENT_BATCH__MAX_SIZE", "auto")
+    assert load_config(None).batch.max_size == "auto"
+
+
+def test_duplicate_camera_names_are_refused_naming_both(agent_env, tmp_path: Path) -> None:
+    text = '[[cameras]]\nname = "a"\n[[cameras]]\nname = "b"\n[[cameras]]\nname = "a"\n'
+    with pytest.raises(ValidationError, match=r"cameras\[2\]\.name 'a' is already used by cameras\[0\]"):
+        load_config(write(tmp_path, text))
+    code, out = check(write(tmp_path, text))
+    assert code == 2 and "already used" in out
+
+
+def test_camera_and_cameras_together_are_refused(agent_env, tmp_path: Path) -> None:
+    text = '[camera]\nfps = 5\n[[cameras]]\nname = "a"\n'
+    with pytest.raises(ValidationError, match=r"both \[camera\] and \[\[cameras\]\]"):
+        load_config(write(tmp_path, text))
+
+
+@pytest.mark.parametrize("value,problem", [("0", "must be 1..64"), ("65", "must be 1..64"), ('"big"', "auto")])
+def test_bad_batch_size_names_the_field(agent_env, tmp_path: Path, value: str, problem: str) -> None:
+    code, out = check(write(tmp_path, f'[batch]\nmax_size = {value}\n'))
+    assert code == 2 and "batch.max_size" in out and problem in out
+
+
+def test_bad_camera_entry_names_its_index_and_field(agent_env, tmp_path: Path) -> None:
+    code, out = check(write(tmp_path, '[[cameras]]\nname = "a"\n[[cameras]]\nname = "b"\nfsp = 3\n'))
+    assert code == 2 and "cameras.1" in out and "fsp" in out
+
+
+@pytest.mark.parametrize("setting,cameras,curve,expected", [
+    (4, 2, None, 2),  # never more than one frame per camera
+    (2, 4, None, 2),
+    ("auto", 1, [{"batch": 1, "ms_per_frame": 9}], 1),
+    ("auto", 4, None, 1),  # nothing measured: batch 1, never a guess
+])
+def test_batch_size_resolution(setting, cameras: int, curve, expected: int) -> None:
+    resolved = resolve_batch_size(setting, cameras, curve, None)
+    assert resolved.size == expected and resolved.reason
