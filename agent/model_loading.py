@@ -34,12 +34,15 @@ class LoadedModel:
     provisioned: ProvisionResult
     origin: str
     closed: bool = False
+    variant: str | None = None  # the family variant this is (agent.adapt), None for a single model
+    family: ModelSource | None = None  # the artifact declaring the family, when this is a variant of it
 
     def describe(self) -> dict[str, Any]:
         """The `model` object of status, telemetry and events."""
         budget = self.source.manifest.gates.latency_budget_ms
         return {**self.runtime.describe(), "engine_key": self.provisioned.key[:12], "origin": self.origin,
-                **({"latency_budget_ms": budget} if budget is not None else {})}
+                **({"latency_budget_ms": budget} if budget is not None else {}),
+                **({"variant": self.variant} if self.variant is not None else {})}
 
     def deployment_ok(self, dep: Any) -> bool:
         """True while this model is the one `dep` deployed."""

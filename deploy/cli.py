@@ -75,6 +75,9 @@ def package(
     min_accuracy: Optional[float] = typer.Option(None, "--min-accuracy", help="Accuracy gate vs FP32 (0..1)."),
     description: str = typer.Option("", "--description", help="Free text for the manifest."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+    variant: List[str] = typer.Option([], "--variant", help="Family variant NAME:PRECISION[:WxH][:FILE], most "
+                                      "accurate first, repeatable (docs/adaptive.md)."),
+    variants_json: Optional[Path] = typer.Option(None, "--variants-json", help="Variants as a JSON list instead."),
 ) -> None:
     """Validate an ONNX model and write a signed artifact directory (manifest.json, .sig, files)."""
     from deploy.package import PackageOptions, package as make_package
@@ -84,7 +87,8 @@ def package(
             model=model, name=name, version=version_, out=out, key=key, unsigned=unsigned, precision=precision,
             calibration=calibration, preprocess=_preprocess_options(input_size, color, mean, std, layout, resize),
             postprocess=postprocess, params=list(param), labels=labels, latency_budget_ms=latency_budget_ms,
-            min_accuracy=min_accuracy, description=description, force=force,
+            min_accuracy=min_accuracy, description=description, force=force, variants=list(variant),
+            variants_json=variants_json,
         )  # fmt: skip
         return make_package(opts)
 

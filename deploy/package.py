@@ -47,6 +47,8 @@ class PackageOptions:
     min_accuracy: float | None = None
     description: str = ""
     force: bool = False
+    variants: list[str] = field(default_factory=list)  # NAME:PRECISION[:WxH][:FILE], most accurate first
+    variants_json: Path | None = None
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -162,6 +164,59 @@ def build_template(opts: PackageOptions, model_file: str) -> Manifest:
         raise PackageError(f"invalid manifest: {problems}") from exc
 
 
+def parse_variant(text: str) -> tuple[dict[str, Any], Path | None]:
+    """`small:int8:320x224[:small.onnx]` -> the manifest's variant fields and the other ONNX to package."""
+    parts = text.split(":")
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise PackageError(f"--variant {text!r}: expected NAME:PRECISION[:WIDTHxHEIGHT][:FILE]")
+    fields: dict[str, Any] = {"name": parts[0], "precision": parts[1]}
+    rest = parts[2:]
+    if rest and "x" in rest[0].lower() and rest[0].lower().replace("x", "").isdigit():
+        fields["width"], fields["height"] = parse_size(rest.pop(0))
+    model = Path(rest.pop(0)) if rest else None
+    if rest:
+        raise PackageError(f"--variant {text!r}: too many parts")
+    return fields, model
+
+
+def variant_specs(opts: PackageOptions) -> list[tuple[dict[str, Any], Path | None]]:
+    """The declared variants from --variant options or a JSON list (its `file` paths relative to the JSON)."""
+    specs = [parse_variant(v) for v in opts.variants]
+    if opts.variants_json is not None:
+        try:
+            items = json.loads(Path(opts.variants_json).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise PackageError(f"--variants-json {opts.variants_json}: cannot read ({exc})") from exc
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            raise PackageError(f"--variants-json {opts.variants_json}: expected a JSON list of objects")
+        base = Path(opts.variants_json).parent
+        specs += [({k: v for k, v in i.items() if k != "file"}, base / i["file"] if i.get("file") else None)
+                  for i in items]
+    return specs
+
+
+def add_variants(template: Manifest, sources: dict[str, Path], opts: PackageOptions) -> Manifest:
+    """Declare the family in the manifest; each other ONNX is packaged (hashed and signed) with the model."""
+    declared = []
+    for fields, model in variant_specs(opts):
+        if model is not None:
+            name = check_artifact_name(model.name)
+            if sources.get(name, model) != model:
+                raise PackageError(f"--variant {fields.get('name')}: file name {name!r} clashes with another file")
+            sources.update(_model_sources(model, "fp32", True))
+            fields["file"] = name
+        declared.append(fields)
+    if not declared:
+        return template
+    placeholders = [_PLACEHOLDER.model_copy(update={"file": n}) for n in sources if n != template.model.file]
+    try:
+        return Manifest.model_validate({**template.model_dump(by_alias=True), "variants": declared,
+                                        "files": [p.model_dump() for p in placeholders]})
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise PackageError(f"invalid variants: {problems}") from exc
+
+
 def package(opts: PackageOptions) -> Manifest:
     """Validate the model and options, copy the files, write manifest.json and sign it."""
     if opts.key is None and not opts.unsigned:
@@ -178,4 +233,5 @@ def package(opts: PackageOptions) -> Manifest:
         if name in sources:
             raise PackageError(f"--labels {opts.labels}: its name {name!r} clashes with another packaged file")
         sources[name] = opts.labels
+    template = add_variants(template, sources, opts)
     return build_artifact(opts.out, template, sources, key, replace=opts.force)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engines.errors import ModelError
 from engines.preprocess import PreprocessSpec
@@ -90,6 +90,20 @@ class Gates(BaseModel):
     )
 
 
+class Variant(BaseModel):
+    """One member of a model family (agent.adapt); fields left unset are the manifest's own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Variant name (unique in the family).")
+    precision: Precision | None = Field(None, description="Engine precision; default build.precision.")
+    width: int | None = Field(None, ge=8, le=8192, description="Input width; default preprocess.width.")
+    height: int | None = Field(None, ge=8, le=8192, description="Input height; default preprocess.height.")
+    file: str | None = Field(None, description="Another ONNX of the artifact, listed in `files` (so hashed and signed).")
+    min_accuracy: float | None = Field(None, ge=0, le=1,
+                                       description="Least accuracy vs the family reference; below it the variant is left out.")
+
+
 class Manifest(BaseModel):
     """The whole `manifest.json`."""
 
@@ -106,6 +120,19 @@ class Manifest(BaseModel):
     gates: Gates = Field(default_factory=Gates)
     labels: list[str] | None = Field(None, description="Class names, index = class id.")
     description: str = ""
+    variants: list[Variant] | None = Field(
+        None, description="Model family for adaptation, most accurate first (docs/adaptive.md); None: one model.")
+
+    @model_validator(mode="after")
+    def _variants_valid(self) -> "Manifest":
+        names = [v.name for v in self.variants or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"variants: names must be unique, got {names}")
+        listed = {f.file for f in self.files} | {self.model.file}
+        for v in self.variants or []:
+            if v.file is not None and v.file not in listed:
+                raise ValueError(f"variants: {v.name}: file {v.file!r} must be listed in `files` (sha256 and size)")
+        return self
 
     def to_json_bytes(self) -> bytes:
         """Canonical bytes for writing (and signing)."""
