@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from agent.pipeline.mailbox import FreshestMailbox
 from agent.sources.base import Frame, SourceError, validate_image
+from agent.sources.lazy import LazyGrabber, can_grab
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class CaptureThread(threading.Thread):
         self._name = source.config.name
         self._backoff = source.config.reopen_initial_s
         self._lost_since: float | None = None
+        # paced sources that can grab: frames replaced unread are never decoded (agent.sources.lazy)
+        self.grabber = LazyGrabber(source, mailbox, self._name, self.stats) if can_grab(source) else None
 
     def run(self) -> None:
         """Open, read, and on failure back off and reopen, until stopped (or a finite source ends)."""
@@ -60,8 +63,14 @@ class CaptureThread(threading.Thread):
                 self._wait_backoff()
                 continue
             self._read_until_failure()
+            self._close_source()
+        self._close_source()
+
+    def _close_source(self) -> None:
+        if self.grabber is not None:
+            self.grabber.close()  # waits for a retrieve in progress on the consumer's thread
+        else:
             self.source.close()
-        self.source.close()
 
     def _open(self) -> bool:
         self.stats.reopen_attempts += 1
@@ -93,15 +102,11 @@ class CaptureThread(threading.Thread):
 
     def _read_one(self) -> bool:
         try:
+            if self.grabber is not None:
+                return self._grab_one()
             image = self.source.read()
             if image is None:
-                if getattr(self.source, "finite", False):
-                    self.stats.ended = True
-                    log.info("camera %s: end of input after %d frames", self._name, self.stats.frames)
-                    self.on_event("camera_ended", camera=self._name, frames=self.stats.frames)
-                    return False
-                self._lost("end of stream")
-                return False
+                return self._end_of_stream()
             image = validate_image(image, self._name)
         except SourceError as exc:
             if exc.code == "CAMERA_BAD_FRAME":
@@ -117,6 +122,23 @@ class CaptureThread(threading.Thread):
         self.stats.frames += 1
         self.mailbox.put(Frame(image, self.stats.frames, time.monotonic(), self._name))
         return True
+
+    def _grab_one(self) -> bool:
+        """Grab and offer a LazyFrame: the consumer decodes only the frames it takes."""
+        assert self.grabber is not None
+        if not self.grabber.grab_and_put(self.stats.frames + 1):
+            return self._end_of_stream()
+        self.stats.frames += 1
+        return True
+
+    def _end_of_stream(self) -> bool:
+        if getattr(self.source, "finite", False):
+            self.stats.ended = True
+            log.info("camera %s: end of input after %d frames", self._name, self.stats.frames)
+            self.on_event("camera_ended", camera=self._name, frames=self.stats.frames)
+            return False
+        self._lost("end of stream")
+        return False
 
     def _connected(self) -> None:
         self._backoff = self.source.config.reopen_initial_s

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -38,6 +39,41 @@ class Frame:
     meta: dict = field(default_factory=dict)
 
 
+class LazyFrame(Frame):
+    """A grabbed frame whose pixels are made on first use of `image` (by the consumer that took it).
+
+    A frame replaced in its mailbox unread is never decoded or converted: with N cameras at 30 fps and
+    an engine that serves fewer, that is most of them. `load(frame)` may retarget the frame to a newer
+    one (`index`, `captured_at`) when the source moved on before the frame was used.
+    """
+
+    def __init__(self, index: int, captured_at: float, source: str, load: Callable[["LazyFrame"], np.ndarray]) -> None:
+        self.index = index
+        self.captured_at = captured_at
+        self.source = source
+        self.meta: dict = {}
+        self._load: Callable[[LazyFrame], np.ndarray] | None = load
+        self._image: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def image(self) -> np.ndarray:  # type: ignore[override]
+        """The pixels, loaded once; SourceError when they can no longer be made."""
+        with self._lock:
+            if self._image is None:
+                assert self._load is not None
+                self._image, self._load = self._load(self), None
+            return self._image
+
+    @property
+    def loaded(self) -> bool:
+        """True once the pixels were made."""
+        return self._image is not None
+
+    def __repr__(self) -> str:
+        return f"LazyFrame(index={self.index}, captured_at={self.captured_at}, source={self.source!r}, loaded={self.loaded})"
+
+
 class FrameSource(Protocol):
     """What the capture thread drives. `read` returns None at a clean end of stream."""
 
@@ -58,6 +94,23 @@ class FrameSource(Protocol):
 
     def frame_interval_s(self) -> float | None:
         """Seconds between frames for paced sources, None to read as fast as frames arrive."""
+        ...
+
+
+class GrabbingSource(FrameSource, Protocol):
+    """A source that splits `read` into a cheap `grab` and a `retrieve` (decode/convert) of the last grab.
+
+    The capture thread grabs every frame and lets the consumer retrieve only the frames it takes
+    (agent.sources.lazy). Only paced sources do this: a blocking grab (a live device, a stream) would
+    make a late retrieve wait for the next frame.
+    """
+
+    def grab(self) -> bool:
+        """Advance to the next frame without decoding it; False at a clean end of stream."""
+        ...
+
+    def retrieve(self) -> np.ndarray | None:
+        """The last grabbed frame as BGR uint8; None when the backend has no image for it."""
         ...
 
 

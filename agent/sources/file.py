@@ -50,6 +50,7 @@ class FileSource:
         self._images: list[Path] | None = None
         self._position = 0
         self._pass_frames = 0
+        self._image: np.ndarray | None = None  # image folders: the last grabbed image
         self._native_fps: float | None = None
         self._warned: set[Path] = set()
 
@@ -70,23 +71,36 @@ class FileSource:
 
     def read(self) -> np.ndarray | None:
         """Next frame; None at the end unless `loop`; SourceError when nothing in a pass was readable."""
-        image = self._next_image() if self._images is not None else self._next_video_frame()
-        if image is not None:
+        if not self.grab():
+            return None
+        return self.retrieve()
+
+    def grab(self) -> bool:
+        """Advance one frame; False at the end unless `loop`. A video frame is decoded but not converted:
+        the capture thread grabs every frame and only the ones the consumer takes are retrieved."""
+        if self._step():
             self._pass_frames += 1
-            return image
+            return True
         if self._pass_frames == 0:
             raise SourceError(
                 f"{self.config.path}: no readable frames; check the file with `ffprobe` or the images' format"
             )
         if not self.config.loop:
-            return None
+            return False
         self._rewind()
-        return self.read()
+        return self.grab()
+
+    def retrieve(self) -> np.ndarray | None:
+        """The last grabbed frame as BGR uint8 (for a video: the colour conversion happens here)."""
+        if self._images is not None:
+            return self._image  # decoded at grab: an unreadable file must be skipped before it is offered
+        return self._capture.retrieve()
 
     def close(self) -> None:
         """Release the video; safe to call twice."""
         self._capture.close()
         self._images = None
+        self._image = None
 
     def frame_interval_s(self) -> float:
         """1 / the configured fps, else the video's own, else 30 fps."""
@@ -104,10 +118,13 @@ class FileSource:
             "file %s opened (%s, %s fps)", self.config.path, self._capture.backend(), self._native_fps or "unknown"
         )
 
-    def _next_video_frame(self) -> np.ndarray | None:
+    def _step(self) -> bool:
+        if self._images is not None:
+            self._image = self._next_image()
+            return self._image is not None
         if not self._capture.is_open:
             raise SourceError(f"{self.config.path}: read before open")
-        return self._capture.read()
+        return self._capture.grab()
 
     def _next_image(self) -> np.ndarray | None:
         assert self._images is not None

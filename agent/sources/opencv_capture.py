@@ -84,6 +84,27 @@ class Capture:
             return None
         return to_bgr(image)
 
+    def grab(self) -> bool:
+        """Advance one frame without converting it (FFmpeg still decodes it: inter frames need that)."""
+        if self._cap is None:
+            raise SourceError(f"{self.label}: grab before open")
+        try:
+            return bool(self._cap.grab())
+        except cv2.error as exc:
+            raise SourceError(f"{self.label}: decoder error ({redact(str(exc)).strip()})") from None
+
+    def retrieve(self) -> np.ndarray | None:
+        """The last grabbed frame as BGR (the colour conversion and copy happen here), None if none."""
+        if self._cap is None:
+            raise SourceError(f"{self.label}: retrieve before open")
+        try:
+            ok, image = self._cap.retrieve()
+        except cv2.error as exc:
+            raise SourceError(f"{self.label}: decoder error ({redact(str(exc)).strip()})") from None
+        if not ok or image is None:
+            return None
+        return to_bgr(image)
+
     def get(self, prop: int) -> float:
         """A capture property, 0.0 when closed or unknown to the backend."""
         return float(self._cap.get(prop)) if self._cap is not None else 0.0

@@ -2,6 +2,10 @@
 
 It stands in for a camera on machines without one, and doubles as ground truth: `SyntheticScene.truth(i)`
 returns the exact box of every text line in frame `i`, so tests can check the detector really finds them.
+
+The scene is rendered once, into a canvas a little larger than the frame; frame `i` is a read-only
+window into it that pans with the motion. A frame costs no drawing and no copy, so a camera whose
+frames are mostly replaced unread (many cameras, one engine) takes no CPU from inference.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from agent.sources.base import SourceConfigBase
 
 _ALPHABET = "ABCDEFGHJKLMNPRSTUVWXYZ0123456789"
 _FONTS = (cv2.FONT_HERSHEY_SIMPLEX, cv2.FONT_HERSHEY_DUPLEX)
+_MARGIN = 32  # canvas border on each side: the largest motion offset (12 px) with room to spare
 
 
 class SyntheticConfig(SourceConfigBase):
@@ -47,8 +52,10 @@ class SyntheticScene:
     def __init__(self, config: SyntheticConfig) -> None:
         self.config = config
         rng = np.random.default_rng(config.seed)
-        self._background = self._make_background(rng, config.width + 64, config.height + 64)
+        self._background = self._make_background(rng, config.width + 2 * _MARGIN, config.height + 2 * _MARGIN)
         self._lines = self._layout(rng)
+        self.renders = 0  # times the scene was drawn: once, however many frames are taken from it
+        self._canvas = self._render_canvas()
 
     @staticmethod
     def _make_background(rng: np.random.Generator, w: int, h: int) -> np.ndarray:
@@ -81,14 +88,25 @@ class SyntheticScene:
         t = index / self.config.fps
         return round(12 * math.sin(2 * math.pi * t / 6)), round(6 * math.sin(2 * math.pi * t / 4))
 
-    def render(self, index: int) -> np.ndarray:
-        """BGR image of frame `index`."""
+    def _render_canvas(self) -> np.ndarray:
+        """Background and text drawn once; read-only, so a consumer that writes into a frame fails loudly."""
+        canvas = self._background.copy()
+        for text, font, scale, thickness, x, y, color in self._lines:
+            cv2.putText(canvas, text, (x + _MARGIN, y + _MARGIN), font, scale, color, thickness, cv2.LINE_AA)
+        canvas.flags.writeable = False
+        self.renders += 1
+        return canvas
+
+    def frame(self, index: int) -> np.ndarray:
+        """BGR image of frame `index`: a read-only view into the canvas (no drawing, no copy)."""
         cfg = self.config
         dx, dy = self._offset(index)
-        image = self._background[32 + dy : 32 + dy + cfg.height, 32 + dx : 32 + dx + cfg.width].copy()
-        for text, font, scale, thickness, x, y, color in self._lines:
-            cv2.putText(image, text, (x + dx, y + dy), font, scale, color, thickness, cv2.LINE_AA)
-        return image
+        top, left = _MARGIN - dy, _MARGIN - dx  # the window moves against the scene: text lands at x+dx, y+dy
+        return self._canvas[top : top + cfg.height, left : left + cfg.width]
+
+    def render(self, index: int) -> np.ndarray:
+        """BGR image of frame `index` as a writable copy (for callers that draw on it)."""
+        return self.frame(index).copy()
 
     def truth(self, index: int) -> list[TextLine]:
         """Boxes of the text lines in frame `index` (uppercase and digits: no descenders)."""
@@ -116,8 +134,8 @@ class SyntheticSource:
         """Nothing to open; frame numbering continues across reopen."""
 
     def read(self) -> np.ndarray:
-        """Render the next frame."""
-        image = self.scene.render(self._index)
+        """The next frame: a read-only view of the pre-rendered scene."""
+        image = self.scene.frame(self._index)
         self._index += 1
         return image
 

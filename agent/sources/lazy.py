@@ -1,0 +1,87 @@
+"""Grab on the capture thread, decode on the consumer's: frames replaced unread cost only their grab.
+
+The capture thread calls `grab_and_put` once per frame interval: the source advances one frame (for a
+video: demux and decode, which inter-frame codecs need for every frame; for an image folder: the next
+file name) and a `LazyFrame` goes into the mailbox with the grab's timestamp. Only when the consumer
+uses `frame.image` does the source `retrieve` it (colour conversion and copy; for an image folder the
+whole JPEG/PNG decode). A frame replaced in its mailbox unread is never retrieved.
+
+OpenCV captures are not thread-safe and `retrieve` returns the *last* grab, so grab and retrieve share
+one lock, and a frame taken just before the capture thread grabbed again is served as that newer frame
+(index and timestamp move with it, and the newer frame is taken out of the mailbox so it is not served
+twice). Frames are never served older than they claim to be.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from agent.sources.base import LazyFrame, SourceError, validate_image
+
+
+def can_grab(source: Any) -> bool:
+    """True for paced sources that split read into grab + retrieve (see GrabbingSource)."""
+    return bool(getattr(source, "paced", False)) and callable(getattr(source, "grab", None)) \
+        and callable(getattr(source, "retrieve", None))
+
+
+class LazyGrabber:
+    """One source's grab/retrieve protocol around a mailbox; counts grabs and decodes."""
+
+    def __init__(self, source: Any, mailbox: Any, name: str, stats: Any = None) -> None:
+        self.source = source
+        self.mailbox = mailbox
+        self.name = name
+        self.stats = stats  # the capture thread's CaptureStats: bad frames found at retrieve count there too
+        self.grabbed = 0
+        self.decoded = 0  # retrieves: frames the consumer used
+        self._lock = threading.Lock()
+        self._current: LazyFrame | None = None  # the frame the source's last grab belongs to
+
+    def grab_and_put(self, index: int) -> bool:
+        """Grab the next frame and offer it; False at a clean end of stream (SourceError on failure)."""
+        with self._lock:
+            if not self.source.grab():
+                self._current = None
+                return False
+            frame = LazyFrame(index, time.monotonic(), self.name, self._load)
+            self._current = frame
+            self.grabbed += 1
+            self.mailbox.put(frame)  # under the lock: a late retrieve sees the mailbox and the source agree
+        return True
+
+    def close(self) -> None:
+        """Close the source under the lock (never during a retrieve); frames still out fail cleanly."""
+        with self._lock:
+            self._current = None
+            self.source.close()
+
+    def _load(self, frame: LazyFrame) -> np.ndarray:
+        with self._lock:
+            newest = self._current
+            if newest is None:
+                raise SourceError(f"{self.name}: the source was closed before the frame was used", code="CAMERA_BAD_FRAME")
+            if newest is not frame:
+                self._serve_newer(frame, newest)
+            image = self.source.retrieve()
+            self.decoded += 1
+        try:
+            return validate_image(image, self.name) if image is not None else self._no_image()
+        except SourceError:
+            if self.stats is not None:
+                self.stats.bad_frames += 1
+            raise
+
+    def _serve_newer(self, frame: LazyFrame, newest: LazyFrame) -> None:
+        """The source grabbed again after `frame` was taken: `frame` becomes that newer frame."""
+        frame.index, frame.captured_at = newest.index, newest.captured_at
+        if self.mailbox.peek() is newest:  # always, with one consumer: serve it once, through `frame`
+            self.mailbox.take()
+        self._current = frame
+
+    def _no_image(self) -> np.ndarray:
+        raise SourceError(f"{self.name}: the backend returned no image for a grabbed frame", code="CAMERA_BAD_FRAME")
