@@ -3,6 +3,7 @@ batch runtime on the real demo model: one [N, C, H, W] call gives the same resul
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Callable
@@ -182,7 +183,10 @@ def test_one_batched_call_equals_batch1_calls_on_the_demo_model(demo_source) -> 
 
     images = frames(3)
     single = load_runtime(demo_source, "onnxruntime")  # pinned to batch 1, as the agent loads it today
-    dynamic = ModelRuntime(demo_source, get_backend("onnxruntime").load(demo_source.onnx_path, EngineOptions()))
+    # an engine that takes batches up to 3 (`max_batch` where the engine side declares it, else a free batch dim)
+    fields = {f.name for f in dataclasses.fields(EngineOptions)}
+    options = EngineOptions(max_batch=3) if "max_batch" in fields else EngineOptions()  # type: ignore[call-arg]
+    dynamic = ModelRuntime(demo_source, get_backend("onnxruntime").load(demo_source.onnx_path, options))
     try:
         expected = [single.run(img)[0] for img in images]
         batched = BatchRuntime(dynamic, 3)
@@ -213,3 +217,46 @@ def test_preprocessing_writes_straight_into_the_batch_slots(demo_source) -> None
         np.testing.assert_array_equal(batch[i], alone.tensor[0])
     with pytest.raises(ValueError, match="shape"):
         Preprocessor(spec)(images[0], batch)
+
+
+class AtMostTwo:
+    """The real ORT engine, declaring that it takes at most 2 frames per call (as a TensorRT profile would)."""
+
+    max_batch = 2
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls = engine, []
+        self.backend, self.inputs, self.outputs = engine.backend, engine.inputs, engine.outputs
+
+    def infer(self, feeds):
+        (batch,) = feeds.values()
+        assert batch.shape[0] <= self.max_batch, f"a batch of {batch.shape[0]} for an engine that takes 2"
+        self.calls.append(batch.shape[0])
+        return self.engine.infer(feeds)
+
+    def describe(self):
+        return self.engine.describe()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def test_a_batch_larger_than_the_engine_takes_is_split_into_calls_it_accepts(demo_source) -> None:
+    from engines.backends import get_backend
+    from engines.backends.base import EngineOptions
+    from engines.runtime import ModelRuntime
+
+    fields = {f.name for f in dataclasses.fields(EngineOptions)}
+    options = EngineOptions(max_batch=3) if "max_batch" in fields else EngineOptions()  # type: ignore[call-arg]
+    inner = get_backend("onnxruntime").load(demo_source.onnx_path, options)
+    limited = AtMostTwo(inner)
+    runtime = ModelRuntime(demo_source, limited)
+    try:
+        images = frames(3)
+        expected = [detections(runtime.run(img)[0]) for img in images]
+        limited.calls.clear()
+        outcomes = BatchRuntime(runtime, 3).run(images, ["a", "b", "c"])
+        assert limited.calls == [2, 1]
+        assert [detections(o.result) for o in outcomes] == expected
+    finally:
+        runtime.close()

@@ -39,8 +39,8 @@ class BatchRuntime:
         self.max_size = max(1, max_size)
         single = runtime.preprocessor.tensor
         self.tensor = np.zeros((self.max_size, *single.shape[1:]), dtype=single.dtype)
-        self.batched = self.max_size > 1 and _batch_dim(runtime) in (None, self.max_size)
-        self._fixed = _batch_dim(runtime)
+        self.capacity = engine_capacity(runtime)  # None: any size
+        self.batched = self.max_size > 1 and self.capacity != 1
         self._preprocessors: dict[str, Preprocessor] = {}  # per camera: each keeps its own frame geometry
 
     def run(self, images: Sequence[np.ndarray], cameras: Sequence[str]) -> list[FrameOutcome]:
@@ -68,21 +68,31 @@ class BatchRuntime:
         return pre
 
     def _infer(self, n: int) -> list[list[np.ndarray]]:
-        """Each frame's outputs (leading dimension 1): one call when the engine batches, else one per slot."""
-        name = self.runtime.input_name
+        """Each frame's outputs (leading dimension 1): calls of up to `capacity` slots, else one per slot."""
         if self.batched and n > 1:
-            rows = self.max_size if self._fixed is not None else n  # a fixed-N engine always gets N slots
             try:
-                outputs = self.runtime.engine.infer({name: self.tensor[:rows]})
-                return [[out[i : i + 1] for out in outputs] for i in range(n)]
+                return self._infer_chunks(n, self.capacity or n)
             except Exception as exc:  # a session pinned to batch 1: fall back, say why once
                 self.batched = False
                 log.warning("engine %s did not take a batch of %d (%s): running frames one by one",
-                            self.runtime.source.label, rows, str(exc).splitlines()[0][:200])
-        return [list(self.runtime.engine.infer({name: self.tensor[i : i + 1]})) for i in range(n)]
+                            self.runtime.source.label, n, str(exc).splitlines()[0][:200])
+        return self._infer_chunks(n, 1)
+
+    def _infer_chunks(self, n: int, chunk: int) -> list[list[np.ndarray]]:
+        name, per_frame = self.runtime.input_name, []
+        for start in range(0, n, chunk):
+            rows = min(chunk, n - start)
+            outputs = self.runtime.engine.infer({name: self.tensor[start : start + rows]})
+            per_frame += [[out[i : i + 1] for out in outputs] for i in range(rows)]
+        return per_frame
 
 
-def _batch_dim(runtime: ModelRuntime) -> int | None:
-    """The engine's leading input dimension: an int when fixed, None when dynamic."""
+def engine_capacity(runtime: ModelRuntime) -> int | None:
+    """The largest batch the engine takes per call: its `max_batch` when it says, else a fixed leading
+    input dimension; None when the batch dimension is dynamic."""
+    declared = getattr(runtime.engine, "max_batch", None)
+    if isinstance(declared, int) and declared >= 1:
+        return declared
     shape = runtime.engine.inputs[0].shape
-    return shape[0] if shape else None
+    dim = shape[0] if shape else None
+    return dim if isinstance(dim, int) else None

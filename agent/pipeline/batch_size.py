@@ -38,7 +38,11 @@ def batch_curve(provisioned: Any) -> Any:
 
 
 def resolve_batch_size(setting: Union[int, str], cameras: int, curve: Any, budget_ms: float | None) -> BatchSize:
-    """Never more than the number of cameras: a batch holds at most one frame per camera."""
+    """Never more than the number of cameras: a batch holds at most one frame per camera.
+
+    An explicit size larger than the engine takes still works: the batch runtime splits it into calls
+    the engine accepts (agent.pipeline.batch_runtime).
+    """
     if isinstance(setting, int):
         size = min(setting, cameras)
         return BatchSize(size, f"configured {setting}" + (f", capped at {cameras} cameras" if size < setting else ""))
