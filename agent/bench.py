@@ -23,3 +23,23 @@ def render_bench(report: dict[str, Any], console: Console) -> None:
         table.add_row(stage, *(f"{values[k]:.2f}" for k in ("mean", "p50", "p99", "max")))
     console.print(table)
     console.print(f"throughput {report['fps']} fps (sequential), engine load {report['load_s']} s")
+    if report.get("batch"):
+        render_batch(report["batch"], console)
+
+
+def render_batch(batch: dict[str, Any], console: Console) -> None:
+    """The per-size cost curve of `bench --batch`: ms per frame, frames per second, batch latency."""
+    table = Table(title=f"batch sizes (engine takes up to {batch['max_batch']})", title_justify="left")
+    for column in ("batch", "ms/frame mean", "p50", "p99", "fps", "batch ms"):
+        table.add_column(column, justify="right")
+    for size, stats in batch["per_frame_ms"].items():
+        table.add_row(size, f"{stats['mean']:.3f}", f"{stats['p50']:.3f}", f"{stats['p99']:.3f}",
+                      f"{batch['fps'][size]:.1f}", f"{stats['mean'] * int(size):.2f}")
+    console.print(table)
+    for size, why in batch["skipped"].items():
+        console.print(f"batch {size} skipped: {why}")
+    if batch.get("note"):
+        console.print(f"engine: {batch['note']}")
+    budget = batch.get("latency_budget_ms")
+    console.print(f"auto would pick batch {batch['auto_pick']}"
+                  + (f" (latency budget {budget} ms)" if budget is not None else " (no latency budget)"))

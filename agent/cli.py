@@ -165,6 +165,7 @@ def bench(
     backend: str = typer.Option("auto", "--backend", help="auto | onnxruntime | tensorrt"),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (engine cache location)."),
+    batch: Optional[str] = typer.Option(None, "--batch", help="Batch sizes to time, e.g. 1,2,4: per-frame cost each."),
 ) -> None:
     """Latency of the engine this device would build for MODEL, per stage (preprocess, infer, postprocess)."""
     from agent.bench import render_bench, run_bench
@@ -174,10 +175,10 @@ def bench(
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     try:
         report = run_bench(model, backend=backend, precision=precision, iterations=iterations, warmup=warmup,
-                           cache_dir=cfg.cache_dir, db_path=state_db_path(cfg.state_dir))
+                           cache_dir=cfg.cache_dir, db_path=state_db_path(cfg.state_dir), batch_sizes=batch)
     except EdgeError as exc:
         err.print(f"[red]bench failed ({exc.code}):[/] {exc}")
-        raise typer.Exit(EXIT_FAILED) from exc
+        raise typer.Exit(EXIT_USAGE if exc.code == "USAGE" else EXIT_FAILED) from exc
     if as_json:
         out.print_json(json.dumps(report))
     else:

@@ -15,6 +15,7 @@ from agent.artifacts.trust import demo_trust, deployment_trust, package_demo, ve
 from agent.config import AgentConfig
 from agent.state import state_db_path
 from engines.backends.base import EngineOptions
+from engines.batching import planned_max_batch
 from engines.errors import EdgeError
 from engines.model import ModelSource, load_model
 from engines.provision import ProvisionResult, load_provisioned, provision
@@ -23,6 +24,15 @@ from engines.runtime import ModelRuntime
 log = logging.getLogger(__name__)
 
 Progress = Callable[[dict], None]
+
+
+def built_max_batch(provisioned: ProvisionResult) -> int:
+    """The largest batch the engine was built and verified for (its sidecar report); 1 when not batched."""
+    batch = provisioned.report.get("batch") if isinstance(provisioned.report, dict) else None
+    try:
+        return max(1, int(batch["max_batch"])) if isinstance(batch, dict) else 1
+    except (KeyError, TypeError, ValueError):
+        return 1
 
 
 @dataclass
@@ -89,11 +99,17 @@ class ModelLoader:
                          timeout_s=self.config.deployments.build_timeout_s, stop_event=stop or self.stop_event,
                          workspace_mb=self.config.engines.workspace_mb,
                          validation_samples=self.config.engines.validation_samples,
-                         latency_runs=self.config.engines.latency_runs)
+                         latency_runs=self.config.engines.latency_runs, max_batch=self.max_batch())
+
+    def max_batch(self) -> int:
+        """The batch the engine is built and timed for: `[batch] max_size` ("auto": up to
+        engines.batching.AUTO_MAX_BATCH), never more than there are cameras; 1 camera: a batch-1 engine."""
+        return planned_max_batch(self.config.batch.max_size, len(self.config.camera_list()))
 
     def load_provisioned(self, source: ModelSource, provisioned: ProvisionResult, origin: str) -> LoadedModel:
         """Load the engine file and warm it up."""
-        options = EngineOptions(intra_op_threads=self.config.model.threads, allow_spinning=self.config.model.spin_wait)
+        options = EngineOptions(intra_op_threads=self.config.model.threads, allow_spinning=self.config.model.spin_wait,
+                                max_batch=built_max_batch(provisioned))
         runtime = load_provisioned(provisioned, source, options)
         spec = source.manifest.preprocess
         if self.config.model.warmup_runs:

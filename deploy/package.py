@@ -14,7 +14,8 @@ from agent.artifacts.keys import load_private_key
 from agent.artifacts.layout import check_artifact_name
 from agent.artifacts.onnxcheck import check_loads, external_data_locations, load_proto, quantized
 from engines.errors import EdgeError
-from engines.manifest import BuildSpec, Gates, Manifest, ModelFile, PostprocessSpec
+from engines.manifest import (BuildSpec, Gates, Manifest, ModelFile, PostprocessSpec, input_size_problem,
+                              model_input_dims)
 from engines.preprocess import PreprocessSpec
 
 CALIBRATION_DIR = "calibration"
@@ -164,6 +165,20 @@ def build_template(opts: PackageOptions, model_file: str) -> Manifest:
         raise PackageError(f"invalid manifest: {problems}") from exc
 
 
+def check_preprocess_size(model: Path, manifest: Manifest) -> None:
+    """The manifest's preprocess tensor must fit the model's input (dynamic dims take any size), so an
+    operator learns of a mismatch here, not from a thousand devices refusing it. Only image inputs
+    (rank 4) are checked: an input of another rank is not a camera model's, whatever its manifest says."""
+    name, dims = model_input_dims(model)
+    if len(dims) != 4:
+        return
+    problem = input_size_problem(dims, manifest.preprocess)
+    if problem:
+        spec = manifest.preprocess
+        raise PackageError(f"{model.name}: input {name}: {problem} (--input-size {spec.width}x{spec.height}, "
+                           f"--layout {spec.layout})", code="MODEL_SHAPE_MISMATCH")
+
+
 def parse_variant(text: str) -> tuple[dict[str, Any], Path | None]:
     """`small:int8:320x224[:small.onnx]` -> the manifest's variant fields and the other ONNX to package."""
     parts = text.split(":")
@@ -226,6 +241,7 @@ def package(opts: PackageOptions) -> Manifest:
     key = load_private_key(opts.key) if opts.key else None
     sources = _model_sources(Path(opts.model), opts.precision, opts.calibration is not None)
     template = build_template(opts, Path(opts.model).name)
+    check_preprocess_size(Path(opts.model), template)
     if opts.calibration:
         sources.update(calibration_files(opts.calibration))
     if opts.labels:

@@ -10,10 +10,15 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 
+from engines.backends.base import EngineOptions
+from engines.batching import pick_batch_size
 from engines.errors import ModelError
 from engines.model import load_model
 from engines.provision import load_provisioned, provision
 from engines.runtime import ModelRuntime, load_runtime
+
+
+MAX_BENCH_BATCH = 64
 
 
 def text_frames(width: int, height: int, count: int = 8, seed: int = 0) -> list[np.ndarray]:
@@ -66,22 +71,31 @@ def run_bench(
     warmup: int = 5,
     cache_dir: Path | None = None,
     db_path: Path | None = None,
+    batch_sizes: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """Latency per stage of the engine this device would run: cached, or built (and cached) first."""
+    """Latency per stage of the engine this device would run: cached, or built (and cached) first.
+
+    `batch_sizes` (e.g. 1, 2, 4): the engine is built for the largest, and the report gains `batch`, the
+    per-frame cost of one engine call per size (what `[batch] max_size = "auto"` chooses from)."""
     source = load_model(model_path)
+    sizes = parse_batch_sizes(batch_sizes)
+    max_batch = max(sizes) if sizes else 1
     t0 = time.perf_counter()
     if cache_dir is None or db_path is None:
         if precision not in (None, "fp32"):
             raise ModelError(f"precision {precision!r} needs an engine cache (cache_dir and db_path)", code="USAGE")
-        runtime, built = load_runtime(source, backend), None
+        runtime, built = load_runtime(source, backend, EngineOptions(max_batch=max_batch)), None
     else:
         built = provision(source, backend=backend, precision=precision, cache_dir=cache_dir, db_path=db_path,
-                          validate=False)
-        runtime = load_provisioned(built, source)
+                          validate=False, max_batch=max_batch)
+        runtime = load_provisioned(built, source, EngineOptions(max_batch=max_batch))
     load_s = time.perf_counter() - t0
     try:
         spec = source.manifest.preprocess
-        report = time_runtime(runtime, text_frames(spec.width, spec.height), iterations, warmup)
+        frames = text_frames(spec.width, spec.height)
+        report = time_runtime(runtime, frames, iterations, warmup)
+        if sizes:
+            report["batch"] = time_batches(runtime, frames, sizes, iterations, warmup, built.report if built else {})
         return {
             "model": runtime.describe(),
             "engine": {**runtime.engine.describe(), **({"key": built.key[:12], "cache_hit": built.hit} if built else {})},
@@ -92,3 +106,55 @@ def run_bench(
         }
     finally:
         runtime.close()
+
+
+def parse_batch_sizes(sizes: Sequence[int] | str | None) -> list[int]:
+    """`"1,2,4"` or [1, 2, 4] -> sorted unique sizes >= 1; anything else is a USAGE error naming it."""
+    if sizes is None:
+        return []
+    items = sizes.split(",") if isinstance(sizes, str) else list(sizes)
+    try:
+        parsed = sorted({int(str(item).strip()) for item in items if str(item).strip()})
+    except ValueError:
+        raise ModelError(f"--batch {sizes!r}: expected batch sizes like 1,2,4", code="USAGE") from None
+    if not parsed or parsed[0] < 1 or parsed[-1] > MAX_BENCH_BATCH:
+        raise ModelError(f"--batch {sizes!r}: sizes must be 1..{MAX_BENCH_BATCH}", code="USAGE")
+    return parsed
+
+
+def time_batches(runtime: ModelRuntime, frames: Sequence[np.ndarray], sizes: Sequence[int], iterations: int,
+                 warmup: int, build_report: dict[str, Any]) -> dict[str, Any]:
+    """Per-frame ms of one engine call on `[N, C, H, W]` per size, plus what `auto` would pick from it."""
+    sample = _preprocessed(runtime, frames)
+    usable = [n for n in sizes if n <= runtime.max_batch]
+    per_frame: dict[str, dict[str, float]] = {}
+    for n in usable:
+        batch = np.ascontiguousarray(np.concatenate([sample[i % len(sample)] for i in range(n)]))
+        for _ in range(warmup):
+            runtime.infer_batch(batch)
+        samples = []
+        for _ in range(iterations):
+            t0 = time.perf_counter()
+            runtime.infer_batch(batch)
+            samples.append((time.perf_counter() - t0) * 1e3 / n)
+        per_frame[str(n)] = _stats(samples)
+    curve = {n: v["mean"] for n, v in per_frame.items()}
+    budget = runtime.source.manifest.gates.latency_budget_ms
+    built = build_report.get("batch") or {}
+    return {
+        "max_batch": runtime.max_batch, "note": built.get("note"), "sizes": usable,
+        "skipped": {str(n): f"the engine takes at most {runtime.max_batch}" for n in sizes if n not in usable},
+        "per_frame_ms": per_frame, "curve_ms": curve,
+        "fps": {n: round(1000.0 / c, 2) for n, c in curve.items()},
+        "latency_budget_ms": budget, "auto_pick": pick_batch_size(curve, budget, max(sizes)) if curve else 1,
+        "build_curve_ms": built.get("curve"),
+    }
+
+
+def _preprocessed(runtime: ModelRuntime, frames: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Each frame through the model's preprocessor, as a `[1, C, H, W]` copy."""
+    out = []
+    for frame in frames:
+        runtime.preprocessor(frame)
+        out.append(runtime.preprocessor.tensor.copy())
+    return out

@@ -61,12 +61,16 @@ class EngineBuildSpec:
     quantization: dict[str, Any] = field(default_factory=dict)
     #: TensorRT only: the DLA core the network runs on (GPU fallback for what DLA cannot run); None: GPU.
     dla_core: int | None = None
+    #: Largest batch the engine is built (TensorRT profile opt/max) and timed for; 1: a batch-1 engine.
+    max_batch: int = 1
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise EdgeError(f"precision {self.precision!r}: use one of {', '.join(PRECISIONS)}", code="USAGE")
         if self.precision == "int8" and not self.calibration_hash:
             raise EdgeError("an int8 build needs a calibration set (its hash is part of the key)", code="USAGE")
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise EdgeError(f"max batch {self.max_batch!r}: use a whole number >= 1", code="USAGE")
         if self.dla_core is not None:
             if isinstance(self.dla_core, bool) or not isinstance(self.dla_core, int) or self.dla_core < 0:
                 raise EdgeError(f"DLA core {self.dla_core!r}: use a core number 0, 1, ...", code="USAGE")
@@ -89,6 +93,8 @@ class EngineBuildSpec:
         }
         if self.dla_core is not None:  # only when set, so GPU engines keep the keys they had
             data["dla_core"] = self.dla_core
+        if self.max_batch > 1:  # the batch profile; batch-1 engines keep the keys they had
+            data["max_batch"] = self.max_batch
         return data
 
     @classmethod
@@ -106,6 +112,7 @@ class EngineBuildSpec:
             providers=tuple(data.get("providers", ())),
             quantization=dict(data.get("quantization", {})),
             dla_core=data.get("dla_core"),
+            max_batch=int(data.get("max_batch", 1)),
         )
 
 
@@ -161,6 +168,8 @@ def spec_summary(spec: EngineBuildSpec) -> str:
         text += f" cal={spec.calibration_hash[:8]}"
     if spec.dla_core is not None:
         text += f" dla:{spec.dla_core}"
+    if spec.max_batch > 1:
+        text += f" batch<={spec.max_batch}"
     return text
 
 
@@ -204,7 +213,6 @@ def resolve_device(text: str | None, backend: str, fp: DeviceFingerprint) -> int
         raise DlaUnavailableError(f"dla:{wanted} requested, but this device ({fp.module or 'unknown module'}) has "
                                   f"{seen} in its device tree; build for the GPU (--device gpu)")
     return int(wanted)
-
 
 
 def quant_settings(backend: str) -> Any:

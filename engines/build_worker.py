@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from engines import batching
 from engines.build import BuildJob
 from engines.build_spec import EngineBuildError, quant_settings
 
@@ -56,6 +57,7 @@ def main(argv: list[str]) -> int:
     _prepare_process(job.parent_pid)
     try:
         report = _builder(job.backend)(job, emit)
+        batching.time_build(job, report, emit)  # per-frame cost at batch 1..max into the sidecar
     except EngineBuildError as exc:
         emit.send({"event": "error", "code": exc.code, "message": str(exc)})
         return 3
@@ -116,13 +118,15 @@ def build_onnxruntime(job: BuildJob, emit: Emitter) -> dict[str, Any]:
     if spec.precision == "int8":
         model = quantize_model(job, model, timer, report)
     else:
+        model = batching.early_batch(job, model)  # before the exact rewrites, which may bake in batch 1
         with timer("rewrite"):
             model = _rewrite(model, job.work_dir / "rewritten.onnx", report)
         if spec.precision == "fp16":
             with timer("fp16-convert"):
                 model = to_fp16(model, job.work_dir / "fp16.onnx")
+    model, shapes = batching.ort_batch_step(job, model, timer, report)  # dynamic batch, or batch 1 and why
     with timer("optimize"):
-        _optimize(model, job.out_path, spec.providers, spec.input_shapes)
+        _optimize(model, job.out_path, spec.providers, shapes)
     with timer("verify"):
         _smoke_test(job.out_path, spec.providers, spec.precision)
     _fsync(job.out_path)

@@ -152,6 +152,56 @@ def parse_manifest(data: bytes, source: str = MANIFEST_NAME) -> Manifest:
         raise ModelError(f"{source}: {problems}", code="MANIFEST_INVALID") from exc
 
 
+def preprocess_shape_of(spec: PreprocessSpec, batch: int = 1) -> tuple[int, ...]:
+    """The input tensor shape a PreprocessSpec produces (`[N, 3, H, W]` or `[N, H, W, 3]`)."""
+    return (batch, 3, spec.height, spec.width) if spec.layout == "nchw" else (batch, spec.height, spec.width, 3)
+
+
+def model_input_dims(onnx_path: Path) -> tuple[str, list[int | None]]:
+    """The frame input's name and dims (None where dynamic: symbolic, -1 or unset); one input or ModelError."""
+    import onnx  # local: the manifest itself does not need it
+
+    try:
+        model = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError and friends
+        raise ModelError(f"{Path(onnx_path).name}: not a loadable ONNX model: {exc}", code="MODEL_LOAD_FAILED") from exc
+    initializers = {i.name for i in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in initializers]
+    if len(inputs) != 1:
+        raise ModelError(f"{Path(onnx_path).name}: frame models need exactly one input, got {[i.name for i in inputs]}",
+                         code="MODEL_SHAPE_MISMATCH")
+    dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+            for d in inputs[0].type.tensor_type.shape.dim]
+    return inputs[0].name, dims
+
+
+def input_size_problem(dims: list[int | None], spec: PreprocessSpec) -> str | None:
+    """Why the preprocess tensor cannot feed an input of `dims`, or None when it can.
+
+    Dynamic dims (symbolic, -1 or unset, as in `[-1, 3, ?, ?]` exports) take the preprocess size; a
+    fixed batch must be 1 (frames go in one at a time or batched over a dynamic batch dimension).
+    """
+    wanted = preprocess_shape_of(spec)
+    if len(dims) != len(wanted):
+        return f"the model's input has rank {len(dims)} but the preprocess makes {list(wanted)} ({spec.layout})"
+    shown = ["?" if d is None else d for d in dims]
+    for axis, (have, want) in enumerate(zip(dims, wanted)):
+        if have is not None and have != want:
+            what = "batch" if axis == 0 else ("channels" if want == 3 else "height/width")
+            return (f"the model's input is {shown} but the preprocess makes {list(wanted)} ({what} differs); "
+                    "set preprocess width/height/layout to match the model")
+    return None
+
+
+def check_input_size(onnx_path: Path, spec: PreprocessSpec, label: str = "") -> str:
+    """The frame input's name, after proving the preprocess tensor fits it (else MODEL_SHAPE_MISMATCH)."""
+    name, dims = model_input_dims(onnx_path)
+    problem = input_size_problem(dims, spec)
+    if problem:
+        raise ModelError(f"{label or Path(onnx_path).name}: input {name}: {problem}", code="MODEL_SHAPE_MISMATCH")
+    return name
+
+
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     """Stream a file through sha256 (artifacts can be hundreds of MB)."""
     digest = hashlib.sha256()

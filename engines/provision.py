@@ -29,7 +29,8 @@ from engines.build_spec import (DEFAULT_TRT_OPT_LEVEL, CacheKey, EngineBuildErro
 from engines.cache import CacheEntry, EngineCache
 from engines.errors import EdgeError, ModelError
 from engines.fingerprint import read_fingerprint
-from engines.manifest import sha256_file
+from engines.batching import batch_profile
+from engines.manifest import check_input_size, sha256_file
 from engines.model import ModelSource
 from engines.runtime import ModelRuntime, load_runtime, preprocess_shape, resolve_backend
 from engines.validate import GateError, ValidationResult, min_accuracy_for, validate, validation_frames
@@ -89,10 +90,13 @@ def provision(source: ModelSource, *, backend: str = "auto", precision: str | No
               timeout_s: float = DEFAULT_TIMEOUT_S, validate: bool = True, fingerprint_root: Path = Path("/"),
               builder: Builder | None = None, workspace_mb: int | None = None,
               stop_event: threading.Event | None = None, revalidate: bool = False,
-              validation_samples: int = 8, latency_runs: int = 20, device: str | None = None) -> ProvisionResult:
-    """The cached engine for `source` on this device, built and validated first when missing."""
+              validation_samples: int = 8, latency_runs: int = 20, device: str | None = None,
+              max_batch: int = 1) -> ProvisionResult:
+    """The cached engine for `source` on this device, built and validated first when missing.
+
+    `max_batch` > 1: an engine with a batch dimension, timed at sizes 1..max_batch (engines.batching)."""
     emit = _safe_sink(on_progress)
-    plan = plan_build(source, backend, precision, calibration_dir, fingerprint_root, workspace_mb, device)
+    plan = plan_build(source, backend, precision, calibration_dir, fingerprint_root, workspace_mb, device, max_batch)
     cache = EngineCache(cache_dir, db_path, on_event=emit)
     builder = builder or Builder()
     try:
@@ -133,7 +137,7 @@ def load_provisioned(result: ProvisionResult, source: ModelSource, options: Engi
 
 def plan_build(source: ModelSource, backend: str = "auto", precision: str | None = None,
                calibration_dir: Path | None = None, fingerprint_root: Path = Path("/"),
-               workspace_mb: int | None = None, device: str | None = None) -> BuildPlan:
+               workspace_mb: int | None = None, device: str | None = None, max_batch: int = 1) -> BuildPlan:
     """Decide backend, spec and calibration set, and compute the cache key (no building).
 
     `device`: gpu | dla | dla:N (default: the manifest's build.device); see build_spec.resolve_device."""
@@ -147,12 +151,13 @@ def plan_build(source: ModelSource, backend: str = "auto", precision: str | None
     cal = _calibration(source, precision, calibration_dir)
     spec = EngineBuildSpec(
         precision=precision, input_shapes=shapes,
-        profiles={k: ShapeProfile(v, v, v) for k, v in shapes.items()} if backend == "tensorrt" else {},
+        profiles={k: ShapeProfile(*batch_profile(v, max_batch)) for k, v in shapes.items()} if backend == "tensorrt" else {},
         workspace_mb=workspace_mb, calibration_hash=cal.digest if cal else None,
         calibration_count=cal.count if cal else 0,
         optimization_level=DEFAULT_TRT_OPT_LEVEL if backend == "tensorrt" else None,
         providers=ort_build_providers(precision) if backend == "onnxruntime" else (),
         quantization=quant_recipe_key(backend) if precision == "int8" else {}, dla_core=dla_core,
+        max_batch=max_batch,
     )
     key = make_cache_key(source.sha256 or sha256_file(source.onnx_path), backend, impl.version(), device, spec)
     return BuildPlan(backend, precision, spec, key, cal, hashlib.sha256(canonical_json(device)).hexdigest())
@@ -176,20 +181,8 @@ def ort_build_providers(precision: str) -> tuple[str, ...]:
 
 def input_shapes(source: ModelSource) -> dict[str, tuple[int, ...]]:
     """The single frame input pinned to the preprocess size (the engine is built for the camera's size)."""
-    import onnx
-
-    model = onnx.load(str(source.onnx_path), load_external_data=False)
-    initializers = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in initializers]
-    if len(inputs) != 1:
-        raise ModelError(f"{source.label}: frame models need exactly one input, got {[i.name for i in inputs]}")
-    wanted = preprocess_shape(source)
-    dims = [d.dim_value if d.HasField("dim_value") else None for d in inputs[0].type.tensor_type.shape.dim]
-    if len(dims) != len(wanted) or any(d is not None and d != w for d, w in zip(dims, wanted)):
-        raise ModelError(f"{source.label}: input {inputs[0].name} is {dims} but the manifest's preprocess makes "
-                         f"{list(wanted)}; set preprocess width/height/layout to match the model",
-                         code="MODEL_SHAPE_MISMATCH")
-    return {inputs[0].name: wanted}
+    name = check_input_size(source.onnx_path, source.manifest.preprocess, source.label)  # [-1, 3, ?, ?] fits too
+    return {name: preprocess_shape(source)}
 
 
 def load_engine_file(path: Path, backend: str, precision: str, providers: tuple[str, ...] = (),
@@ -203,7 +196,8 @@ def load_engine_file(path: Path, backend: str, precision: str, providers: tuple[
     options = options or EngineOptions()
     try:
         if backend == "onnxruntime":
-            return load_ort_engine(path, providers, precision, options.intra_op_threads, options.allow_spinning)
+            return load_ort_engine(path, providers, precision, options.intra_op_threads, options.allow_spinning,
+                                   options.max_batch)
         impl = BACKENDS.get(backend)(cuda_graphs=cuda_graphs) if backend == "tensorrt" else get_backend(backend)
         return impl.load(path, replace(options, precision=precision, static_shapes=dict(shapes or {})))
     except ModelError as exc:
@@ -215,7 +209,7 @@ def load_engine_file(path: Path, backend: str, precision: str, providers: tuple[
 
 
 def load_ort_engine(path: Path, providers: tuple[str, ...], precision: str, threads: int = 0,
-                    allow_spinning: bool = True) -> Engine:
+                    allow_spinning: bool = True, max_batch: int = 1) -> Engine:
     """An ONNX Runtime engine file loads with graph optimisation off: it was optimised when built."""
     import onnxruntime as ort
 
@@ -231,7 +225,7 @@ def load_ort_engine(path: Path, providers: tuple[str, ...], precision: str, thre
         session = ort.InferenceSession(str(path), sess_options=so, providers=list(providers) or ["CPUExecutionProvider"])
     except Exception as exc:  # ORT raises its own C++ exception types
         raise EngineIncompatibleError(f"{path.name}: onnxruntime cannot load it: {exc}") from exc
-    return OrtEngine(session, path, precision)
+    return OrtEngine(session, path, precision, max_batch)
 
 
 # --- steps -------------------------------------------------------------------------------------

@@ -214,7 +214,7 @@ def make_static_shape(onnx_in: Path, onnx_out: Path, shape: dict[str, list[int]]
             value = int(value)
             if value <= 0:
                 raise ValueError(f"input {name!r} dim {i} must be positive, got {value}")
-            if dim.HasField("dim_value") and dim.dim_value not in (0, value):
+            if dim.HasField("dim_value") and dim.dim_value > 0 and dim.dim_value != value:  # -1: dynamic
                 raise ModelError(f"input {name!r} dim {i} is fixed to {dim.dim_value}, not {value}")
             dim.Clear()
             dim.dim_value = value

@@ -13,7 +13,8 @@ import numpy as np
 
 from engines.backends import BACKENDS, get_backend
 from engines.backends.base import Engine, EngineOptions
-from engines.errors import BackendUnavailableError, ModelError
+from engines.batching import batch_free
+from engines.errors import BackendUnavailableError, InferenceError, ModelError
 from engines.model import ModelSource
 from engines.postprocess import InferenceResult, PostprocessContext, build_postprocessor
 from engines.preprocess import Preprocessor
@@ -56,6 +57,18 @@ class ModelRuntime:
         t3 = time.perf_counter()
         return result, StageTimes((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
 
+    @property
+    def max_batch(self) -> int:
+        """Most frames one `infer_batch` takes (1 for an engine whose batch dimension is fixed)."""
+        return int(getattr(self.engine, "max_batch", 1))
+
+    def infer_batch(self, batch: np.ndarray) -> list[np.ndarray]:
+        """One engine call on `[N, C, H, W]` (N <= `max_batch`), e.g. a batcher's preallocated input."""
+        if batch.ndim < 1 or not 1 <= batch.shape[0] <= self.max_batch:
+            raise InferenceError(f"{self.source.label}: a batch of {batch.shape[:1]} frames; this engine takes "
+                                 f"1..{self.max_batch}")
+        return self.engine.infer({self.input_name: batch})
+
     def warmup(self, image: np.ndarray, runs: int = 3) -> None:
         """First runs pay for allocation and kernel selection; do them before real frames."""
         for _ in range(runs):
@@ -76,6 +89,11 @@ class ModelRuntime:
     def close(self) -> None:
         """Release the engine."""
         self.engine.close()
+
+
+def split_batch(outputs: list[np.ndarray], count: int) -> list[list[np.ndarray]]:
+    """Per-frame outputs (leading dimension 1, views) of a batched engine call, for the postprocessor."""
+    return [[out[i : i + 1] for out in outputs] for i in range(count)]
 
 
 def preprocess_shape(source: ModelSource) -> tuple[int, ...]:
@@ -154,9 +172,12 @@ def resolve_backend(name: str) -> str:
 def load_runtime(source: ModelSource, backend: str = "auto", options: EngineOptions | None = None) -> ModelRuntime:
     """Load `source` on the chosen backend with its input pinned to the preprocess size."""
     options = options or EngineOptions()
-    if not options.static_shapes:
-        options = dataclasses.replace(options, static_shapes=_input_shape_for(source))
-    engine = get_backend(resolve_backend(backend)).load(source.onnx_path, options)
+    name = resolve_backend(backend)
+    if not options.static_shapes:  # ONNX Runtime leaves the batch free for a batching engine
+        shapes = _input_shape_for(source)
+        free = options.max_batch > 1 and name == "onnxruntime"
+        options = dataclasses.replace(options, static_shapes=batch_free(shapes) if free else shapes)
+    engine = get_backend(name).load(source.onnx_path, options)
     return ModelRuntime(source, engine)
 
 

@@ -425,3 +425,66 @@ def test_trt_engine_errors_are_typed(fake_backend, tmp_path: Path) -> None:
     with pytest.raises(EdgeError) as info:
         engine.infer({"x": np.zeros((1, 3, 4, 4), np.float32)})
     assert info.value.code == "INFERENCE_FAILED"
+
+
+# --- batching: TensorRT optimisation profile and per-size CUDA graphs (issue 10) ------------------------
+
+
+@pytest.mark.parametrize("version", api_versions())
+def test_batch_profile_is_min_one_opt_and_max_the_batch_size(fake_backend, no_gpu, tmp_path: Path, version: str) -> None:
+    """plan_build for TensorRT with max_batch 4 -> the build's profile is min 1, opt = max = 4 (same H, W)."""
+    from engines.provision import plan_build
+
+    fake_backend(FakeCudaMemory(), version)
+    src = source(conv_model(tmp_path / "tiny.onnx"), size=16)
+    plan = plan_build(src, "tensorrt", max_batch=4, fingerprint_root=tmp_path)
+    assert plan.spec.max_batch == 4 and plan_build(src, "tensorrt", fingerprint_root=tmp_path).key.key != plan.key.key
+    trt = fake_tensorrt(version, input_shape=(-1, 3, -1, -1))
+    tb.build_serialized(trt, tmp_path / "m.onnx", plan.spec, None, lambda *a, **k: None)
+    assert trt._record["profiles"] == [{"x": ((1, 3, 16, 16), (4, 3, 16, 16), (4, 3, 16, 16))}]
+
+
+@pytest.mark.parametrize("version", api_versions())
+def test_trt_engine_runs_batches_with_one_graph_per_size(fake_backend, tmp_path: Path, version: str) -> None:
+    cuda = FakeCudaMemory()
+    module = fake_backend(cuda, version)
+    engine = module.TensorRTBackend().load(_plan(tmp_path), EngineOptions(static_shapes={"x": (1, 3, 4, 4)}, max_batch=4))
+    graphs = version != "8.5.2"
+    try:
+        assert engine.max_batch == 4 and engine.describe()["max_batch"] == 4
+        assert engine.inputs[0].shape == (None, 3, 4, 4) and engine.outputs[0].shape == (None, 3, 4, 4)
+        x = np.arange(3 * 48, dtype=np.float32).reshape(3, 3, 4, 4)
+        for batch in (x, x[:1], x):  # batch 3, then 1, then 3 again: each size keeps its own graph
+            out = engine.infer({"x": batch})[0]
+            assert out.shape == batch.shape
+            np.testing.assert_array_equal(out, 2 * batch + 1)
+        assert set(engine.graph_statuses) == {1, 3}
+        assert all((s == "captured") == graphs for s in engine.graph_statuses.values()), engine.graph_statuses
+        launches = cuda.launches
+        np.testing.assert_array_equal(engine.infer({"x": x})[0], 2 * x + 1)
+        assert cuda.launches == launches + int(graphs)  # the batch-3 graph replayed, not captured again
+        with pytest.raises(EdgeError) as info:
+            engine.infer({"x": np.zeros((5, 3, 4, 4), np.float32)})
+        assert info.value.code == "INFERENCE_FAILED" and "1..4" in str(info.value)
+    finally:
+        engine.close()
+    assert cuda.closed
+
+
+def test_trt_max_batch_is_capped_by_the_profile_and_by_a_fixed_batch(fake_backend, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import tests.fake_nvidia as fake
+
+    module = fake_backend(FakeCudaMemory())
+    engine = module.TensorRTBackend().load(_plan(tmp_path), EngineOptions(static_shapes={"x": (1, 3, 4, 4)}, max_batch=16))
+    assert engine.max_batch == 4  # the fake plan's profile allows at most 4
+    engine.close()
+    plain = module.TensorRTBackend().load(_plan(tmp_path), EngineOptions(static_shapes={"x": (1, 3, 4, 4)}))
+    assert plain.max_batch == 1 and plain.inputs[0].shape == (1, 3, 4, 4)  # batch-1 callers see what they saw
+    plain.close()
+    # A plan exported with batch 1: static I/O shapes, which the context reports without set_input_shape.
+    monkeypatch.setattr(fake._Engine, "get_tensor_shape", lambda self, name: (1, 3, 4, 4))
+    monkeypatch.setattr(fake._Context, "get_tensor_shape", lambda self, name: self._shapes.get(name, (1, 3, 4, 4)))
+    fixed = module.TensorRTBackend(cuda_graphs=False).load(_plan(tmp_path), EngineOptions(max_batch=4))
+    assert fixed.max_batch == 1 and fixed.inputs[0].shape == (1, 3, 4, 4)
+    fixed.close()

@@ -40,6 +40,9 @@ class EngineOptions:
     # ORT's intra-op threads spin after each parallel section. One session: a little lower latency. Two
     # sessions warming/serving side by side on a small CPU: their spinning threads steal each other's cores.
     allow_spinning: bool = True
+    # Largest batch `infer` takes ([N, C, H, W], N <= max_batch). Engines whose batch dimension is fixed in
+    # the model (or the TensorRT profile) report their own, smaller limit as `Engine.max_batch`.
+    max_batch: int = 1
 
 
 @runtime_checkable
@@ -49,9 +52,10 @@ class Engine(Protocol):
     backend: str
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
+    max_batch: int
 
     def infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """Run once; outputs in `outputs` order."""
+        """Run once on a batch of N <= `max_batch` frames (`[N, C, H, W]`); outputs in `outputs` order."""
         ...
 
     def describe(self) -> dict[str, Any]:

@@ -51,16 +51,18 @@ class OrtEngine:
 
     backend = "onnxruntime"
 
-    def __init__(self, session: ort.InferenceSession, model_path: Path, precision: str) -> None:
+    def __init__(self, session: ort.InferenceSession, model_path: Path, precision: str, max_batch: int = 1) -> None:
         self.session = session
         self.model_path = model_path
         self.precision = precision
         self.inputs = [_spec(a) for a in session.get_inputs()]
         self.outputs = [_spec(a) for a in session.get_outputs()]
         self._output_names = [o.name for o in self.outputs]
+        self.max_batch = engine_max_batch(self.inputs, max_batch)
 
     def infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """Run the session; ORT errors become InferenceError with the model named."""
+        """Run the session on a batch of 1..`max_batch`; ORT errors become InferenceError with the model named."""
+        check_batch(self.model_path.name, self.inputs, feeds, self.max_batch)
         try:
             return self.session.run(self._output_names, feeds)
         except Exception as exc:  # ORT raises its own exception types from C++
@@ -73,6 +75,7 @@ class OrtEngine:
             "backend_version": ort.__version__,
             "providers": self.session.get_providers(),
             "precision": self.precision,
+            "max_batch": self.max_batch,
             "inputs": [i.to_dict() for i in self.inputs],
             "outputs": [o.to_dict() for o in self.outputs],
         }
@@ -116,7 +119,24 @@ class OnnxRuntimeBackend:
         except Exception as exc:
             raise ModelError(f"{model_path.name}: onnxruntime cannot load it: {exc}", code="MODEL_LOAD_FAILED") from exc
         log.debug("loaded %s with %s", model_path.name, session.get_providers())
-        return OrtEngine(session, model_path, options.precision)
+        return OrtEngine(session, model_path, options.precision, options.max_batch)
+
+
+def engine_max_batch(inputs: list[TensorSpec], wanted: int) -> int:
+    """`wanted` when every input's batch dimension is dynamic, else the fixed batch (1 for most exports)."""
+    fixed = {spec.shape[0] for spec in inputs if spec.shape and spec.shape[0] is not None}
+    if not fixed:
+        return max(1, wanted)
+    return min(fixed) if len(fixed) == 1 else 1
+
+
+def check_batch(model: str, inputs: list[TensorSpec], feeds: dict[str, np.ndarray], max_batch: int) -> None:
+    """A batch larger than the engine was built for is an InferenceError naming both sizes."""
+    for spec in inputs:
+        value = feeds.get(spec.name)
+        if value is not None and getattr(value, "ndim", 0) and value.shape[0] > max_batch:
+            raise InferenceError(f"{model}: input {spec.name} has a batch of {value.shape[0]}; this engine takes "
+                                 f"at most {max_batch}")
 
 
 def _free_dim_overrides(model_path: Path, static_shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
@@ -126,7 +146,7 @@ def _free_dim_overrides(model_path: Path, static_shapes: dict[str, tuple[int, ..
     import onnx  # local: only needed when pinning shapes
 
     model = onnx.load(str(model_path), load_external_data=False)
-    overrides: dict[str, int] = {}
+    wanted_by: dict[str, set[int]] = {}
     for graph_input in model.graph.input:
         wanted = static_shapes.get(graph_input.name)
         if wanted is None:
@@ -135,8 +155,12 @@ def _free_dim_overrides(model_path: Path, static_shapes: dict[str, tuple[int, ..
         if len(dims) != len(wanted):
             raise ModelError(f"input {graph_input.name}: rank {len(dims)} but static shape {list(wanted)}", code="MODEL_SHAPE_MISMATCH")
         for dim, size in zip(dims, wanted):
+            if size <= 0:  # left free on purpose: the batch dimension of a batching engine
+                continue
             if dim.dim_param:
-                overrides[dim.dim_param] = int(size)
-            elif dim.dim_value and dim.dim_value != size:
+                wanted_by.setdefault(dim.dim_param, set()).add(int(size))
+            elif dim.dim_value > 0 and dim.dim_value != size:  # -1 or unset: dynamic, the session takes any size
                 raise ModelError(f"input {graph_input.name}: fixed dim {dim.dim_value} != requested {size}", code="MODEL_SHAPE_MISMATCH")
-    return overrides
+    # One name on two dims that must differ (PP-OCR's cls exports name both H and W "?") cannot be pinned
+    # by name: those stay free, and the session takes the preprocess size as it comes.
+    return {name: sizes.pop() for name, sizes in wanted_by.items() if len(sizes) == 1}

@@ -11,6 +11,11 @@ its outputs match the plain run's bit for bit; otherwise the reason is in `descr
 capture leaves a sticky "last error" in the CUDA runtime; it is read and cleared at once (as trtexec
 does), so the plain path that follows does not inherit it. TensorRT 8.5 is never captured (it fails).
 
+Batching: a plan built with a batch profile (min 1, opt = max = `max_size`) and loaded with
+`EngineOptions.max_batch > 1` gets buffers for the largest batch; `infer` on `[N, C, H, W]` sets the
+input shape for N (only when N changes) and uses the first N rows. With CUDA graphs on, each batch size
+in use gets its own captured graph (captured on its first use, kept only if it reproduces a plain run).
+
 This module imports when tensorrt and a CUDA binding import; whether they really run on this device
 (driver, GPU, memory) is `engines.doctor`'s question, which `auto` backend selection asks.
 """
@@ -44,10 +49,18 @@ class _Binding:
         self.host = cuda.pinned_empty(shape, dtype)
         self.host.fill(0)
         self.device: DeviceBuffer = cuda.malloc(self.host.nbytes)
+        self.active: np.ndarray = self.host  # the rows of the current batch (all of it at batch max)
 
-    def spec(self) -> TensorSpec:
-        """The tensor as the Engine protocol describes it."""
+    def spec(self, batched: bool = False) -> TensorSpec:
+        """The tensor as the Engine protocol describes it (batch dimension None when it varies)."""
+        if batched:
+            return TensorSpec(self.name, (None, *self.shape[1:]), str(self.dtype), ("batch",) + (None,) * (len(self.shape) - 1))
         return TensorSpec(self.name, self.shape, str(self.dtype))
+
+    def set_active(self, shape: tuple[int, ...]) -> None:
+        """View the leading part of the buffers as `shape` (a smaller batch of the same tensor)."""
+        count = int(np.prod(shape)) if shape else 1
+        self.active = self.host.reshape(-1)[:count].reshape(shape)
 
     def release(self, cuda: CudaMemory) -> None:
         """Free both buffers."""
@@ -64,6 +77,11 @@ class TrtEngine:
         self.path, self.precision = path, options.precision
         self._bindings: list[_Binding] = []
         self._graph: Any = None
+        self._graphs: dict[int, Any] = {}  # batch size -> captured graph
+        self.graph_statuses: dict[int, str] = {}
+        self.max_batch = 1
+        self._batch = 1
+        self._cuda_graphs = cuda_graphs
         self._engine: Any = None
         self._context: Any = None
         self._stream: Any = None
@@ -84,19 +102,28 @@ class TrtEngine:
         self._context = self._engine.create_execution_context()
         self._stream = self.cuda.create_stream()
         self._handle = self.cuda.stream_handle(self._stream)
-        self._bind(options.static_shapes)
-        self.inputs = [b.spec() for b in self._bindings if b.is_input]
-        self.outputs = [b.spec() for b in self._bindings if not b.is_input]
-        self.graph_status = self._capture_graph() if cuda_graphs else "disabled by configuration"
+        self._bind(options.static_shapes, options.max_batch)
+        batched = self.max_batch > 1
+        self.inputs = [b.spec(batched) for b in self._bindings if b.is_input]
+        self.outputs = [b.spec(batched) for b in self._bindings if not b.is_input]
+        if batched:
+            self._set_batch(1)
+        self.graph_status = self._graph_for_batch()
 
-    def _bind(self, static_shapes: dict[str, tuple[int, ...]]) -> None:
-        """Resolve every I/O tensor's shape (dynamic inputs from `static_shapes` or profile 0's opt)."""
+    def _bind(self, static_shapes: dict[str, tuple[int, ...]], max_batch: int = 1) -> None:
+        """Resolve every I/O tensor's shape (dynamic inputs from `static_shapes` or profile 0's opt); with
+        `max_batch` > 1 and a dynamic batch in the profile, buffers are sized for the largest batch."""
         names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
         is_input = {n: self._engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT for n in names}
+        self.max_batch = self._profile_max_batch([n for n in names if is_input[n]], max_batch)
+        self._base_shapes: dict[str, tuple[int, ...]] = {}
         for name in (n for n in names if is_input[n]):
             shape = tuple(self._engine.get_tensor_shape(name))
             if any(d < 0 for d in shape):
                 shape = tuple(static_shapes.get(name) or self._engine.get_tensor_profile_shape(name, 0)[1])
+                self._base_shapes[name] = shape
+                if self.max_batch > 1:
+                    shape = (self.max_batch, *shape[1:])
                 if not self._context.set_input_shape(name, shape):
                     raise ModelError(f"{self.path.name}: input {name} rejects shape {list(shape)}",
                                      code="MODEL_SHAPE_MISMATCH")
@@ -105,6 +132,38 @@ class TrtEngine:
             dtype = numpy_dtype(self._engine.get_tensor_dtype(name), name)  # not trt.nptype: see tensorrt_compat
             self._bindings.append(_Binding(self.cuda, name, shape, dtype, is_input[name]))
             self._context.set_tensor_address(name, self._bindings[-1].device.ptr)
+
+    def _profile_max_batch(self, inputs: list[str], wanted: int) -> int:
+        """`wanted`, capped by profile 0's max batch of every input whose batch dimension is dynamic; 1 when
+        any input has a fixed batch (a plan built from an export with batch fixed to 1)."""
+        if wanted <= 1:
+            return 1
+        limit = wanted
+        for name in inputs:
+            if tuple(self._engine.get_tensor_shape(name))[:1] != (-1,):
+                return 1
+            limit = min(limit, int(tuple(self._engine.get_tensor_profile_shape(name, 0)[2])[0]))
+        return max(1, limit)
+
+    def _set_batch(self, n: int) -> None:
+        """Input shapes for a batch of `n`; the bindings then view that many rows."""
+        for name, base in self._base_shapes.items():
+            if not self._context.set_input_shape(name, (n, *base[1:])):
+                raise InferenceError(f"{self.path.name}: input {name} rejects a batch of {n}")
+        for b in self._bindings:
+            b.set_active(tuple(self._context.get_tensor_shape(b.name)))
+        self._batch = n
+        self._graph = self._graphs.get(n)
+
+    def _graph_for_batch(self) -> str:
+        """Capture (once) the graph of the current batch size; the status of that size."""
+        n = self._batch
+        if n not in self.graph_statuses:
+            status = self._capture_graph() if self._cuda_graphs else "disabled by configuration"
+            self.graph_statuses[n] = status
+            if self._graph is not None:
+                self._graphs[n] = self._graph
+        return self.graph_statuses[n]
 
     def _enqueue(self) -> None:
         if self._graph is not None:
@@ -116,13 +175,13 @@ class TrtEngine:
         """Inputs are already in the pinned arrays: copy in, enqueue, copy out, wait."""
         for b in self._bindings:
             if b.is_input:
-                self.cuda.copy_htod_async(b.device, b.host, self._stream)
+                self.cuda.copy_htod_async(b.device, b.active, self._stream)
         self._enqueue()
         outputs = [b for b in self._bindings if not b.is_input]
         for b in outputs:
-            self.cuda.copy_dtoh_async(b.host, b.device, self._stream)
+            self.cuda.copy_dtoh_async(b.active, b.device, self._stream)
         self.cuda.synchronize(self._stream)
-        return [b.host.copy() for b in outputs]
+        return [b.active.copy() for b in outputs]
 
     def _capture_graph(self) -> str:
         """Capture `execute_async_v3` into a CUDA graph; keep it only if it reproduces a plain run."""
@@ -165,32 +224,57 @@ class TrtEngine:
     def _drop_graph(self) -> None:
         if self._graph is not None:
             graph, self._graph = self._graph, None
-            try:
-                self.cuda.destroy_graph(graph)
-            except CudaError as exc:
-                log.warning("%s: destroying CUDA graph: %s", self.path.name, exc)
+            self._graphs = {n: g for n, g in self._graphs.items() if g is not graph}
+            self._destroy(graph)
+
+    def _drop_all_graphs(self) -> None:
+        self._graph = None
+        graphs, self._graphs = list(self._graphs.values()), {}
+        for graph in graphs:
+            self._destroy(graph)
+
+    def _destroy(self, graph: Any) -> None:
+        try:
+            self.cuda.destroy_graph(graph)
+        except CudaError as exc:
+            log.warning("%s: destroying CUDA graph: %s", self.path.name, exc)
 
     def infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """Copy feeds into the pinned inputs, run, return copies of the outputs (in `outputs` order)."""
+        """Copy feeds (a batch of 1..max_batch) into the pinned inputs, run, return copies of the outputs."""
         if self.cuda is None:
             raise InferenceError(f"{self.path.name}: engine is closed")
+        if self.max_batch > 1:
+            self._select_batch(feeds)
         for b in self._bindings:
             if not b.is_input:
                 continue
             try:
-                np.copyto(b.host, feeds[b.name], casting="same_kind")
+                np.copyto(b.active, feeds[b.name], casting="same_kind")
             except (KeyError, ValueError, TypeError) as exc:
-                raise InferenceError(f"{self.path.name}: input {b.name} {list(b.shape)} {b.dtype}: {exc}") from exc
+                raise InferenceError(f"{self.path.name}: input {b.name} {list(b.active.shape)} {b.dtype}: {exc}") from exc
         try:
+            if self.max_batch > 1:
+                self._graph_for_batch()
             return self._run()
         except CudaError as exc:
             raise InferenceError(f"{self.path.name}: {exc}") from exc
+
+    def _select_batch(self, feeds: dict[str, np.ndarray]) -> None:
+        """Switch the input shapes to the feeds' batch size when it changed (1..max_batch)."""
+        first = next((b for b in self._bindings if b.is_input), None)
+        value = feeds.get(first.name) if first is not None else None
+        n = int(value.shape[0]) if value is not None and getattr(value, "ndim", 0) else self._batch
+        if not 1 <= n <= self.max_batch:
+            raise InferenceError(f"{self.path.name}: a batch of {n}; this engine takes 1..{self.max_batch}")
+        if n != self._batch:
+            self._set_batch(n)
 
     def describe(self) -> dict[str, Any]:
         """Engine, CUDA and graph details for status and bench."""
         return {
             "backend": self.backend, "backend_version": trt.__version__, "precision": self.precision,
             "cuda_memory": self.cuda_name, "cuda_graph": self._graph is not None, "cuda_graph_status": self.graph_status,
+            "max_batch": self.max_batch, "cuda_graphs": {str(n): s for n, s in sorted(self.graph_statuses.items())},
             "inputs": [i.to_dict() for i in self.inputs], "outputs": [o.to_dict() for o in self.outputs],
         }
 
@@ -198,7 +282,7 @@ class TrtEngine:
         """Free the graph, buffers and stream, then the context and engine (idempotent)."""
         if self.cuda is None:
             return
-        self._drop_graph()
+        self._drop_all_graphs()
         for b in self._bindings:
             b.release(self.cuda)
         self._bindings = []
