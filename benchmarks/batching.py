@@ -1,0 +1,220 @@
+"""Batching benchmark: 4 synthetic cameras at 30 fps into one engine, `max_size = "auto"` vs batch 1.
+
+One process, interleaved rounds (small auto, small batch-1, large auto, large batch-1, ...), so load from
+other processes hits every mode alike. The real frame path: a CaptureThread per camera (CameraGroup)
+into its mailbox, the Batcher (nvstreammux rules, `timeout_ms` from the config default), the
+InferenceWorker with its BatchRuntime, db_text postprocessing. Batch 1 is the same Batcher with
+`max_size = 1`: round robin over the cameras, on the same engine.
+
+- small: PP-OCRv4 det at 320x224, where batching pays on a small CPU -> `auto_vs_batch1_small`
+- large: the same model at 640x480, where it may not -> `auto_vs_batch1_large` (auto must never lose)
+- `fairness_min_over_max`: slowest camera's fps / fastest camera's fps, per run (worst round)
+- a model swap in the middle of one small auto run: `frames_lost` = frames the batcher handed out
+  without a result (errors included); frames replaced in their mailbox unread are drops, not losses
+- the per-size cost curve the agent's "auto" measured (engines.batching.measure_curve), per size
+
+Usage: python benchmarks/batching.py [--seconds 15] [--rounds 3] [--quick] [--out out/bench-batching.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import _common  # noqa: F401  (puts the repo on sys.path)
+from _common import machine, write_json
+
+from agent.config import AgentConfig
+from agent.demo import prepare_demo_model_dir
+from agent.pipeline.batch_size import resolve_batch_size
+from agent.pipeline.batcher import Batcher
+from agent.pipeline.cameras import CameraGroup
+from agent.pipeline.frame_stats import FrameStats
+from agent.pipeline.worker import InferenceWorker
+from agent.sources.synthetic import SyntheticConfig
+from engines.backends.base import EngineOptions
+from engines.batching import measure_curve
+from engines.model import load_model
+from engines.runtime import load_runtime
+
+CAMERAS = 4
+CAMERA_FPS = 30.0
+SIZES = {"small": (320, 224), "large": (640, 480)}
+GOALS = {"auto_vs_batch1_small": ">= 1.25", "auto_vs_batch1_large": ">= 0.97",
+         "fairness_min_over_max": ">= 0.9 in both runs", "frames_lost": "0"}
+
+
+def load_engine(model_dir: Path, max_batch: int) -> Any:
+    """The demo model on ONNX Runtime with a free batch dimension (up to `max_batch`), warmed up."""
+    options = EngineOptions(max_batch=max_batch, allow_spinning=AgentConfig().model.spin_wait)
+    return load_runtime(load_model(model_dir), "onnxruntime", options)
+
+
+def auto_size(runtime: Any, max_batch: int, runs: int) -> tuple[int, str, dict[str, float]]:
+    """What `max_size = "auto"` resolves to for 4 cameras: the measured curve through the agent's resolver."""
+    shape = (1, *runtime.preprocessor.tensor.shape[1:])
+    curve = measure_curve(runtime.engine, shape, max_batch, runs=runs)
+    budget = runtime.source.manifest.gates.latency_budget_ms
+    resolved = resolve_batch_size("auto", CAMERAS, curve, budget)
+    return resolved.size, resolved.reason, curve
+
+
+def camera_configs() -> list[SyntheticConfig]:
+    """Four 640x480 cameras at 30 fps with different scenes."""
+    return [SyntheticConfig(name=f"cam{i}", fps=CAMERA_FPS, seed=i) for i in range(CAMERAS)]
+
+
+def run_cameras(runtime: Any, max_size: int, seconds: float, swap_to: Any = None) -> dict[str, Any]:
+    """4 cameras -> Batcher(max_size) -> worker for `seconds`; a swap half-way when `swap_to` is given."""
+    timeout_s = AgentConfig().batch.timeout_ms / 1e3
+    configs = camera_configs()
+    stop, stats, events = threading.Event(), FrameStats(), []
+    cameras: CameraGroup
+    batcher = Batcher([c.name for c in configs], max_size, timeout_s, is_live=lambda n: cameras.is_live(n))
+    cameras = CameraGroup(configs, batcher, lambda kind, **fields: events.append((kind, fields)))
+    worker = InferenceWorker(runtime, batcher, stop, stats)
+    cameras.start()
+    worker.start()
+    t0 = time.perf_counter()
+    swap = _swap_half_way(worker, swap_to, seconds, stop) if swap_to is not None else None
+    stop.wait(max(0.0, seconds - (time.perf_counter() - t0)))
+    stop.set()
+    batcher.close()
+    worker.join(10)
+    elapsed = time.perf_counter() - t0
+    cameras.stop(5)
+    return _run_report(worker, stats, batcher, elapsed, max_size, swap, events)
+
+
+def _swap_half_way(worker: InferenceWorker, runtime: Any, seconds: float, stop: threading.Event) -> dict[str, Any]:
+    stop.wait(seconds / 2)
+    errors_before, t0 = worker.stats.errors, time.perf_counter()
+    worker.swap(runtime)
+    return {"swap_s": round(time.perf_counter() - t0, 3), "errors_during": worker.stats.errors - errors_before}
+
+
+def _run_report(worker: InferenceWorker, stats: FrameStats, batcher: Batcher, elapsed: float, max_size: int,
+                swap: dict[str, Any] | None, events: list) -> dict[str, Any]:
+    per_camera = {name: round(s.frames / elapsed, 3) for name, s in sorted(worker.cameras.items())}
+    rates = [per_camera.get(f"cam{i}", 0.0) for i in range(CAMERAS)]
+    delivered = sum(m.delivered for m in batcher.mailboxes.values())
+    report = {
+        "max_size": max_size, "seconds": round(elapsed, 2), "frames": stats.frames, "batches": worker.batches,
+        "fps": round(stats.frames / elapsed, 3), "camera_fps": per_camera,
+        "fairness_min_over_max": round(min(rates) / max(rates), 3) if max(rates) > 0 else 0.0,
+        "glass_to_result_ms": stats.latency.summary(), "dropped_frames": batcher.dropped,
+        "errors": stats.errors, "frames_lost": delivered - stats.frames, "camera_events": len(events),
+    }
+    if swap is not None:
+        report["swap"] = swap
+    return report
+
+
+def rounds_of(runtimes: dict[str, Any], sizes: dict[str, int], swap_to: Any, args: argparse.Namespace) -> dict:
+    """Interleaved rounds of every (workload, mode); the swap happens in the first small auto run."""
+    runs: dict[str, list[dict[str, Any]]] = {f"{w}_{m}": [] for w in SIZES for m in ("auto", "batch1")}
+    swapped = False
+    for round_no in range(args.rounds):
+        for workload in SIZES:
+            for mode in ("auto", "batch1"):
+                size = sizes[workload] if mode == "auto" else 1
+                swap = swap_to if (workload == "small" and mode == "auto" and not swapped) else None
+                report = run_cameras(runtimes[workload], size, args.seconds, swap)
+                swapped = swapped or swap is not None
+                if swap is not None:
+                    runtimes[workload], swap_to = swap_to, runtimes[workload]  # the worker now runs the other one
+                runs[f"{workload}_{mode}"].append(report)
+                print(f"round {round_no + 1} {workload:5s} {mode:6s} (batch {size}): {report['fps']:7.2f} fps  "
+                      f"p99 {report['glass_to_result_ms'].get('p99', 0):7.1f} ms  "
+                      f"fairness {report['fairness_min_over_max']:.2f}  lost {report['frames_lost']}")
+    return runs
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], workload: str) -> dict[str, Any]:
+    """Aggregate fps over rounds (frames / seconds), p99 per round, worst fairness, per mode."""
+    out: dict[str, Any] = {}
+    for mode in ("auto", "batch1"):
+        reports = runs[f"{workload}_{mode}"]
+        frames, seconds = sum(r["frames"] for r in reports), sum(r["seconds"] for r in reports)
+        out[mode] = {"fps": round(frames / seconds, 3) if seconds else 0.0, "max_size": reports[0]["max_size"],
+                     "p99_glass_to_result_ms": [r["glass_to_result_ms"].get("p99") for r in reports],
+                     "p50_glass_to_result_ms": [r["glass_to_result_ms"].get("p50") for r in reports],
+                     "fairness_min_over_max": min(r["fairness_min_over_max"] for r in reports),
+                     "dropped_frames": sum(r["dropped_frames"] for r in reports),
+                     "frames_lost": sum(r["frames_lost"] for r in reports)}
+    out["auto_vs_batch1"] = round(out["auto"]["fps"] / out["batch1"]["fps"], 3) if out["batch1"]["fps"] else None
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=15.0, help="Seconds per run.")
+    parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds.")
+    parser.add_argument("--max-batch", type=int, default=CAMERAS, help="Largest batch timed for the curve.")
+    parser.add_argument("--curve-runs", type=int, default=10, help="Timed engine calls per batch size.")
+    parser.add_argument("--quick", action="store_true", help="Short iteration run: 5 s per run, 1 round.")
+    parser.add_argument("--out", type=Path, default=Path("out/bench-batching.json"))
+    args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.rounds, args.curve_runs = 5.0, 1, 4
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {w: prepare_demo_model_dir(Path(tmp), *wh) for w, wh in SIZES.items()}
+        runtimes = {w: load_engine(d, args.max_batch) for w, d in dirs.items()}
+        swap_to = load_engine(dirs["small"], args.max_batch)  # the "new version" deployed mid-run
+        sizes, reasons, curves = {}, {}, {}
+        for workload, runtime in runtimes.items():
+            sizes[workload], reasons[workload], curves[workload] = auto_size(runtime, args.max_batch, args.curve_runs)
+            print(f"{workload}: cost per frame by batch size {curves[workload]} -> {reasons[workload]}")
+        runs = rounds_of(runtimes, sizes, swap_to, args)
+        for runtime in (*runtimes.values(), swap_to):
+            runtime.close()
+
+    result = build_result(runs, sizes, reasons, curves, args)
+    print_result(result)
+    write_json(args.out, result)
+
+
+def build_result(runs: dict, sizes: dict, reasons: dict, curves: dict, args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON report: headline ratios first, then the details."""
+    small, large = summarize(runs, "small"), summarize(runs, "large")
+    swap_runs = [r for r in runs["small_auto"] if "swap" in r]
+    return {
+        "auto_vs_batch1_small": small["auto_vs_batch1"],
+        "auto_vs_batch1_large": large["auto_vs_batch1"],
+        "fairness_min_over_max": {"small": min(small["auto"]["fairness_min_over_max"],
+                                               small["batch1"]["fairness_min_over_max"]),
+                                  "large": min(large["auto"]["fairness_min_over_max"],
+                                               large["batch1"]["fairness_min_over_max"])},
+        "frames_lost": swap_runs[0]["frames_lost"] if swap_runs else None,
+        "swap": swap_runs[0].get("swap") if swap_runs else None,
+        "small": small, "large": large,
+        "auto_batch_size": sizes, "auto_reason": reasons,
+        "cost_curve_ms_per_frame": curves,
+        "cameras": CAMERAS, "camera_fps": CAMERA_FPS, "frame_size": [640, 480],
+        "model_input": {w: list(wh) for w, wh in SIZES.items()},
+        "timeout_ms": AgentConfig().batch.timeout_ms,
+        "seconds_per_run": args.seconds, "rounds": args.rounds, "quick": args.quick,
+        "runs": runs, "machine": machine(), "goal": GOALS,
+    }
+
+
+def print_result(result: dict[str, Any]) -> None:
+    print()
+    print(f"{'run':14s} {'fps':>8s} {'p99 ms':>18s} {'fairness':>9s}")
+    for workload in SIZES:
+        for mode in ("auto", "batch1"):
+            r = result[workload][mode]
+            p99 = "/".join(f"{v:.0f}" for v in r["p99_glass_to_result_ms"] if v is not None)
+            print(f"{workload + ' ' + mode:14s} {r['fps']:8.2f} {p99:>18s} {r['fairness_min_over_max']:9.2f}")
+    print(f"auto_vs_batch1_small {result['auto_vs_batch1_small']}  auto_vs_batch1_large "
+          f"{result['auto_vs_batch1_large']}  fairness {result['fairness_min_over_max']}  "
+          f"frames_lost {result['frames_lost']}")
+
+
+if __name__ == "__main__":
+    main()
