@@ -340,3 +340,17 @@ def test_bench_batch_on_a_batch_one_engine_skips_larger_sizes(agent_env, tmp_pat
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)["batch"]
     assert report["sizes"] == [1] and "at most 1" in report["skipped"]["2"] and "runs batch 1" in report["note"]
+
+
+def test_int8_engine_is_quantized_at_batch_one_then_batches(tmp_path: Path) -> None:
+    src = load_bare_onnx(_conv_model(tmp_path / "m.onnx", "n"), {
+        "preprocess": PreprocessSpec(width=SIZE, height=SIZE), "postprocess": PostprocessSpec(kind="raw"),
+        "build": {"precision": "int8"}})
+    result = provision(src, backend="onnxruntime", precision="int8", cache_dir=tmp_path / "cache",
+                       db_path=tmp_path / "state.db", max_batch=3, validation_samples=2, latency_runs=3)
+    assert result.precision == "int8" and result.report["batch"]["max_batch"] == 3, result.report["batch"]
+    runtime = load_provisioned(result, src, EngineOptions(max_batch=3))
+    try:
+        _batch_equals_singles(runtime, np.random.default_rng(4).normal(size=(3, 3, SIZE, SIZE)).astype(np.float32))
+    finally:
+        runtime.close()
