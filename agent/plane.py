@@ -7,7 +7,7 @@ import threading
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from agent.pipeline.mailbox import FreshestMailbox
+from agent.pipeline.batcher import Batcher
 from agent.mqtt import MqttPlane
 from agent.state import state_db_path
 from agent.telemetry_loop import PrometheusExporter, TelemetryThread
@@ -50,7 +50,9 @@ class AgentPlane:
         self.telemetry.on_throttle = self._throttle_event
         if "results_rate_hz" in live:
             self.mqtt.set_results_rate(live["results_rate_hz"])
-        self._results: FreshestMailbox[dict] = FreshestMailbox()
+        # the newest unsent result per camera, sent in turn: a rate limit never starves a camera
+        self._results = Batcher([c.name for c in cfg.camera_list()], max_size=1, timeout_s=0.0)
+        self._results_rate = float(live.get("results_rate_hz", cfg.mqtt.results_rate_hz))
         self._results_thread = threading.Thread(target=self._forward_results, name="results", daemon=True)
         self._status = None
 
@@ -86,13 +88,15 @@ class AgentPlane:
 
     def on_result(self, result: dict[str, Any]) -> None:
         """Called on the frame path: never blocks; the newest result replaces an unsent one."""
-        self._results.put(result)
+        self._results.mailbox(result["camera"]).put(result)
 
     def _forward_results(self) -> None:
         while not self.stop_event.is_set():
-            result = self._results.get(timeout=0.5)
-            if result is not None:
-                self.mqtt.publish_result(result)
+            for result in self._results.next_batch(self.stop_event, idle_s=0.5):
+                if self.mqtt.publish_result(result) and self._results_rate > 0:
+                    # take the next camera's result only when the rate limit lets it out, so the
+                    # turn moves on with each result sent, not with each one the limit would drop
+                    self.stop_event.wait(1.0 / self._results_rate)
 
     def health_changed(self, state: str) -> None:
         """Retained status follows the agent's health."""
@@ -108,6 +112,7 @@ class AgentPlane:
             applied["telemetry_interval_s"] = changes["telemetry_interval_s"]
         if "results_rate_hz" in changes:
             self.mqtt.set_results_rate(float(changes["results_rate_hz"]))
+            self._results_rate = float(changes["results_rate_hz"])
             applied["results_rate_hz"] = changes["results_rate_hz"]
         return applied
 

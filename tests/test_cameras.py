@@ -139,3 +139,21 @@ def test_swap_between_two_batches_loses_no_frame(start_agent, published) -> None
         assert cut > 0 and all(rt != old_runtime for _, rt in mine[cut:]), "old and new model interleaved"
         last_old, first_new = mine[cut - 1][0], mine[cut][0]
         assert first_new == last_old + 1, f"camera {camera}: frames {last_old + 1}..{first_new - 1} lost at the swap"
+
+
+def test_mqtt_results_carry_the_camera_name_and_every_camera_gets_its_turn(start_agent, mqtt_broker,
+                                                                           collector_factory) -> None:
+    collector = collector_factory(mqtt_broker.url, ["edge/cams-01/#"])
+    agent, _, _ = start_agent([synthetic("a", 1), synthetic("b", 2), synthetic("c", 3)],
+                              device_id="cams-01", batch={"max_size": 3, "timeout_ms": 50},
+                              mqtt={"url": mqtt_broker.url, "results_rate_hz": 2.0, "telemetry_interval_s": 1.0})
+    # three cameras at 5 fps into a 2 Hz results limit: only a fair turn gets all three names out
+    results = lambda: collector.payloads("edge/cams-01/results")  # noqa: E731
+    assert collector.wait_for(lambda _m: {r.get("camera") for r in results()} >= {"a", "b", "c"}, timeout=60), \
+        [r.get("camera") for r in results()]
+    assert all("frame" in r and "detections" in r for r in results())
+    meta = collector.payloads("edge/cams-01/meta")[-1]
+    assert [c["name"] for c in meta["cameras"]] == ["a", "b", "c"]
+    with_cameras = lambda: [s for s in collector.payloads("edge/cams-01/telemetry") if s.get("cameras")]  # noqa: E731
+    assert collector.wait_for(lambda _m: len(with_cameras()) >= 1, timeout=30)
+    assert set(with_cameras()[-1]["cameras"]) == {"a", "b", "c"}
