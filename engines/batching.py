@@ -321,6 +321,27 @@ def export_batch(onnx_path: Path) -> str:
     return f"exported with a {dim.kind} batch" + (f" {dim.name!r}" if dim.name else " (-1 or unnamed)")
 
 
+def trt_batch_model(job: Any, onnx_path: Path, report: dict[str, Any]) -> Path:
+    """TensorRT build: an export with batch fixed to 1 gets the same verified rewrite as for ONNX Runtime,
+    so the batch profile applies; a symbolic or free batch goes to the parser as it is."""
+    spec = job.spec
+    if spec.max_batch <= 1 or len(spec.input_shapes) != 1:
+        return onnx_path
+    import onnx
+
+    dims = frame_input(onnx.load(str(onnx_path), load_external_data=False)).type.tensor_type.shape.dim
+    if not dims or leading_dim(dims[0]).dynamic:
+        return onnx_path
+    sample = next(iter(spec.input_shapes.values()))
+    plan = prepare_batch_model(onnx_path, job.work_dir / "batch.onnx", sample, spec.max_batch)
+    note = f"{export_batch(job.onnx_path)}; " + (plan.note if plan.max_batch == 1 else
+                                                  f"rewritten to a dynamic batch 1..{plan.max_batch} (verified on ONNX Runtime)")
+    report["batch"] = {"max_batch": plan.max_batch, "requested": spec.max_batch, "note": note}
+    if plan.max_batch == 1:
+        report["notes"].append(note)
+    return plan.model
+
+
 def time_build(job: Any, report: dict[str, Any], emit: Any, runs: int = 5) -> None:
     """Time batch sizes 1..max on the engine just built; the curve goes into the report (the sidecar)."""
     spec = job.spec

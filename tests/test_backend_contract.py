@@ -488,3 +488,39 @@ def test_trt_max_batch_is_capped_by_the_profile_and_by_a_fixed_batch(fake_backen
     fixed = module.TensorRTBackend(cuda_graphs=False).load(_plan(tmp_path), EngineOptions(max_batch=4))
     assert fixed.max_batch == 1 and fixed.inputs[0].shape == (1, 3, 4, 4)
     fixed.close()
+
+
+@pytest.mark.parametrize("fixed_reshape,max_batch", [(False, 4), (True, 1)])
+def test_trt_build_rewrites_an_export_with_batch_fixed_to_one(no_gpu, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                               fixed_reshape: bool, max_batch: int) -> None:
+    """An ONNX exported with batch 1 reaches the TensorRT parser with a verified symbolic batch (so the
+    batch profile applies), or unchanged with the reason when its graph fixes the batch."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from engines.batching import batch_profile
+    from engines.build import BuildJob
+
+    if fixed_reshape:  # Reshape to the constant [1, 48]: the batch cannot be freed
+        shape = numpy_helper.from_array(np.array([1, 48], np.int64), "s")
+        nodes, out, inits = [helper.make_node("Reshape", ["x", "s"], ["y"], name="to_one")], [1, 48], [shape]
+    else:
+        nodes, out, inits = [helper.make_node("Relu", ["x"], ["y"], name="relu")], [1, 3, 4, 4], []
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "fixed.onnx"))
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt("10.3.0"))
+    spec = EngineBuildSpec(input_shapes={"x": (1, 3, 4, 4)}, profiles={"x": ShapeProfile(*batch_profile((1, 3, 4, 4), 4))},
+                           max_batch=4)
+    job = BuildJob("tensorrt", tmp_path / "fixed.onnx", tmp_path / "work" / "e.plan", tmp_path / "work", spec, {})
+    job.work_dir.mkdir()
+    report = tb.build_plan(job, lambda *a, **k: None)
+    assert report["batch"]["max_batch"] == max_batch and report["batch"]["requested"] == 4
+    assert "exported with batch fixed to 1" in report["batch"]["note"]
+    rewritten = job.work_dir / "batch.onnx"
+    if max_batch > 1:
+        assert onnx.load(str(rewritten)).graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    else:
+        assert "output y keeps batch 1" in report["batch"]["note"] and report["batch"]["note"] in report["notes"]

@@ -24,7 +24,7 @@ from engines.batching import (AUTO_MAX_BATCH, BatchRewriteError, make_batch_dyna
                               planned_max_batch, verify_batching)
 from engines.build_spec import EngineBuildSpec, ShapeProfile, make_cache_key
 from engines.errors import EdgeError
-from engines.manifest import Gates, PostprocessSpec
+from engines.manifest import PostprocessSpec
 from engines.model import load_bare_onnx
 from engines.preprocess import PreprocessSpec
 from engines.provision import load_provisioned, plan_build, provision

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from engines import batching
 from engines.backends.tensorrt_compat import shared_logger
 from engines.build_spec import EngineBuildError, EngineBuildSpec
 from engines.fsutil import atomic_write_bytes
@@ -49,6 +50,7 @@ def build_plan(job: Any, emit: Emit) -> dict[str, Any]:
         onnx_path = _rewrite(onnx_path, job.work_dir / "rewritten.onnx", report)
         onnx_path = to_fp16(onnx_path, job.work_dir / "fp16.onnx")
         report["notes"].append("fp16 via a strongly typed FP16 ONNX (this TensorRT has no FP16 builder flag)")
+    onnx_path = batching.trt_batch_model(job, onnx_path, report)  # batch fixed to 1: verified rewrite
     t0 = time.monotonic()
     plan = build_serialized(trt, onnx_path, job.spec, job.timing_cache, emit, report)
     report["stages_s"]["tensorrt-build"] = round(time.monotonic() - t0, 3)
