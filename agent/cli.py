@@ -132,12 +132,29 @@ def _print_summary(summary: dict[str, Any], last_result: dict[str, Any] | None) 
         ("stages ms (mean)", " ".join(f"{k} {v}" for k, v in summary.get("stages_ms", {}).items()) or "-"),
         ("errors", str(summary["errors"])),
     ]
+    rows += _camera_rows(summary)
     if last_result and last_result.get("detections") is not None:
         boxes = ", ".join(str([round(v) for v in d["box"]]) for d in last_result["detections"][:6])
         rows.append(("last frame", f"{len(last_result['detections'])} detections: {boxes}"))
     for key, value in rows:
         table.add_row(key, value)
     out.print(table)
+
+
+def _camera_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """One row per camera (several cameras only) and the batch size in use."""
+    cameras = summary.get("cameras") or {}
+    rows = []
+    if len(cameras) > 1:
+        for name, cam in cameras.items():
+            p99 = (cam.get("latency_ms") or {}).get("p99", "-")
+            down = "" if cam.get("connected", True) else ", down"
+            rows.append((f"camera {name}", f"{cam['frames']} frames ({cam['fps']} fps), dropped "
+                                           f"{cam['dropped_frames']}, p99 {p99} ms{down}"))
+    batch = summary.get("batch")
+    if batch and len(cameras) > 1:
+        rows.append(("batch", f"max {batch['max_size']} ({batch['reason']}), {batch.get('batches', 0)} batches"))
+    return rows
 
 
 @app.command()

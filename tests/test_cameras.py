@@ -157,3 +157,26 @@ def test_mqtt_results_carry_the_camera_name_and_every_camera_gets_its_turn(start
     with_cameras = lambda: [s for s in collector.payloads("edge/cams-01/telemetry") if s.get("cameras")]  # noqa: E731
     assert collector.wait_for(lambda _m: len(with_cameras()) >= 1, timeout=30)
     assert set(with_cameras()[-1]["cameras"]) == {"a", "b", "c"}
+
+
+def test_edge_agent_run_with_two_cameras_writes_per_camera_summary(agent_env, tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "agent.toml"
+    config.write_text('[[cameras]]\nname = "left"\nfps = 4\nwidth = 320\nheight = 240\n\n'
+                      '[[cameras]]\nname = "right"\nfps = 4\nwidth = 320\nheight = 240\nseed = 5\n\n'
+                      '[batch]\nmax_size = 2\ntimeout_ms = 100\n')
+    summary_path = tmp_path / "summary.json"
+    result = subprocess.run([sys.executable, "-m", "agent.cli", "run", "--config", str(config), "--duration", "5",
+                             "--summary-json", str(summary_path)], capture_output=True, text=True, timeout=300,
+                            env=os.environ.copy())
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(summary_path.read_text())
+    assert set(summary["cameras"]) == {"left", "right"}
+    for cam in summary["cameras"].values():
+        assert cam["frames"] > 0 and cam["fps"] > 0 and cam["latency_ms"]["p50"] <= cam["latency_ms"]["p99"]
+    assert summary["model"]["name"] == "demo-det" and summary["batch"]["max_size"] == 2
+    assert "camera left" in result.stdout and "camera right" in result.stdout

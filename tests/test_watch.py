@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from agent.deployments.config import DeploymentConfig
-from agent.deployments.watch import judge
-from agent.pipeline.frame_stats import FrameStats, FrameTiming
+from agent.deployments.watch import judge, judge_cameras
+from agent.pipeline.frame_stats import CameraStats, FrameStats, FrameTiming
 
 
 def stats(latencies: list[float], errors: int = 0) -> FrameStats:
@@ -42,3 +42,39 @@ def test_fps_floor_only_while_the_camera_is_up() -> None:
     slow.started -= 100  # 20 frames over 100 s = 0.2 fps
     assert judge(slow, CFG, budget_ms=None, fps_floor=1.0, camera_up=True)["reason"] == "WATCH_FPS"
     assert judge(slow, CFG, budget_ms=None, fps_floor=1.0, camera_up=False) is None
+
+
+class Windows:
+    """What judge_cameras reads from the worker: each camera's window since the swap."""
+
+    def __init__(self, **windows: FrameStats) -> None:
+        self.camera_windows = CameraStats()
+        for name, window in windows.items():
+            self.camera_windows._by_name[name] = window
+
+
+class Cameras:
+    def __init__(self, *down: str) -> None:
+        self.down = set(down)
+
+    def is_live(self, name: str) -> bool:
+        return name not in self.down
+
+
+def test_each_camera_is_judged_against_its_own_fps_before_the_swap() -> None:
+    fast, slow = stats([20.0] * 20), stats([20.0] * 20)
+    fast.started -= 2  # 10 fps
+    slow.started -= 10  # 2 fps
+    cfg = DeploymentConfig(watch_min_frames=10, min_fps_ratio=0.5)
+    worker = Windows(front=fast, back=slow)
+    # back ran 2 fps before the swap: 2 fps is fine for it, while the 10 fps of front would not be
+    assert judge_cameras(worker, Cameras(), cfg, None, {"front": 10.0, "back": 2.0}) is None
+    verdict = judge_cameras(worker, Cameras(), cfg, None, {"front": 10.0, "back": 8.0})
+    assert verdict["reason"] == "WATCH_FPS" and verdict["camera"] == "back" and "camera back" in verdict["message"]
+    assert judge_cameras(worker, Cameras("back"), cfg, None, {"front": 10.0, "back": 8.0}) is None  # back is down
+
+
+def test_one_camera_over_the_latency_budget_fails_the_watch() -> None:
+    worker = Windows(a=stats([20.0] * 20), b=stats([20.0] * 18 + [400.0] * 2))
+    verdict = judge_cameras(worker, Cameras(), CFG, 100.0, {})
+    assert verdict["reason"] == "WATCH_LATENCY" and verdict["camera"] == "b" and verdict["frames"] == 20
