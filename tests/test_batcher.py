@@ -13,7 +13,7 @@ import pytest
 
 from agent.pipeline.batch_runtime import BatchRuntime
 from agent.pipeline.batcher import Batcher
-from agent.sources.base import Frame
+from agent.sources.base import Frame, SourceError
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
 from tests.helpers import wait_for
 
@@ -260,3 +260,36 @@ def test_a_batch_larger_than_the_engine_takes_is_split_into_calls_it_accepts(dem
         assert [detections(o.result) for o in outcomes] == expected
     finally:
         runtime.close()
+
+
+class UndecodableFrame(Frame):
+    """A lazily decoded frame whose decode fails (agent.sources.lazy raises CAMERA_BAD_FRAME then)."""
+
+    @property  # type: ignore[override]
+    def image(self):
+        raise SourceError("b: the source was closed before the frame was used", code="CAMERA_BAD_FRAME")
+
+    @image.setter
+    def image(self, value) -> None:
+        pass
+
+
+def test_a_frame_that_fails_to_decode_leaves_the_rest_of_its_batch_running(demo_source) -> None:
+    from agent.pipeline.frame_stats import FrameStats
+    from agent.pipeline.worker import InferenceWorker
+    from engines.runtime import load_runtime
+
+    runtime = load_runtime(demo_source, "onnxruntime")
+    batcher = Batcher(["a", "b"], max_size=2, timeout_s=0.0)
+    batcher.mailbox("a").put(Frame(frames(1)[0], 1, 0.0, "a"))
+    batcher.mailbox("b").put(UndecodableFrame(IMAGE, 1, 0.0, "b"))
+    stop, stats = threading.Event(), FrameStats()
+    worker = InferenceWorker(runtime, batcher, stop, stats)
+    worker.start()
+    try:
+        assert wait_for(lambda: stats.frames >= 1, timeout=60)
+    finally:
+        stop.set()
+        worker.join(5)
+        runtime.close()
+    assert stats.errors == 0 and worker.cameras.of("a").frames == 1 and worker.cameras.of("b").frames == 0

@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 from agent.pipeline.batch_runtime import BatchRuntime
 from agent.pipeline.frame_stats import CameraStats, FrameStats, FrameTiming
 from agent.pipeline.mailbox import FreshestMailbox
-from agent.sources.base import Frame
+from agent.sources.base import Frame, SourceError
 from engines.errors import EdgeError
 from engines.postprocess import InferenceResult
 from engines.runtime import ModelRuntime
@@ -135,8 +135,11 @@ class InferenceWorker(threading.Thread):
 
     def _process(self, frames: list[Frame], wait_ms: float) -> None:
         batch = self.batch
+        frames, images = _images(frames)
+        if not frames:
+            return
         try:
-            outcomes = batch.run([f.image for f in frames], [f.source for f in frames])
+            outcomes = batch.run(images, [f.source for f in frames])
         except (EdgeError, ValueError) as exc:
             self._failed(frames, exc)
             return
@@ -167,3 +170,17 @@ class InferenceWorker(threading.Thread):
         self.consecutive_errors += 1
         if self.consecutive_errors in (1, self.max_consecutive_errors):
             log.warning("inference error on a batch of %d (%d in a row): %s", len(frames), self.consecutive_errors, exc)
+
+
+def _images(frames: list[Frame]) -> tuple[list[Frame], list]:
+    """The frames whose image can be had, with their images. A lazily decoded frame (agent.sources.lazy)
+    that fails to decode is left out of this batch alone; its source counted it as a bad frame."""
+    kept, images = [], []
+    for frame in frames:
+        try:
+            images.append(frame.image)
+        except SourceError as exc:
+            log.warning("camera %s: frame %d left out of the batch: %s", frame.source, frame.index, exc)
+            continue
+        kept.append(frame)
+    return kept, images
