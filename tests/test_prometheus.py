@@ -33,3 +33,21 @@ def test_absent_fields_stay_absent() -> None:
     finally:
         exporter.stop()
     assert "edge_agent_power_mw{" not in text and "edge_agent_temp_c{" not in text
+
+
+def test_per_camera_fps_drops_and_percentiles() -> None:
+    port = free_port()
+    exporter = PrometheusExporter(port, "127.0.0.1")
+    cameras = {"left": {"fps": 9.5, "frames": 190, "dropped_frames": 3, "latency_ms": {"p50": 41.0, "p99": 70.5}},
+               "door": {"fps": 0.0, "frames": 0, "dropped_frames": 0, "latency_ms": {}, "connected": False}}
+    try:
+        exporter({"fps": 9.5, "frames": 190, "dropped_frames": 3, "cameras": cameras})
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        exporter.stop()
+    assert 'edge_agent_camera_fps{camera="left"} 9.5' in text
+    assert 'edge_agent_camera_dropped_frames{camera="left"} 3.0' in text
+    assert 'edge_agent_camera_latency_ms{camera="left",quantile="p50"} 41.0' in text
+    assert 'edge_agent_camera_latency_ms{camera="left",quantile="p99"} 70.5' in text
+    assert 'edge_agent_camera_fps{camera="door"} 0.0' in text
+    assert 'edge_agent_camera_latency_ms{camera="door"' not in text  # nothing measured: absent, never zero
