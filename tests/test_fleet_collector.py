@@ -135,6 +135,17 @@ def unique_prefix(request: pytest.FixtureRequest) -> str:
     (json.dumps({"seq": 1, "boot_id": BOOT, "ts": "yesterday"}).encode(), "'ts'"),
     (b'{"seq": 1, "boot_id": "b", "ts": NaN}', "not JSON"),
     (b"[" * 100000 + b"]" * 100000, "not JSON"),
+    # json.loads(bytes) would accept these encodings; the store keeps UTF-8 text only.
+    (json.dumps({"seq": 1, "boot_id": BOOT, "ts": 1.0}).encode("utf-16"), "not UTF-8"),
+    (json.dumps({"seq": 1, "boot_id": BOOT, "ts": 1.0}).encode("utf-32"), "not UTF-8"),
+    (json.dumps({"seq": 1, "boot_id": BOOT, "ts": 1.0}).encode("utf-16-le"), "not JSON"),  # ASCII + NULs: valid UTF-8
+    (b"\xef\xbb\xbf" + json.dumps({"seq": 1, "boot_id": BOOT, "ts": 1.0}).encode(), "not JSON"),
+    (b'"a string"', "expected an object"),
+    (b"null", "expected an object"),
+    (b"1e999", "expected an object"),
+    (b'{"seq": 1, "boot_id": "b", "ts": Infinity}', "not JSON"),
+    (b'{"seq": 1, "boot_id": "b", "ts": 1e999}', "'ts'"),
+    (b'{"a": ' * 20000 + b"1" + b"}" * 20000, "not JSON"),  # nested past the recursion limit
 ])
 def test_unkeyable_telemetry_is_malformed(payload: bytes, why: str) -> None:
     with pytest.raises(Malformed, match=why):
@@ -308,18 +319,73 @@ def test_malformed_messages_are_counted_and_never_stop_the_stream(
         (f"{p}/dev-1/events", {"seq": 2, "boot_id": BOOT, "ts": 1.0}),  # an event without a type
         (f"{p}/dev-1/events", {"seq": 3, "boot_id": BOOT, "ts": 1.0, "type": "x\u0000" + "t" * 5000}),
         (f"{p}/dev-2/events", b'{"seq": 1, "boot_id": "b\\ud800", "ts": 1.0, "type": "lone \\udc00 surrogate"}'),
+        # Before: parsed by json.loads(bytes), then payload.decode("utf-8") killed the writer thread.
+        (topic, json.dumps(sample(6)).encode("utf-16")), (topic, b"null"), (topic, b'{"a": ' * 5000 + b"}" * 5000),
     ]
     markup = {**sample(4), "fps": "NaN", "model": {"name": "<img src=x onerror=alert(1)>", "version": "'; DROP TABLE"}}
     publisher.send_many(junk + [(topic, markup), (topic, sample(5))])
     assert wait_for(lambda: count(fleet_db_url) == 2 and count(fleet_db_url, "events") == 2, 15)
-    assert wait_for(lambda: stat(fleet_db_url, "malformed") == 5, 10)
+    assert wait_for(lambda: stat(fleet_db_url, "malformed") == 8, 10)
     assert stat(fleet_db_url, "rejected_by_db") == 0
     row = query(fleet_db_url, "SELECT fps, model_name, model_version FROM telemetry WHERE seq = ?", (4,))[0]
     assert row == {"fps": None, "model_name": "<img src=x onerror=alert(1)>", "model_version": "'; DROP TABLE"}
     etype = query(fleet_db_url, "SELECT type FROM events WHERE device_id = ?", ("dev-1",))[0]["type"]
     assert etype == "x" + "t" * 255  # NUL stripped, capped
     assert query(fleet_db_url, "SELECT type FROM events WHERE device_id = ?", ("dev-2",))[0]["type"] == "lone ? surrogate"
-    assert collector.stats()["malformed"] == 5
+    assert collector.stats()["malformed"] == 8 and collector._writer.is_alive()
+
+
+def test_a_message_the_parser_fails_on_is_dropped_and_acknowledged(
+        fleet_db_url: str, mqtt_broker: Broker, publisher: Publisher, collectors: list,
+        request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Any exception of the parser (a bug, not only `Malformed`) costs one message, never the stream."""
+    import deploy.fleet.collector as collector_module
+
+    real = collector_module.parse_message
+
+    def parser_with_a_bug(prefix: str, topic: str, payload: bytes, *args: Any) -> Any:
+        if b"boom" in payload:
+            raise KeyError("a parser bug")
+        return real(prefix, topic, payload, *args)
+
+    monkeypatch.setattr(collector_module, "parse_message", parser_with_a_bug)
+    p = unique_prefix(request)
+    collector = start_collector(collectors, mqtt_broker.url, fleet_db_url, p, max_wait_s=0.05)
+    topic = f"{p}/dev-1/telemetry"
+    publisher.send_many([(topic, sample(1, note="boom")), (topic, sample(2))])
+    assert wait_for(lambda: count(fleet_db_url) == 1, 15)
+    assert wait_for(lambda: stat(fleet_db_url, "malformed") == 1, 10)
+    assert collector._writer.is_alive() and "parser failed on" in caplog.text
+
+
+class FailingOnce(Collector):
+    """A collector whose first unit of work fails with an error nobody foresaw."""
+
+    failed = 0
+
+    def _process(self, batch: list) -> bool:
+        if batch and not self.failed:
+            self.failed = 1
+            raise RuntimeError("unforeseen")
+        return super()._process(batch)
+
+
+def test_a_failing_batch_never_kills_the_writer(
+        fleet_db_url: str, mqtt_broker: Broker, publisher: Publisher, collectors: list,
+        request: pytest.FixtureRequest) -> None:
+    p = unique_prefix(request)
+    config = CollectorConfig(broker_url=mqtt_broker.url, db_url=fleet_db_url, prefix=p, client_id=f"once-{p}",
+                             max_wait_s=0.05, db_retry_min_s=0.05, db_retry_max_s=0.1)
+    collector = FailingOnce(config)
+    collectors.append(collector)
+    collector.start()
+    assert wait_for(collector.subscribed.is_set, 10)
+    publisher.send(f"{p}/dev-1/telemetry", sample(1))  # the failing batch: not stored, not acknowledged
+    assert wait_for(lambda: collector.stats().get("writer_errors") == 1, 10)
+    publisher.send(f"{p}/dev-1/telemetry", sample(2))
+    assert wait_for(lambda: count(fleet_db_url) == 1, 15)
+    assert collector._writer.is_alive() and collector.stats()["unstored"] == 1
+    assert wait_for(lambda: stat(fleet_db_url, "writer_errors") == 1, 10)
 
 
 def test_two_collectors_split_one_stream(

@@ -116,6 +116,7 @@ class Collector:
         self.client: Any = None
         self._writer = threading.Thread(target=self._write_loop, name="collector-writer", daemon=True)
         self._db_backoff = Backoff(config.db_retry_min_s, config.db_retry_max_s)
+        self._writer_backoff = Backoff(config.db_retry_min_s, config.db_retry_max_s)
         self._partition_check = 0.0
         self._holding = 0  # messages of the batch being written (not in the queue any more)
         self.held_high_water = 0  # most messages held unacknowledged at once (bounded by `inflight`)
@@ -284,14 +285,33 @@ class Collector:
     # -- the writer ----------------------------------------------------------------------------------
     def _write_loop(self) -> None:
         while not self.stop_event.is_set():
-            if not self._process(self._gather()):
+            if not self._guarded(self._gather()):
                 return
         left = self.queue.qsize()  # stopping: what has already arrived, once; later ones stay with the broker
         while left > 0:
             batch = self._gather(min(left, self.config.batch_size))
             left -= max(len(batch), 1)
-            if not self._process(batch):
+            if not self._guarded(batch):
                 return
+
+    def _guarded(self, batch: list[Inbound]) -> bool:
+        """`_process`, but a batch failing for an unforeseen reason never ends the writer thread.
+
+        Its messages are not acknowledged (nothing is acked before it is stored): the broker redelivers
+        them after the next reconnect. Counted (`writer_errors`, `unstored`), logged with the traceback,
+        and the next batch waits a backoff so a persistent fault cannot spin.
+        """
+        try:
+            return self._process(batch)
+        except Exception:  # noqa: BLE001 - logged and counted; the stream goes on
+            self._holding = 0
+            self._count("writer_errors")
+            self._count("unstored", len(batch))
+            delay = self._writer_backoff.next()
+            log.exception("fleet writer: a batch of %d messages failed; not acknowledged, retried by the "
+                          "broker after a reconnect; next batch in %.2f s", len(batch), delay)
+            self.stop_event.wait(delay)
+            return True
 
     def _process(self, batch: list[Inbound]) -> bool:
         """Store and acknowledge one batch; False when stopped during a database outage (nothing acked)."""
@@ -302,6 +322,7 @@ class Collector:
             return False
         self._ack(batch)
         self._holding = 0
+        self._writer_backoff.reset()
         return True
 
     def _gather(self, limit: int = 0) -> list[Inbound]:
@@ -330,6 +351,11 @@ class Collector:
             except Malformed as exc:
                 self._count("malformed")
                 log.warning("dropped a malformed message: %s", exc)
+                continue
+            except Exception:  # noqa: BLE001 - a parser bug on one message must not stop the fleet's ingest
+                # Counted as malformed and acknowledged with its batch: redelivering it would fail again.
+                self._count("malformed")
+                log.exception("dropped a message on %s the parser failed on", item.topic[:200])
                 continue
             (rows if isinstance(parsed, Row) else updates).append(parsed)
         self._count("messages", len(batch))

@@ -62,8 +62,8 @@ def parse_message(prefix: str, topic: str, payload: bytes, received: float,
         raise Malformed(f"device id on topic {topic[:80]!r} is too long or holds NUL")
     if len(payload) > max_bytes:
         raise Malformed(f"{topic}: payload of {len(payload)} bytes exceeds {max_bytes}")
-    body = _json_object(topic, payload)
-    text = payload.decode("utf-8")
+    text = _utf8(topic, payload)
+    body = _json_object(topic, text)
     if leaf == TELEMETRY:
         return _row("telemetry", device_id, body, received, text, telemetry_values(body))
     if leaf == EVENTS:
@@ -80,10 +80,22 @@ def parse_message(prefix: str, topic: str, payload: bytes, received: float,
     raise Malformed(f"{topic}: leaf {leaf!r} is not stored")
 
 
-def _json_object(topic: str, payload: bytes) -> dict[str, Any]:
+def _utf8(topic: str, payload: bytes) -> str:
+    """The payload as text: docs/mqtt.md promises UTF-8 JSON.
+
+    Decoded here, before JSON parsing, because `json.loads(bytes)` also accepts UTF-16/UTF-32 (and a
+    BOM): such a payload would parse and then fail later, outside the per-message error handling.
+    """
     try:
-        body = json.loads(payload, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        return payload.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise Malformed(f"{topic}: not JSON (not UTF-8: {str(exc)[:80]})") from None
+
+
+def _json_object(topic: str, text: str) -> dict[str, Any]:
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
         raise Malformed(f"{topic}: not JSON ({str(exc)[:80]})") from None
     if not isinstance(body, dict):
         raise Malformed(f"{topic}: JSON {type(body).__name__}, expected an object")
