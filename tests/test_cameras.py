@@ -115,7 +115,7 @@ def test_telemetry_and_prometheus_numbers_per_camera(start_agent) -> None:
     assert sum(c["frames"] for c in sample["cameras"].values()) <= sample["frames"]
 
 
-def test_swap_between_two_batches_loses_no_frame(start_agent, published) -> None:
+def test_swap_and_rollback_between_two_batches_lose_no_frame(start_agent, published) -> None:
     agent, _, _ = start_agent([synthetic("a", 1), synthetic("b", 2)], batch={"max_size": 2, "timeout_ms": 100})
     seen: list[tuple[str, int, int]] = []  # (camera, frame index, id of the runtime that ran it)
     original = agent.worker.on_result
@@ -131,14 +131,18 @@ def test_swap_between_two_batches_loses_no_frame(start_agent, published) -> None
     assert wait_terminal(agent, reply["deployment_id"]) == "active"
     assert agent.active.source.manifest.version == "2.0.0"
     assert wait_for(lambda: all(agent.worker.camera_windows.of(n).frames >= 3 for n in ("a", "b")), timeout=60)
+    new_runtime = id(agent.worker.runtime)
+    assert agent.manager.request_rollback()["model"]["version"] == "1.0.0"  # instant: v1 is still loaded
+    assert wait_for(lambda: all(agent.worker.camera_windows.of(n).frames >= 3 for n in ("a", "b")), timeout=60)
     agent.stop()
     assert agent.stats.errors == 0
     for camera in ("a", "b"):
         mine = [(index, rt) for cam, index, rt in seen if cam == camera]
-        cut = next(i for i, (_, rt) in enumerate(mine) if rt != old_runtime)
-        assert cut > 0 and all(rt != old_runtime for _, rt in mine[cut:]), "old and new model interleaved"
-        last_old, first_new = mine[cut - 1][0], mine[cut][0]
-        assert first_new == last_old + 1, f"camera {camera}: frames {last_old + 1}..{first_new - 1} lost at the swap"
+        runtimes = [rt for i, (_, rt) in enumerate(mine) if i == 0 or mine[i - 1][1] != rt]
+        assert runtimes == [old_runtime, new_runtime, old_runtime], "old and new model interleaved"
+        for (before, rt_before), (after, rt_after) in zip(mine, mine[1:]):
+            if rt_before != rt_after:  # a swap or the rollback happened between these two batches
+                assert after == before + 1, f"camera {camera}: frames {before + 1}..{after - 1} lost at a swap"
 
 
 def test_mqtt_results_carry_the_camera_name_and_every_camera_gets_its_turn(start_agent, mqtt_broker,
