@@ -110,3 +110,17 @@ def test_bad_camera_entry_names_its_index_and_field(agent_env, tmp_path: Path) -
 def test_batch_size_resolution(setting, cameras: int, curve, expected: int) -> None:
     resolved = resolve_batch_size(setting, cameras, curve, None)
     assert resolved.size == expected and resolved.reason
+
+
+def test_auto_uses_the_engine_side_picker_on_the_measured_curve() -> None:
+    curve = {"1": 30.0, "2": 10.0, "3": 29.0}  # ms per frame measured per batch size: 2 is clearly best
+    resolved = resolve_batch_size("auto", 3, curve, None)
+    try:
+        import engines.batching  # noqa: F401  (the engine side's module; its picker may not be merged yet)
+    except ImportError:
+        assert resolved.size == 1 and "not available" in resolved.reason
+    else:
+        assert resolved.size == 2 and "measured" in resolved.reason
+        # the latency budget cuts sizes whose whole batch takes longer: 2 x 10 ms > 15 ms leaves batch 1
+        assert resolve_batch_size("auto", 3, {"1": 12.0, "2": 10.0, "3": 29.0}, 15.0).size == 1
+        assert resolve_batch_size("auto", 3, {"1": 12.0, "2": 10.0, "3": 29.0}, 25.0).size == 2
