@@ -3,25 +3,29 @@ the clear refusal where a module has no DLA, and the GPU-fallback count in `engi
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from agent.engines_cli import engines_app
 from engines.backends import tensorrt_build as tb
+from engines.backends.base import EngineOptions
 from engines.build import BuildJob
 from engines.build_spec import (DlaUnavailableError, EngineBuildError, EngineBuildSpec, make_cache_key,
                                 parse_device, resolve_device)
 from engines.cache import EngineCache
-from engines.errors import EdgeError
+from engines.errors import EdgeError, ModelError
 from engines.fingerprint import DeviceFingerprint, read_dla_cores, read_fingerprint
 from tests.engine_fixtures import conv_model
-from tests.fake_nvidia import _Builder, _Config, _Guarded, _Network, _Parser, _Runtime, api_versions, fake_tensorrt
+from tests.fake_nvidia import (FakeCudaMemory, _Builder, _Config, _Guarded, _Network, _Parser, _Runtime,
+                               api_versions, fake_tensorrt, load_api)
 
 BOARDS = Path(__file__).parent / "data" / "boards"
 LAYERS = (("conv1", True), ("resize", False), ("conv2", True))
@@ -70,11 +74,17 @@ class _DlaBuilder(_Builder):
 class _DlaRuntime(_Runtime):
     DLA_core = property(lambda self: self._ctx.record.get("runtime_dla_core"),
                         lambda self, v: self._ctx.record.__setitem__("runtime_dla_core", v))
+    num_DLA_cores = property(lambda self: self._ctx.dla_cores)
+
+    def deserialize_cuda_engine(self, serialized_engine: bytes) -> Any:
+        self._ctx.record["deserialized_on_core"] = self._ctx.record.get("runtime_dla_core")  # the core it lands on
+        return super().deserialize_cuda_engine(serialized_engine)
 
 
-def dla_tensorrt(version: str, cores: int, layers: tuple[tuple[str, bool], ...] = LAYERS) -> Any:
-    """fake_tensorrt(version) whose Builder reports `cores` DLA cores and whose network has `layers`."""
-    trt = fake_tensorrt(version)
+def dla_tensorrt(version: str, cores: int, layers: tuple[tuple[str, bool], ...] = LAYERS,
+                 cuda: FakeCudaMemory | None = None) -> Any:
+    """fake_tensorrt(version) whose Builder and Runtime report `cores` DLA cores and whose network has `layers`."""
+    trt = fake_tensorrt(version, cuda=cuda)
     ctx = trt.Builder(None)._ctx
     ctx.dla_cores, ctx.layers = cores, layers
     trt.Builder = lambda logger: _DlaBuilder(ctx, logger)
@@ -216,6 +226,97 @@ def test_plan_deserializes_onto_its_dla_core(no_gpu, monkeypatch: pytest.MonkeyP
     report = tb.build_plan(job, lambda *a, **k: None)
     assert job.out_path.read_bytes().startswith(b"PLAN") and trt._record["runtime_dla_core"] == 1
     assert report["dla"]["gpu_fallback_layers"] == 1
+
+
+# --- the runtime: a cached dla:N plan is deserialized onto core N --------------------------------
+
+RUNTIME_DLA = [v for v in api_versions() if load_api(v).has("Runtime.DLA_core")]
+
+
+@pytest.fixture
+def trt_backend(monkeypatch: pytest.MonkeyPatch):
+    """engines.backends.tensorrt_backend imported against a fake tensorrt module and fake CUDA memory."""
+    from engines import cuda_mem
+    from engines.backends import BACKENDS
+
+    def install(trt: Any, cuda: FakeCudaMemory) -> Any:
+        monkeypatch.setitem(sys.modules, "tensorrt", trt)
+        monkeypatch.setattr(cuda_mem, "missing_bindings", lambda: None)
+        monkeypatch.delitem(sys.modules, "engines.backends.tensorrt_backend", raising=False)
+        monkeypatch.setattr(BACKENDS, "_plugins", {k: v for k, v in BACKENDS._plugins.items() if k != "tensorrt"})
+        monkeypatch.setattr(BACKENDS, "_disabled", dict(BACKENDS._disabled))
+        module = importlib.import_module("engines.backends.tensorrt_backend")
+        monkeypatch.setattr(module, "open_cuda_memory", lambda: cuda)
+        return module
+
+    yield install
+    sys.modules.pop("engines.backends.tensorrt_backend", None)
+
+
+def _cached_plan(tmp_path: Path, core: int | None) -> Path:
+    """A plan stored through the real engine cache, so its sidecar is the one the agent writes."""
+    cache = EngineCache(tmp_path / "cache", tmp_path / "state.db")
+    try:
+        spec = _spec("fp16", core)
+        key = make_cache_key("d" * 64, "tensorrt", "10.3.0", {"module": "AGX Orin"}, spec)
+        built = tmp_path / "built.plan"
+        built.write_bytes(b"PLAN-fake")
+        dla = {"core": core, "cores": 2, "layers": 3, "gpu_fallback_layers": 1, "gpu_layers": ["resize"]}
+        return cache.put(key, built, model="det", build_s=1.0, report={"dla": dla} if core is not None else {}).path
+    finally:
+        cache.close()
+
+
+def _load(module: Any, plan: Path) -> Any:
+    return module.TensorRTBackend().load(plan, EngineOptions(static_shapes={"x": (1, 3, 4, 4)}))
+
+
+@pytest.mark.parametrize("version", RUNTIME_DLA)
+def test_cached_dla_plan_runs_on_its_core(trt_backend, tmp_path: Path, version: str) -> None:
+    cuda = FakeCudaMemory()
+    trt = dla_tensorrt(version, cores=2, cuda=cuda)
+    engine = _load(trt_backend(trt, cuda), _cached_plan(tmp_path, 1))
+    try:
+        assert trt._record["deserialized_on_core"] == 1  # set before deserialize_cuda_engine, not after
+        assert engine.describe()["device"] == "dla:1"
+        out = engine.infer({"x": np.ones((1, 3, 4, 4), np.float32)})
+        assert np.array_equal(out[0], np.full((1, 3, 4, 4), 3, np.float32))
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("version", RUNTIME_DLA)
+def test_gpu_plan_leaves_the_runtime_core_alone(trt_backend, tmp_path: Path, version: str) -> None:
+    cuda = FakeCudaMemory()
+    trt = dla_tensorrt(version, cores=2, cuda=cuda)
+    engine = _load(trt_backend(trt, cuda), _cached_plan(tmp_path, None))
+    try:
+        assert "runtime_dla_core" not in trt._record and engine.describe()["device"] == "gpu"
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("version", RUNTIME_DLA)
+@pytest.mark.parametrize(("cores", "core"), [(0, 0), (2, 2)])
+def test_plan_for_a_missing_dla_core_is_refused(trt_backend, tmp_path: Path, version: str, cores: int,
+                                                core: int) -> None:
+    cuda = FakeCudaMemory()
+    trt = dla_tensorrt(version, cores=cores, cuda=cuda)
+    with pytest.raises(ModelError) as info:
+        _load(trt_backend(trt, cuda), _cached_plan(tmp_path, core))
+    assert info.value.code == "ENGINE_DLA_UNAVAILABLE" and f"dla:{core}" in str(info.value)
+    assert "deserialized_on_core" not in trt._record and "runtime_dla_core" not in trt._record
+
+
+def test_unreadable_sidecar_is_an_incompatible_engine(trt_backend, tmp_path: Path) -> None:
+    cuda = FakeCudaMemory()
+    trt = dla_tensorrt("10.3.0", cores=2, cuda=cuda)
+    plan = _cached_plan(tmp_path, 1)
+    plan.with_name(plan.name + ".json").write_text("{ half a sidecar")
+    with pytest.raises(ModelError) as info:
+        _load(trt_backend(trt, cuda), plan)
+    assert info.value.code == "ENGINE_INCOMPATIBLE" and "sidecar" in str(info.value)
+    assert "deserialized_on_core" not in trt._record
 
 
 # --- CLI ---------------------------------------------------------------------------------------

@@ -11,6 +11,10 @@ its outputs match the plain run's bit for bit; otherwise the reason is in `descr
 capture leaves a sticky "last error" in the CUDA runtime; it is read and cleared at once (as trtexec
 does), so the plain path that follows does not inherit it. TensorRT 8.5 is never captured (it fails).
 
+DLA: a plan whose sidecar (`<plan>.json`) says it was built for `dla:N` is deserialized with
+`Runtime.DLA_core = N` (TensorRT's default is core 0); a core this TensorRT does not report is
+ENGINE_DLA_UNAVAILABLE.
+
 Batching: a plan built with a batch profile (min 1, opt = max = `max_size`) and loaded with
 `EngineOptions.max_batch > 1` gets buffers for the largest batch; `infer` on `[N, C, H, W]` sets the
 input shape for N (only when N changes) and uses the first N rows. With CUDA graphs on, each batch size
@@ -32,7 +36,8 @@ import tensorrt as trt
 from engines import cuda_mem
 from engines.backends import BACKENDS
 from engines.backends.base import EngineOptions, TensorSpec
-from engines.backends.tensorrt_compat import graph_capture_blocker, numpy_dtype, shared_logger
+from engines.backends.tensorrt_compat import (graph_capture_blocker, numpy_dtype, select_dla_core, shared_logger,
+                                              sidecar_dla_core)
 from engines.cuda_mem import CudaError, CudaMemory, DeviceBuffer, open_cuda_memory
 from engines.errors import InferenceError, ModelError
 
@@ -81,6 +86,7 @@ class TrtEngine:
         self.graph_statuses: dict[int, str] = {}
         self.max_batch = 1
         self._batch = 1
+        self.dla_core: int | None = None  # from the plan's sidecar; None: the GPU
         self._cuda_graphs = cuda_graphs
         self._engine: Any = None
         self._context: Any = None
@@ -95,6 +101,9 @@ class TrtEngine:
 
     def _setup(self, plan: bytes, options: EngineOptions, cuda_graphs: bool) -> None:
         self._runtime = trt.Runtime(shared_logger(trt))  # one logger per process: see tensorrt_compat
+        self.dla_core = sidecar_dla_core(self.path)
+        if self.dla_core is not None:  # a dla:N plan runs on the Runtime's core (TensorRT's default: 0)
+            select_dla_core(trt, self._runtime, self.dla_core, self.path.name)
         self._engine = self._runtime.deserialize_cuda_engine(plan)
         if self._engine is None:
             raise ModelError(f"{self.path.name}: TensorRT {trt.__version__} cannot deserialize this plan (built by "
@@ -275,6 +284,7 @@ class TrtEngine:
             "backend": self.backend, "backend_version": trt.__version__, "precision": self.precision,
             "cuda_memory": self.cuda_name, "cuda_graph": self._graph is not None, "cuda_graph_status": self.graph_status,
             "max_batch": self.max_batch, "cuda_graphs": {str(n): s for n, s in sorted(self.graph_statuses.items())},
+            "device": "gpu" if self.dla_core is None else f"dla:{self.dla_core}",
             "inputs": [i.to_dict() for i in self.inputs], "outputs": [o.to_dict() for o in self.outputs],
         }
 

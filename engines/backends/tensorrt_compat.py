@@ -7,16 +7,20 @@
   loggers are ignored. So every Runtime and Builder here gets the same capturing logger
   (`shared_logger`), and a build reads the errors logged since it started.
 - CUDA graphs: capturing `execute_async_v3` fails on TensorRT 8.5.2, so capture starts at 8.6.
+- DLA: a plan built for `dla:N` runs on the core the Runtime names (`Runtime.DLA_core`, default 0), so
+  the core from the engine's sidecar is set before `deserialize_cuda_engine` (`select_dla_core`).
 Importable without TensorRT: `trt` is passed in.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import sys
 import threading
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -60,6 +64,46 @@ def graph_capture_blocker(trt: Any) -> str | None:
         return (f"skipped: capturing execute_async_v3 into a CUDA graph fails on TensorRT {trt.__version__} "
                 "(works from 8.6); plain enqueue is used")
     return None
+
+
+def sidecar_dla_core(plan: Path) -> int | None:
+    """The DLA core a cached plan was built for (its sidecar `<plan>.json`), None for a GPU plan.
+
+    The spec in the cache key (`parts.spec.dla_core`) is what the engine is; the build report's
+    `dla.core` is read when the key parts are absent. No sidecar (a plan from elsewhere): the GPU. A
+    sidecar that cannot be read is ENGINE_INCOMPATIBLE: guessing core 0 could run a dla:1 plan on the
+    wrong core, and the cache quarantines and rebuilds an engine with that code."""
+    sidecar = plan.with_name(plan.name + ".json")
+    try:
+        data = json.loads(sidecar.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{sidecar.name}: cannot read the engine's sidecar ({exc}), so its DLA core is unknown",
+                         code="ENGINE_INCOMPATIBLE") from exc
+    spec = (data.get("parts") or {}).get("spec") if isinstance(data, dict) else None
+    core = spec.get("dla_core") if isinstance(spec, dict) else None
+    if core is None and isinstance(data, dict):
+        core = ((data.get("report") or {}).get("dla") or {}).get("core")
+    if core is not None and (isinstance(core, bool) or not isinstance(core, int) or core < 0):
+        raise ModelError(f"{sidecar.name}: DLA core {core!r} is not a core number", code="ENGINE_INCOMPATIBLE")
+    return core
+
+
+def select_dla_core(trt: Any, runtime: Any, core: int, label: str) -> None:
+    """Point `runtime` at DLA core `core` before a plan is deserialized; ENGINE_DLA_UNAVAILABLE where this
+    TensorRT has no runtime DLA API or reports fewer cores (0 off Orin/Xavier and on releases without DLA)."""
+    version = getattr(trt, "__version__", "?")
+    if not (hasattr(runtime, "DLA_core") and hasattr(runtime, "num_DLA_cores")):
+        raise ModelError(f"{label}: built for dla:{core}, but TensorRT {version} has no Runtime.DLA_core; "
+                         "build the model for the GPU", code="ENGINE_DLA_UNAVAILABLE")
+    cores = int(runtime.num_DLA_cores)
+    if core >= cores:
+        seen = "no DLA cores" if cores == 0 else f"DLA cores 0..{cores - 1}"
+        raise ModelError(f"{label}: built for dla:{core}, but TensorRT {version} here reports {seen} "
+                         "(Runtime.num_DLA_cores); build it for this device (gpu or an existing core)",
+                         code="ENGINE_DLA_UNAVAILABLE")
+    runtime.DLA_core = core
 
 
 def shared_logger(trt: Any) -> Any:
