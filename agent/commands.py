@@ -167,6 +167,37 @@ def _set_config(control: AgentControl, args: SetConfigArgs) -> dict:
     return control.set_config(args.model_dump(exclude_none=True))
 
 
+class SetPolicyArgs(_Strict):
+    """set_policy: the adaptation policy's switches, budgets and limits (agent.adapt.config; persisted)."""
+
+    enabled: Optional[bool] = Field(default=None, description="Run the policy (false: stay on the current variant).")
+    pinned: Optional[str] = Field(default=None, max_length=64, description="Always run this variant; null unpins.")
+    latency_budget_ms: Optional[float] = Field(default=None, description="p99 budget in ms.")
+    temp_limit_c: Optional[float] = Field(default=None, description="Temperature limit in degrees C.")
+    temp_hysteresis_c: Optional[float] = Field(default=None, description="Step up only this far below the limit.")
+    power_budget_w: Optional[float] = Field(default=None, description="Board power budget in W.")
+    up_margin: Optional[float] = Field(default=None, description="Share of the budgets under which it steps up.")
+    down_after_s: Optional[float] = Field(default=None, description="Seconds over a limit before stepping down.")
+    up_after_s: Optional[float] = Field(default=None, description="Seconds under the margin before stepping up.")
+    max_switches_per_min: Optional[int] = Field(default=None, description="Most switches in any 60 s.")
+    cooldown_s: Optional[float] = Field(default=None, description="No step up into a variant that broke a limit this recently.")
+    dark_below: Optional[float] = Field(default=None, description="Mean luminance under which the scene is dark.")
+
+    @model_validator(mode="after")
+    def _something(self) -> "SetPolicyArgs":
+        if not self.model_fields_set:
+            raise ValueError(f"give at least one of {', '.join(type(self).model_fields)}")
+        return self
+
+
+@command("set_policy", SetPolicyArgs, "Change the adaptation policy live (enable, pin a variant, budgets, limits).")
+def _set_policy(control: AgentControl, args: SetPolicyArgs) -> dict:
+    set_policy = getattr(control, "set_policy", None)
+    if set_policy is None:
+        raise EdgeError("this agent has no adaptation policy", code="ADAPT_UNAVAILABLE")
+    return set_policy(args.model_dump(include=args.model_fields_set))
+
+
 @command("engines", NoArgs, "List the engines in this device's cache.")
 def _engines(control: AgentControl, args: NoArgs) -> dict:
     return {"engines": control.engines()}

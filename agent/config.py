@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from agent.adapt.config import AdaptConfig
 from agent.artifacts.config import ArtifactsConfig
 from agent.deployments.config import DeploymentConfig
 from agent.mqtt.config import MqttConfig
@@ -132,6 +133,7 @@ class AgentConfig(BaseSettings):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Telemetry sources.")
     control: ControlConfig = Field(default_factory=ControlConfig, description="Local control socket.")
     engines: EnginesConfig = Field(default_factory=EnginesConfig, description="Engine cache and validation.")
+    adapt: AdaptConfig = Field(default_factory=AdaptConfig, description="Switching between model variants (docs/adaptive.md).")
 
     def control_socket_path(self) -> Path:
         """Where the control socket lives."""

@@ -48,6 +48,7 @@ class AgentController:
             "window_latency_ms": agent.worker.window.latency.summary() if agent.worker else {},
             "camera": summary["camera"],
             "cameras": summary["cameras"],
+            "adapt": agent.adapt.status() if getattr(agent, "adapt", None) is not None else None,
             "ts": time.time(),
         }
 
@@ -90,6 +91,14 @@ class AgentController:
         if self.on_restart_pipeline is not None:
             return self.on_restart_pipeline()
         return self.agent.restart_capture()
+
+    def set_policy(self, changes: dict) -> dict:
+        """The adaptation policy's settings, live and persisted (only while a model family is active)."""
+        adapt = getattr(self.agent, "adapt", None)
+        if adapt is None:
+            raise EdgeError("no model family is active: the active model's manifest declares no variants "
+                            "(docs/adaptive.md)", code="ADAPT_UNAVAILABLE")
+        return adapt.set_policy(changes)
 
 
 def _jsonable(entry: Any) -> dict:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import psutil
 
+from agent.adapt import wiring as adapt_wiring
 from agent.commands import CommandDispatcher
 from agent.control import AgentController
 from agent.control_socket import ControlSocketServer
@@ -54,6 +55,7 @@ class Agent:
         self.loader: ModelLoader | None = None
         self.active: LoadedModel | None = None
         self.previous: LoadedModel | None = None
+        self.adapt: Any = None  # agent.adapt controller of the active model family (docs/adaptive.md)
         self.worker: InferenceWorker | None = None
         self.cameras: CameraGroup | None = None
         self.dispatcher: CommandDispatcher | None = None
@@ -106,6 +108,7 @@ class Agent:
         self.manager.recover()
         self.active = self._load_initial()
         self._start_frame_path()
+        adapt_wiring.restart(self)  # a family: its other variants build in the background
         self.manager.start()
         self.control_server = ControlSocketServer(cfg.control_socket_path(), self.dispatcher.dispatch, cfg.control.group)
         self.control_server.start()
@@ -167,6 +170,7 @@ class Agent:
         self.store.set_active_model(m.name, m.version, str(loaded.source.root), loaded.source.sha256, info)
 
     def _on_result(self, frame: Frame, result: Any, runtime: Any) -> None:
+        adapt_wiring.on_result(self, frame)
         self.last_result = {"camera": frame.source, "frame": frame.index, **result.to_dict(max_items=20)}
         if self.plane is not None:
             self.plane.on_result(self.last_result)
@@ -199,6 +203,7 @@ class Agent:
             "window_latency_ms": self.worker.window.latency.summary() if self.worker else {},
             "errors": summary["errors"], "model": summary["model"], "cameras": summary["cameras"],
             "batch": summary.get("batch"), "deployment": self.manager.status() if self.manager else None,
+            "adapt": summary.get("adapt"),
         })
 
     def health(self) -> str:
@@ -218,6 +223,7 @@ class Agent:
         if self.watchdog is not None:
             self.watchdog.stop()
         self.stop_event.set()
+        adapt_wiring.halt(self)
         if self.batcher is not None:
             self.batcher.close()
         if self.control_server is not None:
@@ -231,6 +237,7 @@ class Agent:
                 if thread.is_alive():
                     log.error("thread %s did not stop within %.1f s", thread.name, JOIN_TIMEOUT_S)
         summary = self.summary()
+        adapt_wiring.stop(self)
         if self.plane is not None:
             self.plane.stop()
             self.plane = None
@@ -261,6 +268,7 @@ class Agent:
             "cameras": camera_numbers(self.worker, self.batcher, self.cameras),
             "batch": {**self.batch_size.to_dict(), "batches": self.worker.batches if self.worker else 0}
             if self.batch_size is not None else None,
+            "adapt": self.adapt.status() if self.adapt is not None else None,
             "duration_s": round(time.monotonic() - self.stats.started, 2),
         }
 
@@ -275,6 +283,7 @@ class Agent:
         """Swap the candidate in between two frames, by the configured strategy; returns what happened."""
         assert self.loader is not None and self.worker is not None
         strategy = self.config.deployments.swap_strategy
+        adapt_wiring.stop(self)  # a deployment replaces the whole family: no variant switch during the swap
         with self._swap_lock:
             fps_before = self.worker.window.fps()
             fps_cameras = {name: round(w.fps(), 2) for name, w in self.worker.camera_windows.items()}
@@ -287,6 +296,7 @@ class Agent:
             gap_ms = self._measure_gap(before)
             self._retire(self.active)
             self.active = candidate
+        adapt_wiring.restart(self)
         self._last_swap = {"strategy": strategy, "gap_ms": gap_ms, "fps_before": round(fps_before, 2),
                            "fps_before_cameras": fps_cameras, "previous_loaded": self.previous is not None}
         return dict(self._last_swap)
@@ -371,6 +381,7 @@ class Agent:
     def rollback(self, reason: str, numbers: dict[str, Any] | None = None) -> dict[str, Any]:
         """Back to the previous model: instant when it is still loaded, else loaded again from its artifact."""
         assert self.store is not None and self.loader is not None and self.worker is not None
+        adapt_wiring.stop(self)  # back to the previous family, at the variant kept loaded for it
         with self._swap_lock:
             row = self.store.model_slot("previous")
             if row is None:
@@ -386,6 +397,7 @@ class Agent:
             if replaced is not None:
                 replaced.runtime.close()
             self._record_active(target, row["info"].get("deployment_id"))
+        adapt_wiring.restart(self)
         result = {"model": target.describe(), "reason": reason, "gap_ms": gap_ms,
                   "took_ms": round((time.monotonic() - started) * 1e3, 1), **({"numbers": numbers} if numbers else {})}
         self.emit("rollback", **result)

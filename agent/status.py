@@ -36,10 +36,37 @@ def read_status(config: AgentConfig) -> dict[str, Any]:
             "cameras": _latest_cameras(live if running else None, last_run),
             "last_run": last_run,
             "events": [{"ts": e["ts"], "type": e["type"], **e["payload"]} for e in store.events(10)],
+            "adapt": adapt_status(store, live if running else None),
         }
         return report
     finally:
         store.close()
+
+
+def adapt_status(store: StateStore, live: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The model family (accuracy and latency per variant), the active variant and the policy, if any."""
+    family = store.get_kv("adapt_family")
+    running = (live or {}).get("adapt")
+    if not family and not running:
+        return None
+    return {"family": family, "active_variant": (running or {}).get("active_variant"),
+            "policy": (running or {}).get("policy"), "state": (running or {}).get("state"),
+            "switches": (running or {}).get("switches")}
+
+
+def render_adapt(adapt: dict[str, Any] | None, console: Console) -> None:
+    """One line per variant: accuracy vs the family reference, latency here, ready or why it was left out."""
+    if not adapt or not adapt.get("family"):
+        return
+    active = adapt.get("active_variant")
+    console.print(f"  adapt    {adapt['family'].get('model')}: active {active or '-'}", highlight=False, markup=False)
+    for v in adapt["family"].get("variants", []):
+        acc = "-" if v.get("accuracy") is None else f"{v['accuracy']:.3f}"
+        p99 = (v.get("latency_ms") or {}).get("p99", "-")
+        note = v["status"] if v["status"] != "excluded" else f"left out: {v.get('code')}: {v.get('reason')}"
+        mark = "*" if v["name"] == active else " "
+        console.print(f"         {mark}{v['name']} {v['precision']} {v['input'][0]}x{v['input'][1]} accuracy {acc} "
+                      f"p99 {p99} ms {note}", highlight=False, markup=False)
 
 
 def _alive(pid: int | None) -> bool:
@@ -98,6 +125,7 @@ def render_status(report: dict[str, Any], console: Console) -> None:
         state = "" if cam.get("connected", True) else " (down)"
         console.print(f"  camera   {name}{state}: {cam.get('fps', 0):.1f} fps, p99 {cam.get('latency_ms', {}).get('p99', '-')} ms, "
                       f"frames {cam.get('frames', 0)}, dropped {cam.get('dropped_frames', 0)}", highlight=False, markup=False)
+    render_adapt(report.get("adapt"), console)
     if report.get("last_run"):
         run = report["last_run"]
         console.print(f"  last run #{run['id']} {run['status']}")

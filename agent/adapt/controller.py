@@ -1,0 +1,222 @@
+"""The adaptation controller: builds the family in the background, then once a second samples the
+frame path and the telemetry sources, runs the pure policy and hot-swaps the chosen variant in.
+
+Every variant stays loaded (resident), so a switch is `InferenceWorker.swap` between two batches --
+the same swap deployments use: no rebuild, no frame lost. Each switch is an `adapt` event with
+`from`, `to`, `reason` and the numbers that caused it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from agent.adapt.config import AdaptConfig
+from agent.adapt.family import Load, Member, Provision, build_member, members, reference_frames, reference_runtime
+from agent.adapt.inputs import SlidingLatency, mean_luminance, policy_inputs
+from agent.adapt.policy import Decision, PolicyState, decide, initial_state
+from engines.errors import EdgeError
+from engines.model import ModelSource
+
+log = logging.getLogger(__name__)
+
+POLICY_KEY = "adapt_policy"  # set_policy changes, persisted (state DB kv)
+FAMILY_KEY = "adapt_family"  # the last built family with accuracy and latency per variant
+Swap = Callable[[Any], None]  # hot swap to this LoadedModel between two frames
+Sampler = Callable[[], dict[str, Any]]  # one telemetry sample (agent.telemetry fields)
+
+
+class AdaptController(threading.Thread):
+    """One model family's controller; `stop_event` ends it, `close` releases the variants it loaded."""
+
+    def __init__(self, source: ModelSource, serving: Any, config: AdaptConfig, *, provision: Provision, load: Load,
+                 swap: Swap, sample: Sampler | None = None, emit: Callable[..., None] | None = None,
+                 store: Any = None, stop_event: threading.Event | None = None, validation_samples: int = 8,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(name="adapt", daemon=True)
+        self.source, self.config = source, config
+        self.members = members(source)
+        self.ready: list[Member] = []
+        self.active: Member | None = None
+        self.state: PolicyState | None = None
+        self.latency = SlidingLatency(config.window_s)
+        self.frames_by_variant: dict[str, int] = {}
+        self.switches: list[dict[str, Any]] = []
+        self.built = threading.Event()
+        self._provision, self._load, self._swap = provision, load, swap
+        self._sample, self._emit, self._store = sample or dict, emit or (lambda *a, **k: None), store
+        self._halt = stop_event or threading.Event()
+        self._samples, self._clock = validation_samples, clock
+        self._last_image: np.ndarray | None = None
+        self._lock = threading.RLock()
+        self._attach(serving)
+        self._restore_policy()
+
+    # --- the frame path's side (called from the inference worker: cheap, never blocks) ------------------
+
+    def on_result(self, captured_at: float, image: np.ndarray | None, now: float | None = None) -> None:
+        """One frame done: its glass-to-result latency, the frame for the brightness rule, the variant count."""
+        now = self._clock() if now is None else now
+        self.latency.record((now - captured_at) * 1e3, now)
+        self._last_image = image
+        name = self.active.name if self.active is not None else "?"
+        self.frames_by_variant[name] = self.frames_by_variant.get(name, 0) + 1
+
+    # --- thread ----------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Build the other variants, then sample and decide every interval until stopped."""
+        try:
+            self.build_family()
+        except Exception as exc:  # the serving variant keeps running; say why adaptation is off
+            log.exception("building the model family failed")
+            self._emit("adapt_family", state="failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        while not self._halt.wait(self.config.interval_s):
+            try:
+                self.tick()
+            except Exception:
+                log.exception("adaptation step failed")
+
+    def build_family(self) -> list[Member]:
+        """Every variant provisioned, loaded, gated; the ready ones become the policy's ladder."""
+        reference = reference_runtime(self.source)
+        try:
+            frames = reference_frames(self.source, self._samples)
+            for member in self.members:
+                if self._halt.is_set():
+                    break
+                self._build_one(member, reference, frames)
+        finally:
+            reference.close()
+        with self._lock:
+            self.ready = [m for m in self.members if m.status == "ready"]
+            if self.active not in self.ready:  # the serving variant failed the family gate: keep it as its own rung
+                self.ready = sorted(self.ready + [self.active], key=lambda m: m.index)
+            self.state = initial_state(len(self.ready), self.ready.index(self.active))
+        self._persist_family()
+        self._emit("adapt_family", state="ready", model=self.source.label, variants=[m.to_dict() for m in self.members])
+        self.built.set()
+        return self.ready
+
+    def _build_one(self, member: Member, reference: Any, frames: list[np.ndarray]) -> None:
+        if member is self.active:
+            keep = member.loaded  # serving: never closed here, even when its family score is low
+            build_member(member, lambda _s: member.provisioned, lambda _s, _p: keep, reference, frames, owned=False)
+            return
+        build_member(member, self._provision, self._load, reference, frames)
+        if member.loaded is not None:
+            member.loaded.variant = member.name
+
+    def tick(self, now: float | None = None, sample: dict[str, Any] | None = None) -> Decision | None:
+        """One policy step over the current numbers; switches when the policy says so."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            if self.state is None:
+                return None
+            names = [m.name for m in self.ready]
+            try:
+                policy = self.config.policy(names, self.source.manifest.gates.latency_budget_ms)
+            except ValueError as exc:  # a pin naming a variant that was left out: ignore the pin, say so
+                log.warning("%s; the pin is ignored", exc)
+                policy = self.config.model_copy(update={"pinned": None}).policy(
+                    names, self.source.manifest.gates.latency_budget_ms)
+            brightness = mean_luminance(self._last_image) if policy.dark_below is not None else None
+            inputs = policy_inputs(self.latency.p99(now), self._sample() if sample is None else sample, brightness,
+                                   self.config.temp_zones)
+            self.state, decision = decide(policy, self.state, inputs, now)
+            if decision is not None:
+                self._switch(decision)
+            return decision
+
+    def _switch(self, decision: Decision) -> None:
+        old, new = self.ready[decision.from_variant], self.ready[decision.to_variant]
+        started = time.perf_counter()
+        self._swap(new.loaded)
+        self.active = new
+        self.latency.clear()
+        record = {"from": old.name, "to": new.name, "reason": decision.reason, "numbers": decision.numbers,
+                  "swap_ms": round((time.perf_counter() - started) * 1e3, 1), "model": self.source.label}
+        self.switches.append(record)
+        log.info("adapt: %s -> %s (%s %s)", old.name, new.name, decision.reason, decision.numbers)
+        self._emit("adapt", **record)
+        self._persist_variant()
+
+    # --- operator control ------------------------------------------------------------------------------
+
+    def set_policy(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Apply policy changes live (validated as a whole) and persist them; returns the new policy."""
+        with self._lock:
+            try:
+                updated = self.config.with_changes(changes)
+                if self.ready:
+                    updated.policy([m.name for m in self.ready], None)  # a pin must name a ready variant
+                elif updated.pinned is not None and updated.pinned not in [m.name for m in self.members]:
+                    raise ValueError(f"pinned: no variant {updated.pinned!r}; variants: {[m.name for m in self.members]}")
+            except ValueError as exc:
+                raise EdgeError(f"set_policy: {exc}", code="INVALID_POLICY") from exc
+            self.config = updated
+            if self._store is not None:
+                self._store.set_kv(POLICY_KEY, {**(self._store.get_kv(POLICY_KEY) or {}), **changes})
+        self._emit("adapt_policy", changes=changes)
+        return {"applied": changes, "policy": self.policy_dict()}
+
+    def policy_dict(self) -> dict[str, Any]:
+        """The policy settings in force."""
+        return self.config.model_dump()
+
+    def status(self) -> dict[str, Any]:
+        """Active variant, policy and its state, the family with accuracy and latency: for status and summary."""
+        with self._lock:
+            return {"active_variant": self.active.name if self.active else None, "built": self.built.is_set(),
+                    "policy": self.policy_dict(), "state": self.state.to_dict() if self.state else None,
+                    "variants": [m.to_dict() for m in self.members], "switches": len(self.switches),
+                    "frames_by_variant": dict(self.frames_by_variant)}
+
+    def close(self, keep: tuple[Any, ...] = ()) -> None:
+        """Release every variant's engine except those in `keep` (the agent's active and previous models)."""
+        for member in self.members:
+            if member.loaded is not None and all(member.loaded is not k for k in keep):
+                member.loaded.runtime.close()
+            member.loaded = None
+
+    # --- internals -------------------------------------------------------------------------------------
+
+    def _attach(self, serving: Any) -> None:
+        """Find which variant the serving model is (by file, precision and input size)."""
+        key = _variant_key(serving.source)
+        match = next((m for m in self.members if _variant_key(m.source) == key), None)
+        if match is None:
+            raise EdgeError(f"{self.source.label}: the serving model matches none of the declared variants "
+                            f"{[m.name for m in self.members]}", code="ADAPT_NO_VARIANT")
+        match.loaded, match.provisioned, match.source = serving, serving.provisioned, serving.source
+        serving.variant, serving.family = match.name, self.source
+        self.active = match
+
+    def _restore_policy(self) -> None:
+        """set_policy changes made before a restart stay in force."""
+        stored = self._store.get_kv(POLICY_KEY) if self._store is not None else None
+        if not stored:
+            return
+        try:
+            self.config = self.config.with_changes(stored)
+        except ValueError as exc:
+            log.warning("stored adapt policy ignored (%s)", exc)
+
+    def _persist_family(self) -> None:
+        if self._store is not None:
+            self._store.set_kv(FAMILY_KEY, {"model": self.source.label, "sha256": self.source.sha256[:12],
+                                            "variants": [m.to_dict() for m in self.members], "ts": time.time()})
+
+    def _persist_variant(self) -> None:
+        if self._store is not None:
+            self._store.set_kv(f"adapt_variant:{self.source.sha256[:16]}", self.active.name if self.active else None)
+
+
+def _variant_key(source: ModelSource) -> tuple[Any, ...]:
+    m = source.manifest
+    return m.model.sha256, m.build.precision, m.preprocess.width, m.preprocess.height

@@ -1,0 +1,157 @@
+"""The controller on real parts: a family built through the engine cache, a running inference worker
+swapped between frames, and the Jetson sysfs reader on a copy of a recorded board whose temperature
+and power files the test rewrites (the heat or the load rises past the limit, then falls back)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.adapt.config import AdaptConfig
+from agent.adapt.controller import POLICY_KEY, AdaptController
+from agent.adapt.family import members
+from agent.artifacts.config import ArtifactsConfig
+from agent.artifacts.trust import verify_artifact
+from agent.pipeline.frame_stats import FrameStats
+from agent.pipeline.mailbox import FreshestMailbox
+from agent.pipeline.worker import InferenceWorker
+from agent.sources.base import Frame
+from agent.state import StateStore
+from agent.telemetry.sysfs import JetsonSysfsSource
+from engines.errors import EdgeError
+from tests.engine_fixtures import board_root
+from tests.helpers import wait_for
+from tests.test_adapt_family import loader, make_family
+
+GPU_ZONE = "sys/class/thermal/thermal_zone1/temp"  # gpu-thermal on the recorded Orin Nano
+VDD_IN_CURRENT = "sys/bus/i2c/drivers/ina3221/1-0040/hwmon/hwmon1/curr1_input"  # mA at 5028 mV: 12.5 W recorded
+
+
+class Rig:
+    """Family + worker + controller; frames flow while the test drives the policy clock."""
+
+    def __init__(self, tmp: Path, config: AdaptConfig, store: Any = None) -> None:
+        artifact, public = make_family(tmp, ["full:fp32", "int8:int8", "small:int8:16x16"])
+        self.source = verify_artifact(artifact, ArtifactsConfig(trusted_keys=[str(public)]))
+        self.prov, self.load = loader(tmp)
+        first = members(self.source)[0].source
+        self.serving = self.load(first, self.prov(first))
+        self.root = board_root(tmp)
+        self.events: list[tuple[str, dict]] = []
+        self.stop = threading.Event()
+        self.mailbox: FreshestMailbox[Frame] = FreshestMailbox()
+        self.stats = FrameStats()
+        self.worker = InferenceWorker(self.serving.runtime, self.mailbox, self.stop, self.stats, self._result)
+        self.controller = AdaptController(
+            self.source, self.serving, config, provision=self.prov, load=self.load, swap=self._swap,
+            sample=JetsonSysfsSource(self.root).sample, emit=lambda t, **f: self.events.append((t, f)), store=store,
+            validation_samples=2)
+        self.feeder = threading.Thread(target=self._feed, name="feeder", daemon=True)
+        self.sent = 0
+
+    def _swap(self, loaded: Any) -> None:
+        self.worker.swap(loaded.runtime)
+
+    def _result(self, frame: Frame, result: Any, runtime: Any) -> None:
+        self.controller.on_result(frame.captured_at, frame.image)
+
+    def _feed(self) -> None:
+        image = np.full((32, 32, 3), 128, np.uint8)
+        while not self.stop.wait(0.01):
+            self.sent += 1
+            self.mailbox.put(Frame(image, self.sent, time.monotonic()))
+
+    def __enter__(self) -> "Rig":
+        self.worker.start()
+        self.feeder.start()
+        self.controller.build_family()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.mailbox.close()
+        self.feeder.join(2)
+        self.worker.join(2)
+        self.controller.close()
+
+    def write(self, relative: str, value: int) -> None:
+        (self.root / relative).write_text(f"{value}\n")
+
+    def switches(self) -> list[tuple[str, str, str]]:
+        return [(f["from"], f["to"], f["reason"]) for t, f in self.events if t == "adapt"]
+
+    def run_ticks(self, start: float, count: int) -> float:
+        """One policy step per simulated second, each after the worker served a frame on the active variant."""
+        for i in range(count):
+            done = self.stats.frames
+            assert wait_for(lambda: self.stats.frames > done, timeout=10)
+            self.controller.tick(now=start + i)
+        return start + count
+
+
+def test_thermal_scenario_steps_down_and_back_up_through_the_sysfs_reader(tmp_path: Path) -> None:
+    config = AdaptConfig(temp_limit_c=70, temp_hysteresis_c=5, down_after_s=2, up_after_s=3, cooldown_s=0)
+    with Rig(tmp_path, config) as rig:
+        assert [m["status"] for m in rig.controller.status()["variants"]] == ["ready"] * 3
+        t = rig.run_ticks(0, 5)  # recorded 53-54 C: below the limit, and serving the most accurate already
+        assert rig.switches() == []
+        rig.write(GPU_ZONE, 76500)  # the enclosure heats up
+        t = rig.run_ticks(t, 3)
+        assert rig.switches() == [("full", "int8", "temperature")]
+        numbers = [f for k, f in rig.events if k == "adapt"][0]["numbers"]
+        assert numbers["temp_c"] == 76.5
+        assert rig.worker.runtime is rig.controller.ready[1].loaded.runtime  # hot-swapped, same worker
+        t = rig.run_ticks(t, 3)
+        assert rig.switches()[-1] == ("int8", "small", "temperature")
+        rig.write(GPU_ZONE, 68000)  # inside the hysteresis band (limit 70 - 5): hold
+        t = rig.run_ticks(t, 6)
+        assert len(rig.switches()) == 2
+        rig.write(GPU_ZONE, 60000)  # cooled down: climbs back, one step per up_after_s
+        rig.run_ticks(t, 9)
+        assert rig.switches()[2:] == [("small", "int8", "headroom"), ("int8", "full", "headroom")]
+        assert rig.worker.runtime is rig.serving.runtime
+        assert rig.stats.errors == 0  # no frame failed across four swaps
+        shares = rig.controller.status()["frames_by_variant"]
+        assert set(shares) == {"full", "int8", "small"}
+
+
+def test_power_budget_scenario(tmp_path: Path) -> None:
+    config = AdaptConfig(power_budget_w=15, up_margin=0.9, down_after_s=1, up_after_s=2, cooldown_s=0)
+    with Rig(tmp_path, config) as rig:
+        t = rig.run_ticks(0, 3)  # 12.5 W recorded: inside the budget
+        assert rig.switches() == []
+        rig.write(VDD_IN_CURRENT, 3600)  # 5028 mV x 3600 mA = 18.1 W
+        t = rig.run_ticks(t, 2)
+        assert rig.switches() == [("full", "int8", "power")]
+        assert [f for k, f in rig.events if k == "adapt"][0]["numbers"]["power_w"] == pytest.approx(18.1, abs=0.05)
+        rig.write(VDD_IN_CURRENT, 2000)  # 10.1 W, under 90 % of the budget
+        rig.run_ticks(t, 3)
+        assert rig.switches()[-1] == ("int8", "full", "headroom")
+        assert rig.stats.errors == 0
+
+
+def test_set_policy_pins_and_persists(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state.db")
+    try:
+        with Rig(tmp_path, AdaptConfig(temp_limit_c=70), store=store) as rig:
+            reply = rig.controller.set_policy({"pinned": "small"})
+            assert reply["policy"]["pinned"] == "small"
+            rig.run_ticks(0, 1)
+            assert rig.switches() == [("full", "small", "pinned")]
+            with pytest.raises(EdgeError) as err:
+                rig.controller.set_policy({"pinned": "nope"})
+            assert err.value.code == "INVALID_POLICY" and "full" in str(err.value)
+            with pytest.raises(EdgeError):
+                rig.controller.set_policy({"up_margin": 3})
+            rig.controller.set_policy({"pinned": None, "enabled": False})
+            assert store.get_kv(POLICY_KEY) == {"pinned": None, "enabled": False}
+            restarted = AdaptController(rig.source, rig.serving, AdaptConfig(), provision=rig.prov, load=rig.load,
+                                        swap=lambda m: None, store=store)
+            assert restarted.config.enabled is False and restarted.config.pinned is None
+    finally:
+        store.close()
