@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 from agent.pipeline.batcher import Batcher
@@ -44,11 +45,12 @@ class CameraGroup:
             thread.start()
 
     def stop(self, timeout: float) -> None:
-        """Signal every thread, then join each (they share one stop event, so this takes one timeout)."""
+        """Signal every thread, then join them all within one `timeout` (a wedged driver costs it once)."""
         self._stop.set()
+        deadline = time.monotonic() + timeout
         for thread in self.threads.values():
             if thread.is_alive():
-                thread.join(timeout)
+                thread.join(max(0.0, deadline - time.monotonic()))
                 if thread.is_alive():
                     log.error("thread %s did not stop within %.1f s", thread.name, timeout)
 
