@@ -1,4 +1,5 @@
-"""The daemon's main job: model + camera + inference loop + deployments, started and stopped in order."""
+"""The daemon's composition root: state store, model, frame path (agent.pipeline: cameras -> batcher ->
+inference worker), deployments, MQTT plane and control socket — started in order, stopped in reverse."""
 
 from __future__ import annotations
 
