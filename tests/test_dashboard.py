@@ -226,6 +226,21 @@ def test_cli_refuses_a_missing_store_and_a_bad_bind(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "expected HOST:PORT" in result.stderr
 
 
+def test_cli_takes_the_store_from_the_environment_or_a_file_and_masks_passwords(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(deploy_app, ["dashboard"], env={"EDGE_FLEET_DB": f"sqlite:///{tmp_path / 'none.db'}"})
+    assert result.exit_code == 2 and "no fleet database" in result.stderr  # the URL came from EDGE_FLEET_DB
+    url_file = tmp_path / "db.url"
+    url_file.write_text("mysql://fleet:hunter2@db/fleet\n")
+    for args, env in ((["--db", "mysql://fleet:hunter2@db/fleet"], {}), (["--db-file", str(url_file)], {}),
+                      ([], {"EDGE_FLEET_DB": "mysql://fleet:hunter2@db/fleet"})):
+        result = runner.invoke(deploy_app, ["dashboard", *args], env=env)
+        assert result.exit_code == 2 and "'mysql://fleet:***@db/fleet'" in result.stderr, result.output
+        assert "hunter2" not in result.output
+    result = runner.invoke(deploy_app, ["dashboard"], env={"EDGE_FLEET_DB": ""})
+    assert result.exit_code == 2 and "no fleet store" in result.stderr
+
+
 def test_pages_load_nothing_from_other_origins() -> None:
     static = Path(__file__).resolve().parents[1] / "deploy" / "fleet" / "dashboard" / "static"
     for page in static.glob("*.html"):

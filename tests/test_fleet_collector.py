@@ -556,14 +556,15 @@ def test_collector_started_while_the_database_is_down_waits_for_it(
     collectors.append(collector)
     postgres_server.stop()
     try:
-        starter = threading.Thread(target=collector.start)
-        starter.start()
+        collector.start()  # returns at once: the writer thread waits for the store
+        assert collector.state() == "waiting for database"
         assert wait_for(lambda: collector.stats().get("db_retries", 0) >= 2, 15)
-        assert starter.is_alive() and not collector.connected.is_set()  # no subscription before a store
+        assert not collector.connected.is_set()  # no subscription before a store
+        assert collector.state() == "waiting for database"
     finally:
         postgres_server.start()
-    starter.join(30)
-    assert wait_for(collector.subscribed.is_set, 15)
+    assert wait_for(collector.subscribed.is_set, 30)
+    assert collector.state() == "collecting"
     publisher.send(f"{p}/dev-1/telemetry", sample(1))
     assert wait_for(lambda: count(url) == 1, 15)
     assert wait_for(lambda: stat(url, "db_retries") >= 2, 10)
@@ -610,6 +611,110 @@ def _subscribed(publisher: Publisher, prefix: str, url: str) -> bool:
         return count(url, "events") > 0
     except Exception:  # noqa: BLE001 - the collector has not created the tables yet
         return False
+
+
+def _notify_socket(directory: Path) -> socket.socket:
+    """A stand-in for systemd's notify socket (a datagram socket the CLI sends READY/STATUS to)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(directory / "notify"))
+    return sock
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_cli_is_ready_at_once_while_the_database_is_down_and_logs_no_password(
+        mqtt_broker: Broker, request: pytest.FixtureRequest) -> None:
+    """Type=notify: READY=1 comes before the store opens (before: only after it, so systemd killed a
+    collector whose database was down at boot), STATUS= says what it waits for; the URL comes from the
+    environment (not `ps`) and its password appears in no log line."""
+    import tempfile
+
+    p = unique_prefix(request)
+    with tempfile.TemporaryDirectory(dir="/tmp") as short:  # AF_UNIX paths are limited to 108 bytes
+        sock = _notify_socket(Path(short))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "NOTIFY_SOCKET": str(Path(short) / "notify"),
+               "EDGE_FLEET_DB": f"postgresql://fleet:hunter2@127.0.0.1:{_closed_port()}/fleet"}
+        cmd = [sys.executable, "-m", "deploy.cli", "collect", "--broker", mqtt_broker.url, "--prefix", p,
+               "--client-id", f"notify-{p}", "--log-level", "debug"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+        reader.start()
+        try:
+            ready, _, _ = select.select([sock], [], [], 60)
+            assert ready, "no READY=1 while the database is down"
+            message = sock.recv(4096).decode()
+            assert "READY=1" in message and "STATUS=waiting for database" in message
+            assert wait_for(lambda: any("fleet store unavailable" in line for line in lines), 30)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=30)
+            reader.join(10)
+            sock.close()
+    assert proc.returncode == 0, "".join(lines)
+    logged = "".join(lines)
+    assert "hunter2" not in logged + out and "fleet:***@127.0.0.1" in logged
+    assert json.loads(out.strip().splitlines()[-1])["connected"] is False
+
+
+@pytest.mark.parametrize(("args", "why"), [
+    (["--timescale", "on"], "timescale 'on' must be auto or off"),
+    (["--log-level", "bogus"], "--log-level 'bogus' is not one of DEBUG, INFO, WARNING, ERROR"),
+    (["--db", "mysql://fleet:hunter2@db/fleet"], "fleet store 'mysql://fleet:***@db/fleet'"),
+])
+def test_cli_names_the_bad_option_and_no_password(args: list[str], why: str) -> None:
+    from typer.testing import CliRunner
+
+    from deploy.cli import app
+
+    result = CliRunner().invoke(app, ["collect", "--broker", "mqtt://127.0.0.1:1", *args])
+    assert result.exit_code == 2, (result.exception, result.output)
+    assert why in result.stderr and "hunter2" not in result.output and "Traceback" not in result.output
+
+
+def test_cli_takes_the_store_from_the_environment_or_a_file(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from deploy.cli import app
+
+    runner, args = CliRunner(), ["collect", "--broker", "mqtt://127.0.0.1:1", "--timescale", "x"]
+    url_file = tmp_path / "db.url"
+    url_file.write_text("# the fleet store\nmysql://fleet:hunter2@db/fleet\n")
+    for extra, env in (([], {"EDGE_FLEET_DB": "mysql://fleet:hunter2@db/fleet"}), (["--db-file", str(url_file)], {})):
+        result = runner.invoke(app, [*args[:3], *extra], env=env)
+        assert result.exit_code == 2 and "fleet store 'mysql://fleet:***@db/fleet'" in result.stderr, result.output
+        assert "hunter2" not in result.output
+    result = runner.invoke(app, [*args[:3], "--db-file", str(url_file), "--db", "sqlite:///x.db"])
+    assert result.exit_code == 2 and "use one" in result.stderr
+    result = runner.invoke(app, [*args[:3], "--db-file", str(tmp_path / "absent")])
+    assert result.exit_code == 2 and "cannot read it" in result.stderr
+
+
+def test_log_lines_and_tracebacks_have_passwords_masked() -> None:
+    import io
+
+    from deploy.fleet.redact import install_log_redaction, redact
+
+    logger, stream = logging.getLogger("test.redact"), io.StringIO()
+    logger.addHandler(logging.StreamHandler(stream))
+    logger.propagate = False
+    try:
+        install_log_redaction(logger)
+        logger.warning("store %s away", "postgresql://u:s3cret@h/db")
+        try:
+            raise RuntimeError("connect failed: host=h password='s3 cret' user=u")
+        except RuntimeError:
+            logger.exception("failed")
+    finally:
+        logger.handlers.clear()
+    assert "s3cret" not in stream.getvalue() and "s3 cret" not in stream.getvalue()
+    assert "postgresql://u:***@h/db" in stream.getvalue() and "password=*** user=u" in stream.getvalue()
+    assert redact("mqtt://broker:1883 and postgresql://u@h/db?password=x&sslmode=require") == \
+        "mqtt://broker:1883 and postgresql://u@h/db?password=***&sslmode=require"
 
 
 def test_cli_refuses_bad_options() -> None:

@@ -88,9 +88,27 @@ def test_unit_runs_the_collect_command_with_the_env_file_settings() -> None:
     text = UNIT.read_text()
     assert "EnvironmentFile=/etc/edge-fleet-collector/collector.env" in text
     exec_start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
-    for option in ("--broker ${EDGE_COLLECTOR_BROKER}", "--db ${EDGE_COLLECTOR_DB}", "--group ${EDGE_COLLECTOR_GROUP}",
+    for option in ("--broker ${EDGE_COLLECTOR_BROKER}", "--group ${EDGE_COLLECTOR_GROUP}",
                    "--client-id ${EDGE_COLLECTOR_CLIENT_ID}"):
         assert option in exec_start
     env = (ROLE / "templates/collector.env.j2").read_text()
     assert set(re.findall(r"\$\{?(EDGE_COLLECTOR_\w+)", exec_start)) == set(re.findall(r"^(EDGE_COLLECTOR_\w+)=",
                                                                                       env, re.MULTILINE))
+
+
+def test_the_database_url_never_reaches_the_command_line() -> None:
+    """`ps` shows every process's arguments to every user: the URL (maybe with a password) travels in
+    EDGE_FLEET_DB from the env file, which is root's alone (systemd reads it before dropping privileges)."""
+    exec_start = next(line for line in UNIT.read_text().splitlines() if line.startswith("ExecStart="))
+    assert "--db" not in exec_start and "DB" not in exec_start
+    url = "postgresql://fleet:hunter2@db.example/fleet"
+    env = _render_template("collector.env.j2", fleet_collector_db_url=url)
+    assert f"EDGE_FLEET_DB={url}" in env.splitlines() and "PGPASSFILE" not in env
+    with_pgpass = _render_template("collector.env.j2", fleet_collector_pgpass="db.example:5432:fleet:fleet:hunter2")
+    assert "PGPASSFILE=/etc/edge-fleet-collector/pgpass" in with_pgpass.splitlines()
+    yaml = pytest.importorskip("yaml")
+    tasks = {t["name"]: t for t in yaml.safe_load((ROLE / "tasks/main.yml").read_text())}
+    env_task = next(t for name, t in tasks.items() if "settings" in name)["ansible.builtin.template"]
+    assert (env_task["mode"], env_task["owner"], env_task["group"]) == ("0600", "root", "root")
+    pgpass_task = next(t for name, t in tasks.items() if "password file" in name)
+    assert pgpass_task["ansible.builtin.copy"]["mode"] == "0600" and pgpass_task["no_log"] is True

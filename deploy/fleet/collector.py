@@ -35,6 +35,7 @@ from agent.mqtt.config import MqttConfig
 from agent.mqtt.paho_setup import RC_UNSUPPORTED_PROTOCOL, Backoff, refusal_code, tls_context
 from agent.mqtt.topics import EVENTS, META, STATUS, TELEMETRY, check_prefix, fleet_filter
 from deploy.fleet.db import TRANSIENT_ERRORS, FleetDB, open_db
+from deploy.fleet.redact import redact
 from deploy.fleet.records import DeviceUpdate, Malformed, Row, parse_message
 from deploy.fleet.schema import Partitions, ensure_schema
 from deploy.fleet.writer import write_batch
@@ -74,6 +75,8 @@ class CollectorConfig:
         check_prefix(self.prefix)
         if not self.group or any(c in self.group for c in "/+#$"):
             raise ValueError(f"group {self.group!r} must be one topic level without '/', '+', '#', '$'")
+        if self.timescale not in ("auto", "off"):
+            raise ValueError(f"timescale {self.timescale!r} must be auto or off")
         if self.protocol not in ("auto", "5", "3.1.1"):
             raise ValueError(f"protocol {self.protocol!r} must be auto, 5 or 3.1.1")
         if not 1 <= self.inflight <= 65535 or self.batch_size < 1:
@@ -106,6 +109,8 @@ class Collector:
         self.stop_event = threading.Event()
         self.connected = threading.Event()
         self.subscribed = threading.Event()
+        self.store_ready = threading.Event()
+        self.fatal: str | None = None  # why the collector cannot run at all (run() then returns)
         self.totals: Counter = Counter()  # since start, for logs and tests
         self._pending: Counter = Counter()  # not yet added to collector_stats
         self._lock = threading.Lock()
@@ -123,12 +128,19 @@ class Collector:
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        """Open the store (waiting while it is unreachable), then connect and start writing."""
-        self.db = self._open_store()
-        if self.db is None:
-            return  # stopped while waiting for the database
+        """Start the writer thread, which opens the store (waiting while it is unreachable), then connects.
+
+        Returns at once: under systemd the process reports READY while the database may still be down
+        (a Type=notify unit that never gets READY is killed and restarted in a loop). No subscription is
+        made before the store is open, so the broker keeps the backlog meanwhile.
+        """
         self._writer.start()
-        self._connect()
+
+    def state(self) -> str:
+        """What the collector is doing, in words (systemd STATUS=, logs)."""
+        if not self.store_ready.is_set():
+            return "waiting for database"
+        return "collecting" if self.connected.is_set() else "waiting for broker"
 
     def stop(self, timeout: float = 10.0) -> None:
         """Write what has arrived, acknowledge it, disconnect; the rest stays with the broker."""
@@ -141,11 +153,16 @@ class Collector:
         if self.db is not None:
             self.db.close()
 
-    def run(self, stop: threading.Event, report_every_s: float = 60.0) -> None:
+    def run(self, stop: threading.Event, report_every_s: float = 60.0,
+            on_state: Optional[Callable[[str], Any]] = None) -> None:
         """Block until `stop` is set (the CLI's SIGTERM); switches to MQTT 3.1.1 when the broker asks,
-        and logs the counters every `report_every_s` (what was stored, dropped and waited for)."""
-        next_report = time.monotonic() + report_every_s
-        while not stop.wait(0.2):
+        logs the counters every `report_every_s` (what was stored, dropped and waited for), and calls
+        `on_state` with `state()` whenever it changes (the CLI's systemd STATUS=)."""
+        next_report, shown = time.monotonic() + report_every_s, ""
+        while not stop.wait(0.2) and self.fatal is None:
+            if on_state is not None and self.state() != shown:
+                shown = self.state()
+                on_state(shown)
             if self._fallback.is_set():
                 self._fallback.clear()
                 self._reconnect_as_311()
@@ -157,6 +174,8 @@ class Collector:
         """Counters since start plus the live state (for logs, tests and the CLI's exit summary)."""
         with self._lock:
             out = dict(self.totals)
+        if self.fatal is not None:
+            out["error"] = self.fatal
         out.update({"queued": self.queue.qsize(), "held": self.queue.qsize() + self._holding,
                     "connected": self.connected.is_set(), "protocol": self.protocol})
         return out
@@ -185,7 +204,7 @@ class Collector:
         delay = self._db_backoff.next()
         self._count("db_retries")
         self._count("db_wait_s", delay)
-        log.warning("fleet store unavailable (%s); retrying in %.2f s", str(exc).strip()[:200], delay)
+        log.warning("fleet store unavailable (%s); retrying in %.2f s", redact(str(exc).strip())[:200], delay)
         self.stop_event.wait(delay)
 
     # -- MQTT ----------------------------------------------------------------------------------------
@@ -284,6 +303,16 @@ class Collector:
 
     # -- the writer ----------------------------------------------------------------------------------
     def _write_loop(self) -> None:
+        try:
+            self.db = self._open_store()
+        except Exception as exc:  # noqa: BLE001 - not "away" but unusable: retrying cannot help
+            self.fatal = f"fleet store unusable: {redact(str(exc).strip())[:300]}"
+            log.error("%s", self.fatal)
+            return
+        if self.db is None:
+            return  # stopped while waiting for the database
+        self.store_ready.set()
+        self._connect()
         while not self.stop_event.is_set():
             if not self._guarded(self._gather()):
                 return
@@ -406,7 +435,7 @@ class Collector:
         try:
             self.db.reconnect()  # type: ignore[union-attr]
         except TRANSIENT_ERRORS as exc:
-            log.debug("fleet store still unavailable: %s", exc)
+            log.debug("fleet store still unavailable: %s", redact(str(exc)))
 
     def _isolate(self, rows: list[Row], updates: list[DeviceUpdate], exc: Exception) -> bool:
         """The database refused the batch for its content: store item by item, drop what it refuses.

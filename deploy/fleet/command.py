@@ -1,8 +1,14 @@
 """`edge-deploy collect`: the command-line entry of the fleet collector (mounted by deploy/cli.py).
 
 Runs until SIGTERM or SIGINT, then writes and acknowledges what has arrived and prints its counters
-as one JSON line on stdout. Under systemd (Type=notify) it reports READY=1 once the store is open and
-the collector is started. Exit 0 after a clean stop, 2 for bad options.
+as one JSON line on stdout. Under systemd (Type=notify) it reports READY=1 as soon as it runs, and
+what it waits for in STATUS= ("waiting for database", "waiting for broker", "collecting"): a database
+that is down at boot must not get the unit killed for a missed start-up deadline. Exit 0 after a clean
+stop, 2 for bad options.
+
+The database URL is not taken from the command line where a password would show in `ps`: use the
+EDGE_FLEET_DB environment variable, `--db-file PATH`, or a URL without password plus libpq's password
+file (PGPASSFILE, default ~/.pgpass). Every error and log line has passwords masked.
 """
 
 from __future__ import annotations
@@ -17,12 +23,20 @@ from typing import Any, Optional
 import typer
 from pydantic import ValidationError
 
+from deploy.fleet.redact import install_log_redaction, redact
+
 EXIT_USAGE = 2
+DB_ENV = "EDGE_FLEET_DB"
+LOG_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
 
 
 def collect(
     broker: str = typer.Option(..., "--broker", help="Broker URL: mqtt://host:1883 or mqtts://host:8883."),
-    db: str = typer.Option("sqlite:///fleet.db", "--db", help="Fleet store: sqlite:///PATH or postgresql://..."),
+    db: Optional[str] = typer.Option(None, "--db", envvar=DB_ENV, show_envvar=True, help="Fleet store: "
+                                     "sqlite:///PATH or postgresql://... (default sqlite:///fleet.db). A URL with "
+                                     f"a password belongs in {DB_ENV} or --db-file, not here (ps shows it)."),
+    db_file: Optional[Path] = typer.Option(None, "--db-file", help="File holding the fleet store URL "
+                                           "(mode 0600), instead of --db."),
     group: str = typer.Option("edge-collectors", "--group", help="Shared-subscription group; collectors "
                               "with the same group split the stream."),
     prefix: str = typer.Option("edge", "--prefix", help="Topic prefix of the devices."),
@@ -54,23 +68,53 @@ def collect(
     security = {"ca_file": ca_file, "cert_file": cert_file, "key_file": key_file, "username": username,
                 "credentials_file": credentials_file}
     try:
+        level = log_level_of(log_level)
+        db_url = resolve_db_url(db, db_file, default="sqlite:///fleet.db")
         config = CollectorConfig(
-            broker_url=broker, db_url=db, group=group, prefix=prefix, client_id=client_id, protocol=protocol,
+            broker_url=broker, db_url=db_url, group=group, prefix=prefix, client_id=client_id, protocol=protocol,
             batch_size=batch_size, max_wait_s=max_wait_s, inflight=inflight, session_expiry_s=session_expiry_s,
             retention_days=retention_days, timescale=timescale,
             mqtt={k: v for k, v in security.items() if v is not None},
         )  # fmt: skip
-        _check_db_url(db)
+        _check_db_url(db_url)
     except (ValueError, ValidationError) as exc:
-        typer.echo(f"error: invalid collector settings: {_describe(exc)}", err=True)
-        raise typer.Exit(EXIT_USAGE) from exc
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    typer.echo(json.dumps(_run(Collector(config))))
+        typer.echo(f"error: invalid collector settings: {redact(_describe(exc))}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()
+    stats = _run(Collector(config))
+    typer.echo(json.dumps(stats))
+    if "error" in stats:
+        raise typer.Exit(1)
+
+
+def log_level_of(name: str) -> int:
+    """The logging level called `name` (any case); ValueError naming the choices otherwise."""
+    level = LOG_LEVELS.get(name.strip().upper())
+    if level is None:
+        raise ValueError(f"--log-level {name!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def resolve_db_url(db: Optional[str], db_file: Optional[Path], *, default: str) -> str:
+    """The store URL from --db / EDGE_FLEET_DB, or --db-file (first non-empty line), else `default`."""
+    if db_file is None:
+        return db or default
+    if db:
+        raise ValueError(f"--db-file {db_file} and --db (or {DB_ENV}) both name the fleet store: use one")
+    try:
+        lines = [line.strip() for line in db_file.read_text(encoding="utf-8").splitlines()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--db-file {db_file}: cannot read it ({exc.__class__.__name__}: {exc})") from None
+    url = next((line for line in lines if line and not line.startswith("#")), "")
+    if not url:
+        raise ValueError(f"--db-file {db_file}: holds no database URL")
+    return url
 
 
 def _check_db_url(url: str) -> None:
     if not url.startswith(("sqlite:///", "postgresql://", "postgres://")):
-        raise ValueError(f"--db {url!r}: use sqlite:///PATH or postgresql://...")
+        raise ValueError(f"fleet store {redact(url)!r}: use sqlite:///PATH or postgresql://...")
 
 
 def _describe(exc: Exception) -> str:
@@ -88,10 +132,11 @@ def _run(collector: Any) -> dict[str, Any]:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: (stop.set(), collector.stop_event.set()))
     notifier = Notifier()
+    # READY at once: the store and broker are waited for inside (with backoff), shown in STATUS=.
+    notifier.ready(collector.state())
     collector.start()
-    notifier.ready("collecting")
     try:
-        collector.run(stop)
+        collector.run(stop, on_state=notifier.status)
     finally:
         notifier.stopping("writing the last batch")
         collector.stop()

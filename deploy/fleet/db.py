@@ -11,7 +11,6 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
-from urllib.parse import urlsplit
 
 from engines.errors import EdgeError
 
@@ -206,11 +205,9 @@ TRANSIENT_ERRORS = transient_errors()
 
 def _redact(url: str) -> str:
     """The URL without its password, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return parts._replace(netloc=netloc).geturl()
+    from deploy.fleet.redact import redact
+
+    return redact(url)
 
 
 def open_db(url: str) -> FleetDB:

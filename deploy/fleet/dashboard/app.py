@@ -25,6 +25,7 @@ from starlette.staticfiles import StaticFiles
 
 from deploy.fleet.dashboard import queries
 from deploy.fleet.db import TRANSIENT_ERRORS, open_db
+from deploy.fleet.redact import redact
 from deploy.fleet.dashboard.auth import AuthMiddleware, AuthSettings
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: floa
             return _json({"error": str(exc)}, 400)
         except Exception as exc:  # the store is down or has no fleet schema: say so, keep serving
             log.exception("dashboard query failed: %s", request.url.path)
-            return _json({"error": f"fleet database query failed: {type(exc).__name__}: {exc}"}, 503)
+            return _json({"error": redact(f"fleet database query failed: {type(exc).__name__}: {exc}")}, 503)
 
     async def api_fleet(request: Request) -> Response:
         return await api(request, _fleet_data, refresh_s)

@@ -8,13 +8,19 @@ from typing import Optional
 
 import typer
 
+from deploy.fleet.command import DB_ENV, resolve_db_url
 from deploy.fleet.dashboard.server import DEFAULT_BIND
+from deploy.fleet.redact import install_log_redaction, redact
 
 EXIT_USAGE = 2
 
 
 def dashboard(
-    db: str = typer.Option(..., "--db", help="Fleet store: sqlite:///PATH or postgresql://... (read only)."),
+    db: Optional[str] = typer.Option(None, "--db", envvar=DB_ENV, show_envvar=True, help="Fleet store: "
+                                     "sqlite:///PATH or postgresql://... (read only). A URL with a password "
+                                     f"belongs in {DB_ENV} or --db-file, not here (ps shows it)."),
+    db_file: Optional[Path] = typer.Option(None, "--db-file", help="File holding the fleet store URL "
+                                           "(mode 0600), instead of --db."),
     bind: str = typer.Option(DEFAULT_BIND, "--bind", help="HOST:PORT to listen on; loopback by default."),
     token_file: Optional[Path] = typer.Option(None, "--token-file",
                                               help="File holding the access token (else EDGE_DASHBOARD_TOKEN)."),
@@ -26,11 +32,14 @@ def dashboard(
 
     try:
         parse_bind(bind)
+        db = resolve_db_url(db, db_file, default="")
+        if not db:
+            raise ValueError(f"no fleet store: give --db, --db-file or {DB_ENV}")
         check_store(db)
         auth = settings_from(token_file=token_file)
     except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_USAGE) from exc
+        typer.echo(f"error: {redact(str(exc))}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
@@ -39,4 +48,5 @@ def dashboard(
                    err=True)
         raise typer.Exit(EXIT_USAGE) from exc
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()
     serve(db, bind, auth, refresh_s)

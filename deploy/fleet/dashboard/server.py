@@ -6,9 +6,8 @@ import ipaddress
 import logging
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
-
 from deploy.fleet.dashboard.auth import AuthSettings
+from deploy.fleet.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +42,8 @@ def is_loopback(host: str) -> bool:
 
 def check_store(db_url: str) -> None:
     """Refuse a SQLite path with no file: the dashboard only reads, it never creates the store."""
+    if not db_url.startswith(("sqlite://", "postgresql://", "postgres://")):
+        raise ValueError(f"fleet store {redact(db_url)!r}: use sqlite:///PATH or postgresql://...")
     if db_url.startswith("sqlite://"):
         path = db_url[len("sqlite://"):]
         file = Path(path[1:]) if path.startswith("/") else None
@@ -87,7 +88,4 @@ def serve(db_url: str, bind: str, auth: AuthSettings, refresh_s: float = 5.0) ->
 
 def _redacted(url: str) -> str:
     """The URL without its password (for the log)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@")).geturl()
+    return redact(url)
