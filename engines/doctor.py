@@ -3,7 +3,8 @@
 Each check says ok/fail, what it found and the exact fix. Checks marked `required` decide `usable`;
 the rest (JetPack, ONNX Runtime, jtop, NVML) explain the device. Importing is never taken for
 working: CUDA memory implementations are opened (which initialises CUDA), free memory is queried,
-the timing-cache directory is written to. `auto` backend selection asks `tensorrt_readiness()` (the
+the timing-cache directory is probed for writability (nothing is created: under sudo a directory
+the doctor made would be root's). `auto` backend selection asks `tensorrt_readiness()` (the
 required checks that need no cache directory), so the agent and this report never disagree.
 Device files are read under `root` (tests point it at recorded board trees).
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +23,7 @@ from engines.backends.tensorrt_compat import NUMPY_DTYPES, dtype_name
 from engines.fingerprint import read_l4t_release, read_module
 
 MIN_FREE_MB = 256  # below this a TensorRT engine of any real model cannot get its activations
+MIN_CACHE_FREE_MB = 64  # disk: a timing cache is small, but the engine written beside it is tens to hundreds of MB
 MB = 1 << 20
 Opener = Callable[[str], Any]
 JETSON_VENV_FIX = ("install JetPack's binding (`sudo apt install python3-libnvinfer`) and create the agent's venv "
@@ -220,16 +221,67 @@ def check_device_memory(memory: Any) -> Check:
 
 
 def check_timing_cache(cache_dir: Path) -> Check:
-    """TensorRT builds read and write `cache_dir/timing/`; prove it is writable by writing a file there."""
+    """TensorRT builds read and write `cache_dir/timing/`: can this user create or write it? Probed without
+    creating anything (os.access + statvfs on the nearest existing directory): the doctor is often run
+    under sudo, and a directory it made would be root's and lock the agent's user out."""
     directory = cache_dir / "timing"
+    existing = _nearest_existing(directory)
+    problem = _write_problem(existing)
+    if problem:
+        return Check("timing-cache", False, f"{directory}: {problem}", _timing_fix(existing, problem), True)
+    free_mb = _free_mb(existing)
+    where = "writable" if existing == directory else f"not there yet; {existing} lets this user create it"
+    return Check("timing-cache", True, f"{directory} {where} ({free_mb} MB free){_root_note()}", required=True)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` or its closest ancestor that exists (files included: a file in the way is a finding)."""
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _write_problem(existing: Path) -> str | None:
+    """Why this user cannot create entries in `existing`, or None."""
+    if not existing.is_dir():
+        return f"{existing} is in the way and is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable for {_user()}"
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{existing} is on a read-only file system"
+    free_mb = _free_mb(existing)
+    if free_mb < MIN_CACHE_FREE_MB:
+        return f"only {free_mb} MB free on the file system of {existing} (need {MIN_CACHE_FREE_MB} MB)"
+    return None
+
+
+def _timing_fix(existing: Path, problem: str) -> str:
+    if "read-only" in problem or "MB free" in problem:
+        return f"set `cache_dir` to a writable file system with room for engines, or free space under {existing}"
+    if "not a directory" in problem:
+        return f"move {existing} aside, or set `cache_dir` elsewhere"
+    return f"make it writable for the agent's user: `sudo chown -R {_user()} {existing}`"
+
+
+def _free_mb(path: Path) -> int:
+    vfs = os.statvfs(path)
+    return vfs.f_bavail * vfs.f_frsize // MB
+
+
+def _user() -> str:
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".doctor-"):
-            pass
-    except OSError as exc:
-        return Check("timing-cache", False, f"{directory}: {exc.strerror or exc}",
-                     f"make it writable for the agent's user: `sudo chown -R $(id -un) {cache_dir}`", True)
-    return Check("timing-cache", True, f"{directory} writable", required=True)
+        import pwd
+
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except (ImportError, KeyError):
+        return f"uid {os.geteuid()}"
+
+
+def _root_note() -> str:
+    if os.geteuid() != 0:
+        return ""
+    return ("; checked as root, who may write anywhere: run the doctor as the agent's user "
+            "(`sudo -u edge-agent edge-agent engines doctor`) to check that user")
 
 
 # L4T major -> (JetPack, whether the TensorRT path is supported there); see docs/engines.md.

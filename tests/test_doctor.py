@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from agent.state import StateStore, state_db_path
 from engines import cuda_mem, runtime
 from engines.backends import BACKENDS
 from engines.cuda_mem import CudaError
+from engines import doctor
 from engines.doctor import run_doctor, tensorrt_readiness
 from tests.fake_cudart import fake_cudart, install_cudart
 from tests.fake_nvidia import FakeCudaMemory, fake_tensorrt
@@ -67,7 +69,7 @@ def test_without_tensorrt_the_path_is_unusable_and_each_check_says_why(tmp_path:
     assert all(CONTRACT_KEYS <= set(c) and isinstance(c["ok"], bool) for c in data["checks"])
     trt = _check(report, "tensorrt")
     assert not trt.ok and "No module named 'tensorrt'" in trt.found and "[tensorrt]" in trt.fix
-    assert _check(report, "timing-cache").ok and (tmp_path / "cache" / "timing").is_dir()
+    assert _check(report, "timing-cache").ok and not (tmp_path / "cache").exists()  # probed, not created
     assert _check(report, "jetpack").ok and "not a Jetson" in _check(report, "jetpack").found
     assert _check(report, "onnxruntime").ok and "CPUExecutionProvider" in _check(report, "onnxruntime").found
     assert "tensorrt: import tensorrt failed" in report.reason()
@@ -211,3 +213,54 @@ def test_jetpack5_is_reported_unsupported_for_tensorrt_with_the_fix() -> None:
     assert "L4T 35.3.1 = JetPack 5.1.x" in jetpack.found and "Python 3.8" in jetpack.found
     assert "JetPack 6.1+" in jetpack.fix
     assert _check(run_doctor(BOARDS / "thor"), "jetpack").ok  # L4T 38.4.0 = JetPack 7
+
+
+# --- timing cache: probed, never created (under sudo a created directory would be root's) ---------------
+
+
+def test_timing_cache_check_creates_nothing(tmp_path: Path) -> None:
+    before = sorted(tmp_path.rglob("*"))
+    check = doctor.check_timing_cache(tmp_path / "var" / "cache" / "edge-agent")
+    assert check.ok and check.required, check.found
+    assert sorted(tmp_path.rglob("*")) == before  # not the timing directory, not its parents, no probe file
+    assert f"{tmp_path} lets this user create it" in check.found and "MB free" in check.found
+    assert ("checked as root" in check.found) == (os.geteuid() == 0)
+
+
+def test_timing_cache_check_on_an_existing_directory(tmp_path: Path) -> None:
+    (tmp_path / "cache" / "timing").mkdir(parents=True)
+    before = sorted(tmp_path.rglob("*"))
+    check = doctor.check_timing_cache(tmp_path / "cache")
+    assert check.ok and f"{tmp_path / 'cache' / 'timing'} writable" in check.found
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_timing_cache_with_a_file_in_the_way_fails_clearly(tmp_path: Path) -> None:
+    (tmp_path / "cache").write_text("not a directory")
+    check = doctor.check_timing_cache(tmp_path / "cache")
+    assert not check.ok and check.required
+    assert f"{tmp_path / 'cache'} is in the way and is not a directory" in check.found
+    assert "move" in check.fix and (tmp_path / "cache").read_text() == "not a directory"
+
+
+def test_timing_cache_not_writable_names_the_user_and_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tests run as root here, for whom every mode bit is writable: the refusal is injected at os.access.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != tmp_path and real_access(path, mode, **kw))
+    check = doctor.check_timing_cache(tmp_path / "cache")
+    assert not check.ok and f"{tmp_path} is not writable for" in check.found
+    assert check.fix.startswith("make it writable for the agent's user: `sudo chown -R ") and str(tmp_path) in check.fix
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize(("flag", "free_blocks", "expected"), [(os.ST_RDONLY, 10**6, "read-only file system"),
+                                                                (0, 10, "MB free on the file system")])
+def test_timing_cache_on_a_full_or_read_only_file_system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: int,
+                                                         free_blocks: int, expected: str) -> None:
+    real = os.statvfs(tmp_path)
+    fake = os.statvfs_result((real.f_bsize, 4096, real.f_blocks, free_blocks, free_blocks, real.f_files,
+                              real.f_ffree, real.f_favail, real.f_flag | flag, real.f_namemax))
+    monkeypatch.setattr(os, "statvfs", lambda path: fake)
+    check = doctor.check_timing_cache(tmp_path / "cache")
+    assert not check.ok and expected in check.found and "cache_dir" in check.fix
+    assert not (tmp_path / "cache").exists()
