@@ -254,7 +254,40 @@ def test_postgres_partitions_by_day_and_drops_expired(postgres_server: Any) -> N
         assert names == {"telemetry_p20251129", "telemetry_p20251201"}  # 5 days old: default partition
         assert count(url) == 3
         assert Partitions(db, retention_days=1, clock=lambda: now).drop_expired() == ["telemetry_p20251129"]
-        assert count(url) == 2
+        assert count(url) == 1  # the 5-day-old row in the default partition went with it
+    finally:
+        db.close()
+        postgres_server.drop_database(url)
+
+
+def test_postgres_default_partition_is_pruned_at_the_retention_check(postgres_server: Any) -> None:
+    """Device clocks far in the past or future put rows in `*_default`, which no partition drop reaches
+    (before: it grew forever). Far past: gone at the next check. Far future: kept for the retention
+    after it was received (the collector's clock)."""
+    from deploy.fleet.schema import Partitions
+
+    url = postgres_server.create_database()
+    db = open_db(url)
+    try:
+        ensure_schema(db, timescale="off")
+        now, day = 1_764_547_200.0, 86400.0
+        parts = Partitions(db, retention_days=3, clock=lambda: now)
+
+        def row(seq: int, ts: float, received: float, leaf: str = "telemetry") -> Any:
+            body = {**sample(seq), "ts": ts, "type": "clock"}
+            return parse_message("edge", f"edge/dev-1/{leaf}", json.dumps(body).encode(), received)
+
+        rows = [row(1, 631_152_000.0, now), row(2, 4_102_444_800.0, now - 5 * day),  # 1990; 2100, received 5 days ago
+                row(3, 4_102_444_800.0, now - day), row(4, now - 4 * day, now - 4 * day),  # 2100 yesterday; in the past
+                row(5, 631_152_000.0, now, "events"), row(6, 4_102_444_800.0, now, "events")]
+        write_batch(db, rows, [], {}, now)
+        assert query(url, "SELECT COUNT(*) AS n FROM telemetry_default")[0]["n"] == 4
+        parts.drop_expired()
+        assert sorted(r["seq"] for r in query(url, "SELECT seq FROM telemetry_default")) == [3]
+        assert sorted(r["seq"] for r in query(url, "SELECT seq FROM events_default")) == [6]
+        later = Partitions(db, retention_days=3, clock=lambda: now + 4 * day)
+        assert later.prune_default() == 2 and count(url) == 0 and count(url, "events") == 0
+        assert Partitions(db, retention_days=0, clock=lambda: now).prune_default() == 0  # 0 keeps everything
     finally:
         db.close()
         postgres_server.drop_database(url)

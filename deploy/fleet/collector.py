@@ -429,7 +429,14 @@ class Collector:
             self.partitions.ensure(table, [r.ts for r in rows if r.table == table])
         if time.monotonic() - self._partition_check > PARTITION_CHECK_S:
             self._partition_check = time.monotonic()
-            self.partitions.drop_expired()
+            try:
+                self.partitions.drop_expired()
+            except TRANSIENT_ERRORS:
+                raise  # the database went away: the batch is retried
+            except Exception as exc:  # noqa: BLE001 - retention upkeep failing must not make rows look bad
+                self._count("partition_errors")
+                log.error("retention check failed (tried again in %.0f s): %s", PARTITION_CHECK_S,
+                          redact(str(exc).strip())[:200])
 
     def _reconnect_db(self) -> None:
         try:

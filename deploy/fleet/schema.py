@@ -203,4 +203,23 @@ class Partitions:
                     dropped.append(name)
         if dropped:
             log.info("dropped partitions past %s days of retention: %s", self.retention_days, ", ".join(dropped))
+        self.prune_default()
         return dropped
+
+    def prune_default(self) -> int:
+        """Delete the default partitions' rows past retention; returns how many.
+
+        Rows land there when the device clock is outside the window of day partitions, and no partition
+        drop ever reaches them: a far-past `ts` is past retention already; a far-future one is kept until
+        it was *received* longer ago than the retention (the collector's clock, which a device cannot skew).
+        """
+        if self.retention_days <= 0:
+            return 0
+        cutoff = self.clock() - self.retention_days * DAY_S
+        deleted = 0
+        for table in TIME_TABLES:
+            deleted += self.db.execute(f"DELETE FROM {table}_default WHERE ts < ? OR received < ?", (cutoff, cutoff))
+        if deleted:
+            log.info("deleted %d rows past %s days of retention from the default partitions", deleted,
+                     self.retention_days)
+        return deleted
