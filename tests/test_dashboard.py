@@ -14,6 +14,7 @@ import urllib.parse
 import urllib.request
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -24,7 +25,8 @@ from deploy.fleet.dashboard.app import clean
 from deploy.fleet.dashboard.auth import AuthSettings, settings_from
 from deploy.fleet.dashboard.server import exposure_warning, parse_bind
 from deploy.fleet.db import ensure_schema, open_db
-from tests.dashboard_fixtures import HOSTILE_ID, HOSTILE_MODEL, add_device, add_sample, fill_fleet, running_dashboard
+from tests.dashboard_fixtures import (HOSTILE_ID, HOSTILE_MODEL, add_device, add_event, add_sample, fill_fleet,
+                                     running_dashboard)
 from tests.fixtures_mqtt import free_port
 from tests.helpers import wait_for
 
@@ -110,6 +112,79 @@ def test_device_has_series_markers_and_deployment_steps_with_durations(dash) -> 
     took = {s["state"]: s["duration_s"] for s in dep["steps"]}
     assert took["building"] == pytest.approx(60.0) and took["fetching"] == pytest.approx(2.5)
     assert took["active"] is None and dep["total_s"] == pytest.approx(71.0)
+
+
+class CountingDB:
+    """The real store, counting the rows its queries hand back (what the dashboard reads per page)."""
+
+    def __init__(self, db: Any) -> None:
+        self.db, self.rows = db, 0
+
+    def query(self, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
+        rows = self.db.query(sql, params)
+        self.rows += len(rows)
+        return rows
+
+
+def test_deployment_history_reads_only_the_newest_deployments(tmp_path: Path) -> None:
+    """Before: every deployment event of the device was read and parsed, then 20 kept in Python."""
+    db = open_db(f"sqlite:///{tmp_path / 'fleet.db'}")
+    ensure_schema(db)
+    add_device(db, "busy-01")
+    for n in range(60):  # a deployment a day for two months, 3 steps each
+        for k, state in enumerate(("requested", "building", "active")):
+            add_event(db, "busy-01", n * 3 + k, 1_000_000.0 + n * 86400 + k, "deployment",
+                      deployment_id=f"dep-{n:02d}", state=state)
+    counting = CountingDB(db)
+    history = queries.deployments(counting, "busy-01")
+    db.close()
+    assert [d["deployment_id"] for d in history] == [f"dep-{n:02d}" for n in range(59, 39, -1)]
+    assert all(len(d["steps"]) == 3 and d["state"] == "active" for d in history)
+    assert counting.rows == 20 + 20 * 3  # the 20 newest ids, then their steps: not all 180 events
+
+
+def test_payloads_that_are_not_json_objects_are_shown_as_empty(tmp_path: Path) -> None:
+    """A payload or status stored as a JSON list, number or string (before: AttributeError, a 503)."""
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    db = open_db(url)
+    ensure_schema(db)
+    now = time.time()
+    add_device(db, "odd-01", status_json="[1, 2]", meta_json='"text"')
+    for seq, payload in enumerate(("[1, 2]", "7", '"requested"', "null", "not json")):
+        db.execute("INSERT INTO events (device_id, boot_id, seq, ts, received, type, deployment_id, payload) "
+                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", ("odd-01", "b1", seq, now - 60 + seq, now, "deployment",
+                                                       "dep-x", payload))
+    db.execute("INSERT INTO events (device_id, boot_id, seq, ts, received, type, deployment_id, payload) "
+               "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", ("odd-01", "b1", 9, now - 30, now, "adapt", None, "[]"))
+    db.close()
+    with running_dashboard(url) as dash:
+        data = dash.json("/api/device?id=odd-01&range=1h")
+    assert data["device"]["status"] is None and data["device"]["meta"] is None
+    [dep] = data["deployments"]
+    assert dep["deployment_id"] == "dep-x" and [s["state"] for s in dep["steps"]] == [None] * 5
+    assert [m["label"] for m in data["markers"]] == ["adapt ? → ?"]
+
+
+def test_lost_on_device_is_in_the_fleet_table_and_on_the_device_page(tmp_path: Path) -> None:
+    """Gaps in a device's seq (its outbox dropped them): `device_seq` span minus rows stored."""
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    db = open_db(url)
+    ensure_schema(db)
+    fill_fleet(db, time.time())
+    db.execute("INSERT INTO device_seq (device_id, min_seq, max_seq, received) VALUES (?, ?, ?, ?)",
+               ("orin-01", 100, 229, 123))  # 130 numbered, 123 stored: 7 lost
+    db.execute("INSERT INTO device_seq (device_id, min_seq, max_seq, received) VALUES (?, ?, ?, ?)",
+               ("pc-01", 10, 51, 42))  # none lost
+    db.close()
+    with running_dashboard(url) as dash:
+        fleet = {d["device_id"]: d for d in dash.json("/api/fleet")["devices"]}
+        device = dash.json("/api/device?id=orin-01&range=1h")["device"]
+    assert (fleet["orin-01"]["lost_on_device"], fleet["pc-01"]["lost_on_device"]) == (7, 0)
+    assert fleet[HOSTILE_ID]["lost_on_device"] is None  # no seq counted yet: unknown, not 0
+    assert (device["lost_on_device"], device["seq_received"]) == (7, 123)
+    static = Path(__file__).resolve().parents[1] / "deploy" / "fleet" / "dashboard" / "static"
+    assert '"lost_on_device", label: "lost on device"' in (static / "fleet.js").read_text()
+    assert 'fact("lost on device"' in (static / "device.js").read_text()
 
 
 def test_missing_measurements_stay_null_in_series(dash) -> None:

@@ -24,10 +24,12 @@ _FLEET = """
 SELECT d.device_id, d.online, d.state, d.state_since, d.last_seen, d.agent_version, d.model_name, d.model_version,
        d.precision, d.backend, d.latency_budget_ms, d.module, d.deployment_state,
        t.ts, t.fps, t.p50_ms, t.p99_ms, t.power_w, t.energy_mj_per_frame, t.soc_temp_c, t.gpu_temp_c, t.throttled,
-       t.model_name AS sample_model_name, t.model_version AS sample_model_version, t.precision AS sample_precision
+       t.model_name AS sample_model_name, t.model_version AS sample_model_version, t.precision AS sample_precision,
+       s.max_seq - s.min_seq + 1 - s.received AS lost_on_device
 FROM devices d
 LEFT JOIN telemetry t ON t.device_id = d.device_id
   AND t.ts = (SELECT MAX(l.ts) FROM telemetry l WHERE l.device_id = d.device_id AND l.ts >= ?)
+LEFT JOIN device_seq s ON s.device_id = d.device_id
 ORDER BY d.device_id
 """
 
@@ -47,6 +49,7 @@ def fleet(db: Any, now: float | None = None) -> list[dict[str, Any]]:
         row["online"] = _bool(row["online"])
         row["throttled"] = _bool(row["throttled"])
         row["deploying"] = _deploying(row.get("deployment_state"))
+        row["lost_on_device"] = _lost(row["lost_on_device"])
         rows[row["device_id"]] = row
     return list(rows.values())
 
@@ -59,13 +62,29 @@ def device(db: Any, device_id: str) -> dict[str, Any] | None:
     row = dict(rows[0])
     row["online"] = _bool(row.get("online"))
     for column in ("status_json", "meta_json"):
-        row[column.removesuffix("_json")] = _parse(row.pop(column, None))
+        parsed = _parse(row.pop(column, None))
+        row[column.removesuffix("_json")] = parsed if isinstance(parsed, dict) else None
     row["deploying"] = _deploying(row.get("deployment_state"))
     newest = db.query("SELECT model_name, model_version, precision FROM telemetry WHERE device_id = ? "
                       "ORDER BY ts DESC LIMIT 1", (device_id,))
     if newest and newest[0]["model_name"]:
         row.update(newest[0])  # as in fleet(): the newest sample's model over a status that may lag
+    seq = db.query("SELECT max_seq - min_seq + 1 - received AS lost, received FROM device_seq WHERE device_id = ?",
+                   (device_id,))
+    row["lost_on_device"] = _lost(seq[0]["lost"]) if seq else None
+    row["seq_received"] = seq[0]["received"] if seq else None
     return row
+
+
+def _lost(value: Any) -> int | None:
+    """Messages the device numbered but never delivered (its outbox dropped them): `device_seq`'s gap count.
+
+    None when unknown, or negative: a device whose `seq` restarted (reflashed) makes the span meaningless.
+    """
+    if value is None:
+        return None
+    lost = int(value)
+    return lost if lost >= 0 else None
 
 
 def _series_sql(bucketed: bool) -> str:
@@ -102,7 +121,7 @@ def markers(db: Any, device_id: str, since: float, until: float) -> list[dict[st
                     f"AND ts <= ? AND type IN ({marks}) ORDER BY ts", (device_id, since, until, *MARKER_TYPES))
     out = []
     for row in rows:
-        payload = _parse(row["payload"]) or {}
+        payload = _object(row["payload"])
         if row["type"] == "deployment" and payload.get("state") not in ("requested", *TERMINAL_DEPLOYMENT_STATES):
             continue  # intermediate steps belong in the history table, not on the axis
         out.append({"ts": row["ts"], "type": row["type"], "label": _marker_label(row["type"], payload)})
@@ -118,12 +137,22 @@ def _marker_label(kind: str, payload: dict[str, Any]) -> str:
 
 
 def deployments(db: Any, device_id: str, limit: int = 20) -> list[dict[str, Any]]:
-    """The device's deployments, newest first, each with its steps and how long each step took."""
-    rows = db.query("SELECT ts, deployment_id, payload FROM events WHERE device_id = ? AND type = ? "
-                    "AND deployment_id IS NOT NULL ORDER BY ts", (device_id, "deployment"))
+    """The device's deployments, newest first, each with its steps and how long each step took.
+
+    The newest `limit` deployments are chosen in SQL: a device deployed to every day for a year must not
+    make every page load read (and parse) all its deployment events.
+    """
+    newest = db.query("SELECT deployment_id, MIN(ts) AS started FROM events WHERE device_id = ? AND type = ? "
+                      "AND deployment_id IS NOT NULL GROUP BY deployment_id ORDER BY started DESC, deployment_id "
+                      "LIMIT ?", (device_id, "deployment", int(limit)))
+    if not newest:
+        return []
+    ids = [row["deployment_id"] for row in newest]
+    rows = db.query(f"SELECT ts, deployment_id, payload FROM events WHERE device_id = ? AND type = ? "
+                    f"AND deployment_id IN ({', '.join('?' for _ in ids)}) ORDER BY ts", (device_id, "deployment", *ids))
     by_id: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        payload = _parse(row["payload"]) or {}
+        payload = _object(row["payload"])
         by_id.setdefault(row["deployment_id"], []).append({
             "state": payload.get("state"), "ts": row["ts"], "reason": payload.get("reason"),
             "message": payload.get("message"), "model": payload.get("model"), "url": payload.get("url"),
@@ -206,6 +235,12 @@ def _bool(value: Any) -> bool | None:
 
 def _deploying(state: Any) -> bool | None:
     return None if state is None else state not in TERMINAL_DEPLOYMENT_STATES
+
+
+def _object(text: Any) -> dict[str, Any]:
+    """A stored payload as a JSON object; {} for anything else (a list, a number, a string, not JSON)."""
+    value = _parse(text)
+    return value if isinstance(value, dict) else {}
 
 
 def _parse(text: Any) -> Any:

@@ -30,6 +30,8 @@ function renderFacts(dev) {
     ...fact("latency budget", missing(dev.latency_budget_ms) ? DASH : `${fmtNum(dev.latency_budget_ms, 0)} ms`),
     ...fact("module", fmtText(dev.module)),
     ...fact("agent", fmtText(dev.agent_version)),
+    ...fact("lost on device", missing(dev.lost_on_device) ? DASH
+      : `${fmtNum(dev.lost_on_device, 0)} of ${fmtNum(dev.lost_on_device + dev.seq_received, 0)} messages`),
     ...fact("deployment", missing(dev.deployment_state) ? DASH
       : dev.deploying ? `${dev.deployment_state} (in progress)` : dev.deployment_state),
   ];

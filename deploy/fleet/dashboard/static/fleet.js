@@ -17,6 +17,7 @@ const COLUMNS = [
   {key: "soc_temp_c", label: "SoC °C", num: true, sort: (d) => d.soc_temp_c, cell: (d) => fmtNum(d.soc_temp_c, 1)},
   {key: "throttled", label: "throttling", sort: (d) => (missing(d.throttled) ? null : d.throttled ? 1 : 0),
    cell: (d) => el("span", {class: d.throttled ? "bad" : null, text: fmtBool(d.throttled)})},
+  {key: "lost_on_device", label: "lost on device", num: true, sort: (d) => d.lost_on_device, cell: lostCell},
   {key: "deployment_state", label: "deployment", sort: (d) => d.deployment_state, cell: deploymentCell},
   {key: "ts", label: "last sample", num: true, sort: (d) => d.ts, cell: (d) => el("span", {
     title: fmtTime(d.ts), text: missing(d.ts) ? DASH : fmtAgo(d.ts) + " ago"})},
@@ -38,6 +39,13 @@ function modelCell(d) {
 function p99Cell(d) {
   const text = `${fmtNum(d.p99_ms, 1)} / ${fmtNum(d.latency_budget_ms, 0)}`;
   return el("span", {class: overBudget(d) ? "bad" : null, title: overBudget(d) ? "p99 over budget" : null, text});
+}
+
+// Messages the device numbered (seq) but never delivered: its outbox dropped them while offline or full.
+const LOST_TITLE = "messages the device numbered but never delivered (gaps in its seq)";
+
+function lostCell(d) {
+  return el("span", {class: d.lost_on_device > 0 ? "bad" : null, title: LOST_TITLE, text: fmtNum(d.lost_on_device, 0)});
 }
 
 function deploymentCell(d) {
