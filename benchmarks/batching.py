@@ -11,7 +11,8 @@ InferenceWorker with its BatchRuntime, db_text postprocessing. Batch 1 is the sa
 - `fairness_min_over_max`: slowest camera's fps / fastest camera's fps, per run (worst round)
 - a model swap in the middle of one small auto run: `frames_lost` = frames the batcher handed out
   without a result (errors included); frames replaced in their mailbox unread are drops, not losses
-- the per-size cost curve the agent's "auto" measured (engines.batching.measure_curve), per size
+- the per-size cost curve the agent's "auto" used: measured by the engine build (engines.batching.time_build)
+  into the engine sidecar, exactly as on a device; the engines are built through `provision` first
 
 Usage: python benchmarks/batching.py [--seconds 15] [--rounds 3] [--quick] [--out out/bench-batching.json]
 """
@@ -30,16 +31,17 @@ from _common import machine, write_json
 
 from agent.config import AgentConfig
 from agent.demo import prepare_demo_model_dir
-from agent.pipeline.batch_size import resolve_batch_size
+from agent.model_loading import built_max_batch
+from agent.pipeline.batch_size import batch_curve, resolve_batch_size
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.cameras import CameraGroup
 from agent.pipeline.frame_stats import FrameStats
 from agent.pipeline.worker import InferenceWorker
-from agent.sources.synthetic import SyntheticConfig
+from agent.sources.synthetic import SyntheticConfig, SyntheticScene
 from engines.backends.base import EngineOptions
-from engines.batching import measure_curve
+from engines.batching import planned_max_batch
 from engines.model import load_model
-from engines.runtime import load_runtime
+from engines.provision import load_provisioned, provision
 
 CAMERAS = 4
 CAMERA_FPS = 30.0
@@ -48,18 +50,30 @@ GOALS = {"auto_vs_batch1_small": ">= 1.25", "auto_vs_batch1_large": ">= 0.97",
          "fairness_min_over_max": ">= 0.9 in both runs", "frames_lost": "0"}
 
 
-def load_engine(model_dir: Path, max_batch: int) -> Any:
-    """The demo model on ONNX Runtime with a free batch dimension (up to `max_batch`), warmed up."""
-    options = EngineOptions(max_batch=max_batch, allow_spinning=AgentConfig().model.spin_wait)
-    return load_runtime(load_model(model_dir), "onnxruntime", options)
+def build_engine(model_dir: Path, cache: Path, max_batch: int, quick: bool) -> tuple[Any, Any]:
+    """The agent's path: provision (child-process build that times batch 1..max into the sidecar), then
+    load with the batch the engine was built for. Returns (source, provisioned)."""
+    source = load_model(model_dir)
+    provisioned = provision(source, backend="onnxruntime", cache_dir=cache, db_path=cache / "state.db",
+                            max_batch=max_batch, validation_samples=2 if quick else 8,
+                            latency_runs=5 if quick else 20)
+    return source, provisioned
 
 
-def auto_size(runtime: Any, max_batch: int, runs: int) -> tuple[int, str, dict[str, float]]:
-    """What `max_size = "auto"` resolves to for 4 cameras: the measured curve through the agent's resolver."""
-    shape = (1, *runtime.preprocessor.tensor.shape[1:])
-    curve = measure_curve(runtime.engine, shape, max_batch, runs=runs)
-    budget = runtime.source.manifest.gates.latency_budget_ms
-    resolved = resolve_batch_size("auto", CAMERAS, curve, budget)
+def load_engine(source: Any, provisioned: Any) -> Any:
+    """A warmed-up ModelRuntime on the provisioned engine, with the agent's engine settings."""
+    defaults = AgentConfig().model
+    options = EngineOptions(intra_op_threads=defaults.threads, allow_spinning=defaults.spin_wait,
+                            max_batch=built_max_batch(provisioned))
+    runtime = load_provisioned(provisioned, source, options)
+    runtime.warmup(SyntheticScene(SyntheticConfig()).render(0), 2)
+    return runtime
+
+
+def auto_size(source: Any, provisioned: Any) -> tuple[int, str, Any]:
+    """What `max_size = "auto"` resolves to for 4 cameras: the sidecar's curve through the agent's resolver."""
+    curve = batch_curve(provisioned)
+    resolved = resolve_batch_size("auto", CAMERAS, curve, source.manifest.gates.latency_budget_ms)
     return resolved.size, resolved.reason, curve
 
 
@@ -154,22 +168,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=15.0, help="Seconds per run.")
     parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds.")
-    parser.add_argument("--max-batch", type=int, default=CAMERAS, help="Largest batch timed for the curve.")
-    parser.add_argument("--curve-runs", type=int, default=10, help="Timed engine calls per batch size.")
-    parser.add_argument("--quick", action="store_true", help="Short iteration run: 5 s per run, 1 round.")
+    parser.add_argument("--quick", action="store_true", help="Short iteration run: 5 s per run, 1 round, "
+                        "fewer validation and latency runs in the engine build.")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="Engine cache to reuse between runs (default: a fresh one: each run builds and times "
+                        "its engines on this machine, as a device does on first start).")
     parser.add_argument("--out", type=Path, default=Path("out/bench-batching.json"))
     args = parser.parse_args()
     if args.quick:
-        args.seconds, args.rounds, args.curve_runs = 5.0, 1, 4
+        args.seconds, args.rounds = 5.0, 1
 
     with tempfile.TemporaryDirectory() as tmp:
+        cache = args.cache or Path(tmp) / "cache"
+        cache.mkdir(parents=True, exist_ok=True)
         dirs = {w: prepare_demo_model_dir(Path(tmp), *wh) for w, wh in SIZES.items()}
-        runtimes = {w: load_engine(d, args.max_batch) for w, d in dirs.items()}
-        swap_to = load_engine(dirs["small"], args.max_batch)  # the "new version" deployed mid-run
+        # the agent builds for planned_max_batch("auto", 4 cameras) = 4; the picker then reads the curve
+        built = {w: build_engine(d, cache, planned_max_batch("auto", CAMERAS), args.quick) for w, d in dirs.items()}
+        runtimes = {w: load_engine(*b) for w, b in built.items()}
+        swap_to = load_engine(*built["small"])  # the "new version" deployed mid-run: a second engine instance
         sizes, reasons, curves = {}, {}, {}
-        for workload, runtime in runtimes.items():
-            sizes[workload], reasons[workload], curves[workload] = auto_size(runtime, args.max_batch, args.curve_runs)
-            print(f"{workload}: cost per frame by batch size {curves[workload]} -> {reasons[workload]}")
+        for workload, (source, provisioned) in built.items():
+            sizes[workload], reasons[workload], curves[workload] = auto_size(source, provisioned)
+            print(f"{workload}: cost per frame (ms) by batch size {curves[workload]} -> batch {sizes[workload]} "
+                  f"({reasons[workload]})")
         runs = rounds_of(runtimes, sizes, swap_to, args)
         for runtime in (*runtimes.values(), swap_to):
             runtime.close()
