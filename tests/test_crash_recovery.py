@@ -1,7 +1,8 @@
 """kill -9 at each step of a deployment, then a restart: the state is always consistent.
 
-A real agent process is paused at a deterministic point by the environment-driven hook in
-agent/testhooks.py (the only test hook in the agent), killed with SIGKILL, and started again.
+A real agent process is paused at a deterministic point by the hook in agent/testhooks.py (the only
+test hook in the agent, armed in-process by tests/crash_agent.py, which then runs the real CLI), killed
+with SIGKILL, and started again.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tests.helpers import wait_for
 pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-m", "agent.cli"]
+CRASH_AGENT = Path(__file__).resolve().parent / "crash_agent.py"
 
 
 def write_config(tmp: Path, public: Path, bootstrap: Path) -> Path:
@@ -51,10 +53,11 @@ watch_window_s = 1
     return path
 
 
-def start_agent(config: Path, extra_env: dict[str, str], *args: str) -> subprocess.Popen:
+def start_agent(config: Path, *args: str, pause_at: str = "", pause_file: Path | None = None) -> subprocess.Popen:
+    """The agent CLI; with `pause_at`, through the harness that arms that pause point first."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_AGENT_")}
-    env.update(extra_env)
-    return subprocess.Popen([*CLI, "run", "--config", str(config), *args], env=env,
+    cli = [sys.executable, str(CRASH_AGENT), pause_at, str(pause_file)] if pause_at else CLI
+    return subprocess.Popen([*cli, "run", "--config", str(config), *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -72,7 +75,7 @@ def published(tmp_path_factory: pytest.TempPathFactory):
 def test_kill_during_deployment_then_restart(tmp_path: Path, published, point: str) -> None:
     config = write_config(tmp_path, published["public"], published["v1"])
     pause_file = tmp_path / "paused"
-    proc = start_agent(config, {"EDGE_AGENT_PAUSE_AT": point, "EDGE_AGENT_PAUSE_FILE": str(pause_file)})
+    proc = start_agent(config, pause_at=point, pause_file=pause_file)
     socket_path = tmp_path / "state" / "control.sock"
     try:
         assert wait_for(socket_path.exists, timeout=180), f"agent did not start: {_stderr(proc)}"
@@ -92,7 +95,7 @@ def test_kill_during_deployment_then_restart(tmp_path: Path, published, point: s
     assert before == ("activating" if point == "activated" else point)
 
     summary = tmp_path / "summary.json"
-    restart = start_agent(config, {}, "--duration", "3", "--summary-json", str(summary))
+    restart = start_agent(config, "--duration", "3", "--summary-json", str(summary))
     _, err = restart.communicate(timeout=240)
     assert restart.returncode == 0, err
 
@@ -140,7 +143,7 @@ def test_kill_while_the_build_child_runs_leaves_no_build_behind(tmp_path: Path, 
     alive; it is then resumed and must exit by itself, and the restarted agent must be consistent.
     """
     config = write_config(tmp_path, published["public"], published["v1"])
-    proc = start_agent(config, {})
+    proc = start_agent(config)
     socket_path = tmp_path / "state" / "control.sock"
     child = None
     try:
@@ -163,7 +166,7 @@ def test_kill_while_the_build_child_runs_leaves_no_build_behind(tmp_path: Path, 
             proc.wait(30)
         if child is not None and _alive(child.pid):
             child.kill()
-    restart = start_agent(config, {}, "--duration", "2")
+    restart = start_agent(config, "--duration", "2")
     _, err = restart.communicate(timeout=240)
     assert restart.returncode == 0, err
     store = StateStore(tmp_path / "state" / "state.db")
@@ -187,3 +190,12 @@ def _stderr(proc: subprocess.Popen) -> str:
     if proc.poll() is None:
         return "(still running)"
     return proc.stderr.read()[-2000:] if proc.stderr else ""
+
+
+def test_no_environment_variable_reaches_the_pause_points(tmp_path: Path) -> None:
+    """The old hook blocked any agent started with EDGE_AGENT_PAUSE_AT set; now only an in-process arm() does."""
+    marker = tmp_path / "paused"
+    env = {**os.environ, "EDGE_AGENT_PAUSE_AT": "building", "EDGE_AGENT_PAUSE_FILE": str(marker)}
+    code = "from agent.testhooks import pause_point; pause_point('building'); print('passed')"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "passed" and not marker.exists(), done.stderr
