@@ -1,0 +1,298 @@
+"""Adaptive models under a CPU hog: fixed FP32 vs fixed cheapest vs the adaptation policy.
+
+The demo detector as a family of three variants (fp32 640x480, int8 640x480, int8 320x224), a camera
+at 15 fps into the freshest-frame mailbox, the real InferenceWorker, and for the adaptive run the real
+AdaptController (policy, sliding-window p99, hot swap between frames). Each run has three phases: idle,
+a CPU hog process (a busy loop, one core) started and stopped by the benchmark, idle again. The three
+runs take turns in one process (order rotated per round). The latency budget is what FP32 meets on
+the idle machine with some margin: `budget_factor` x its measured idle p99.
+
+Per run: the share of 1-s windows whose glass-to-result p99 is within budget (a window with no result
+counts as missed), the share of frames served by the most accurate variant, switches and frames lost
+(frames taken for inference that produced no result). A PNG plots p99, variant and CPU load over time.
+
+Usage: python benchmarks/adaptive.py [--quick] [--rounds N] [--out out/bench-adaptive.json] [--plot FILE]
+Run the full one only on an otherwise idle machine (`uptime` load below ~2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import _common  # noqa: F401  (puts the repo on sys.path)
+import cv2
+import numpy as np
+import psutil
+from _common import ROOT, machine, write_json
+
+from agent.adapt.config import AdaptConfig
+from agent.adapt.controller import AdaptController
+from agent.artifacts.config import ArtifactsConfig
+from agent.artifacts.trust import verify_artifact
+from agent.model_loading import LoadedModel
+from agent.pipeline.frame_stats import FrameStats
+from agent.pipeline.mailbox import FreshestMailbox
+from agent.pipeline.worker import InferenceWorker
+from agent.sources.base import Frame
+from engines.backends.base import EngineOptions
+from engines.bench import text_frames
+from engines.provision import load_provisioned, provision
+
+CAMERA_FPS = 15.0
+VARIANTS = ["full:fp32", "int8:int8", "small:int8:320x224"]
+PHASES = {"full": (30.0, 30.0, 30.0), "quick": (10.0, 12.0, 13.0)}  # idle, hog, idle (s)
+POLICY = dict(window_s=2.0, down_after_s=1.0, up_after_s=4.0, cooldown_s=12.0, max_switches_per_min=6,
+              up_margin=0.75)
+
+
+def build_family(work: Path, cache: Path) -> tuple[Any, list[LoadedModel]]:
+    """Package the demo detector with three variants (signed), provision and load every variant."""
+    from deploy.package import PackageOptions, package
+    from deploy.signing import keygen
+    from agent.demo import bundled_demo_onnx
+
+    key = work / "keys" / "bench.key"
+    key.parent.mkdir(parents=True)
+    keygen(key)
+    opts = PackageOptions(model=bundled_demo_onnx(), name="demo-det", version="1.0.0", out=work / "family", key=key,
+                          preprocess={"width": 640, "height": 480, "color": "bgr", "mean": (0.5,) * 3,
+                                      "std": (0.5,) * 3}, postprocess="db_text", variants=VARIANTS)
+    package(opts)
+    source = verify_artifact(work / "family", ArtifactsConfig(trusted_keys=[str(key) + ".pub"]))
+    from agent.adapt.family import members
+
+    loaded = []
+    for member in members(source):
+        print(f"building {member.name} ...", flush=True)
+        prov = provision(member.source, backend="onnxruntime", cache_dir=cache, db_path=cache / "index.db",
+                         validation_samples=2, latency_runs=5)
+        runtime = load_provisioned(prov, member.source, EngineOptions(allow_spinning=False))
+        runtime.warmup(text_frames(640, 480, 1)[0], 2)
+        loaded.append(LoadedModel(member.source, runtime, prov, "bench", variant=member.name))
+    return source, loaded
+
+
+class Run:
+    """One timed run: camera thread, worker, optional controller; per-frame records."""
+
+    def __init__(self, mode: str, family: Any, loaded: list[LoadedModel], budget_ms: float | None) -> None:
+        self.mode, self.family, self.loaded, self.budget = mode, family, loaded, budget_ms
+        self.stop = threading.Event()
+        self.mailbox: FreshestMailbox[Frame] = FreshestMailbox()
+        self.stats = FrameStats()
+        first = loaded[-1] if mode == "fixed_cheapest" else loaded[0]
+        self.names = {id(m.runtime): m.variant for m in loaded}
+        self.records: list[tuple[float, float, str]] = []  # (done at, latency ms, variant)
+        self.worker = InferenceWorker(first.runtime, self.mailbox, self.stop, self.stats, self._result)
+        self.controller = self._controller(first) if mode == "adaptive" else None
+        self.frames = text_frames(640, 480, 8)
+
+    def _controller(self, first: LoadedModel) -> AdaptController:
+        by_key = {(m.source.manifest.preprocess.width, m.source.manifest.build.precision): m for m in self.loaded}
+
+        def load(source: Any, _prov: Any) -> LoadedModel:
+            return by_key[(source.manifest.preprocess.width, source.manifest.build.precision)]
+
+        config = AdaptConfig(latency_budget_ms=self.budget, **POLICY)
+        controller = AdaptController(self.family, first, config, provision=lambda s: load(s, None).provisioned,
+                                     load=load, swap=lambda m: self.worker.swap(m.runtime), validation_samples=2)
+        controller.build_family()
+        return controller
+
+    def _result(self, frame: Frame, result: Any, runtime: Any) -> None:
+        now = time.monotonic()
+        self.records.append((now, (now - frame.captured_at) * 1e3, self.names.get(id(runtime), "?")))
+        if self.controller is not None:
+            self.controller.on_result(frame.captured_at, None, now)
+
+    def _camera(self) -> None:
+        index, period, next_at = 0, 1.0 / CAMERA_FPS, time.monotonic()
+        while not self.stop.is_set():
+            next_at += period
+            self.stop.wait(max(0.0, next_at - time.monotonic()))
+            index += 1
+            self.mailbox.put(Frame(self.frames[index % len(self.frames)], index, time.monotonic()))
+
+    def _policy(self) -> None:
+        while not self.stop.wait(1.0):
+            self.controller.tick(sample={})
+
+    def execute(self, phases: tuple[float, float, float]) -> dict[str, Any]:
+        """Idle, hog, idle; returns the records and the per-second load."""
+        threads = [threading.Thread(target=self._camera, daemon=True)]
+        if self.controller is not None:
+            threads.append(threading.Thread(target=self._policy, daemon=True))
+        self.worker.start()
+        for t in threads:
+            t.start()
+        start = time.monotonic()
+        load = sample_load(phases[0], start)
+        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            load += sample_load(phases[1], start, hog=True)
+        finally:
+            hog.terminate()
+            hog.wait(5)
+        load += sample_load(phases[2], start)
+        self.stop.set()
+        self.mailbox.close()
+        for t in [self.worker, *threads]:
+            t.join(5)
+        return {"start": start, "load": load, "errors": self.stats.errors,
+                "switches": list(self.controller.switches) if self.controller else []}
+
+
+def sample_load(seconds: float, start: float, hog: bool = False) -> list[tuple[float, float, bool]]:
+    """System CPU % once a second for `seconds` (the phase clock)."""
+    out, end = [], time.monotonic() + seconds
+    psutil.cpu_percent(None)
+    while time.monotonic() < end:
+        time.sleep(min(1.0, max(0.0, end - time.monotonic())))
+        out.append((time.monotonic() - start, psutil.cpu_percent(None), hog))
+    return out
+
+
+def windows(records: list[tuple[float, float, str]], start: float, total_s: float, budget: float) -> list[dict]:
+    """Per 1-s window: p99 of the results finished in it, and its variant mix."""
+    out = []
+    for second in range(int(total_s)):
+        lo, hi = start + second, start + second + 1
+        inside = [(ms, v) for t, ms, v in records if lo <= t < hi]
+        lat = sorted(ms for ms, _ in inside)
+        p99 = lat[max(0, math.ceil(0.99 * len(lat)) - 1)] if lat else None
+        variants = [v for _, v in inside]
+        out.append({"t": second, "p99": p99, "ok": p99 is not None and p99 <= budget,
+                    "variant": max(set(variants), key=variants.count) if variants else None})
+    return out
+
+
+def summarize(run: Run, raw: dict[str, Any], total_s: float, budget: float, top: str) -> dict[str, Any]:
+    """The report of one run."""
+    wins = windows(run.records, raw["start"], total_s, budget)
+    served = [v for _, _, v in run.records]
+    return {"windows_within_budget": round(sum(w["ok"] for w in wins) / len(wins), 3),
+            "top_variant_share": round(served.count(top) / len(served), 3) if served else 0.0,
+            "top_variant_time_share": round(sum(w["variant"] == top for w in wins) / len(wins), 3),
+            "frames": len(served), "frames_lost": raw["errors"], "switches": len(raw["switches"]),
+            "switch_log": raw["switches"], "windows": wins, "load": raw["load"],
+            "frames_by_variant": {v: served.count(v) for v in sorted(set(served))}}
+
+
+def idle_budget(loaded: list[LoadedModel], family: Any, seconds: float, factor: float) -> tuple[float, float]:
+    """FP32's glass-to-result p99 on the idle machine at the benchmark's camera rate, and the budget from it."""
+    run = Run("fixed_fp32", family, loaded, None)
+    run.worker.start()
+    cam = threading.Thread(target=run._camera, daemon=True)
+    cam.start()
+    time.sleep(seconds)
+    run.stop.set()
+    run.mailbox.close()
+    run.worker.join(5)
+    cam.join(5)
+    lat = sorted(ms for _, ms, _ in run.records[3:])  # first frames pay for warm caches
+    p99 = lat[max(0, math.ceil(0.99 * len(lat)) - 1)]
+    return p99, round(p99 * factor, 1)
+
+
+def plot(path: Path, results: dict[str, dict], budget: float, total_s: float, names: list[str]) -> None:
+    """p99 per second of each run against the budget, the adaptive run's variant, and CPU load (cv2, no matplotlib)."""
+    w, h, pad = 1000, 600, 60
+    img = np.full((h, w, 3), 255, np.uint8)
+    top_h, mid_h = 300, 120
+    ymax = max([budget * 2] + [x["p99"] for r in results.values() for x in r["windows"] if x["p99"]])
+    ymax = min(ymax, budget * 4)
+    sx = lambda t: int(pad + (w - 2 * pad) * t / total_s)  # noqa: E731
+    sy = lambda v: int(pad + top_h - top_h * min(v, ymax) / ymax)  # noqa: E731
+    cv2.rectangle(img, (pad, pad), (w - pad, pad + top_h), (0, 0, 0), 1)
+    cv2.line(img, (pad, sy(budget)), (w - pad, sy(budget)), (0, 0, 255), 1)
+    cv2.putText(img, f"budget {budget:.0f} ms", (w - pad - 150, sy(budget) - 5), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (0, 0, 255), 1)
+    colors = {"fixed_fp32": (200, 120, 0), "fixed_cheapest": (0, 160, 0), "adaptive": (0, 0, 0)}
+    for i, (mode, r) in enumerate(results.items()):
+        pts = [(sx(x["t"] + 0.5), sy(x["p99"])) for x in r["windows"] if x["p99"] is not None]
+        for a, b in zip(pts, pts[1:]):
+            cv2.line(img, a, b, colors[mode], 2 if mode == "adaptive" else 1)
+        cv2.putText(img, f"{mode} p99", (pad + 10 + 170 * i, pad - 10), cv2.FONT_HERSHEY_SIMPLEX, 0.45, colors[mode], 1)
+    cv2.putText(img, f"glass-to-result p99 per 1-s window (ms, top {ymax:.0f})", (pad, pad + top_h + 18),
+                cv2.FONT_HERSHEY_SIMPLEX, 0.45, (0, 0, 0), 1)
+    y0 = pad + top_h + 40
+    for x in results["adaptive"]["windows"]:
+        if x["variant"] is not None:
+            level = names.index(x["variant"])
+            y = y0 + int(mid_h * level / max(1, len(names) - 1) * 0.8)
+            cv2.rectangle(img, (sx(x["t"]), y), (sx(x["t"] + 1), y + 8), (0, 0, 0), -1)
+    for level, name in enumerate(names):
+        cv2.putText(img, name, (5, y0 + 8 + int(mid_h * level / max(1, len(names) - 1) * 0.8)),
+                    cv2.FONT_HERSHEY_SIMPLEX, 0.4, (0, 0, 0), 1)
+    y1 = y0 + mid_h + 20
+    cv2.putText(img, "adaptive: variant served; below: CPU load % (red: hog running)", (pad, y0 - 6),
+                cv2.FONT_HERSHEY_SIMPLEX, 0.45, (0, 0, 0), 1)
+    for t, pct, hog in results["adaptive"]["load"]:
+        cv2.line(img, (sx(t), y1 + 60), (sx(t), y1 + 60 - int(0.6 * pct)), (0, 0, 255) if hog else (120, 120, 120), 3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cv2.imwrite(str(path), img)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="JSON report")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG (default: beside --out)")
+    parser.add_argument("--quick", action="store_true", help="10/12/13 s phases instead of 30/30/30")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of the three runs, order rotated")
+    parser.add_argument("--budget-factor", type=float, default=1.5, help="budget = factor x FP32 idle p99")
+    parser.add_argument("--cache", type=Path, default=ROOT / "out" / "bench-adaptive-cache", help="engine cache")
+    args = parser.parse_args()
+    phases = PHASES["quick" if args.quick else "full"]
+    load_before = [round(x, 2) for x in psutil.getloadavg()]
+    if not args.quick and load_before[0] > 2:
+        print(f"warning: load average {load_before[0]} (> 2): other work will distort the numbers", flush=True)
+    total = sum(phases)
+    with tempfile.TemporaryDirectory() as tmp:
+        args.cache.mkdir(parents=True, exist_ok=True)
+        family, loaded = build_family(Path(tmp), args.cache)
+        idle_p99, budget = idle_budget(loaded, family, 6.0 if args.quick else 12.0, args.budget_factor)
+        print(f"fp32 idle p99 {idle_p99:.1f} ms -> budget {budget} ms", flush=True)
+        modes = ["fixed_fp32", "fixed_cheapest", "adaptive"]
+        rounds: list[dict[str, dict]] = []
+        for r in range(args.rounds):
+            results = {}
+            for mode in modes[r % 3:] + modes[:r % 3]:
+                print(f"round {r + 1}: {mode} ({total:.0f} s) ...", flush=True)
+                run = Run(mode, family, loaded, budget)
+                results[mode] = summarize(run, run.execute(phases), total, budget, loaded[0].variant)
+                print(f"  within budget {results[mode]['windows_within_budget']}, top share "
+                      f"{results[mode]['top_variant_share']}, switches {results[mode]['switches']}", flush=True)
+            rounds.append(results)
+        for m in loaded:
+            m.runtime.close()
+    mean = lambda mode, key: round(sum(r[mode][key] for r in rounds) / len(rounds), 3)  # noqa: E731
+    report = {
+        "benchmark": "adaptive", "quick": args.quick, "phases_s": phases, "camera_fps": CAMERA_FPS,
+        "variants": VARIANTS, "policy": POLICY, "fp32_idle_p99_ms": round(idle_p99, 1), "latency_budget_ms": budget,
+        "adaptive_windows_within_budget": mean("adaptive", "windows_within_budget"),
+        "fixed_fp32_windows_within_budget": mean("fixed_fp32", "windows_within_budget"),
+        "fixed_cheapest_windows_within_budget": mean("fixed_cheapest", "windows_within_budget"),
+        "adaptive_top_variant_share": mean("adaptive", "top_variant_share"),
+        "adaptive_top_variant_time_share": mean("adaptive", "top_variant_time_share"),
+        "switches": max(r["adaptive"]["switches"] for r in rounds),
+        "frames_lost": sum(r[m]["frames_lost"] for r in rounds for m in modes),
+        "goals": {"adaptive_windows_within_budget": ">= 0.95", "adaptive_top_variant_share": ">= 0.6",
+                  "switches": "<= 6", "frames_lost": "== 0"},
+        "load_before": load_before, "machine": machine(), "rounds": rounds,
+    }
+    write_json(args.out, report)
+    plot(args.plot or (args.out.with_suffix(".png") if args.out else ROOT / "out" / "bench-adaptive.png"),
+         rounds[-1], budget, total, [m.variant for m in loaded])
+    print({k: v for k, v in report.items() if k not in ("rounds", "machine", "goals")})
+
+
+if __name__ == "__main__":
+    main()
