@@ -80,6 +80,8 @@ def test_per_camera_results_and_stats_with_a_failing_camera(start_agent, tmp_pat
     assert {camera for camera, _, _ in results} == {"left", "right"}
     assert all(r.to_dict()["detections"] for _, _, r in results[:4]), "synthetic text was not detected"
     assert agent.last_result["camera"] in ("left", "right")
+    # the engine was built for batches of 3 (engine side): frames of several cameras share one call
+    assert agent.worker.batch.batched and agent.worker.batch.capacity == 3
 
     summary = agent.stop()
     cams = summary["cameras"]
