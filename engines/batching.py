@@ -354,7 +354,8 @@ def time_build(job: Any, report: dict[str, Any], emit: Any, runs: int = 5) -> No
     sample = next(iter(spec.input_shapes.values()))
     emit("batch-timing", max_batch=batch["max_batch"])
     engine = load_engine_file(job.out_path, job.backend, spec.precision, spec.providers, spec.input_shapes,
-                              EngineOptions(max_batch=batch["max_batch"], precision=spec.precision))
+                              EngineOptions(max_batch=batch["max_batch"], precision=spec.precision,
+                                            dla_core=spec.dla_core))  # no sidecar yet: the spec names the core
     try:
         if engine.max_batch < batch["max_batch"]:
             batch["max_batch"] = engine.max_batch

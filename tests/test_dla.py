@@ -308,6 +308,22 @@ def test_plan_for_a_missing_dla_core_is_refused(trt_backend, tmp_path: Path, ver
     assert "deserialized_on_core" not in trt._record and "runtime_dla_core" not in trt._record
 
 
+@pytest.mark.parametrize("version", ["8.6.1", "10.3.0", "11.1.0"])
+def test_batch_timing_of_a_fresh_dla_plan_runs_on_its_core(trt_backend, tmp_path: Path, version: str) -> None:
+    # The plan is timed right after the build, before the cache writes its sidecar: the spec names the core.
+    from engines import batching
+
+    cuda = FakeCudaMemory()
+    trt = dla_tensorrt(version, cores=2, cuda=cuda)
+    trt_backend(trt, cuda)
+    spec = EngineBuildSpec(precision="fp16", input_shapes={"x": (1, 3, 4, 4)}, dla_core=1, max_batch=2)
+    job = BuildJob("tensorrt", tmp_path / "m.onnx", tmp_path / "out.plan", tmp_path / "work", spec, {})
+    job.out_path.write_bytes(b"PLAN-fake")
+    report: dict[str, Any] = {"notes": []}
+    batching.time_build(job, report, lambda *a, **k: None, runs=1)
+    assert trt._record["deserialized_on_core"] == 1 and set(report["batch"]["curve"]) >= {"1", "2"}
+
+
 def test_unreadable_sidecar_is_an_incompatible_engine(trt_backend, tmp_path: Path) -> None:
     cuda = FakeCudaMemory()
     trt = dla_tensorrt("10.3.0", cores=2, cuda=cuda)

@@ -43,6 +43,9 @@ class EngineOptions:
     # Largest batch `infer` takes ([N, C, H, W], N <= max_batch). Engines whose batch dimension is fixed in
     # the model (or the TensorRT profile) report their own, smaller limit as `Engine.max_batch`.
     max_batch: int = 1
+    # TensorRT: the DLA core a dla:N plan must be deserialized onto. None: the plan's sidecar says (a plan
+    # just built has none yet, so the builder passes its spec's core), no sidecar: the GPU.
+    dla_core: int | None = None
 
 
 @runtime_checkable

@@ -11,9 +11,9 @@ its outputs match the plain run's bit for bit; otherwise the reason is in `descr
 capture leaves a sticky "last error" in the CUDA runtime; it is read and cleared at once (as trtexec
 does), so the plain path that follows does not inherit it. TensorRT 8.5 is never captured (it fails).
 
-DLA: a plan whose sidecar (`<plan>.json`) says it was built for `dla:N` is deserialized with
-`Runtime.DLA_core = N` (TensorRT's default is core 0); a core this TensorRT does not report is
-ENGINE_DLA_UNAVAILABLE.
+DLA: a plan built for `dla:N` (`EngineOptions.dla_core`, else the plan's sidecar `<plan>.json`) is
+deserialized with `Runtime.DLA_core = N` (TensorRT's default is core 0); a core this TensorRT does not
+report is ENGINE_DLA_UNAVAILABLE.
 
 Batching: a plan built with a batch profile (min 1, opt = max = `max_size`) and loaded with
 `EngineOptions.max_batch > 1` gets buffers for the largest batch; `infer` on `[N, C, H, W]` sets the
@@ -101,7 +101,7 @@ class TrtEngine:
 
     def _setup(self, plan: bytes, options: EngineOptions, cuda_graphs: bool) -> None:
         self._runtime = trt.Runtime(shared_logger(trt))  # one logger per process: see tensorrt_compat
-        self.dla_core = sidecar_dla_core(self.path)
+        self.dla_core = options.dla_core if options.dla_core is not None else sidecar_dla_core(self.path)
         if self.dla_core is not None:  # a dla:N plan runs on the Runtime's core (TensorRT's default: 0)
             select_dla_core(trt, self._runtime, self.dla_core, self.path.name)
         self._engine = self._runtime.deserialize_cuda_engine(plan)
