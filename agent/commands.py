@@ -9,8 +9,10 @@ request with the same id still runs.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
+import math
 import sqlite3
 import threading
 import time
@@ -237,13 +239,14 @@ def ensure_schema(conn: sqlite3.Connection) -> None:
 class ReplyStore:
     """Replies of executed commands by id, for a bounded window (count and age), in SQLite."""
 
-    def __init__(self, db_path: Path | str, *, max_entries: int = 1000, max_age_s: float = 86400.0) -> None:
+    def __init__(self, db_path: Path | str, *, max_entries: int = 1000, max_age_s: float = 86400.0,
+                 busy_timeout_s: float = 5.0) -> None:
         self.max_entries, self.max_age_s = max_entries, max_age_s
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.execute("PRAGMA busy_timeout=5000")
+        self._conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
         ensure_schema(self._conn)
 
     def get(self, command_id: str) -> dict[str, Any] | None:
@@ -271,6 +274,28 @@ class ReplyStore:
             self._conn.close()
 
 
+class RateLimit:
+    """At most `limit` events per sliding `window_s` (limit 0: no limit); thread-safe."""
+
+    def __init__(self, limit: int, window_s: float = 60.0) -> None:
+        self.limit, self.window_s = limit, window_s
+        self._times: collections.deque[float] = collections.deque()
+        self._lock = threading.Lock()
+
+    def take(self) -> float:
+        """Count one event and return 0, or return the seconds until one is allowed (nothing counted)."""
+        if self.limit <= 0:
+            return 0.0
+        now = time.monotonic()
+        with self._lock:
+            while self._times and now - self._times[0] >= self.window_s:
+                self._times.popleft()
+            if len(self._times) >= self.limit:
+                return max(0.001, self.window_s - (now - self._times[0]))
+            self._times.append(now)
+            return 0.0
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -280,9 +305,12 @@ class CommandDispatcher:
 
     def __init__(self, control: AgentControl, db_path: Path | str, *, max_payload_bytes: int = 64 * 1024,
                  reply_window: int = 1000, reply_max_age_s: float = 86400.0,
-                 commands: Registry[CommandSpec] = COMMANDS) -> None:
+                 commands: Registry[CommandSpec] = COMMANDS, deploy_rate: RateLimit | None = None,
+                 busy_timeout_s: float = 5.0) -> None:
         self.control, self.max_payload_bytes, self.commands = control, max_payload_bytes, commands
-        self.replies = ReplyStore(db_path, max_entries=reply_window, max_age_s=reply_max_age_s)
+        self.replies = ReplyStore(db_path, max_entries=reply_window, max_age_s=reply_max_age_s,
+                                  busy_timeout_s=busy_timeout_s)
+        self.deploy_rate = deploy_rate or RateLimit(0)
         self._running: set[str] = set()
         self._running_lock = threading.Lock()
 
@@ -294,7 +322,11 @@ class CommandDispatcher:
         except _Rejected as rejected:
             return rejected.reply
         envelope._channel = channel
-        return self._run_once(envelope)
+        try:
+            return self._run_once(envelope)
+        except Exception as exc:  # the promise above holds even for a bug here
+            log.exception("command %s (id %s): dispatcher error", envelope.command, envelope.id)
+            return error_reply(envelope.id, "INTERNAL", f"{type(exc).__name__}: {exc}"[:1000])
 
     def _decode(self, raw: bytes) -> Any:
         if len(raw) > self.max_payload_bytes:
@@ -325,7 +357,12 @@ class CommandDispatcher:
                 return error_reply(envelope.id, "BUSY", f"command id {envelope.id!r} is still running")
             self._running.add(envelope.id)
         try:
-            earlier = self.replies.get(envelope.id)
+            try:
+                earlier = self.replies.get(envelope.id)
+            except sqlite3.Error as exc:  # locked past the busy timeout, I/O error: refuse this one, keep going
+                log.error("command %s (id %s) not run: reply store unavailable: %s", envelope.command, envelope.id, exc)
+                return error_reply(envelope.id, "INTERNAL", f"state database unavailable ({exc}); the command was "
+                                   "not run; retry with the same id")
             if earlier is not None:
                 log.info("command id %r seen before: sending its first reply again", envelope.id)
                 return earlier
@@ -345,9 +382,22 @@ class CommandDispatcher:
             return error_reply(envelope.id, "INVALID_COMMAND", describe_errors(exc, "args"))
         if isinstance(args, _Channelled):
             args._channel = envelope._channel
+        if envelope.command == "deploy":
+            wait_s = self.deploy_rate.take()
+            if wait_s:  # not remembered: the same id may retry once the window has room
+                return error_reply(envelope.id, "RATE_LIMITED", f"more than {self.deploy_rate.limit} deploy "
+                                   f"requests in {self.deploy_rate.window_s:g} s; retry in {math.ceil(wait_s)} s")
         reply = self._call(envelope, spec, args)
-        self.replies.put(envelope.id, envelope.command, reply)
+        self._remember(envelope, reply)
         return reply
+
+    def _remember(self, envelope: Envelope, reply: dict[str, Any]) -> None:
+        """Store the reply for repeated ids; the command already ran, so a failure here only costs idempotence."""
+        try:
+            self.replies.put(envelope.id, envelope.command, reply)
+        except sqlite3.Error as exc:
+            log.warning("reply of command %s (id %s) not remembered (%s): a retry with this id runs it again",
+                        envelope.command, envelope.id, exc)
 
     def _call(self, envelope: Envelope, spec: CommandSpec, args: BaseModel) -> dict[str, Any]:
         try:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import psutil
 
 from agent.adapt import wiring as adapt_wiring
-from agent.commands import CommandDispatcher
+from agent.commands import CommandDispatcher, RateLimit
 from agent.control import AgentController
 from agent.control_socket import ControlSocketServer
 from agent.config import AgentConfig
@@ -94,7 +94,7 @@ class Agent:
         """Open state, recover deployments, load the model, start worker, camera and deployer."""
         cfg = self.config
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        self.store = StateStore(state_db_path(cfg.state_dir))
+        self.store = StateStore.open_checked(state_db_path(cfg.state_dir))  # a corrupt file is moved aside
         self.run_id = self.store.start_run(os.getpid())
         self.store.set_kv(LIVE_KEY, {"ts": time.time(), "state": "starting"})
         self.deployments = DeploymentStore(self.store)
@@ -102,10 +102,13 @@ class Agent:
         self.manager = DeploymentManager(self.deployments, self, cfg.state_dir / "artifacts" / "deployed",
                                          self.loader.artifacts, cfg.deployments, self.emit, self.stop_event)
         self.dispatcher = CommandDispatcher(AgentController(self, on_set_config=self._set_live_config),
-                                            state_db_path(cfg.state_dir), max_payload_bytes=cfg.mqtt.max_payload_bytes)
+                                            state_db_path(cfg.state_dir), max_payload_bytes=cfg.mqtt.max_payload_bytes,
+                                            deploy_rate=RateLimit(cfg.deployments.max_requests_per_minute, 60.0))
         self.plane = AgentPlane(self)  # before the model loads, so start-up events reach the outbox
         self.event_sinks.append(self.plane.on_event)
         self.plane.start()
+        if self.store.recovered:  # into the outbox now, on the broker at the next connect
+            self.emit("state_db_quarantined", **self.store.recovered)
         self.manager.recover()
         self.active = self._load_initial()
         self._start_frame_path()
@@ -365,7 +368,7 @@ class Agent:
     def commit_active(self, source: ModelSource, provisioned: Any, dep: Deployment, store: DeploymentStore) -> None:
         """The new active model and the deployment's `active` state, in one transaction."""
         assert self.store is not None and self.active is not None
-        with self.store.transaction():
+        with self.store.transaction(durable=True):
             self._record_active(self.active, dep.id)
             store.apply(dep, "active")
 

@@ -8,6 +8,8 @@ is refused rather than guessed at.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sqlite3
 import threading
 import time
@@ -17,8 +19,17 @@ from typing import Any, Callable
 import sqlite_utils
 
 from engines.errors import EdgeError
+from engines.fsutil import fsync_dir
 
 Migration = Callable[[sqlite_utils.Database], None]
+
+log = logging.getLogger(__name__)
+
+BUSY_TIMEOUT_S = 10.0
+# Rows worth carrying over from a corrupt database: both are verified again before use (the artifact by
+# its signature and hashes, the engine by its file sha256), so a damaged value cannot do harm.
+SALVAGE_TABLES = ("active_model", "engines")
+_CORRUPTION = ("malformed", "not a database", "corrupt", "SQLITE_CORRUPT", "SQLITE_NOTADB")
 
 
 def _m001_core(db: sqlite_utils.Database) -> None:
@@ -80,13 +91,19 @@ class StateStoreError(EdgeError):
 
 
 class StateStore:
-    """Thread-safe access to the state database; every write is its own transaction."""
+    """Thread-safe access to the state database; every write is its own transaction.
 
-    def __init__(self, path: Path) -> None:
+    `busy_timeout_s` is how long a statement waits for another process's write lock before it raises
+    `sqlite3.OperationalError` ("database is locked"); tests make it short instead of sleeping.
+    """
+
+    def __init__(self, path: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.recovered: dict[str, Any] | None = None  # set by open_checked when a corrupt file was moved aside
         try:
-            conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=10, isolation_level=None)
+            conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=busy_timeout_s,
+                                   isolation_level=None)
             self.db = sqlite_utils.Database(conn)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")
@@ -95,7 +112,40 @@ class StateStore:
             raise StateStoreError(f"{self.path}: cannot open state database: {exc}") from exc
         self._lock = threading.RLock()
         self._depth = 0
+        self._durable = False
         self.migrate()
+
+    @classmethod
+    def open_checked(cls, path: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> "StateStore":
+        """The daemon's way in: a corrupt file is moved aside (kept), a fresh one is opened in its place.
+
+        Only the daemon calls this at start; readers such as `edge-agent status` must never move the
+        running daemon's database. `store.recovered` then says what happened (for an event).
+        """
+        recovered = quarantine_if_corrupt(Path(path), busy_timeout_s=busy_timeout_s)
+        store = cls(path, busy_timeout_s=busy_timeout_s)
+        if recovered is not None:
+            recovered["salvaged"] = store.salvage(Path(recovered["quarantined"]))
+            store.recovered = recovered
+            log.error("state database %s was corrupt (%s); moved to %s and started fresh (salvaged: %s)",
+                      path, recovered["problem"], recovered["quarantined"], recovered["salvaged"])
+        return store
+
+    def salvage(self, old: Path) -> dict[str, Any]:
+        """Copy what still reads of SALVAGE_TABLES from a quarantined database; per table a count or the error."""
+        out: dict[str, Any] = {}
+        for table in SALVAGE_TABLES:
+            try:
+                columns, rows = _read_table(old, table)
+                wanted = [c for c in columns if c in {r["name"] for r in self.query(f"PRAGMA table_info({table})")}]
+                picked = [tuple(row[columns.index(c)] for c in wanted) for row in rows]
+                with self.transaction(durable=True) as db:
+                    db.conn.executemany(f"INSERT OR IGNORE INTO {table} ({', '.join(wanted)}) "
+                                        f"VALUES ({', '.join('?' for _ in wanted)})", picked)
+                out[table] = len(picked)
+            except sqlite3.Error as exc:
+                out[table] = f"lost: {exc}"
+        return out
 
     @property
     def schema_version(self) -> int:
@@ -117,9 +167,48 @@ class StateStore:
                     migrations[number](self.db)
                     self.db.execute(f"PRAGMA user_version = {number + 1}")
 
-    def transaction(self) -> "_Transaction":
-        """`with store.transaction():` — BEGIN IMMEDIATE … COMMIT, rolled back on error."""
-        return _Transaction(self)
+    def transaction(self, durable: bool = False) -> "_Transaction":
+        """`with store.transaction():` — BEGIN IMMEDIATE … COMMIT, rolled back on error.
+
+        `durable=True` commits with `synchronous=FULL` (the WAL is fsync'ed at COMMIT), for rows that must
+        survive a power cut: deployment transitions and the active model. The outermost transaction
+        decides; everything else keeps the cheaper NORMAL (consistent after a power cut, maybe older).
+        """
+        return _Transaction(self, durable)
+
+    def _begin(self, durable: bool) -> None:
+        """BEGIN IMMEDIATE (after raising the sync level when asked); on failure nothing is left changed."""
+        if durable:
+            self.db.execute("PRAGMA synchronous=FULL")
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            if durable:
+                self._restore_sync()
+            raise
+        self._durable = durable
+
+    def _end(self, commit: bool) -> None:
+        """COMMIT or ROLLBACK; a failed COMMIT is rolled back so the connection is never left mid-transaction."""
+        try:
+            self.db.execute("COMMIT" if commit else "ROLLBACK")
+        except BaseException:
+            if self.db.conn.in_transaction:
+                try:
+                    self.db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    log.exception("%s: ROLLBACK after a failed COMMIT failed", self.path)
+            raise
+        finally:
+            if self._durable:
+                self._durable = False
+                self._restore_sync()
+
+    def _restore_sync(self) -> None:
+        try:
+            self.db.execute("PRAGMA synchronous=NORMAL")
+        except sqlite3.Error:
+            log.exception("%s: could not restore synchronous=NORMAL", self.path)
 
     def execute(self, sql: str, params: tuple | dict = ()) -> sqlite3.Cursor:
         """One statement under the store's lock."""
@@ -161,8 +250,8 @@ class StateStore:
     # --- active model -----------------------------------------------------------------------
 
     def set_active_model(self, name: str, version: str, path: str, sha256: str, info: dict[str, Any]) -> None:
-        """Make a model active; the old active one becomes `previous` (for rollback)."""
-        with self.transaction():
+        """Make a model active; the old active one becomes `previous` (for rollback). Durable."""
+        with self.transaction(durable=True):
             old = list(self.db.query("SELECT * FROM active_model WHERE slot = 'active'"))
             if old and (old[0]["sha256"], old[0]["path"]) != (sha256, path):
                 self.db.execute("DELETE FROM active_model WHERE slot = 'previous'")
@@ -218,29 +307,97 @@ class StateStore:
 
 
 class _Transaction:
-    """Re-entrant: an inner `with store.transaction()` joins the outer one (one COMMIT at the end)."""
+    """Re-entrant: an inner `with store.transaction()` joins the outer one (one COMMIT at the end).
 
-    def __init__(self, store: StateStore) -> None:
-        self.store = store
+    A BEGIN that fails (another process holds the write lock past the busy timeout, an I/O error, a
+    read-only file system) raises with the lock released and the depth unchanged: one failed write must
+    never block every other thread or strip BEGIN/COMMIT from the transactions after it.
+    """
+
+    def __init__(self, store: StateStore, durable: bool = False) -> None:
+        self.store, self.durable = store, durable
 
     def __enter__(self) -> sqlite_utils.Database:
-        self.store._lock.acquire()
-        self.store._depth += 1
-        if self.store._depth == 1:
-            self.store.db.execute("BEGIN IMMEDIATE")
-        return self.store.db
+        store = self.store
+        store._lock.acquire()
+        try:
+            if store._depth == 0:
+                store._begin(self.durable)
+        except BaseException:
+            store._lock.release()
+            raise
+        store._depth += 1
+        return store.db
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
+        store = self.store
         try:
-            if self.store._depth == 1:
-                self.store.db.execute("ROLLBACK" if exc_type else "COMMIT")
+            if store._depth == 1:
+                store._end(commit=exc_type is None)
         finally:
-            self.store._depth -= 1
-            self.store._lock.release()
+            store._depth -= 1
+            store._lock.release()
 
 
 def state_db_path(state_dir: Path) -> Path:
     """Where the state database lives inside the state directory."""
     return Path(state_dir) / "state.db"
+
+
+# --- corruption: detect at start, move aside, salvage ------------------------------------------
+
+def quarantine_if_corrupt(path: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> dict[str, Any] | None:
+    """`PRAGMA quick_check` the database; a corrupt one (with its -wal/-shm) is renamed aside, not deleted.
+
+    Returns {"path", "quarantined", "problem"} when it moved the file, None when the file is fine, absent,
+    or cannot be checked for another reason (locked, unreadable): those are not corruption, and moving
+    a healthy database aside would lose the device's state.
+    """
+    path = Path(path)
+    if not path.exists():
+        return None
+    problem = integrity_problem(path, busy_timeout_s)
+    if problem is None:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = path.with_name(f"{path.name}.corrupt-{stamp}-{os.getpid()}")
+    # the WAL goes first: a fresh state.db beside the old state.db-wal would replay the old frames
+    for suffix in ("-wal", "-shm", ""):
+        source = Path(f"{path}{suffix}")
+        if source.exists():
+            os.replace(source, Path(f"{target}{suffix}"))
+    fsync_dir(path.parent)
+    return {"path": str(path), "quarantined": str(target), "problem": problem[:500]}
+
+
+def integrity_problem(path: Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> str | None:
+    """What `PRAGMA quick_check` finds wrong with the file, or None (fine, or not checkable: not corrupt)."""
+    try:
+        conn = sqlite3.connect(str(path), timeout=busy_timeout_s, isolation_level=None)
+    except sqlite3.Error:
+        return None
+    try:
+        rows = conn.execute("PRAGMA quick_check").fetchall()
+    except sqlite3.DatabaseError as exc:
+        return str(exc) if _is_corruption(exc) else None
+    finally:
+        conn.close()
+    found = "; ".join(str(row[0]) for row in rows[:5])
+    return None if found == "ok" else found
+
+
+def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
+    text = f"{exc} {getattr(exc, 'sqlite_errorname', '')}"
+    return any(marker in text for marker in _CORRUPTION)
+
+
+def _read_table(path: Path, table: str) -> tuple[list[str], list[tuple]]:
+    """All rows of `table`, read-only (the quarantined copy stays as it was found, WAL included)."""
+    conn = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, isolation_level=None)
+    try:
+        cursor = conn.execute(f"SELECT * FROM {table}")
+        return [d[0] for d in cursor.description], cursor.fetchall()
+    finally:
+        conn.close()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -85,4 +86,30 @@ def test_unclean_previous_run_is_marked_crashed(tmp_path: Path) -> None:
     first = store.start_run(1)
     store.start_run(2)
     assert store.query("SELECT status FROM runs WHERE id = ?", (first,))[0]["status"] == "crashed"
+    store.close()
+
+
+def test_begin_that_cannot_get_the_write_lock_leaves_the_store_usable(tmp_path: Path) -> None:
+    """Issue 12 item 1: a failed BEGIN IMMEDIATE used to keep the store's lock and depth forever."""
+    path = tmp_path / "state.db"
+    store = StateStore(path, busy_timeout_s=0.05)  # the production 10 s, made short
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        store.add_event("lost", {})
+    holder.execute("ROLLBACK")
+    holder.close()
+
+    done = threading.Event()
+    reader = threading.Thread(target=lambda: (store.events(1), done.set()), name="reader", daemon=True)
+    reader.start()
+    assert done.wait(10), "a plain read in another thread is still blocked after the lock is gone"
+    reader.join(10)
+    with pytest.raises(RuntimeError):  # later transactions still BEGIN and ROLL BACK
+        with store.transaction() as db:
+            db.execute("INSERT INTO kv (key, value) VALUES ('half', '1')")
+            raise RuntimeError("boom")
+    assert store.get_kv("half") is None and not store.db.conn.in_transaction
+    store.add_event("kept", {})
+    assert store.events(1)[0]["type"] == "kept"
     store.close()

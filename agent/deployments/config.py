@@ -30,3 +30,12 @@ class DeploymentConfig(BaseModel):
     min_free_memory_mb: int = Field(
         512, ge=0, description="Keep the previous engine loaded only while this much memory stays free."
     )
+    keep_deployments: int = Field(
+        50, ge=1, le=10000, description="Finished deployments (active, failed, rolled_back) kept in state.db with their "
+        "transition logs; older ones are deleted at start and after each deployment. The deployments of the active and "
+        "previous models are always kept.",
+    )
+    max_requests_per_minute: int = Field(
+        10, ge=0, le=600, description="deploy commands accepted per minute (MQTT and control socket together); more "
+        "are answered RATE_LIMITED with the seconds to wait. 0 = no limit.",
+    )

@@ -96,6 +96,7 @@ class DeploymentManager(threading.Thread):
         self._watching: Deployment | None = None
         self._options: dict[str, RequestOptions] = {}
         self.versions = VersionMemory(store.state)
+        self._unrecorded: list[tuple[Deployment, str, str]] = []  # failures the database refused; retried
         self.progress: dict[str, Any] = {}
 
     # --- requests (any thread) -----------------------------------------------------------------
@@ -167,13 +168,42 @@ class DeploymentManager(threading.Thread):
     # --- the worker ----------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Take one request at a time until stopped."""
+        """Take one request at a time until stopped; no error in one deployment ends the worker."""
+        self._housekeeping()
         while not self.stop_event.is_set():
             try:
                 item = self._queue.get(timeout=0.2)
             except queue.Empty:
+                self._record_failures()
                 continue
-            self._deploy(item)
+            try:
+                self._deploy(item)
+            except Exception:  # e.g. sqlite3.Error while recording a transition: this deployment only
+                log.exception("deployment %s: unexpected error; the worker continues", item.id)
+            self._housekeeping()
+
+    def _housekeeping(self) -> None:
+        """Retry unrecorded failures and prune old deployments; a locked database just waits for next time."""
+        self._record_failures()
+        try:
+            pruned = self.store.prune(self.config.keep_deployments)
+        except Exception:
+            log.exception("pruning old deployments failed")
+            return
+        if pruned:
+            log.info("pruned %d finished deployment(s) beyond keep_deployments=%d", pruned,
+                     self.config.keep_deployments)
+
+    def _record_failures(self) -> None:
+        """Write the `failed` rows the database refused earlier (locked, I/O error); keep the rest for later."""
+        pending, self._unrecorded = self._unrecorded, []
+        for dep, code, message in pending:
+            try:
+                current = self.store.get(dep.id)
+                if current is not None and current.state not in ("failed", "active", "rolled_back"):
+                    self.store.transition(dep, "failed", reason=code, message=message[:2000])
+            except Exception:
+                self._unrecorded.append((dep, code, message))
 
     def _deploy(self, dep: Deployment) -> None:
         try:
@@ -200,7 +230,10 @@ class DeploymentManager(threading.Thread):
                 self._current = None
                 self.progress = {}
                 self._options.pop(dep.id, None)
-        self._collect_artifacts()
+        try:
+            self._collect_artifacts()
+        except Exception:
+            log.exception("artifact GC failed")
         self._collect_engines()
         self._watch(dep)
 
@@ -281,8 +314,9 @@ class DeploymentManager(threading.Thread):
                 shutil.rmtree(partial, ignore_errors=True)
         try:
             self.store.transition(dep, "failed", reason=code, message=message[:2000])
-        except EdgeError:
-            log.exception("could not record failure of %s", dep.id)
+        except Exception:  # a locked or failing database must not kill the worker; retried when idle
+            log.exception("could not record failure of %s; will retry", dep.id)
+            self._unrecorded.append((dep, code, message))
         self.emit("deployment", deployment_id=dep.id, state="failed", reason=code, message=message[:500])
 
     def _watch(self, dep: Deployment) -> None:

@@ -90,7 +90,7 @@ class DeploymentStore:
         """A new deployment in `requested`."""
         now = time.time()
         dep = Deployment(uuid.uuid4().hex[:12], url, "requested", created=now, updated=now, details={})
-        with self.state.transaction() as db:
+        with self.state.transaction(durable=True) as db:
             db.execute("INSERT INTO deployments (id, url, state, created, updated) VALUES (?, ?, ?, ?, ?)",
                        (dep.id, url, dep.state, now, now))
             db.execute("INSERT INTO deployment_transitions (deployment_id, state, ts) VALUES (?, ?, ?)",
@@ -98,8 +98,8 @@ class DeploymentStore:
         return dep
 
     def transition(self, dep: Deployment, state: str, **fields: Any) -> Deployment:
-        """Move `dep` to `state` (checked), recording `fields` on the row; committed before returning."""
-        with self.state.transaction():
+        """Move `dep` to `state` (checked), recording `fields` on the row; committed (durably) before returning."""
+        with self.state.transaction(durable=True):
             self.apply(dep, state, **fields)
         return dep
 
@@ -147,6 +147,30 @@ class DeploymentStore:
         """The deployment whose model is active now, if the active model came from one."""
         rows = self.state.query("SELECT * FROM deployments WHERE state = 'active' ORDER BY updated DESC LIMIT 1")
         return _row(rows[0]) if rows else None
+
+    def prune(self, keep: int) -> int:
+        """Delete finished deployments beyond the newest `keep`, with their transitions; returns how many.
+
+        Never touches one in progress, nor one whose model is active or previous (status and rollback
+        read those rows). Deleted pages are reused by SQLite, so the file stops growing.
+        """
+        marks = ",".join("?" for _ in TERMINAL)
+        with self.state.transaction() as db:
+            rows = db.execute(f"SELECT id FROM deployments WHERE state IN ({marks}) ORDER BY created DESC, rowid DESC "
+                              "LIMIT -1 OFFSET ?", (*sorted(TERMINAL), keep)).fetchall()
+            doomed = [(row[0],) for row in rows if row[0] not in self._pinned()]
+            if doomed:
+                db.conn.executemany("DELETE FROM deployments WHERE id = ?", doomed)
+                db.execute("DELETE FROM deployment_transitions WHERE deployment_id NOT IN (SELECT id FROM deployments)")
+        return len(doomed)
+
+    def _pinned(self) -> set[str]:
+        pinned = {dep.id for dep in [self.latest_active()] if dep is not None}
+        for slot in ("active", "previous"):
+            row = self.state.model_slot(slot)
+            if row and row["info"].get("deployment_id"):
+                pinned.add(row["info"]["deployment_id"])
+        return pinned
 
     def transitions(self, dep_id: str) -> list[dict[str, Any]]:
         """The transition log of one deployment, oldest first."""

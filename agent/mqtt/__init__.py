@@ -84,9 +84,19 @@ class CommandWorker:
                 continue
             if message is None:
                 break
-            reply = self._dispatch(message.payload)  # dispatch never raises: every error is a reply
-            self.counters["handled"] += 1
-            self._send_reply(message, reply)
+            self._handle(message)
+
+    def _handle(self, message: CommandMessage) -> None:
+        """One command; whatever goes wrong becomes its INTERNAL reply, never the end of the worker thread."""
+        try:
+            reply = self._dispatch(message.payload)
+        except Exception as exc:  # the dispatcher promises a reply; a locked or failing database broke that once
+            self.counters["internal"] += 1
+            log.exception("command worker: dispatch failed; answering INTERNAL and continuing")
+            reply = {"id": self._peek_id(message.payload), "ok": False,
+                     "error": {"code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"[:1000]}}
+        self.counters["handled"] += 1
+        self._send_reply(message, reply)
 
     def route(self, message: CommandMessage) -> tuple[str, Optional[Properties]]:
         """MQTT 5: the request's Response Topic + Correlation Data when it lies under this device's
@@ -109,9 +119,14 @@ class CommandWorker:
         return own, props
 
     def _send_reply(self, message: CommandMessage, reply: dict) -> None:
-        topic, props = self.route(message)
-        payload = json.dumps(reply).encode()
-        sent = self.connection.publish(topic, payload, qos=1, properties=props) if self.connection else None
+        try:
+            topic, props = self.route(message)
+            payload = json.dumps(reply).encode()
+            sent = self.connection.publish(topic, payload, qos=1, properties=props) if self.connection else None
+        except Exception:  # runs on the worker and on paho's thread: neither may die of one bad reply
+            self.counters["replies_failed"] += 1
+            log.exception("reply to command id %r could not be sent", reply.get("id"))
+            return
         if sent is None:
             self.counters["replies_unsent"] += 1
             log.warning("reply to command id %r not sent: not connected (the sender may retry with the same id "

@@ -1,0 +1,419 @@
+"""Storage faults with real SQLite and a real broker: a locked, corrupt or growing state.db, planted symlinks.
+
+Each test reproduces a fault of issue 12 ("Hardening", items 1-5). The write lock is held by a second real
+sqlite3 connection (`BEGIN IMMEDIATE`), corruption is made by overwriting pages of a real state.db, and
+busy timeouts are made short through parameters instead of waiting the production 10 s.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sqlite3
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from agent.artifacts.config import ArtifactsConfig
+from agent.commands import CommandDispatcher, RateLimit
+from agent.config import AgentConfig
+from agent.deployments.config import DeploymentConfig
+from agent.deployments.manager import DeploymentManager
+from agent.deployments.store import TERMINAL, DeploymentStore
+from agent.mqtt import MqttConfig, MqttPlane
+from agent.state import StateStore, integrity_problem, quarantine_if_corrupt
+from deploy.mqtt_ops import send_command
+from engines import fsutil
+from engines.fsutil import atomic_copy, atomic_write_bytes
+from tests.fixtures_mqtt import FakeControl
+from tests.helpers import wait_for
+
+SHORT = 0.05  # busy timeout in tests: a locked database fails at once instead of after 10 s
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def write_lock() -> Iterator[Any]:
+    """`hold(path)`: another connection takes the write lock (BEGIN IMMEDIATE) until `release()`."""
+    held: list[sqlite3.Connection] = []
+
+    class Lock:
+        def hold(self, path: Path) -> None:
+            conn = sqlite3.connect(str(path), isolation_level=None)
+            conn.execute("BEGIN IMMEDIATE")
+            held.append(conn)
+
+        def release(self) -> None:
+            while held:
+                conn = held.pop()
+                conn.execute("ROLLBACK")
+                conn.close()
+
+    lock = Lock()
+    yield lock
+    lock.release()
+
+
+def overwrite_pages(path: Path, table: str, pages: int = 1) -> None:
+    """Overwrite `pages` pages of a closed database with garbage, starting at `table`'s root page."""
+    conn = sqlite3.connect(str(path))
+    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+    root = 1 if table == "header" else conn.execute("SELECT rootpage FROM sqlite_master WHERE name = ?",
+                                                    (table,)).fetchone()[0]
+    conn.close()
+    with open(path, "r+b") as fh:
+        fh.seek((root - 1) * page_size)
+        fh.write(b"\xa5\x5a garbage " * (page_size * pages // 11 + 1))
+
+
+def filled_store(path: Path) -> None:
+    """A real state.db with an active model, a previous one and enough events to span pages; closed."""
+    store = StateStore(path)
+    store.set_active_model("a", "1", "/models/a", "aa" * 32, {"origin": "deployment"})
+    store.set_active_model("b", "2", "/models/b", "bb" * 32, {"origin": "deployment"})
+    for i in range(300):
+        store.add_event("tick", {"i": i, "pad": "x" * 100})
+    store.close()  # checkpoints the WAL: every row is in the main file
+
+
+def _deploy_cmd(dispatcher: CommandDispatcher, url: str = "https://m/manifest.json", cid: str | None = None) -> dict:
+    body = {"id": cid or uuid.uuid4().hex, "command": "deploy", "args": {"url": url}}
+    return dispatcher.dispatch(json.dumps(body).encode())
+
+
+# --- item 2: the MQTT command worker survives a locked or failing database -----------------------
+
+@pytest.fixture
+def short_timeout_plane(tmp_path: Path, mqtt_broker) -> Iterator[Any]:
+    """A real MqttPlane whose dispatcher waits only SHORT seconds for the write lock."""
+    made: list[tuple[MqttPlane, CommandDispatcher]] = []
+
+    def make(device_id: str, dispatch: Any = None) -> MqttPlane:
+        db = tmp_path / f"{device_id}.db"
+        dispatcher = CommandDispatcher(FakeControl(), db, busy_timeout_s=SHORT)
+        plane = MqttPlane(MqttConfig(url=mqtt_broker.url, reconnect_min_s=0.1, reconnect_max_s=1.0),
+                          device_id=device_id, db_path=db, dispatch=dispatch or dispatcher.dispatch,
+                          agent_version="test")
+        made.append((plane, dispatcher))
+        plane.start()
+        assert wait_for(lambda: plane.connected, 10), plane.stats()
+        return plane
+
+    yield make
+    for plane, dispatcher in made:
+        plane.stop(timeout=5, flush_s=0)
+        dispatcher.close()
+
+
+def test_command_worker_survives_a_locked_state_db(tmp_path: Path, mqtt_broker, short_timeout_plane,
+                                                   write_lock) -> None:
+    plane = short_timeout_plane("sf-lock")
+    write_lock.hold(tmp_path / "sf-lock.db")
+    # the reply cannot be remembered (write lock held elsewhere): the command still gets its answer
+    first = send_command(mqtt_broker.url, "sf-lock", "ping", timeout_s=10)
+    assert first["ok"] is True, first
+    second = send_command(mqtt_broker.url, "sf-lock", "status", timeout_s=10)
+    assert second["ok"] is True, second
+    write_lock.release()
+    third = send_command(mqtt_broker.url, "sf-lock", "ping", timeout_s=10)
+    assert third["ok"] is True and plane.worker._thread.is_alive()
+    assert plane.stats()["commands_handled"] == 3
+
+
+def test_command_worker_answers_internal_when_dispatch_raises_and_keeps_going(mqtt_broker,
+                                                                            short_timeout_plane) -> None:
+    def dispatch(payload: bytes) -> dict:
+        if b"boom" in payload:
+            raise sqlite3.OperationalError("disk I/O error")
+        return {"id": json.loads(payload)["id"], "ok": True, "result": {"pong": True}}
+
+    plane = short_timeout_plane("sf-raise", dispatch=dispatch)
+    bad = send_command(mqtt_broker.url, "sf-raise", "boom", timeout_s=10, command_id="boom-1")
+    assert bad == {"id": "boom-1", "ok": False,
+                   "error": {"code": "INTERNAL", "message": "OperationalError: disk I/O error"}}
+    good = send_command(mqtt_broker.url, "sf-raise", "ping", timeout_s=10)
+    assert good["ok"] is True and plane.stats()["commands_internal"] == 1
+
+
+def test_corrupt_reply_table_answers_internal_without_running(tmp_path: Path) -> None:
+    db = tmp_path / "state.db"
+    first = CommandDispatcher(FakeControl(), db)
+    for i in range(200):
+        first.dispatch(json.dumps({"id": f"fill-{i:04d}-" + "x" * 60, "command": "ping"}).encode())
+    conn = sqlite3.connect(str(db))
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    first.close()
+    overwrite_pages(db, "command_replies", pages=3)
+    control = FakeControl()
+    dispatcher = CommandDispatcher(control, db)
+    try:
+        reply = dispatcher.dispatch(b'{"id": "after", "command": "status"}')  # old code: raised DatabaseError
+    finally:
+        dispatcher.close()
+    assert reply["ok"] is False and reply["error"]["code"] == "INTERNAL"
+    assert "state database unavailable" in reply["error"]["message"] and control.calls == []
+
+
+# --- item 2: the deployment worker survives a locked database ------------------------------------
+
+@pytest.fixture
+def manager_factory(tmp_path: Path) -> Iterator[Any]:
+    """DeploymentManagers on a real StateStore (short busy timeout); no host: these deploys fail at fetch."""
+    made: list[tuple[DeploymentManager, threading.Event, StateStore]] = []
+
+    def make(**config: Any) -> tuple[DeploymentManager, list]:
+        store = StateStore(tmp_path / "state.db", busy_timeout_s=SHORT)
+        events: list[tuple[str, dict]] = []
+        stop = threading.Event()
+        manager = DeploymentManager(DeploymentStore(store), None, tmp_path / "artifacts",  # type: ignore[arg-type]
+                                    ArtifactsConfig(), DeploymentConfig(**config),
+                                    lambda type_, **f: events.append((type_, f)), stop)
+        made.append((manager, stop, store))
+        return manager, events
+
+    yield make
+    for manager, stop, store in made:
+        stop.set()
+        if manager.is_alive():
+            manager.join(10)
+        store.close()
+
+
+def _missing_url(tmp_path: Path, name: str = "missing") -> str:
+    return (tmp_path / name / "manifest.json").as_uri()
+
+
+def _request(manager: DeploymentManager, url: str) -> str:
+    """A deploy as `edge-agent deploy` sends it (file:// URLs are for the local socket where channels exist)."""
+    local = {"channel": "local"} if "channel" in inspect.signature(manager.request).parameters else {}
+    return manager.request(url, **local)["deployment_id"]
+
+
+def _failed(events: list, dep_id: str) -> bool:
+    return any(t == "deployment" and f.get("deployment_id") == dep_id and f.get("state") == "failed"
+               for t, f in list(events))
+
+
+def test_deployment_worker_survives_a_locked_state_db(tmp_path: Path, manager_factory, write_lock) -> None:
+    manager, events = manager_factory()
+    first = _request(manager, _missing_url(tmp_path))
+    write_lock.hold(tmp_path / "state.db")
+    manager.start()  # `fetching` cannot be recorded; nor can `failed` (old code: the thread died here)
+    assert wait_for(lambda: _failed(events, first), 10)
+    assert manager.is_alive()
+    write_lock.release()
+    assert wait_for(lambda: manager.store.get(first).state == "failed", 10)  # recorded once the lock is gone
+    assert manager.store.get(first).reason == "INTERNAL"
+    second = _request(manager, _missing_url(tmp_path, "other"))
+    assert wait_for(lambda: manager.store.get(second).state == "failed", 10)
+    assert manager.store.get(second).reason == "ARTIFACT_NOT_FOUND" and manager.is_alive()
+
+
+# --- item 4: pruning and rate limiting -----------------------------------------------------------
+
+def test_finished_deployments_are_pruned_to_keep_deployments(tmp_path: Path, manager_factory) -> None:
+    manager, events = manager_factory(keep_deployments=5)
+    store = manager.store
+    pinned = store.create("file:///pinned/manifest.json")  # the deployment of the model now active
+    store.state.set_active_model("m", "1", "/m", "cc" * 32, {"deployment_id": pinned.id})
+    manager.start()
+    ids = []
+    for i in range(20):
+        ids.append(_request(manager, _missing_url(tmp_path, f"m{i}")))
+        assert wait_for(lambda: _failed(events, ids[-1]), 10)
+    assert wait_for(lambda: len(store.latest(100)) == 6, 10), [d.id for d in store.latest(100)]
+    kept = {d.id for d in store.latest(100)}
+    assert kept == {pinned.id, *ids[-5:]}
+    left = store.state.query("SELECT DISTINCT deployment_id FROM deployment_transitions")
+    assert {row["deployment_id"] for row in left} == kept
+
+
+def test_prune_never_touches_deployments_in_progress(tmp_path: Path) -> None:
+    store = DeploymentStore(StateStore(tmp_path / "state.db"))
+    running = store.create("file:///running")
+    store.transition(running, "fetching")
+    for i in range(4):
+        dep = store.create(f"file:///{i}")
+        store.transition(dep, "failed", reason="ARTIFACT_NOT_FOUND")
+    assert store.prune(keep=1) == 3
+    states = sorted(d.state for d in store.latest(10))
+    assert states == ["failed", "fetching"] and set(states) - TERMINAL == {"fetching"}
+    store.state.close()
+
+
+def test_deploy_requests_are_rate_limited(tmp_path: Path) -> None:
+    control = FakeControl()
+    dispatcher = CommandDispatcher(control, tmp_path / "state.db", deploy_rate=RateLimit(3, 60.0))
+    try:
+        assert all(_deploy_cmd(dispatcher)["ok"] for _ in range(3))
+        limited = _deploy_cmd(dispatcher, cid="fourth")
+        assert limited["error"]["code"] == "RATE_LIMITED" and "retry in" in limited["error"]["message"]
+        assert dispatcher.dispatch(b'{"id": "p", "command": "ping"}')["ok"]  # other commands are not limited
+        assert len(control.calls) == 3
+    finally:
+        dispatcher.close()
+
+
+def test_rate_limited_deploy_runs_once_the_window_has_room(tmp_path: Path) -> None:
+    control = FakeControl()
+    dispatcher = CommandDispatcher(control, tmp_path / "state.db", deploy_rate=RateLimit(1, 0.2))
+    try:
+        assert _deploy_cmd(dispatcher)["ok"]
+        assert _deploy_cmd(dispatcher, cid="again")["error"]["code"] == "RATE_LIMITED"
+        assert wait_for(lambda: _deploy_cmd(dispatcher, cid="again")["ok"], 10)  # not remembered as refused
+        assert len(control.calls) == 2
+    finally:
+        dispatcher.close()
+
+
+def test_agent_config_has_storage_limits_by_default() -> None:
+    deployments = AgentConfig().deployments
+    assert deployments.keep_deployments >= 5 and deployments.max_requests_per_minute > 0
+
+
+# --- item 3: a corrupt state.db is moved aside, the agent starts fresh ---------------------------
+
+def test_corrupt_pages_are_quarantined_and_the_active_model_salvaged(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    filled_store(path)
+    overwrite_pages(path, "events", pages=2)
+    damaged = path.read_bytes()
+    assert integrity_problem(path) is not None
+    store = StateStore.open_checked(path)
+    try:
+        info = store.recovered
+        assert info is not None and info["path"] == str(path)
+        assert Path(info["quarantined"]).read_bytes() == damaged  # kept as found, for diagnosis
+        assert info["salvaged"]["active_model"] == 2 and info["salvaged"]["engines"] == 0
+        assert store.model_slot("active")["name"] == "b" and store.model_slot("previous")["name"] == "a"
+        assert store.events(1) == [] and integrity_problem(path) is None
+        store.add_event("after", {})  # a working store
+    finally:
+        store.close()
+
+
+def test_unreadable_header_starts_fresh_and_says_what_was_lost(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    filled_store(path)
+    overwrite_pages(path, "header")
+    with pytest.raises(Exception):
+        StateStore(path)  # what the agent did before: no start, and systemd gives up after 5 tries
+    store = StateStore.open_checked(path)
+    try:
+        assert "not a database" in store.recovered["problem"]
+        assert store.recovered["salvaged"]["active_model"].startswith("lost:")
+        assert store.model_slot("active") is None
+    finally:
+        store.close()
+
+
+def test_healthy_or_locked_database_is_never_moved_aside(tmp_path: Path, write_lock) -> None:
+    path = tmp_path / "state.db"
+    filled_store(path)
+    write_lock.hold(path)
+    assert quarantine_if_corrupt(path, busy_timeout_s=SHORT) is None
+    write_lock.release()
+    store = StateStore.open_checked(path)
+    try:
+        assert store.recovered is None and store.model_slot("active")["name"] == "b"
+    finally:
+        store.close()
+    assert [p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name] == []
+
+
+@pytest.mark.slow
+def test_agent_starts_on_a_corrupt_state_db_and_reports_it(tmp_path: Path, mqtt_broker, collector_factory) -> None:
+    from agent.runner import Agent
+    from tests.deploy_fixtures import agent_settings, make_artifact, make_key
+
+    private, public = make_key(tmp_path / "keys")
+    v1 = make_artifact(tmp_path / "pub" / "v1", "1.0.0", private)
+    settings = agent_settings(tmp_path, public, v1, device_id="sf-agent", mqtt={"url": mqtt_broker.url})
+    db = tmp_path / "state" / "state.db"
+    filled_store(db)
+    overwrite_pages(db, "header")
+    collector = collector_factory(mqtt_broker.url, ["edge/sf-agent/events"])
+    agent = Agent(AgentConfig(**settings))
+    try:
+        agent.start()
+        assert wait_for(lambda: agent.stats.frames >= 1, 60)
+        assert collector.wait_for(lambda _m: any(e.get("type") == "state_db_quarantined"
+                                                 for e in collector.payloads("edge/sf-agent/events")), 30)
+    finally:
+        agent.stop()
+    event = next(e for e in collector.payloads("edge/sf-agent/events") if e["type"] == "state_db_quarantined")
+    assert event["path"] == str(db) and Path(event["quarantined"]).exists()
+    assert "not a database" in event["problem"]
+
+
+# --- item 1 and 3: durable commits --------------------------------------------------------------
+
+def test_transitions_and_active_model_commit_with_synchronous_full(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state.db")
+    statements: list[str] = []
+    store.db.conn.set_trace_callback(statements.append)
+    deployments = DeploymentStore(store)
+    dep = deployments.create("file:///m")
+    deployments.transition(dep, "fetching")
+    store.set_active_model("m", "1", "/m", "aa" * 32, {})
+    store.add_event("cheap", {})  # everything else stays NORMAL
+    store.db.conn.set_trace_callback(None)
+    store.close()
+    flow = [s for s in statements if s.startswith(("PRAGMA synchronous", "BEGIN", "COMMIT"))]
+    durable = ["PRAGMA synchronous=FULL", "BEGIN IMMEDIATE", "COMMIT", "PRAGMA synchronous=NORMAL"]
+    assert flow == durable * 3 + ["BEGIN IMMEDIATE", "COMMIT"]
+
+
+# --- item 5: temp files are created exclusively, never through a planted symlink ------------------
+
+def _plant(directory: Path, name: str, victim: Path) -> Path:
+    link = directory / name
+    link.symlink_to(victim)
+    return link
+
+
+@pytest.mark.parametrize("write", ["bytes", "copy"])
+def test_planted_symlink_at_the_old_temp_name_is_not_followed(tmp_path: Path, write: str) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    target = shared / "manifest.json"
+    _plant(shared, f".{target.name}.{os.getpid()}.tmp", victim)  # the name the old code always used
+    if write == "bytes":
+        atomic_write_bytes(target, b"new")
+    else:
+        source = tmp_path / "src"
+        source.write_bytes(b"new")
+        atomic_copy(source, target)
+    assert victim.read_bytes() == b"precious"
+    assert not target.is_symlink() and target.read_bytes() == b"new"
+
+
+def test_temp_name_collision_with_a_symlink_picks_another_name(tmp_path: Path, monkeypatch) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    target = tmp_path / "engine.json"
+    tokens = iter(["guessed0", "fresh001"])
+    monkeypatch.setattr(fsutil.secrets, "token_hex", lambda _n: next(tokens))
+    planted = _plant(tmp_path, f".{target.name}.{os.getpid()}.guessed0.tmp", victim)
+    atomic_write_bytes(target, b"data", mode=0o644)
+    assert victim.read_bytes() == b"precious" and planted.is_symlink()
+    assert target.read_bytes() == b"data" and (target.stat().st_mode & 0o777) == 0o644
+
+
+def test_default_mode_still_follows_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        atomic_write_bytes(tmp_path / "a", b"x")
+        atomic_copy(tmp_path / "a", tmp_path / "b")
+    finally:
+        os.umask(old)
+    assert {(tmp_path / n).stat().st_mode & 0o777 for n in "ab"} == {0o644}
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
