@@ -196,9 +196,12 @@ def list_engines(
         entries, quarantined = cache.entries(), cache.quarantined()
     finally:
         cache.close()
+    from agent.status import read_family, render_adapt
+
+    family = read_family(db_path)  # variants of the last model family: accuracy vs its reference, p99 here
     if as_json:
         out.print_json(json.dumps({"engines": [e.to_dict() for e in entries],
-                                   "quarantined": [str(p) for p in quarantined]}))
+                                   "quarantined": [str(p) for p in quarantined], "family": family}))
         return
     table = Table(title=f"engine cache {cache_dir}", title_justify="left")
     for col in ("key", "model", "backend", "precision", "device", "DLA", "size MB", "last used", "validation"):
@@ -211,6 +214,7 @@ def list_engines(
     out.print(table)
     if quarantined:
         out.print(f"{len(quarantined)} engine(s) in quarantine: {cache_dir / 'quarantine'}")
+    render_adapt({"family": family} if family else None, out)
 
 
 def _device(parts: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -52,6 +53,17 @@ def adapt_status(store: StateStore, live: dict[str, Any] | None) -> dict[str, An
     return {"family": family, "active_variant": (running or {}).get("active_variant"),
             "policy": (running or {}).get("policy"), "state": (running or {}).get("state"),
             "switches": (running or {}).get("switches")}
+
+
+def read_family(db_path: Path) -> dict[str, Any] | None:
+    """The last built model family (variants, accuracy vs the reference, latency here) from the state DB."""
+    if not Path(db_path).exists():
+        return None
+    store = StateStore(db_path)
+    try:
+        return store.get_kv("adapt_family")
+    finally:
+        store.close()
 
 
 def render_adapt(adapt: dict[str, Any] | None, console: Console) -> None:

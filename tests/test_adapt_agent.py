@@ -11,14 +11,24 @@ import pytest
 from typer.testing import CliRunner
 
 from agent.adapt.controller import POLICY_KEY
+from agent.cli import app as agent_app
 from agent.config import AgentConfig
 from agent.runner import Agent
 from agent.state import StateStore, state_db_path
 from deploy.cli import app as deploy_app
+from tests.deploy_fixtures import wait_terminal
 from tests.helpers import wait_for
 from tests.test_adapt_family import make_family
 
 pytestmark = pytest.mark.slow
+
+
+def family_config(tmp: Path, artifact: Path, public: Path, **extra) -> AgentConfig:
+    return AgentConfig(
+        device_id="fam-01", state_dir=tmp / "state", cache_dir=tmp / "cache",
+        model={"path": artifact, "warmup_runs": 1}, camera={"kind": "synthetic", "width": 96, "height": 64, "fps": 20},
+        artifacts={"trusted_keys": [str(public)]}, engines={"validation_samples": 2, "latency_runs": 3},
+        deployments={"watch_window_s": 1.0, "watch_min_frames": 3}, **extra)
 
 
 def send(broker, *args: str) -> tuple[int, dict]:
@@ -26,13 +36,10 @@ def send(broker, *args: str) -> tuple[int, dict]:
     return result.exit_code, json.loads(result.stdout) if result.stdout.strip() else {}
 
 
-def test_set_policy_over_a_real_broker(tmp_path: Path, mqtt_broker, collector_factory) -> None:
+def test_set_policy_over_a_real_broker(tmp_path: Path, mqtt_broker, collector_factory, monkeypatch) -> None:
     artifact, public = make_family(tmp_path, ["full:fp32", "int8:int8", "small:int8:16x16"])
-    config = AgentConfig(
-        device_id="fam-01", state_dir=tmp_path / "state", cache_dir=tmp_path / "cache",
-        model={"path": artifact, "warmup_runs": 1}, camera={"kind": "synthetic", "width": 96, "height": 64, "fps": 20},
-        artifacts={"trusted_keys": [str(public)]}, engines={"validation_samples": 2, "latency_runs": 3},
-        mqtt={"url": mqtt_broker.url, "telemetry_interval_s": 1.0}, adapt={"temp_limit_c": 90})
+    config = family_config(tmp_path, artifact, public, mqtt={"url": mqtt_broker.url, "telemetry_interval_s": 1.0},
+                           adapt={"temp_limit_c": 90})
     collector = collector_factory(mqtt_broker.url, ["edge/fam-01/#"])
     agent = Agent(config)
     agent.start()
@@ -71,3 +78,40 @@ def test_set_policy_over_a_real_broker(tmp_path: Path, mqtt_broker, collector_fa
         assert [v["name"] for v in store.get_kv("adapt_family")["variants"]] == ["full", "int8", "small"]
     finally:
         store.close()
+    monkeypatch.setenv("EDGE_AGENT_STATE_DIR", str(config.state_dir))
+    monkeypatch.setenv("EDGE_AGENT_CACHE_DIR", str(config.cache_dir))
+    shown = CliRunner().invoke(agent_app, ["status"]).stdout
+    assert "adapt    fam@1.0.0" in shown and "small int8 16x16 accuracy" in shown and "full fp32 32x32" in shown
+    listed = json.loads(CliRunner().invoke(agent_app, ["engines", "list", "--json"]).stdout)
+    variants = listed["family"]["variants"]
+    assert [(v["name"], v["status"]) for v in variants] == [("full", "ready"), ("int8", "ready"), ("small", "ready")]
+    assert all(v["accuracy"] is not None and v["latency_ms"]["p99"] > 0 for v in variants)
+    assert {v["engine_key"] for v in variants} <= {e["key"][:12] for e in listed["engines"]}
+
+
+def test_deployment_replaces_the_family_and_rollback_restores_it_at_its_variant(tmp_path: Path) -> None:
+    v1, public = make_family(tmp_path, ["full:fp32", "int8:int8", "small:int8:16x16"])
+    v2, _ = make_family(tmp_path, ["full:fp32", "tiny:int8:16x16"], version="2.0.0", out="v2")
+    agent = Agent(family_config(tmp_path, v1, public))
+    agent.start()
+    try:
+        assert wait_for(lambda: agent.adapt is not None and agent.adapt.built.is_set(), timeout=120)
+        agent.adapt.set_policy({"pinned": "int8"})
+        assert wait_for(lambda: agent.active.variant == "int8", timeout=30)
+        v1_int8 = agent.active
+
+        dep_id = agent.manager.request((v2 / "manifest.json").as_uri(), channel="local")["deployment_id"]
+        assert wait_terminal(agent, dep_id) == "active"
+        assert wait_for(lambda: agent.adapt is not None and agent.adapt.built.is_set(), timeout=120)
+        assert agent.adapt.source.manifest.version == "2.0.0"
+        assert [m.name for m in agent.adapt.members] == ["full", "tiny"]  # the whole family was replaced
+        assert agent.previous is v1_int8  # kept loaded for rollback: the variant v1 was serving
+
+        agent.manager.request_rollback()
+        assert agent.active is v1_int8 and agent.worker.runtime is v1_int8.runtime
+        assert agent.adapt.source.manifest.version == "1.0.0" and agent.adapt.active.name == "int8"
+        frames = agent.stats.frames
+        assert wait_for(lambda: agent.stats.frames > frames + 3, timeout=30)
+    finally:
+        summary = agent.stop()
+    assert summary["errors"] == 0 and summary["model"]["variant"] == "int8"

@@ -20,18 +20,20 @@ from engines.provision import load_provisioned, provision
 from tests.engine_fixtures import conv_model, outlier_model
 
 
-def make_family(tmp: Path, variants: list[str], extra: dict[str, Path] | None = None) -> tuple[Path, Path]:
+def make_family(tmp: Path, variants: list[str], extra: dict[str, Path] | None = None, version: str = "1.0.0",
+                out: str = "artifact") -> tuple[Path, Path]:
     """A signed artifact of the tiny conv model (32x32, raw output) declaring `variants`; returns (dir, public key)."""
     key = tmp / "keys" / "signing.key"
     key.parent.mkdir(parents=True, exist_ok=True)
-    keygen(key)
+    if not key.exists():
+        keygen(key)
     model = conv_model(tmp / "src" / "conv.onnx")
     for name, path in (extra or {}).items():
         outlier_model(path) if name == "outlier" else conv_model(path, seed=3)
-    opts = PackageOptions(model=model, name="fam", version="1.0.0", out=tmp / "artifact", key=key,
+    opts = PackageOptions(model=model, name="fam", version=version, out=tmp / out, key=key,
                           preprocess={"width": 32, "height": 32}, variants=variants)
     package(opts)
-    return tmp / "artifact", key.with_name("signing.key.pub")
+    return tmp / out, key.with_name("signing.key.pub")
 
 
 def loader(tmp: Path):

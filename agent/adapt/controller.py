@@ -109,8 +109,8 @@ class AdaptController(threading.Thread):
             build_member(member, lambda _s: member.provisioned, lambda _s, _p: keep, reference, frames, owned=False)
             return
         build_member(member, self._provision, self._load, reference, frames)
-        if member.loaded is not None:
-            member.loaded.variant = member.name
+        if member.loaded is not None:  # a rollback to this model must find its family again
+            member.loaded.variant, member.loaded.family = member.name, self.source
 
     def tick(self, now: float | None = None, sample: dict[str, Any] | None = None) -> Decision | None:
         """One policy step over the current numbers; switches when the policy says so."""

@@ -1,0 +1,56 @@
+"""`set_policy` through the command dispatcher: argument checks, and a clear code when no family runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from agent.commands import CommandDispatcher
+from agent.control import AgentController
+from tests.fixtures_mqtt import FakeControl
+
+
+class PolicyControl(FakeControl):
+    """FakeControl plus set_policy, recording what the dispatcher hands over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policies: list[dict] = []
+
+    def set_policy(self, changes: dict) -> dict:
+        self.policies.append(changes)
+        return {"applied": changes}
+
+
+def send(dispatcher: CommandDispatcher, args: Any, id: str = "p-1") -> dict:  # noqa: A002
+    return dispatcher.dispatch(json.dumps({"id": id, "command": "set_policy", "args": args}).encode())
+
+
+def test_set_policy_passes_exactly_the_fields_given(tmp_path: Path) -> None:
+    control = PolicyControl()
+    dispatcher = CommandDispatcher(control, tmp_path / "replies.db")
+    try:
+        reply = send(dispatcher, {"pinned": None, "temp_limit_c": 80})
+        assert reply["ok"] and control.policies == [{"pinned": None, "temp_limit_c": 80.0}]  # null unpins
+        reply = send(dispatcher, {}, id="p-2")
+        assert reply["error"]["code"] == "INVALID_COMMAND" and "pinned" in reply["error"]["message"]
+        reply = send(dispatcher, {"temp_limit": 80}, id="p-3")
+        assert reply["error"]["code"] == "INVALID_COMMAND" and "temp_limit" in reply["error"]["message"]
+        reply = send(dispatcher, {"enabled": "yes"}, id="p-4")
+        assert reply["error"]["code"] == "INVALID_COMMAND"
+        assert len(control.policies) == 1
+    finally:
+        dispatcher.close()
+
+
+def test_set_policy_without_a_model_family_says_so(tmp_path: Path) -> None:
+    class NoFamily:  # a running agent whose model declares no variants
+        adapt = None
+
+    dispatcher = CommandDispatcher(AgentController(NoFamily()), tmp_path / "replies.db")
+    try:
+        reply = send(dispatcher, {"enabled": False})
+        assert reply["error"]["code"] == "ADAPT_UNAVAILABLE" and "variants" in reply["error"]["message"]
+    finally:
+        dispatcher.close()
