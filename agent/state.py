@@ -137,7 +137,8 @@ class StateStore:
         for table in SALVAGE_TABLES:
             try:
                 columns, rows = _read_table(old, table)
-                wanted = [c for c in columns if c in {r["name"] for r in self.query(f"PRAGMA table_info({table})")}]
+                known = {r["name"] for r in self.query(f"PRAGMA table_info({table})")}
+                wanted = [c for c in columns if c in known]
                 picked = [tuple(row[columns.index(c)] for c in wanted) for row in rows]
                 with self.transaction(durable=True) as db:
                     db.conn.executemany(f"INSERT OR IGNORE INTO {table} ({', '.join(wanted)}) "

@@ -158,7 +158,8 @@ class DeploymentStore:
         with self.state.transaction() as db:
             rows = db.execute(f"SELECT id FROM deployments WHERE state IN ({marks}) ORDER BY created DESC, rowid DESC "
                               "LIMIT -1 OFFSET ?", (*sorted(TERMINAL), keep)).fetchall()
-            doomed = [(row[0],) for row in rows if row[0] not in self._pinned()]
+            pinned = self._pinned()
+            doomed = [(row[0],) for row in rows if row[0] not in pinned]
             if doomed:
                 db.conn.executemany("DELETE FROM deployments WHERE id = ?", doomed)
                 db.execute("DELETE FROM deployment_transitions WHERE deployment_id NOT IN (SELECT id FROM deployments)")
