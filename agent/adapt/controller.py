@@ -53,6 +53,8 @@ class AdaptController(threading.Thread):
         self._samples, self._clock = validation_samples, clock
         self._last_image: np.ndarray | None = None
         self._lock = threading.RLock()
+        self._count_lock = threading.Lock()
+        self._warned_pin: str | None = None
         self._attach(serving)
         self._restore_policy()
 
@@ -64,7 +66,8 @@ class AdaptController(threading.Thread):
         self.latency.record((now - captured_at) * 1e3, now)
         self._last_image = image
         name = self.active.name if self.active is not None else "?"
-        self.frames_by_variant[name] = self.frames_by_variant.get(name, 0) + 1
+        with self._count_lock:  # status() copies the dict from another thread
+            self.frames_by_variant[name] = self.frames_by_variant.get(name, 0) + 1
 
     # --- thread ----------------------------------------------------------------------------------------
 
@@ -121,8 +124,10 @@ class AdaptController(threading.Thread):
             names = [m.name for m in self.ready]
             try:
                 policy = self.config.policy(names, self.source.manifest.gates.latency_budget_ms)
-            except ValueError as exc:  # a pin naming a variant that was left out: ignore the pin, say so
-                log.warning("%s; the pin is ignored", exc)
+            except ValueError as exc:  # a pin naming a variant that was left out: ignore the pin, say so once
+                if self._warned_pin != self.config.pinned:
+                    self._warned_pin = self.config.pinned
+                    log.warning("%s; the pin is ignored", exc)
                 policy = self.config.model_copy(update={"pinned": None}).policy(
                     names, self.source.manifest.gates.latency_budget_ms)
             brightness = mean_luminance(self._last_image) if policy.dark_below is not None else None
@@ -175,7 +180,11 @@ class AdaptController(threading.Thread):
             return {"active_variant": self.active.name if self.active else None, "built": self.built.is_set(),
                     "policy": self.policy_dict(), "state": self.state.to_dict() if self.state else None,
                     "variants": [m.to_dict() for m in self.members], "switches": len(self.switches),
-                    "frames_by_variant": dict(self.frames_by_variant)}
+                    "frames_by_variant": self._counts()}
+
+    def _counts(self) -> dict[str, int]:
+        with self._count_lock:
+            return dict(self.frames_by_variant)
 
     def close(self, keep: tuple[Any, ...] = ()) -> None:
         """Release every variant's engine except those in `keep` (the agent's active and previous models)."""
