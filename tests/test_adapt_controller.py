@@ -53,6 +53,7 @@ class Rig:
             validation_samples=2)
         self.feeder = threading.Thread(target=self._feed, name="feeder", daemon=True)
         self.sent = 0
+        self.grey = 128  # the scene's brightness (0-255); the feeder paints every frame with it
 
     def _swap(self, loaded: Any) -> None:
         self.worker.swap(loaded.runtime)
@@ -61,10 +62,9 @@ class Rig:
         self.controller.on_result(frame.captured_at, frame.image)
 
     def _feed(self) -> None:
-        image = np.full((32, 32, 3), 128, np.uint8)
         while not self.stop.wait(0.01):
             self.sent += 1
-            self.mailbox.put(Frame(image, self.sent, time.monotonic()))
+            self.mailbox.put(Frame(np.full((32, 32, 3), self.grey, np.uint8), self.sent, time.monotonic()))
 
     def __enter__(self) -> "Rig":
         self.worker.start()
@@ -155,3 +155,22 @@ def test_set_policy_pins_and_persists(tmp_path: Path) -> None:
             assert restarted.config.enabled is False and restarted.config.pinned is None
     finally:
         store.close()
+
+
+def test_dark_scene_runs_the_night_variant_from_real_frames(tmp_path: Path) -> None:
+    config = AdaptConfig(dark_below=40, dark_variant="small", up_after_s=2, cooldown_s=0)
+    with Rig(tmp_path, config) as rig:
+        t = rig.run_ticks(0, 3)
+        assert rig.switches() == []
+        rig.grey = 15  # night
+        assert wait_for(lambda: rig.controller._last_image is not None and rig.controller._last_image[0, 0, 0] == 15)
+        t = rig.run_ticks(t, 2)
+        assert rig.switches() == [("full", "small", "dark_scene")]
+        assert [f for k, f in rig.events if k == "adapt"][0]["numbers"]["brightness"] == pytest.approx(15, abs=0.5)
+        rig.grey = 45  # dawn, but inside the brightness hysteresis (40 + 10): stays on the night variant
+        t = rig.run_ticks(t, 4)
+        assert len(rig.switches()) == 1
+        rig.grey = 120  # day: back up one step per up_after_s
+        rig.run_ticks(t, 6)
+        assert rig.switches()[1:] == [("small", "int8", "headroom"), ("int8", "full", "headroom")]
+        assert rig.stats.errors == 0
