@@ -115,3 +115,18 @@ def test_deployment_replaces_the_family_and_rollback_restores_it_at_its_variant(
     finally:
         summary = agent.stop()
     assert summary["errors"] == 0 and summary["model"]["variant"] == "int8"
+
+
+def test_a_serving_model_outside_its_family_keeps_serving_alone(tmp_path: Path) -> None:
+    """The manifest's own settings (fp32 32x32) match none of the declared variants: no adaptation, no crash."""
+    artifact, public = make_family(tmp_path, ["half:int8", "small:int8:16x16"])
+    events: list[tuple[str, dict]] = []
+    agent = Agent(family_config(tmp_path, artifact, public), on_event=lambda t, **f: events.append((t, f)))
+    agent.start()
+    try:
+        assert agent.adapt is None
+        failed = [f for t, f in events if t == "adapt_family"]
+        assert failed and failed[0]["state"] == "failed" and failed[0]["code"] == "ADAPT_NO_VARIANT"
+        assert wait_for(lambda: agent.stats.frames >= 3, timeout=30)
+    finally:
+        agent.stop()

@@ -14,6 +14,7 @@ from typing import Any
 from agent.adapt.controller import AdaptController
 from agent.adapt.family import has_variants
 from agent.telemetry import collector_from_names
+from engines.errors import EdgeError
 
 log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 5.0
@@ -36,12 +37,18 @@ def restart(agent: Any) -> AdaptController | None:
     cfg = agent.config
     collector = collector_from_names(cfg.telemetry.sources, cfg.telemetry.sysfs_root)
     stop_event = threading.Event()
-    controller = AdaptController(
-        family, active, cfg.adapt,
-        provision=lambda source: agent.loader.provision(source, None, stop_event),
-        load=lambda source, provisioned: agent.loader.load_provisioned(source, provisioned, active.origin),
-        swap=lambda loaded: switch_variant(agent, loaded), sample=collector.sample, emit=agent.emit,
-        store=agent.store, stop_event=stop_event, validation_samples=cfg.engines.validation_samples)
+    try:
+        controller = AdaptController(
+            family, active, cfg.adapt,
+            provision=lambda source: agent.loader.provision(source, None, stop_event),
+            load=lambda source, provisioned: agent.loader.load_provisioned(source, provisioned, active.origin),
+            swap=lambda loaded: switch_variant(agent, loaded), sample=collector.sample, emit=agent.emit,
+            store=agent.store, stop_event=stop_event, validation_samples=cfg.engines.validation_samples)
+    except EdgeError as exc:  # the model keeps serving as a single model; say why it does not adapt
+        collector.close()
+        log.error("model family %s not adapted: %s", family.label, exc)
+        agent.emit("adapt_family", state="failed", model=family.label, code=exc.code, error=str(exc))
+        return None
     controller.collector, controller.stop_event = collector, stop_event  # for `stop`
     agent.adapt = controller
     controller.start()
