@@ -8,7 +8,8 @@ Layout under `cache_dir`:
     locks/<key>.lock                  one build per key at a time, across processes
 
 Writes go temp -> fsync -> rename, file before sidecar before index row, so a crash leaves at worst an
-orphan file that `gc` removes. Every load re-hashes the file against the index: a corrupt engine is
+orphan file that `gc` removes. An engine whose index row is lost (a corrupt state DB moved aside) but whose
+file still matches its sidecar is re-indexed from the sidecar, never deleted: a TensorRT rebuild costs minutes. Every load re-hashes the file against the index: a corrupt engine is
 quarantined and reported, never loaded and never silently deleted.
 """
 
@@ -182,7 +183,7 @@ class EngineCache:
 
     def lookup(self, key: str) -> CacheEntry | None:
         """The verified entry for `key`; a missing or altered file is dropped or quarantined first."""
-        entry = self.get(key)
+        entry = self.get(key) or self._adopt(key)
         if entry is None:
             return None
         if not entry.path.is_file():
@@ -309,8 +310,53 @@ class EngineCache:
         entry.path.unlink(missing_ok=True)
         _sidecar_path(entry.path).unlink(missing_ok=True)
 
+    def _adopt(self, key: str) -> CacheEntry | None:
+        """Re-index an engine whose row is gone (a state DB rebuilt after corruption) from its sidecar.
+
+        Only a file whose sha256 and size match its sidecar is adopted: the sidecar is written after the
+        file is complete, so a match means the engine is whole. Anything else stays unindexed.
+        """
+        sidecar = next((p for p in self.engines_dir.glob(f"{key}.*.json")), None)
+        if sidecar is None:
+            return None
+        try:
+            data = json.loads(sidecar.read_text())
+            path = self.engines_dir / data["file"]
+            if data["key"] != key or path.name != sidecar.name[: -len(".json")] or not path.is_file():
+                return None
+            if path.stat().st_size != data["size"] or sha256_file(path) != data["file_sha256"]:
+                return None
+            now = time.time()
+            entry = CacheEntry(key, path, data["file_sha256"], int(data["size"]), data["onnx_sha256"],
+                               data.get("model", ""), data["backend"], data["backend_version"], data["precision"],
+                               dict(data["parts"]), float(data.get("build_s", 0.0)),
+                               float(data.get("created_at", now)), now, dict(data.get("report") or {}),
+                               data.get("validation"))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("engine %s: sidecar %s unusable (%s); not re-indexed", key[:16], sidecar.name, exc)
+            return None
+        with self._lock:
+            self._conn.execute(
+                "INSERT OR IGNORE INTO engines (key, file, file_sha256, size, onnx_sha256, model, backend,"
+                " backend_version, precision, parts, build_s, report, created_at, last_used, validation)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (key, path.name, entry.file_sha256, entry.size, entry.onnx_sha256, entry.model, entry.backend,
+                 entry.backend_version, entry.precision, json.dumps(entry.parts), entry.build_s,
+                 json.dumps(entry.report), entry.created_at, now,
+                 json.dumps(entry.validation) if entry.validation else None),
+            )
+        self._emit("engine.cache.reindexed", key=key, path=str(path))
+        return entry
+
     def _remove_orphans(self) -> list[str]:
-        """Engine files with no index row (a crash between rename and insert), past a grace period."""
+        """Engine files with no index row (a crash between rename and insert), past a grace period.
+
+        A complete engine with a matching sidecar is re-indexed instead of deleted (see `_adopt`).
+        """
+        for sidecar in self.engines_dir.glob("*.json"):
+            key = sidecar.name.split(".", 1)[0]
+            if self.get(key) is None:
+                self._adopt(key)
         known = {e.path.name for e in self.entries()}
         removed = []
         for path in self.engines_dir.iterdir():

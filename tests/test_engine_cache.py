@@ -272,3 +272,38 @@ def test_plan_build_keys_on_the_calibration_set_the_manifest_names(tmp_path: Pat
     fp32 = plan_build(src, "onnxruntime", "fp32")
     assert fp32.calibration is None and fp32.spec.quantization == {} and fp32.key.key != from_manifest.key.key
     assert fp32.spec.input_shapes == {"x": (1, 3, 16, 16)}
+
+
+def _lose_index(cache: EngineCache) -> None:
+    """What a corrupt state.db moved aside leaves: engine files and sidecars, no index rows."""
+    cache._conn.execute("DELETE FROM engines")
+
+
+def test_engines_survive_a_lost_index_and_are_reindexed_from_their_sidecars(cache: EngineCache, tmp_path: Path,
+                                                                           events) -> None:
+    kept, tampered = put(cache, tmp_path, key(onnx_sha="a" * 64)), put(cache, tmp_path, key(onnx_sha="b" * 64))
+    cache.record_validation(kept.key, {"passed": True, "metric": "cosine"})
+    tampered.path.write_bytes(tampered.path.read_bytes() + b"!")  # no longer what its sidecar describes
+    for path in (kept.path, tampered.path):
+        os.utime(path, (time.time() - 3600, time.time() - 3600))
+        os.utime(path.with_name(path.name + ".json"), (time.time() - 3600, time.time() - 3600))
+    _lose_index(cache)
+    report = cache.gc(1 << 30)
+    assert kept.path.is_file() and kept.path.name not in report.orphans
+    assert tampered.path.name in report.orphans and not tampered.path.exists()
+    found = cache.lookup(kept.key)
+    assert found is not None and found.file_sha256 == kept.file_sha256 and found.validation["passed"] is True
+    assert any(e["type"] == "engine.cache.reindexed" and e["key"] == kept.key for e in events)
+
+
+def test_lookup_reindexes_a_whole_engine_and_ignores_a_mismatched_sidecar(cache: EngineCache, tmp_path: Path) -> None:
+    entry = put(cache, tmp_path, key())
+    _lose_index(cache)
+    assert cache.lookup(entry.key) is not None and cache.get(entry.key) is not None
+    _lose_index(cache)
+    sidecar = entry.path.with_name(entry.path.name + ".json")
+    data = json.loads(sidecar.read_text())
+    sidecar.write_text(json.dumps({**data, "file_sha256": "0" * 64}))
+    assert cache.lookup(entry.key) is None and entry.path.is_file()
+    sidecar.write_text("{not json")
+    assert cache.lookup(entry.key) is None
