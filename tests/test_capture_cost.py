@@ -198,3 +198,22 @@ def test_image_folder_frames_are_grabbed_lazily_with_broken_files_skipped(tmp_pa
     consumer.take(4)
     assert all(isinstance(frame, LazyFrame) for frame, _ in consumer.taken)
     assert {decode_index(image) for _, image in consumer.taken} <= {0, 1, 3}
+
+
+@pytest.mark.parametrize("kind", ["video", "folder"])
+def test_the_last_frame_of_a_finite_input_survives_the_end(tmp_path: Path, kind: str) -> None:
+    if kind == "video":
+        path = write_numbered_video(tmp_path / "clip.avi", frames=5)
+    else:
+        path = tmp_path / "frames"
+        path.mkdir()
+        for i in range(5):
+            cv2.imwrite(str(path / f"{i:03d}.png"), np.full((40, 40, 3), 10 + 12 * i, np.uint8))
+    mailbox: FreshestMailbox[Frame] = FreshestMailbox()
+    stop = threading.Event()
+    thread = CaptureThread(FileSource(FileConfig(path=path, fps=500)), mailbox, stop)
+    thread.start()
+    assert wait_for(lambda: not thread.is_alive(), timeout=30)  # played to the end and closed its source
+    last = mailbox.get(timeout=1)  # the consumer comes late: the last frame still waits, and still decodes
+    assert thread.stats.ended and last is not None and last.index == 5
+    assert decode_index(last.image) == 4

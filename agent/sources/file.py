@@ -96,6 +96,16 @@ class FileSource:
             return self._image  # decoded at grab: an unreadable file must be skipped before it is offered
         return self._capture.retrieve()
 
+    def at_last_frame(self) -> bool:
+        """True when the frame just grabbed is the last of a non-looping input (the grabber decodes it at once:
+        after a failed grab OpenCV has no picture left to retrieve)."""
+        if self.config.loop:
+            return False
+        if self._images is not None:
+            return self._position >= len(self._images)
+        count = self._capture.get(cv2.CAP_PROP_FRAME_COUNT)
+        return 0 < count <= self._capture.get(cv2.CAP_PROP_POS_FRAMES)
+
     def close(self) -> None:
         """Release the video; safe to call twice."""
         self._capture.close()

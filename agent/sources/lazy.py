@@ -14,6 +14,7 @@ twice). Frames are never served older than they claim to be.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from agent.sources.base import LazyFrame, SourceError, validate_image
+
+log = logging.getLogger(__name__)
 
 
 def can_grab(source: Any) -> bool:
@@ -52,7 +55,21 @@ class LazyGrabber:
             self._current = frame
             self.grabbed += 1
             self.mailbox.put(frame)  # under the lock: a late retrieve sees the mailbox and the source agree
+            last = self._at_last_frame()
+        if last:
+            self._preload(frame)
         return True
+
+    def _at_last_frame(self) -> bool:
+        at_last = getattr(self.source, "at_last_frame", None)
+        return bool(at_last is not None and at_last())
+
+    def _preload(self, frame: LazyFrame) -> None:
+        """The end of a finite input: the next grab fails and takes this frame's pixels with it, so make them now."""
+        try:
+            _ = frame.image
+        except SourceError as exc:
+            log.warning("camera %s: last frame unreadable: %s", self.name, exc)
 
     def close(self) -> None:
         """Close the source under the lock (never during a retrieve); frames still out fail cleanly."""
