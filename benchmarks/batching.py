@@ -120,7 +120,8 @@ def _run_report(worker: InferenceWorker, stats: FrameStats, batcher: Batcher, el
         "max_size": max_size, "seconds": round(elapsed, 2), "frames": stats.frames, "batches": worker.batches,
         "fps": round(stats.frames / elapsed, 3), "camera_fps": per_camera,
         "fairness_min_over_max": round(min(rates) / max(rates), 3) if max(rates) > 0 else 0.0,
-        "glass_to_result_ms": stats.latency.summary(), "dropped_frames": batcher.dropped,
+        "glass_to_result_ms": stats.latency.summary(), "stages_ms": stats.stage_means(),
+        "dropped_frames": batcher.dropped,
         "errors": stats.errors, "frames_lost": delivered - stats.frames, "camera_events": len(events),
     }
     if swap is not None:
