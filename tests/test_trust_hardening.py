@@ -375,10 +375,28 @@ def _sparse(location: str) -> Any:
     return helper.make_sparse_tensor(values, numpy_helper.from_array(np.zeros(1, np.int64), "i"), [1])
 
 
+def _function_attribute_default(location: str, sparse: bool) -> Any:
+    """A function Constant whose value is `@cval`; the default of `cval` (attribute_proto) is external."""
+    import onnx
+    from onnx import helper
+
+    kind = "sparse_value" if sparse else "value"
+    reference = onnx.AttributeProto(name=kind, ref_attr_name="cval",
+                                    type=onnx.AttributeProto.SPARSE_TENSOR if sparse else onnx.AttributeProto.TENSOR)
+    constant = helper.make_node("Constant", [], ["c"])
+    constant.attribute.append(reference)
+    model = _model(constant)
+    default = _sparse(location) if sparse else _value_tensor(location)
+    model.functions[0].attribute_proto.append(helper.make_attribute("cval", default))
+    return model
+
+
 def _cases() -> dict[str, Any]:
     from onnx import helper
 
     return {
+        "function_attribute_default": lambda loc: _function_attribute_default(loc, sparse=False),
+        "function_sparse_attribute_default": lambda loc: _function_attribute_default(loc, sparse=True),
         "function_constant": lambda loc: _model(helper.make_node("Constant", [], ["c"], value=_value_tensor(loc))),
         "function_sparse_constant": lambda loc: _model(helper.make_node("Constant", [], ["c"],
                                                                         sparse_value=_sparse(loc))),
@@ -392,7 +410,8 @@ def _cases() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("case", ["function_constant", "function_sparse_constant", "graph_sparse_constant",
-                                  "tensors_attribute", "sparse_tensors_attribute"])
+                                  "tensors_attribute", "sparse_tensors_attribute", "function_attribute_default",
+                                  "function_sparse_attribute_default"])
 @pytest.mark.parametrize("location", ["../outside.bin", "unlisted.bin"])
 def test_external_data_outside_the_manifest_is_refused_wherever_it_hides(tmp_path: Path, case: str,
                                                                          location: str) -> None:

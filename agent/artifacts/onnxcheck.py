@@ -30,21 +30,26 @@ def _sparse(sparse: Any) -> Iterator[Any]:
     yield sparse.indices
 
 
+def _attribute_tensors(attributes: Iterable[Any]) -> Iterator[Any]:
+    """Every tensor in attributes: t, tensors, sparse_tensor(s), and inside subgraphs."""
+    for attr in attributes:
+        if attr.HasField("t"):
+            yield attr.t
+        yield from attr.tensors
+        if attr.HasField("sparse_tensor"):
+            yield from _sparse(attr.sparse_tensor)
+        for sparse in attr.sparse_tensors:
+            yield from _sparse(sparse)
+        if attr.HasField("g"):
+            yield from _graph_tensors(attr.g)
+        for sub in attr.graphs:
+            yield from _graph_tensors(sub)
+
+
 def _node_tensors(nodes: Iterable[Any]) -> Iterator[Any]:
-    """Every tensor in the nodes' attributes: t, tensors, sparse_tensor(s), and inside subgraphs."""
+    """Every tensor in the nodes' attributes, subgraphs included."""
     for node in nodes:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            if attr.HasField("sparse_tensor"):
-                yield from _sparse(attr.sparse_tensor)
-            for sparse in attr.sparse_tensors:
-                yield from _sparse(sparse)
-            if attr.HasField("g"):
-                yield from _graph_tensors(attr.g)
-            for sub in attr.graphs:
-                yield from _graph_tensors(sub)
+        yield from _attribute_tensors(node.attribute)
 
 
 def _graph_tensors(graph: Any) -> Iterator[Any]:
@@ -55,10 +60,13 @@ def _graph_tensors(graph: Any) -> Iterator[Any]:
 
 
 def _model_tensors(proto: Any) -> Iterator[Any]:
-    """The main graph and every model-local function: ONNX Runtime loads external data from both."""
+    """The main graph and every model-local function (nodes and attribute defaults): ONNX Runtime loads
+    external data from all of them."""
     yield from _graph_tensors(proto.graph)
     for function in proto.functions:
         yield from _node_tensors(function.node)
+        # Defaults of the function's attributes: a node's `value = @name` resolves to them at load time.
+        yield from _attribute_tensors(function.attribute_proto)
 
 
 def external_data_locations(proto: Any) -> set[str]:
