@@ -171,6 +171,7 @@ def test_a_frame_taken_before_the_next_grab_shows_the_newer_frame(tmp_path: Path
     assert decode_index(taken.image) == 1  # the pixels of the last grab ...
     assert taken.index == 2 and taken.captured_at == newer.captured_at  # ... with that frame's index and time
     assert mailbox.peek() is None  # served once: not again from the mailbox
+    assert (mailbox.delivered, mailbox.dropped) == (1, 1)  # the older pixels count as dropped
     assert source.decodes() == 1
     grabber.close()
 

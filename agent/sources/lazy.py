@@ -98,6 +98,10 @@ class LazyGrabber:
         frame.index, frame.captured_at = newest.index, newest.captured_at
         if self.mailbox.peek() is newest:  # always, with one consumer: serve it once, through `frame`
             self.mailbox.take()
+            # one frame delivered (the newer one), one dropped (the older pixels): the counts say so. No other
+            # thread writes them now: the capture thread waits for our lock, and we are the consumer.
+            self.mailbox.delivered -= 1
+            self.mailbox.dropped += 1
         self._current = frame
 
     def _no_image(self) -> np.ndarray:
