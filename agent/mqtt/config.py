@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import stat
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -12,10 +11,9 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from agent.mqtt.topics import check_prefix
+from agent.redact import has_userinfo, redact
 
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
-# scheme://<userinfo>@ — the user info ends at the last '@' before the host (a password may hold '@').
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s/?#]*@")
 
 # Bounds shared with the `set_config` command, so a live change obeys the same rules as the file.
 TELEMETRY_INTERVAL_BOUNDS = {"ge": 0.1, "le": 3600.0}
@@ -197,11 +195,6 @@ class MqttConfig(BaseModel):
         return self.username, password
 
 
-def redact_url(url: str) -> str:
-    """`url` with any user info (`user:password@`, `token@`) replaced by `***@`: safe for messages."""
-    return _USERINFO.sub(r"\g<scheme>***@", url)
-
-
 class _Hidden(str):
     """A secret as validation input: pydantic prints inputs with repr() in errors; this repr is `'***'`."""
 
@@ -220,23 +213,23 @@ class _RedactedUrl(str):
     """A broker URL as validation input whose repr() hides the credentials it may hold."""
 
     def __repr__(self) -> str:
-        return repr(redact_url(str.__str__(self)))
+        return repr(redact(str.__str__(self)))
 
 
 def _parse_url(url: str) -> tuple[str, str, int]:
     """(scheme, host, port) of a broker URL; ValueError says what is wrong with it (never its password)."""
-    shown = redact_url(url)
+    shown = redact(url)
+    if has_userinfo(url):  # before urllib: its errors quote the URL's parts (a password that looks like a port)
+        raise ValueError(f"broker url {shown!r} holds credentials; use username/password or credentials_file")
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise ValueError(f"invalid broker url {shown!r}: {redact_url(str(exc))}") from None
+        raise ValueError(f"invalid broker url {shown!r}: {exc}") from None
     if parts.scheme not in DEFAULT_PORTS:
         raise ValueError(f"broker url {shown!r} must start with mqtt:// or mqtts://")
     if not parts.hostname:
         raise ValueError(f"broker url {shown!r} has no host")
-    if "@" in parts.netloc:
-        raise ValueError(f"broker url {shown!r} holds credentials; use username/password or credentials_file")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ValueError(f"broker url {shown!r} must be scheme://host[:port] with no path or query")
     return parts.scheme, parts.hostname, port or DEFAULT_PORTS[parts.scheme]

@@ -7,30 +7,17 @@ that into a SourceError whose message says what to check, and turns every frame 
 from __future__ import annotations
 
 import logging
-import re
 from typing import Sequence
 
 import cv2
 import numpy as np
 
+from agent.redact import redact
 from agent.sources.base import SourceError
 
+__all__ = ["Capture", "RedactedInput", "redact", "to_bgr"]  # `redact` re-exported for the sources
+
 log = logging.getLogger(__name__)
-
-# scheme://user:password@  or  scheme://token@  (the password may hold an unencoded '@')
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^\s:/?#@]*)(?P<password>:[^\s/?#]*)?@")
-
-
-def redact(text: str) -> str:
-    """Hide URL credentials so camera passwords never reach a log line, event or error."""
-
-    def hide(match: re.Match[str]) -> str:
-        if match.group("password") is not None:
-            return f"{match.group('scheme')}{match.group('user')}:***@"
-        return f"{match.group('scheme')}***@"
-
-    return _USERINFO.sub(hide, text)
-
 
 class RedactedInput(str):
     """A URL or pipeline as validation input: its repr, which pydantic prints in errors, hides passwords."""
