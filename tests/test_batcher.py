@@ -101,6 +101,42 @@ def test_partial_batch_is_sent_when_the_timeout_since_its_first_frame_passes(wai
     assert names(w.result) == ["a", "b"]
 
 
+def test_replaced_frames_do_not_slide_the_timeout_of_a_batch_waiting_for_a_silent_camera(waiter) -> None:
+    """Camera a at ~30 fps, camera b connected but silent, timeout 100 ms: the batch goes 100 ms after a's
+    mailbox was first filled, although each new frame of a replaces the unread one (before: the deadline
+    counted from the newest frame and moved on with every replacement, so no batch was ever sent)."""
+    clock = FakeClock()
+    batcher = Batcher(["a", "b"], max_size=2, timeout_s=0.1, clock=clock)
+    put(batcher, "a", 0, at=0.0)
+    w = waiter(batcher)
+    for index in range(1, 5):
+        now = round(index * 0.033, 3)
+        put(batcher, "a", index, at=now)  # replaces the unread frame: the fill time stays 0.0
+        clock.now = now
+        with batcher.signal:
+            batcher.signal.notify_all()
+        if now < 0.1:
+            assert not wait_for(w.done, timeout=0.2), f"sent at {now} s, before the timeout"
+    assert wait_for(w.done, timeout=5), "a replaced frame moved the batch deadline"
+    assert [(f.source, f.index) for f in w.result] == [("a", 4)]
+    assert batcher.mailbox("a").dropped == 4
+
+
+def test_the_mailbox_keeps_its_fill_time_on_a_replace_and_clears_it_on_take() -> None:
+    clock = FakeClock()
+    batcher = Batcher(["a"], max_size=1, timeout_s=0.0, clock=clock)
+    mailbox = batcher.mailbox("a")
+    assert mailbox.peek_filled() == (None, None)
+    put(batcher, "a", 1)
+    clock.now = 0.5
+    put(batcher, "a", 2)
+    frame, filled_at = mailbox.peek_filled()
+    assert frame.index == 2 and filled_at == 0.0
+    assert mailbox.take().index == 2 and mailbox.peek_filled() == (None, None)
+    put(batcher, "a", 3)
+    assert mailbox.peek_filled()[1] == 0.5
+
+
 def test_a_batch_holds_the_newest_frame_of_each_camera() -> None:
     batcher = Batcher(["a", "b"], max_size=2, timeout_s=0.0)
     put(batcher, "a", 1)

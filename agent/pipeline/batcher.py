@@ -4,8 +4,10 @@ Semantics follow DeepStream's `nvstreammux`:
 - a batch holds at most one frame per camera: the newest one in that camera's mailbox (older ones were
   already replaced there and counted as drops);
 - it is sent when it is full (`max_size` cameras ready, or every live camera ready when fewer live
-  cameras than `max_size` remain) or when `timeout_s` has passed since its first (oldest) frame was
-  captured — a camera that is late or lost never holds the others back longer than that;
+  cameras than `max_size` remain) or when `timeout_s` has passed since its first frame arrived: the
+  deadline is the oldest time one of its mailboxes went from empty to full (a frame that replaces an
+  unread one keeps that time), so a camera that is late, lost or silent never holds the others back
+  longer than that, however often the others replace their frames;
 - with more ready cameras than `max_size`, the start of the camera order rotates past the last camera
   taken, so every camera gets its turn (no starving);
 - a lost camera simply has no frame: it stops joining batches and joins again once it delivers.
@@ -36,7 +38,7 @@ class Batcher:
         self.max_size = max_size
         self.timeout_s = timeout_s
         self.signal = threading.Condition()
-        self.mailboxes: dict[str, FreshestMailbox[Frame]] = {n: FreshestMailbox(self.signal) for n in self.names}
+        self.mailboxes: dict[str, FreshestMailbox[Frame]] = {n: FreshestMailbox(self.signal, clock) for n in self.names}
         self.is_live = is_live or (lambda name: True)
         self.clock = clock
         self._start = 0  # index in `names` where the next batch starts looking
@@ -74,32 +76,33 @@ class Batcher:
                 self.signal.wait(wait)
         return []
 
-    def _ready(self) -> list[tuple[int, Frame]]:
-        """(camera index, newest frame) of cameras with an unread frame."""
+    def _ready(self) -> list[tuple[int, Frame, float]]:
+        """(camera index, newest frame, when its mailbox was filled) of cameras with an unread frame."""
         out = []
         for i, name in enumerate(self.names):
-            frame = self.mailboxes[name].peek()
+            frame, filled_at = self.mailboxes[name].peek_filled()
             if frame is not None:
-                out.append((i, frame))
+                out.append((i, frame, filled_at if filled_at is not None else self.clock()))
         return out
 
     def _target(self) -> int:
         live = sum(1 for name in self.names if self.is_live(name))
         return max(1, min(self.max_size, live))
 
-    def _wait_left(self, ready: list[tuple[int, Frame]]) -> float:
-        """Seconds to wait for more cameras; <= 0 means send now."""
+    def _wait_left(self, ready: list[tuple[int, Frame, float]]) -> float:
+        """Seconds to wait for more cameras; <= 0 means send now. The deadline counts from the oldest fill
+        time, which a replaced frame does not move (nvstreammux: timeout since the batch's first frame)."""
         if len(ready) >= self._target():
             return 0.0
-        first = min(frame.captured_at for _, frame in ready)
+        first = min(filled_at for _, _, filled_at in ready)
         return first + self.timeout_s - self.clock()
 
-    def _take(self, ready: list[tuple[int, Frame]]) -> list[Frame]:
+    def _take(self, ready: list[tuple[int, Frame, float]]) -> list[Frame]:
         """Up to max_size ready cameras in rotated order; the next batch starts after the last one taken."""
         n = len(self.names)
         order = sorted(ready, key=lambda item: (item[0] - self._start) % n)[: self.max_size]
         batch = []
-        for index, _ in order:
+        for index, _, _ in order:
             frame = self.mailboxes[self.names[index]].take()
             if frame is not None:  # taken since the peek only by us: the worker is the one reader
                 batch.append(frame)

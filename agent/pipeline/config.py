@@ -25,7 +25,9 @@ class BatchConfig(BaseModel):
     )
     timeout_ms: float = Field(
         20.0, ge=0, le=10000,
-        description="A batch that is not full is sent this long after its first frame arrived (0: send at once).",
+        description="A batch that is not full is sent this long after its first frame arrived: from the earliest "
+        "moment one of its cameras' mailboxes went from empty to full; a newer frame replacing an unread one does "
+        "not restart it, so a silent camera delays the others by at most this (0: send at once).",
     )
 
     @field_validator("max_size")

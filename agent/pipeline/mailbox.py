@@ -1,13 +1,16 @@
 """One-slot freshest-frame mailbox between the camera and the inference worker.
 
 A new frame replaces an unread one: the worker always gets the newest image, latency never piles up
-behind a slow model, and every replaced frame is counted as dropped.
+behind a slow model, and every replaced frame is counted as dropped. `filled_at` is when the slot went
+from empty to full; a replacing frame keeps it, so the batcher's timeout counts from the first frame
+the slot held, not from the newest one (a steady camera cannot push a batch's deadline out forever).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Generic, TypeVar
+import time
+from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -15,8 +18,10 @@ T = TypeVar("T")
 class FreshestMailbox(Generic[T]):
     """Thread-safe single slot with drop counting."""
 
-    def __init__(self, signal: threading.Condition | None = None) -> None:
+    def __init__(self, signal: threading.Condition | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._cond = threading.Condition()
+        self._clock = clock
+        self._filled_at: float | None = None  # when the slot went from empty to full; kept on a replace
         self._signal = signal  # shared by several mailboxes: one waiter (the batcher) watches them all
         self._item: T | None = None
         self._closed = False
@@ -29,6 +34,8 @@ class FreshestMailbox(Generic[T]):
             replaced = self._item is not None
             if replaced:
                 self.dropped += 1
+            else:
+                self._filled_at = self._clock()
             self._item = item
             self._cond.notify()
         if self._signal is not None:
@@ -41,10 +48,15 @@ class FreshestMailbox(Generic[T]):
         with self._cond:
             return self._item
 
+    def peek_filled(self) -> tuple[T | None, float | None]:
+        """The unread item and when the slot was filled (its first unread frame arrived); (None, None) when empty."""
+        with self._cond:
+            return self._item, self._filled_at
+
     def take(self) -> T | None:
         """The unread item, never waiting; None when empty."""
         with self._cond:
-            item, self._item = self._item, None
+            item, self._item, self._filled_at = self._item, None, None
             if item is not None:
                 self.delivered += 1
             return item
@@ -54,7 +66,7 @@ class FreshestMailbox(Generic[T]):
         with self._cond:
             if self._item is None and not self._closed:
                 self._cond.wait(timeout)
-            item, self._item = self._item, None
+            item, self._item, self._filled_at = self._item, None, None
             if item is not None:
                 self.delivered += 1
             return item
