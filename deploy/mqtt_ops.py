@@ -8,6 +8,7 @@ so both sides validate them the same way.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import uuid
@@ -207,8 +208,18 @@ def render_fleet_table(rows: list[dict[str, Any]], now: float | None = None) -> 
         seen = f"{max(0.0, now - row['last_seen']):.0f} s ago" if row["last_seen"] else "-"
         cells = (str(row["device"]), state, str(row["model"] or "-"), _num(row["fps"], 1), _num(row["p99_ms"], 1),
                  _num(row["power_w"], 2), hottest, seen)
-        table.add_row(*(Text(cell, style=STATE_STYLES.get(state, "") if i == 1 else "") for i, cell in enumerate(cells)))
+        table.add_row(*(Text(printable(cell), style=STATE_STYLES.get(state, "") if i == 1 else "")
+                        for i, cell in enumerate(cells)))
     return table
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` with C0/C1 control characters shown as `\\xNN`: rich's Text passes ESC through, so a device
+    string could otherwise clear the operator's screen or retitle the terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def _dict(value: Any) -> dict[str, Any]:

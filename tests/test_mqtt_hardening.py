@@ -126,6 +126,42 @@ def test_fleet_status_prints_device_markup_literally(mqtt_broker, collector_fact
         assert literal in result.stdout, result.stdout
 
 
+ESCAPES = {"state": "\x1b[2J\x1b[31mwiped", "model": {"name": "m\x1b]0;owned\x07", "version": "1\x9b31m"},
+           "ts": 1000.0}
+
+
+def test_fleet_table_shows_control_characters_escaped() -> None:
+    """ESC, BEL and C1 from a device never reach the operator's terminal raw (rich's Text keeps them)."""
+    import io
+
+    from rich.console import Console
+
+    from deploy.mqtt_ops import fleet_row, render_fleet_table
+
+    rows = [fleet_row("dev\x1b]0;owned\x07", ESCAPES, {"temp_c": {"\x1b[8mgpu": 50.0}})]
+    out = io.StringIO()
+    Console(file=out, width=220, color_system=None, force_terminal=True).print(render_fleet_table(rows, now=1003.0))
+    text = out.getvalue()
+    assert not any(c in text for c in "\x1b\x07\x9b"), repr(text)
+    for shown in ("dev\\x1b]0;owned\\x07", "\\x1b[2J\\x1b[31mwiped", "m\\x1b]0;owned\\x07@1\\x9b31m",
+                  "\\x1b[8mgpu"):
+        assert shown in text, (shown, text)
+
+
+def test_fleet_status_prints_device_control_characters_escaped(mqtt_broker, collector_factory) -> None:
+    prefix = f"esc{uuid.uuid4().hex[:6]}"
+    operator = collector_factory(mqtt_broker.url, [f"{prefix}/#"])
+    operator.client.publish(f"{prefix}/dev-esc/status", json.dumps(ESCAPES), qos=1, retain=True).wait_for_publish(5)
+    assert operator.wait_for(lambda m: len(m) == 1)
+    env = {**os.environ, "COLUMNS": "220", "NO_COLOR": "1"}
+    result = subprocess.run([sys.executable, "-c", "from deploy.cli import main; main()", "fleet", "status",
+                             "--broker", mqtt_broker.url, "--prefix", prefix, "--wait", "0.5"],
+                            capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "\x1b" not in result.stdout and "\x07" not in result.stdout, repr(result.stdout)
+    assert "\\x1b[2J\\x1b[31mwiped" in result.stdout, result.stdout
+
+
 # ---- the topic ACL documented in docs/mqtt.md (Security model) ----------------------------------------
 
 def _documented_acl() -> str:
