@@ -15,6 +15,7 @@ from agent.pipeline.batch_runtime import BatchRuntime
 from agent.pipeline.batcher import Batcher
 from agent.sources.base import Frame, SourceError
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
+from engines.errors import InferenceError
 from tests.helpers import wait_for
 
 IMAGE = np.zeros((8, 8, 3), np.uint8)
@@ -170,11 +171,22 @@ def test_a_lost_camera_stops_joining_and_does_not_hold_the_batch_back() -> None:
     live["c"] = False  # lost: the batch is full with every live camera, no 10 s wait
     put(batcher, "a")
     put(batcher, "b")
-    assert names(batcher.next_batch(threading.Event())) == ["a", "b"]
+    assert names(next_batch_within(batcher, 5)) == ["a", "b"]
     live["c"] = True  # back: its frames join again
     for name in ("a", "b", "c"):
         put(batcher, name)
-    assert sorted(names(batcher.next_batch(threading.Event()))) == ["a", "b", "c"]
+    assert sorted(names(next_batch_within(batcher, 5))) == ["a", "b", "c"]
+
+
+def next_batch_within(batcher: Batcher, seconds: float) -> list[Frame]:
+    """next_batch with a bound: on a frozen fake clock a batch that waits for a camera never times out, so a
+    broken liveness rule fails here in `seconds` instead of hanging the test."""
+    w = Waiter(batcher)
+    try:
+        assert wait_for(w.done, timeout=seconds), "the batch waited for a camera that is not live"
+        return w.result
+    finally:
+        w.close()
 
 
 def test_idle_and_closed_batcher_return_empty_batches() -> None:
@@ -329,3 +341,124 @@ def test_a_frame_that_fails_to_decode_leaves_the_rest_of_its_batch_running(demo_
         worker.join(5)
         runtime.close()
     assert stats.errors == 0 and worker.cameras.of("a").frames == 1 and worker.cameras.of("b").frames == 0
+
+
+class FailsOnce(AtMostTwo):
+    """The real ORT engine (batches up to 2) with one passing fault, as a CUDA hiccup or a busy DLA would give."""
+
+    def __init__(self, engine, error: str) -> None:
+        super().__init__(engine)
+        self.error = error
+
+    def infer(self, feeds):
+        if self.error:
+            error, self.error = self.error, ""
+            raise InferenceError(error)
+        return super().infer(feeds)
+
+
+def test_a_passing_engine_error_fails_one_batch_and_batching_goes_on(demo_source) -> None:
+    from engines.backends import get_backend
+    from engines.backends.base import EngineOptions
+    from engines.runtime import ModelRuntime
+
+    inner = get_backend("onnxruntime").load(demo_source.onnx_path, EngineOptions(max_batch=2))
+    engine = FailsOnce(inner, "m.onnx: execute_async_v3 failed (see the TensorRT log)")
+    runtime = ModelRuntime(demo_source, engine)
+    try:
+        batch = BatchRuntime(runtime, 2)
+        with pytest.raises(InferenceError):
+            batch.run(frames(2), ["a", "b"])  # the worker counts this batch as failed
+        assert batch.batched, "one passing engine error turned batching off for good"
+        batch.run(frames(2), ["a", "b"])
+        assert batch.batched and engine.calls == [2]  # the next batch ran as one call
+    finally:
+        runtime.close()
+
+
+def test_a_refused_batch_size_falls_back_to_one_frame_per_call(demo_source) -> None:
+    from engines.backends import get_backend
+    from engines.backends.base import EngineOptions
+    from engines.runtime import ModelRuntime
+
+    inner = get_backend("onnxruntime").load(demo_source.onnx_path, EngineOptions(max_batch=2))
+    engine = FailsOnce(inner, "")
+    runtime = ModelRuntime(demo_source, engine)
+    try:
+        batch = BatchRuntime(runtime, 2)
+        images = frames(2)
+        expected = [detections(runtime.run(img)[0]) for img in images]
+        engine.calls.clear()
+        engine.error = "m.onnx: input x rejects a batch of 2"  # as the TensorRT backend refuses a size
+        assert [detections(o.result) for o in batch.run(images, ["a", "b"])] == expected
+        assert not batch.batched and engine.calls == [1, 1]
+    finally:
+        runtime.close()
+
+
+class Stuck:
+    """Batches from a source that holds the worker inside `next_batch` until the test lets it go."""
+
+    max_size = 1
+
+    def __init__(self) -> None:
+        self.inside, self.release = threading.Event(), threading.Event()
+
+    def next_batch(self, stop: threading.Event, idle_s: float = 0.2) -> list[Frame]:
+        self.inside.set()
+        self.release.wait(30)  # bounded: a broken test fails, never hangs
+        stop.wait(0.001)  # idle turn: nothing to batch
+        return []
+
+
+def test_a_swap_that_timed_out_is_never_installed_later(demo_source) -> None:
+    from agent.pipeline.frame_stats import FrameStats
+    from agent.pipeline.worker import InferenceWorker
+    from engines.errors import EdgeError
+    from engines.runtime import load_runtime
+
+    old, new = load_runtime(demo_source, "onnxruntime"), load_runtime(demo_source, "onnxruntime")
+    source, stop = Stuck(), threading.Event()
+    worker = InferenceWorker(old, source, stop, FrameStats())
+    worker.start()
+    try:
+        assert source.inside.wait(30)
+        with pytest.raises(EdgeError) as info:
+            worker.swap(new, timeout=0.05)  # the loop is stuck in a batch: the caller is told the swap failed
+        assert info.value.code == "SWAP_TIMEOUT"
+        source.release.set()
+        turns = worker.heartbeat
+        assert wait_for(lambda: worker.heartbeat > turns + 2, timeout=30)  # boundaries passed since
+        assert worker.runtime is old, "the worker installed a swap its caller was told had failed"
+        assert worker.swap(new) is old and worker.runtime is new  # a later swap still works
+    finally:
+        stop.set()
+        worker.join(5)
+        old.close()
+        new.close()
+
+
+def test_a_swap_sets_the_new_batch_size_between_two_batches(demo_source) -> None:
+    from agent.pipeline.frame_stats import FrameStats
+    from agent.pipeline.worker import InferenceWorker
+    from engines.runtime import load_runtime
+
+    runtime = load_runtime(demo_source, "onnxruntime")
+    batcher = Batcher(["a", "b"], max_size=1, timeout_s=0.0)
+    stop, stats = threading.Event(), FrameStats()
+    worker = InferenceWorker(runtime, batcher, stop, stats)
+    worker.start()
+    try:
+        assert worker.swap(runtime, batch_size=2) is runtime
+        assert batcher.max_size == 2 and worker.batch.max_size == 2
+        image = frames(1)[0]
+        batcher.mailbox("a").put(Frame(image, 1, 0.0, "a"))
+        batcher.mailbox("b").put(Frame(image, 1, 0.0, "b"))
+        assert wait_for(lambda: stats.frames + stats.errors >= 2, timeout=60)
+        assert stats.frames == 2 and worker.batches == 1  # both cameras in one batch of the new size
+        worker.swap(runtime, batch_size=1)
+        assert batcher.max_size == 1 and worker.batch.max_size == 1
+    finally:
+        stop.set()
+        worker.join(5)
+        runtime.close()

@@ -68,6 +68,7 @@ class InferenceWorker(threading.Thread):
         self.batches = 0
         self._lock = threading.Lock()
         self._pending: BatchRuntime | None = None
+        self._pending_size: int | None = None  # the batcher's max_size from the pending model on
         self._swapped = threading.Event()
         self._pause_requested = False
         self._paused = threading.Event()
@@ -84,14 +85,23 @@ class InferenceWorker(threading.Thread):
         """True while inference keeps failing."""
         return self.consecutive_errors >= self.max_consecutive_errors
 
-    def swap(self, runtime: ModelRuntime, timeout: float = 10.0) -> ModelRuntime | None:
-        """Replace the model at the next batch boundary; returns the one it replaced."""
-        prepared = BatchRuntime(runtime, self.frames.max_size)  # allocated here, off the frame path
+    def swap(self, runtime: ModelRuntime, timeout: float = 10.0, batch_size: int | None = None) -> ModelRuntime | None:
+        """Replace the model at the next batch boundary; returns the one it replaced. `batch_size` (None: keep
+        the current one) is set in the batcher at that same boundary, so no batch mixes the two sizes.
+
+        On SWAP_TIMEOUT the pending model is withdrawn under the same lock the worker installs it with:
+        either the worker installed it (the swap succeeded after all) or it never will (the caller's failure holds).
+        """
+        size = batch_size or self.frames.max_size
+        prepared = BatchRuntime(runtime, size)  # allocated here, off the frame path
         with self._lock:
             self._swapped.clear()
-            self._pending = prepared
+            self._pending, self._pending_size = prepared, size
         if self.is_alive() and not self._paused.is_set() and not self._swapped.wait(timeout):
-            raise EdgeError("the inference loop did not reach a batch boundary in time", code="SWAP_TIMEOUT")
+            with self._lock:
+                if self._pending is prepared:
+                    self._pending = self._pending_size = None
+                    raise EdgeError("the inference loop did not reach a batch boundary in time", code="SWAP_TIMEOUT")
         if not self.is_alive() or self._paused.is_set():
             self._take_pending()
         return self._previous
@@ -111,8 +121,10 @@ class InferenceWorker(threading.Thread):
         with self._lock:
             if self._pending is not None:
                 self._previous, self.batch = self.batch.runtime, self._pending
+                if self._pending_size is not None and self._pending_size != self.frames.max_size:
+                    self.frames.max_size = self._pending_size  # between two batches: next_batch runs on this thread
                 self.window, self.camera_windows = FrameStats(), CameraStats()
-                self._pending = None
+                self._pending = self._pending_size = None
                 self.consecutive_errors = 0
                 self._swapped.set()
 
