@@ -127,8 +127,7 @@ class Agent:
         cfg, active = self.config, self.active
         assert active is not None
         cameras = cfg.camera_list()
-        self.batch_size = resolve_batch_size(cfg.batch.max_size, len(cameras), batch_curve(active.provisioned),
-                                             active.source.manifest.gates.latency_budget_ms)
+        self.batch_size = self._batch_size_for(active)
         log.info("%d camera(s), batch size %d (%s)", len(cameras), self.batch_size.size, self.batch_size.reason)
         self.batcher = Batcher([c.name for c in cameras], self.batch_size.size, cfg.batch.timeout_ms / 1e3)
         self.cameras = CameraGroup(cameras, self.batcher, self.emit)
@@ -138,6 +137,23 @@ class Agent:
                                       self._on_result, cfg.pipeline.max_consecutive_errors)
         self.worker.start()
         self.cameras.start()
+
+    def _batch_size_for(self, loaded: LoadedModel) -> BatchSize:
+        """`[batch] max_size` against `loaded`'s own measured curve: "auto" follows the engine in use."""
+        cfg = self.config
+        return resolve_batch_size(cfg.batch.max_size, len(cfg.camera_list()), batch_curve(loaded.provisioned),
+                                  loaded.source.manifest.gates.latency_budget_ms)
+
+    def swap_model(self, loaded: LoadedModel) -> None:
+        """Swap `loaded` in between two batches, with the batch size re-resolved from its curve (deployments,
+        rollbacks and adapt switches all come here; a 640x480 and a 320x224 variant can pick different sizes)."""
+        assert self.worker is not None
+        size = self._batch_size_for(loaded)
+        self.worker.swap(loaded.runtime, batch_size=size.size)
+        if self.batch_size is None or size.size != self.batch_size.size:
+            log.info("batch size %d -> %d for %s (%s)", self.batch_size.size if self.batch_size else 0, size.size,
+                     loaded.source.label, size.reason)
+        self.batch_size = size
 
     def restart_capture(self) -> dict[str, Any]:
         """Reopen every camera with fresh threads (the `restart_pipeline` command); the model stays loaded."""
@@ -294,7 +310,7 @@ class Agent:
             before = self.worker.last_result_at
             if strategy == "overlap":
                 candidate = self.loader.load_provisioned(source, provisioned, "deployment")
-                self.worker.swap(candidate.runtime)
+                self.swap_model(candidate)
             else:
                 candidate = self._stop_start(source, provisioned)
             gap_ms = self._measure_gap(before)
@@ -315,10 +331,10 @@ class Agent:
                 candidate = self.loader.load_provisioned(source, provisioned, "deployment")
             except Exception:
                 restored = self.loader.reload(self.active)  # the old engine must come back
-                self.worker.swap(restored.runtime)
+                self.swap_model(restored)
                 self.active = restored
                 raise
-            self.worker.swap(candidate.runtime)
+            self.swap_model(candidate)
         finally:
             self.worker.resume()
         self.active.closed = True
@@ -395,7 +411,7 @@ class Agent:
             if target is None:
                 target = self.loader.load_path(Path(row["path"]), row["info"].get("origin", "deployment"))
             before = self.worker.last_result_at
-            self.worker.swap(target.runtime)
+            self.swap_model(target)
             replaced, self.active, self.previous = self.active, target, None
             gap_ms = self._measure_gap(before)
             if replaced is not None:

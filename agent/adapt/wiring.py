@@ -23,7 +23,7 @@ JOIN_TIMEOUT_S = 5.0
 def switch_variant(agent: Any, loaded: Any) -> None:
     """Hot swap to another resident variant between two frames (the deployments' swap, no rebuild)."""
     with agent._swap_lock:
-        agent.worker.swap(loaded.runtime)
+        agent.swap_model(loaded)  # with the batch size this variant's own curve picks
         agent.active = loaded
 
 
