@@ -45,17 +45,19 @@ def test_fps_floor_only_while_the_camera_is_up() -> None:
 
 
 class Windows:
-    """What judge_cameras reads from the worker: each camera's window since the swap."""
+    """What judge_cameras reads from the worker: each camera's window and the model's, since the swap."""
 
     def __init__(self, **windows: FrameStats) -> None:
         self.camera_windows = CameraStats()
+        self.window = FrameStats()  # the whole model's window: started at the swap
         for name, window in windows.items():
             self.camera_windows._by_name[name] = window
 
 
 class Cameras:
-    def __init__(self, *down: str) -> None:
+    def __init__(self, *down: str, names: tuple[str, ...] = ()) -> None:
         self.down = set(down)
+        self.names = list(names)
 
     def is_live(self, name: str) -> bool:
         return name not in self.down
@@ -78,3 +80,27 @@ def test_one_camera_over_the_latency_budget_fails_the_watch() -> None:
     worker = Windows(a=stats([20.0] * 20), b=stats([20.0] * 18 + [400.0] * 2))
     verdict = judge_cameras(worker, Cameras(), CFG, 100.0, {})
     assert verdict["reason"] == "WATCH_LATENCY" and verdict["camera"] == "b" and verdict["frames"] == 20
+
+
+def test_a_live_camera_that_gets_no_frame_after_the_swap_is_held_to_its_floor() -> None:
+    fast = stats([20.0] * 40)
+    fast.started -= 4  # 10 fps
+    worker = Windows(front=fast)  # back: connected, not one frame since the swap
+    cfg = DeploymentConfig(watch_min_frames=10, min_fps_ratio=0.5)
+    before = {"front": 10.0, "back": 8.0}  # back's floor: 4 fps, so 10 frames were due after 2.5 s
+    worker.window.started -= 2.0
+    assert judge_cameras(worker, Cameras(names=("front", "back")), cfg, None, before) is None  # not due yet
+    worker.window.started -= 1.0
+    verdict = judge_cameras(worker, Cameras(names=("front", "back")), cfg, None, before)
+    assert verdict["reason"] == "WATCH_FPS" and verdict["camera"] == "back" and verdict["frames"] == 0
+    assert verdict["fps"] == 0 and verdict["floor"] == 4.0 and "camera back" in verdict["message"]
+    assert judge_cameras(worker, Cameras("back", names=("front", "back")), cfg, None, before) is None  # down
+
+
+def test_a_camera_with_too_few_frames_to_judge_alone_is_held_to_its_floor_since_the_swap() -> None:
+    few = stats([20.0] * 3)
+    worker = Windows(a=few)
+    worker.window.started -= 10.0  # 3 frames in 10 s since the swap, floor 1 fps
+    verdict = judge_cameras(worker, Cameras(names=("a",)), CFG.model_copy(update={"min_fps": 1.0}), None, {})
+    assert verdict["reason"] == "WATCH_FPS" and verdict["camera"] == "a" and verdict["frames"] == 3
+    assert 0.2 < verdict["fps"] < 0.4

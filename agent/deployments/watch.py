@@ -35,15 +35,42 @@ def judge(window: Any, config: DeploymentConfig, budget_ms: float | None, fps_fl
 
 def judge_cameras(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms: float | None,
                   fps_before: dict[str, float]) -> dict[str, Any] | None:
-    """The first camera whose window breaks a limit (its fps floor from its own fps before the swap)."""
-    for name, window in worker.camera_windows.items():
+    """The first camera whose window breaks a limit (its fps floor from its own fps before the swap).
+
+    Every configured camera is judged, not only those with frames since the swap: a live camera that
+    gets nothing (or too few frames to judge on its own) is held to its floor over the time since the swap
+    (`worker.window` starts at the swap)."""
+    windows = dict(worker.camera_windows.items())
+    configured = list(cameras.names)
+    names = configured + [n for n in windows if n not in configured]
+    for name in names:
         floor = max(config.min_fps, fps_before.get(name, 0.0) * config.min_fps_ratio)
-        violation = judge(window, config, budget_ms, floor, cameras.is_live(name))
+        window = windows.get(name)
+        if window is not None and window.frames + window.errors >= config.watch_min_frames:
+            violation = judge(window, config, budget_ms, floor, cameras.is_live(name))
+        else:
+            violation = _starved(window.frames if window is not None else 0, worker.window, config, floor,
+                                 cameras.is_live(name))
         if violation is not None:
             violation.update(camera=name, message=f"camera {name}: {violation['message']}",
-                             frames=window.frames, errors=window.errors)
+                             frames=window.frames if window is not None else 0,
+                             errors=window.errors if window is not None else 0)
             return violation
     return None
+
+
+def _starved(frames: int, since_swap: Any, config: DeploymentConfig, fps_floor: float,
+             camera_up: bool) -> dict[str, Any] | None:
+    """WATCH_FPS for a live camera with fewer than `watch_min_frames` since the swap, once a camera at its
+    floor would have delivered that many (so a slow camera is not judged before it had its chance)."""
+    if not camera_up or fps_floor <= 0:
+        return None
+    elapsed = time.monotonic() - since_swap.started
+    if elapsed * fps_floor < config.watch_min_frames:
+        return None
+    fps = frames / elapsed
+    return {"reason": "WATCH_FPS", "fps": round(fps, 2), "floor": round(fps_floor, 2),
+            "message": f"{frames} frame(s) in {elapsed:.1f} s since the swap: {fps:.2f} fps < floor {fps_floor:.2f}"}
 
 
 def watch_model(worker: InferenceWorker, cameras: Any, config: DeploymentConfig, budget_ms: float | None,
