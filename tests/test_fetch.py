@@ -23,6 +23,7 @@ from agent.artifacts.fetch import TokenBucket, fetch_artifact, file_url
 from agent.artifacts.trust import verify_artifact
 from deploy.signing import KeyInfo, keygen
 from engines.errors import EdgeError
+from tests.helpers import wait_for
 from tests.http_server import ArtifactServer
 from tests.test_package_verify import rewrite_manifest, signed_artifact, write_signed
 
@@ -420,3 +421,78 @@ def test_redirect_from_https_to_http_is_refused() -> None:
     with pytest.raises(FetchError, match="refusing redirect"):
         redirect.redirect_request(request, None, 302, "Found", {}, "http://models.example/a/manifest.json")
     assert redirect.redirect_request(request, None, 302, "Found", {}, "https://cdn.example/m.json")
+
+
+class SilentServer:
+    """Loopback TCP server that accepts and never speaks: a TLS handshake against it never completes."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.accepted = threading.Event()
+        self.connections: list = []
+        self.thread = threading.Thread(target=self._accept, name="test-silent", daemon=True)
+
+    def _accept(self) -> None:
+        try:
+            while True:
+                conn, _ = self.listener.accept()
+                self.connections.append(conn)
+                self.accepted.set()
+        except OSError:
+            return  # listener closed
+
+    def url(self, scheme: str) -> str:
+        return f"{scheme}://127.0.0.1:{self.listener.getsockname()[1]}/manifest.json"
+
+    def __enter__(self) -> "SilentServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import socket
+
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        except OSError:
+            pass
+        self.listener.close()
+        for conn in self.connections:  # a client still in its handshake sees EOF and ends
+            conn.close()
+        self.thread.join(10)
+
+
+def _fetch_in_thread(url: str, dest: Path, cfg: ArtifactsConfig, **kwargs: object) -> tuple[threading.Thread, dict]:
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            fetch_artifact(url, dest, cfg, **kwargs)  # type: ignore[arg-type]
+        except EdgeError as exc:
+            outcome["code"] = exc.code
+
+    worker = threading.Thread(target=run, name="test-fetch")
+    worker.start()
+    return worker, outcome
+
+
+@pytest.mark.parametrize("scheme", ["https", "http"])
+def test_deadline_and_cancel_reach_a_server_that_never_answers(tmp_path: Path, key: KeyInfo, scheme: str) -> None:
+    """The socket is registered before the TLS handshake: the watcher closes it at the deadline or on
+    cancel, long before the connect timeout (300 s here) would."""
+    cfg = config(key, allow_http=True, connect_timeout_s=300, read_timeout_s=300)
+    with SilentServer() as server:
+        overdue, timed_out = _fetch_in_thread(server.url(scheme), tmp_path / "d1", cfg, timeout_s=0.5)
+        ended_at_deadline = wait_for(lambda: not overdue.is_alive(), timeout=60)
+        stop = threading.Event()
+        server.accepted.clear()
+        cancelled, cancel_outcome = _fetch_in_thread(server.url(scheme), tmp_path / "d2", cfg, stop_event=stop)
+        assert server.accepted.wait(30), "the fetch never connected"
+        stop.set()
+        ended_on_cancel = wait_for(lambda: not cancelled.is_alive(), timeout=60)
+    overdue.join()
+    cancelled.join()
+    assert ended_at_deadline and timed_out.get("code") == "ARTIFACT_FETCH_TIMEOUT", timed_out
+    assert ended_on_cancel and cancel_outcome.get("code") == "ARTIFACT_FETCH_CANCELLED", cancel_outcome
+    assert not (tmp_path / "d1").exists() and not (tmp_path / "d2").exists()

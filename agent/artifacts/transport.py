@@ -107,6 +107,7 @@ class _Sockets:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: "weakref.WeakSet[socket.socket]" = weakref.WeakSet()
+        self.aborted = False  # set by shutdown(): a failure after it is the abort, not the server
 
     def add(self, sock: socket.socket) -> None:
         with self._lock:
@@ -115,6 +116,7 @@ class _Sockets:
     def shutdown(self) -> None:
         """Wake every read blocked on these sockets (it sees EOF or an error)."""
         with self._lock:
+            self.aborted = True
             sockets = list(self._open)
         for sock in sockets:
             try:  # the plain socket's shutdown: SSLSocket.shutdown would drop its TLS state under a reader
@@ -124,14 +126,28 @@ class _Sockets:
 
 
 class _ReadTimeout:
-    """Connects within the connect timeout, then reads with the read timeout (after TLS, for HTTPS)."""
+    """Connects within the connect timeout, then reads with the read timeout (after TLS, for HTTPS).
+
+    The TCP socket is registered for abort() as soon as it exists, before anything waits on it (the TLS
+    handshake, a proxy tunnel): a server that accepts and never answers cannot hold a fetch past its
+    deadline or its cancellation.
+    """
 
     def __init__(self, *args: object, read_timeout: float, sockets: _Sockets, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         self._read_timeout, self._sockets = read_timeout, sockets
+        self._create_connection = self._registered_connection  # http.client's hook that makes the socket
+
+    def _registered_connection(self, *args: object, **kwargs: object) -> socket.socket:
+        sock = socket.create_connection(*args, **kwargs)  # type: ignore[arg-type]
+        self._sockets.add(sock)
+        return sock
+
+    def _open(self) -> None:
+        super().connect()  # type: ignore[misc]
 
     def connect(self) -> None:
-        super().connect()  # type: ignore[misc]
+        self._open()
         self.sock.settimeout(self._read_timeout)  # type: ignore[attr-defined]
         self._sockets.add(self.sock)  # type: ignore[attr-defined]
 
@@ -141,7 +157,18 @@ class _TimedHTTPConnection(_ReadTimeout, http.client.HTTPConnection):
 
 
 class _TimedHTTPSConnection(_ReadTimeout, http.client.HTTPSConnection):
-    """HTTPS with separate connect and read timeouts."""
+    """HTTPS with separate connect and read timeouts; the handshake runs on a registered socket."""
+
+    def _open(self) -> None:
+        # HTTPSConnection.connect wraps and handshakes in one call, and the wrap detaches the TCP socket
+        # object: wrap first, register the TLS socket, then handshake (within the connect timeout).
+        http.client.HTTPConnection.connect(self)
+        hostname = self._tunnel_host or self.host  # type: ignore[attr-defined]
+        tls = self._context.wrap_socket(self.sock, server_hostname=hostname,  # type: ignore[attr-defined]
+                                        do_handshake_on_connect=False)
+        self.sock = tls
+        self._sockets.add(tls)
+        tls.do_handshake()
 
 
 class _HTTPHandler(urllib.request.HTTPHandler):
@@ -228,6 +255,8 @@ class Transport:
             exc.close()
             raise _http_error(url, exc.code, str(exc.reason)) from exc
         except urllib.error.URLError as exc:
+            if self._sockets.aborted:  # a handshake cut by abort(): the caller reports timeout/cancel
+                raise Retryable(f"{url}: connection aborted") from exc
             raise _url_error(url, exc.reason) from exc
         except (OSError, http.client.HTTPException) as exc:
             raise Retryable(f"{url}: {type(exc).__name__}: {exc}") from exc
