@@ -80,7 +80,9 @@ def section(model: type[BaseModel], prefix: str, env_prefix: str) -> list[str]:
 
 
 CAMERAS_TEXT = """One camera: a `[camera]` table. Several: one `[[cameras]]` table per camera, each with a unique
-`name` (any kind, each with its own fps, size and reopen settings); setting both is an error. Environment:
+`name` (any kind, each with its own fps, size and reopen settings); setting both is an error, also
+when one side comes from the environment (the error names the variable, e.g. `EDGE_AGENT_CAMERA__FPS`
+left in a unit's environment file beside `[[cameras]]` in the file). Environment:
 `EDGE_AGENT_CAMERA__<KEY>` tunes `[camera]`; `EDGE_AGENT_CAMERAS` takes the whole list as JSON, e.g.
 `[{"name": "left", "kind": "v4l2", "device": "/dev/video0"}, {"name": "right", "kind": "synthetic"}]`.
 `kind` defaults to `synthetic` in both. Each camera has its own capture thread and freshest-frame

@@ -90,6 +90,27 @@ def test_camera_and_cameras_together_are_refused(agent_env, tmp_path: Path) -> N
         load_config(write(tmp_path, text))
 
 
+def test_camera_from_the_environment_and_cameras_from_the_file_name_the_variable(
+        agent_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGE_AGENT_CAMERA__FPS", "10")  # e.g. left over in the unit's environment file
+    path = write(tmp_path, '[[cameras]]\nname = "a"\n[[cameras]]\nname = "b"\n')
+    with pytest.raises(ValidationError, match=r"both \[camera\] and \[\[cameras\]\] are set") as info:
+        load_config(path)
+    assert "[camera] by the environment (EDGE_AGENT_CAMERA__FPS)" in str(info.value)
+    code, out = check(path)
+    assert code == 2 and "EDGE_AGENT_CAMERA__FPS" in out
+    monkeypatch.delenv("EDGE_AGENT_CAMERA__FPS")
+    assert [c.name for c in load_config(path).camera_list()] == ["a", "b"]
+
+
+@pytest.mark.parametrize("value", ["true", "false", "2.0", "[2]"])
+def test_batch_size_is_a_strict_integer_or_auto(agent_env, tmp_path: Path, value: str) -> None:
+    code, out = check(write(tmp_path, f'[batch]\nmax_size = {value}\n'))
+    assert code == 2 and "batch.max_size" in out and "integer 1..64" in out, out
+    with pytest.raises(ValidationError, match="max_size"):
+        load_config(write(tmp_path, f'[batch]\nmax_size = {value}\n'))
+
+
 @pytest.mark.parametrize("value,problem", [("0", "must be 1..64"), ("65", "must be 1..64"), ('"big"', "auto")])
 def test_bad_batch_size_names_the_field(agent_env, tmp_path: Path, value: str, problem: str) -> None:
     code, out = check(write(tmp_path, f'[batch]\nmax_size = {value}\n'))

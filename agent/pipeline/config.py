@@ -6,7 +6,9 @@ frame path's settings are read in one place.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+import json
+import os
+from typing import Any, Literal, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -20,7 +22,8 @@ class BatchConfig(BaseModel):
 
     max_size: Union[int, Literal["auto"]] = Field(
         "auto",
-        description="Frames per engine call, 1-64, or \"auto\": the size measured on this device (engine sidecar), "
+        description="Frames per engine call: an integer 1-64 (true/false and fractions are refused), or \"auto\": "
+        "the size measured on this device (engine sidecar), "
         "else 1. Never more than the number of cameras.",
     )
     timeout_ms: float = Field(
@@ -29,6 +32,16 @@ class BatchConfig(BaseModel):
         "moment one of its cameras' mailboxes went from empty to full; a newer frame replacing an unread one does "
         "not restart it, so a silent camera delays the others by at most this (0: send at once).",
     )
+
+    @field_validator("max_size", mode="before")
+    @classmethod
+    def _int_or_auto(cls, value: Any) -> Any:
+        # strict: `max_size = true` is not 1, nor is 2.5 a size; digits as text come from the environment
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"must be an integer 1..{MAX_BATCH} or \"auto\", got {json.dumps(value, default=str)}")
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value)
+        return value
 
     @field_validator("max_size")
     @classmethod
@@ -52,11 +65,13 @@ def default_kinds(data: Any) -> Any:
     return data
 
 
-def check_cameras(camera: Any, cameras: list[Any], camera_set: bool) -> list[Any]:
-    """The cameras this config runs; raises ValueError naming the conflict or the duplicate name."""
+def check_cameras(camera: Any, cameras: list[Any], camera_set: bool,
+                  environ: Mapping[str, str] | None = None) -> list[Any]:
+    """The cameras this config runs; raises ValueError naming the conflict (and the environment variables
+    that set a side of it) or the duplicate name."""
     if cameras and camera_set:
-        raise ValueError("both [camera] and [[cameras]] are set: use [[cameras]] for several cameras, "
-                         "[camera] only as the one-camera shorthand")
+        raise ValueError("both [camera] and [[cameras]] are set" + _set_by(os.environ if environ is None else environ)
+                         + ": use [[cameras]] for several cameras, [camera] only as the one-camera shorthand")
     resolved = list(cameras) if cameras else [camera]
     seen: dict[str, int] = {}
     for i, cam in enumerate(resolved):
@@ -65,3 +80,14 @@ def check_cameras(camera: Any, cameras: list[Any], camera_set: bool) -> list[Any
                              "camera names must be unique")
         seen[cam.name] = i
     return resolved
+
+
+def _set_by(environ: Mapping[str, str]) -> str:
+    """Where the two sides come from when the environment set one: an `EDGE_AGENT_CAMERA__FPS` left in a
+    unit's environment file must be named, or the operator looks for [camera] in a file that has none."""
+    upper = {key.upper(): key for key in environ}
+    camera = sorted(k for u, k in upper.items() if u == "EDGE_AGENT_CAMERA" or u.startswith("EDGE_AGENT_CAMERA__"))
+    cameras = sorted(k for u, k in upper.items() if u == "EDGE_AGENT_CAMERAS" or u.startswith("EDGE_AGENT_CAMERAS__"))
+    parts = ([f"[camera] by the environment ({', '.join(camera)})"] if camera else []) + \
+            ([f"[[cameras]] by the environment ({', '.join(cameras)})"] if cameras else [])
+    return f" ({'; '.join(parts)}; unset it to use the file)" if parts else ""
