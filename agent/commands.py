@@ -30,6 +30,8 @@ from engines.registry import Registry, UnknownPluginError
 log = logging.getLogger(__name__)
 
 MAX_ID_CHARS = 128
+# Refusals of the deploy URL itself (policy, shape): no deployment was created, no rate token is used.
+URL_CHECK_CODES = frozenset({"ARTIFACT_URL_REFUSED", "INVALID_COMMAND"})
 REPLY_SCHEMA = (
     "CREATE TABLE IF NOT EXISTS command_replies (id TEXT PRIMARY KEY, command TEXT NOT NULL, "
     "reply TEXT NOT NULL, ts REAL NOT NULL)",
@@ -101,8 +103,6 @@ class DeployArgs(_Channelled):
                      description="Manifest URL: https:// (http:// when allowed; file:// from the control socket only).")
     timeout_s: Optional[float] = Field(default=None, gt=0, le=86400, description="Give up after this long.")
     allow_downgrade: bool = Field(default=False, description="Accept a version older than the highest deployed.")
-
-
 
 
 class SetConfigArgs(_Strict):
@@ -295,6 +295,16 @@ class RateLimit:
             self._times.append(now)
             return 0.0
 
+    def refund(self) -> None:
+        """Give back the newest event: a request refused before it did any work does not count."""
+        with self._lock:
+            if self._times:
+                self._times.pop()
+
+    def fresh(self) -> "RateLimit":
+        """An empty limiter with the same limit and window (one per channel)."""
+        return RateLimit(self.limit, self.window_s)
+
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
@@ -310,7 +320,8 @@ class CommandDispatcher:
         self.control, self.max_payload_bytes, self.commands = control, max_payload_bytes, commands
         self.replies = ReplyStore(db_path, max_entries=reply_window, max_age_s=reply_max_age_s,
                                   busy_timeout_s=busy_timeout_s)
-        self.deploy_rate = deploy_rate or RateLimit(0)
+        self.deploy_rate = deploy_rate or RateLimit(0)  # the limit per channel; each channel has its own window
+        self._deploy_rates: dict[str, RateLimit] = {}
         self._running: set[str] = set()
         self._running_lock = threading.Lock()
 
@@ -382,14 +393,25 @@ class CommandDispatcher:
             return error_reply(envelope.id, "INVALID_COMMAND", describe_errors(exc, "args"))
         if isinstance(args, _Channelled):
             args._channel = envelope._channel
-        if envelope.command == "deploy":
-            wait_s = self.deploy_rate.take()
+        rate = self._rate(envelope) if envelope.command == "deploy" else None
+        if rate is not None:
+            wait_s = rate.take()
             if wait_s:  # not remembered: the same id may retry once the window has room
-                return error_reply(envelope.id, "RATE_LIMITED", f"more than {self.deploy_rate.limit} deploy "
-                                   f"requests in {self.deploy_rate.window_s:g} s; retry in {math.ceil(wait_s)} s")
+                return error_reply(envelope.id, "RATE_LIMITED", f"more than {rate.limit} deploy requests from "
+                                   f"{envelope._channel} in {rate.window_s:g} s; retry in {math.ceil(wait_s)} s")
         reply = self._call(envelope, spec, args)
+        if rate is not None and reply.get("error", {}).get("code") in URL_CHECK_CODES:
+            rate.refund()  # the token counts after the URL check: refused URLs cost the sender nothing
         self._remember(envelope, reply)
         return reply
+
+    def _rate(self, envelope: Envelope) -> RateLimit:
+        """The deploy limiter of the request's channel: flooding MQTT never locks the local socket out."""
+        with self._running_lock:
+            channel = envelope._channel
+            if channel not in self._deploy_rates:
+                self._deploy_rates[channel] = self.deploy_rate.fresh()
+            return self._deploy_rates[channel]
 
     def _remember(self, envelope: Envelope, reply: dict[str, Any]) -> None:
         """Store the reply for repeated ids; the command already ran, so a failure here only costs idempotence."""

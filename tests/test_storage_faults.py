@@ -272,6 +272,37 @@ def test_rate_limited_deploy_runs_once_the_window_has_room(tmp_path: Path) -> No
         dispatcher.close()
 
 
+class PolicyControl(FakeControl):
+    """FakeControl whose deploy applies the real URL policy of the channel, as the deployment manager does."""
+
+    def deploy(self, url: str, timeout_s: float | None, **options: Any) -> dict:
+        from agent.artifacts.urlpolicy import check_url
+
+        check_url(url, ArtifactsConfig(), options.get("channel", "mqtt"))
+        return super().deploy(url, timeout_s, **options)
+
+
+def test_refused_urls_use_no_tokens_and_each_channel_has_its_own_window(tmp_path: Path) -> None:
+    control = PolicyControl()
+    dispatcher = CommandDispatcher(control, tmp_path / "state.db", deploy_rate=RateLimit(3, 60.0))
+
+    def deploy(url: str, channel: str) -> dict:
+        body = {"id": uuid.uuid4().hex, "command": "deploy", "args": {"url": url}}
+        return dispatcher.dispatch(json.dumps(body).encode(), channel=channel)  # type: ignore[arg-type]
+
+    try:
+        refused = [deploy("file:///etc/passwd", "mqtt")["error"]["code"] for _ in range(10)]
+        assert refused == ["ARTIFACT_URL_REFUSED"] * 10  # refused by the URL check, never RATE_LIMITED
+        assert all(deploy("https://m/manifest.json", "mqtt")["ok"] for _ in range(3))
+        assert deploy("https://m/manifest.json", "mqtt")["error"]["code"] == "RATE_LIMITED"
+        assert all(deploy("file:///srv/m/manifest.json", "local")["ok"] for _ in range(3))  # its own window
+        limited = deploy("https://m/manifest.json", "local")["error"]
+        assert limited["code"] == "RATE_LIMITED" and "from local" in limited["message"]
+        assert [c for c, _ in control.calls] == ["deploy"] * 6
+    finally:
+        dispatcher.close()
+
+
 def test_agent_config_has_storage_limits_by_default() -> None:
     deployments = AgentConfig().deployments
     assert deployments.keep_deployments >= 5 and deployments.max_requests_per_minute > 0

@@ -36,6 +36,7 @@ class DeploymentConfig(BaseModel):
         "previous models are always kept.",
     )
     max_requests_per_minute: int = Field(
-        10, ge=0, le=600, description="deploy commands accepted per minute (MQTT and control socket together); more "
-        "are answered RATE_LIMITED with the seconds to wait. 0 = no limit.",
+        10, ge=0, le=600, description="deploy commands accepted per minute, counted per channel (MQTT and the control "
+        "socket each have their own window); a URL refused by the policy uses none. More are answered RATE_LIMITED "
+        "with the seconds to wait. 0 = no limit.",
     )
