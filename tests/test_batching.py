@@ -246,7 +246,7 @@ def test_batch_profile_is_part_of_the_cache_key(tmp_path: Path) -> None:
 
 
 def test_curve_is_in_the_sidecar_and_auto_picks_from_it(tmp_path: Path) -> None:
-    from agent.pipeline.batch_size import batch_curve
+    from agent.pipeline.batch_size import batch_curve, resolve_batch_size
 
     src = _source(_conv_model(tmp_path / "m.onnx", "n"))
     result = _provision(src, tmp_path, max_batch=2)
@@ -254,7 +254,21 @@ def test_curve_is_in_the_sidecar_and_auto_picks_from_it(tmp_path: Path) -> None:
     curve = sidecar["report"]["batch"]["curve"]
     assert curve == result.report["batch"]["curve"] and set(curve) == {"1", "2"}
     assert batch_curve(result) == curve  # what the frame path reads
-    assert pick_batch_size(curve, None, 2) in (1, 2)
+    resolved = resolve_batch_size("auto", 2, batch_curve(result), None)
+    assert resolved.size == pick_batch_size(curve, None, 2) == best_by_definition(curve, None, 2), (curve, resolved)
+
+
+def best_by_definition(curve: dict, budget_ms: float | None, max_size: int) -> int:
+    """The pick written out from its definition (engines.batching docs), apart from the picker's code: the
+    smallest size within the budget whose cost per frame is within MIN_GAIN of the cheapest; 1 if none fits."""
+    from engines.batching import MIN_GAIN
+
+    fits = {int(b): float(c) for b, c in curve.items()
+            if int(b) <= max_size and (budget_ms is None or int(b) * float(c) <= budget_ms)}
+    if not fits:
+        return 1
+    cheapest = min(fits.values())
+    return min(b for b in sorted(fits) if fits[b] * (1 - MIN_GAIN) <= cheapest)
 
 
 # --- real exports: [-1, 3, ?, ?] -----------------------------------------------------------------------
@@ -325,7 +339,10 @@ def test_bench_batch_prints_the_curve(agent_env, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)["batch"]
     assert report["sizes"] == [1, 2, 4] and report["max_batch"] == 4 and report["skipped"] == {}
-    assert set(report["curve_ms"]) == {"1", "2", "4"} and report["auto_pick"] in (1, 2, 4)
+    assert set(report["curve_ms"]) == {"1", "2", "4"}
+    budget = report["latency_budget_ms"]
+    assert report["auto_pick"] == pick_batch_size(report["curve_ms"], budget, 4), report  # over the printed curve
+    assert report["auto_pick"] == best_by_definition(report["curve_ms"], budget, 4), report
     assert set(report["build_curve_ms"]) == {"1", "2", "3", "4"}  # timed when the engine was built
     table = _run_cli("bench", str(model), "--batch", "1,2", "--iterations", "2", "--warmup", "0")
     assert table.returncode == 0, table.stderr

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from agent.config import AgentConfig
+from agent.pipeline.batch_runtime import BatchRuntime
 from agent.runner import Agent
 from deploy.package import PackageOptions, package
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
@@ -66,9 +67,16 @@ def test_direction_classifier_deploys_and_tells_upright_from_rotated(tmp_path: P
         assert wait_for(lambda: agent.stats.frames >= frames + 3, timeout=60), "the classifier does not serve frames"
         runtime = agent.active.runtime
         assert runtime.engine.inputs[0].shape[1:] == (3, HEIGHT, WIDTH)
+        images, labels = [], []
         for text in TEXTS:
             upright, rotated = _text_image(text), cv2.rotate(_text_image(text), cv2.ROTATE_180)
             assert runtime.run(upright)[0].classes[0].label == "0", text
             assert runtime.run(rotated)[0].classes[0].label == "180", text
+            images += [upright, rotated]
+            labels += ["0", "180"]
+        # the same top-1 through the frame path the worker runs: frames of several cameras in one batch
+        batch = BatchRuntime(runtime, len(images))
+        outcomes = batch.run(images, [f"cam{i}" for i in range(len(images))])
+        assert [o.result.classes[0].label for o in outcomes] == labels
     finally:
         agent.stop()
