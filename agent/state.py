@@ -26,9 +26,11 @@ Migration = Callable[[sqlite_utils.Database], None]
 log = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_S = 10.0
-# Rows worth carrying over from a corrupt database: both are verified again before use (the artifact by
-# its signature and hashes, the engine by its file sha256), so a damaged value cannot do harm.
-SALVAGE_TABLES = ("active_model", "engines")
+# Rows worth carrying over from a corrupt database: active_model and engines are verified again before use
+# (the artifact by its signature and hashes, the engine by its file sha256), so a damaged value cannot do
+# harm; model_versions is the downgrade rule's memory (without it the first replay of an old version after
+# a quarantine would be accepted); a damaged mark can only refuse a deploy, which allow_downgrade overrides.
+SALVAGE_TABLES = ("active_model", "engines", "model_versions")
 _CORRUPTION = ("malformed", "not a database", "corrupt", "SQLITE_CORRUPT", "SQLITE_NOTADB")
 
 

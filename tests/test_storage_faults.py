@@ -28,6 +28,7 @@ from agent.mqtt import MqttConfig, MqttPlane
 from agent.state import StateStore, integrity_problem, quarantine_if_corrupt
 from deploy.mqtt_ops import send_command
 from engines import fsutil
+from engines.errors import EdgeError
 from engines.fsutil import atomic_copy, atomic_write_bytes
 from tests.fixtures_mqtt import FakeControl
 from tests.helpers import wait_for
@@ -325,6 +326,28 @@ def test_corrupt_pages_are_quarantined_and_the_active_model_salvaged(tmp_path: P
         assert store.model_slot("active")["name"] == "b" and store.model_slot("previous")["name"] == "a"
         assert store.events(1) == [] and integrity_problem(path) is None
         store.add_event("after", {})  # a working store
+    finally:
+        store.close()
+
+
+def test_quarantine_keeps_the_downgrade_memory(tmp_path: Path) -> None:
+    """model_versions is salvaged: after a quarantine the first replay of an older version is refused."""
+    from agent.deployments.versions import VersionMemory
+
+    path = tmp_path / "state.db"
+    filled_store(path)
+    store = StateStore(path)
+    VersionMemory(store).record("det", "5.0.0")  # a model no longer active or previous
+    store.close()
+    overwrite_pages(path, "events", pages=2)
+    store = StateStore.open_checked(path)
+    try:
+        assert store.recovered is not None and store.recovered["salvaged"]["model_versions"] == 1
+        memory = VersionMemory(store)
+        assert memory.highest("det") == "5.0.0"
+        with pytest.raises(EdgeError) as info:
+            memory.check("det", "4.9.9", allow_downgrade=False)
+        assert info.value.code == "ARTIFACT_DOWNGRADE"
     finally:
         store.close()
 

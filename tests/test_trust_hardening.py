@@ -165,10 +165,101 @@ def test_demo_key_is_refused_for_deployments_even_when_listed_or_unsigned_allowe
 # --- 7: downgrade and plain http -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("older,newer", [("1.9.0", "1.10.0"), ("1.0.0", "2.0.0"), ("2.0.0", "2.0.0.1"),
-                                         ("2.0.0-rc1", "2.0.0-1"), ("v1", "v2")])
-def test_versions_compare_part_by_part(older: str, newer: str) -> None:
+@pytest.mark.parametrize("older,newer", [
+    ("1.9.0", "1.10.0"), ("1.0.0", "2.0.0"), ("2.0.0", "2.0.0.1"), ("v1", "v2"),
+    ("2.0.0-rc1", "2.0.0"),  # the release after its canary rc
+    ("v2.0", "v10.0"), ("2.0", "v10.0.0"),  # numbers, not text; a leading v stripped
+    ("2.0.0-1", "2.0.0-rc1"), ("1.0.0-alpha", "1.0.0-alpha.1"), ("1.0.0-alpha.1", "1.0.0-alpha.beta"),
+    ("1.0.0-beta.2", "1.0.0-beta.11"), ("1.0.0-rc.1+build.9", "1.0.0+build.1"),  # SemVer 2.0 section 11
+])
+def test_versions_follow_semver_precedence(older: str, newer: str) -> None:
     assert is_older(older, newer) and not is_older(newer, older) and not is_older(newer, newer)
+
+
+def test_build_metadata_and_trailing_zeros_do_not_order() -> None:
+    for a, b in (("1.0.0+build.1", "1.0.0+build.2"), ("2.0", "2.0.0"), ("v3", "3.0.0")):
+        assert not is_older(a, b) and not is_older(b, a)
+
+
+def test_a_canary_rc_then_its_release_then_a_replay_of_the_rc(tmp_path: Path) -> None:
+    memory = VersionMemory(StateStore(state_db_path(tmp_path)))
+    memory.record("det", "2.0.0-rc1")
+    memory.check("det", "2.0.0", allow_downgrade=False)  # the real release after the canary
+    memory.record("det", "2.0.0")
+    for replay in ("2.0.0-rc1", "v2.0.0-rc.9"):
+        with pytest.raises(EdgeError) as info:
+            memory.check("det", replay, allow_downgrade=False)
+        assert info.value.code == "ARTIFACT_DOWNGRADE"
+    memory.record("det", "v10.0")
+    with pytest.raises(EdgeError):
+        memory.check("det", "v2.0", allow_downgrade=False)
+    memory.state.close()
+
+
+@pytest.mark.parametrize("version", ["latest", "2.0.0_rc1", "1.0.0-", "release-2"])
+def test_a_version_that_cannot_be_ordered_is_refused_clearly(tmp_path: Path, version: str) -> None:
+    memory = VersionMemory(StateStore(state_db_path(tmp_path)))
+    for highest in (None, "1.0.0"):
+        if highest:
+            memory.record("det", highest)
+        with pytest.raises(EdgeError) as info:
+            memory.check("det", version, allow_downgrade=False)
+        assert info.value.code == "ARTIFACT_VERSION_INVALID" and "SemVer" in str(info.value)
+    memory.check("det", version, allow_downgrade=True)  # a deliberate, local deploy may still do it
+    memory.record("det", version)
+    assert memory.highest("det") == "1.0.0"
+    memory.state.close()
+
+
+def _manager(tmp_path: Path, store: StateStore, artifacts: ArtifactsConfig) -> Any:
+    from agent.deployments.config import DeploymentConfig
+    from agent.deployments.manager import DeploymentManager
+    from agent.deployments.store import DeploymentStore
+
+    return DeploymentManager(DeploymentStore(store), None, tmp_path / "artifacts", artifacts,  # type: ignore[arg-type]
+                             DeploymentConfig(), lambda *a, **f: None, threading.Event())
+
+
+def test_the_memory_is_seeded_from_the_active_and_previous_models(tmp_path: Path) -> None:
+    """An agent upgraded from one without model_versions (or started on a fresh database) refuses the
+    first replay too: the active and previous models count as deployed."""
+    store = StateStore(state_db_path(tmp_path))
+    store.set_active_model("det", "3.0.0", "/models/det3", "aa" * 32, {"origin": "deployment"})
+    store.set_active_model("det", "2.0.0", "/models/det2", "bb" * 32, {"origin": "rollback"})
+    assert store.query("SELECT * FROM model_versions") == []
+    manager = _manager(tmp_path, store, ArtifactsConfig())
+    assert manager.versions.highest("det") == "3.0.0"
+    with pytest.raises(EdgeError) as info:
+        manager.versions.check("det", "2.5.0", allow_downgrade=False)
+    assert info.value.code == "ARTIFACT_DOWNGRADE"
+    store.close()
+
+
+@pytest.mark.parametrize("channel,remote_allowed,honoured", [
+    ("mqtt", False, False), ("mqtt", True, True), ("local", False, True)])
+def test_allow_downgrade_counts_from_the_broker_only_when_configured(tmp_path: Path, keys, channel: str,
+                                                                     remote_allowed: bool, honoured: bool) -> None:
+    from agent.deployments.manager import RequestOptions
+
+    v1 = make_artifact(tmp_path / "pub" / "v1", "1.0.0", keys["private"])
+    store = StateStore(state_db_path(tmp_path))
+    artifacts = ArtifactsConfig(trusted_keys=[str(keys["public"])], allow_http=True,
+                                allow_remote_downgrade=remote_allowed)
+    manager = _manager(tmp_path, store, artifacts)
+    manager.versions.record("demo-det", "2.0.0")
+    with ArtifactServer(v1.parent) as server:
+        url = server.url("v1/manifest.json") if channel == "mqtt" else (v1 / "manifest.json").as_uri()
+        dep = manager.store.create(url)
+        options = RequestOptions(channel, allow_downgrade=True)  # type: ignore[arg-type]
+        if honoured:
+            assert manager._fetch(dep, options).is_dir()
+        else:
+            with pytest.raises(EdgeError) as info:
+                manager._fetch(dep, options)
+            assert info.value.code == "ARTIFACT_DOWNGRADE"
+            assert "only from the local control socket" in str(info.value)
+            assert "allow_remote_downgrade" in str(info.value)
+    store.close()
 
 
 def test_highest_version_survives_a_restart_and_a_deliberate_downgrade(tmp_path: Path) -> None:

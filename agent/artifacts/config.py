@@ -63,6 +63,12 @@ class ArtifactsConfig(BaseModel):
         3600.0, gt=0, le=86400,
         description="Longest a whole artifact download may take; a deploy command's timeout_s shortens it.",
     )
+    allow_remote_downgrade: bool = Field(
+        False,
+        description="Honour `allow_downgrade` in deploy commands over MQTT too. Off: only the local control socket "
+        "(`edge-agent deploy --allow-downgrade`) may deploy an older version; anyone who can publish to the "
+        "broker could otherwise replay an old signed artifact.",
+    )
     # Key ids refused whatever trusted_keys says (the device's own demo key for deployments); set in code only.
     _refused_key_ids: frozenset[str] = PrivateAttr(default_factory=frozenset)
 

@@ -21,7 +21,7 @@ from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.fetch import FetchTimeout, fetch_into
 from agent.artifacts.transport import FetchError
 from agent.artifacts.trust import verify_artifact
-from agent.artifacts.urlpolicy import Channel, UrlRefused, check_url
+from agent.artifacts.urlpolicy import LOCAL, Channel, UrlRefused, check_url
 from agent.deployments.config import DeploymentConfig
 from agent.deployments.store import Deployment, DeploymentStore
 from agent.deployments.versions import VersionMemory
@@ -96,6 +96,7 @@ class DeploymentManager(threading.Thread):
         self._watching: Deployment | None = None
         self._options: dict[str, RequestOptions] = {}
         self.versions = VersionMemory(store.state)
+        self.versions.seed_from_active()  # an upgraded agent or a fresh database knows what is deployed
         self._unrecorded: list[tuple[Deployment, str, str]] = []  # failures the database refused; retried
         self.progress: dict[str, Any] = {}
 
@@ -258,8 +259,11 @@ class DeploymentManager(threading.Thread):
         Fetch failures go on the wire as generic text (the code stays): the detail (HTTP status and reason,
         file system errors) could tell a remote sender about hosts and files it cannot see; it is logged here.
         """
+        allowed, refused_waiver = self._downgrade_waiver(options)
+
         def check(manifest: Any) -> None:
-            self.versions.check(manifest.name, manifest.version, options.allow_downgrade)
+            self.versions.seed_from_active()  # the model the agent started with counts as deployed
+            self.versions.check(manifest.name, manifest.version, allowed, refused_waiver=refused_waiver)
 
         try:
             # content-addressed (<name>-<version>-<manifest sha>): a URL republished with new bytes never
@@ -272,6 +276,14 @@ class DeploymentManager(threading.Thread):
             log.error("deployment %s: fetching %s failed (%s): %s", dep.id, dep.url, exc.code, exc)
             raise EdgeError(f"fetching the artifact failed ({exc.code}); the device log has the details "
                             f"(deployment {dep.id})", code=exc.code) from exc
+
+    def _downgrade_waiver(self, options: RequestOptions) -> tuple[bool, str]:
+        """(allow_downgrade honoured, why not when the sender asked): from the broker it is not honoured
+        unless artifacts.allow_remote_downgrade, since any broker user could send it."""
+        if not options.allow_downgrade or options.channel == LOCAL or self.artifacts.allow_remote_downgrade:
+            return options.allow_downgrade, ""
+        return False, ("allow_downgrade is honoured only from the local control socket (edge-agent deploy "
+                       "--allow-downgrade on the device) unless [artifacts] allow_remote_downgrade = true")
 
     def _check_deadline(self, dep: Deployment) -> None:
         """A deployment whose requester's timeout_s has passed is not activated any more."""
