@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from agent.artifacts.urlpolicy import Channel
 from agent.mqtt.config import RESULTS_RATE_BOUNDS, TELEMETRY_INTERVAL_BOUNDS
+from agent.wire_errors import internal_error, new_ref
 from engines.errors import EdgeError
 from engines.registry import Registry, UnknownPluginError
 
@@ -184,6 +185,8 @@ class SetPolicyArgs(_Strict):
     max_switches_per_min: Optional[int] = Field(default=None, description="Most switches in any 60 s.")
     cooldown_s: Optional[float] = Field(default=None, description="No step up into a variant that broke a limit this recently.")
     dark_below: Optional[float] = Field(default=None, description="Mean luminance under which the scene is dark.")
+    dark_variant: Optional[str] = Field(default=None, max_length=64,
+                                        description="Variant run at most while dark; null with dark_below=null: rule off.")
 
     @model_validator(mode="after")
     def _something(self) -> "SetPolicyArgs":
@@ -335,9 +338,9 @@ class CommandDispatcher:
         envelope._channel = channel
         try:
             return self._run_once(envelope)
-        except Exception as exc:  # the promise above holds even for a bug here
-            log.exception("command %s (id %s): dispatcher error", envelope.command, envelope.id)
-            return error_reply(envelope.id, "INTERNAL", f"{type(exc).__name__}: {exc}"[:1000])
+        except Exception:  # the promise above holds even for a bug here
+            text = internal_error(log, f"command {envelope.command} (id {envelope.id}): dispatcher error")
+            return error_reply(envelope.id, "INTERNAL", text)
 
     def _decode(self, raw: bytes) -> Any:
         if len(raw) > self.max_payload_bytes:
@@ -371,9 +374,11 @@ class CommandDispatcher:
             try:
                 earlier = self.replies.get(envelope.id)
             except sqlite3.Error as exc:  # locked past the busy timeout, I/O error: refuse this one, keep going
-                log.error("command %s (id %s) not run: reply store unavailable: %s", envelope.command, envelope.id, exc)
-                return error_reply(envelope.id, "INTERNAL", f"state database unavailable ({exc}); the command was "
-                                   "not run; retry with the same id")
+                ref = new_ref()
+                log.error("command %s (id %s) not run: reply store unavailable: %s (ref %s)", envelope.command,
+                          envelope.id, exc, ref)
+                return error_reply(envelope.id, "INTERNAL", f"state database unavailable (see the device log, ref "
+                                   f"{ref}); the command was not run; retry with the same id")
             if earlier is not None:
                 log.info("command id %r seen before: sending its first reply again", envelope.id)
                 return earlier
@@ -429,9 +434,9 @@ class CommandDispatcher:
         except EdgeError as exc:
             log.warning("command %s (id %s) failed: %s %s", envelope.command, envelope.id, exc.code, exc)
             return error_reply(envelope.id, exc.code, str(exc))
-        except Exception as exc:
-            log.exception("command %s (id %s) crashed", envelope.command, envelope.id)
-            return error_reply(envelope.id, "INTERNAL", f"{type(exc).__name__}: {exc}"[:1000])
+        except Exception:
+            text = internal_error(log, f"command {envelope.command} (id {envelope.id}) crashed")
+            return error_reply(envelope.id, "INTERNAL", text)
 
     def close(self) -> None:
         """Close the reply store."""

@@ -26,6 +26,7 @@ from agent.deployments.config import DeploymentConfig
 from agent.deployments.store import Deployment, DeploymentStore
 from agent.deployments.versions import VersionMemory
 from agent.testhooks import pause_point
+from agent.wire_errors import internal_error
 from engines.errors import EdgeError
 from engines.model import ModelSource
 
@@ -222,9 +223,8 @@ class DeploymentManager(threading.Thread):
         except EdgeError as exc:
             self._fail(dep, exc.code, str(exc))
             return
-        except Exception as exc:
-            log.exception("deployment %s crashed", dep.id)
-            self._fail(dep, "INTERNAL", f"{type(exc).__name__}: {exc}")
+        except Exception:
+            self._fail(dep, "INTERNAL", internal_error(log, f"deployment {dep.id} crashed"))
             return
         finally:
             with self._lock:

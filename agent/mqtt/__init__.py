@@ -28,6 +28,7 @@ from agent.mqtt.config import MqttConfig
 from agent.mqtt.outbox import Outbox, ensure_schema, read_boot_id
 from agent.mqtt.publisher import Publisher, StatusBoard
 from agent.mqtt.topics import Topics, is_publish_topic
+from agent.wire_errors import internal_error
 
 __all__ = ["CommandWorker", "MqttConfig", "MqttConnection", "MqttPlane", "Outbox", "Publisher", "StatusBoard",
            "Topics", "ensure_schema", "read_boot_id"]
@@ -90,11 +91,11 @@ class CommandWorker:
         """One command; whatever goes wrong becomes its INTERNAL reply, never the end of the worker thread."""
         try:
             reply = self._dispatch(message.payload)
-        except Exception as exc:  # the dispatcher promises a reply; a locked or failing database broke that once
+        except Exception:  # the dispatcher promises a reply; a locked or failing database broke that once
             self.counters["internal"] += 1
-            log.exception("command worker: dispatch failed; answering INTERNAL and continuing")
+            text = internal_error(log, "command worker: dispatch failed; answering INTERNAL and continuing")
             reply = {"id": self._peek_id(message.payload), "ok": False,
-                     "error": {"code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"[:1000]}}
+                     "error": {"code": "INTERNAL", "message": text}}
         self.counters["handled"] += 1
         self._send_reply(message, reply)
 
