@@ -27,6 +27,7 @@ model with the same rewrites, so benchmarks can also compare like with like.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -539,6 +540,12 @@ def _fuse_convtranspose_pairs(model: onnx.ModelProto) -> int:
             continue
         n, _, h, w = ishape
         base = cta.name or cta.output[0]
+        if not (_qlinearconv_is_exact(c0, k1 * k1 * c1, 1, (1, 1))
+                and _qlinearconv_is_exact(k1 * k1 * c1, k1 * k1 * c2 * k2 * k2, k1 * k1, (1, 1))):
+            log.warning("not fusing ConvTranspose pair %s: this ONNX Runtime's QLinearConv miscomputes the "
+                        "1x1 convs it would become (%d and %d output channels)", base, k1 * k1 * c1,
+                        k1 * k1 * c2 * k2 * k2)
+            continue
         # conv a: output channels ordered (a, b, c1) so that each sub-pixel (a, b) is one group for conv b
         wa1 = wa.transpose(2, 3, 1, 0).reshape(k1 * k1 * c1, c0, 1, 1)
         # conv b: k1*k1 groups of c1 -> (c2, a2, b2)
@@ -662,6 +669,65 @@ class _Reader:
                 feed[vi.name] = arr.astype(np.float32)
         self.count += 1
         return feed
+
+
+# Some ONNX Runtime builds miscompute QLinearConv for some shapes: 1.23.2's CPU EP (the newest ORT for
+# Python 3.10, what JetPack 6 gets) returns wrong values (up to 255 uint8 steps) past output channel 16 of
+# a conv with 17..31 output channels per group, per-channel or per-tensor, any kernel; 1.17.3 and 1.32 are
+# right. We probe the installed ORT once per conv shape against a numpy reference instead of trusting a
+# version list. Excluding such a conv from the quantizer does not help: ORT's own QDQ fusion turns
+# DQ -> Conv(float weight) -> Relu -> Q back into a QLinearConv at load time. So the rewrite that would
+# create such a conv (`_fuse_convtranspose_pairs`) does not fire; convs of the original graph with 17..31
+# output channels are NOT protected (see docs/engines.md).
+
+
+def _qlinearconv_reference(x: np.ndarray, w: np.ndarray, bias: np.ndarray, scale: np.ndarray,
+                           group: int) -> np.ndarray:
+    """uint8 output of an unpadded 2-D QLinearConv (zero points 0) in int64 numpy; `scale` is
+    x_scale * w_scale / y_scale per output channel. Our own oracle: onnx.reference's QLinearConv
+    cannot broadcast per-channel scales before onnx 1.17."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    cout, cin_g, kh, kw = w.shape
+    win = sliding_window_view(x[0].astype(np.int64), (kh, kw), axis=(1, 2))  # C, H', W', kh, kw
+    per = cout // group
+    acc = np.concatenate([np.einsum("chwij,ocij->ohw", win[g * cin_g:(g + 1) * cin_g],
+                                    w[g * per:(g + 1) * per].astype(np.int64)) for g in range(group)])
+    acc = acc + bias.astype(np.int64)[:, None, None]
+    return np.clip(np.rint(acc * scale[:, None, None].astype(np.float64)), 0, 255)[None]
+
+
+@functools.lru_cache(maxsize=None)
+def _qlinearconv_is_exact(cin: int, cout: int, group: int, kernel: tuple[int, int]) -> bool:
+    """True when this ONNX Runtime's QLinearConv (U8 x S8 per-channel, the CPU recipe's kind) matches a
+    numpy reference on a conv of this shape."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    spatial = [k + 11 for k in kernel]
+    inits = {"xs": np.array(0.02, np.float32), "xz": np.array(0, np.uint8),
+             "w": rng.integers(-64, 65, (cout, cin // group, *kernel)).astype(np.int8),
+             "ws": rng.uniform(0.003, 0.02, cout).astype(np.float32), "wz": np.zeros(cout, np.int8),
+             "ys": np.array(0.017, np.float32), "yz": np.array(0, np.uint8),
+             "b": rng.integers(-2000, 2000, cout).astype(np.int32)}
+    node = helper.make_node("QLinearConv", ["x", *inits], ["y"], kernel_shape=list(kernel), group=group)
+    graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info("x", onnx.TensorProto.UINT8,
+                                                                                [1, cin, *spatial])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.UINT8, None)],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    x = rng.integers(0, 120, (1, cin, *spatial)).astype(np.uint8)
+    scale = inits["xs"].astype(np.float64) * inits["ws"] / inits["ys"]
+    want = _qlinearconv_reference(x, inits["w"], inits["b"], scale, group)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        got = sess.run(None, {"x": x})[0]
+    except Exception as exc:  # an ORT that cannot run it cannot be trusted with it either
+        log.warning("QLinearConv probe (%d -> %d, group %d, kernel %s) failed: %s", cin, cout, group, kernel, exc)
+        return False
+    return float(np.abs(got.astype(np.float64) - want).max()) <= 1  # float rounding of the requantization
 
 
 def _ort_enums(settings: QuantSettings) -> dict[str, Any]:
