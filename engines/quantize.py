@@ -17,7 +17,8 @@ Pipeline (what `quantize_int8` does, in a temp dir next to the output):
      at the low resolution. ORT's CPU EP has no QLinearConvTranspose fusion, so otherwise the head runs
      in float between DQ and Q.
 3. `onnxruntime.quantization.quantize_static` with `settings` (QDQ, U8 activations, S8 per-channel
-   7-bit weights, MinMax calibration).
+   7-bit weights, MinMax calibration). Before it, a conv whose shape the installed ORT's QLinearConv
+   miscomputes (ORT 1.23.2: 17..31 output channels) is split in two (`_split_convs_for_ort`).
 4. The result is checked, fsynced and moved over `out_onnx` with os.replace.
 
 Give the model a static input shape first (`make_static_shape`): the ConvTranspose rewrite needs it
@@ -124,7 +125,7 @@ class QuantReport:
     #: Op types of the prepared graph that the quantizer does not handle (they run in float between
     #: DequantizeLinear and QuantizeLinear), with their counts.
     float_op_types: dict[str, int]
-    #: How many times each rewrite of `simplify_graph` fired.
+    #: How many times each rewrite of `simplify_graph` fired (and `split_convs_for_ort`).
     rewrites: dict[str, int]
     #: Op-type counts of the written model.
     op_counts: dict[str, int] = field(default_factory=dict)
@@ -677,8 +678,9 @@ class _Reader:
 # right. We probe the installed ORT once per conv shape against a numpy reference instead of trusting a
 # version list. Excluding such a conv from the quantizer does not help: ORT's own QDQ fusion turns
 # DQ -> Conv(float weight) -> Relu -> Q back into a QLinearConv at load time. So the rewrite that would
-# create such a conv (`_fuse_convtranspose_pairs`) does not fire; convs of the original graph with 17..31
-# output channels are NOT protected (see docs/engines.md).
+# create such a conv (`_fuse_convtranspose_pairs`) does not fire, and `quantize_int8` splits an ungrouped
+# conv of the original graph with such a shape in two (`_split_convs_for_ort`); grouped ones are not
+# handled (see docs/engines.md).
 
 
 def _qlinearconv_reference(x: np.ndarray, w: np.ndarray, bias: np.ndarray, scale: np.ndarray,
@@ -730,6 +732,43 @@ def _qlinearconv_is_exact(cin: int, cout: int, group: int, kernel: tuple[int, in
     return float(np.abs(got.astype(np.float64) - want).max()) <= 1  # float rounding of the requantization
 
 
+def _split_convs_for_ort(model: onnx.ModelProto) -> list[str]:
+    """Split each ungrouped 2-D Conv whose shape this ORT's QLinearConv miscomputes into a conv of its
+    first 16 output channels and one of the rest, joined by a Concat (exact in FP32; each part has a
+    shape the probe passes, or it is left alone). Returns the names of the convs split."""
+    g = _Graph(model)
+    split = []
+    for node in list(g.graph.node):
+        w = g.const(node.input[1]) if node.op_type == "Conv" and len(node.input) > 1 else None
+        if w is None or w.ndim != 4 or node.domain not in ("", "ai.onnx") or _attr(node, "group", 1) != 1:
+            continue
+        cin, cout, kernel = int(w.shape[1]), int(w.shape[0]), tuple(int(k) for k in w.shape[2:])
+        if cout <= 16 or _qlinearconv_is_exact(cin, cout, 1, kernel) \
+                or not all(_qlinearconv_is_exact(cin, c, 1, kernel) for c in (16, cout - 16)):
+            continue
+        bias = g.const(node.input[2]) if len(node.input) > 2 and node.input[2] else np.zeros(cout, w.dtype)
+        if bias is None:
+            continue
+        base, out = node.name or node.output[0], node.output[0]
+        parts = []
+        for i, sl in enumerate((slice(0, 16), slice(16, cout))):
+            part = onnx.NodeProto()
+            part.CopyFrom(node)
+            part.name, part.output[:] = f"{base}_split{i}", [f"{out}_split{i}"]
+            wb = [g.add_init(f"{base}_split{i}_w", w[sl]), g.add_init(f"{base}_split{i}_b", bias.reshape(-1)[sl])]
+            part.input[:] = [node.input[0], *wb]
+            parts.append(part)
+        idx = list(g.graph.node).index(node)
+        g.graph.node.remove(node)
+        concat = helper.make_node("Concat", [p.output[0] for p in parts], [out], name=f"{base}_split_concat", axis=1)
+        for j, n in enumerate([*parts, concat]):
+            g.graph.node.insert(idx + j, n)
+        split.append(base)
+    if split:
+        _drop_unused_initializers(model)
+    return split
+
+
 def _ort_enums(settings: QuantSettings) -> dict[str, Any]:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
 
@@ -777,6 +816,8 @@ def quantize_int8(
         inits = {t.name for t in model.graph.initializer}
         inputs = [vi for vi in model.graph.input if vi.name not in inits]
         ops = _op_types_to_quantize(settings)
+        if "Conv" in ops:
+            rewrites["split_convs_for_ort"] = len(_split_convs_for_ort(model))
         excluded = [n.name for n in model.graph.node
                     if n.name in settings.exclude_nodes or n.op_type in settings.exclude_op_types]
         missing = set(settings.exclude_nodes) - {n.name for n in model.graph.node}

@@ -275,6 +275,31 @@ def test_quantized_convtranspose_pair_matches_reference(tmp_path: Path) -> None:
         assert np.abs(_run(q, feed) - _reference(src, feed)).max() < 0.05
 
 
+def test_quantized_conv_with_24_outputs_matches_reference(tmp_path: Path) -> None:
+    """A model's own conv with 24 output channels (PP-OCRv4 det's head has 96 -> 24): ONNX Runtime
+    1.23.2's QLinearConv miscomputes channels 17..24, so there it is split into 16 + 8 output channels
+    joined by a Concat. The INT8 model ORT runs must match the reference evaluation of the same model."""
+    rng = np.random.default_rng(5)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], kernel_shape=[1, 1]),
+        helper.make_node("Sigmoid", ["c2"], ["y"]),
+    ]
+    inits = [_init("w1", rng.normal(0, 0.3, (24, 6, 3, 3))), _init("b1", rng.normal(0, 0.1, 24)),
+             _init("w2", rng.normal(0, 0.3, (2, 24, 1, 1))), _init("b2", rng.normal(0, 0.1, 2))]
+    graph = helper.make_graph(nodes, "c24", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6, 8, 10])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 8, 10])], inits)
+    src = _save(graph, tmp_path / "c24.onnx")
+    q = tmp_path / "c24.int8.onnx"
+    report = quantize_int8(src, q, [x * 2 for x in _inputs(16, (1, 6, 8, 10), seed=8)])
+    assert report.rewrites["split_convs_for_ort"] == int(not _qlinearconv_is_exact(6, 24, 1, (3, 3)))
+    for x in _inputs(2, (1, 6, 8, 10), seed=5):
+        feed = {"x": x * 2}
+        assert np.abs(_run(q, feed) - _reference(q, feed)).max() < 0.02
+        assert np.abs(_run(q, feed) - _reference(src, feed)).max() < 0.05
+
+
 def test_mask_iou() -> None:
     a = np.zeros((1, 1, 4, 4), np.float32)
     b = a.copy()
