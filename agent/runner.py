@@ -190,7 +190,7 @@ class Agent:
         self.store.set_active_model(m.name, m.version, str(loaded.source.root), loaded.source.sha256, info)
 
     def _on_result(self, frame: Frame, result: Any, runtime: Any) -> None:
-        adapt_wiring.on_result(self, frame)
+        adapt_wiring.on_result(self, frame, runtime)
         self.last_result = {"camera": frame.source, "frame": frame.index, **result.to_dict(max_items=20)}
         if self.plane is not None:
             self.plane.on_result(self.last_result)
@@ -316,7 +316,7 @@ class Agent:
             gap_ms = self._measure_gap(before)
             self._retire(self.active)
             self.active = candidate
-        adapt_wiring.restart(self)
+        adapt_wiring.restart(self, hold=True)  # no variant build or switch until the watch passed (watch)
         self._last_swap = {"strategy": strategy, "gap_ms": gap_ms, "fps_before": round(fps_before, 2),
                            "fps_before_cameras": fps_cameras, "previous_loaded": self.previous is not None}
         return dict(self._last_swap)
@@ -394,9 +394,12 @@ class Agent:
 
         assert self.worker is not None and self.cameras is not None
         budget = self.active.source.manifest.gates.latency_budget_ms if self.active else None
-        return watch_model(self.worker, self.cameras, self.config.deployments, budget, stop,
-                           fps_before=self._last_swap.get("fps_before_cameras"),
-                           still_current=lambda: self.active is not None and self.active.deployment_ok(dep))
+        violation = watch_model(self.worker, self.cameras, self.config.deployments, budget, stop,
+                                fps_before=self._last_swap.get("fps_before_cameras"),
+                                still_current=lambda: self.active is not None and self.active.deployment_ok(dep))
+        if violation is None:
+            adapt_wiring.release(self)  # the new family builds its variants and switches only now
+        return violation
 
     def rollback(self, reason: str, numbers: dict[str, Any] | None = None) -> dict[str, Any]:
         """Back to the previous model: instant when it is still loaded, else loaded again from its artifact."""

@@ -51,6 +51,9 @@ class FramePathMeter:
             out["cameras"] = cameras
         if agent.active is not None:
             out["model"] = agent.active.describe()
+        adapt = getattr(agent, "adapt", None)
+        if adapt is not None:
+            out["adapt"] = adapt.telemetry()  # {enabled, pinned, variant}: the policy state, docs/adaptive.md
         return out
 
     def _cameras(self, interval: float) -> dict[str, dict[str, Any]]:

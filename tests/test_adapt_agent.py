@@ -5,12 +5,16 @@ telemetry and the run summary show the active variant and the policy."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from agent.adapt.controller import POLICY_KEY
+from agent.deployments import watch as watch_module
+from agent.telemetry import TelemetryCollector
 from agent.cli import app as agent_app
 from agent.config import AgentConfig
 from agent.runner import Agent
@@ -130,3 +134,103 @@ def test_a_serving_model_outside_its_family_keeps_serving_alone(tmp_path: Path) 
         assert wait_for(lambda: agent.stats.frames >= 3, timeout=30)
     finally:
         agent.stop()
+
+
+def overlaps(spans: list[tuple[float, float]], window: tuple[float, float]) -> list[tuple[float, float]]:
+    return [(a, b) for a, b in spans if a < window[1] and b > window[0]]
+
+
+def test_a_deployed_family_builds_and_switches_only_after_its_watch(tmp_path: Path, monkeypatch) -> None:
+    """Variant builds would compete with the model being judged, a stored pin would swap variants (and
+    reset `worker.window`, which the watch reads) during the watch: the new family waits for it to pass."""
+    v1, public = make_family(tmp_path, ["full:fp32", "int8:int8"])
+    v2, _ = make_family(tmp_path, ["full:fp32", "tiny:int8:16x16"], version="2.0.0", out="v2")
+    config = family_config(tmp_path, v1, public)
+    config.deployments.watch_window_s = 2.0
+    events: list[tuple[float, str, dict]] = []
+    agent = Agent(config, on_event=lambda t, **f: events.append((time.monotonic(), t, f)))
+    agent.start()
+    try:
+        assert wait_for(lambda: agent.adapt is not None and agent.adapt.built.is_set(), timeout=120)
+        agent.store.set_kv(POLICY_KEY, {"pinned": "tiny"})  # a stored pin only the new family can follow
+        builds: list[tuple[float, float]] = []
+        provision = agent.loader.provision
+
+        def timed_provision(source, *args, **kwargs):
+            started = time.monotonic()
+            try:
+                return provision(source, *args, **kwargs)
+            finally:
+                builds.append((started, time.monotonic()))
+
+        watches: list[tuple[float, float, bool]] = []
+        judge = watch_module.watch_model
+
+        def timed_watch(worker, *args, **kwargs):
+            started, window = time.monotonic(), worker.window
+            try:
+                return judge(worker, *args, **kwargs)
+            finally:
+                watches.append((started, time.monotonic(), worker.window is window))
+
+        dep_id = agent.manager.request((v2 / "manifest.json").as_uri(), channel="local")["deployment_id"]
+        monkeypatch.setattr(agent.loader, "provision", timed_provision)
+        monkeypatch.setattr(watch_module, "watch_model", timed_watch)
+        assert wait_terminal(agent, dep_id) == "active"
+        switched = lambda: [f for _t, kind, f in events if kind == "adapt"]  # noqa: E731
+        assert wait_for(switched, timeout=120)  # the pin, once the watch released the family
+        assert agent.active.variant == "tiny"
+        assert len(watches) == 1
+        started, ended, same_window = watches[0]
+        assert same_window  # no swap reset what the watch was reading
+        variant_builds = builds[1:]  # the first is the deployment's own engine, before its activation
+        assert variant_builds and overlaps(variant_builds, (started, ended)) == []
+        during = [(t, kind) for t, kind, f in events if started <= t <= ended and kind in ("adapt", "adapt_family")]
+        assert during == []
+        switch = switched()[-1]
+        assert (switch["from"], switch["to"], switch["reason"], switch["model"]) == ("full", "tiny", "pinned", "fam@2.0.0")
+    finally:
+        summary = agent.stop()
+    assert summary["errors"] == 0
+
+
+def test_a_restart_resumes_the_variant_it_served_last(tmp_path: Path, monkeypatch) -> None:
+    """The variant persisted at each switch is read at the next start and switched to once built; the
+    controller samples through the agent's one telemetry collector, and telemetry carries the policy state."""
+    artifact, public = make_family(tmp_path, ["full:fp32", "int8:int8", "small:int8:16x16"])
+    config = family_config(tmp_path, artifact, public)
+    collectors: list[TelemetryCollector] = []
+    init = TelemetryCollector.__init__
+
+    def counted(self, *args, **kwargs) -> None:
+        collectors.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(TelemetryCollector, "__init__", counted)
+    agent = Agent(config)
+    agent.start()
+    try:
+        assert wait_for(lambda: agent.adapt is not None and agent.adapt.built.is_set(), timeout=120)
+        agent.adapt.set_policy({"pinned": "small"})
+        assert wait_for(lambda: agent.active.variant == "small", timeout=30)
+        agent.adapt.set_policy({"pinned": None, "enabled": False})  # frozen at small, not pinned
+        assert collectors == [agent.plane.telemetry.collector]  # no second jtop/NVML client for the family
+    finally:
+        agent.stop()
+
+    events: list[tuple[str, dict]] = []
+    again = Agent(config, on_event=lambda t, **f: events.append((t, f)))
+    again.start()
+    try:
+        assert wait_for(lambda: again.adapt is not None and again.adapt.built.is_set(), timeout=120)
+        assert again.active.variant == "small" and again.worker.runtime is again.active.runtime
+        assert [(f["from"], f["to"], f["reason"]) for t, f in events if t == "adapt"] == [("full", "small", "restored")]
+        frames = again.stats.frames
+        assert wait_for(lambda: again.stats.frames > frames + 3, timeout=30)
+        sample = again.plane.telemetry.sample()
+        assert sample["adapt"] == {"enabled": False, "pinned": None, "variant": "small"}
+        assert sample["model"]["variant"] == "small"
+        assert again.adapt.status()["frames_by_variant"].get("small", 0) > 0
+    finally:
+        summary = again.stop()
+    assert summary["errors"] == 0 and summary["model"]["variant"] == "small"

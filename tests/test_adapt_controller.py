@@ -7,13 +7,15 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
 from agent.adapt.config import AdaptConfig
-from agent.adapt.controller import POLICY_KEY, AdaptController
+from agent.adapt import wiring
+from agent.adapt.controller import FAMILY_KEY, POLICY_KEY, AdaptController
 from agent.adapt.family import members
 from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.trust import verify_artifact
@@ -54,17 +56,28 @@ class Rig:
         self.feeder = threading.Thread(target=self._feed, name="feeder", daemon=True)
         self.sent = 0
         self.grey = 128  # the scene's brightness (0-255); the feeder paints every frame with it
+        self.delay_s = 0.0  # how long before it is fed each frame was captured (a slow pipeline upstream)
+        self.served: dict[int, int] = {}  # frames per runtime, as the worker reports them
 
     def _swap(self, loaded: Any) -> None:
         self.worker.swap(loaded.runtime)
 
     def _result(self, frame: Frame, result: Any, runtime: Any) -> None:
-        self.controller.on_result(frame.captured_at, frame.image)
+        self.served[id(runtime)] = self.served.get(id(runtime), 0) + 1
+        self.controller.on_result(frame.captured_at, frame.image, runtime=runtime)
 
     def _feed(self) -> None:
         while not self.stop.wait(0.01):
             self.sent += 1
-            self.mailbox.put(Frame(np.full((32, 32, 3), self.grey, np.uint8), self.sent, time.monotonic()))
+            captured = time.monotonic() - self.delay_s
+            self.mailbox.put(Frame(np.full((32, 32, 3), self.grey, np.uint8), self.sent, captured))
+
+    def halt(self) -> None:
+        """Stop the frames (idempotent; __exit__ calls it again)."""
+        self.stop.set()
+        self.mailbox.close()
+        self.feeder.join(2)
+        self.worker.join(2)
 
     def __enter__(self) -> "Rig":
         self.worker.start()
@@ -73,10 +86,7 @@ class Rig:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-        self.mailbox.close()
-        self.feeder.join(2)
-        self.worker.join(2)
+        self.halt()
         self.controller.close()
 
     def write(self, relative: str, value: int) -> None:
@@ -174,3 +184,78 @@ def test_dark_scene_runs_the_night_variant_from_real_frames(tmp_path: Path) -> N
         rig.run_ticks(t, 6)
         assert rig.switches()[1:] == [("small", "int8", "headroom"), ("int8", "full", "headroom")]
         assert rig.stats.errors == 0
+
+
+def test_slow_frames_step_down_for_latency_with_the_p99_in_the_event(tmp_path: Path) -> None:
+    """Frames captured 1 s before they are served break a 400 ms budget: a switch for `latency`, whose
+    event carries the window's p99; frame counts follow the runtime that served each frame."""
+    config = AdaptConfig(latency_budget_ms=400, window_s=1.0, down_after_s=0, cooldown_s=0)
+    with Rig(tmp_path, config) as rig:
+        rig.delay_s = 1.0
+        done = rig.stats.frames
+        assert wait_for(lambda: rig.stats.frames > done + 20, timeout=20)  # the window's top 1 % are slow now
+        decision = rig.controller.tick()
+        assert decision is not None and decision.reason == "latency"
+        assert rig.switches() == [("full", "int8", "latency")]
+        numbers = [f for k, f in rig.events if k == "adapt"][0]["numbers"]
+        assert numbers == decision.numbers and numbers["p99_ms"] >= 1000.0 > config.latency_budget_ms
+        assert rig.worker.runtime is rig.controller.ready[1].loaded.runtime
+        done = rig.stats.frames
+        assert wait_for(lambda: rig.stats.frames > done + 5, timeout=20)  # served on int8
+        rig.halt()
+        by_name = {m.name: rig.served.get(id(m.loaded.runtime), 0) for m in rig.controller.ready}
+        counted = rig.controller.status()["frames_by_variant"]
+        assert {k: v for k, v in by_name.items() if v} == counted and counted["int8"] > 0
+        small = rig.controller.ready[2].loaded.runtime
+        rig.controller.on_result(time.monotonic(), None, runtime=small)  # active is int8; small served it
+        assert rig.controller.status()["frames_by_variant"]["small"] == 1
+
+
+def test_a_stop_that_gives_up_mid_build_leaves_no_engine_and_no_record(tmp_path: Path, monkeypatch) -> None:
+    """`wiring.stop` waits JOIN_TIMEOUT_S for the builder; here it gives up while a variant's provision
+    is blocked. Released later, the builder closes the engine it loaded and writes no family record/event."""
+    artifact, public = make_family(tmp_path, ["full:fp32", "int8:int8", "small:int8:16x16"])
+    source = verify_artifact(artifact, ArtifactsConfig(trusted_keys=[str(public)]))
+    prov, load = loader(tmp_path)
+    first = members(source)[0].source
+    serving = load(first, prov(first))
+    entered, release = threading.Event(), threading.Event()
+    loaded, closed = [], []
+
+    def blocking_provision(s: Any) -> Any:
+        if s.manifest.build.precision == "int8" and not entered.is_set():
+            entered.set()
+            assert release.wait(60)
+        return prov(s)
+
+    def tracking_load(s: Any, p: Any) -> Any:
+        model = load(s, p)
+        close = model.runtime.close
+        model.runtime.close = lambda: (closed.append(model), close())
+        loaded.append(model)
+        return model
+
+    store = StateStore(tmp_path / "state.db")
+    events: list[tuple[str, dict]] = []
+    stop_event = threading.Event()
+    controller = AdaptController(source, serving, AdaptConfig(), provision=blocking_provision, load=tracking_load,
+                                 swap=lambda m: None, emit=lambda t, **f: events.append((t, f)), store=store,
+                                 stop_event=stop_event, validation_samples=2)
+    controller.stop_event = stop_event
+    agent = SimpleNamespace(adapt=controller, active=serving, previous=None)
+    monkeypatch.setattr(wiring, "JOIN_TIMEOUT_S", 0.01)
+    try:
+        controller.start()
+        assert entered.wait(60)
+        wiring.stop(agent)  # gives up: the builder is inside the int8 provision
+        assert controller.is_alive() and agent.adapt is None
+        release.set()
+        controller.join(60)
+        assert not controller.is_alive()
+        assert loaded and closed == loaded  # the int8 engine loaded after the stop was released by the builder
+        assert all(m.loaded is None for m in controller.members)
+        assert store.get_kv(FAMILY_KEY) is None and [t for t, _ in events] == []
+    finally:
+        release.set()
+        serving.runtime.close()
+        store.close()

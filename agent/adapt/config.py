@@ -14,36 +14,43 @@ from agent.adapt.policy import PolicyConfig
 
 # The fields `set_policy` may change, with the bounds of the config file (one source of truth).
 TUNABLE = ("enabled", "latency_budget_ms", "temp_limit_c", "temp_hysteresis_c", "power_budget_w", "up_margin",
-           "down_after_s", "up_after_s", "max_switches_per_min", "cooldown_s", "dark_below", "pinned")
+           "down_after_s", "up_after_s", "max_switches_per_min", "cooldown_s", "dark_below", "dark_variant", "pinned")
+
+# Upper bounds: past them a budget can never be broken, so a typo (1e308) would switch the rule off silently.
+MAX_LATENCY_BUDGET_MS = 60_000.0  # a minute from capture to result is no longer a live camera
+MAX_POWER_BUDGET_W = 2_000.0  # above any Jetson module (Thor: 130 W) and any single discrete GPU board
 
 
 class AdaptConfig(BaseModel):
     """How the agent moves between the variants of a model family."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     enabled: bool = Field(True, description="Run the policy when the manifest declares variants (off otherwise).")
     interval_s: float = Field(1.0, gt=0, le=60, description="Seconds between policy samples.")
     window_s: float = Field(3.0, gt=0, le=600, description="Sliding window of the glass-to-result p99.")
-    latency_budget_ms: Optional[float] = Field(None, gt=0, description="p99 budget; default: the manifest's gates.latency_budget_ms.")
+    latency_budget_ms: Optional[float] = Field(None, gt=0, le=MAX_LATENCY_BUDGET_MS,
+                                               description="p99 budget, up to 60000 ms; default: the manifest's gates.latency_budget_ms.")
     temp_limit_c: Optional[float] = Field(None, gt=0, le=150, description="Step down at or above this SoC/GPU temperature.")
     temp_zones: list[str] = Field(default_factory=list, description="Zones watched (telemetry temp_c names); empty: all.")
     temp_hysteresis_c: float = Field(5.0, ge=0, le=50, description="Step up only below temp_limit_c minus this.")
     step_down_on_throttle: bool = Field(True, description="A throttled device (telemetry `throttled`) is over a limit.")
-    power_budget_w: Optional[float] = Field(None, gt=0, description="Board power budget (telemetry power_mw.total).")
+    power_budget_w: Optional[float] = Field(None, gt=0, le=MAX_POWER_BUDGET_W,
+                                            description="Power budget, up to 2000 W: telemetry power_mw.total, else the sum of its rails.")
     up_margin: float = Field(0.7, gt=0, le=1, description="Step up only with p99 and power under this share of their budgets.")
     down_after_s: float = Field(3.0, ge=0, le=3600, description="A limit exceeded this long steps down one variant.")
     up_after_s: float = Field(10.0, ge=0, le=3600, description="Everything under up_margin this long steps up one variant.")
     max_switches_per_min: int = Field(4, ge=1, le=60, description="Most switches in any 60 s.")
     cooldown_s: float = Field(60.0, ge=0, le=86400, description="No step up into a variant that broke a limit this recently.")
     dark_below: Optional[float] = Field(None, ge=0, le=255, description="Mean luminance (0-255) under which the scene is dark.")
-    dark_variant: Optional[str] = Field(None, description="Variant used at most while dark (e.g. a lighter one at night).")
+    dark_variant: Optional[str] = Field(None, max_length=64,
+                                        description="Variant used at most while dark (e.g. a lighter one at night); set_policy can clear it.")
     pinned: Optional[str] = Field(None, description="Always run this variant (name); the policy only watches.")
 
     @model_validator(mode="after")
     def _dark_pair(self) -> "AdaptConfig":
         if (self.dark_below is None) != (self.dark_variant is None):
-            raise ValueError("dark_below and dark_variant go together: set both or neither")
+            raise ValueError("dark_below and dark_variant go together: set both, or both to null to turn the rule off")
         return self
 
     def policy(self, names: list[str], manifest_budget_ms: float | None) -> PolicyConfig:

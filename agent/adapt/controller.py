@@ -8,17 +8,20 @@ the same swap deployments use: no rebuild, no frame lost. Each switch is an `ada
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
+from pydantic import ValidationError
 
 from agent.adapt.config import AdaptConfig
 from agent.adapt.family import Load, Member, Provision, build_member, members, reference_frames, reference_runtime
 from agent.adapt.inputs import SlidingLatency, mean_luminance, policy_inputs
 from agent.adapt.policy import Decision, PolicyState, decide, initial_state
+from agent.commands import describe_errors
 from engines.errors import EdgeError
 from engines.model import ModelSource
 
@@ -36,7 +39,8 @@ class AdaptController(threading.Thread):
     def __init__(self, source: ModelSource, serving: Any, config: AdaptConfig, *, provision: Provision, load: Load,
                  swap: Swap, sample: Sampler | None = None, emit: Callable[..., None] | None = None,
                  store: Any = None, stop_event: threading.Event | None = None, validation_samples: int = 8,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, resume_variant: str | None = None,
+                 hold: bool = False) -> None:
         super().__init__(name="adapt", daemon=True)
         self.source, self.config = source, config
         self.members = members(source)
@@ -55,27 +59,53 @@ class AdaptController(threading.Thread):
         self._lock = threading.RLock()
         self._count_lock = threading.Lock()
         self._warned_pin: str | None = None
+        self._resume_variant = resume_variant  # the variant this family served last (persisted per switch)
+        self._go = threading.Event()  # held: no build and no switch until `release` (a deployment's watch)
+        if not hold:
+            self._go.set()
+        self._closed = False  # `close` ran: what the builder loads after it is the builder's to release
         self._attach(serving)
         self._restore_policy()
 
     # --- the frame path's side (called from the inference worker: cheap, never blocks) ------------------
 
-    def on_result(self, captured_at: float, image: np.ndarray | None, now: float | None = None) -> None:
-        """One frame done: its glass-to-result latency, the frame for the brightness rule, the variant count."""
+    def on_result(self, captured_at: float, image: np.ndarray | None, now: float | None = None,
+                  runtime: Any = None) -> None:
+        """One frame done: its glass-to-result latency, the frame for the brightness rule, and a count for the
+        variant whose `runtime` produced it (`active` changes only after the swap returns: frames served by
+        the new variant before that would be credited to the old one)."""
         now = self._clock() if now is None else now
         self.latency.record((now - captured_at) * 1e3, now)
         self._last_image = image
-        name = self.active.name if self.active is not None else "?"
+        name = self._variant_of(runtime)
         with self._count_lock:  # status() copies the dict from another thread
             self.frames_by_variant[name] = self.frames_by_variant.get(name, 0) + 1
 
     # --- thread ----------------------------------------------------------------------------------------
 
+    def _variant_of(self, runtime: Any) -> str:
+        for member in self.members:
+            loaded = member.loaded
+            if runtime is not None and loaded is not None and loaded.runtime is runtime:
+                return member.name
+        active = self.active
+        return active.name if active is not None else "?"
+
+    def release(self) -> None:
+        """Let a held controller start building and switching (the deployment's watch is over)."""
+        self._go.set()
+
     def run(self) -> None:
-        """Build the other variants, then sample and decide every interval until stopped."""
+        """Wait until released, build the other variants, then sample and decide every interval until stopped."""
+        self._go.wait()
+        if self._halt.is_set():
+            return
         try:
             self.build_family()
         except Exception as exc:  # the serving variant keeps running; say why adaptation is off
+            if self._halt.is_set():  # stopped mid-build (a closed engine fails): the family is gone, no event
+                log.info("model family %s: build stopped (%s)", self.source.label, exc)
+                return
             log.exception("building the model family failed")
             self._emit("adapt_family", state="failed", error=f"{type(exc).__name__}: {exc}")
             return
@@ -86,34 +116,62 @@ class AdaptController(threading.Thread):
                 log.exception("adaptation step failed")
 
     def build_family(self) -> list[Member]:
-        """Every variant provisioned, loaded, gated; the ready ones become the policy's ladder."""
+        """Every variant provisioned, loaded, gated; the ready ones become the policy's ladder.
+
+        Stopped meanwhile (`stop_event`, `close`): nothing is persisted or emitted, so a family that was
+        replaced never writes its record or event over the new one's."""
         reference = reference_runtime(self.source)
         try:
             frames = reference_frames(self.source, self._samples)
             for member in self.members:
-                if self._halt.is_set():
+                if self._stopped():
                     break
                 self._build_one(member, reference, frames)
         finally:
             reference.close()
-        with self._lock:
+        with self._lock:  # `close` takes it too: a stop either waits for this record or this sees the stop
+            if self._stopped():
+                return []
             self.ready = [m for m in self.members if m.status == "ready"]
             if self.active not in self.ready:  # the serving variant failed the family gate: keep it as its own rung
                 self.ready = sorted(self.ready + [self.active], key=lambda m: m.index)
             self.state = initial_state(len(self.ready), self.ready.index(self.active))
-        self._persist_family()
-        self._emit("adapt_family", state="ready", model=self.source.label, variants=[m.to_dict() for m in self.members])
-        self.built.set()
+            self._persist_family()
+            self._emit("adapt_family", state="ready", model=self.source.label,
+                       variants=[m.to_dict() for m in self.members])
+            self._resume()
+            self.built.set()
         return self.ready
 
+    def _stopped(self) -> bool:
+        return self._halt.is_set() or self._closed
+
     def _build_one(self, member: Member, reference: Any, frames: list[np.ndarray]) -> None:
+        """Build into a copy, then publish it under the lock -- or release it when `close` ran meanwhile."""
+        trial = dataclasses.replace(member)
         if member is self.active:
             keep = member.loaded  # serving: never closed here, even when its family score is low
-            build_member(member, lambda _s: member.provisioned, lambda _s, _p: keep, reference, frames, owned=False)
+            build_member(trial, lambda _s: member.provisioned, lambda _s, _p: keep, reference, frames, owned=False)
+        else:
+            build_member(trial, self._provision, self._load, reference, frames)
+        with self._lock:
+            if self._closed and member is not self.active:
+                if trial.loaded is not None:  # stop gave up waiting for this build: nobody else will close it
+                    trial.loaded.runtime.close()
+                return
+            if trial.loaded is not None and member is not self.active:  # a rollback must find its family again
+                trial.loaded.variant, trial.loaded.family = member.name, self.source
+            member.__dict__.update(trial.__dict__)
+
+    def _resume(self) -> None:
+        """Back to the variant this family served last (a restart, or a rollback that reloaded the artifact
+        at its default variant); a pin wins over it. Called with the lock held, once the family is built."""
+        target = next((m for m in self.ready if m.name == self._resume_variant), None)
+        if target is None or target is self.active or self.config.pinned is not None:
             return
-        build_member(member, self._provision, self._load, reference, frames)
-        if member.loaded is not None:  # a rollback to this model must find its family again
-            member.loaded.variant, member.loaded.family = member.name, self.source
+        decision = Decision(self.ready.index(self.active), self.ready.index(target), "restored")
+        self._switch(decision)
+        self.state = dataclasses.replace(self.state, variant=decision.to_variant)
 
     def tick(self, now: float | None = None, sample: dict[str, Any] | None = None) -> Decision | None:
         """One policy step over the current numbers; switches when the policy says so."""
@@ -158,12 +216,10 @@ class AdaptController(threading.Thread):
         with self._lock:
             try:
                 updated = self.config.with_changes(changes)
-                if self.ready:
-                    updated.policy([m.name for m in self.ready], None)  # a pin must name a ready variant
-                elif updated.pinned is not None and updated.pinned not in [m.name for m in self.members]:
-                    raise ValueError(f"pinned: no variant {updated.pinned!r}; variants: {[m.name for m in self.members]}")
+                # a pin or a dark variant must name a ready variant (any declared one while building)
+                updated.policy([m.name for m in (self.ready or self.members)], None)
             except ValueError as exc:
-                raise EdgeError(f"set_policy: {exc}", code="INVALID_POLICY") from exc
+                raise EdgeError(f"set_policy: {policy_error(exc)}", code="INVALID_POLICY") from exc
             self.config = updated
             if self._store is not None:
                 self._store.set_kv(POLICY_KEY, {**(self._store.get_kv(POLICY_KEY) or {}), **changes})
@@ -182,16 +238,24 @@ class AdaptController(threading.Thread):
                     "variants": [m.to_dict() for m in self.members], "switches": len(self.switches),
                     "frames_by_variant": self._counts()}
 
+    def telemetry(self) -> dict[str, Any]:
+        """The policy state every telemetry sample carries: is it on, what is pinned, what serves."""
+        config, active = self.config, self.active
+        return {"enabled": config.enabled, "pinned": config.pinned, "variant": active.name if active else None}
+
     def _counts(self) -> dict[str, int]:
         with self._count_lock:
             return dict(self.frames_by_variant)
 
     def close(self, keep: tuple[Any, ...] = ()) -> None:
-        """Release every variant's engine except those in `keep` (the agent's active and previous models)."""
-        for member in self.members:
-            if member.loaded is not None and all(member.loaded is not k for k in keep):
-                member.loaded.runtime.close()
-            member.loaded = None
+        """Release every variant's engine except those in `keep` (the agent's active and previous models);
+        a build still running when this returns releases what it loads itself (`_build_one`)."""
+        with self._lock:
+            self._closed = True
+            for member in self.members:
+                if member.loaded is not None and all(member.loaded is not k for k in keep):
+                    member.loaded.runtime.close()
+                member.loaded = None
 
     # --- internals -------------------------------------------------------------------------------------
 
@@ -214,7 +278,7 @@ class AdaptController(threading.Thread):
         try:
             self.config = self.config.with_changes(stored)
         except ValueError as exc:
-            log.warning("stored adapt policy ignored (%s)", exc)
+            log.warning("stored adapt policy ignored (%s)", policy_error(exc))
 
     def _persist_family(self) -> None:
         if self._store is not None:
@@ -223,7 +287,17 @@ class AdaptController(threading.Thread):
 
     def _persist_variant(self) -> None:
         if self._store is not None:
-            self._store.set_kv(f"adapt_variant:{self.source.sha256[:16]}", self.active.name if self.active else None)
+            self._store.set_kv(variant_store_key(self.source), self.active.name if self.active else None)
+
+
+def variant_store_key(family: ModelSource) -> str:
+    """State DB key of the variant a family served last (written on every switch, read on its next start)."""
+    return f"adapt_variant:{family.sha256[:16]}"
+
+
+def policy_error(exc: ValueError) -> str:
+    """One line naming the field and the problem (the INVALID_COMMAND formatter for pydantic errors)."""
+    return describe_errors(exc, "args") if isinstance(exc, ValidationError) else str(exc)
 
 
 def _variant_key(source: ModelSource) -> tuple[Any, ...]:

@@ -61,10 +61,15 @@ def hottest(temp_c: dict[str, Any] | None, zones: Sequence[str] = ()) -> float |
 
 
 def board_watts(power_mw: Any) -> float | None:
-    """Board power in W from the telemetry `power_mw` (its `total`), None when no sensor reads it."""
-    if isinstance(power_mw, dict):
-        power_mw = power_mw.get("total")
-    return None if power_mw is None else float(power_mw) / 1000.0
+    """Power in W from the telemetry `power_mw`: its `total` (board input: jtop, Jetson sysfs), else the sum
+    of the rails it has -- NVML reports only the GPU board's own draw as the `GPU` rail and never a
+    `total`, so there the budget applies to the GPU. None when no sensor reads any power."""
+    if not isinstance(power_mw, dict):
+        return None if power_mw is None else float(power_mw) / 1000.0
+    if power_mw.get("total") is not None:
+        return float(power_mw["total"]) / 1000.0
+    rails = [float(v) for v in power_mw.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return sum(rails) / 1000.0 if rails else None
 
 
 def policy_inputs(p99_ms: float | None, sample: dict[str, Any], brightness: float | None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -52,9 +53,14 @@ class TelemetryCollector:
         self.skipped: dict[str, str] = dict(skipped or {})
         self.errors: dict[str, int] = {s.name: 0 for s in self.sources}
         self.origins: dict[str, str] = {}
+        self._lock = threading.Lock()  # the telemetry thread and the adapt controller share one collector
 
     def sample(self) -> dict[str, Any]:
         """One merged sample; `origins` afterwards says which source gave each field."""
+        with self._lock:
+            return self._sample_all()
+
+    def _sample_all(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         origins: dict[str, str] = {}
         for source in self.sources:
