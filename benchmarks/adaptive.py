@@ -8,17 +8,22 @@ runs take turns in one process (order rotated per round). The latency budget is 
 the idle machine with some margin: `budget_factor` x its measured idle p99.
 
 Per run: the share of 1-s windows whose glass-to-result p99 is within budget (a window with no result
-counts as missed), the share of frames served by the most accurate variant, switches and frames lost
-(frames taken for inference that produced no result). A PNG plots p99, variant and CPU load over time.
+counts as missed), the share of frames served by the most accurate variant, switches, frames lost (frames
+the camera produced minus results, minus frames the mailbox replaced unread, minus one left unread at the
+end: a frame dropped at a swap shows here, whatever the worker's error count says) and, around each
+switch, the largest gap between two results against the run's median gap. The JSON records pass/fail per
+goal. A PNG plots p99, variant and CPU load over time.
 
-Usage: python benchmarks/adaptive.py [--quick] [--rounds N] [--out out/bench-adaptive.json] [--plot FILE]
-Run the full one only on an otherwise idle machine (`uptime` load below ~2).
+Usage: python benchmarks/adaptive.py [--quick] [--rounds N (default 3)] [--out out/bench-adaptive.json] [--plot FILE]
+Run the full one only on an otherwise idle machine (`uptime` load below ~2; it warns otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +56,10 @@ VARIANTS = ["full:fp32", "int8:int8", "small:int8:320x224"]
 PHASES = {"full": (30.0, 30.0, 30.0), "quick": (10.0, 12.0, 13.0)}  # idle, hog, idle (s)
 POLICY = dict(window_s=2.0, down_after_s=1.0, up_after_s=4.0, cooldown_s=12.0, max_switches_per_min=6,
               up_margin=0.75)
+GOALS = {"adaptive_windows_within_budget": (">=", 0.95), "adaptive_top_variant_share": (">=", 0.6),
+         "switches": ("<=", 6), "frames_lost": ("==", 0)}
+MAX_LOAD = 2.0  # `uptime` 1-min load above this: the machine is not idle, the numbers are not the goals'
+SWITCH_SPAN_S = 1.0  # gaps between results within this of a switch count as "around" it
 
 
 def build_family(work: Path, cache: Path) -> tuple[Any, list[LoadedModel]]:
@@ -91,6 +100,8 @@ class Run:
         first = loaded[-1] if mode == "fixed_cheapest" else loaded[0]
         self.names = {id(m.runtime): m.variant for m in loaded}
         self.records: list[tuple[float, float, str]] = []  # (done at, latency ms, variant)
+        self.produced = 0  # frames the camera put into the mailbox
+        self.swaps: list[tuple[float, float]] = []  # (started, returned) of each hot swap, monotonic
         self.worker = InferenceWorker(first.runtime, self.mailbox, self.stop, self.stats, self._result)
         self.controller = self._controller(first) if mode == "adaptive" else None
         self.frames = text_frames(640, 480, 8)
@@ -103,15 +114,20 @@ class Run:
 
         config = AdaptConfig(latency_budget_ms=self.budget, **POLICY)
         controller = AdaptController(self.family, first, config, provision=lambda s: load(s, None).provisioned,
-                                     load=load, swap=lambda m: self.worker.swap(m.runtime), validation_samples=2)
+                                     load=load, swap=self._swap, validation_samples=2)
         controller.build_family()
         return controller
+
+    def _swap(self, loaded: LoadedModel) -> None:
+        started = time.monotonic()
+        self.worker.swap(loaded.runtime)
+        self.swaps.append((started, time.monotonic()))
 
     def _result(self, frame: Frame, result: Any, runtime: Any) -> None:
         now = time.monotonic()
         self.records.append((now, (now - frame.captured_at) * 1e3, self.names.get(id(runtime), "?")))
         if self.controller is not None:
-            self.controller.on_result(frame.captured_at, None, now)
+            self.controller.on_result(frame.captured_at, None, now, runtime=runtime)
 
     def _camera(self) -> None:
         index, period, next_at = 0, 1.0 / CAMERA_FPS, time.monotonic()
@@ -120,6 +136,7 @@ class Run:
             self.stop.wait(max(0.0, next_at - time.monotonic()))
             index += 1
             self.mailbox.put(Frame(self.frames[index % len(self.frames)], index, time.monotonic()))
+            self.produced = index
 
     def _policy(self) -> None:
         while not self.stop.wait(1.0):
@@ -146,7 +163,9 @@ class Run:
         self.mailbox.close()
         for t in [self.worker, *threads]:
             t.join(5)
-        return {"start": start, "load": load, "errors": self.stats.errors,
+        unread = 1 if self.mailbox.peek() is not None else 0
+        return {"start": start, "load": load, "errors": self.stats.errors, "produced": self.produced,
+                "dropped": self.mailbox.dropped, "unread": unread, "swaps": list(self.swaps),
                 "switches": list(self.controller.switches) if self.controller else []}
 
 
@@ -178,12 +197,48 @@ def summarize(run: Run, raw: dict[str, Any], total_s: float, budget: float, top:
     """The report of one run."""
     wins = windows(run.records, raw["start"], total_s, budget)
     served = [v for _, _, v in run.records]
+    lost = raw["produced"] - len(served) - raw["dropped"] - raw["unread"]
     return {"windows_within_budget": round(sum(w["ok"] for w in wins) / len(wins), 3),
             "top_variant_share": round(served.count(top) / len(served), 3) if served else 0.0,
             "top_variant_time_share": round(sum(w["variant"] == top for w in wins) / len(wins), 3),
-            "frames": len(served), "frames_lost": raw["errors"], "switches": len(raw["switches"]),
+            "frames": len(served), "frames_produced": raw["produced"], "frames_dropped": raw["dropped"],
+            "frames_lost": lost, "errors": raw["errors"], "switches": len(raw["switches"]),
+            **switch_gaps([t for t, _, _ in run.records], raw["swaps"], raw["switches"], raw["start"]),
             "switch_log": raw["switches"], "windows": wins, "load": raw["load"],
             "frames_by_variant": {v: served.count(v) for v in sorted(set(served))}}
+
+
+def switch_gaps(done: list[float], swaps: list[tuple[float, float]], switches: list[dict],
+                start: float) -> dict[str, Any]:
+    """The median gap between two results, and per switch the largest gap within SWITCH_SPAN_S of its swap."""
+    done = sorted(done)
+    pairs = list(zip(done, done[1:]))
+    median = statistics.median(b - a for a, b in pairs) if pairs else None
+    around = []
+    for (began, returned), record in zip(swaps, switches):
+        near = [b - a for a, b in pairs if b >= began - SWITCH_SPAN_S and a <= returned + SWITCH_SPAN_S]
+        gap = max(near) if near else None
+        around.append({"t": round(began - start, 2), "from": record["from"], "to": record["to"],
+                       "max_gap_ms": round(gap * 1e3, 1) if gap is not None else None,
+                       "vs_median": round(gap / median, 2) if gap is not None and median else None})
+    return {"median_gap_ms": round(median * 1e3, 1) if median is not None else None, "switch_gaps": around}
+
+
+def judge_goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each goal with the value measured and whether it passed."""
+    check = {">=": lambda v, g: v >= g, "<=": lambda v, g: v <= g, "==": lambda v, g: v == g}
+    return {name: {"goal": f"{op} {goal}", "value": report[name], "pass": bool(check[op](report[name], goal))}
+            for name, (op, goal) in GOALS.items()}
+
+
+def load_warning(when: str) -> tuple[list[float], str | None]:
+    """`uptime`'s load averages, and a printed warning when the 1-min one says the machine is busy."""
+    load = [round(x, 2) for x in os.getloadavg()]
+    if load[0] <= MAX_LOAD:
+        return load, None
+    text = f"load average {load[0]} {when} (> {MAX_LOAD}): other work distorts the numbers; run on an idle machine"
+    print(f"warning: {text}", flush=True)
+    return load, text
 
 
 def idle_budget(loaded: list[LoadedModel], family: Any, seconds: float, factor: float) -> tuple[float, float]:
@@ -246,14 +301,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="JSON report")
     parser.add_argument("--plot", type=Path, default=None, help="PNG (default: beside --out)")
     parser.add_argument("--quick", action="store_true", help="10/12/13 s phases instead of 30/30/30")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds of the three runs, order rotated")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three runs, order rotated")
     parser.add_argument("--budget-factor", type=float, default=1.5, help="budget = factor x FP32 idle p99")
     parser.add_argument("--cache", type=Path, default=ROOT / "out" / "bench-adaptive-cache", help="engine cache")
     args = parser.parse_args()
     phases = PHASES["quick" if args.quick else "full"]
-    load_before = [round(x, 2) for x in psutil.getloadavg()]
-    if not args.quick and load_before[0] > 2:
-        print(f"warning: load average {load_before[0]} (> 2): other work will distort the numbers", flush=True)
+    load_before, warn_before = load_warning("before the runs")
     total = sum(phases)
     with tempfile.TemporaryDirectory() as tmp:
         args.cache.mkdir(parents=True, exist_ok=True)
@@ -273,6 +326,7 @@ def main() -> None:
             rounds.append(results)
         for m in loaded:
             m.runtime.close()
+    load_after, warn_after = load_warning("after the runs")
     mean = lambda mode, key: round(sum(r[mode][key] for r in rounds) / len(rounds), 3)  # noqa: E731
     report = {
         "benchmark": "adaptive", "quick": args.quick, "phases_s": phases, "camera_fps": CAMERA_FPS,
@@ -284,14 +338,19 @@ def main() -> None:
         "adaptive_top_variant_time_share": mean("adaptive", "top_variant_time_share"),
         "switches": max(r["adaptive"]["switches"] for r in rounds),
         "frames_lost": sum(r[m]["frames_lost"] for r in rounds for m in modes),
-        "goals": {"adaptive_windows_within_budget": ">= 0.95", "adaptive_top_variant_share": ">= 0.6",
-                  "switches": "<= 6", "frames_lost": "== 0"},
-        "load_before": load_before, "machine": machine(), "rounds": rounds,
+        "median_gap_ms": mean("adaptive", "median_gap_ms") if all(r["adaptive"]["median_gap_ms"] for r in rounds) else None,
+        "max_switch_gap_ms": max((g["max_gap_ms"] or 0 for r in rounds for g in r["adaptive"]["switch_gaps"]), default=None),
+        "load_before": load_before, "load_after": load_after,
+        "load_warnings": [w for w in (warn_before, warn_after) if w], "machine": machine(), "rounds": rounds,
     }
+    report["goals"] = judge_goals(report)
+    report["all_goals_pass"] = all(g["pass"] for g in report["goals"].values())
     write_json(args.out, report)
     plot(args.plot or (args.out.with_suffix(".png") if args.out else ROOT / "out" / "bench-adaptive.png"),
          rounds[-1], budget, total, [m.variant for m in loaded])
     print({k: v for k, v in report.items() if k not in ("rounds", "machine", "goals")})
+    for name, goal in report["goals"].items():
+        print(f"{'PASS' if goal['pass'] else 'FAIL'} {name} = {goal['value']} (goal {goal['goal']})")
 
 
 if __name__ == "__main__":

@@ -148,18 +148,23 @@ class AdaptController(threading.Thread):
 
     def _build_one(self, member: Member, reference: Any, frames: list[np.ndarray]) -> None:
         """Build into a copy, then publish it under the lock -- or release it when `close` ran meanwhile."""
-        trial = dataclasses.replace(member)
-        if member is self.active:
-            keep = member.loaded  # serving: never closed here, even when its family score is low
-            build_member(trial, lambda _s: member.provisioned, lambda _s, _p: keep, reference, frames, owned=False)
-        else:
-            build_member(trial, self._provision, self._load, reference, frames)
+        trial, serving = dataclasses.replace(member), member is self.active
+        try:
+            if serving:
+                keep = member.loaded  # serving: never closed here, even when its family score is low
+                build_member(trial, lambda _s: member.provisioned, lambda _s, _p: keep, reference, frames, owned=False)
+            else:
+                build_member(trial, self._provision, self._load, reference, frames)
+        except Exception:
+            if trial.loaded is not None and not serving:  # never published: nobody else would close it
+                trial.loaded.runtime.close()
+            raise
         with self._lock:
-            if self._closed and member is not self.active:
-                if trial.loaded is not None:  # stop gave up waiting for this build: nobody else will close it
+            if self._closed:  # stop gave up waiting for this build: what it loaded is ours to release
+                if trial.loaded is not None and not serving:
                     trial.loaded.runtime.close()
                 return
-            if trial.loaded is not None and member is not self.active:  # a rollback must find its family again
+            if trial.loaded is not None and not serving:  # a rollback to this model must find its family again
                 trial.loaded.variant, trial.loaded.family = member.name, self.source
             member.__dict__.update(trial.__dict__)
 
