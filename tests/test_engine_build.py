@@ -32,15 +32,19 @@ def _provision(src, tmp_path: Path, **kwargs):
     return provision(src, **kwargs)
 
 
-def _no_children() -> bool:
-    """No build worker left (other children, such as the session's Mosquitto broker, are not ours)."""
-    def is_worker(proc: psutil.Process) -> bool:
-        try:
-            return "mosquitto" not in " ".join(proc.cmdline())
-        except psutil.Error:
-            return False
+_SESSION_CHILDREN: set[int] = set()
 
-    return not [p for p in psutil.Process().children(recursive=True) if is_worker(p)]
+
+@pytest.fixture(autouse=True)
+def _children_before_the_test() -> None:
+    """Children alive before the test (the session's Mosquitto broker, PostgreSQL server) are not build workers."""
+    _SESSION_CHILDREN.clear()
+    _SESSION_CHILDREN.update(p.pid for p in psutil.Process().children(recursive=True))
+
+
+def _no_children() -> bool:
+    """No build worker left: every child started during the test has exited and been reaped."""
+    return not [p for p in psutil.Process().children(recursive=True) if p.pid not in _SESSION_CHILDREN]
 
 
 @pytest.fixture(scope="module")
