@@ -605,8 +605,11 @@ def test_collector_started_while_the_database_is_down_waits_for_it(
 
 
 def _collect_cmd(broker: str, db: str, prefix: str, client_id: str) -> list[str]:
+    # --retention-days 0: the samples carry a fixed 2025 device clock, past the default retention, and the
+    # restarted collector's first retention check would prune what the killed one stored (PostgreSQL).
     return [sys.executable, "-m", "deploy.cli", "collect", "--broker", broker, "--db", db, "--prefix", prefix,
-            "--client-id", client_id, "--max-wait-s", "0.05", "--inflight", "50", "--batch-size", "20"]
+            "--client-id", client_id, "--max-wait-s", "0.05", "--inflight", "50", "--batch-size", "20",
+            "--retention-days", "0"]
 
 
 def test_collector_killed_mid_stream_loses_nothing(
