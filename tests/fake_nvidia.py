@@ -552,3 +552,32 @@ class _Context(_Guarded):
         assert self._cuda is not None
         self._cuda.enqueue(compute)
         return True
+
+
+def import_tensorrt_backend(monkeypatch: Any, trt: Any, cuda: "FakeCudaMemory") -> types.ModuleType:
+    """Import engines.backends.tensorrt_backend against fake `trt` and `cuda` (stands in for a Jetson's TensorRT).
+
+    The registry and module cache are patched through `monkeypatch`, so they are restored after the test; the
+    caller pops the module from sys.modules at teardown (`forget_tensorrt_backend`).
+    """
+    import importlib
+    import sys
+
+    from engines import cuda_mem
+    from engines.backends import BACKENDS
+
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(cuda_mem, "missing_bindings", lambda: None)
+    monkeypatch.delitem(sys.modules, "engines.backends.tensorrt_backend", raising=False)
+    monkeypatch.setattr(BACKENDS, "_plugins", {k: v for k, v in BACKENDS._plugins.items() if k != "tensorrt"})
+    monkeypatch.setattr(BACKENDS, "_disabled", dict(BACKENDS._disabled))
+    module = importlib.import_module("engines.backends.tensorrt_backend")
+    monkeypatch.setattr(module, "open_cuda_memory", lambda: cuda)
+    return module
+
+
+def forget_tensorrt_backend() -> None:
+    """Drop the module imported against fakes, so the next import sees the real environment again."""
+    import sys
+
+    sys.modules.pop("engines.backends.tensorrt_backend", None)

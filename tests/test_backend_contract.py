@@ -9,7 +9,6 @@ their control flow is tested on every machine, and a name a release lacks fails 
 
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,7 +29,8 @@ from engines.registry import import_plugins
 from tests.engine_fixtures import conv_model, source
 from engines.bench import text_frames
 from engines.preprocess import Preprocessor
-from tests.fake_nvidia import FakeCudaMemory, api_versions, fake_tensorrt, load_api
+from tests.fake_nvidia import (FakeCudaMemory, api_versions, fake_tensorrt, forget_tensorrt_backend,
+                               import_tensorrt_backend, load_api)
 
 BACKEND_NAMES = ("onnxruntime", "tensorrt")
 SIZE = 32
@@ -335,17 +335,10 @@ def fake_backend(monkeypatch: pytest.MonkeyPatch):
     """Import engines.backends.tensorrt_backend against fake tensorrt + a given fake CUDA; registry restored after."""
 
     def install(cuda: FakeCudaMemory, version: str = "10.3.0"):
-        monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt(version, cuda=cuda))
-        monkeypatch.setattr(cuda_mem, "missing_bindings", lambda: None)
-        monkeypatch.delitem(sys.modules, "engines.backends.tensorrt_backend", raising=False)
-        monkeypatch.setattr(BACKENDS, "_plugins", {k: v for k, v in BACKENDS._plugins.items() if k != "tensorrt"})
-        monkeypatch.setattr(BACKENDS, "_disabled", dict(BACKENDS._disabled))
-        module = importlib.import_module("engines.backends.tensorrt_backend")
-        monkeypatch.setattr(module, "open_cuda_memory", lambda: cuda)
-        return module
+        return import_tensorrt_backend(monkeypatch, fake_tensorrt(version, cuda=cuda), cuda)
 
     yield install
-    sys.modules.pop("engines.backends.tensorrt_backend", None)
+    forget_tensorrt_backend()
 
 
 def _plan(tmp_path: Path) -> Path:

@@ -3,7 +3,6 @@ the clear refusal where a module has no DLA, and the GPU-fallback count in `engi
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 import sys
@@ -25,6 +24,7 @@ from engines.errors import EdgeError, ModelError
 from engines.fingerprint import DeviceFingerprint, read_dla_cores, read_fingerprint
 from tests.engine_fixtures import conv_model
 from tests.fake_nvidia import (FakeCudaMemory, _Builder, _Config, _Guarded, _Network, _Parser, _Runtime,
+                               forget_tensorrt_backend, import_tensorrt_backend,
                                api_versions, fake_tensorrt, load_api)
 
 BOARDS = Path(__file__).parent / "data" / "boards"
@@ -236,21 +236,12 @@ RUNTIME_DLA = [v for v in api_versions() if load_api(v).has("Runtime.DLA_core")]
 @pytest.fixture
 def trt_backend(monkeypatch: pytest.MonkeyPatch):
     """engines.backends.tensorrt_backend imported against a fake tensorrt module and fake CUDA memory."""
-    from engines import cuda_mem
-    from engines.backends import BACKENDS
 
     def install(trt: Any, cuda: FakeCudaMemory) -> Any:
-        monkeypatch.setitem(sys.modules, "tensorrt", trt)
-        monkeypatch.setattr(cuda_mem, "missing_bindings", lambda: None)
-        monkeypatch.delitem(sys.modules, "engines.backends.tensorrt_backend", raising=False)
-        monkeypatch.setattr(BACKENDS, "_plugins", {k: v for k, v in BACKENDS._plugins.items() if k != "tensorrt"})
-        monkeypatch.setattr(BACKENDS, "_disabled", dict(BACKENDS._disabled))
-        module = importlib.import_module("engines.backends.tensorrt_backend")
-        monkeypatch.setattr(module, "open_cuda_memory", lambda: cuda)
-        return module
+        return import_tensorrt_backend(monkeypatch, trt, cuda)
 
     yield install
-    sys.modules.pop("engines.backends.tensorrt_backend", None)
+    forget_tensorrt_backend()
 
 
 def _cached_plan(tmp_path: Path, core: int | None) -> Path:

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 from engines import cuda_mem
-from engines.backends import BACKENDS
 from engines.backends.base import EngineOptions
 from engines.backends.tensorrt_compat import numpy_dtype, shared_logger
 from engines.build_spec import EngineBuildError, EngineBuildSpec
 from engines.cuda_mem import CudaError
 from engines.errors import ModelError
-from tests.fake_nvidia import FakeCudaMemory, api_versions, fake_tensorrt, load_api
+from tests.fake_nvidia import (FakeCudaMemory, api_versions, fake_tensorrt, forget_tensorrt_backend,
+                               import_tensorrt_backend, load_api)
 
 STATIC = EngineOptions(static_shapes={"x": (1, 3, 4, 4)})
 
@@ -35,17 +35,10 @@ def backend(monkeypatch: pytest.MonkeyPatch):
     """Import engines.backends.tensorrt_backend against a given fake tensorrt module and fake CUDA."""
 
     def install(trt: types.ModuleType, cuda: FakeCudaMemory):
-        monkeypatch.setitem(sys.modules, "tensorrt", trt)
-        monkeypatch.setattr(cuda_mem, "missing_bindings", lambda: None)
-        monkeypatch.delitem(sys.modules, "engines.backends.tensorrt_backend", raising=False)
-        monkeypatch.setattr(BACKENDS, "_plugins", {k: v for k, v in BACKENDS._plugins.items() if k != "tensorrt"})
-        monkeypatch.setattr(BACKENDS, "_disabled", dict(BACKENDS._disabled))
-        module = importlib.import_module("engines.backends.tensorrt_backend")
-        monkeypatch.setattr(module, "open_cuda_memory", lambda: cuda)
-        return module
+        return import_tensorrt_backend(monkeypatch, trt, cuda)
 
     yield install
-    sys.modules.pop("engines.backends.tensorrt_backend", None)
+    forget_tensorrt_backend()
 
 
 def _plan(tmp_path: Path) -> Path:
