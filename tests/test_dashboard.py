@@ -310,7 +310,7 @@ def test_cli_takes_the_store_from_the_environment_or_a_file_and_masks_passwords(
     for args, env in ((["--db", "mysql://fleet:hunter2@db/fleet"], {}), (["--db-file", str(url_file)], {}),
                       ([], {"EDGE_FLEET_DB": "mysql://fleet:hunter2@db/fleet"})):
         result = runner.invoke(deploy_app, ["dashboard", *args], env=env)
-        assert result.exit_code == 2 and "'mysql://fleet:***@db/fleet'" in result.stderr, result.output
+        assert result.exit_code == 2 and "'mysql://***@db/fleet'" in result.stderr, result.output
         assert "hunter2" not in result.output
     result = runner.invoke(deploy_app, ["dashboard"], env={"EDGE_FLEET_DB": ""})
     assert result.exit_code == 2 and "no fleet store" in result.stderr

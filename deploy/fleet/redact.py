@@ -10,19 +10,17 @@ from __future__ import annotations
 import logging
 import re
 
+from agent.redact import redact as redact_urls
+
 MASK = "***"
-# scheme://user:SECRET@  (the password is everything between the first ':' after the user and the last '@'
-# of the authority, so a secret holding '@' or ':' is masked whole).
-_URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.-]*://[^:/?#@\s]*:)(?P<secret>[^/?#\s]*)(?=@)")
 # password=SECRET in a query string or a libpq conninfo (quoted or not).
 _KEYWORD_PASSWORD = re.compile(r"(?P<head>\b(?:password|passwd|pwd)\s*=\s*)(?P<secret>'(?:[^'\\]|\\.)*'|[^\s&;]+)",
                                re.IGNORECASE)
 
 
 def redact(text: str) -> str:
-    """`text` with every URL or keyword password replaced by ***."""
-    text = _URL_PASSWORD.sub(lambda m: m["head"] + MASK, text)
-    return _KEYWORD_PASSWORD.sub(lambda m: m["head"] + MASK, text)
+    """`text` with every URL's user info (the device side's one rule, `agent.redact`) and keyword password masked."""
+    return _KEYWORD_PASSWORD.sub(lambda m: m["head"] + MASK, redact_urls(text))
 
 
 class RedactingFilter(logging.Filter):
