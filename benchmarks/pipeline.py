@@ -1,14 +1,15 @@
 """Frame-path benchmark: the agent's loop vs bare `InferenceSession.run` vs a tutorial-style naive loop.
 
-All three run the demo model (PP-OCRv4 detector) on the same pre-rendered 640x480 frames, in one
+All three run the demo model (PP-OCRv4 detector) on the same synthetic 640x480 scene, in one
 process, in interleaved rounds (a, b, c, a, b, c, ...) so that load from other processes hits all
 three alike.
 
 (a) bare:  `session.run` on tensors preprocessed in advance — the limit of this engine on this CPU.
 (b) naive: per frame cvtColor, astype(float32)/255, normalise, transpose, expand_dims, run — no
            postprocessing, which only flatters it.
-(c) agent: the real frame path — a camera thread putting frames into the freshest-frame mailbox,
-           the inference worker with preprocessing into a preallocated buffer, the engine, and db_text
+(c) agent: the real frame path as `edge-agent run` wires it for one camera — the synthetic camera's
+           capture thread (CameraGroup) into the batcher's freshest-frame mailbox (max_size 1), the
+           inference worker with preprocessing into a preallocated buffer, the engine, and db_text
            postprocessing, timed by the agent's own FrameStats.
 
 Then (a) and (c) again, interleaved, while a busy background process (a subprocess spinning in a loop,
@@ -35,43 +36,16 @@ import numpy as np
 import onnxruntime as ort
 from _common import machine, percentiles, write_json
 
-from agent.pipeline.capture import CaptureThread
+from agent.pipeline.batcher import Batcher
+from agent.pipeline.cameras import CameraGroup
 from agent.demo import prepare_demo_model_dir
 from agent.pipeline.frame_stats import FrameStats
-from agent.pipeline.mailbox import FreshestMailbox
-from agent.sources.base import SourceConfigBase
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
 from agent.pipeline.worker import InferenceWorker
 from agent.config import AgentConfig
 from engines.backends.base import EngineOptions
 from engines.model import load_model
 from engines.runtime import load_runtime
-
-
-class ReplaySource:
-    """Stands in for a camera driver: hands out pre-rendered frames at a fixed rate, no decode cost."""
-
-    paced = True
-
-    def __init__(self, frames: list[np.ndarray], fps: float) -> None:
-        self.config = SourceConfigBase(name="replay")
-        self.frames, self.fps, self.index = frames, fps, 0
-
-    def open(self) -> None:
-        """Nothing to open."""
-
-    def read(self) -> np.ndarray:
-        """Next frame, round robin."""
-        frame = self.frames[self.index % len(self.frames)]
-        self.index += 1
-        return frame
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-    def frame_interval_s(self) -> float:
-        """1 / fps."""
-        return 1.0 / self.fps
 
 
 def bare_loop(session: ort.InferenceSession, tensors: list[np.ndarray], seconds: float) -> tuple[int, list[float]]:
@@ -101,21 +75,22 @@ def naive_loop(session: ort.InferenceSession, frames: list[np.ndarray], seconds:
     return n, samples
 
 
-def agent_loop(runtime, frames: list[np.ndarray], seconds: float, camera_fps: float) -> tuple[int, FrameStats, int]:
-    """(c) camera thread -> mailbox -> inference worker -> db_text, as `edge-agent run` does."""
-    stop = threading.Event()
-    mailbox: FreshestMailbox = FreshestMailbox()
-    stats = FrameStats()
-    worker = InferenceWorker(runtime, mailbox, stop, stats)
-    capture = CaptureThread(ReplaySource(frames, camera_fps), mailbox, stop)
+def agent_loop(runtime, seconds: float, camera_fps: float) -> tuple[int, FrameStats, int]:
+    """(c) what `edge-agent run` wires for one camera: CameraGroup (synthetic camera, capture thread) ->
+    Batcher (max_size 1, the configured timeout) -> InferenceWorker -> db_text, timed by FrameStats."""
+    stop, stats = threading.Event(), FrameStats()
+    camera = SyntheticConfig(name="cam0", fps=camera_fps, seed=3)
+    batcher = Batcher([camera.name], 1, AgentConfig().batch.timeout_ms / 1e3)
+    cameras = CameraGroup([camera], batcher, lambda kind, **fields: None)
+    worker = InferenceWorker(runtime, batcher, stop, stats)
+    cameras.start()
     worker.start()
-    capture.start()
-    time.sleep(seconds)
+    stop.wait(seconds)
     stop.set()
-    mailbox.close()
-    capture.join(5)
+    batcher.close()
     worker.join(5)
-    return stats.frames, stats, mailbox.dropped
+    cameras.stop(5)
+    return stats.frames, stats, batcher.dropped
 
 
 @contextlib.contextmanager
@@ -138,7 +113,7 @@ def run_loop(name: str, runtime, session, frames, tensors, seconds: float, camer
     if name == "naive":
         n, samples = naive_loop(session, frames, seconds)
         return n, samples, None, 0
-    n, stats, dropped = agent_loop(runtime, frames, seconds, camera_fps)
+    n, stats, dropped = agent_loop(runtime, seconds, camera_fps)
     return n, [], stats, dropped
 
 
@@ -165,7 +140,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=15.0, help="Seconds per loop per round.")
     parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds.")
-    parser.add_argument("--camera-fps", type=float, default=30.0, help="Replay camera rate for the agent loop (a typical camera).")
+    parser.add_argument("--camera-fps", type=float, default=30.0, help="Synthetic camera rate for the agent loop (a typical camera).")
     parser.add_argument("--quick", action="store_true", help="Short iteration run: 4 s per loop, 1 round.")
     parser.add_argument("--out", type=Path, default=Path("out/bench-pipeline.json"))
     args = parser.parse_args()
