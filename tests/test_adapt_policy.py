@@ -134,31 +134,3 @@ def test_dark_scene_goes_to_the_night_variant_and_back_with_hysteresis() -> None
     assert all(t >= 8.0 for t, *_ in steps[1:])  # 45 is inside the hysteresis: stays dark until 60
     assert [s[2] for s in steps[1:]] == [1, 0]
     assert state.variant == 0 and not state.dark
-
-
-def test_no_step_up_while_the_load_would_push_the_accurate_variant_over_budget() -> None:
-    """Costs measured on the device (ms/frame: 130 fp32, 72 int8, 30 small): 60 ms on int8 under a CPU hog
-    is under the margin (70), but 60 x 130/72 = 108 > 100 would break the budget at once: hold. Once the hog
-    is gone (p99 40 -> 72 predicted) it steps up. Without costs the old rule steps up into the overload."""
-    costs = (130.0, 72.0, 30.0)
-    loaded, idle = p99(*[60] * 30), p99(*[40] * 11)
-    state, decisions = replay(BASE, loaded + idle, state=initial_state(3, variant=1, costs=costs))
-    assert [(t, d.from_variant, d.to_variant) for t, d in decisions] == [(40.0, 1, 0)]
-    assert state.variant == 0
-    _, blind = replay(BASE, loaded, state=initial_state(3, variant=1))
-    assert [(t, d.to_variant) for t, d in blind] == [(10.0, 0)]
-
-
-def test_prediction_scales_by_the_cost_ratio_and_needs_both_costs() -> None:
-    from agent.adapt.policy import predicted_p99
-
-    state = initial_state(3, variant=2, costs=(130.0, None, 26.0))
-    assert predicted_p99(state, Inputs(p99_ms=20.0), 0) == 100.0
-    assert predicted_p99(state, Inputs(p99_ms=20.0), 1) is None
-    assert predicted_p99(state, Inputs(), 0) is None
-    try:
-        initial_state(3, costs=(1.0, 2.0))
-    except ValueError as exc:
-        assert "2 costs for 3 variants" in str(exc)
-    else:
-        raise AssertionError("a cost list of the wrong length was accepted")

@@ -135,8 +135,7 @@ class AdaptController(threading.Thread):
             self.ready = [m for m in self.members if m.status == "ready"]
             if self.active not in self.ready:  # the serving variant failed the family gate: keep it as its own rung
                 self.ready = sorted(self.ready + [self.active], key=lambda m: m.index)
-            self.state = initial_state(len(self.ready), self.ready.index(self.active),
-                                       tuple(m.latency_ms.get("p50") for m in self.ready))
+            self.state = initial_state(len(self.ready), self.ready.index(self.active))
             self._persist_family()
             self._emit("adapt_family", state="ready", model=self.source.label,
                        variants=[m.to_dict() for m in self.members])

@@ -9,8 +9,7 @@ Rules (docs/adaptive.md):
   power over `power_budget_w`) without a break for `down_after_s` steps down one variant;
 - everything under `up_margin` of its budget (temperature below the limit minus `temp_hysteresis_c`)
   without a break for `up_after_s` steps up one variant, unless that variant broke a limit within the
-  last `cooldown_s`, or the p99 it would give — today's p99 scaled by the two variants' costs measured
-  on this device — would be over the latency budget; between the two bands nothing happens (hysteresis);
+  last `cooldown_s`; between the two bands nothing happens (hysteresis);
 - at most `max_switches_per_min` switches in any 60 s;
 - a dark scene (mean luminance under `dark_below`) keeps the variant at `dark_variant` or cheaper;
 - `pinned` forces one variant; `enabled = False` freezes the current one.
@@ -75,7 +74,6 @@ class PolicyState:
     switches: tuple[float, ...] = ()
     broke: tuple[tuple[int, float], ...] = ()
     dark: bool = False
-    costs: tuple[float | None, ...] = ()  # per-frame cost of each variant on this device (ms); None = unknown
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form for status."""
@@ -97,27 +95,11 @@ class Decision:
         return {"from": self.from_variant, "to": self.to_variant, "reason": self.reason, "numbers": self.numbers}
 
 
-def initial_state(count: int, variant: int = 0, costs: tuple[float | None, ...] = ()) -> PolicyState:
-    """A fresh state serving `variant` of `count` variants (`costs`: each variant's measured ms per frame)."""
+def initial_state(count: int, variant: int = 0) -> PolicyState:
+    """A fresh state serving `variant` of `count` variants."""
     if count < 1 or not 0 <= variant < count:
         raise ValueError(f"variant {variant} is not one of {count} variants")
-    if costs and len(costs) != count:
-        raise ValueError(f"{len(costs)} costs for {count} variants")
-    return PolicyState(variant=variant, count=count, costs=tuple(costs))
-
-
-def predicted_p99(state: PolicyState, inputs: Inputs, target: int) -> float | None:
-    """The p99 `target` would give now: today's p99 scaled by the cost ratio (None when a cost is unknown).
-
-    Scaling the whole glass-to-result p99 (mailbox wait included) overestimates a little: a conservative
-    guess, so a step up under load that would break the budget at once is not taken.
-    """
-    if inputs.p99_ms is None or len(state.costs) != state.count:
-        return None
-    now_cost, next_cost = state.costs[state.variant], state.costs[target]
-    if not now_cost or not next_cost:
-        return None
-    return inputs.p99_ms * next_cost / now_cost
+    return PolicyState(variant=variant, count=count)
 
 
 def exceeded(config: PolicyConfig, inputs: Inputs) -> list[str]:
@@ -189,13 +171,9 @@ def _over(config: PolicyConfig, state: PolicyState, inputs: Inputs, now: float,
 
 def _under(config: PolicyConfig, state: PolicyState, inputs: Inputs, now: float,
            floor: int) -> tuple[PolicyState, Decision | None]:
-    target = state.variant - 1
-    predicted = predicted_p99(state, inputs, target) if target >= floor else None
-    if config.latency_budget_ms is not None and predicted is not None and predicted > config.latency_budget_ms:
-        # the load that is still there would push the more accurate variant over budget: no headroom yet
-        return replace(state, under_since=None, over_since=None), None
     since = state.under_since if state.under_since is not None else now
     state = replace(state, under_since=since, over_since=None)
+    target = state.variant - 1
     if now - since < config.up_after_s or target < floor:
         return state, None
     if any(v == target for v, _ in state.broke):
