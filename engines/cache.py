@@ -209,15 +209,7 @@ class EngineCache:
                            model, parts["backend"], parts["backend_version"], parts["spec"]["precision"],
                            parts, round(build_s, 3), now, now, dict(report or {}))
         self._write_sidecar(entry)
-        with self._lock:
-            self._conn.execute(
-                "INSERT OR REPLACE INTO engines (key, file, file_sha256, size, onnx_sha256, model, backend,"
-                " backend_version, precision, parts, build_s, report, created_at, last_used, validation)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
-                (entry.key, final.name, entry.file_sha256, entry.size, entry.onnx_sha256, model, entry.backend,
-                 entry.backend_version, entry.precision, json.dumps(parts), entry.build_s,
-                 json.dumps(entry.report), now, now),
-            )
+        self._index(entry, "REPLACE")
         self._emit("engine.cache.stored", key=entry.key, size=entry.size, build_s=entry.build_s)
         return entry
 
@@ -298,6 +290,19 @@ class EngineCache:
             json.loads(row["validation"]) if row["validation"] else None,
         )
 
+    def _index(self, entry: CacheEntry, conflict: str) -> None:
+        """Write `entry`'s index row; `conflict` is REPLACE (a fresh build) or IGNORE (re-indexing a sidecar)."""
+        with self._lock:
+            self._conn.execute(
+                f"INSERT OR {conflict} INTO engines (key, file, file_sha256, size, onnx_sha256, model, backend,"
+                " backend_version, precision, parts, build_s, report, created_at, last_used, validation)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (entry.key, entry.path.name, entry.file_sha256, entry.size, entry.onnx_sha256, entry.model,
+                 entry.backend, entry.backend_version, entry.precision, json.dumps(entry.parts), entry.build_s,
+                 json.dumps(entry.report), entry.created_at, entry.last_used,
+                 json.dumps(entry.validation) if entry.validation else None),
+            )
+
     def _write_sidecar(self, entry: CacheEntry) -> None:
         atomic_write_bytes(_sidecar_path(entry.path), json.dumps(entry.sidecar(), indent=2, sort_keys=True).encode() + b"\n")
 
@@ -335,16 +340,7 @@ class EngineCache:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("engine %s: sidecar %s unusable (%s); not re-indexed", key[:16], sidecar.name, exc)
             return None
-        with self._lock:
-            self._conn.execute(
-                "INSERT OR IGNORE INTO engines (key, file, file_sha256, size, onnx_sha256, model, backend,"
-                " backend_version, precision, parts, build_s, report, created_at, last_used, validation)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (key, path.name, entry.file_sha256, entry.size, entry.onnx_sha256, entry.model, entry.backend,
-                 entry.backend_version, entry.precision, json.dumps(entry.parts), entry.build_s,
-                 json.dumps(entry.report), entry.created_at, now,
-                 json.dumps(entry.validation) if entry.validation else None),
-            )
+        self._index(entry, "IGNORE")
         self._emit("engine.cache.reindexed", key=key, path=str(path))
         return entry
 

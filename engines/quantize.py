@@ -156,6 +156,14 @@ def _load(path: Path) -> onnx.ModelProto:
         raise ModelError(f"cannot read ONNX model {path}: {exc}") from exc
 
 
+def op_type_counts(model: onnx.ModelProto) -> dict[str, int]:
+    """How many nodes of each op type the graph has (reported with every quantized model)."""
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
 def _default_opset(model: onnx.ModelProto) -> int:
     for op in model.opset_import:
         if op.domain in ("", "ai.onnx"):
@@ -850,9 +858,7 @@ def quantize_int8(
 
         qmodel = onnx.load(str(quantized))
         onnx.checker.check_model(qmodel)
-        op_counts: dict[str, int] = {}
-        for n in qmodel.graph.node:
-            op_counts[n.op_type] = op_counts.get(n.op_type, 0) + 1
+        op_counts = op_type_counts(qmodel)
         del qmodel
         _move_atomic(quantized, out_onnx)
     finally:

@@ -130,7 +130,7 @@ def quantize_int8_trt(fp32_onnx: Path, out_onnx: Path, calibration: Iterable[np.
             raise ModelError("the TensorRT Q/DQ model breaks the recipe: " + "; ".join(problems[:5]))
         q._save_atomic(qmodel, out_onnx)
         report = TrtQuantReport(out_onnx, recipe.key_dict(), reader.count, t2 - t1, 0.0, rewrites,
-                                quantized_ops(qmodel), _op_counts(qmodel))
+                                quantized_ops(qmodel), q.op_type_counts(qmodel))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report.total_s = time.perf_counter() - t0
@@ -313,9 +313,3 @@ def _axis(node: onnx.NodeProto) -> int:
 def _opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
-
-def _op_counts(model: onnx.ModelProto) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for n in model.graph.node:
-        counts[n.op_type] = counts.get(n.op_type, 0) + 1
-    return counts

@@ -15,6 +15,7 @@ from engines.backends import BACKENDS, get_backend
 from engines.backends.base import Engine, EngineOptions
 from engines.batching import batch_free
 from engines.errors import BackendUnavailableError, InferenceError, ModelError
+from engines.manifest import preprocess_shape_of
 from engines.model import ModelSource
 from engines.postprocess import InferenceResult, PostprocessContext, build_postprocessor
 from engines.preprocess import Preprocessor
@@ -98,8 +99,7 @@ def split_batch(outputs: list[np.ndarray], count: int) -> list[list[np.ndarray]]
 
 def preprocess_shape(source: ModelSource) -> tuple[int, ...]:
     """The batch-1 input shape the preprocess spec produces."""
-    p = source.manifest.preprocess
-    return (1, 3, p.height, p.width) if p.layout == "nchw" else (1, p.height, p.width, 3)
+    return preprocess_shape_of(source.manifest.preprocess)
 
 
 @dataclass(frozen=True)
