@@ -13,6 +13,7 @@ from agent.config import AgentConfig
 from agent.state import StateStore, state_db_path
 
 LIVE_KEY = "live_status"
+FAMILY_KEY = "adapt_family"  # the last built adapt family with accuracy and latency per variant
 BACKEND_KEY = "backend_choice"  # {"requested", "backend", "reason"} of the last start with backend = auto
 
 
@@ -46,7 +47,7 @@ def read_status(config: AgentConfig) -> dict[str, Any]:
 
 def adapt_status(store: StateStore, live: dict[str, Any] | None) -> dict[str, Any] | None:
     """The model family (accuracy and latency per variant), the active variant and the policy, if any."""
-    family = store.get_kv("adapt_family")
+    family = store.get_kv(FAMILY_KEY)
     running = (live or {}).get("adapt")
     if not family and not running:
         return None
@@ -61,7 +62,7 @@ def read_family(db_path: Path) -> dict[str, Any] | None:
         return None
     store = StateStore(db_path)
     try:
-        return store.get_kv("adapt_family")
+        return store.get_kv(FAMILY_KEY)
     finally:
         store.close()
 

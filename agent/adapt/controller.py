@@ -22,13 +22,13 @@ from agent.adapt.family import Load, Member, Provision, build_member, members, r
 from agent.adapt.inputs import SlidingLatency, mean_luminance, policy_inputs
 from agent.adapt.policy import Decision, PolicyState, decide, initial_state
 from agent.commands import describe_errors
+from agent.status import FAMILY_KEY
 from engines.errors import EdgeError
 from engines.model import ModelSource
 
 log = logging.getLogger(__name__)
 
 POLICY_KEY = "adapt_policy"  # set_policy changes, persisted (state DB kv)
-FAMILY_KEY = "adapt_family"  # the last built family with accuracy and latency per variant
 Swap = Callable[[Any], None]  # hot swap to this LoadedModel between two frames
 Sampler = Callable[[], dict[str, Any]]  # one telemetry sample (agent.telemetry fields)
 

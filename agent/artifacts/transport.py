@@ -148,8 +148,7 @@ class _ReadTimeout:
 
     def connect(self) -> None:
         self._open()
-        self.sock.settimeout(self._read_timeout)  # type: ignore[attr-defined]
-        self._sockets.add(self.sock)  # type: ignore[attr-defined]
+        self.sock.settimeout(self._read_timeout)  # type: ignore[attr-defined]  # registered when it was created
 
 
 class _TimedHTTPConnection(_ReadTimeout, http.client.HTTPConnection):

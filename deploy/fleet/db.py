@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from deploy.fleet.redact import redact
 from engines.errors import EdgeError
 
 __all__ = ["FleetDB", "FleetDBError", "FleetDBUnreachable", "open_db", "ensure_schema", "to_pyformat", "TRANSIENT_ERRORS"]
@@ -152,7 +153,7 @@ class PostgresDB(FleetDB):
             return psycopg.connect(self.url, autocommit=True, row_factory=dict_row,
                                    connect_timeout=max(1, int(self.connect_timeout_s)))
         except psycopg.OperationalError as exc:
-            raise FleetDBUnreachable(f"cannot connect to PostgreSQL {_redact(self.url)}: {str(exc).strip()}") from None
+            raise FleetDBUnreachable(f"cannot connect to PostgreSQL {redact(self.url)}: {str(exc).strip()}") from None
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         with self._lock:
@@ -203,13 +204,6 @@ def transient_errors() -> tuple[type[BaseException], ...]:
 TRANSIENT_ERRORS = transient_errors()
 
 
-def _redact(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    from deploy.fleet.redact import redact
-
-    return redact(url)
-
-
 def open_db(url: str) -> FleetDB:
     """`sqlite:///relative.db`, `sqlite:////abs/path.db` or `postgresql://user@host/db` -> a FleetDB."""
     if url.startswith("sqlite://"):
@@ -219,7 +213,7 @@ def open_db(url: str) -> FleetDB:
         return SqliteDB(url, Path(path[1:]))  # "/rel.db" -> rel.db, "//abs.db" -> /abs.db
     if url.startswith(("postgresql://", "postgres://")):
         return PostgresDB(url)
-    raise FleetDBError(f"unsupported database URL {_redact(url)!r}: use sqlite:///PATH or postgresql://...")
+    raise FleetDBError(f"unsupported database URL {redact(url)!r}: use sqlite:///PATH or postgresql://...")
 
 
 def ensure_schema(db: FleetDB, **options: Any) -> None:

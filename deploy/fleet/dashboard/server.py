@@ -82,10 +82,6 @@ def serve(db_url: str, bind: str, auth: AuthSettings, refresh_s: float = 5.0) ->
     warning = exposure_warning(server.config.host, auth)
     if warning:
         log.warning("%s", warning)
-    log.info("dashboard on http://%s (read-only, database %s)", bind, _redacted(db_url))
+    log.info("dashboard on http://%s (read-only, database %s)", bind, redact(db_url))
     server.run()
 
-
-def _redacted(url: str) -> str:
-    """The URL without its password (for the log)."""
-    return redact(url)
