@@ -64,10 +64,6 @@ class CameraGroup:
         thread = self.threads.get(name)
         return thread is not None and thread.stats.connected and not thread.stats.ended
 
-    def all_down(self) -> bool:
-        """True when no camera is connected (the watch window does not judge fps then)."""
-        return not any(self.is_live(n) for n in self.configs)
-
     def any_lost(self) -> list[str]:
         """Names of cameras that were lost and are not back."""
         return [n for n, t in self.threads.items() if t.stats.losses and not t.stats.connected]

@@ -66,10 +66,7 @@ class FreshestMailbox(Generic[T]):
         with self._cond:
             if self._item is None and not self._closed:
                 self._cond.wait(timeout)
-            item, self._item, self._filled_at = self._item, None, None
-            if item is not None:
-                self.delivered += 1
-            return item
+            return self.take()  # the Condition's lock is re-entrant
 
     def close(self) -> None:
         """Wake any waiter; later gets return what is left, then None."""

@@ -63,13 +63,7 @@ class Capture:
         """Next frame as BGR, or None when the backend returned no frame."""
         if self._cap is None:
             raise SourceError(f"{self.label}: read before open")
-        try:
-            ok, image = self._cap.read()
-        except cv2.error as exc:
-            raise SourceError(f"{self.label}: decoder error ({redact(str(exc)).strip()})") from None
-        if not ok or image is None:
-            return None
-        return to_bgr(image)
+        return self.retrieve() if self.grab() else None  # what VideoCapture.read does
 
     def grab(self) -> bool:
         """Advance one frame without converting it (FFmpeg still decodes it: inter frames need that)."""
