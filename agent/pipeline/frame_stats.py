@@ -25,10 +25,12 @@ class FrameTiming:
 class FrameStats:
     """Thread-safe accumulation of FrameTiming plus error and frame counters."""
 
-    def __init__(self) -> None:
+    def __init__(self, stages: bool = True) -> None:
+        """`stages=False` keeps latency and counters only (per camera: nothing reads its stage times)."""
         self.latency = LatencyHistogram()
         self.processing = LatencyHistogram()  # preprocess + infer + postprocess: latency minus time in the mailbox
-        self.stages = {name: LatencyHistogram() for name in STAGES}
+        self.stages = {name: LatencyHistogram() for name in STAGES} if stages else {}
+        self._detail = stages
         self.frames = 0
         self.errors = 0
         self.started = time.monotonic()
@@ -36,10 +38,11 @@ class FrameStats:
 
     def record(self, timing: FrameTiming) -> None:
         """Add one processed frame."""
-        for name in STAGES:
-            self.stages[name].record(getattr(timing, name))
         self.latency.record(timing.latency)
-        self.processing.record(timing.preprocess + timing.infer + timing.postprocess)
+        if self._detail:  # every processed frame passes here, four times: skip what nobody reads
+            for name in STAGES:
+                self.stages[name].record(getattr(timing, name))
+            self.processing.record(timing.preprocess + timing.infer + timing.postprocess)
         with self._lock:
             self.frames += 1
 
@@ -59,7 +62,7 @@ class FrameStats:
 
 
 class CameraStats:
-    """FrameStats per camera name, created on a camera's first frame (its fps counts from there)."""
+    """FrameStats per camera name (latency and counters), created on a camera's first frame (fps counts from there)."""
 
     def __init__(self) -> None:
         self._by_name: dict[str, FrameStats] = {}
@@ -70,7 +73,7 @@ class CameraStats:
         stats = self._by_name.get(name)
         if stats is None:
             with self._lock:
-                stats = self._by_name.setdefault(name, FrameStats())
+                stats = self._by_name.setdefault(name, FrameStats(stages=False))
         return stats
 
     def items(self) -> list[tuple[str, FrameStats]]:
