@@ -127,7 +127,7 @@ class Run:
         now = time.monotonic()
         self.records.append((now, (now - frame.captured_at) * 1e3, self.names.get(id(runtime), "?")))
         if self.controller is not None:
-            self.controller.on_result(frame.captured_at, None, now, runtime=runtime)
+            self.controller.on_result(frame.captured_at, None, now, runtime=runtime, infer_ms=frame.meta.get("infer_ms"))
 
     def _camera(self) -> None:
         index, period, next_at = 0, 1.0 / CAMERA_FPS, time.monotonic()

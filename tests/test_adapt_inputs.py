@@ -91,3 +91,13 @@ def test_policy_inputs_from_one_telemetry_sample() -> None:
     unknown = policy_inputs(None, {}, None)
     assert unknown.numbers() == {}  # nothing measured stays unknown: no zero breaks or clears a limit
     assert policy_inputs(10.0, {"throttled": False}, None).throttled is False
+
+
+def test_infer_mean_covers_the_window_and_skips_frames_without_one() -> None:
+    window = SlidingLatency(window_s=2.0)
+    window.record(50.0, 0.0, 40.0)
+    window.record(30.0, 1.5, 10.0)
+    window.record(31.0, 2.5, None)
+    window.record(32.0, 3.0, 20.0)
+    assert window.infer_mean(3.0) == 15.0  # the frame at 0.0 left the window
+    assert SlidingLatency().infer_mean(0.0) is None

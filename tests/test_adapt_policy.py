@@ -134,3 +134,53 @@ def test_dark_scene_goes_to_the_night_variant_and_back_with_hysteresis() -> None
     assert all(t >= 8.0 for t, *_ in steps[1:])  # 45 is inside the hysteresis: stays dark until 60
     assert [s[2] for s in steps[1:]] == [1, 0]
     assert state.variant == 0 and not state.dark
+
+
+# --- contention-aware step up: predict the variant above from the serving one's infer time -----------------
+
+COSTS = (30.0, 15.0, 5.0)  # per-frame infer cost of each variant measured on the idle device (ms)
+
+
+def loaded(p99_ms: float, infer_ms: float, n: int) -> list[Inputs]:
+    return [Inputs(p99_ms=p99_ms, infer_ms=infer_ms)] * n
+
+
+def test_a_hog_keeps_the_cheap_variant_although_it_is_comfortable() -> None:
+    """int8 under a CPU hog: p99 60 (under 0.7 x 100) but its infer takes 40 ms instead of 15; FP32 would take
+    ~80 ms more than that share -> predicted 60 + 40 x (30/15 - 1) = 100 > 0.9 x budget: hold."""
+    state, decisions = replay(BASE, loaded(60, 40, 30), state=initial_state(3, 1, COSTS))
+    assert decisions == [] and state.variant == 1
+
+
+def test_once_the_hog_is_gone_it_steps_up_at_once() -> None:
+    """The comfort timer ran during the hog; when the prediction fits again the step up is immediate."""
+    samples = loaded(60, 40, 15) + loaded(25, 15, 3)
+    state, decisions = replay(BASE, samples, state=initial_state(3, 1, COSTS))
+    assert [(t, d.to_variant, d.reason) for t, d in decisions] == [(15.0, 0, "headroom")]
+    assert decisions[0][1].numbers["predicted_p99_ms"] == 40.0  # 25 + 15 x (30/15 - 1)
+
+
+def test_prediction_off_or_unmeasured_falls_back_to_the_margin_rule() -> None:
+    from dataclasses import replace
+    off = replace(BASE, predict_up=False)
+    _, decisions = replay(off, loaded(60, 40, 11), state=initial_state(3, 1, COSTS))
+    assert [(t, d.to_variant) for t, d in decisions] == [(10.0, 0)]
+    _, decisions = replay(BASE, p99(*[60] * 11), state=initial_state(3, 1, COSTS))  # no infer time
+    assert [(t, d.to_variant) for t, d in decisions] == [(10.0, 0)]
+    _, decisions = replay(BASE, loaded(60, 40, 11), state=initial_state(3, 1, (None, 15.0, 5.0)))  # no cost
+    assert [(t, d.to_variant) for t, d in decisions] == [(10.0, 0)]
+
+
+def test_predict_margin_is_the_share_of_the_budget_the_prediction_must_fit() -> None:
+    from dataclasses import replace
+    # predicted 60 + 10 x 1 = 70: fits 0.9 x 100, not 0.6 x 100
+    _, decisions = replay(BASE, loaded(60, 10, 11), state=initial_state(3, 1, COSTS))
+    assert len(decisions) == 1
+    _, decisions = replay(replace(BASE, predict_margin=0.6), loaded(60, 10, 11), state=initial_state(3, 1, COSTS))
+    assert decisions == []
+
+
+def test_initial_state_checks_the_costs_match_the_variants() -> None:
+    import pytest
+    with pytest.raises(ValueError, match="2 variant costs for 3 variants"):
+        initial_state(3, 0, (1.0, 2.0))

@@ -14,7 +14,8 @@ from agent.adapt.policy import PolicyConfig
 
 # The fields `set_policy` may change, with the bounds of the config file (one source of truth).
 TUNABLE = ("enabled", "latency_budget_ms", "temp_limit_c", "temp_hysteresis_c", "power_budget_w", "up_margin",
-           "down_after_s", "up_after_s", "max_switches_per_min", "cooldown_s", "dark_below", "dark_variant", "pinned")
+           "down_after_s", "up_after_s", "max_switches_per_min", "cooldown_s", "dark_below", "dark_variant", "pinned",
+           "predict_up", "predict_margin")
 
 # Upper bounds: past them a budget can never be broken, so a typo (1e308) would switch the rule off silently.
 MAX_LATENCY_BUDGET_MS = 60_000.0  # a minute from capture to result is no longer a live camera
@@ -46,6 +47,10 @@ class AdaptConfig(BaseModel):
     dark_variant: Optional[str] = Field(None, max_length=64,
                                         description="Variant used at most while dark (e.g. a lighter one at night); set_policy can clear it.")
     pinned: Optional[str] = Field(None, description="Always run this variant (name); the policy only watches.")
+    predict_up: bool = Field(True, description="Before a step up, predict the next variant's p99 from the serving one's "
+                             "infer time and the two variants' measured costs; hold while it would not fit.")
+    predict_margin: float = Field(0.9, gt=0, le=1, description="Step up only when that predicted p99 is under this "
+                                  "share of the latency budget.")
 
     @model_validator(mode="after")
     def _dark_pair(self) -> "AdaptConfig":
@@ -61,7 +66,8 @@ class AdaptConfig(BaseModel):
             power_budget_w=self.power_budget_w, up_margin=self.up_margin, down_after_s=self.down_after_s,
             up_after_s=self.up_after_s, max_switches_per_min=self.max_switches_per_min, cooldown_s=self.cooldown_s,
             dark_below=self.dark_below, dark_variant=_index(names, self.dark_variant, "dark_variant"),
-            enabled=self.enabled, pinned=_index(names, self.pinned, "pinned"))
+            enabled=self.enabled, pinned=_index(names, self.pinned, "pinned"), predict_up=self.predict_up,
+            predict_margin=self.predict_margin)
 
     def with_changes(self, changes: dict[str, Any]) -> "AdaptConfig":
         """A copy with `changes` applied and validated as a whole (a bad value leaves self unchanged)."""

@@ -70,12 +70,12 @@ class AdaptController(threading.Thread):
     # --- the frame path's side (called from the inference worker: cheap, never blocks) ------------------
 
     def on_result(self, captured_at: float, image: np.ndarray | None, now: float | None = None,
-                  runtime: Any = None) -> None:
+                  runtime: Any = None, infer_ms: float | None = None) -> None:
         """One frame done: its glass-to-result latency, the frame for the brightness rule, and a count for the
         variant whose `runtime` produced it (`active` changes only after the swap returns: frames served by
         the new variant before that would be credited to the old one)."""
         now = self._clock() if now is None else now
-        self.latency.record((now - captured_at) * 1e3, now)
+        self.latency.record((now - captured_at) * 1e3, now, infer_ms)
         self._last_image = image
         name = self._variant_of(runtime)
         with self._count_lock:  # status() copies the dict from another thread
@@ -135,7 +135,8 @@ class AdaptController(threading.Thread):
             self.ready = [m for m in self.members if m.status == "ready"]
             if self.active not in self.ready:  # the serving variant failed the family gate: keep it as its own rung
                 self.ready = sorted(self.ready + [self.active], key=lambda m: m.index)
-            self.state = initial_state(len(self.ready), self.ready.index(self.active))
+            self.state = initial_state(len(self.ready), self.ready.index(self.active),
+                                       tuple(m.latency_ms.get("p50") for m in self.ready))
             self._persist_family()
             self._emit("adapt_family", state="ready", model=self.source.label,
                        variants=[m.to_dict() for m in self.members])
@@ -195,7 +196,7 @@ class AdaptController(threading.Thread):
                     names, self.source.manifest.gates.latency_budget_ms)
             brightness = mean_luminance(self._last_image) if policy.dark_below is not None else None
             inputs = policy_inputs(self.latency.p99(now), self._sample() if sample is None else sample, brightness,
-                                   self.config.temp_zones)
+                                   self.config.temp_zones, self.latency.infer_mean(now))
             self.state, decision = decide(policy, self.state, inputs, now)
             if decision is not None:
                 self._switch(decision)

@@ -18,13 +18,13 @@ class SlidingLatency:
 
     def __init__(self, window_s: float = 3.0, max_samples: int = 20000) -> None:
         self.window_s = window_s
-        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=max_samples)
+        self._samples: collections.deque[tuple[float, float, float | None]] = collections.deque(maxlen=max_samples)
         self._lock = threading.Lock()
 
-    def record(self, latency_ms: float, now: float) -> None:
-        """Add one frame's latency, measured at `now` (monotonic seconds)."""
+    def record(self, latency_ms: float, now: float, infer_ms: float | None = None) -> None:
+        """Add one frame's latency (and its share of the engine call, when known), measured at `now`."""
         with self._lock:
-            self._samples.append((now, latency_ms))
+            self._samples.append((now, latency_ms, infer_ms))
 
     def clear(self) -> None:
         """Forget everything (after a switch the old variant's numbers say nothing about the new one)."""
@@ -33,13 +33,21 @@ class SlidingLatency:
 
     def p99(self, now: float) -> float | None:
         """p99 of the window ending at `now`; None without samples."""
-        with self._lock:
-            while self._samples and now - self._samples[0][0] > self.window_s:
-                self._samples.popleft()
-            values = sorted(ms for _, ms in self._samples)
+        values = sorted(ms for _, ms, _ in self._window(now))
         if not values:
             return None
         return values[max(0, math.ceil(0.99 * len(values)) - 1)]
+
+    def infer_mean(self, now: float) -> float | None:
+        """Mean per-frame infer time of the window ending at `now`; None when no frame carried one."""
+        values = [infer for _, _, infer in self._window(now) if infer is not None]
+        return sum(values) / len(values) if values else None
+
+    def _window(self, now: float) -> list[tuple[float, float, float | None]]:
+        with self._lock:
+            while self._samples and now - self._samples[0][0] > self.window_s:
+                self._samples.popleft()
+            return list(self._samples)
 
 
 def mean_luminance(image: np.ndarray | None, step: int = 16) -> float | None:
@@ -73,10 +81,11 @@ def board_watts(power_mw: Any) -> float | None:
 
 
 def policy_inputs(p99_ms: float | None, sample: dict[str, Any], brightness: float | None,
-                  zones: Iterable[str] = ()) -> Inputs:
+                  zones: Iterable[str] = (), infer_ms: float | None = None) -> Inputs:
     """One telemetry sample (agent.telemetry fields) plus the frame path's numbers, as policy Inputs."""
     throttled = sample.get("throttled")
     return Inputs(p99_ms=None if p99_ms is None else round(p99_ms, 2),
                   temp_c=hottest(sample.get("temp_c"), tuple(zones)),
                   throttled=None if throttled is None else bool(throttled),
-                  power_w=board_watts(sample.get("power_mw")), brightness=brightness)
+                  power_w=board_watts(sample.get("power_mw")), brightness=brightness,
+                  infer_ms=None if infer_ms is None else round(infer_ms, 2))

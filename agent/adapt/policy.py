@@ -9,7 +9,10 @@ Rules (docs/adaptive.md):
   power over `power_budget_w`) without a break for `down_after_s` steps down one variant;
 - everything under `up_margin` of its budget (temperature below the limit minus `temp_hysteresis_c`)
   without a break for `up_after_s` steps up one variant, unless that variant broke a limit within the
-  last `cooldown_s`; between the two bands nothing happens (hysteresis);
+  last `cooldown_s`, and (with `predict_up`) unless that variant's predicted p99 is over `predict_margin`
+  of the budget: today's p99 plus the observed infer time scaled by the two variants' measured cost ratio
+  -- under a CPU hog the cheap variant looks comfortable while the accurate one would still break the
+  budget; between the two bands nothing happens (hysteresis);
 - at most `max_switches_per_min` switches in any 60 s;
 - a dark scene (mean luminance under `dark_below`) keeps the variant at `dark_variant` or cheaper;
 - `pinned` forces one variant; `enabled = False` freezes the current one.
@@ -42,6 +45,8 @@ class PolicyConfig:
     brightness_hysteresis: float = 10.0
     enabled: bool = True
     pinned: int | None = None
+    predict_up: bool = True
+    predict_margin: float = 0.9
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form for status, events and the state store."""
@@ -57,6 +62,8 @@ class Inputs:
     throttled: bool | None = None
     power_w: float | None = None
     brightness: float | None = None
+    infer_ms: float | None = None  # mean per-frame infer time of the serving variant over the window
+    predicted_p99_ms: float | None = None  # set by a step up: the target's predicted p99 (for the event)
 
     def numbers(self) -> dict[str, Any]:
         """The measured values, for the `adapt` event."""
@@ -74,6 +81,7 @@ class PolicyState:
     switches: tuple[float, ...] = ()
     broke: tuple[tuple[int, float], ...] = ()
     dark: bool = False
+    costs_ms: tuple[float | None, ...] = ()  # each variant's per-frame infer cost measured on this device
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form for status."""
@@ -95,11 +103,27 @@ class Decision:
         return {"from": self.from_variant, "to": self.to_variant, "reason": self.reason, "numbers": self.numbers}
 
 
-def initial_state(count: int, variant: int = 0) -> PolicyState:
-    """A fresh state serving `variant` of `count` variants."""
+def initial_state(count: int, variant: int = 0, costs_ms: tuple[float | None, ...] = ()) -> PolicyState:
+    """A fresh state serving `variant` of `count` variants; `costs_ms` (one per variant, None = unmeasured)
+    lets a step up predict the target's latency from the serving variant's."""
     if count < 1 or not 0 <= variant < count:
         raise ValueError(f"variant {variant} is not one of {count} variants")
-    return PolicyState(variant=variant, count=count)
+    if costs_ms and len(costs_ms) != count:
+        raise ValueError(f"{len(costs_ms)} variant costs for {count} variants")
+    return PolicyState(variant=variant, count=count, costs_ms=tuple(costs_ms))
+
+
+def predicted_p99(state: PolicyState, inputs: Inputs, target: int) -> float | None:
+    """The p99 `target` would have now: the measured p99 with the serving variant's infer time replaced by
+    the target's, scaled alike (`infer_ms` x cost ratio). Only the infer share scales: mailbox wait and
+    pre/postprocessing do not depend on the variant. None when a number is missing."""
+    costs = state.costs_ms
+    if inputs.p99_ms is None or inputs.infer_ms is None or not costs:
+        return None
+    here, there = costs[state.variant], costs[target]
+    if not here or not there or here <= 0:
+        return None
+    return inputs.p99_ms + inputs.infer_ms * (there / here - 1.0)
 
 
 def exceeded(config: PolicyConfig, inputs: Inputs) -> list[str]:
@@ -178,6 +202,12 @@ def _under(config: PolicyConfig, state: PolicyState, inputs: Inputs, now: float,
         return state, None
     if any(v == target for v, _ in state.broke):
         return state, None  # it broke a limit less than cooldown_s ago
+    predicted = predicted_p99(state, inputs, target) if config.predict_up else None
+    if predicted is not None and config.latency_budget_ms is not None \
+            and predicted > config.predict_margin * config.latency_budget_ms:
+        return state, None  # the cheap variant is comfortable, the one above would not be (contention)
+    if predicted is not None:
+        inputs = replace(inputs, predicted_p99_ms=round(predicted, 2))
     return _switch(config, state, inputs, now, target, "headroom", over=False)
 
 

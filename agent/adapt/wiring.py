@@ -103,4 +103,4 @@ def on_result(agent: Any, frame: Any, runtime: Any = None) -> None:
     """Feed one served frame, and the runtime that served it, to the controller (cheap: a deque append)."""
     controller = getattr(agent, "adapt", None)
     if controller is not None:
-        controller.on_result(frame.captured_at, frame.image, runtime=runtime)
+        controller.on_result(frame.captured_at, frame.image, runtime=runtime, infer_ms=frame.meta.get("infer_ms"))

@@ -165,6 +165,7 @@ class InferenceWorker(threading.Thread):
         for frame, outcome in zip(frames, outcomes):
             latency = (now - frame.captured_at) * 1e3
             timing = FrameTiming(wait_ms, outcome.preprocess, outcome.infer, outcome.postprocess, latency)
+            frame.meta["infer_ms"] = outcome.infer  # the adaptation policy predicts other variants from it
             for stats in (self.stats, self.window, self.cameras.of(frame.source), self.camera_windows.of(frame.source)):
                 stats.record(timing)
         self.last_result_at = now
