@@ -66,6 +66,26 @@ class CountingFileSource(FileSource):
         return self.count("read") + self.count("retrieve")
 
 
+class RecordingMailbox(FreshestMailbox[Frame]):
+    """A real mailbox that records every value its counters are set to.
+
+    The mailbox only ever adds one to a counter, under its lock; a value that goes down was edited from
+    outside (a reader of the counters could have seen it half done)."""
+
+    def __init__(self) -> None:
+        self.history: dict[str, list[int]] = {"delivered": [], "dropped": []}
+        super().__init__()
+
+    delivered = property(lambda self: self.history["delivered"][-1],
+                         lambda self, value: self.history["delivered"].append(value))
+    dropped = property(lambda self: self.history["dropped"][-1],
+                       lambda self, value: self.history["dropped"].append(value))
+
+    def only_counted_up(self) -> bool:
+        """True when each counter moved 0, 1, 2, ... one step at a time."""
+        return all(values == list(range(len(values))) for values in self.history.values())
+
+
 class SlowConsumer:
     """Takes one frame each time the camera has delivered `CAMERA_FRAMES_PER_TAKE` more (no sleeps)."""
 
@@ -86,8 +106,8 @@ class SlowConsumer:
 def run_capture() -> Iterator[Any]:
     started: list[tuple[CaptureThread, threading.Event]] = []
 
-    def start(source: Any) -> tuple[CaptureThread, FreshestMailbox[Frame]]:
-        mailbox: FreshestMailbox[Frame] = FreshestMailbox()
+    def start(source: Any, mailbox: FreshestMailbox[Frame] | None = None) -> tuple[CaptureThread, FreshestMailbox[Frame]]:
+        mailbox = mailbox if mailbox is not None else FreshestMailbox()
         stop = threading.Event()
         thread = CaptureThread(source, mailbox, stop)
         started.append((thread, stop))
@@ -159,7 +179,7 @@ def test_a_frame_taken_before_the_next_grab_shows_the_newer_frame(tmp_path: Path
     video = write_numbered_video(tmp_path / "clip.avi")
     source = CountingFileSource(FileConfig(path=video))
     source.open()
-    mailbox: FreshestMailbox[Frame] = FreshestMailbox()
+    mailbox = RecordingMailbox()
     grabber = LazyGrabber(source, mailbox, "dock")
     assert grabber.grab_and_put(1)
     taken = mailbox.take()
@@ -172,8 +192,38 @@ def test_a_frame_taken_before_the_next_grab_shows_the_newer_frame(tmp_path: Path
     assert taken.index == 2 and taken.captured_at == newer.captured_at  # ... with that frame's index and time
     assert mailbox.peek() is None  # served once: not again from the mailbox
     assert (mailbox.delivered, mailbox.dropped) == (1, 1)  # the older pixels count as dropped
+    assert mailbox.only_counted_up()  # ... counted once, under the mailbox's lock, never undone
     assert source.decodes() == 1
     grabber.close()
+
+
+def test_counts_add_up_while_a_consumer_races_the_capture_thread(tmp_path: Path, run_capture: Any) -> None:
+    """Every grabbed frame is delivered once, dropped once or still waiting; no counter ever goes down."""
+    video = write_numbered_video(tmp_path / "clip.avi")
+    source = CountingFileSource(FileConfig(name="dock", path=video, loop=True, fps=300))
+    thread, mailbox = run_capture(source, RecordingMailbox())
+    served: list[tuple[int, Frame, np.ndarray]] = []
+    for i in range(2 * CONSUMED):
+        frame = mailbox.get(timeout=10)
+        assert frame is not None
+        taken_index = frame.index
+        if i % 2:  # let the capture thread grab again first: the frame is served as that newer one
+            assert wait_for(lambda: thread.stats.frames > taken_index, timeout=30)
+        served.append((taken_index, frame, frame.image))  # else: the race is left to the scheduler
+    thread.stop_event.set()
+    thread.join(10)
+
+    grabber = thread.grabber
+    assert grabber is not None and grabber.grabbed == thread.stats.frames
+    left = 1 if mailbox.peek() is not None else 0
+    assert mailbox.delivered + mailbox.dropped + left == grabber.grabbed
+    assert mailbox.delivered == len(served) == grabber.decoded == source.decodes()
+    assert sum(frame.index > taken for taken, frame, _ in served) >= CONSUMED  # the newer-frame path ran
+    indices = [frame.index for _, frame, _ in served]
+    assert indices == sorted(set(indices))  # no frame served twice, none served older than it claims
+    for _, frame, image in served:
+        assert decode_index(image) == (frame.index - 1) % VIDEO_FRAMES
+    assert mailbox.only_counted_up()
 
 
 def test_a_frame_used_after_its_source_closed_is_a_bad_frame(tmp_path: Path) -> None:

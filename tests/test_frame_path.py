@@ -37,6 +37,55 @@ def test_mailbox_wakes_a_waiting_reader_and_close_unblocks() -> None:
     assert got == [7, None] and not closer.is_alive()
 
 
+def test_mailbox_discard_empties_only_the_identical_item_as_a_drop() -> None:
+    times = iter([10.0, 20.0])
+    box: FreshestMailbox[list[int]] = FreshestMailbox(clock=lambda: next(times))
+    held, twin = [1], [1]  # equal but not the same object
+    assert box.discard(held) is False  # empty slot: nothing to discard
+    box.put(held)
+    assert box.discard(twin) is False and box.peek() is held  # identity, not equality
+    assert (box.dropped, box.delivered) == (0, 0)
+    assert box.discard(held) is True
+    assert box.peek_filled() == (None, None)
+    assert (box.dropped, box.delivered) == (1, 0)  # a drop, never a delivery
+    assert box.discard(held) is False and box.dropped == 1  # only once
+    assert box.put(twin) is False  # the slot is empty again: the next put replaces nothing ...
+    assert box.peek_filled() == (twin, 20.0)  # ... and starts a fresh fill time
+
+
+def test_mailbox_counts_add_up_with_a_writer_a_taker_and_a_discarder() -> None:
+    box: FreshestMailbox[object] = FreshestMailbox()
+    puts, stop = 20_000, threading.Event()
+    seen: list[tuple[int, int]] = []
+
+    def writer() -> None:
+        for _ in range(puts):
+            box.put(object())
+        stop.set()
+
+    def taker() -> None:
+        while not stop.is_set():
+            box.take()
+
+    def discarder() -> None:
+        while not stop.is_set():
+            item = box.peek()
+            if item is not None:
+                box.discard(item)
+            seen.append((box.delivered, box.dropped))
+
+    threads = [threading.Thread(target=t) for t in (writer, taker, discarder)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    left = 1 if box.peek() is not None else 0
+    assert box.delivered + box.dropped + left == puts
+    # counters only grow: a reader never sees one mid-edit
+    assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in zip(seen, seen[1:]))
+
+
 def test_histogram_percentiles_within_one_bucket() -> None:
     hist = LatencyHistogram()
     values = np.random.default_rng(0).uniform(1, 200, 20_000)

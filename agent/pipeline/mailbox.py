@@ -61,6 +61,20 @@ class FreshestMailbox(Generic[T]):
                 self.delivered += 1
             return item
 
+    def discard(self, item: T) -> bool:
+        """Empty the slot if it holds exactly `item` (identity), counting a drop; True when it did.
+
+        For a reader that served `item`'s content another way (agent.sources.lazy): checking and emptying
+        under the mailbox's own lock means a put between them cannot be lost, and the counters are only
+        ever written under that lock.
+        """
+        with self._cond:
+            if self._item is not item or item is None:
+                return False
+            self._item, self._filled_at = None, None
+            self.dropped += 1
+            return True
+
     def get(self, timeout: float | None = None) -> T | None:
         """Newest item, waiting up to `timeout`; None on timeout or after close()."""
         with self._cond:

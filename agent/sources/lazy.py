@@ -96,12 +96,10 @@ class LazyGrabber:
     def _serve_newer(self, frame: LazyFrame, newest: LazyFrame) -> None:
         """The source grabbed again after `frame` was taken: `frame` becomes that newer frame."""
         frame.index, frame.captured_at = newest.index, newest.captured_at
-        if self.mailbox.peek() is newest:  # always, with one consumer: serve it once, through `frame`
-            self.mailbox.take()
-            # one frame delivered (the newer one), one dropped (the older pixels): the counts say so. No other
-            # thread writes them now: the capture thread waits for our lock, and we are the consumer.
-            self.mailbox.delivered -= 1
-            self.mailbox.dropped += 1
+        # served once, through `frame`: the newer frame leaves the mailbox as a drop (`frame` was already
+        # counted delivered when taken), so delivered + dropped + (slot full) still equals the frames put.
+        # discard checks and counts under the mailbox's lock: a reader of the counters never sees them mid-edit.
+        self.mailbox.discard(newest)
         self._current = frame
 
     def _no_image(self) -> np.ndarray:
