@@ -34,3 +34,12 @@ class InferenceError(EdgeError):
     """One inference call failed; the loop counts it and goes on."""
 
     code = "INFERENCE_FAILED"
+
+
+class BatchSizeError(InferenceError):
+    """The engine does not take a batch of this size (a batch fixed at 1, a TensorRT profile's max).
+
+    Not a fault: the caller runs the same frames in calls the engine takes. Its own code lets the batcher
+    tell it from a passing engine error without reading the message."""
+
+    code = "BATCH_SIZE_UNSUPPORTED"

@@ -14,7 +14,7 @@ import numpy as np
 from engines.backends import BACKENDS, get_backend
 from engines.backends.base import Engine, EngineOptions
 from engines.batching import batch_free
-from engines.errors import BackendUnavailableError, InferenceError, ModelError
+from engines.errors import BackendUnavailableError, BatchSizeError, ModelError
 from engines.manifest import preprocess_shape_of
 from engines.model import ModelSource
 from engines.postprocess import InferenceResult, PostprocessContext, build_postprocessor
@@ -66,7 +66,7 @@ class ModelRuntime:
     def infer_batch(self, batch: np.ndarray) -> list[np.ndarray]:
         """One engine call on `[N, C, H, W]` (N <= `max_batch`), e.g. a batcher's preallocated input."""
         if batch.ndim < 1 or not 1 <= batch.shape[0] <= self.max_batch:
-            raise InferenceError(f"{self.source.label}: a batch of {batch.shape[:1]} frames; this engine takes "
+            raise BatchSizeError(f"{self.source.label}: a batch of {batch.shape[:1]} frames; this engine takes "
                                  f"1..{self.max_batch}")
         return self.engine.infer({self.input_name: batch})
 

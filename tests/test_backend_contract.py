@@ -458,10 +458,34 @@ def test_trt_engine_runs_batches_with_one_graph_per_size(fake_backend, tmp_path:
         assert cuda.launches == launches + int(graphs)  # the batch-3 graph replayed, not captured again
         with pytest.raises(EdgeError) as info:
             engine.infer({"x": np.zeros((5, 3, 4, 4), np.float32)})
-        assert info.value.code == "INFERENCE_FAILED" and "1..4" in str(info.value)
+        assert info.value.code == "BATCH_SIZE_UNSUPPORTED" and "1..4" in str(info.value)
     finally:
         engine.close()
     assert cuda.closed
+
+
+def test_trt_context_refusing_a_batch_shape_is_a_batch_size_error(fake_backend, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The context refusing a batch's input shape (set_input_shape -> False) is BATCH_SIZE_UNSUPPORTED, as a
+    size over max_batch is; a wrong frame shape at a size it takes stays INFERENCE_FAILED."""
+    import tests.fake_nvidia as fake
+
+    module = fake_backend(FakeCudaMemory())
+    engine = module.TensorRTBackend().load(_plan(tmp_path), EngineOptions(static_shapes={"x": (1, 3, 4, 4)}, max_batch=4))
+    real_set = fake._Context.set_input_shape
+    monkeypatch.setattr(fake._Context, "set_input_shape",
+                        lambda self, name, shape: shape[0] != 3 and real_set(self, name, shape))
+    try:
+        with pytest.raises(EdgeError) as info:
+            engine.infer({"x": np.zeros((3, 3, 4, 4), np.float32)})
+        assert info.value.code == "BATCH_SIZE_UNSUPPORTED" and "rejects a batch of 3" in str(info.value)
+        with pytest.raises(EdgeError) as info:
+            engine.infer({"x": np.zeros((2, 3, 5, 5), np.float32)})
+        assert info.value.code == "INFERENCE_FAILED"
+        x = np.ones((2, 3, 4, 4), np.float32)
+        np.testing.assert_array_equal(engine.infer({"x": x})[0], 2 * x + 1)  # a size it takes still runs
+    finally:
+        engine.close()
 
 
 def test_trt_max_batch_is_capped_by_the_profile_and_by_a_fixed_batch(fake_backend, tmp_path: Path,

@@ -346,29 +346,35 @@ def test_a_frame_that_fails_to_decode_leaves_the_rest_of_its_batch_running(demo_
 class FailsOnce(AtMostTwo):
     """The real ORT engine (batches up to 2) with one passing fault, as a CUDA hiccup or a busy DLA would give."""
 
-    def __init__(self, engine, error: str) -> None:
+    def __init__(self, engine, error: Exception | None = None) -> None:
         super().__init__(engine)
         self.error = error
 
     def infer(self, feeds):
-        if self.error:
-            error, self.error = self.error, ""
-            raise InferenceError(error)
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
         return super().infer(feeds)
 
 
-def test_a_passing_engine_error_fails_one_batch_and_batching_goes_on(demo_source) -> None:
+@pytest.mark.parametrize("message", [
+    "m.onnx: execute_async_v3 failed (see the TensorRT log)",
+    # words a message-reading check once took for a refusal: only the code says that
+    "m.onnx: input x rejects shape: a batch of 2 hit an invalid dimensions check in a plugin",
+])
+def test_a_passing_engine_error_fails_one_batch_and_batching_goes_on(demo_source, message: str) -> None:
     from engines.backends import get_backend
     from engines.backends.base import EngineOptions
     from engines.runtime import ModelRuntime
 
     inner = get_backend("onnxruntime").load(demo_source.onnx_path, EngineOptions(max_batch=2))
-    engine = FailsOnce(inner, "m.onnx: execute_async_v3 failed (see the TensorRT log)")
+    engine = FailsOnce(inner, InferenceError(message))
     runtime = ModelRuntime(demo_source, engine)
     try:
         batch = BatchRuntime(runtime, 2)
-        with pytest.raises(InferenceError):
+        with pytest.raises(InferenceError) as info:
             batch.run(frames(2), ["a", "b"])  # the worker counts this batch as failed
+        assert info.value.code == "INFERENCE_FAILED"
         assert batch.batched, "one passing engine error turned batching off for good"
         batch.run(frames(2), ["a", "b"])
         assert batch.batched and engine.calls == [2]  # the next batch ran as one call
@@ -376,22 +382,28 @@ def test_a_passing_engine_error_fails_one_batch_and_batching_goes_on(demo_source
         runtime.close()
 
 
-def test_a_refused_batch_size_falls_back_to_one_frame_per_call(demo_source) -> None:
-    from engines.backends import get_backend
-    from engines.backends.base import EngineOptions
-    from engines.runtime import ModelRuntime
+def test_an_engine_pinned_to_batch_one_refuses_by_code_and_the_batch_falls_back(demo_source, caplog) -> None:
+    from engines.runtime import ModelRuntime, load_runtime
 
-    inner = get_backend("onnxruntime").load(demo_source.onnx_path, EngineOptions(max_batch=2))
-    engine = FailsOnce(inner, "")
+    single = load_runtime(demo_source, "onnxruntime")  # pinned to batch 1
+    images = frames(2)
+    pair = np.concatenate([single.preprocessor.tensor] * 2)
+    with pytest.raises(InferenceError) as refused:
+        single.engine.infer({single.input_name: pair})
+    assert refused.value.code == "BATCH_SIZE_UNSUPPORTED"
+    engine = AtMostTwo(single.engine)  # ... behind a wrapper that claims 2 (a stale profile, a wrong sidecar)
     runtime = ModelRuntime(demo_source, engine)
     try:
-        batch = BatchRuntime(runtime, 2)
-        images = frames(2)
         expected = [detections(runtime.run(img)[0]) for img in images]
         engine.calls.clear()
-        engine.error = "m.onnx: input x rejects a batch of 2"  # as the TensorRT backend refuses a size
-        assert [detections(o.result) for o in batch.run(images, ["a", "b"])] == expected
-        assert not batch.batched and engine.calls == [1, 1]
+        batch = BatchRuntime(runtime, 2)
+        assert batch.batched
+        with caplog.at_level("WARNING", logger="agent.pipeline.batch_runtime"):
+            assert [detections(o.result) for o in batch.run(images, ["a", "b"])] == expected
+        assert not batch.batched and engine.calls == [2, 1, 1]  # refused once, then one frame per call
+        assert "BATCH_SIZE_UNSUPPORTED" in caplog.text
+        batch.run(images, ["a", "b"])
+        assert engine.calls == [2, 1, 1, 1, 1]  # and never asks for the refused size again
     finally:
         runtime.close()
 

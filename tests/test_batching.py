@@ -157,7 +157,7 @@ def test_dynamic_batch_engine_matches_batch_one_runs(tmp_path: Path, batch: obje
             np.testing.assert_allclose(runtime.infer_batch(x)[0], reference.run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)
         with pytest.raises(EdgeError) as too_many:
             runtime.infer_batch(np.zeros((5, 3, SIZE, SIZE), np.float32))
-        assert too_many.value.code == "INFERENCE_FAILED" and "1..4" in str(too_many.value)
+        assert too_many.value.code == "BATCH_SIZE_UNSUPPORTED" and "1..4" in str(too_many.value)
     finally:
         runtime.close()
 
@@ -176,9 +176,48 @@ def test_a_batch_the_graph_fixes_runs_batch_one_and_says_why(tmp_path: Path) -> 
         np.testing.assert_array_equal(runtime.infer_batch(x)[0], x.reshape(1, -1))
         with pytest.raises(EdgeError) as info_err:
             runtime.infer_batch(np.ones((2, 3, SIZE, SIZE), np.float32))
-        assert info_err.value.code == "INFERENCE_FAILED"
+        assert info_err.value.code == "BATCH_SIZE_UNSUPPORTED"
     finally:
         runtime.close()
+
+
+def _ort_rejection(model: Path, x: np.ndarray) -> Exception:
+    """The exception a plain ORT session raises for this input (ORT's own text, whatever its version)."""
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception) as info:
+        session.run(None, {"x": x})
+    return info.value
+
+
+def test_ort_rejecting_the_batch_dimension_is_batch_size_unsupported(tmp_path: Path) -> None:
+    """The ORT backend reads ORT's message once: a refused batch dimension (or rank) of a batch of more than
+    one is BATCH_SIZE_UNSUPPORTED; a refused frame dimension, or anything at batch 1, stays INFERENCE_FAILED."""
+    from engines.backends.onnxruntime_backend import ort_inference_error
+
+    fixed, dynamic = _conv_model(tmp_path / "fixed.onnx", 1), _conv_model(tmp_path / "dyn.onnx", "n")
+    pair = np.zeros((2, 3, SIZE, SIZE), np.float32)
+    cases = [
+        (fixed, pair, "BATCH_SIZE_UNSUPPORTED"),  # "Got invalid dimensions ... index: 0 Got: 2 Expected: 1"
+        (fixed, pair[:, None], "BATCH_SIZE_UNSUPPORTED"),  # "Invalid rank", with a batch of 2
+        (fixed, pair[:1, None], "INFERENCE_FAILED"),  # "Invalid rank" at batch 1: the frame's shape, not a batch size
+        (dynamic, np.zeros((2, 3, SIZE, SIZE + 1), np.float32), "INFERENCE_FAILED"),  # index 3: the frame's width
+    ]
+    for model, x, code in cases:
+        exc = _ort_rejection(model, x)
+        error = ort_inference_error(model.name, exc, {"x": x})
+        assert error.code == code, (x.shape, str(exc))
+        assert str(error).startswith(model.name) and str(exc) in str(error)
+    engine = load_provisioned(_provision(_source(dynamic), tmp_path, max_batch=4), _source(dynamic),
+                              EngineOptions(max_batch=4)).engine
+    try:  # the same translation on the backend's own path
+        with pytest.raises(EdgeError) as info:
+            engine.infer({"x": np.zeros((2, 3, SIZE, SIZE + 1), np.float32)})
+        assert info.value.code == "INFERENCE_FAILED" and "invalid dimensions" in str(info.value)
+        with pytest.raises(EdgeError) as info:
+            engine.infer({"x": np.zeros((5, 3, SIZE, SIZE), np.float32)})
+        assert info.value.code == "BATCH_SIZE_UNSUPPORTED"
+    finally:
+        engine.close()
 
 
 def test_rewrite_and_check_directly(tmp_path: Path) -> None:

@@ -3,35 +3,33 @@ infer once, split the outputs back per frame and postprocess each with its own c
 
 An engine whose batch dimension is fixed at 1 (or that refuses a larger batch) runs the same slots one by
 one; the reason is logged once and `batched` turns False, so results never depend on what the engine takes.
-Only a refusal of the batch's size or shape does that: any other engine error fails that batch alone (the
-worker counts it) and the next batch is batched again, so one passing fault never costs batching for good.
+Only a refusal of the batch's size (`BATCH_SIZE_UNSUPPORTED`, engines.errors.BatchSizeError, raised by every
+backend) does that: any other engine error fails that batch alone (the worker counts it) and the next batch
+is batched again, so one passing fault never costs batching for good.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
+from engines.errors import BatchSizeError, EdgeError
 from engines.postprocess import InferenceResult
 from engines.preprocess import Preprocessor
 from engines.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 
-# How engines say a batch's size or shape is refused: our backends ("a batch of 2; this engine takes 1..1",
-# "input x rejects a batch of 2"), ONNX Runtime ("Got invalid dimensions for input", "Invalid rank") and
-# TensorRT's shape checks ("rejects shape", "dimensions").
-_REFUSAL = re.compile(r"a batch of \d+|invalid dimensions|invalid rank|rejects shape|dimension|shape mismatch", re.I)
-
 
 def is_batch_refusal(exc: BaseException) -> bool:
-    """True when `exc` says the engine does not take a batch of this size (not a passing engine fault)."""
-    return bool(_REFUSAL.search(str(exc)))
+    """True when `exc` says the engine does not take a batch of this size (not a passing engine fault).
+
+    By its code only: the backends translate their own refusals (ORT's message included) into it."""
+    return isinstance(exc, EdgeError) and exc.code == BatchSizeError.code
 
 
 @dataclass
@@ -89,8 +87,8 @@ class BatchRuntime:
                 if not is_batch_refusal(exc):
                     raise  # a fault of this batch: the worker counts it; the next batch is batched again
                 self.batched = False  # a session pinned to batch 1: fall back, say why once
-                log.warning("engine %s did not take a batch of %d (%s): running frames one by one",
-                            self.runtime.source.label, n, str(exc).splitlines()[0][:200])
+                log.warning("engine %s did not take a batch of %d (%s: %s): running frames one by one",
+                            self.runtime.source.label, n, BatchSizeError.code, str(exc).splitlines()[0][:200])
         return self._infer_chunks(n, 1)
 
     def _infer_chunks(self, n: int, chunk: int) -> list[list[np.ndarray]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import onnxruntime as ort
 
 from engines.backends import BACKENDS
 from engines.backends.base import EngineOptions, TensorSpec
-from engines.errors import InferenceError, ModelError
+from engines.errors import BatchSizeError, InferenceError, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class OrtEngine:
         try:
             return self.session.run(self._output_names, feeds)
         except Exception as exc:  # ORT raises its own exception types from C++
-            raise InferenceError(f"{self.model_path.name}: {exc}") from exc
+            raise ort_inference_error(self.model_path.name, exc, feeds) from exc
 
     def describe(self) -> dict[str, Any]:
         """Providers actually in use and the I/O signature."""
@@ -130,12 +131,29 @@ def engine_max_batch(inputs: list[TensorSpec], wanted: int) -> int:
     return min(fixed) if len(fixed) == 1 else 1
 
 
+# ORT's input validation (InferenceSession::ValidateInputs): "Got invalid dimensions for input: x for the
+# following indices\n index: 0 Got: 2 Expected: 1", or "Invalid rank for input: x Got: 4 Expected: 3".
+_ORT_BATCH_DIM = re.compile(r"Got invalid dimensions for input\b.*?\bindex: 0 Got:", re.S)
+_ORT_RANK = re.compile(r"Invalid rank for input\b")
+
+
+def ort_inference_error(model: str, exc: Exception, feeds: dict[str, np.ndarray]) -> InferenceError:
+    """ORT's failure as our error: a batch of more than 1 whose batch dimension (or rank) ORT rejects is a
+    BatchSizeError; everything else, a batch of 1 included (that is the frame's shape, not the batch size),
+    is an InferenceError. ORT says this only in its message, so it is read here, once, and nowhere else."""
+    text = str(exc)
+    batch = max((int(v.shape[0]) for v in feeds.values() if getattr(v, "ndim", 0)), default=1)
+    if batch > 1 and (_ORT_BATCH_DIM.search(text) or _ORT_RANK.search(text)):
+        return BatchSizeError(f"{model}: onnxruntime does not take a batch of {batch}: {text}")
+    return InferenceError(f"{model}: {text}")
+
+
 def check_batch(model: str, inputs: list[TensorSpec], feeds: dict[str, np.ndarray], max_batch: int) -> None:
     """A batch larger than the engine was built for is an InferenceError naming both sizes."""
     for spec in inputs:
         value = feeds.get(spec.name)
         if value is not None and getattr(value, "ndim", 0) and value.shape[0] > max_batch:
-            raise InferenceError(f"{model}: input {spec.name} has a batch of {value.shape[0]}; this engine takes "
+            raise BatchSizeError(f"{model}: input {spec.name} has a batch of {value.shape[0]}; this engine takes "
                                  f"at most {max_batch}")
 
 

@@ -39,7 +39,7 @@ from engines.backends.base import EngineOptions, TensorSpec
 from engines.backends.tensorrt_compat import (graph_capture_blocker, numpy_dtype, select_dla_core, shared_logger,
                                               sidecar_dla_core)
 from engines.cuda_mem import CudaError, CudaMemory, DeviceBuffer, open_cuda_memory
-from engines.errors import InferenceError, ModelError
+from engines.errors import BatchSizeError, InferenceError, ModelError
 
 log = logging.getLogger(__name__)
 if (_missing := cuda_mem.missing_bindings()) is not None:
@@ -158,7 +158,7 @@ class TrtEngine:
         """Input shapes for a batch of `n`; the bindings then view that many rows."""
         for name, base in self._base_shapes.items():
             if not self._context.set_input_shape(name, (n, *base[1:])):
-                raise InferenceError(f"{self.path.name}: input {name} rejects a batch of {n}")
+                raise BatchSizeError(f"{self.path.name}: input {name} rejects a batch of {n}")
         for b in self._bindings:
             b.set_active(tuple(self._context.get_tensor_shape(b.name)))
         self._batch = n
@@ -274,7 +274,7 @@ class TrtEngine:
         value = feeds.get(first.name) if first is not None else None
         n = int(value.shape[0]) if value is not None and getattr(value, "ndim", 0) else self._batch
         if not 1 <= n <= self.max_batch:
-            raise InferenceError(f"{self.path.name}: a batch of {n}; this engine takes 1..{self.max_batch}")
+            raise BatchSizeError(f"{self.path.name}: a batch of {n}; this engine takes 1..{self.max_batch}")
         if n != self._batch:
             self._set_batch(n)
 
