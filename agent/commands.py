@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from agent.artifacts.urlpolicy import Channel
 from agent.mqtt.config import RESULTS_RATE_BOUNDS, TELEMETRY_INTERVAL_BOUNDS
+from agent.sources.base import CAMERA_NAME_PATTERN
 from agent.wire_errors import internal_error, new_ref
 from engines.errors import EdgeError
 from engines.registry import Registry, UnknownPluginError
@@ -64,8 +65,9 @@ class AgentControl(Protocol):
         """Apply whitelisted settings live and persist them; returns what was applied."""
         ...
 
-    def restart_pipeline(self) -> dict:
-        """Restart camera and inference threads with the active model."""
+    def restart_pipeline(self, camera: str | None = None) -> dict:
+        """Restart every camera's capture thread and source, or only `camera`'s; inference keeps running.
+        An unknown camera name is an EdgeError with code INVALID_COMMAND naming the known cameras."""
         ...
 
 
@@ -208,9 +210,17 @@ def _engines(control: AgentControl, args: NoArgs) -> dict:
     return {"engines": control.engines()}
 
 
-@command("restart_pipeline", NoArgs, "Restart camera and inference threads with the active model.")
-def _restart_pipeline(control: AgentControl, args: NoArgs) -> dict:
-    return control.restart_pipeline()
+class RestartPipelineArgs(_Strict):
+    """restart_pipeline: every camera, or the one named."""
+
+    camera: Optional[str] = Field(default=None, pattern=CAMERA_NAME_PATTERN,
+                                  description="Restart only this camera (its name in the config); omitted: every camera.")
+
+
+@command("restart_pipeline", RestartPipelineArgs,
+         "Reopen every camera (or only `camera`) with a fresh capture thread; the model and inference keep running.")
+def _restart_pipeline(control: AgentControl, args: RestartPipelineArgs) -> dict:
+    return control.restart_pipeline(args.camera)
 
 
 def ok_reply(command_id: str | None, result: Any) -> dict[str, Any]:

@@ -20,11 +20,9 @@ log = logging.getLogger(__name__)
 class AgentController:
     """Implements agent.commands.AgentControl on top of a running agent.runner.Agent."""
 
-    def __init__(self, agent: Any, on_set_config: Callable[[dict], dict] | None = None,
-                 on_restart_pipeline: Callable[[], dict] | None = None) -> None:
+    def __init__(self, agent: Any, on_set_config: Callable[[dict], dict] | None = None) -> None:
         self.agent = agent
         self.on_set_config = on_set_config
-        self.on_restart_pipeline = on_restart_pipeline
 
     def status(self) -> dict:
         """Health, active/previous model, deployment in progress, live numbers, recent deployments."""
@@ -86,11 +84,9 @@ class AgentController:
         self.agent.emit("config_changed", changes=applied)
         return {"applied": applied}
 
-    def restart_pipeline(self) -> dict:
-        """Restart the camera thread (a wedged driver is the usual reason)."""
-        if self.on_restart_pipeline is not None:
-            return self.on_restart_pipeline()
-        return self.agent.restart_capture()
+    def restart_pipeline(self, camera: str | None = None) -> dict:
+        """Restart every camera's capture thread, or only `camera`'s (a wedged driver is the usual reason)."""
+        return self.agent.restart_capture(camera)
 
     def set_policy(self, changes: dict) -> dict:
         """The adaptation policy's settings, live and persisted (only while a model family is active)."""

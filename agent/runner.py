@@ -155,13 +155,22 @@ class Agent:
                      loaded.source.label, size.reason)
         self.batch_size = size
 
-    def restart_capture(self) -> dict[str, Any]:
-        """Reopen every camera with fresh threads (the `restart_pipeline` command); the model stays loaded."""
+    def restart_capture(self, camera: str | None = None) -> dict[str, Any]:
+        """Reopen every camera, or only `camera`, with fresh threads (the `restart_pipeline` command); the model
+        and the inference loop keep running, and a camera not named loses no frame."""
+        names = [c.name for c in self.config.camera_list()]
+        if camera is not None and camera not in names:
+            raise EdgeError(f"args.camera: no camera named {camera!r}; this agent has {', '.join(names)}",
+                            code="INVALID_COMMAND")
         if self.cameras is None or self.stop_event.is_set():
             return {"restarted": False}
-        self.cameras.restart(JOIN_TIMEOUT_S)
-        self.emit("pipeline_restarted", cameras=self.cameras.names)
-        return {"restarted": True, "cameras": self.cameras.names}
+        if camera is None:
+            self.cameras.restart(JOIN_TIMEOUT_S)
+        else:
+            self.cameras.restart_camera(camera, JOIN_TIMEOUT_S)
+        restarted = self.cameras.names if camera is None else [camera]
+        self.emit("pipeline_restarted", cameras=restarted)
+        return {"restarted": True, "cameras": restarted}
 
     def _load_initial(self) -> LoadedModel:
         assert self.loader is not None and self.store is not None

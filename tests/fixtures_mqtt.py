@@ -343,8 +343,8 @@ class FakeControl:
         self.config.update(changes)
         return {"applied": changes}
 
-    def restart_pipeline(self) -> dict:
-        self.calls.append(("restart_pipeline", None))
+    def restart_pipeline(self, camera: str | None = None) -> dict:
+        self.calls.append(("restart_pipeline", camera))
         return {"restarted": True}
 
 

@@ -92,6 +92,12 @@ def test_deploy_over_mqtt_reports_progress_as_events(live) -> None:
     code, reply = send(broker, "rollback")
     assert code == 0 and reply["result"]["model"]["version"] == "1.0.0"
     code, reply = send(broker, "restart_pipeline")
-    assert code == 0 and reply["result"]["restarted"]
+    assert code == 0 and reply["result"] == {"restarted": True, "cameras": ["cam0"]}
     frames = agent.stats.frames
     assert wait_for(lambda: agent.stats.frames > frames, timeout=60), "no frames after restart_pipeline"
+    code, reply = send(broker, "restart_pipeline", "--arg", "camera=door")
+    assert code == 1 and reply["error"]["code"] == "INVALID_COMMAND" and "cam0" in reply["error"]["message"]
+    code, reply = send(broker, "restart_pipeline", "--arg", "camera=cam0")
+    assert code == 0 and reply["result"] == {"restarted": True, "cameras": ["cam0"]}
+    frames = agent.stats.frames
+    assert wait_for(lambda: agent.stats.frames > frames, timeout=60), "no frames after restarting camera cam0"

@@ -163,6 +163,49 @@ def test_swap_and_rollback_between_two_batches_lose_no_frame(start_agent, publis
             f"camera {camera}: {captured} captured, {served} served, {mailbox.dropped} dropped, {waiting} waiting"
 
 
+def test_restart_pipeline_of_one_camera_leaves_the_others_and_inference_running(start_agent) -> None:
+    """`restart_pipeline` with `camera`, through the agent's own command dispatcher: only that camera gets a
+    fresh thread and source; the other camera's thread runs on and loses no frame; an unknown name is refused."""
+    import json
+
+    agent, results, events = start_agent([synthetic("a", 1, fps=20), synthetic("b", 2, fps=20)],
+                                         batch={"max_size": 2, "timeout_ms": 50})
+
+    def command(args: dict[str, Any], id_: str) -> dict[str, Any]:
+        body = {"id": id_, "command": "restart_pipeline", "args": args}
+        return agent.dispatcher.dispatch(json.dumps(body).encode(), channel="local")
+
+    assert wait_for(lambda: per_camera(results, "a") >= 3 and per_camera(results, "b") >= 3, timeout=120)
+    before, worker = dict(agent.cameras.threads), agent.worker
+    reply = command({"camera": "nope"}, "r0")
+    assert not reply["ok"] and reply["error"]["code"] == "INVALID_COMMAND"
+    assert "'nope'" in reply["error"]["message"] and "a, b" in reply["error"]["message"]
+    assert agent.cameras.threads == before  # nothing restarted
+
+    reply = command({"camera": "a"}, "r1")
+    assert reply["ok"] and reply["result"] == {"restarted": True, "cameras": ["a"]}, reply
+    assert ("pipeline_restarted", {"cameras": ["a"]}) in events
+    fresh = agent.cameras.threads["a"]
+    assert fresh is not before["a"] and not before["a"].is_alive() and fresh.is_alive()
+    assert fresh.source is not before["a"].source  # a fresh source, too
+    assert agent.cameras.threads["b"] is before["b"] and before["b"].is_alive()
+    assert agent.worker is worker and worker.is_alive()
+    served = {n: per_camera(results, n) for n in ("a", "b")}
+    assert wait_for(lambda: fresh.stats.frames >= 3 and per_camera(results, "a") >= served["a"] + 2
+                    and per_camera(results, "b") >= served["b"] + 2, timeout=120), "a camera stalled after the restart"
+    agent.stop()
+
+    assert agent.stats.errors == 0
+    b = agent.cameras.stats("b")
+    assert b.losses == 0 and b.reopen_attempts == 1  # opened once, never restarted
+    indices = [index for camera, index, _ in results if camera == "b"]
+    assert indices == sorted(set(indices))
+    mailbox, served_b = agent.batcher.mailbox("b"), agent.worker.cameras.of("b").frames
+    waiting = 1 if mailbox.peek() is not None else 0
+    assert mailbox.delivered == served_b and b.frames == served_b + mailbox.dropped + waiting, \
+        f"camera b: {b.frames} captured, {served_b} served, {mailbox.dropped} dropped, {waiting} waiting"
+
+
 def test_auto_batch_size_follows_the_engine_swapped_in(start_agent) -> None:
     """`max_size = "auto"` is re-resolved from each swapped-in engine's curve (deployments, rollbacks and adapt
     switches go through Agent.swap_model): a variant whose batches pay runs batches of 2, one whose do not runs 1."""

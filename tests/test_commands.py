@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from agent.commands import COMMANDS, CommandDispatcher
 from tests.fixtures_mqtt import FakeControl
 
 LIMIT = 4096
-NO_ARGS = ("ping", "status", "rollback", "engines", "restart_pipeline")
+NO_ARGS = ("ping", "status", "rollback", "engines")
+OPTIONAL_ARGS = ("restart_pipeline",)  # valid without args too
 
 
 @pytest.fixture
@@ -58,6 +60,7 @@ def test_table_has_the_contract_commands() -> None:
      ("set_config", {"telemetry_interval_s": 1.0, "log_level": "DEBUG"}), "applied"),
     ("engines", None, ("engines", None), "engines"),
     ("restart_pipeline", None, ("restart_pipeline", None), "restarted"),
+    ("restart_pipeline", {"camera": "dock-2"}, ("restart_pipeline", "dock-2"), "restarted"),
 ])
 def test_each_command_runs_its_handler(dispatcher: CommandDispatcher, control: FakeControl, command: str,
                                        args: Any, call: Any, result_key: str) -> None:
@@ -91,6 +94,8 @@ def test_each_command_runs_its_handler(dispatcher: CommandDispatcher, control: F
     (b'{"id": "a", "command": "set_config", "args": {"prefix": "x"}}', "INVALID_COMMAND",
      "args.prefix: Extra inputs", "a"),
     (b'{"id": "\\ud800", "command": "ping"}', "INVALID_COMMAND", "id:", None),
+    (b'{"id": "a", "command": "restart_pipeline", "args": {"camera": "dock 2"}}', "INVALID_COMMAND",
+     "args.camera: String should match pattern", "a"),
 ])
 def test_error_codes_and_messages(dispatcher: CommandDispatcher, control: FakeControl, payload: bytes, code: str,
                                   in_message: str, echo: Any) -> None:
@@ -234,6 +239,10 @@ def _number(value: Any, low: float, high: float, low_open: bool = False) -> bool
 def _args_ok(cmd: str, args: dict) -> bool:
     if cmd in NO_ARGS:
         return args == {}
+    if cmd == "restart_pipeline":
+        camera = args.get("camera")
+        return set(args) <= {"camera"} and (camera is None or (isinstance(camera, str)
+                                                               and re.fullmatch(r"[A-Za-z0-9_.-]{1,32}", camera) is not None))
     if cmd == "deploy":
         url, timeout = args.get("url"), args.get("timeout_s")
         return (set(args) <= {"url", "timeout_s"} and isinstance(url, str) and 1 <= len(url) <= 2048
@@ -250,15 +259,16 @@ json_scalars = (st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floa
                 | st.text(max_size=12))
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
-arg_keys = st.sampled_from(["url", "timeout_s", "telemetry_interval_s", "results_rate_hz", "log_level", "x"])
-arg_values = json_values | st.sampled_from(["INFO", "DEBUG", "LOUD", "https://m/manifest.json", ""]) | st.floats(-1, 5000)
+arg_keys = st.sampled_from(["url", "timeout_s", "telemetry_interval_s", "results_rate_hz", "log_level", "camera", "x"])
+arg_values = json_values | st.sampled_from(["INFO", "DEBUG", "LOUD", "https://m/manifest.json", "", "cam0", "dock 2",
+                                            "x" * 33]) | st.floats(-1, 5000)
 envelopes = st.fixed_dictionaries({}, optional={
     "id": st.text(max_size=140) | st.integers() | st.none() | st.sampled_from(["dup-1", "dup-2"]),
     "command": st.sampled_from(sorted(COMMANDS.names()) + ["reboot", ""]) | st.text(max_size=70),
     "args": st.just({}) | st.dictionaries(arg_keys, arg_values, max_size=3) | json_values,
     "extra": json_values,
 })
-valid = st.builds(lambda i, c: {"id": str(i), "command": c}, st.uuids(), st.sampled_from(NO_ARGS))
+valid = st.builds(lambda i, c: {"id": str(i), "command": c}, st.uuids(), st.sampled_from(NO_ARGS + OPTIONAL_ARGS))
 encoded = (envelopes | valid).map(lambda d: json.dumps(d).encode())
 payloads = st.one_of(
     st.binary(max_size=200),

@@ -1,6 +1,8 @@
 """The cameras of one run: a capture thread and a freshest-frame mailbox each, started and stopped together.
 
-A camera that fails is reopened with backoff by its own thread; the others never wait for it.
+A camera that fails is reopened with backoff by its own thread; the others never wait for it. Each thread
+has its own stop event, so one camera can be restarted (fresh thread, fresh source, same mailbox) while the
+others and the inference loop keep running.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ class CameraGroup:
         self.on_event = on_event
         self.source_factory = source_factory
         self.threads: dict[str, CaptureThread] = {}
-        self._stop = threading.Event()
+        self._stops: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()  # one start, stop or restart at a time (commands may arrive together)
 
     @property
     def names(self) -> list[str]:
@@ -38,26 +41,47 @@ class CameraGroup:
 
     def start(self) -> None:
         """One capture thread per camera."""
-        self._stop = threading.Event()
-        for name, config in self.configs.items():
-            thread = CaptureThread(self.source_factory(config), self.batcher.mailbox(name), self._stop, self.on_event)
-            self.threads[name] = thread
-            thread.start()
+        with self._lock:
+            for name in self.configs:
+                self._start_one(name)
 
     def stop(self, timeout: float) -> None:
         """Signal every thread, then join them all within one `timeout` (a wedged driver costs it once)."""
-        self._stop.set()
+        with self._lock:
+            self._stop_these(list(self.threads), timeout)
+
+    def restart(self, timeout: float) -> None:
+        """Fresh threads and sources for every camera (the `restart_pipeline` command)."""
+        with self._lock:
+            self._stop_these(list(self.threads), timeout)
+            for name in self.configs:
+                self._start_one(name)
+
+    def restart_camera(self, name: str, timeout: float) -> None:
+        """Fresh thread and source for camera `name` alone (`restart_pipeline` with `camera`); the other
+        cameras' threads are not touched, so they lose no frame. KeyError for a name not in this group."""
+        if name not in self.configs:
+            raise KeyError(name)
+        with self._lock:
+            self._stop_these([name], timeout)
+            self._start_one(name)
+
+    def _start_one(self, name: str) -> None:
+        stop = self._stops[name] = threading.Event()
+        thread = CaptureThread(self.source_factory(self.configs[name]), self.batcher.mailbox(name), stop, self.on_event)
+        self.threads[name] = thread
+        thread.start()
+
+    def _stop_these(self, names: list[str], timeout: float) -> None:
+        for name in names:
+            self._stops[name].set()
         deadline = time.monotonic() + timeout
-        for thread in self.threads.values():
+        for name in names:
+            thread = self.threads[name]
             if thread.is_alive():
                 thread.join(max(0.0, deadline - time.monotonic()))
                 if thread.is_alive():
                     log.error("thread %s did not stop within %.1f s", thread.name, timeout)
-
-    def restart(self, timeout: float) -> None:
-        """Fresh threads and sources for every camera (the `restart_pipeline` command)."""
-        self.stop(timeout)
-        self.start()
 
     def is_live(self, name: str) -> bool:
         """True while camera `name` delivers frames (the batcher does not wait for a dead one)."""

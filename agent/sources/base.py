@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engines.errors import EdgeError
 
+CAMERA_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,32}$"  # config, events and the `camera` argument of commands
+
 
 class SourceError(EdgeError):
     """The camera could not be opened or stopped delivering frames."""
@@ -23,7 +25,7 @@ class SourceConfigBase(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field("cam0", pattern=r"^[A-Za-z0-9_.-]{1,32}$", description="Camera name in events and telemetry.")
+    name: str = Field("cam0", pattern=CAMERA_NAME_PATTERN, description="Camera name in events and telemetry.")
     reopen_initial_s: float = Field(0.5, gt=0, le=60, description="First delay before reopening a failed source.")
     reopen_max_s: float = Field(30.0, gt=0, le=3600, description="Cap of the exponential reopen backoff.")
 
