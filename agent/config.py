@@ -74,6 +74,10 @@ class PipelineConfig(Strict):
     max_consecutive_errors: int = Field(
         100, ge=1, description="Inference errors in a row before the pipeline reports itself degraded."
     )
+    opencv_threads: int = Field(
+        1, ge=0, le=256, description="OpenCV worker threads for preprocessing and postprocessing; 0 = one per core. "
+        "1 by default: OpenCV's pool threads spin after each call and take cores from the engine when the CPU is busy.",
+    )
 
 
 class EnginesConfig(Strict):

@@ -30,7 +30,7 @@ from agent.model_loading import LoadedModel, ModelLoader
 from agent.sources.base import Frame
 from agent.state import StateStore, state_db_path
 from agent.status import BACKEND_KEY, LIVE_KEY
-from agent.pipeline.worker import InferenceWorker
+from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
 from engines.errors import EdgeError
 from engines.model import ModelSource
 from engines.runtime import choose_backend
@@ -93,6 +93,7 @@ class Agent:
     def start(self) -> None:
         """Open state, recover deployments, load the model, start worker, camera and deployer."""
         cfg = self.config
+        limit_opencv_threads(cfg.pipeline.opencv_threads)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self.store = StateStore.open_checked(state_db_path(cfg.state_dir))  # a corrupt file is moved aside
         self.run_id = self.store.start_run(os.getpid())

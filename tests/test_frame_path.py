@@ -173,3 +173,23 @@ def test_histogram_merge_equals_recording_everything_in_one() -> None:
         (a if i % 2 else b).record(float(v))
     a.merge(b)
     assert a.summary() == one.summary() and a.count == one.count
+
+
+def test_opencv_threads_setting_reaches_opencv() -> None:
+    """`[pipeline] opencv_threads`: 1 (the default) runs OpenCV on the calling thread; 0 is OpenCV's own default."""
+    import cv2
+
+    from agent.config import AgentConfig
+    from agent.pipeline.worker import limit_opencv_threads
+
+    before = cv2.getNumThreads()
+    try:
+        limit_opencv_threads(AgentConfig().pipeline.opencv_threads)
+        assert cv2.getNumThreads() == 1
+        limit_opencv_threads(0)
+        cv2.setNumThreads(-1)
+        default = cv2.getNumThreads()
+        limit_opencv_threads(0)
+        assert cv2.getNumThreads() == default
+    finally:
+        cv2.setNumThreads(before)

@@ -24,6 +24,16 @@ log = logging.getLogger(__name__)
 ResultSink = Callable[[Frame, InferenceResult, ModelRuntime], None]
 
 
+def limit_opencv_threads(threads: int) -> None:
+    """OpenCV's pool threads spin-wait after every parallel call (resize, colour conversion, contours) and, on a
+    small device with a busy CPU, take cores from the engine exactly while it runs; the frame path's images are
+    small enough that the calling thread alone is as fast (measured with one core busy: docs/architecture.md).
+    `threads` 0 keeps OpenCV's default (one per core). Process-wide: OpenCV has one pool."""
+    import cv2
+
+    cv2.setNumThreads(threads if threads > 0 else -1)
+
+
 class FrameBatches(Protocol):
     """Where the worker takes its batches (agent.pipeline.batcher.Batcher)."""
 
