@@ -42,13 +42,14 @@ import psutil
 from _common import ROOT, machine, write_json
 
 from agent.adapt.config import AdaptConfig
+from agent.config import AgentConfig
 from agent.adapt.controller import AdaptController
 from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.trust import verify_artifact
 from agent.model_loading import LoadedModel
 from agent.pipeline.frame_stats import FrameStats
 from agent.pipeline.mailbox import FreshestMailbox
-from agent.pipeline.worker import InferenceWorker
+from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
 from agent.sources.base import Frame
 from engines.backends.base import EngineOptions
 from engines.bench import text_frames
@@ -331,6 +332,7 @@ def main() -> None:
                         help="budget = factor x FP32 idle p99, capped at the midpoint of its idle and hogged p99")
     parser.add_argument("--cache", type=Path, default=ROOT / "out" / "bench-adaptive-cache", help="engine cache")
     args = parser.parse_args()
+    limit_opencv_threads(AgentConfig().pipeline.opencv_threads)  # as `edge-agent run` does
     phases = PHASES["quick" if args.quick else "full"]
     load_before, warn_before = load_warning("before the runs")
     total = sum(phases)
