@@ -53,6 +53,17 @@ def test_mailbox_discard_empties_only_the_identical_item_as_a_drop() -> None:
     assert box.peek_filled() == (twin, 20.0)  # ... and starts a fresh fill time
 
 
+def test_mailbox_records_when_the_consumer_takes() -> None:
+    times = iter([1.0, 2.0, 3.0])
+    box: FreshestMailbox[int] = FreshestMailbox(clock=lambda: next(times))
+    assert box.takes() == (0, None)
+    assert box.take() is None and box.takes() == (0, None)  # an empty take is not a take
+    box.put(1)  # fill time 1.0
+    assert box.take() == 1 and box.takes() == (1, 2.0)
+    box.put(2)  # fill time 3.0; discarding it is not a take
+    assert box.discard(2) is True and box.takes() == (1, 2.0)
+
+
 def test_mailbox_counts_add_up_with_a_writer_a_taker_and_a_discarder() -> None:
     box: FreshestMailbox[object] = FreshestMailbox()
     puts, stop = 20_000, threading.Event()

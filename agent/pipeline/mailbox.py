@@ -27,6 +27,7 @@ class FreshestMailbox(Generic[T]):
         self._closed = False
         self.dropped = 0
         self.delivered = 0
+        self._taken_at: float | None = None  # when the consumer last took an item (agent.pipeline.demand)
 
     def put(self, item: T) -> bool:
         """Store `item`; returns True when it replaced an unread one (a drop). Never blocks."""
@@ -59,7 +60,13 @@ class FreshestMailbox(Generic[T]):
             item, self._item, self._filled_at = self._item, None, None
             if item is not None:
                 self.delivered += 1
+                self._taken_at = self._clock()
             return item
+
+    def takes(self) -> tuple[int, float | None]:
+        """(items taken so far, when the last was taken): the consumer's pace, for predictive decoding."""
+        with self._cond:
+            return self.delivered, self._taken_at
 
     def discard(self, item: T) -> bool:
         """Empty the slot if it holds exactly `item` (identity), counting a drop; True when it did.
