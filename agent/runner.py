@@ -19,7 +19,7 @@ from agent.control_socket import ControlSocketServer
 from agent.config import AgentConfig
 from agent.deployments.manager import DeploymentManager
 from agent.deployments.store import Deployment, DeploymentStore
-from agent.pipeline.batch_size import BatchSize, batch_curve, resolve_batch_size
+from agent.pipeline.batch_size import BatchSize, batch_curve, demand_fps, resolve_batch_size
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.cameras import CameraGroup
 from agent.pipeline.frame_stats import FrameStats
@@ -142,8 +142,9 @@ class Agent:
     def _batch_size_for(self, loaded: LoadedModel) -> BatchSize:
         """`[batch] max_size` against `loaded`'s own measured curve: "auto" follows the engine in use."""
         cfg = self.config
-        return resolve_batch_size(cfg.batch.max_size, len(cfg.camera_list()), batch_curve(loaded.provisioned),
-                                  loaded.source.manifest.gates.latency_budget_ms)
+        cameras = cfg.camera_list()
+        return resolve_batch_size(cfg.batch.max_size, len(cameras), batch_curve(loaded.provisioned),
+                                  loaded.source.manifest.gates.latency_budget_ms, demand_fps(cameras))
 
     def swap_model(self, loaded: LoadedModel) -> None:
         """Swap `loaded` in between two batches, with the batch size re-resolved from its curve (deployments,

@@ -1,10 +1,13 @@
 """Engines with a batch dimension, and the batch size this device should use.
 
 Three parts, each small enough to test alone:
-- `pick_batch_size`: the size with the best throughput whose whole-batch latency fits the model's
-  latency budget, over the per-frame cost curve measured when the engine was built (the sidecar's
-  `report.batch.curve`). Batching does not pay everywhere (on a 2-core CPU PP-OCRv4 det at 640x480 is
-  slower per frame at batch 4 than at 1), so the size always comes from measurement, never a constant.
+- `pick_batch_size` / `choose_batch_size`: over the per-frame cost curve measured when the engine was
+  built (the sidecar's `report.batch.curve`), among sizes whose whole-batch latency fits the model's
+  latency budget: when the cameras' total frame rate is known, the smallest size whose capacity covers
+  it with `DEMAND_HEADROOM`; otherwise (or when none does) the size with the best throughput. Batching
+  does not pay everywhere (on a 2-core CPU PP-OCRv4 det at 640x480 is slower per frame at batch 4 than
+  at 1), and where batch 1 already serves every camera a larger batch only adds waiting, so the size
+  always comes from measurement and demand, never a constant.
 - `make_batch_dynamic`: an ONNX whose frame input has its batch fixed to 1 gets a symbolic `batch`
   dimension when shape inference carries it to every output, and the rewrite is kept only if a batch
   of 2 gives the same outputs as two batch-1 runs. Otherwise the engine stays batch 1 and the reason
@@ -30,6 +33,10 @@ AUTO_MAX_BATCH = 8
 # A larger batch must be this much cheaper per frame to win: a few percent is timing noise, and a
 # smaller batch at the same throughput always has the lower latency.
 MIN_GAIN = 0.03
+# The capacity a size must have over the cameras' total frame rate to be "enough": 1.25x leaves room for
+# load from other processes, clock changes and decode jitter, so a size that barely keeps up is not
+# picked only to fall behind (the best-throughput rule then applies instead).
+DEMAND_HEADROOM = 1.25
 
 
 class BatchRewriteError(ModelError):
@@ -57,22 +64,57 @@ def normalize_curve(curve: Mapping[Any, Any] | Iterable[Sequence[Any]]) -> dict[
     return dict(sorted(points.items()))
 
 
-def pick_batch_size(curve: Mapping[Any, Any] | Iterable[Sequence[Any]], latency_budget_ms: float | None,
-                    max_size: int) -> int:
-    """The batch size to run: best measured throughput among sizes <= `max_size` whose batch latency fits.
+@dataclass(frozen=True)
+class BatchPick:
+    """A picked size, the rule that chose it ("demand", "throughput" or "none_fits") and the numbers why."""
+
+    size: int
+    rule: str
+    reason: str
+
+
+def capacity_fps(cost_ms: float) -> float:
+    """Frames per second one size serves: `size` frames every `size * cost_ms` ms = 1000 / cost_ms."""
+    return 1000.0 / cost_ms
+
+
+def choose_batch_size(curve: Mapping[Any, Any] | Iterable[Sequence[Any]], latency_budget_ms: float | None,
+                      max_size: int, demand_fps: float | None = None) -> BatchPick:
+    """The batch size to run and why, among sizes <= `max_size` whose batch latency fits the budget.
 
     A batch of `b` frames at `c(b)` ms per frame occupies the engine for `b * c(b)` ms, which is the
-    latency its first frame sees; sizes where that exceeds `latency_budget_ms` are cut. Among the rest,
-    the lowest cost per frame wins, but a larger size only when it is at least `MIN_GAIN` cheaper than
-    the smallest size that is as good. No size fits (or no curve): 1.
+    latency its first frame sees; sizes where that exceeds `latency_budget_ms` are cut. With the cameras'
+    total rate `demand_fps` known, the smallest size whose capacity (1000 / c(b)) is at least
+    `DEMAND_HEADROOM` x demand wins: a larger batch would serve the same frames later. Without a demand,
+    or when no size covers it, the lowest cost per frame wins, a larger size only when it is at least
+    `MIN_GAIN` cheaper than the smallest size that is as good. No size fits (or no curve): 1.
     """
+    if demand_fps is not None and not (math.isfinite(demand_fps) and demand_fps > 0):
+        raise ValueError(f"demand_fps {demand_fps!r}: the cameras' total frame rate must be a positive number")
     points = normalize_curve(curve)
     fits = {b: c for b, c in points.items()
             if b <= max_size and (latency_budget_ms is None or b * c <= latency_budget_ms)}
     if not fits:
-        return 1
+        return BatchPick(1, "none_fits", f"no size <= {max_size} fits the latency budget {latency_budget_ms} ms")
+    if demand_fps is not None:
+        needed = demand_fps * DEMAND_HEADROOM
+        enough = [b for b, c in fits.items() if capacity_fps(c) >= needed]
+        if enough:
+            b = min(enough)
+            return BatchPick(b, "demand", f"demand {demand_fps:.1f} fps x {DEMAND_HEADROOM} headroom = "
+                             f"{needed:.1f} fps; batch {b} serves {capacity_fps(fits[b]):.1f} fps")
     best = min(fits.values())
-    return min(b for b, c in fits.items() if c * (1 - MIN_GAIN) <= best)
+    b = min(b for b, c in fits.items() if c * (1 - MIN_GAIN) <= best)
+    why = f"best throughput: batch {b} serves {capacity_fps(fits[b]):.1f} fps"
+    if demand_fps is not None:
+        why += f" (< demand {demand_fps:.1f} fps x {DEMAND_HEADROOM} headroom)"
+    return BatchPick(b, "throughput", why)
+
+
+def pick_batch_size(curve: Mapping[Any, Any] | Iterable[Sequence[Any]], latency_budget_ms: float | None,
+                    max_size: int, demand_fps: float | None = None) -> int:
+    """The batch size to run (`choose_batch_size` without the reason)."""
+    return choose_batch_size(curve, latency_budget_ms, max_size, demand_fps).size
 
 
 def planned_max_batch(setting: int | str | None, cameras: int = 1) -> int:

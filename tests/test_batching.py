@@ -20,8 +20,8 @@ from onnx import TensorProto, helper, numpy_helper
 from deploy.package import PackageError, PackageOptions, package
 from deploy.signing import keygen
 from engines.backends.base import EngineOptions
-from engines.batching import (AUTO_MAX_BATCH, BatchRewriteError, make_batch_dynamic, pick_batch_size,
-                              planned_max_batch, verify_batching)
+from engines.batching import (AUTO_MAX_BATCH, DEMAND_HEADROOM, BatchRewriteError, choose_batch_size,
+                              make_batch_dynamic, pick_batch_size, planned_max_batch, verify_batching)
 from engines.build_spec import EngineBuildSpec, ShapeProfile, make_cache_key
 from engines.errors import EdgeError
 from engines.manifest import PostprocessSpec
@@ -71,6 +71,57 @@ def test_max_size_and_noise_margin() -> None:
     assert pick_batch_size({"1": 10.0, "2": 9.9}, None, 8) == 1  # 1 % is timing noise, not a gain
     assert pick_batch_size({"1": 10.0, "2": 9.0, "4": 8.9}, None, 8) == 2  # 4 is not 3 % better than 2
     assert pick_batch_size({}, 10.0, 8) == 1
+
+
+# Measured on an AVX-512 2-core EPYC (issue 10): batch 1 alone serves ~164 fps.
+PPOCR_DET_320x224_FAST = {"1": 6.1, "2": 5.6, "3": 5.5, "4": 5.2}
+
+
+def test_demand_met_by_batch_one_picks_one() -> None:
+    # 4 cameras x 30 fps = 120 fps; batch 1 serves 164 >= 1.25 x 120 = 150: no frame waits for a batch
+    pick = choose_batch_size(PPOCR_DET_320x224_FAST, None, 4, demand_fps=120.0)
+    assert (pick.size, pick.rule) == (1, "demand")
+    assert "120.0 fps" in pick.reason and "batch 1 serves 163.9 fps" in pick.reason
+    assert pick_batch_size(PPOCR_DET_320x224_FAST, None, 4) == 4  # without the demand: today's best throughput
+
+
+def test_demand_picks_the_smallest_size_that_covers_it_with_headroom() -> None:
+    # 140 fps x 1.25 = 175: batch 1 (164) is short, batch 2 (178.6) covers it
+    assert choose_batch_size(PPOCR_DET_320x224_FAST, None, 4, demand_fps=140.0).size == 2
+    # at exactly the headroom a size is enough; a hair above, it is not
+    curve = {"1": 10.0, "2": 5.0}
+    assert pick_batch_size(curve, None, 2, demand_fps=100.0 / DEMAND_HEADROOM) == 1
+    assert pick_batch_size(curve, None, 2, demand_fps=100.5 / DEMAND_HEADROOM) == 2
+
+
+def test_demand_beyond_every_size_falls_back_to_best_throughput() -> None:
+    pick = choose_batch_size(PPOCR_DET_320x224, None, 4, demand_fps=480.0)  # 4 cameras x 120 fps
+    assert (pick.size, pick.rule) == (4, "throughput")
+    assert "< demand 480.0 fps" in pick.reason
+    # batching that does not pay stays at 1 however high the demand
+    assert pick_batch_size(PPOCR_DET_640x480, None, 4, demand_fps=480.0) == 1
+
+
+def test_unknown_demand_is_todays_pick() -> None:
+    for curve in (PPOCR_DET_640x480, PPOCR_DET_320x224, PPOCR_DET_320x224_FAST, {1: 11.4, 2: 9.0, 4: 8.4}):
+        pick = choose_batch_size(curve, 30.0, 8, demand_fps=None)
+        assert pick.rule in ("throughput", "none_fits")
+        assert pick.size == pick_batch_size(curve, 30.0, 8)
+    assert pick_batch_size({1: 11.4, 2: 9.0, 4: 8.4}, 30.0, 8) == 2
+
+
+def test_budget_excludes_a_size_even_when_demand_needs_it() -> None:
+    curve = {1: 20.0, 2: 9.0, 4: 6.0}  # batch 4 occupies the engine 24 ms, batch 2 18 ms
+    assert pick_batch_size(curve, None, 4, demand_fps=120.0) == 4  # 166.7 fps >= 150
+    pick = choose_batch_size(curve, 20.0, 4, demand_fps=120.0)  # 4 cut; neither 1 (50) nor 2 (111) covers 150
+    assert (pick.size, pick.rule) == (2, "throughput")
+    assert choose_batch_size(curve, 10.0, 4, demand_fps=10.0).rule == "none_fits"  # 1 x 20 ms > 10 ms
+
+
+@pytest.mark.parametrize("bad", [0.0, -30.0, float("nan"), float("inf")])
+def test_a_bad_demand_is_an_error_naming_it(bad: float) -> None:
+    with pytest.raises(ValueError, match="demand_fps"):
+        choose_batch_size(PPOCR_DET_320x224, None, 4, demand_fps=bad)
 
 
 @pytest.mark.parametrize("bad", [{"0": 1.0}, {"x": 1.0}, {"2": -1.0}, {"2": float("nan")}])

@@ -223,7 +223,9 @@ def test_auto_batch_size_follows_the_engine_swapped_in(start_agent) -> None:
         report = {**loaded.provisioned.report, "batch": {**(loaded.provisioned.report.get("batch") or {}), "curve": curve}}
         return replace(loaded, provisioned=replace(loaded.provisioned, report=report))
 
-    pays, flat = {"1": 12.0, "2": 5.0}, {"1": 5.0, "2": 12.0}  # per-frame ms: batching pays / does not
+    # per-frame ms: batching pays / does not. Two cameras at 5 fps demand 10 fps: batch 1 of `pays` (6.7 fps)
+    # cannot serve them, so "auto" needs batch 2; batch 1 of `flat` (200 fps) serves them
+    pays, flat = {"1": 150.0, "2": 5.0}, {"1": 5.0, "2": 12.0}
     assert (pick_batch_size(pays, budget, 2), pick_batch_size(flat, budget, 2)) == (2, 1)
     for curve, size in ((pays, 2), (flat, 1), (pays, 2)):
         agent.swap_model(with_curve(agent.active, curve))

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from agent.cli import app
 from agent.config import load_config
-from agent.pipeline.batch_size import resolve_batch_size
+from agent.pipeline.batch_size import demand_fps, resolve_batch_size
 
 TWO_CAMERAS = """
 [[cameras]]
@@ -141,7 +141,28 @@ def test_auto_uses_the_engine_side_picker_on_the_measured_curve() -> None:
     except ImportError:
         assert resolved.size == 1 and "not available" in resolved.reason
     else:
-        assert resolved.size == 2 and "measured" in resolved.reason
+        assert resolved.size == 2 and "throughput" in resolved.reason and "demand unknown" in resolved.reason
         # the latency budget cuts sizes whose whole batch takes longer: 2 x 10 ms > 15 ms leaves batch 1
         assert resolve_batch_size("auto", 3, {"1": 12.0, "2": 10.0, "3": 29.0}, 15.0).size == 1
         assert resolve_batch_size("auto", 3, {"1": 12.0, "2": 10.0, "3": 29.0}, 25.0).size == 2
+
+
+def test_demand_is_the_cameras_total_rate_only_when_every_rate_is_known(tmp_path: Path) -> None:
+    from agent.sources.file import FileConfig
+    from agent.sources.synthetic import SyntheticConfig
+    from agent.sources.v4l2 import V4l2Config
+
+    synthetic = [SyntheticConfig(name=f"s{i}", fps=30.0) for i in range(3)]
+    assert demand_fps(synthetic) == 90.0
+    assert demand_fps([*synthetic, V4l2Config(name="v", fps=15.0), FileConfig(name="f", path=tmp_path, fps=5)]) == 110.0
+    assert demand_fps([*synthetic, V4l2Config(name="v")]) is None  # driver default: not known before it opens
+    assert demand_fps([*synthetic, FileConfig(name="f", path=tmp_path)]) is None  # the video's own rate
+    assert demand_fps([]) is None
+
+
+def test_auto_with_a_demand_batch_one_meets_picks_one() -> None:
+    curve = {"1": 6.1, "2": 5.6, "3": 5.5, "4": 5.2}  # batch 1 serves 164 fps
+    met = resolve_batch_size("auto", 4, curve, None, demand=120.0)
+    assert met.size == 1 and "demand 120.0 fps" in met.reason and "(demand," in met.reason
+    assert resolve_batch_size("auto", 4, curve, None, demand=None).size == 4
+    assert resolve_batch_size("auto", 4, curve, None, demand=400.0).size == 4

@@ -1,15 +1,18 @@
 """What `[batch] max_size` means on this device: an integer as given, or "auto" from the engine's measurement.
 
-"auto" asks `engines.batching.pick_batch_size(curve, latency_budget_ms, max_size)` (the engine side's
-picker over the per-size cost curve stored in the engine sidecar at build time). No curve, or no picker
-in this build: batch 1, with the reason, so a device never batches on a guess.
+"auto" asks `engines.batching.choose_batch_size(curve, latency_budget_ms, max_size, demand_fps)` (the
+engine side's picker over the per-size cost curve stored in the engine sidecar at build time). The
+demand is the cameras' total frame rate when every camera states one (`demand_fps`): then the smallest
+size that serves it with headroom wins, since a larger batch only makes frames wait; unknown, the best
+measured throughput. No curve, or no picker in this build: batch 1, with the reason, so a device never
+batches on a guess.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Iterable, Union
 
 from agent.pipeline.config import MAX_BATCH
 
@@ -37,8 +40,24 @@ def batch_curve(provisioned: Any) -> Any:
     return report.get("batch_curve") if isinstance(report, dict) else None
 
 
-def resolve_batch_size(setting: Union[int, str], cameras: int, curve: Any, budget_ms: float | None) -> BatchSize:
+def demand_fps(cameras: Iterable[Any]) -> float | None:
+    """The cameras' total frame rate when every camera config states its rate (`fps`: synthetic, a file's
+    replay rate, a V4L2 requested rate), else None: a network stream or a driver default is not known
+    before it opens, and a partial sum would understate the demand."""
+    total = 0.0
+    for camera in cameras:
+        fps = getattr(camera, "fps", None)
+        if not isinstance(fps, (int, float)) or isinstance(fps, bool) or fps <= 0:
+            return None
+        total += float(fps)
+    return total or None
+
+
+def resolve_batch_size(setting: Union[int, str], cameras: int, curve: Any, budget_ms: float | None,
+                       demand: float | None = None) -> BatchSize:
     """Never more than the number of cameras: a batch holds at most one frame per camera.
+
+    `demand` is the cameras' total fps (`demand_fps`), None when unknown.
 
     An explicit size larger than the engine takes still works: the batch runtime splits it into calls
     the engine accepts (agent.pipeline.batch_runtime).
@@ -51,13 +70,14 @@ def resolve_batch_size(setting: Union[int, str], cameras: int, curve: Any, budge
     if not curve:
         return BatchSize(1, "auto: the engine sidecar has no measured batch curve")
     try:
-        from engines.batching import pick_batch_size
+        from engines.batching import choose_batch_size
     except ImportError:
-        return BatchSize(1, "auto: engines.batching.pick_batch_size is not available in this build")
+        return BatchSize(1, "auto: engines.batching.choose_batch_size is not available in this build")
     try:
-        picked = int(pick_batch_size(curve, budget_ms, min(MAX_BATCH, cameras)))
+        pick = choose_batch_size(curve, budget_ms, min(MAX_BATCH, cameras), demand)
     except Exception as exc:  # a bad curve must not stop the agent: batch 1 and say why
         log.warning("batch size auto: picker failed on the sidecar curve: %s", exc)
         return BatchSize(1, f"auto: picker failed ({type(exc).__name__}: {exc})")
-    size = max(1, min(picked, cameras))
-    return BatchSize(size, f"auto: measured on this device (picked {picked})")
+    size = max(1, min(pick.size, cameras))
+    known = "demand unknown" if demand is None else f"demand {demand:.1f} fps"
+    return BatchSize(size, f"auto ({pick.rule}, {known}): {pick.reason}")

@@ -23,8 +23,10 @@ class BatchConfig(BaseModel):
     max_size: Union[int, Literal["auto"]] = Field(
         "auto",
         description="Frames per engine call: an integer 1-64 (true/false and fractions are refused), or \"auto\": "
-        "the size measured on this device (engine sidecar), "
-        "else 1. Never more than the number of cameras.",
+        "from the per-size cost curve measured on this device (engine sidecar), among sizes whose batch fits the "
+        "model's latency budget: when every camera states its rate (synthetic fps, file fps, V4L2 fps), the "
+        "smallest size serving their total with 1.25x headroom (a larger one only adds waiting), otherwise the "
+        "best measured throughput; no curve: 1. Never more than the number of cameras.",
     )
     timeout_ms: float = Field(
         20.0, ge=0, le=10000,
