@@ -109,6 +109,13 @@ def _latest_cameras(live: dict[str, Any] | None, last_run: dict[str, Any] | None
     return ((last_run or {}).get("summary") or {}).get("cameras") or {}
 
 
+def _decodes(cam: dict[str, Any]) -> str:
+    """", decoded D of G grabs" when the camera reports grabs (retrieves per grab show what capture costs)."""
+    capture = cam.get("capture") or {}
+    grabbed = capture.get("grabbed")
+    return f", decoded {capture.get('decoded', 0)} of {grabbed} grabs" if grabbed else ""
+
+
 def model_row(row: dict[str, Any] | None) -> dict[str, Any] | None:
     """An active_model row as status shows it (also used by the `status` command)."""
     if row is None:
@@ -137,7 +144,8 @@ def render_status(report: dict[str, Any], console: Console) -> None:
     for name, cam in (report.get("cameras") or {}).items():
         state = "" if cam.get("connected", True) else " (down)"
         console.print(f"  camera   {name}{state}: {cam.get('fps', 0):.1f} fps, p99 {cam.get('latency_ms', {}).get('p99', '-')} ms, "
-                      f"frames {cam.get('frames', 0)}, dropped {cam.get('dropped_frames', 0)}", highlight=False, markup=False)
+                      f"frames {cam.get('frames', 0)}, dropped {cam.get('dropped_frames', 0)}{_decodes(cam)}",
+                      highlight=False, markup=False)
     render_adapt(report.get("adapt"), console)
     if report.get("last_run"):
         run = report["last_run"]

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from agent.pipeline.summary import camera_numbers
+from agent.pipeline.summary import DECODE_FIELDS, camera_numbers
 from agent.telemetry import collector_from_names, energy_mj_per_frame
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class FramePathMeter:
         return out
 
     def _cameras(self, interval: float) -> dict[str, dict[str, Any]]:
-        """Per camera: fps over the interval, frames and drops since start, latency since start."""
+        """Per camera: fps over the interval; frames, drops, grabs and retrieves since start; latency since start."""
         numbers = camera_numbers(self.agent.worker, self.agent.batcher, self.agent.cameras)
         out = {}
         for name, cam in numbers.items():
@@ -65,7 +65,8 @@ class FramePathMeter:
             self._last_cameras[name] = cam["frames"]
             out[name] = {"fps": round((cam["frames"] - before) / interval, 2), "frames": cam["frames"],
                          "dropped_frames": cam["dropped_frames"], "latency_ms": cam["latency_ms"],
-                         "connected": cam["connected"]}
+                         "connected": cam["connected"],
+                         "capture": {f: cam["capture"][f] for f in DECODE_FIELDS}}
         return out
 
 

@@ -89,6 +89,8 @@ def test_per_camera_results_and_stats_with_a_failing_camera(start_agent, tmp_pat
     for name in ("left", "right"):
         assert cams[name]["frames"] >= 6 and cams[name]["fps"] > 0 and cams[name]["latency_ms"]["p99"] > 0
         assert set(cams[name]) >= {"frames", "fps", "dropped_frames", "latency_ms"}
+        capture = cams[name]["capture"]  # the synthetic camera reads eagerly: each grab is retrieved
+        assert capture["grabbed"] == capture["decoded"] >= cams[name]["frames"] and capture["skipped"] == 0
     assert cams["door"]["frames"] == 0 and not cams["door"]["connected"] and cams["door"]["capture"]["losses"] == 1
     assert summary["frames"] == cams["left"]["frames"] + cams["right"]["frames"]
     assert summary["dropped_frames"] == sum(c["dropped_frames"] for c in cams.values())
@@ -100,6 +102,7 @@ def test_per_camera_results_and_stats_with_a_failing_camera(start_agent, tmp_pat
     render_status(status, console)
     text = console.export_text()
     assert "camera   door (down)" in text and "camera   left:" in text and "camera   right:" in text
+    assert f"decoded {cams['left']['capture']['decoded']} of {cams['left']['capture']['grabbed']} grabs" in text
     line = status_line(summary)
     assert "door down" in line and "left " in line and "right " in line
 
@@ -114,6 +117,7 @@ def test_telemetry_and_prometheus_numbers_per_camera(start_agent) -> None:
     assert set(sample["cameras"]) == {"a", "b"}
     for cam in sample["cameras"].values():
         assert cam["frames"] >= 3 and cam["fps"] > 0 and "p99" in cam["latency_ms"]
+        assert cam["capture"]["grabbed"] >= cam["capture"]["decoded"] >= cam["frames"]
     assert sum(c["frames"] for c in sample["cameras"].values()) <= sample["frames"]
 
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from agent.pipeline.mailbox import FreshestMailbox
+from agent.pipeline.on_demand import OnDemandGrabber, decodes_on_demand
 from agent.sources.base import Frame, SourceError, validate_image
-from agent.sources.lazy import LazyGrabber, can_grab
+from agent.sources.lazy import GrabCounts, LazyGrabber, can_grab
 
 log = logging.getLogger(__name__)
 
@@ -22,14 +23,13 @@ EventSink = Callable[..., None]
 
 
 @dataclass
-class CaptureStats:
-    """Counters the run summary and telemetry report."""
+class CaptureStats(GrabCounts):
+    """Counters the run summary and telemetry report (with `grabbed`, `decoded`, `skipped`, `bad_frames`)."""
 
     frames: int = 0
     losses: int = 0
     recoveries: int = 0
     reopen_attempts: int = 0
-    bad_frames: int = 0
     connected: bool = False
     ended: bool = False
 
@@ -55,6 +55,8 @@ class CaptureThread(threading.Thread):
         self._lost_since: float | None = None
         # paced sources that can grab: frames replaced unread are never decoded (agent.sources.lazy)
         self.grabber = LazyGrabber(source, mailbox, self._name, self.stats) if can_grab(source) else None
+        # live sources: grabs the consumer will not take are never retrieved (agent.pipeline.on_demand)
+        self.on_demand = OnDemandGrabber(source, mailbox, self._name, self.stats) if decodes_on_demand(source) else None
 
     def run(self) -> None:
         """Open, read, and on failure back off and reopen, until stopped (or a finite source ends)."""
@@ -84,6 +86,8 @@ class CaptureThread(threading.Thread):
             self._lost(f"unexpected: {exc}")
             return False
         self._connected()
+        if self.on_demand is not None:
+            self.on_demand.reset()
         return True
 
     def _read_until_failure(self) -> None:
@@ -104,9 +108,13 @@ class CaptureThread(threading.Thread):
         try:
             if self.grabber is not None:
                 return self._grab_one()
+            if self.on_demand is not None:
+                return self._grab_live()
             image = self.source.read()
             if image is None:
                 return self._end_of_stream()
+            self.stats.grabbed += 1
+            self.stats.decoded += 1
             image = validate_image(image, self._name)
         except SourceError as exc:
             if exc.code == "CAMERA_BAD_FRAME":
@@ -127,6 +135,14 @@ class CaptureThread(threading.Thread):
         """Grab and offer a LazyFrame: the consumer decodes only the frames it takes."""
         assert self.grabber is not None
         if not self.grabber.grab_and_put(self.stats.frames + 1):
+            return self._end_of_stream()
+        self.stats.frames += 1
+        return True
+
+    def _grab_live(self) -> bool:
+        """Grab a live frame; it is retrieved only when the consumer will take it before the next grab."""
+        assert self.on_demand is not None
+        if not self.on_demand.grab_and_put(self.stats.frames + 1):
             return self._end_of_stream()
         self.stats.frames += 1
         return True

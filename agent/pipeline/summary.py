@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-CAPTURE_FIELDS = ("frames", "losses", "recoveries", "bad_frames")
+CAPTURE_FIELDS = ("frames", "losses", "recoveries", "bad_frames", "grabbed", "decoded", "skipped")
+# grabs, retrieves, grabs never retrieved: agent.sources.lazy.GrabCounts
+DECODE_FIELDS = ("grabbed", "decoded", "skipped")
 
 
 def camera_numbers(worker: Any, batcher: Any, cameras: Any) -> dict[str, dict[str, Any]]:

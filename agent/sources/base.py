@@ -102,9 +102,10 @@ class FrameSource(Protocol):
 class GrabbingSource(FrameSource, Protocol):
     """A source that splits `read` into a cheap `grab` and a `retrieve` (decode/convert) of the last grab.
 
-    The capture thread grabs every frame and lets the consumer retrieve only the frames it takes
-    (agent.sources.lazy). Only paced sources do this: a blocking grab (a live device, a stream) would
-    make a late retrieve wait for the next frame.
+    Paced sources: the capture thread grabs every frame and lets the consumer retrieve only the frames it
+    takes (agent.sources.lazy). Live sources, whose grab blocks until the next frame (a late retrieve
+    would wait for it): the capture thread retrieves right after a grab, only when the consumer is
+    expected to take a frame before the next one (agent.pipeline.on_demand).
     """
 
     def grab(self) -> bool:

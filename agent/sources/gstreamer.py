@@ -3,6 +3,13 @@
 On Jetson this is the way to CSI cameras (nvarguscamerasrc) and to hardware decoding (nvv4l2decoder).
 It needs an OpenCV built with GStreamer; the pip wheels are not, so the source refuses to start with
 the fix instead of failing every reopen with "could not open".
+
+`decode = "on_demand"` (the default) gates the retrieve as for the other live sources
+(agent.pipeline.on_demand), but here it saves less: the pipeline itself decodes and converts (on a
+Jetson in NVDEC and VIC hardware, before appsink), so a skipped retrieve saves only OpenCV's copy of
+the sample into a new array (about 0.9 MB at 640x480 BGR, 6 MB at 1080p), plus the colour conversion
+when the appsink caps are not BGR (OpenCV converts e.g. NV12 or I420 in retrieve). Stale frames are
+kept out by the pipeline itself: end it in `appsink drop=true max-buffers=1`.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ import numpy as np
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from agent.sources import SOURCES
-from agent.sources.base import SourceConfigBase, SourceError
+from agent.sources.base import SourceError
+from agent.sources.live import LiveSourceConfig
 from agent.sources.opencv_capture import Capture, RedactedInput, redact
 
 log = logging.getLogger(__name__)
@@ -27,7 +35,7 @@ NO_GSTREAMER = (
 )
 
 
-class GStreamerConfig(SourceConfigBase):
+class GStreamerConfig(LiveSourceConfig):
     """GStreamer pipeline settings."""
 
     # A pipeline may hold a camera URL with a password (rtspsrc location=...): keep it out of errors.
@@ -93,11 +101,24 @@ class GStreamerSource:
         """Next frame; no frame means the pipeline stopped (EOS or error)."""
         image = self._capture.read()
         if image is None:
-            raise SourceError(
-                f"camera {self.config.name} (gstreamer): pipeline stopped (EOS or error); "
-                "run it with gst-launch-1.0 to see why"
-            )
+            raise self._no_frame()
         return image
+
+    def grab(self) -> bool:
+        """Pull the next sample from appsink (already decoded and converted by the pipeline) without copying it."""
+        if not self._capture.grab():
+            raise self._no_frame()
+        return True
+
+    def retrieve(self) -> np.ndarray | None:
+        """The last pulled sample as a BGR array: the copy out of the GStreamer buffer happens here."""
+        return self._capture.retrieve()
+
+    def _no_frame(self) -> SourceError:
+        return SourceError(
+            f"camera {self.config.name} (gstreamer): pipeline stopped (EOS or error); "
+            "run it with gst-launch-1.0 to see why"
+        )
 
     def close(self) -> None:
         """Stop the pipeline; safe to call twice."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,16 +33,33 @@ def can_grab(source: Any) -> bool:
         and callable(getattr(source, "retrieve", None))
 
 
+@dataclass
+class GrabCounts:
+    """Grabs and retrieves of one camera, the same names for every way of reading it (status, summary, telemetry).
+
+    `grabbed`: frames the source advanced past; `decoded`: retrieves (decode/convert and copy);
+    `skipped`: grabs never retrieved (for lazily decoded frames: not retrieved yet).
+    """
+
+    grabbed: int = 0
+    decoded: int = 0
+    bad_frames: int = 0
+
+    @property
+    def skipped(self) -> int:
+        """Grabs that cost only the grab."""
+        return max(self.grabbed - self.decoded, 0)
+
+
 class LazyGrabber:
     """One source's grab/retrieve protocol around a mailbox; counts grabs and decodes."""
 
-    def __init__(self, source: Any, mailbox: Any, name: str, stats: Any = None) -> None:
+    def __init__(self, source: Any, mailbox: Any, name: str, stats: GrabCounts | None = None) -> None:
         self.source = source
         self.mailbox = mailbox
         self.name = name
-        self.stats = stats  # the capture thread's CaptureStats: bad frames found at retrieve count there too
-        self.grabbed = 0
-        self.decoded = 0  # retrieves: frames the consumer used
+        # the capture thread's CaptureStats: grabs, retrieves and bad frames found at retrieve count there
+        self.stats = stats if stats is not None else GrabCounts()
         self._lock = threading.Lock()
         self._current: LazyFrame | None = None  # the frame the source's last grab belongs to
 
@@ -53,7 +71,7 @@ class LazyGrabber:
                 return False
             frame = LazyFrame(index, time.monotonic(), self.name, self._load)
             self._current = frame
-            self.grabbed += 1
+            self.stats.grabbed += 1
             self.mailbox.put(frame)  # under the lock: a late retrieve sees the mailbox and the source agree
             last = self._at_last_frame()
         if last:
@@ -85,13 +103,22 @@ class LazyGrabber:
             if newest is not frame:
                 self._serve_newer(frame, newest)
             image = self.source.retrieve()
-            self.decoded += 1
+            self.stats.decoded += 1
         try:
             return validate_image(image, self.name) if image is not None else self._no_image()
         except SourceError:
-            if self.stats is not None:
-                self.stats.bad_frames += 1
+            self.stats.bad_frames += 1
             raise
+
+    @property
+    def grabbed(self) -> int:
+        """Frames grabbed."""
+        return self.stats.grabbed
+
+    @property
+    def decoded(self) -> int:
+        """Retrieves: frames the consumer used."""
+        return self.stats.decoded
 
     def _serve_newer(self, frame: LazyFrame, newest: LazyFrame) -> None:
         """The source grabbed again after `frame` was taken: `frame` becomes that newer frame."""

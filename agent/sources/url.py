@@ -18,7 +18,8 @@ import numpy as np
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from agent.sources import SOURCES
-from agent.sources.base import SourceConfigBase, SourceError
+from agent.sources.base import SourceError
+from agent.sources.live import LiveSourceConfig
 from agent.sources.opencv_capture import Capture, RedactedInput, redact
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ FFMPEG_OPTIONS_ENV = "OPENCV_FFMPEG_CAPTURE_OPTIONS"
 _OPEN_LOCK = threading.Lock()
 
 
-class UrlConfig(SourceConfigBase):
+class UrlConfig(LiveSourceConfig):
     """Network stream settings."""
 
     # Errors must not echo the URL, which may carry a password. This setting only covers validation
@@ -135,11 +136,24 @@ class UrlSource:
         """Next decoded frame; end of stream or a read timeout is a lost stream."""
         image = self._capture.read()
         if image is None:
-            raise SourceError(
-                f"{self.display_url}: stream ended or no frame within {self.config.read_timeout_ms} ms "
-                "(server gone, camera rebooting, or network down)"
-            )
+            raise self._no_frame()
         return image
+
+    def grab(self) -> bool:
+        """Wait for and decode the next frame (inter frames need every decode) without converting it to BGR."""
+        if not self._capture.grab():
+            raise self._no_frame()
+        return True
+
+    def retrieve(self) -> np.ndarray | None:
+        """The last grabbed frame as BGR: the conversion from the codec's YUV and the copy happen here."""
+        return self._capture.retrieve()
+
+    def _no_frame(self) -> SourceError:
+        return SourceError(
+            f"{self.display_url}: stream ended or no frame within {self.config.read_timeout_ms} ms "
+            "(server gone, camera rebooting, or network down)"
+        )
 
     def close(self) -> None:
         """Disconnect; safe to call twice."""

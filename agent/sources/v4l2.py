@@ -17,13 +17,14 @@ import numpy as np
 from pydantic import Field, field_validator
 
 from agent.sources import SOURCES
-from agent.sources.base import SourceConfigBase, SourceError
+from agent.sources.base import SourceError
+from agent.sources.live import LiveSourceConfig
 from agent.sources.opencv_capture import Capture
 
 log = logging.getLogger(__name__)
 
 
-class V4l2Config(SourceConfigBase):
+class V4l2Config(LiveSourceConfig):
     """V4L2 camera settings; unset fields keep the driver's current mode."""
 
     kind: Literal["v4l2"] = Field("v4l2", description="Source type: selects this plugin.")
@@ -93,10 +94,23 @@ class V4l2Source:
         """Next frame; a missing frame means the camera was unplugged or stalled."""
         image = self._capture.read()
         if image is None:
-            raise SourceError(
-                f"{self.path}: no frame from the device (unplugged, or stalled: check `dmesg` for USB errors)"
-            )
+            raise self._no_frame()
         return image
+
+    def grab(self) -> bool:
+        """Wait for the next frame and dequeue it without decoding (MJPEG) or converting (YUYV) it."""
+        if not self._capture.grab():
+            raise self._no_frame()
+        return True
+
+    def retrieve(self) -> np.ndarray | None:
+        """The last grabbed frame as BGR: the MJPEG decode or YUYV conversion and the copy happen here."""
+        return self._capture.retrieve()
+
+    def _no_frame(self) -> SourceError:
+        return SourceError(
+            f"{self.path}: no frame from the device (unplugged, or stalled: check `dmesg` for USB errors)"
+        )
 
     def close(self) -> None:
         """Release the device; safe to call twice."""
