@@ -45,7 +45,7 @@ from agent.pipeline.batch_size import batch_curve, demand_fps, resolve_batch_siz
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.cameras import CameraGroup
 from agent.pipeline.frame_stats import FrameStats
-from agent.pipeline.worker import InferenceWorker
+from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
 from engines.backends.base import EngineOptions
 from engines.batching import capacity_fps, normalize_curve, planned_max_batch
@@ -214,6 +214,7 @@ def main() -> None:
                         "its engines on this machine, as a device does on first start).")
     parser.add_argument("--out", type=Path, default=Path("out/bench-batching.json"))
     args = parser.parse_args()
+    limit_opencv_threads(AgentConfig().pipeline.opencv_threads)  # as `edge-agent run` does
     if args.quick:
         args.seconds, args.rounds = 5.0, 1
 

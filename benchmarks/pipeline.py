@@ -47,7 +47,7 @@ from agent.pipeline.cameras import CameraGroup
 from agent.demo import prepare_demo_model_dir
 from agent.pipeline.frame_stats import FrameStats
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
-from agent.pipeline.worker import InferenceWorker
+from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
 from agent.config import AgentConfig
 from engines.backends.base import EngineOptions
 from engines.model import load_model
@@ -177,6 +177,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="Short iteration run: 4 s per loop, 1 round.")
     parser.add_argument("--out", type=Path, default=Path("out/bench-pipeline.json"))
     args = parser.parse_args()
+    limit_opencv_threads(AgentConfig().pipeline.opencv_threads)  # as `edge-agent run` does
     if args.quick:
         args.seconds, args.rounds = 4.0, 1
 
