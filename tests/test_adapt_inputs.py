@@ -4,6 +4,7 @@ one telemetry sample turned into policy Inputs."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -93,11 +94,15 @@ def test_policy_inputs_from_one_telemetry_sample() -> None:
     assert policy_inputs(10.0, {"throttled": False}, None).throttled is False
 
 
-def test_infer_mean_covers_the_window_and_skips_frames_without_one() -> None:
+def test_infer_p99_covers_the_window_and_skips_frames_without_one() -> None:
     window = SlidingLatency(window_s=2.0)
     window.record(50.0, 0.0, 40.0)
     window.record(30.0, 1.5, 10.0)
     window.record(31.0, 2.5, None)
     window.record(32.0, 3.0, 20.0)
-    assert window.infer_mean(3.0) == 15.0  # the frame at 0.0 left the window
-    assert SlidingLatency().infer_mean(0.0) is None
+    assert window.infer_p99(3.0) == 20.0  # the frame at 0.0 (40 ms) left the window
+    assert SlidingLatency().infer_p99(0.0) is None
+    values = np.random.default_rng(1).uniform(5, 50, 500)
+    for i, v in enumerate(values):
+        window.record(60.0, 10.0 + i * 1e-3, float(v))
+    assert window.infer_p99(10.5) == np.sort(values)[math.ceil(0.99 * 500) - 1]

@@ -196,7 +196,7 @@ class AdaptController(threading.Thread):
                     names, self.source.manifest.gates.latency_budget_ms)
             brightness = mean_luminance(self._last_image) if policy.dark_below is not None else None
             inputs = policy_inputs(self.latency.p99(now), self._sample() if sample is None else sample, brightness,
-                                   self.config.temp_zones, self.latency.infer_mean(now))
+                                   self.config.temp_zones, self.latency.infer_p99(now))
             self.state, decision = decide(policy, self.state, inputs, now)
             if decision is not None:
                 self._switch(decision)

@@ -38,10 +38,14 @@ class SlidingLatency:
             return None
         return values[max(0, math.ceil(0.99 * len(values)) - 1)]
 
-    def infer_mean(self, now: float) -> float | None:
-        """Mean per-frame infer time of the window ending at `now`; None when no frame carried one."""
-        values = [infer for _, _, infer in self._window(now) if infer is not None]
-        return sum(values) / len(values) if values else None
+    def infer_p99(self, now: float) -> float | None:
+        """p99 of the per-frame infer times of the window ending at `now`; None when no frame carried one.
+        A tail, not a mean: the frames that make the glass-to-result p99 are the ones whose engine call ran
+        long, and scaling their infer time is what predicts another variant's p99 (policy.predicted_p99)."""
+        values = sorted(infer for _, _, infer in self._window(now) if infer is not None)
+        if not values:
+            return None
+        return values[max(0, math.ceil(0.99 * len(values)) - 1)]
 
     def _window(self, now: float) -> list[tuple[float, float, float | None]]:
         with self._lock:

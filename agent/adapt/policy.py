@@ -62,7 +62,7 @@ class Inputs:
     throttled: bool | None = None
     power_w: float | None = None
     brightness: float | None = None
-    infer_ms: float | None = None  # mean per-frame infer time of the serving variant over the window
+    infer_ms: float | None = None  # p99 of the serving variant's per-frame infer time over the window
     predicted_p99_ms: float | None = None  # set by a step up: the target's predicted p99 (for the event)
 
     def numbers(self) -> dict[str, Any]:
@@ -115,8 +115,10 @@ def initial_state(count: int, variant: int = 0, costs_ms: tuple[float | None, ..
 
 def predicted_p99(state: PolicyState, inputs: Inputs, target: int) -> float | None:
     """The p99 `target` would have now: the measured p99 with the serving variant's infer time replaced by
-    the target's, scaled alike (`infer_ms` x cost ratio). Only the infer share scales: mailbox wait and
-    pre/postprocessing do not depend on the variant. None when a number is missing."""
+    the target's, scaled alike (`infer_ms`, the window's infer p99, x cost ratio). Only the infer share
+    scales: mailbox wait and pre/postprocessing do not depend on the variant. Scaling the infer tail
+    rather than its mean errs high: under contention a longer engine call is preempted more, so the
+    accurate variant's tail grows faster than its mean. None when a number is missing."""
     costs = state.costs_ms
     if inputs.p99_ms is None or inputs.infer_ms is None or not costs:
         return None
