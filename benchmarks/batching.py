@@ -284,6 +284,9 @@ def _batching_verdict(summary: dict[str, Any]) -> str:
                 f"{summary['demand_fps']} fps, so no batching gain can show (ratio {ratio})")
     if ratio >= BATCHING_GOAL:
         return f"met ({ratio} >= {BATCHING_GOAL})"
+    if ceiling is not None and ceiling <= 1.0:
+        return (f"engine-bound, and batching does not pay on this engine (its measured ceiling is {ceiling}): "
+                f"auto ran batch 1 like the baseline; the ratio {ratio} is run-to-run noise")
     if ceiling is not None and ceiling < BATCHING_GOAL:
         share = "at or above it" if ratio >= ceiling else f"{round((ratio - 1) / (ceiling - 1), 2)} of the possible gain"
         return f"engine-bound: the engine's own ceiling is {ceiling} < {BATCHING_GOAL}; measured {ratio} ({share})"
