@@ -5,8 +5,8 @@ at 15 fps into the freshest-frame mailbox, the real InferenceWorker, and for the
 AdaptController (policy, sliding-window p99, hot swap between frames). Each run has three phases: idle,
 a CPU hog process (a busy loop, one core) started and stopped by the benchmark, idle again. The three
 runs take turns in one process (order rotated per round). The latency budget is what FP32 meets on
-the idle machine with some margin: `budget_factor` x its measured idle p99, capped at the midpoint of its
-idle and hogged p99 (both measured first), so that the hog does break the budget for FP32 -- on a fast
+the idle machine with some margin: `budget_factor` x its worst idle 1-s window p99, capped at the midpoint
+of that and its median window under the hog (both measured first), so that the hog does break the budget for FP32 -- on a fast
 machine one busy core may slow FP32 by only 20 %, and a budget it never breaks would pass every goal
 without a switch.
 
@@ -280,16 +280,17 @@ def fp32_windows(loaded: list[LoadedModel], family: Any, seconds: float, hog_pro
 
 
 def calibrate(loaded: list[LoadedModel], family: Any, seconds: float, factor: float, hog_procs: int) -> dict[str, Any]:
-    """The latency budget: `factor` x FP32's idle p99 (it meets the budget idle with that margin), but never
-    above the midpoint between its worst idle window and its typical (median) window under the hog -- on a
-    machine where one busy core barely slows FP32, a budget the hog cannot break would make every goal pass
-    without a single switch (no evidence). Windows, not one p99 over the run: the goals count windows."""
+    """The latency budget: `factor` x FP32's worst idle window (it meets the budget in every idle window, with
+    that margin), but never above the midpoint between that worst idle window and its median window under
+    the hog -- where the hog barely slows FP32, a budget it cannot break would make every goal pass without a
+    single switch (no evidence). Windows, not one p99 over the run: the goals count windows, and on a VM the
+    idle p99 itself wanders (22 to 40 ms for FP32 here within minutes), so its worst window is the idle bar."""
     idle = fp32_windows(loaded, family, seconds)
     hogged = fp32_windows(loaded, family, seconds, hog_procs)
     idle_p99, idle_worst, hog_median = statistics.median(idle), max(idle), statistics.median(hogged)
-    by_factor, midpoint = round(idle_p99 * factor, 1), round((idle_worst + hog_median) / 2, 1)
+    by_factor, midpoint = round(idle_worst * factor, 1), round((idle_worst + hog_median) / 2, 1)
     budget = min(by_factor, midpoint)
-    rule = f"{factor} x idle p99" if budget == by_factor else "midpoint of FP32's worst idle and median hogged window"
+    rule = f"{factor} x worst idle window" if budget == by_factor else "midpoint of FP32's worst idle and median hogged window"
     weak = hog_median < idle_worst * HOG_MIN_EFFECT
     if weak:
         print(f"warning: under the hog FP32's median window p99 is {hog_median:.1f} ms against {idle_worst:.1f} ms "
@@ -345,7 +346,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="10/12/13 s phases instead of 30/30/30")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three runs, order rotated")
     parser.add_argument("--budget-factor", type=float, default=1.5,
-                        help="budget = factor x FP32 idle p99, capped at the midpoint of its idle and hogged p99")
+                        help="budget = factor x FP32's worst idle 1-s window p99, capped at the midpoint of that and "
+                        "its median window under the hog")
     parser.add_argument("--hog-procs", type=int, default=1,
                         help="busy-loop processes in the hog phase (the issue's scenario: 1, one core); on a machine "
                         "where one busy core does not slow FP32 (a VM whose idle vCPUs halt), 2 on 2 cores loads it")
@@ -360,7 +362,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args.cache.mkdir(parents=True, exist_ok=True)
         family, loaded = build_family(Path(tmp), args.cache)
-        calibration = calibrate(loaded, family, 6.0 if args.quick else 12.0, args.budget_factor, args.hog_procs)
+        calibration = calibrate(loaded, family, 8.0 if args.quick else 20.0, args.budget_factor, args.hog_procs)
         budget = calibration["latency_budget_ms"]
         print(f"fp32 p99 idle {calibration['fp32_idle_p99_ms']} ms, under the hog {calibration['fp32_hog_p99_ms']} ms "
               f"-> budget {budget} ms ({calibration['budget_rule']})", flush=True)
