@@ -64,7 +64,7 @@ from engines.provision import load_provisioned, provision
 CAMERA_FPS = 15.0
 VARIANTS = ["full:fp32", "int8:int8", "small:int8:320x224"]
 PHASES = {"full": (30.0, 30.0, 30.0), "quick": (10.0, 12.0, 13.0)}  # idle, hog, idle (s)
-POLICY = dict(window_s=2.0, down_after_s=1.0, up_after_s=4.0, cooldown_s=12.0, max_switches_per_min=6,
+POLICY = dict(window_s=2.0, down_after_s=2.0, up_after_s=4.0, cooldown_s=12.0, max_switches_per_min=6,
               up_margin=0.75)
 GOALS = {"adaptive_windows_within_budget": (">=", 0.95), "adaptive_top_variant_share": (">=", 0.6),
          "switches": ("<=", 6), "frames_lost": ("==", 0)}
