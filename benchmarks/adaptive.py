@@ -289,9 +289,9 @@ def calibrate(loaded: list[LoadedModel], family: Any, seconds: float, factor: fl
     hogged = fp32_windows(loaded, family, seconds, hog_procs)
     idle_p99, idle_worst, hog_median = statistics.median(idle), max(idle), statistics.median(hogged)
     by_factor, midpoint = round(idle_worst * factor, 1), round((idle_worst + hog_median) / 2, 1)
-    budget = min(by_factor, midpoint)
-    rule = f"{factor} x worst idle window" if budget == by_factor else "midpoint of FP32's worst idle and median hogged window"
     weak = hog_median < idle_worst * HOG_MIN_EFFECT
+    budget = by_factor if weak else min(by_factor, midpoint)  # a weak hog: no cap (it would sit below idle)
+    rule = f"{factor} x worst idle window" if budget == by_factor else "midpoint of FP32's worst idle and median hogged window"
     if weak:
         print(f"warning: under the hog FP32's median window p99 is {hog_median:.1f} ms against {idle_worst:.1f} ms "
               "in its worst idle window: the hog barely loads this machine and the runs show little", flush=True)
