@@ -19,12 +19,11 @@ import re
 from typing import Any, ClassVar, Literal
 
 import cv2
-import numpy as np
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from agent.sources import SOURCES
 from agent.sources.base import SourceError
-from agent.sources.live import LiveSourceConfig
+from agent.sources.live import LiveCaptureReads, LiveSourceConfig
 from agent.sources.opencv_capture import Capture, RedactedInput, redact
 
 log = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ def gstreamer_supported(build_information: str) -> bool:
 
 
 @SOURCES.register("gstreamer")
-class GStreamerSource:
+class GStreamerSource(LiveCaptureReads):
     """Frames from a GStreamer appsink."""
 
     Config: ClassVar[type[GStreamerConfig]] = GStreamerConfig
@@ -97,32 +96,11 @@ class GStreamerSource:
         )
         log.info("camera %s: pipeline started: %s", self.config.name, redact(self.config.pipeline))
 
-    def read(self) -> np.ndarray:
-        """Next frame; no frame means the pipeline stopped (EOS or error)."""
-        image = self._capture.read()
-        if image is None:
-            raise self._no_frame()
-        return image
-
-    def grab(self) -> bool:
-        """Pull the next sample from appsink (already decoded and converted by the pipeline) without copying it."""
-        if not self._capture.grab():
-            raise self._no_frame()
-        return True
-
-    def retrieve(self) -> np.ndarray | None:
-        """The last pulled sample as a BGR array: the copy out of the GStreamer buffer happens here."""
-        return self._capture.retrieve()
-
     def _no_frame(self) -> SourceError:
         return SourceError(
             f"camera {self.config.name} (gstreamer): pipeline stopped (EOS or error); "
             "run it with gst-launch-1.0 to see why"
         )
-
-    def close(self) -> None:
-        """Stop the pipeline; safe to call twice."""
-        self._capture.close()
 
     def frame_interval_s(self) -> None:
         """The pipeline paces itself."""

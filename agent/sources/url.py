@@ -14,12 +14,11 @@ from contextlib import contextmanager
 from typing import Any, ClassVar, Iterator, Literal
 
 import cv2
-import numpy as np
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from agent.sources import SOURCES
 from agent.sources.base import SourceError
-from agent.sources.live import LiveSourceConfig
+from agent.sources.live import LiveCaptureReads, LiveSourceConfig
 from agent.sources.opencv_capture import Capture, RedactedInput, redact
 
 log = logging.getLogger(__name__)
@@ -108,7 +107,7 @@ def timeout_params(open_ms: int, read_ms: int) -> list[int]:
 
 
 @SOURCES.register("url")
-class UrlSource:
+class UrlSource(LiveCaptureReads):
     """A network stream read through FFmpeg."""
 
     Config: ClassVar[type[UrlConfig]] = UrlConfig
@@ -132,32 +131,11 @@ class UrlSource:
             )
         log.info("camera %s: %s opened (%s)", cfg.name, self.display_url, self._capture.backend())
 
-    def read(self) -> np.ndarray:
-        """Next decoded frame; end of stream or a read timeout is a lost stream."""
-        image = self._capture.read()
-        if image is None:
-            raise self._no_frame()
-        return image
-
-    def grab(self) -> bool:
-        """Wait for and decode the next frame (inter frames need every decode) without converting it to BGR."""
-        if not self._capture.grab():
-            raise self._no_frame()
-        return True
-
-    def retrieve(self) -> np.ndarray | None:
-        """The last grabbed frame as BGR: the conversion from the codec's YUV and the copy happen here."""
-        return self._capture.retrieve()
-
     def _no_frame(self) -> SourceError:
         return SourceError(
             f"{self.display_url}: stream ended or no frame within {self.config.read_timeout_ms} ms "
             "(server gone, camera rebooting, or network down)"
         )
-
-    def close(self) -> None:
-        """Disconnect; safe to call twice."""
-        self._capture.close()
 
     def frame_interval_s(self) -> None:
         """The sender paces the stream."""

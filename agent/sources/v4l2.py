@@ -13,12 +13,11 @@ import stat
 from typing import ClassVar, Literal
 
 import cv2
-import numpy as np
 from pydantic import Field, field_validator
 
 from agent.sources import SOURCES
 from agent.sources.base import SourceError
-from agent.sources.live import LiveSourceConfig
+from agent.sources.live import LiveCaptureReads, LiveSourceConfig
 from agent.sources.opencv_capture import Capture
 
 log = logging.getLogger(__name__)
@@ -69,7 +68,7 @@ def check_device_node(path: str) -> None:
 
 
 @SOURCES.register("v4l2")
-class V4l2Source:
+class V4l2Source(LiveCaptureReads):
     """A Video4Linux2 camera read through OpenCV."""
 
     Config: ClassVar[type[V4l2Config]] = V4l2Config
@@ -90,31 +89,10 @@ class V4l2Source:
         )
         self._request_mode()
 
-    def read(self) -> np.ndarray:
-        """Next frame; a missing frame means the camera was unplugged or stalled."""
-        image = self._capture.read()
-        if image is None:
-            raise self._no_frame()
-        return image
-
-    def grab(self) -> bool:
-        """Wait for the next frame and dequeue it without decoding (MJPEG) or converting (YUYV) it."""
-        if not self._capture.grab():
-            raise self._no_frame()
-        return True
-
-    def retrieve(self) -> np.ndarray | None:
-        """The last grabbed frame as BGR: the MJPEG decode or YUYV conversion and the copy happen here."""
-        return self._capture.retrieve()
-
     def _no_frame(self) -> SourceError:
         return SourceError(
             f"{self.path}: no frame from the device (unplugged, or stalled: check `dmesg` for USB errors)"
         )
-
-    def close(self) -> None:
-        """Release the device; safe to call twice."""
-        self._capture.close()
 
     def frame_interval_s(self) -> None:
         """The device paces itself."""
