@@ -106,10 +106,9 @@ class CaptureThread(threading.Thread):
 
     def _read_one(self) -> bool:
         try:
-            if self.grabber is not None:
-                return self._grab_one()
-            if self.on_demand is not None:
-                return self._grab_live()
+            grabber = self.grabber or self.on_demand
+            if grabber is not None:
+                return self._grab_one(grabber)
             image = self.source.read()
             if image is None:
                 return self._end_of_stream()
@@ -131,18 +130,10 @@ class CaptureThread(threading.Thread):
         self.mailbox.put(Frame(image, self.stats.frames, time.monotonic(), self._name))
         return True
 
-    def _grab_one(self) -> bool:
-        """Grab and offer a LazyFrame: the consumer decodes only the frames it takes."""
-        assert self.grabber is not None
-        if not self.grabber.grab_and_put(self.stats.frames + 1):
-            return self._end_of_stream()
-        self.stats.frames += 1
-        return True
-
-    def _grab_live(self) -> bool:
-        """Grab a live frame; it is retrieved only when the consumer will take it before the next grab."""
-        assert self.on_demand is not None
-        if not self.on_demand.grab_and_put(self.stats.frames + 1):
+    def _grab_one(self, grabber: LazyGrabber | OnDemandGrabber) -> bool:
+        """Grab and offer the next frame through `grabber`: a paced source's LazyFrame (the consumer decodes
+        only the frames it takes), or a live source's frame retrieved only when it will be taken."""
+        if not grabber.grab_and_put(self.stats.frames + 1):
             return self._end_of_stream()
         self.stats.frames += 1
         return True
