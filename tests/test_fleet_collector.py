@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -34,9 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 BOOT = "boot-1"
 
 
+# Device clock of the samples: an hour before the test session, whole seconds. A fixed date would age past
+# the collector's 30-day retention one day, and its periodic retention check would then delete the rows a test
+# is counting (PostgreSQL prunes the default partition by device time).
+SAMPLE_T0 = float(int(time.time()) - 3600)
+
+
 def sample(seq: int, device: str = "dev-1", **extra: Any) -> dict[str, Any]:
     """A telemetry sample shaped like agent/telemetry_loop.py's (plus the outbox stamp)."""
-    return {"seq": seq, "boot_id": BOOT, "ts": 1_764_547_200.0 + seq, "device_id": device, "fps": 29.5,
+    return {"seq": seq, "boot_id": BOOT, "ts": SAMPLE_T0 + seq, "device_id": device, "fps": 29.5,
             "frames": 100 * seq, "dropped_frames": 1, "latency_ms": {"p50": 10.0, "p95": 12.0, "p99": 15.5, "max": 20.0},
             "power_mw": {"total": 7500, "VDD_IN": 7500}, "energy_mj_per_frame": 254.2,
             "temp_c": {"cpu-thermal": 51.0, "gpu-thermal": 49.5, "soc0-thermal": 52.5}, "cpu_util": 35.0,
@@ -248,6 +255,7 @@ def test_postgres_partitions_by_day_and_drops_expired(postgres_server: Any) -> N
         rows = _rows([1, 2]) + [parse_message("edge", "edge/dev-1/telemetry", json.dumps(
             {**sample(3), "ts": now - 5 * 86400}).encode(), 1.0)]
         rows[0].values["ts"] = rows[0].ts = now - 2 * 86400 + 5
+        rows[1].values["ts"] = rows[1].ts = now + 2  # the samples' own clock is the test session's
         parts.ensure("telemetry", [r.ts for r in rows])
         write_batch(db, rows, [], {}, now)
         names = {r["relname"] for r in db.query("SELECT relname FROM pg_class WHERE relkind = 'r' AND relname LIKE 'telemetry_p%'")}
@@ -605,8 +613,8 @@ def test_collector_started_while_the_database_is_down_waits_for_it(
 
 
 def _collect_cmd(broker: str, db: str, prefix: str, client_id: str) -> list[str]:
-    # --retention-days 0: the samples carry a fixed 2025 device clock, past the default retention, and the
-    # restarted collector's first retention check would prune what the killed one stored (PostgreSQL).
+    # --retention-days 0: the retention check must never touch what this test counts (PostgreSQL), whatever
+    # the samples' device clock.
     return [sys.executable, "-m", "deploy.cli", "collect", "--broker", broker, "--db", db, "--prefix", prefix,
             "--client-id", client_id, "--max-wait-s", "0.05", "--inflight", "50", "--batch-size", "20",
             "--retention-days", "0"]
