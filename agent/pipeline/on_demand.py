@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 from agent.pipeline.demand import DemandEstimator
 from agent.pipeline.mailbox import FreshestMailbox
-from agent.sources.base import Frame, SourceError, validate_image
-from agent.sources.lazy import GrabCounts
+from agent.sources.base import Frame
+from agent.sources.lazy import GrabCounts, retrieved_image
 
 
 def decodes_on_demand(source: Any) -> bool:
@@ -79,9 +79,6 @@ class OnDemandGrabber:
         self.stats.decoded += 1
         image = self.source.retrieve()
         self.estimator.observe_retrieve(self._clock() - grabbed_at)
-        if image is None:
-            raise SourceError(f"{self.name}: the backend returned no image for a grabbed frame",
-                              code="CAMERA_BAD_FRAME")
-        frame = Frame(validate_image(image, self.name), index, grabbed_at, self.name)
+        frame = Frame(retrieved_image(image, self.name), index, grabbed_at, self.name)
         self.mailbox.put(frame)
         self._last_put = frame

@@ -33,6 +33,13 @@ def can_grab(source: Any) -> bool:
         and callable(getattr(source, "retrieve", None))
 
 
+def retrieved_image(image: Any, name: str) -> np.ndarray:
+    """A retrieve's result as a checked frame; no image for a grabbed frame is a bad frame, not a lost camera."""
+    if image is None:
+        raise SourceError(f"{name}: the backend returned no image for a grabbed frame", code="CAMERA_BAD_FRAME")
+    return validate_image(image, name)
+
+
 @dataclass
 class GrabCounts:
     """Grabs and retrieves of one camera, the same names for every way of reading it (status, summary, telemetry).
@@ -105,7 +112,7 @@ class LazyGrabber:
             image = self.source.retrieve()
             self.stats.decoded += 1
         try:
-            return validate_image(image, self.name) if image is not None else self._no_image()
+            return retrieved_image(image, self.name)
         except SourceError:
             self.stats.bad_frames += 1
             raise
@@ -128,6 +135,3 @@ class LazyGrabber:
         # discard checks and counts under the mailbox's lock: a reader of the counters never sees them mid-edit.
         self.mailbox.discard(newest)
         self._current = frame
-
-    def _no_image(self) -> np.ndarray:
-        raise SourceError(f"{self.name}: the backend returned no image for a grabbed frame", code="CAMERA_BAD_FRAME")
