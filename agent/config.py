@@ -78,6 +78,10 @@ class PipelineConfig(Strict):
         1, ge=0, le=256, description="OpenCV worker threads for preprocessing and postprocessing; 0 = one per core. "
         "1 by default: OpenCV's pool threads spin after each call and take cores from the engine when the CPU is busy.",
     )
+    overlap_postprocess: bool = Field(
+        True, description="Postprocess, record and deliver batch k on a second thread while the engine runs batch "
+        "k+1 (results keep their order; at most one batch waits for its results). False: all on the inference thread.",
+    )
 
 
 class EnginesConfig(Strict):

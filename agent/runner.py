@@ -135,7 +135,8 @@ class Agent:
         self.batcher.is_live = self.cameras.is_live
         self.stats = FrameStats()  # fps and duration count from the first frame the model can take
         self.worker = InferenceWorker(active.runtime, self.batcher, self.stop_event, self.stats,
-                                      self._on_result, cfg.pipeline.max_consecutive_errors)
+                                      self._on_result, cfg.pipeline.max_consecutive_errors,
+                                      overlap_postprocess=cfg.pipeline.overlap_postprocess)
         self.worker.start()
         self.cameras.start()
 

@@ -10,16 +10,25 @@ three alike.
 (c) agent: the real frame path as `edge-agent run` wires it for one camera — the synthetic camera's
            capture thread (CameraGroup) into the batcher's freshest-frame mailbox (max_size 1), the
            inference worker with preprocessing into a preallocated buffer, the engine, and db_text
-           postprocessing, timed by the agent's own FrameStats.
+           postprocessing on the result stage's thread (`[pipeline] overlap_postprocess`, the default:
+           batch k is postprocessed while the engine runs batch k+1), timed by the agent's own FrameStats.
+(d) inline: (c) with `overlap_postprocess = false` — postprocessing on the inference thread, between two
+           engine calls: `overlap_vs_inline` is what the result stage buys.
+(e) worker: (c) without a camera — the worker takes a ready frame whenever it asks (no capture thread, no
+           mailbox wait): `worker_vs_bare_loaded` against `agent_vs_bare_loaded` is what the capture thread
+           costs when the CPU is scarce, the rest is pre/postprocessing and the worker's own Python.
 
 The synthetic camera runs faster than the engine (`--camera-fps auto`: max(30, 1.5 x the bare loop's fps
 measured in a short warm-up)), so the agent loop is engine-bound and `agent_vs_bare` measures the
 frame path's cost; with a 30 fps camera on a machine where bare runs at 36-39 fps it measured the camera.
 The rate used is printed and recorded as `camera_fps` (with `camera_fps_setting` and the warm-up's fps).
 
-Then (a) and (c) again, interleaved, while a busy background process (a subprocess spinning in a loop,
+Then (a), (c), (d) and (e) again, interleaved, while a busy background process (a subprocess spinning in a loop,
 started and stopped here) takes one core: `agent_vs_bare_loaded`. Capture work competes with inference
 exactly when the CPU is scarce; this is where it shows.
+
+Ratios are of total frames over total seconds; `*_rounds` lists each round's ratio (its neighbours in the
+same round share the load of that moment), so the spread is in the JSON next to the ratio.
 
 Usage: python benchmarks/pipeline.py [--seconds 20] [--rounds 3] [--camera-fps auto|FPS] [--quick]
        [--out out/bench-pipeline.json]
@@ -46,6 +55,7 @@ from agent.pipeline.batcher import Batcher
 from agent.pipeline.cameras import CameraGroup
 from agent.demo import prepare_demo_model_dir
 from agent.pipeline.frame_stats import FrameStats
+from agent.sources.base import Frame
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
 from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
 from agent.config import AgentConfig
@@ -81,14 +91,14 @@ def naive_loop(session: ort.InferenceSession, frames: list[np.ndarray], seconds:
     return n, samples
 
 
-def agent_loop(runtime, seconds: float, camera_fps: float) -> tuple[int, FrameStats, int]:
+def agent_loop(runtime, seconds: float, camera_fps: float, overlap: bool = True) -> tuple[int, FrameStats, int]:
     """(c) what `edge-agent run` wires for one camera: CameraGroup (synthetic camera, capture thread) ->
     Batcher (max_size 1, the configured timeout) -> InferenceWorker -> db_text, timed by FrameStats."""
     stop, stats = threading.Event(), FrameStats()
     camera = SyntheticConfig(name="cam0", fps=camera_fps, seed=3)
     batcher = Batcher([camera.name], 1, AgentConfig().batch.timeout_ms / 1e3)
     cameras = CameraGroup([camera], batcher, lambda kind, **fields: None)
-    worker = InferenceWorker(runtime, batcher, stop, stats)
+    worker = InferenceWorker(runtime, batcher, stop, stats, overlap_postprocess=overlap)
     cameras.start()
     worker.start()
     stop.wait(seconds)
@@ -97,6 +107,31 @@ def agent_loop(runtime, seconds: float, camera_fps: float) -> tuple[int, FrameSt
     worker.join(5)
     cameras.stop(5)
     return stats.frames, stats, batcher.dropped
+
+
+class ReadyFrames:
+    """Batches of one frame, always ready: (e) the worker with no camera in front of it."""
+
+    max_size = 1
+
+    def __init__(self, frames: list[np.ndarray]) -> None:
+        self.frames, self.count = frames, 0
+
+    def next_batch(self, stop: threading.Event, idle_s: float = 0.2) -> list[Frame]:
+        """The next pre-rendered frame, stamped now."""
+        self.count += 1
+        return [Frame(self.frames[self.count % len(self.frames)], self.count, time.monotonic(), "cam0")]
+
+
+def worker_loop(runtime, frames: list[np.ndarray], seconds: float) -> tuple[int, FrameStats]:
+    """(e) InferenceWorker (default settings) on frames that are always ready."""
+    stop, stats = threading.Event(), FrameStats()
+    worker = InferenceWorker(runtime, ReadyFrames(frames), stop, stats)
+    worker.start()
+    stop.wait(seconds)
+    stop.set()
+    worker.join(5)
+    return stats.frames, stats
 
 
 CAMERA_FPS_FLOOR = 30.0  # a typical camera: "auto" never offers less
@@ -144,25 +179,29 @@ def run_loop(name: str, runtime, session, frames, tensors, seconds: float, camer
     if name == "naive":
         n, samples = naive_loop(session, frames, seconds)
         return n, samples, None, 0
-    n, stats, dropped = agent_loop(runtime, seconds, camera_fps)
+    if name == "worker":
+        n, _ = worker_loop(runtime, frames, seconds)
+        return n, [], None, 0
+    n, stats, dropped = agent_loop(runtime, seconds, camera_fps, overlap=name == "agent")
     return n, [], stats, dropped
 
 
 def interleaved(names, rounds, label, run) -> tuple[dict, list, int]:
-    """Rounds of `names` in turn; totals [frames, seconds, samples] per name, agent stats, agent drops."""
-    totals = {name: [0, 0.0, []] for name in names}
+    """Rounds of `names` in turn; totals [frames, seconds, samples, per-round fps] per name, agent stats, drops."""
+    totals = {name: [0, 0.0, [], []] for name in names}
     agent_stats, dropped = [], 0
     for round_no in range(rounds):
         for name in names:
             t0 = time.perf_counter()
             n, samples, stats, d = run(name)
             elapsed = time.perf_counter() - t0
-            if stats is not None:
+            if stats is not None and name == "agent":
                 agent_stats.append(stats)
                 dropped += d
             totals[name][0] += n
             totals[name][1] += elapsed
             totals[name][2].extend(samples)
+            totals[name][3].append(n / elapsed)
             print(f"round {round_no + 1} {name:5s}{label}: {n / elapsed:6.2f} fps")
     return totals, agent_stats, dropped
 
@@ -203,9 +242,10 @@ def main() -> None:
         def run(name: str):
             return run_loop(name, runtime, session, frames, tensors, args.seconds, camera_fps)
 
-        totals, agent_stats, dropped = interleaved(("bare", "naive", "agent"), args.rounds, "", run)
+        totals, agent_stats, dropped = interleaved(("bare", "naive", "agent", "inline"), args.rounds, "", run)
         with busy_core():
-            loaded, loaded_stats, loaded_dropped = interleaved(("bare", "agent"), args.rounds, " (1 core busy)", run)
+            loaded, loaded_stats, loaded_dropped = interleaved(("bare", "agent", "inline", "worker"), args.rounds,
+                                                               " (1 core busy)", run)
         runtime.close()
 
     fps = {name: totals[name][0] / totals[name][1] for name in totals}
@@ -215,7 +255,11 @@ def main() -> None:
         "bare_fps": round(fps["bare"], 3),
         "naive_fps": round(fps["naive"], 3),
         "agent_fps": round(fps["agent"], 3),
+        "inline_fps": round(fps["inline"], 3),
         "agent_vs_bare": round(fps["agent"] / fps["bare"], 3),
+        "agent_vs_bare_rounds": _round_ratios(totals, "agent", "bare"),
+        "overlap_vs_inline": round(fps["agent"] / fps["inline"], 3),
+        "overlap_vs_inline_rounds": _round_ratios(totals, "agent", "inline"),
         "agent_vs_naive": round(fps["agent"] / fps["naive"], 3),
         "bare_latency_ms": percentiles(totals["bare"][2]),
         "naive_latency_ms": percentiles(totals["naive"][2]),
@@ -229,14 +273,21 @@ def main() -> None:
                                     / percentiles(totals["naive"][2])["p99"], 3),
         "bare_fps_loaded": round(fps_loaded["bare"], 3),
         "agent_fps_loaded": round(fps_loaded["agent"], 3),
+        "inline_fps_loaded": round(fps_loaded["inline"], 3),
         "agent_vs_bare_loaded": round(fps_loaded["agent"] / fps_loaded["bare"], 3),
+        "agent_vs_bare_loaded_rounds": _round_ratios(loaded, "agent", "bare"),
+        "overlap_vs_inline_loaded": round(fps_loaded["agent"] / fps_loaded["inline"], 3),
+        "worker_fps_loaded": round(fps_loaded["worker"], 3),
+        "worker_vs_bare_loaded": round(fps_loaded["worker"] / fps_loaded["bare"], 3),
+        "worker_vs_bare_loaded_rounds": _round_ratios(loaded, "worker", "bare"),
+        "overlap_vs_inline_loaded_rounds": _round_ratios(loaded, "agent", "inline"),
         "agent_latency_ms_loaded": _merge_latency(loaded_stats),
         "agent_stages_ms_loaded": _merge_stages(loaded_stats),
         "agent_dropped_frames_loaded": loaded_dropped,
         "load": "one busy background process (python busy loop), started and stopped by the benchmark",
         "quick": args.quick,
         "goal": {"agent_vs_bare": ">= 0.97", "agent_vs_naive": ">= 1.0 at equal or better p99",
-                 "agent_vs_bare_loaded": ">= 0.95"},
+                 "agent_vs_bare_loaded": ">= 0.95", "overlap_vs_inline": ">= 1.0 (idle and loaded)"},
     }
     print()
     print(f"{'loop':9s} {'fps':>8s} {'p50 ms':>8s} {'p99 ms':>8s}")
@@ -248,7 +299,17 @@ def main() -> None:
     print(f"agent_vs_bare {result['agent_vs_bare']}  agent_vs_naive {result['agent_vs_naive']}  "
           f"agent_vs_bare_loaded {result['agent_vs_bare_loaded']} (1 core busy: bare {result['bare_fps_loaded']}, "
           f"agent {result['agent_fps_loaded']} fps)")
+    print(f"overlap_vs_inline {result['overlap_vs_inline']} (rounds {result['overlap_vs_inline_rounds']}), "
+          f"loaded {result['overlap_vs_inline_loaded']} (rounds {result['overlap_vs_inline_loaded_rounds']}); "
+          f"agent_vs_bare_loaded rounds {result['agent_vs_bare_loaded_rounds']}")
+    print(f"worker_vs_bare_loaded {result['worker_vs_bare_loaded']} (no camera; rounds "
+          f"{result['worker_vs_bare_loaded_rounds']})")
     write_json(args.out, result)
+
+
+def _round_ratios(totals: dict, name: str, base: str) -> list[float]:
+    """Each round's fps of `name` over `base`'s in the same round."""
+    return [round(a / b, 3) for a, b in zip(totals[name][3], totals[base][3])]
 
 
 def _merge(histograms: list) -> dict:

@@ -6,6 +6,10 @@ one; the reason is logged once and `batched` turns False, so results never depen
 Only a refusal of the batch's size (`BATCH_SIZE_UNSUPPORTED`, engines.errors.BatchSizeError, raised by every
 backend) does that: any other engine error fails that batch alone (the worker counts it) and the next batch
 is batched again, so one passing fault never costs batching for good.
+
+`run` is `infer` then `InferredBatch.finish`: the worker may finish (postprocess) one batch on another thread
+while the engine runs the next (agent.pipeline.result_stage). An InferredBatch holds nothing the next engine
+call overwrites: the backends return fresh output arrays, and each frame's transform is its own object.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 
 from engines.errors import BatchSizeError, EdgeError
 from engines.postprocess import InferenceResult
-from engines.preprocess import Preprocessor
+from engines.preprocess import FrameTransform, Preprocessor
 from engines.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,26 @@ class FrameOutcome:
     postprocess: float
 
 
+@dataclass
+class InferredBatch:
+    """A batch after its engine call: each frame's outputs and transform, and its share of the stage times (ms)."""
+
+    runtime: ModelRuntime
+    outputs: list[list[np.ndarray]]
+    transforms: list[FrameTransform]
+    preprocess: float
+    infer: float
+
+    def finish(self) -> list[FrameOutcome]:
+        """Postprocess each frame with the model that inferred it (its own postprocessor, never the next model's)."""
+        outcomes = []
+        for outputs, transform in zip(self.outputs, self.transforms):
+            start = time.perf_counter()
+            result = self.runtime.postprocessor(outputs, transform)
+            outcomes.append(FrameOutcome(result, self.preprocess, self.infer, (time.perf_counter() - start) * 1e3))
+        return outcomes
+
+
 class BatchRuntime:
     """Wraps a ModelRuntime for batches of up to `max_size` frames; preallocates everything at construction."""
 
@@ -56,6 +80,10 @@ class BatchRuntime:
 
     def run(self, images: Sequence[np.ndarray], cameras: Sequence[str]) -> list[FrameOutcome]:
         """Results in the order of `images` (one per camera name)."""
+        return self.infer(images, cameras).finish()
+
+    def infer(self, images: Sequence[np.ndarray], cameras: Sequence[str]) -> InferredBatch:
+        """Preprocess into the batch tensor and run the engine; postprocessing is left to `finish`."""
         n = len(images)
         if not 1 <= n <= self.max_size:
             raise ValueError(f"batch of {n} frames, this runtime takes 1..{self.max_size}")
@@ -64,13 +92,7 @@ class BatchRuntime:
         t1 = time.perf_counter()
         per_frame = self._infer(n)
         t2 = time.perf_counter()
-        results = []
-        for outputs, transform in zip(per_frame, transforms):
-            start = time.perf_counter()
-            result = self.runtime.postprocessor(outputs, transform)
-            results.append((result, (time.perf_counter() - start) * 1e3))
-        pre, inf = (t1 - t0) * 1e3 / n, (t2 - t1) * 1e3 / n
-        return [FrameOutcome(r, pre, inf, post) for r, post in results]
+        return InferredBatch(self.runtime, per_frame, transforms, (t1 - t0) * 1e3 / n, (t2 - t1) * 1e3 / n)
 
     def _preprocessor(self, camera: str) -> Preprocessor:
         pre = self._preprocessors.get(camera)

@@ -2,6 +2,9 @@
 and glass-to-result latency, overall and per camera.
 
 The model it runs is swapped only between two batches (`swap`), so a deployment never tears a frame.
+With `overlap_postprocess` (the `[pipeline]` default) a batch's postprocessing, stats and result delivery run
+on a second thread (agent.pipeline.result_stage) while the engine runs the next batch; each batch carries the
+model and the stats windows it was inferred under, so a swap never mixes two models' numbers either.
 """
 
 from __future__ import annotations
@@ -9,11 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from agent.pipeline.batch_runtime import BatchRuntime
+from agent.pipeline.batch_runtime import BatchRuntime, InferredBatch
 from agent.pipeline.frame_stats import CameraStats, FrameStats, FrameTiming
 from agent.pipeline.mailbox import FreshestMailbox
+from agent.pipeline.result_stage import ResultStage
 from agent.sources.base import Frame, SourceError
 from engines.errors import EdgeError
 from engines.postprocess import InferenceResult
@@ -58,11 +63,24 @@ class SingleMailbox:
         return [frame] if frame is not None else []
 
 
+@dataclass
+class _Inferred:
+    """One batch on its way from the engine to its results: everything needed to finish it later."""
+
+    frames: list[Frame]
+    wait_ms: float
+    runtime: ModelRuntime
+    windows: tuple[FrameStats, CameraStats]  # the current model's windows when it ran: a swap starts new ones
+    batch: InferredBatch | None = None
+    error: Exception | None = None
+
+
 class InferenceWorker(threading.Thread):
     """Runs batches through the active ModelRuntime until `stop_event` is set."""
 
     def __init__(self, runtime: ModelRuntime, frames: FrameBatches | FreshestMailbox[Frame], stop_event: threading.Event,
-                 stats: FrameStats, on_result: ResultSink | None = None, max_consecutive_errors: int = 100) -> None:
+                 stats: FrameStats, on_result: ResultSink | None = None, max_consecutive_errors: int = 100,
+                 overlap_postprocess: bool = True) -> None:
         super().__init__(name="inference", daemon=True)
         self.frames: FrameBatches = SingleMailbox(frames) if isinstance(frames, FreshestMailbox) else frames
         self.batch = BatchRuntime(runtime, self.frames.max_size)
@@ -76,6 +94,9 @@ class InferenceWorker(threading.Thread):
         self.window = FrameStats()  # numbers of the current model only (the deployment watch reads them)
         self.camera_windows = CameraStats()  # the same, per camera
         self.batches = 0
+        # finishes batch k while the engine runs batch k+1; None: finished inline, on this thread
+        self.results: ResultStage[_Inferred] | None = (
+            ResultStage(self._finish, name="inference-results") if overlap_postprocess else None)
         self._lock = threading.Lock()
         self._pending: BatchRuntime | None = None
         self._pending_size: int | None = None  # the batcher's max_size from the pending model on
@@ -117,10 +138,13 @@ class InferenceWorker(threading.Thread):
         return self._previous
 
     def pause(self, timeout: float = 10.0) -> None:
-        """Stop taking frames after the current batch (stop_start swaps); frames wait in the mailboxes."""
+        """Stop taking frames after the current batch (stop_start swaps) and wait for its results; frames wait in
+        the mailboxes. Paused, the model that ran last is idle: its engine may be closed."""
         self._pause_requested = True
         if self.is_alive() and not self._paused.wait(timeout):
             raise EdgeError("the inference loop did not pause in time", code="SWAP_TIMEOUT")
+        if self.results is not None and not self.results.drain(timeout):
+            raise EdgeError("the last batch's results did not finish in time", code="SWAP_TIMEOUT")
 
     def resume(self) -> None:
         """Take frames again."""
@@ -135,11 +159,20 @@ class InferenceWorker(threading.Thread):
                     self.frames.max_size = self._pending_size  # between two batches: next_batch runs on this thread
                 self.window, self.camera_windows = FrameStats(), CameraStats()
                 self._pending = self._pending_size = None
-                self.consecutive_errors = 0
+                self.consecutive_errors = 0  # the new model starts with a clean record
                 self._swapped.set()
 
     def run(self) -> None:
-        """Loop: wait for a batch, run it, record timings."""
+        """Loop: wait for a batch, run it, hand it on to be finished."""
+        if self.results is not None:
+            self.results.start()
+        try:
+            self._loop()
+        finally:
+            if self.results is not None:
+                self.results.close(5.0)  # the batches already inferred still get their results
+
+    def _loop(self) -> None:
         while not self.stop_event.is_set():
             self.heartbeat += 1
             if self._pending is not None:
@@ -160,35 +193,56 @@ class InferenceWorker(threading.Thread):
         frames, images = _images(frames)
         if not frames:
             return
+        inferred = _Inferred(frames, wait_ms, batch.runtime, (self.window, self.camera_windows))
         try:
-            outcomes = batch.run(images, [f.source for f in frames])
+            inferred.batch = batch.infer(images, [f.source for f in frames])
         except (EdgeError, ValueError) as exc:
-            self._failed(frames, exc)
-            return
+            inferred.error = exc
         except Exception as exc:  # never let one bad batch kill the loop
             log.exception("inference failed on a batch of %d", len(frames))
-            self._failed(frames, exc)
+            inferred.error = exc
+        if self.results is not None:
+            self.results.submit(inferred)
+        else:
+            self._finish(inferred)
+
+    def _finish(self, inferred: _Inferred) -> None:
+        """Postprocess, record and deliver one batch (on the result stage's thread when it overlaps)."""
+        frames = inferred.frames
+        if inferred.batch is None:
+            self._failed(frames, inferred.windows, inferred.error)
+            return
+        try:
+            outcomes = inferred.batch.finish()
+        except (EdgeError, ValueError) as exc:
+            self._failed(frames, inferred.windows, exc)
+            return
+        except Exception as exc:
+            log.exception("postprocessing failed on a batch of %d", len(frames))
+            self._failed(frames, inferred.windows, exc)
             return
         self.consecutive_errors = 0
         self.batches += 1
         now = time.monotonic()
+        window, camera_windows = inferred.windows
         for frame, outcome in zip(frames, outcomes):
             latency = (now - frame.captured_at) * 1e3
-            timing = FrameTiming(wait_ms, outcome.preprocess, outcome.infer, outcome.postprocess, latency)
+            timing = FrameTiming(inferred.wait_ms, outcome.preprocess, outcome.infer, outcome.postprocess, latency)
             frame.meta["infer_ms"] = outcome.infer  # the adaptation policy predicts other variants from it
-            for stats in (self.stats, self.window, self.cameras.of(frame.source), self.camera_windows.of(frame.source)):
+            for stats in (self.stats, window, self.cameras.of(frame.source), camera_windows.of(frame.source)):
                 stats.record(timing)
         self.last_result_at = now
         if self.on_result is not None:
             for frame, outcome in zip(frames, outcomes):
                 try:
-                    self.on_result(frame, outcome.result, batch.runtime)
+                    self.on_result(frame, outcome.result, inferred.runtime)
                 except Exception:
                     log.exception("result sink failed")
 
-    def _failed(self, frames: list[Frame], exc: Exception) -> None:
+    def _failed(self, frames: list[Frame], windows: tuple[FrameStats, CameraStats], exc: Exception | None) -> None:
+        window, camera_windows = windows
         for frame in frames:
-            for stats in (self.stats, self.window, self.cameras.of(frame.source), self.camera_windows.of(frame.source)):
+            for stats in (self.stats, window, self.cameras.of(frame.source), camera_windows.of(frame.source)):
                 stats.record_error()
         self.consecutive_errors += 1
         if self.consecutive_errors in (1, self.max_consecutive_errors):
