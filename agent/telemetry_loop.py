@@ -156,6 +156,9 @@ class PrometheusExporter:
                                     ("camera",))
         self.camera_latency = gauge("edge_agent_camera_latency_ms", "Glass-to-result latency of one camera",
                                     ("camera", "quantile"))
+        self.camera_capture = gauge("edge_agent_camera_capture_frames", "Frames of one camera since start by what "
+                                    "the capture did: grabbed, decoded (retrieved), skipped (grabbed, never retrieved)",
+                                    ("camera", "stage"))
         self.server, self.thread = prom.start_http_server(port, addr=bind, registry=self.registry)
 
     def __call__(self, sample: dict[str, Any]) -> None:
@@ -177,6 +180,8 @@ class PrometheusExporter:
             self.camera_dropped.labels(name).set(cam.get("dropped_frames", 0))
             for quantile, value in (cam.get("latency_ms") or {}).items():
                 self.camera_latency.labels(name, quantile).set(value)
+            for stage, value in (cam.get("capture") or {}).items():
+                self.camera_capture.labels(name, stage).set(value)
 
     def stop(self) -> None:
         """Close the HTTP server."""

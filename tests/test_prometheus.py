@@ -38,7 +38,8 @@ def test_absent_fields_stay_absent() -> None:
 def test_per_camera_fps_drops_and_percentiles() -> None:
     port = free_port()
     exporter = PrometheusExporter(port, "127.0.0.1")
-    cameras = {"left": {"fps": 9.5, "frames": 190, "dropped_frames": 3, "latency_ms": {"p50": 41.0, "p99": 70.5}},
+    cameras = {"left": {"fps": 9.5, "frames": 190, "dropped_frames": 3, "latency_ms": {"p50": 41.0, "p99": 70.5},
+                        "capture": {"grabbed": 600, "decoded": 193, "skipped": 407}},
                "door": {"fps": 0.0, "frames": 0, "dropped_frames": 0, "latency_ms": {}, "connected": False}}
     try:
         exporter({"fps": 9.5, "frames": 190, "dropped_frames": 3, "cameras": cameras})
@@ -51,3 +52,6 @@ def test_per_camera_fps_drops_and_percentiles() -> None:
     assert 'edge_agent_camera_latency_ms{camera="left",quantile="p99"} 70.5' in text
     assert 'edge_agent_camera_fps{camera="door"} 0.0' in text
     assert 'edge_agent_camera_latency_ms{camera="door"' not in text  # nothing measured: absent, never zero
+    assert 'edge_agent_camera_capture_frames{camera="left",stage="grabbed"} 600.0' in text
+    assert 'edge_agent_camera_capture_frames{camera="left",stage="skipped"} 407.0' in text
+    assert 'edge_agent_camera_capture_frames{camera="door"' not in text

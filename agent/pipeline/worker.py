@@ -224,6 +224,7 @@ class InferenceWorker(threading.Thread):
         self.consecutive_errors = 0
         self.batches += 1
         now = time.monotonic()
+        self.last_result_at = now  # before the windows count the frames: a swap's gap reads both in that order
         window, camera_windows = inferred.windows
         for frame, outcome in zip(frames, outcomes):
             latency = (now - frame.captured_at) * 1e3
@@ -231,7 +232,6 @@ class InferenceWorker(threading.Thread):
             frame.meta["infer_ms"] = outcome.infer  # the adaptation policy predicts other variants from it
             for stats in (self.stats, window, self.cameras.of(frame.source), camera_windows.of(frame.source)):
                 stats.record(timing)
-        self.last_result_at = now
         if self.on_result is not None:
             for frame, outcome in zip(frames, outcomes):
                 try:
