@@ -71,8 +71,13 @@ def test_stop_start_swap_reports_its_gap(running_agent, published) -> None:
     agent = running_agent(deployments={"swap_strategy": "stop_start"})
     dep_id = agent.manager.request(published["url2"], channel="local")["deployment_id"]
     assert wait_terminal(agent, dep_id) == "active"
-    swap = [e for e in agent.store.events(50) if e["type"] == "deployment" and e["payload"].get("state") == "active"]
-    assert swap and swap[0]["payload"]["swap"]["strategy"] == "stop_start"
+
+    def swap_events() -> list:  # the row turns active a moment before the event is stored
+        return [e for e in agent.store.events(50) if e["type"] == "deployment" and e["payload"].get("state") == "active"]
+
+    assert wait_for(lambda: swap_events(), timeout=30)
+    swap = swap_events()
+    assert swap[0]["payload"]["swap"]["strategy"] == "stop_start"
     assert swap[0]["payload"]["swap"]["gap_ms"] > 0
     assert agent.previous is None  # nothing kept: the device could not hold two
 
@@ -99,6 +104,8 @@ def test_watch_window_rolls_back_when_fps_falls_below_the_floor(running_agent, p
     assert dep.reason == "WATCH_FPS" and dep.details["watch"]["fps"] < 50.0
     assert agent.active.source.manifest.version == "1.0.0"
     assert agent.store.model_slot("active")["version"] == "1.0.0"
+    # the row turns rolled_back a moment before the event is stored
+    assert wait_for(lambda: any(e["type"] == "rolled_back" for e in agent.store.events(100)), timeout=30)
     event = next(e for e in agent.store.events(100) if e["type"] == "rolled_back")
     assert event["payload"]["deployment_id"] == dep_id and event["payload"]["floor"] == 50.0
 
