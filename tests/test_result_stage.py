@@ -6,6 +6,7 @@ wrapped to record and gate what happens when; nothing is timed against a wall-cl
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -161,14 +162,25 @@ def stop_worker(worker: InferenceWorker, stop: threading.Event) -> None:
     assert not worker.is_alive() and (worker.results is None or not worker.results.is_alive())
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_the_engine_runs_the_next_batch_while_the_previous_one_is_postprocessed(runtime, overlap: bool) -> None:
-    """With overlap, batch 2's engine call starts while batch 1's postprocessing is held; without, it cannot."""
-    worker, stop, stats, mailbox, recorder = start_worker(runtime, overlap)
+@contextlib.contextmanager
+def first_batch_held(runtime, overlap: bool = True, frames: int = 1):
+    """A running worker whose batch 1 has been inferred and is held in postprocessing (released, and the worker
+    stopped, on exit): (worker, stats, recorder, held, stop)."""
+    worker, stop, stats, mailbox, recorder = start_worker(runtime, overlap, frames)
     recorder.hold_post[1] = held = threading.Event()
     try:
         mailbox.put(Frame(image(), 1, time.monotonic(), "cam"))
         assert wait_for(lambda: ("post", 1) in recorder.events, timeout=60)
+        yield worker, stats, recorder, held, stop
+    finally:
+        held.set()
+        stop_worker(worker, stop)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_engine_runs_the_next_batch_while_the_previous_one_is_postprocessed(runtime, overlap: bool) -> None:
+    """With overlap, batch 2's engine call starts while batch 1's postprocessing is held; without, it cannot."""
+    with first_batch_held(runtime, overlap, frames=2) as (worker, stats, recorder, held, _):
         assert recorder.second_infer.wait(10 if overlap else 0.5) is overlap
         held.set()
         assert wait_for(lambda: stats.frames == 2, timeout=60)
@@ -177,37 +189,23 @@ def test_the_engine_runs_the_next_batch_while_the_previous_one_is_postprocessed(
         else:
             assert recorder.events == [("infer", 1), ("post", 1), ("posted", 1), ("infer", 2), ("post", 2), ("posted", 2)]
         assert worker.cameras.of("cam").frames == 2 and worker.batches == 2 and stats.errors == 0
-    finally:
-        held.set()
-        stop_worker(worker, stop)
 
 
 def test_a_batch_finished_after_a_swap_counts_in_the_window_of_the_model_that_ran_it(runtime) -> None:
     """The deployment watch reads `worker.window`: the old model's last batch must not land in the new one's."""
-    worker, stop, stats, mailbox, recorder = start_worker(runtime, overlap=True, frames=1)
-    recorder.hold_post[1] = held = threading.Event()
-    try:
+    with first_batch_held(runtime) as (worker, stats, recorder, held, _):
         old_window = worker.window
-        mailbox.put(Frame(image(), 1, time.monotonic(), "cam"))
-        assert wait_for(lambda: ("post", 1) in recorder.events, timeout=60)
         assert worker.swap(runtime) is runtime  # a batch boundary passes while batch 1 is still held
         assert worker.window is not old_window
         held.set()
         assert wait_for(lambda: stats.frames == 1, timeout=60)
         assert old_window.frames == 1 and worker.window.frames == 0
         assert worker.camera_windows.of("cam").frames == 0
-    finally:
-        held.set()
-        stop_worker(worker, stop)
 
 
 def test_pause_returns_only_when_the_last_batch_has_its_results(runtime) -> None:
     """A stop_start swap closes the engine once paused: nothing of the last batch may still be running."""
-    worker, stop, stats, mailbox, recorder = start_worker(runtime, overlap=True, frames=1)
-    recorder.hold_post[1] = held = threading.Event()
-    try:
-        mailbox.put(Frame(image(), 1, time.monotonic(), "cam"))
-        assert wait_for(lambda: ("post", 1) in recorder.events, timeout=60)
+    with first_batch_held(runtime) as (worker, stats, recorder, held, _):
         with pytest.raises(EdgeError) as info:
             worker.pause(timeout=0.3)
         assert info.value.code == "SWAP_TIMEOUT"
@@ -215,24 +213,14 @@ def test_pause_returns_only_when_the_last_batch_has_its_results(runtime) -> None
         worker.pause(timeout=30)
         assert stats.frames == 1 and worker.results is not None and worker.results.idle
         worker.resume()
-    finally:
-        held.set()
-        stop_worker(worker, stop)
 
 
 def test_stopping_the_worker_still_delivers_the_batch_in_flight(runtime) -> None:
-    worker, stop, stats, mailbox, recorder = start_worker(runtime, overlap=True, frames=1)
-    recorder.hold_post[1] = held = threading.Event()
-    try:
-        mailbox.put(Frame(image(), 1, time.monotonic(), "cam"))
-        assert wait_for(lambda: ("post", 1) in recorder.events, timeout=60)
+    with first_batch_held(runtime) as (worker, stats, recorder, held, stop):
         stop.set()
         held.set()
         worker.join(10)
         assert stats.frames == 1 and not worker.is_alive()
-    finally:
-        held.set()
-        stop_worker(worker, stop)
 
 
 def test_engine_and_postprocessing_errors_count_in_order_on_one_thread(runtime) -> None:
