@@ -4,7 +4,8 @@ All three run the demo model (PP-OCRv4 detector) on the same synthetic 640x480 s
 process, in interleaved rounds (a, b, c, a, b, c, ...) so that load from other processes hits all
 three alike.
 
-(a) bare:  `session.run` on tensors preprocessed in advance — the limit of this engine on this CPU.
+(a) bare:  the engine's own call on tensors preprocessed in advance — the limit of this engine on this device
+           (`session.run` for ONNX Runtime; `Engine.infer` for the others, e.g. `--backend tensorrt` on a Jetson).
 (b) naive: per frame cvtColor, astype(float32)/255, normalise, transpose, expand_dims, run — no
            postprocessing, which only flatters it.
 (c) agent: the real frame path as `edge-agent run` wires it for one camera — the synthetic camera's
@@ -47,6 +48,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import _common  # noqa: F401  (puts the repo on sys.path)
 import cv2
@@ -63,32 +65,44 @@ from agent.sources.synthetic import SyntheticConfig, SyntheticScene
 from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
 from agent.config import AgentConfig
 from engines.backends.base import EngineOptions
+from engines.errors import EdgeError
 from engines.model import load_model
 from engines.runtime import load_runtime
 
 
-def bare_loop(session: ort.InferenceSession, tensors: list[np.ndarray], seconds: float) -> tuple[int, list[float]]:
-    """(a) session.run on ready tensors."""
-    name = session.get_inputs()[0].name
+EngineCall = Callable[[dict[str, np.ndarray]], object]
+
+
+def engine_call(runtime) -> tuple[str, EngineCall]:
+    """(input name, the bare engine call): ONNX Runtime's `session.run` itself, else the backend's `infer`."""
+    session = getattr(runtime.engine, "session", None)
+    if isinstance(session, ort.InferenceSession):
+        return runtime.input_name, lambda feeds: session.run(None, feeds)
+    return runtime.input_name, runtime.engine.infer
+
+
+def bare_loop(engine: tuple[str, EngineCall], tensors: list[np.ndarray], seconds: float) -> tuple[int, list[float]]:
+    """(a) the engine call on ready tensors."""
+    name, call = engine
     samples, n, end = [], 0, time.perf_counter() + seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
-        session.run(None, {name: tensors[n % len(tensors)]})
+        call({name: tensors[n % len(tensors)]})
         samples.append((time.perf_counter() - t0) * 1e3)
         n += 1
     return n, samples
 
 
-def naive_loop(session: ort.InferenceSession, frames: list[np.ndarray], seconds: float) -> tuple[int, list[float]]:
+def naive_loop(engine: tuple[str, EngineCall], frames: list[np.ndarray], seconds: float) -> tuple[int, list[float]]:
     """(b) the per-frame conversions of a typical tutorial, then run."""
-    name = session.get_inputs()[0].name
+    name, call = engine
     samples, n, end = [], 0, time.perf_counter() + seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
         image = cv2.cvtColor(frames[n % len(frames)], cv2.COLOR_BGR2RGB)[:, :, ::-1]  # the demo model wants BGR
         x = (image.astype(np.float32) / 255.0 - 0.5) / 0.5
         x = np.expand_dims(np.transpose(x, (2, 0, 1)), 0)
-        session.run(None, {name: x})
+        call({name: x})
         samples.append((time.perf_counter() - t0) * 1e3)
         n += 1
     return n, samples
@@ -155,9 +169,9 @@ def camera_fps_setting(value: str) -> float | str:
     return fps
 
 
-def auto_camera_fps(session: ort.InferenceSession, tensors: list[np.ndarray], seconds: float) -> tuple[float, float]:
+def auto_camera_fps(engine: tuple[str, EngineCall], tensors: list[np.ndarray], seconds: float) -> tuple[float, float]:
     """(camera rate, warm-up bare fps): max(30, 1.5 x bare fps) so the agent loop is engine-bound."""
-    n, samples = bare_loop(session, tensors, seconds)
+    n, samples = bare_loop(engine, tensors, seconds)
     bare_fps = n / (sum(samples) / 1e3) if samples else 0.0
     return round(min(CAMERA_FPS_MAX, max(CAMERA_FPS_FLOOR, CAMERA_OVER_BARE * bare_fps)), 1), round(bare_fps, 2)
 
@@ -186,13 +200,13 @@ def busy_core(cpu: int | None):
         proc.wait(5)
 
 
-def run_loop(name: str, runtime, session, frames, tensors, seconds: float, camera_fps: float):
+def run_loop(name: str, runtime, engine, frames, tensors, seconds: float, camera_fps: float):
     """One timed run of loop `name`: (frames done, per-frame samples ms, FrameStats or None, drops)."""
     if name == "bare":
-        n, samples = bare_loop(session, tensors, seconds)
+        n, samples = bare_loop(engine, tensors, seconds)
         return n, samples, None, 0
     if name == "naive":
-        n, samples = naive_loop(session, frames, seconds)
+        n, samples = naive_loop(engine, frames, seconds)
         return n, samples, None, 0
     if name == "worker":
         n, _ = worker_loop(runtime, frames, seconds)
@@ -228,6 +242,9 @@ def main() -> None:
     parser.add_argument("--camera-fps", type=camera_fps_setting, default="auto",
                         help="Synthetic camera rate for the agent loop; auto: max(30, 1.5 x the bare loop's fps "
                         "in a warm-up), so the engine, not the camera, limits the agent loop.")
+    parser.add_argument("--backend", default="onnxruntime",
+                        help="Engine backend (onnxruntime, tensorrt, auto): on a Jetson, tensorrt measures what the "
+                        "result stage buys when the engine runs on the GPU.")
     parser.add_argument("--quick", action="store_true", help="Short iteration run: 4 s per loop, 1 round.")
     parser.add_argument("--out", type=Path, default=Path("out/bench-pipeline.json"))
     args = parser.parse_args()
@@ -239,9 +256,13 @@ def main() -> None:
     frames = [scene.render(i * 7) for i in range(16)]
     with tempfile.TemporaryDirectory() as tmp:
         source = load_model(prepare_demo_model_dir(Path(tmp)))
-        # the agent's engine settings (AgentConfig defaults: spin_wait off); bare and naive share this session
-        runtime = load_runtime(source, "onnxruntime", EngineOptions(allow_spinning=AgentConfig().model.spin_wait))
-        session = runtime.engine.session  # the same engine for (a) and (b): the ratio is the frame path's cost
+        # the agent's engine settings (AgentConfig defaults: spin_wait off); bare and naive share this engine
+        try:  # tensorrt: built here from the ONNX (minutes on a Jetson), not taken from the agent's cache
+            runtime = load_runtime(source, args.backend, EngineOptions(allow_spinning=AgentConfig().model.spin_wait))
+        except EdgeError as exc:
+            parser.exit(2, f"benchmarks/pipeline.py: {exc}\n")
+        backend = runtime.engine.backend
+        engine = engine_call(runtime)  # the same engine for (a) and (b): the ratio is the frame path's cost
         tensors = []
         for frame in frames:
             runtime.preprocessor(frame)
@@ -249,13 +270,13 @@ def main() -> None:
         runtime.warmup(frames[0], 3)
         warmup_bare_fps = None
         if args.camera_fps == "auto":
-            camera_fps, warmup_bare_fps = auto_camera_fps(session, tensors, 1.0 if args.quick else 3.0)
+            camera_fps, warmup_bare_fps = auto_camera_fps(engine, tensors, 1.0 if args.quick else 3.0)
         else:
             camera_fps = float(args.camera_fps)
         print(f"camera fps {camera_fps} ({args.camera_fps}; warm-up bare loop {warmup_bare_fps} fps)")
 
         def run(name: str):
-            return run_loop(name, runtime, session, frames, tensors, args.seconds, camera_fps)
+            return run_loop(name, runtime, engine, frames, tensors, args.seconds, camera_fps)
 
         totals, agent_stats, dropped = interleaved(("bare", "naive", "agent", "inline"), args.rounds, "", run)
         with busy_core(busy_cpu()):
@@ -307,6 +328,7 @@ def main() -> None:
         "load": "one busy background process (python busy loop), started and stopped by the benchmark",
         "busy_cpu": busy_cpu(),
         "quick": args.quick,
+        "backend": backend,
         "goal": {"agent_vs_bare": ">= 0.97", "agent_vs_naive": ">= 1.0 at equal or better p99",
                  "agent_vs_bare_loaded": ">= 0.95", "overlap_vs_inline": ">= 1.0 (idle and loaded)"},
     }
