@@ -60,12 +60,13 @@ def test_submit_waits_until_the_previous_item_is_handled() -> None:
     stage.close(5)
 
 
-def test_a_failing_handler_does_not_end_the_stage(caplog) -> None:
+@pytest.mark.parametrize("error", [RuntimeError("a bug in one sink"), SystemExit("a bug in one sink")])
+def test_a_failing_handler_does_not_end_the_stage(caplog, error: BaseException) -> None:
     handled = []
 
     def handle(item: int) -> None:
         if item == 1:
-            raise RuntimeError("a bug in one sink")
+            raise error
         handled.append(item)
 
     stage = ResultStage(handle)
@@ -191,14 +192,19 @@ def test_the_engine_runs_the_next_batch_while_the_previous_one_is_postprocessed(
         assert worker.cameras.of("cam").frames == 2 and worker.batches == 2 and stats.errors == 0
 
 
-def test_a_batch_finished_after_a_swap_counts_in_the_window_of_the_model_that_ran_it(runtime) -> None:
-    """The deployment watch reads `worker.window`: the old model's last batch must not land in the new one's."""
+def test_a_swap_returns_once_the_old_models_last_batch_has_its_results(runtime) -> None:
+    """The deployment watch reads `worker.window` and the adapt controller clears its latency window when `swap`
+    returns: the old model's last batch, still being finished, must land in the old window and before that."""
     with first_batch_held(runtime) as (worker, stats, recorder, held, _):
-        old_window = worker.window
-        assert worker.swap(runtime) is runtime  # a batch boundary passes while batch 1 is still held
-        assert worker.window is not old_window
+        old_window, returned = worker.window, []
+        swapping = threading.Thread(target=lambda: returned.append(worker.swap(runtime)))
+        swapping.start()
+        assert wait_for(lambda: worker.window is not old_window, timeout=30)  # installed at the batch boundary
+        swapping.join(0.3)
+        assert swapping.is_alive(), "swap returned while the old model's last batch was still being finished"
         held.set()
-        assert wait_for(lambda: stats.frames == 1, timeout=60)
+        swapping.join(30)
+        assert returned == [runtime] and stats.frames == 1  # no waiting: delivered before swap returned
         assert old_window.frames == 1 and worker.window.frames == 0
         assert worker.camera_windows.of("cam").frames == 0
 
@@ -209,6 +215,7 @@ def test_pause_returns_only_when_the_last_batch_has_its_results(runtime) -> None
         with pytest.raises(EdgeError) as info:
             worker.pause(timeout=0.3)
         assert info.value.code == "SWAP_TIMEOUT"
+        assert not worker._pause_requested, "a pause that failed left the loop paused for good"
         held.set()
         worker.pause(timeout=30)
         assert stats.frames == 1 and worker.results is not None and worker.results.idle
@@ -241,3 +248,31 @@ def test_engine_and_postprocessing_errors_count_in_order_on_one_thread(runtime) 
         assert worker.degraded and stats.frames == 0 and worker.cameras.of("cam").errors == 3
     finally:
         stop_worker(worker, stop)
+
+
+def test_errors_of_a_replaced_model_never_count_against_the_new_one(runtime, demo_source) -> None:
+    """`degraded` is about the model serving now: a swap away from a failing model clears it at once, and the
+    old model's batches still being finished do not count for the new one."""
+    from engines.runtime import load_runtime
+
+    mailbox: FreshestMailbox[Frame] = FreshestMailbox()
+    stop, stats = threading.Event(), FrameStats()
+
+    def broken_post(outputs, transform):
+        raise ValueError("postprocessor cannot read this output")
+
+    runtime.postprocessor = broken_post
+    good = load_runtime(demo_source, "onnxruntime")
+    worker = InferenceWorker(runtime, mailbox, stop, stats, max_consecutive_errors=1, overlap_postprocess=True)
+    worker.start()
+    try:
+        mailbox.put(Frame(image(), 1, time.monotonic(), "cam"))
+        assert wait_for(lambda: worker.degraded, timeout=60)
+        worker.swap(good)
+        assert not worker.degraded
+        mailbox.put(Frame(image(), 2, time.monotonic(), "cam"))
+        assert wait_for(lambda: stats.frames == 1, timeout=60)
+        assert not worker.degraded and worker.consecutive_errors == 0 and stats.errors == 1
+    finally:
+        stop_worker(worker, stop)
+        good.close()

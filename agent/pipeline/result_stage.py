@@ -43,10 +43,22 @@ class ResultStage(threading.Thread, Generic[T]):
                 return
         self._run_one(item)
 
+    @property
+    def submitted(self) -> int:
+        """Items handed over so far (a mark for `wait_handled`)."""
+        with self._cond:
+            return self._submitted
+
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted item is handled; False on timeout."""
+        return self.wait_handled(None, timeout)
+
+    def wait_handled(self, mark: int | None, timeout: float | None = None) -> bool:
+        """Wait until the first `mark` items submitted (None: all submitted by then) are handled; False on timeout.
+        A mark does not chase items submitted later, so a busy stage cannot keep the caller waiting."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._handled >= self._submitted or not self.is_alive(), timeout)
+            target = self._submitted if mark is None else mark
+            return self._cond.wait_for(lambda: self._handled >= target or not self.is_alive(), timeout)
 
     @property
     def idle(self) -> bool:
@@ -61,6 +73,11 @@ class ResultStage(threading.Thread, Generic[T]):
             self._cond.notify_all()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout)
+        if not self.is_alive():  # a stage that ended with an item still waiting: that item gets its results here
+            with self._cond:
+                left, self._item = self._item, []
+            for item in left:
+                self._run_one(item)
 
     def run(self) -> None:
         while True:
@@ -79,5 +96,5 @@ class ResultStage(threading.Thread, Generic[T]):
     def _run_one(self, item: T) -> None:
         try:
             self._handle(item)
-        except Exception:  # the handler reports its own failures; this thread must outlive a bug in one
+        except BaseException:  # the handler reports its own failures; this thread must outlive a bug in one
             log.exception("%s: finishing a batch failed", self.name)

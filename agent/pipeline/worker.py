@@ -71,6 +71,7 @@ class _Inferred:
     wait_ms: float
     runtime: ModelRuntime
     windows: tuple[FrameStats, CameraStats]  # the current model's windows when it ran: a swap starts new ones
+    generation: int  # which model (counted by swaps) ran it: an old model's errors never count against a new one
     batch: InferredBatch | None = None
     error: Exception | None = None
 
@@ -105,6 +106,9 @@ class InferenceWorker(threading.Thread):
         self._paused = threading.Event()
         self._previous: ModelRuntime | None = None
         self.last_result_at: float | None = None
+        self._generation = 0  # swaps installed (worker thread)
+        self._errors_generation = 0  # the generation `consecutive_errors` counts for (the finishing thread)
+        self._swap_mark = 0  # batches handed to the result stage before the last swap (all of the old model)
 
     @property
     def runtime(self) -> ModelRuntime:
@@ -113,8 +117,8 @@ class InferenceWorker(threading.Thread):
 
     @property
     def degraded(self) -> bool:
-        """True while inference keeps failing."""
-        return self.consecutive_errors >= self.max_consecutive_errors
+        """True while inference of the current model keeps failing."""
+        return self.consecutive_errors >= self.max_consecutive_errors and self._errors_generation == self._generation
 
     def swap(self, runtime: ModelRuntime, timeout: float = 10.0, batch_size: int | None = None) -> ModelRuntime | None:
         """Replace the model at the next batch boundary; returns the one it replaced. `batch_size` (None: keep
@@ -135,6 +139,9 @@ class InferenceWorker(threading.Thread):
                     raise EdgeError("the inference loop did not reach a batch boundary in time", code="SWAP_TIMEOUT")
         if not self.is_alive() or self._paused.is_set():
             self._take_pending()
+        if self.results is not None and not self.results.wait_handled(self._swap_mark, timeout):
+            # installed all the same: only the old model's last results are late (a stalled sink)
+            log.warning("the replaced model's last batch had no results %.0f s after the swap", timeout)
         return self._previous
 
     def pause(self, timeout: float = 10.0) -> None:
@@ -142,8 +149,10 @@ class InferenceWorker(threading.Thread):
         the mailboxes. Paused, the model that ran last is idle: its engine may be closed."""
         self._pause_requested = True
         if self.is_alive() and not self._paused.wait(timeout):
+            self.resume()  # a failed pause must not leave the loop paused for good
             raise EdgeError("the inference loop did not pause in time", code="SWAP_TIMEOUT")
         if self.results is not None and not self.results.drain(timeout):
+            self.resume()
             raise EdgeError("the last batch's results did not finish in time", code="SWAP_TIMEOUT")
 
     def resume(self) -> None:
@@ -159,7 +168,8 @@ class InferenceWorker(threading.Thread):
                     self.frames.max_size = self._pending_size  # between two batches: next_batch runs on this thread
                 self.window, self.camera_windows = FrameStats(), CameraStats()
                 self._pending = self._pending_size = None
-                self.consecutive_errors = 0  # the new model starts with a clean record
+                self._generation += 1  # the new model starts with a clean record (see degraded)
+                self._swap_mark = self.results.submitted if self.results is not None else 0
                 self._swapped.set()
 
     def run(self) -> None:
@@ -193,7 +203,7 @@ class InferenceWorker(threading.Thread):
         frames, images = _images(frames)
         if not frames:
             return
-        inferred = _Inferred(frames, wait_ms, batch.runtime, (self.window, self.camera_windows))
+        inferred = _Inferred(frames, wait_ms, batch.runtime, (self.window, self.camera_windows), self._generation)
         try:
             inferred.batch = batch.infer(images, [f.source for f in frames])
         except (EdgeError, ValueError) as exc:
@@ -209,6 +219,8 @@ class InferenceWorker(threading.Thread):
     def _finish(self, inferred: _Inferred) -> None:
         """Postprocess, record and deliver one batch (on the result stage's thread when it overlaps)."""
         frames = inferred.frames
+        if inferred.generation != self._errors_generation:  # the first batch of a newer model: a clean record
+            self._errors_generation, self.consecutive_errors = inferred.generation, 0
         if inferred.batch is None:
             self._failed(frames, inferred.windows, inferred.error)
             return
