@@ -48,7 +48,7 @@ def test_submit_waits_until_the_previous_item_is_handled() -> None:
     stage = ResultStage(lambda item: (started.set(), release.wait(10)))
     stage.start()
     stage.submit(1)
-    assert started.wait(10) and not stage.idle
+    assert started.wait(10) and not stage.drain(0)
     second = threading.Thread(target=stage.submit, args=(2,))
     second.start()
     second.join(0.3)
@@ -56,7 +56,7 @@ def test_submit_waits_until_the_previous_item_is_handled() -> None:
     assert not stage.drain(0.05)
     release.set()
     second.join(10)
-    assert stage.drain(10) and stage.idle
+    assert stage.drain(10)
     stage.close(5)
 
 
@@ -218,7 +218,7 @@ def test_pause_returns_only_when_the_last_batch_has_its_results(runtime) -> None
         assert not worker._pause_requested, "a pause that failed left the loop paused for good"
         held.set()
         worker.pause(timeout=30)
-        assert stats.frames == 1 and worker.results is not None and worker.results.idle
+        assert stats.frames == 1 and worker.results is not None and worker.results.drain(0)
         worker.resume()
 
 

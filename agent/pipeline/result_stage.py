@@ -60,12 +60,6 @@ class ResultStage(threading.Thread, Generic[T]):
             target = self._submitted if mark is None else mark
             return self._cond.wait_for(lambda: self._handled >= target or not self.is_alive(), timeout)
 
-    @property
-    def idle(self) -> bool:
-        """True when nothing submitted is waiting or being handled."""
-        with self._cond:
-            return self._handled >= self._submitted
-
     def close(self, timeout: float | None = None) -> None:
         """Handle what was submitted, then end the thread."""
         with self._cond:

@@ -69,7 +69,6 @@ class _Inferred:
 
     frames: list[Frame]
     wait_ms: float
-    runtime: ModelRuntime
     windows: tuple[FrameStats, CameraStats]  # the current model's windows when it ran: a swap starts new ones
     generation: int  # which model (counted by swaps) ran it: an old model's errors never count against a new one
     batch: InferredBatch | None = None
@@ -203,7 +202,7 @@ class InferenceWorker(threading.Thread):
         frames, images = _images(frames)
         if not frames:
             return
-        inferred = _Inferred(frames, wait_ms, batch.runtime, (self.window, self.camera_windows), self._generation)
+        inferred = _Inferred(frames, wait_ms, (self.window, self.camera_windows), self._generation)
         try:
             inferred.batch = batch.infer(images, [f.source for f in frames])
         except (EdgeError, ValueError) as exc:
@@ -247,7 +246,7 @@ class InferenceWorker(threading.Thread):
         if self.on_result is not None:
             for frame, outcome in zip(frames, outcomes):
                 try:
-                    self.on_result(frame, outcome.result, inferred.runtime)
+                    self.on_result(frame, outcome.result, inferred.batch.runtime)
                 except Exception:
                     log.exception("result sink failed")
 
