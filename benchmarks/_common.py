@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -44,3 +48,21 @@ def write_json(path: Path | None, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+@contextlib.contextmanager
+def busy_loops(count: int = 1, cpu: int | None = None, settle_s: float = 0.0) -> Iterator[None]:
+    """`count` busy-loop processes (one core each at most) for the duration of the block; pinned to `cpu` when
+    given, so they take that core and no other. `settle_s`: let them reach their loop before anything is timed."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        if cpu is not None:
+            for proc in procs:
+                os.sched_setaffinity(proc.pid, {cpu})
+        time.sleep(settle_s)
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(5)

@@ -29,23 +29,20 @@ Run the full one only on an otherwise idle machine (`uptime` load below ~2; it w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import _common  # noqa: F401  (puts the repo on sys.path)
 import cv2
 import numpy as np
 import psutil
-from _common import ROOT, machine, write_json
+from _common import ROOT, busy_loops, machine, write_json
 
 from agent.adapt.config import AdaptConfig
 from agent.config import AgentConfig
@@ -164,7 +161,7 @@ class Run:
             t.start()
         start = time.monotonic()
         load = sample_load(phases[0], start)
-        with hogs(self.hog_procs):
+        with busy_loops(self.hog_procs):
             load += sample_load(phases[1], start, hog=True)
         load += sample_load(phases[2], start)
         self.stop.set()
@@ -175,19 +172,6 @@ class Run:
         return {"start": start, "load": load, "errors": self.stats.errors, "produced": self.produced,
                 "dropped": self.mailbox.dropped, "unread": unread, "swaps": list(self.swaps),
                 "switches": list(self.controller.switches) if self.controller else []}
-
-
-@contextlib.contextmanager
-def hogs(count: int) -> Iterator[None]:
-    """`count` busy-loop processes (one core each at most) for the duration of the block."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(5)
 
 
 def sample_load(seconds: float, start: float, hog: bool = False) -> list[tuple[float, float, bool]]:
@@ -265,7 +249,7 @@ def load_warning(when: str) -> tuple[list[float], str | None]:
 def fp32_windows(loaded: list[LoadedModel], family: Any, seconds: float, hog_procs: int = 0) -> list[float]:
     """FP32's glass-to-result p99 per 1-s window at the benchmark's camera rate, idle or under `hog_procs` hogs."""
     run = Run("fixed_fp32", family, loaded, None)
-    with hogs(hog_procs):
+    with busy_loops(hog_procs):
         run.worker.start()
         cam = threading.Thread(target=run._camera, daemon=True)
         cam.start()

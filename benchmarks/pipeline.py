@@ -39,11 +39,8 @@ Usage: python benchmarks/pipeline.py [--seconds 20] [--rounds 3] [--camera-fps a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -54,7 +51,7 @@ import _common  # noqa: F401  (puts the repo on sys.path)
 import cv2
 import numpy as np
 import onnxruntime as ort
-from _common import machine, percentiles, write_json
+from _common import busy_loops, machine, percentiles, write_json
 
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.cameras import CameraGroup
@@ -184,22 +181,6 @@ def busy_cpu() -> int | None:
     return cpus[-1] if len(cpus) >= 2 else None
 
 
-@contextlib.contextmanager
-def busy_core(cpu: int | None):
-    """One core taken by a busy background process for the duration of the block. Pinned to `cpu`, it takes
-    that core and no other: unpinned, where the scheduler put it moved whole runs (agent_vs_bare_loaded 0.91
-    in one run, 0.99 in the next, each run's rounds agreeing); pinned, two runs gave 0.945 and 0.928."""
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        if cpu is not None:
-            os.sched_setaffinity(proc.pid, {cpu})
-        time.sleep(0.2)  # let it reach its loop before anything is timed
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait(5)
-
-
 def run_loop(name: str, runtime, engine, frames, tensors, seconds: float, camera_fps: float):
     """One timed run of loop `name`: (frames done, per-frame samples ms, FrameStats or None, drops)."""
     if name == "bare":
@@ -279,7 +260,9 @@ def main() -> None:
             return run_loop(name, runtime, engine, frames, tensors, args.seconds, camera_fps)
 
         totals, agent_stats, dropped = interleaved(("bare", "naive", "agent", "inline"), args.rounds, "", run)
-        with busy_core(busy_cpu()):
+        # unpinned, where the scheduler put the busy process moved whole runs (agent_vs_bare_loaded 0.91 in one,
+        # 0.99 in the next, each run's rounds agreeing); pinned, two runs gave 0.945 and 0.928
+        with busy_loops(1, busy_cpu(), settle_s=0.2):
             loaded, loaded_stats, loaded_dropped = interleaved(("bare", "agent", "inline", "worker"), args.rounds,
                                                                " (1 core busy)", run)
         runtime.close()
