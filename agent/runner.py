@@ -17,9 +17,11 @@ from agent.commands import CommandDispatcher, RateLimit
 from agent.control import AgentController
 from agent.control_socket import ControlSocketServer
 from agent.config import AgentConfig
+from agent.deployments.floors import FpsFloor, capacity_fps, fps_floors, refuse_unmeetable
 from agent.deployments.manager import DeploymentManager
 from agent.deployments.store import Deployment, DeploymentStore
-from agent.pipeline.batch_size import BatchSize, batch_curve, demand_fps, resolve_batch_size
+from agent.deployments import watch as deployment_watch
+from agent.pipeline.batch_size import BatchSize, batch_curve, demand_fps, resolve_batch_size, stated_fps
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.cameras import CameraGroup
 from agent.pipeline.frame_stats import FrameStats
@@ -142,10 +144,21 @@ class Agent:
 
     def _batch_size_for(self, loaded: LoadedModel) -> BatchSize:
         """`[batch] max_size` against `loaded`'s own measured curve: "auto" follows the engine in use."""
+        return self._batch_size_of(loaded.source, loaded.provisioned)
+
+    def _batch_size_of(self, source: ModelSource, provisioned: Any) -> BatchSize:
         cfg = self.config
         cameras = cfg.camera_list()
-        return resolve_batch_size(cfg.batch.max_size, len(cameras), batch_curve(loaded.provisioned),
-                                  loaded.source.manifest.gates.latency_budget_ms, demand_fps(cameras))
+        return resolve_batch_size(cfg.batch.max_size, len(cameras), batch_curve(provisioned),
+                                  source.manifest.gates.latency_budget_ms, demand_fps(cameras))
+
+    def fps_floors(self, source: ModelSource, provisioned: Any) -> dict[str, FpsFloor]:
+        """Each camera's fps floor under `source`: from its own gate-measured capacity at the batch size it
+        will run at and the cameras' stated rates, or an absolute floor (agent.deployments.floors)."""
+        size = self._batch_size_of(source, provisioned).size
+        capacity = capacity_fps(provisioned.validation, batch_curve(provisioned), size)
+        rates = {camera.name: stated_fps(camera) for camera in self.config.camera_list()}
+        return fps_floors(self.config.deployments, source.manifest.gates.min_fps, capacity, rates)
 
     def swap_model(self, loaded: LoadedModel) -> None:
         """Swap `loaded` in between two batches, with the batch size re-resolved from its curve (deployments,
@@ -309,7 +322,9 @@ class Agent:
     def provision(self, source: ModelSource, on_progress: Callable[[dict], None], stop: threading.Event) -> Any:
         """Engine for `source`: cached or built in a child process, then validated."""
         assert self.loader is not None
-        return self.loader.provision(source, on_progress, stop)
+        provisioned = self.loader.provision(source, on_progress, stop)
+        refuse_unmeetable(self.fps_floors(source, provisioned))  # GATE_FPS now, not WATCH_FPS after the swap
+        return provisioned
 
     def activate(self, source: ModelSource, provisioned: Any, dep: Deployment) -> dict[str, Any]:
         """Swap the candidate in between two frames, by the configured strategy; returns what happened."""
@@ -357,11 +372,9 @@ class Agent:
         assert self.worker is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self.stop_event.is_set():
-            if self.worker.window.frames > 0 and self.worker.last_result_at is not None:
-                if before is None:
-                    return None
-                first_new = self.worker.last_result_at
-                return round((first_new - before) * 1e3, 1)
+            first_new = self.worker.window.opened_at  # the new model's first result
+            if first_new is not None:
+                return None if before is None else round((first_new - before) * 1e3, 1)
             time.sleep(0.005)
         return None
 
@@ -402,16 +415,21 @@ class Agent:
 
     def watch(self, dep: Deployment, stop: threading.Event) -> dict[str, Any] | None:
         """Judge the new model for the watch window; the first violation (with numbers) or None."""
-        from agent.deployments.watch import watch_model
-
         assert self.worker is not None and self.cameras is not None
-        budget = self.active.source.manifest.gates.latency_budget_ms if self.active else None
-        violation = watch_model(self.worker, self.cameras, self.config.deployments, budget, stop,
-                                fps_before=self._last_swap.get("fps_before_cameras"),
-                                still_current=lambda: self.active is not None and self.active.deployment_ok(dep))
-        if violation is None:
-            adapt_wiring.release(self)  # the new family builds its variants and switches only now
-        return violation
+        assert self.active is not None
+        budget = self.active.source.manifest.gates.latency_budget_ms
+        floors = self.fps_floors(self.active.source, self.active.provisioned)
+        violation = deployment_watch.watch_model(
+            self.worker, self.cameras, self.config.deployments, budget, stop, floors,
+            still_current=lambda: self.active is not None and self.active.deployment_ok(dep))
+        if violation is not None:
+            violation["swap_gap_ms"] = self._last_swap.get("gap_ms")
+            return violation
+        if not stop.is_set() and self.active.deployment_ok(dep):
+            self.emit("watch_passed", deployment_id=dep.id, swap_gap_ms=self._last_swap.get("gap_ms"),
+                      **deployment_watch.watch_summary(self.worker, floors))
+        adapt_wiring.release(self)  # the new family builds its variants and switches only now
+        return None
 
     def rollback(self, reason: str, numbers: dict[str, Any] | None = None) -> dict[str, Any]:
         """Back to the previous model: instant when it is still loaded, else loaded again from its artifact."""

@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 
 from agent.config import AgentConfig
+from agent.deployments.store import DeploymentStore
 from agent.state import StateStore, state_db_path
 
 LIVE_KEY = "live_status"
@@ -38,6 +39,7 @@ def read_status(config: AgentConfig) -> dict[str, Any]:
             "cameras": _latest_cameras(live if running else None, last_run),
             "last_run": last_run,
             "events": [{"ts": e["ts"], "type": e["type"], **e["payload"]} for e in store.events(10)],
+            "recent_deployments": [d.to_dict() for d in DeploymentStore(store).latest(5)],
             "adapt": adapt_status(store, live if running else None),
         }
         return report

@@ -46,6 +46,7 @@ class PackageOptions:
     labels: Path | None = None
     latency_budget_ms: float | None = None
     min_accuracy: float | None = None
+    min_fps: float | None = None
     description: str = ""
     force: bool = False
     variants: list[str] = field(default_factory=list)  # NAME:PRECISION[:WxH][:FILE], most accurate first
@@ -157,7 +158,7 @@ def build_template(opts: PackageOptions, model_file: str) -> Manifest:
             preprocess=PreprocessSpec(**opts.preprocess),
             postprocess=PostprocessSpec(kind=opts.postprocess, params=params),
             build=BuildSpec(precision=opts.precision, calibration=CALIBRATION_DIR if opts.calibration else None),
-            gates=Gates(latency_budget_ms=opts.latency_budget_ms, min_accuracy=opts.min_accuracy),
+            gates=Gates(latency_budget_ms=opts.latency_budget_ms, min_accuracy=opts.min_accuracy, min_fps=opts.min_fps),
             labels=read_labels(opts.labels) if opts.labels else None,
         )
     except ValidationError as exc:

@@ -88,6 +88,11 @@ class Gates(BaseModel):
     min_accuracy: float | None = Field(
         None, ge=0, le=1, description="Minimum accuracy metric vs the FP32 reference (per-precision default if unset)."
     )
+    min_fps: float | None = Field(
+        None, gt=0, le=1000, description="Frames per second each camera must keep under this model after activation "
+        "(the deployment watch's absolute floor; a device whose cameras or engine cannot reach it refuses the model "
+        "with GATE_FPS before activation). Unset: the floor follows the model's own measured capacity.",
+    )
 
 
 class Variant(BaseModel):

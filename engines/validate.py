@@ -58,6 +58,9 @@ class ValidationResult:
     passed: bool
     code: str | None = None
     reason: str | None = None
+    # preprocess + infer + postprocess per validation frame (ms: mean, p50, p99): what one frame costs the frame
+    # path, so the deployment watch knows what the model can serve (None in verdicts cached before it was measured)
+    frame_ms: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -98,7 +101,7 @@ def validate(candidate: ModelRuntime, reference: ModelRuntime, frames: Sequence[
     latency = measure_latency(candidate, frames[0], latency_runs, warmup)
     threshold = min_accuracy_for(precision, gates)
     result = ValidationResult(precision, METRICS.get(kind, "cosine"), round(score, 5), threshold, len(frames),
-                              latency, gates.latency_budget_ms, True)
+                              latency, gates.latency_budget_ms, True, frame_ms=measure_frame_cost(candidate, frames))
     if score < threshold:
         result.passed, result.code = False, "GATE_ACCURACY"
         result.reason = (f"{result.metric} {score:.3f} vs the FP32 reference is below {threshold:.2f} for {precision}: "
@@ -194,6 +197,16 @@ def measure_latency(runtime: ModelRuntime, frame: np.ndarray, runs: int, warmup:
     for _ in range(max(1, runs)):
         t0 = time.perf_counter()
         runtime.engine.infer(feeds)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return latency_stats(samples)
+
+
+def measure_frame_cost(runtime: ModelRuntime, frames: Sequence[np.ndarray]) -> dict[str, float]:
+    """Time the whole stage chain (preprocess, infer, postprocess) on each frame, warm (after measure_latency)."""
+    samples = []
+    for frame in frames:
+        t0 = time.perf_counter()
+        runtime.run(frame)
         samples.append((time.perf_counter() - t0) * 1e3)
     return latency_stats(samples)
 

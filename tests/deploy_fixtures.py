@@ -14,7 +14,7 @@ from agent.artifacts.builder import build_artifact
 from agent.artifacts.keys import load_private_key
 from agent.demo import bundled_demo_onnx, demo_manifest
 from deploy.signing import keygen
-from engines.manifest import Gates
+from engines.manifest import Gates, PostprocessSpec
 from engines.preprocess import PreprocessSpec
 
 
@@ -27,13 +27,17 @@ def make_key(directory: Path) -> tuple[Path, Path]:
 
 
 def make_artifact(out: Path, version: str, key: Path, *, budget_ms: float | None = 5000.0,
-                  precision: str = "fp32", min_accuracy: float | None = None) -> Path:
-    """The demo detector packaged and signed as `demo-det@version` at 160x128."""
-    onnx = bundled_demo_onnx()
+                  precision: str = "fp32", min_accuracy: float | None = None, size: tuple[int, int] = (160, 128),
+                  name: str | None = None, onnx: Path | None = None, postprocess: str | None = None,
+                  min_fps: float | None = None) -> Path:
+    """The demo detector packaged and signed as `demo-det@version` at 160x128 (or another model, name, size)."""
+    onnx = onnx or bundled_demo_onnx()
     template = demo_manifest(onnx).model_copy(update={
         "version": version,
-        "preprocess": PreprocessSpec(width=160, height=128, color="bgr", mean=(0.5,) * 3, std=(0.5,) * 3),
-        "gates": Gates(latency_budget_ms=budget_ms, min_accuracy=min_accuracy),
+        "preprocess": PreprocessSpec(width=size[0], height=size[1], color="bgr", mean=(0.5,) * 3, std=(0.5,) * 3),
+        "gates": Gates(latency_budget_ms=budget_ms, min_accuracy=min_accuracy, min_fps=min_fps),
+        **({"name": name} if name else {}),
+        **({"postprocess": PostprocessSpec(kind=postprocess, params={})} if postprocess else {}),
     })
     template = template.model_copy(update={"build": template.build.model_copy(update={"precision": precision})})
     build_artifact(out, template, {template.model.file: onnx}, load_private_key(key), replace=True)

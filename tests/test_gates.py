@@ -118,9 +118,12 @@ def test_passing_engine_records_its_verdict(tmp_path: Path) -> None:
     result = _provision(source(conv_model(tmp_path / "m.onnx"), size=32), tmp_path)
     assert result.validation.passed and result.validation.metric == "cosine"
     assert result.validation.accuracy >= 0.99 and result.validation.latency_ms["p99"] > 0
+    # the whole stage chain per validation frame: the deployment watch's capacity (agent.deployments.floors)
+    assert result.validation.frame_ms["runs"] == result.validation.samples and result.validation.frame_ms["p50"] > 0
     cache = EngineCache(tmp_path / "cache", tmp_path / "state.db")
     try:
         assert cache.get(result.key).validation["passed"] is True
+        assert cache.get(result.key).validation["frame_ms"] == result.validation.frame_ms
     finally:
         cache.close()
 

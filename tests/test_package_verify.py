@@ -122,7 +122,7 @@ def test_cli_package_and_verify_all_options(tmp_path: Path, key: KeyInfo) -> Non
             "--input-size", "8x8", "--color", "bgr", "--mean", "0.5,0.5,0.5", "--std", "0.25,0.25,0.25",
             "--layout", "nhwc", "--resize", "letterbox", "--postprocess", "classification", "--param", "top_k=1",
             "--labels", str(tmp_path / "labels.json"), "--latency-budget-ms", "12.5", "--min-accuracy", "0.9",
-            "--key", str(key.private), "-o", str(tmp_path / "out")]  # fmt: skip
+            "--min-fps", "7.5", "--key", str(key.private), "-o", str(tmp_path / "out")]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     manifest = Manifest.model_validate_json((tmp_path / "out" / "manifest.json").read_bytes())
@@ -130,6 +130,7 @@ def test_cli_package_and_verify_all_options(tmp_path: Path, key: KeyInfo) -> Non
     assert manifest.preprocess.color == "bgr" and manifest.preprocess.layout == "nhwc"
     assert manifest.preprocess.std == (0.25, 0.25, 0.25) and manifest.preprocess.resize == "letterbox"
     assert manifest.gates.latency_budget_ms == 12.5 and manifest.gates.min_accuracy == 0.9
+    assert manifest.gates.min_fps == 7.5
     assert manifest.postprocess.params == {"top_k": 1} and manifest.labels == ["x", "y"]
     assert len(manifest.files) == 4
     verified = runner.invoke(app, ["verify", str(tmp_path / "out"), "--trust", str(key.public), "--json"])
@@ -143,7 +144,8 @@ def test_cli_package_and_verify_all_options(tmp_path: Path, key: KeyInfo) -> Non
     "extra, message",
     [(["--unsigned", "--key", "K"], "exclude"), ([], "--key KEY is required"), (["--unsigned", "--input-size", "8"], "WIDTHx"),
      (["--unsigned", "--precision", "int4"], "precision"), (["--unsigned", "--precision", "int8"], "calibration"),
-     (["--unsigned", "--postprocess", "nope"], "unknown postprocessor"), (["--unsigned", "--param", "x"], "KEY=VALUE")],
+     (["--unsigned", "--postprocess", "nope"], "unknown postprocessor"), (["--unsigned", "--param", "x"], "KEY=VALUE"),
+     (["--unsigned", "--min-fps", "0"], "min_fps")],
 )  # fmt: skip
 def test_cli_package_usage_errors_exit_2(tmp_path: Path, key: KeyInfo, extra: list[str], message: str) -> None:
     model = make_onnx(tmp_path / "m.onnx")

@@ -205,7 +205,8 @@ def test_a_swap_returns_once_the_old_models_last_batch_has_its_results(runtime) 
         held.set()
         swapping.join(30)
         assert returned == [runtime] and stats.frames == 1  # no waiting: delivered before swap returned
-        assert old_window.frames == 1 and worker.window.frames == 0
+        # in the old window: left out of its judged frames as a model's first batch is (captured before its first result)
+        assert old_window.excluded == 1 and worker.window.frames == worker.window.excluded == 0
         assert worker.camera_windows.of("cam").frames == 0
 
 
@@ -276,3 +277,27 @@ def test_errors_of_a_replaced_model_never_count_against_the_new_one(runtime, dem
     finally:
         stop_worker(worker, stop)
         good.close()
+
+
+def test_frames_that_waited_through_a_swap_are_left_out_of_the_new_models_window(runtime) -> None:
+    """The deployment watch judges the new model from its first result on (issue 27): a frame captured before
+    that waited through the swap gap, so its latency is the gap's. It still counts in the run's totals."""
+    worker, stop, stats, mailbox, _ = start_worker(runtime, overlap=True, frames=0)
+    try:
+        mailbox.put(Frame(image(), 1, time.monotonic(), "cam"))
+        assert wait_for(lambda: stats.frames == 1, timeout=60)
+        before_swap = time.monotonic() - 0.5  # as if it had waited half a second in the mailbox
+        worker.swap(runtime)
+        window = worker.window
+        assert window.opened_at is None and window.frames == 0
+        mailbox.put(Frame(image(), 2, before_swap, "cam"))
+        assert wait_for(lambda: stats.frames == 2, timeout=60)
+        assert window.opened_at is not None and window.started == window.opened_at
+        assert window.frames == 0 and window.excluded == 1 and not worker.camera_windows.items()
+        mailbox.put(Frame(image(), 3, time.monotonic(), "cam"))
+        assert wait_for(lambda: stats.frames == 3, timeout=60)
+        assert window.frames == 1 and worker.camera_windows.of("cam").frames == 1
+        assert worker.cameras.of("cam").frames == 3
+        assert window.latency.percentile(100) < stats.latency.percentile(100)  # the 500 ms frame is not in it
+    finally:
+        stop_worker(worker, stop)

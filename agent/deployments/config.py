@@ -18,11 +18,22 @@ class DeploymentConfig(BaseModel):
         "the previous one loaded for instant rollback. stop_start: for devices that cannot hold two engines.",
     )
     watch_window_s: float = Field(60.0, ge=0, le=86400, description="After activation, how long the new model is watched.")
-    watch_min_frames: int = Field(10, ge=1, description="Frames needed before the watch judges latency, errors and fps.")
+    watch_min_frames: int = Field(
+        10, ge=1, description="Frames of the new model needed before the watch judges latency, errors and fps. The "
+        "latency statistic follows the count: p99 from 100 frames, p95 from 20, else the median.",
+    )
+    watch_min_s: float = Field(
+        5.0, ge=0, le=86400, description="Seconds of the new model's results (counted from its first result, so "
+        "without the swap gap) before the watch judges; a window shorter than this is judged once, at its end.",
+    )
     max_error_rate: float = Field(0.05, ge=0, le=1, description="Inference error rate that triggers rollback.")
-    min_fps: float = Field(0.0, ge=0, description="Absolute fps floor during the watch window (0 = off).")
+    min_fps: float = Field(
+        0.0, ge=0, description="Absolute fps floor per camera during the watch window (0 = off); the manifest's "
+        "gates.min_fps takes precedence. A model that cannot reach it here is refused before activation (GATE_FPS).",
+    )
     min_fps_ratio: float = Field(
-        0.5, ge=0, le=1, description="fps floor relative to the previous model's fps before the swap (0 = off)."
+        0.5, ge=0, le=1, description="Without an absolute floor: the fps floor per camera is this x the rate the new "
+        "model can give it (its share of the engine's gate-measured capacity, at most the camera's stated fps); 0 = off.",
     )
     keep_versions: int = Field(3, ge=2, le=100, description="Artifacts kept on disk; the active and previous are never removed.")
     build_timeout_s: float = Field(1800.0, gt=0, description="Engine build timeout.")

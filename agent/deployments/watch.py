@@ -1,89 +1,149 @@
-"""The watch window after activation: latency, error rate and fps of the new model against its limits, per camera."""
+"""The watch window after activation: latency, error rate and fps of the new model against its limits, per camera.
+
+The new model is judged on its own terms (issue 27):
+- its window opens at its first result, and frames captured before that are left out, so the swap gap
+  (the old model's last result to the new one's first) counts in neither its latency nor its fps;
+- nothing is judged before `watch_min_s` of its results *and* `watch_min_frames` frames;
+- the latency statistic is the one the frame count supports (p99 needs ~100 frames; fewer: p95, then p50),
+  so one slow frame among ten is not a broken p99;
+- each camera's fps floor comes from agent.deployments.floors: the model's measured capacity and the
+  camera's rate, or an absolute floor from the manifest or config — never another model's fps.
+
+Every verdict carries `limit`, `value`, `statistic`, `window_s` and `frames`, the numbers it was judged on.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from agent.deployments.config import DeploymentConfig
-from agent.pipeline.worker import InferenceWorker
+from agent.deployments.floors import FpsFloor
+from agent.pipeline.frame_stats import FrameStats
 
 POLL_S = 0.25
+P99_FRAMES = 100  # a p99 needs this many frames to be more than the slowest one
+P95_FRAMES = 20
 
 
-def judge(window: Any, config: DeploymentConfig, budget_ms: float | None, fps_floor: float,
-          camera_up: bool) -> dict[str, Any] | None:
-    """The first limit `window` (FrameStats of the new model) breaks, with its numbers; None when fine."""
+def latency_statistic(frames: int) -> tuple[str, float]:
+    """The percentile that `frames` frames can estimate: p99 from 100, p95 from 20, else the median."""
+    if frames >= P99_FRAMES:
+        return "p99", 99.0
+    if frames >= P95_FRAMES:
+        return "p95", 95.0
+    return "p50", 50.0
+
+
+def window_age(window: FrameStats, now: float | None = None) -> float:
+    """Seconds since the window opened (the model's first result; before it, since the swap)."""
+    return (now or time.monotonic()) - window.started
+
+
+def judge(window: FrameStats, config: DeploymentConfig, budget_ms: float | None, fps_floor: float,
+          camera_up: bool, now: float | None = None) -> dict[str, Any] | None:
+    """The first limit `window` (FrameStats of the new model) breaks, with its numbers; None when fine
+    or not yet judgeable (fewer than `watch_min_frames` frames, or younger than `watch_min_s`)."""
+    now = now or time.monotonic()
     attempts = window.frames + window.errors
-    if attempts < config.watch_min_frames:
+    age = window_age(window, now)
+    if attempts < config.watch_min_frames or age < config.watch_min_s:
         return None
+    numbers = {"frames": window.frames, "errors": window.errors, "window_s": round(age, 2)}
     error_rate = window.errors / attempts
     if error_rate > config.max_error_rate:
         return {"reason": "WATCH_ERROR_RATE", "error_rate": round(error_rate, 4), "limit": config.max_error_rate,
+                "value": round(error_rate, 4), "statistic": "error_rate", **numbers,
                 "message": f"inference error rate {error_rate:.1%} > {config.max_error_rate:.1%}"}
-    p99 = window.latency.percentile(99)
-    if budget_ms is not None and p99 is not None and p99 > budget_ms:
-        return {"reason": "WATCH_LATENCY", "p99_ms": round(p99, 1), "budget_ms": budget_ms,
-                "message": f"p99 latency {p99:.1f} ms > budget {budget_ms} ms"}
-    fps = window.fps()
+    name, q = latency_statistic(window.frames)
+    latency = window.latency.percentile(q)
+    if budget_ms is not None and latency is not None and latency > budget_ms:
+        return {"reason": "WATCH_LATENCY", "p99_ms": round(latency, 1), "budget_ms": budget_ms,
+                "limit": budget_ms, "value": round(latency, 1), "statistic": f"latency_{name}_ms", **numbers,
+                "message": f"{name} latency {latency:.1f} ms over {window.frames} frames > budget {budget_ms} ms"}
+    fps = window.fps(now)
     if camera_up and fps_floor > 0 and fps < fps_floor:
         return {"reason": "WATCH_FPS", "fps": round(fps, 2), "floor": round(fps_floor, 2),
-                "message": f"{fps:.2f} fps < floor {fps_floor:.2f}"}
+                "limit": round(fps_floor, 2), "value": round(fps, 2), "statistic": "fps", **numbers,
+                "message": f"{fps:.2f} fps over {age:.1f} s < floor {fps_floor:.2f}"}
     return None
 
 
 def judge_cameras(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms: float | None,
-                  fps_before: dict[str, float]) -> dict[str, Any] | None:
-    """The first camera whose window breaks a limit (its fps floor from its own fps before the swap).
+                  floors: Mapping[str, FpsFloor], now: float | None = None) -> dict[str, Any] | None:
+    """The first camera whose window breaks a limit, with its floor's derivation in `floor_from`.
 
     Every configured camera is judged, not only those with frames since the swap: a live camera that
-    gets nothing (or too few frames to judge on its own) is held to its floor over the time since the swap
-    (`worker.window` starts at the swap)."""
+    gets nothing (or too few frames to judge on its own) is held to its floor over the time since the
+    model's window opened (`worker.window`)."""
+    now = now or time.monotonic()
     windows = dict(worker.camera_windows.items())
     configured = list(cameras.names)
     names = configured + [n for n in windows if n not in configured]
     for name in names:
-        floor = max(config.min_fps, fps_before.get(name, 0.0) * config.min_fps_ratio)
+        floor = floors.get(name)
+        fps_floor = floor.floor if floor is not None else 0.0
         window = windows.get(name)
         if window is not None and window.frames + window.errors >= config.watch_min_frames:
-            violation = judge(window, config, budget_ms, floor, cameras.is_live(name))
+            violation = judge(window, config, budget_ms, fps_floor, cameras.is_live(name), now)
         else:
-            violation = _starved(window.frames if window is not None else 0, worker.window, config, floor,
-                                 cameras.is_live(name))
+            violation = _starved(window, worker.window, config, fps_floor, cameras.is_live(name), now)
         if violation is not None:
-            violation.update(camera=name, message=f"camera {name}: {violation['message']}",
-                             frames=window.frames if window is not None else 0,
-                             errors=window.errors if window is not None else 0)
+            violation.update(camera=name, message=f"camera {name}: {violation['message']}")
+            if floor is not None:
+                violation["floor_from"] = floor.to_dict()
             return violation
     return None
 
 
-def _starved(frames: int, since_swap: Any, config: DeploymentConfig, fps_floor: float,
-             camera_up: bool) -> dict[str, Any] | None:
-    """WATCH_FPS for a live camera with fewer than `watch_min_frames` since the swap, once a camera at its
-    floor would have delivered that many (so a slow camera is not judged before it had its chance)."""
+def _starved(window: FrameStats | None, model_window: FrameStats, config: DeploymentConfig, fps_floor: float,
+             camera_up: bool, now: float) -> dict[str, Any] | None:
+    """WATCH_FPS for a live camera with fewer than `watch_min_frames` frames, once a camera at its floor would
+    have delivered that many since the model's window opened (a slow camera is judged only after its chance)."""
     if not camera_up or fps_floor <= 0:
         return None
-    elapsed = time.monotonic() - since_swap.started
-    if elapsed * fps_floor < config.watch_min_frames:
+    elapsed = window_age(model_window, now)
+    if elapsed < config.watch_min_s or elapsed * fps_floor < config.watch_min_frames:
         return None
+    frames = window.frames if window is not None else 0
     fps = frames / elapsed
-    return {"reason": "WATCH_FPS", "fps": round(fps, 2), "floor": round(fps_floor, 2),
+    return {"reason": "WATCH_FPS", "fps": round(fps, 2), "floor": round(fps_floor, 2), "limit": round(fps_floor, 2),
+            "value": round(fps, 2), "statistic": "fps", "frames": frames,
+            "errors": window.errors if window is not None else 0, "window_s": round(elapsed, 2),
             "message": f"{frames} frame(s) in {elapsed:.1f} s since the swap: {fps:.2f} fps < floor {fps_floor:.2f}"}
 
 
-def watch_model(worker: InferenceWorker, cameras: Any, config: DeploymentConfig, budget_ms: float | None,
-                stop: threading.Event, fps_before: dict[str, float] | None,
+def watch_model(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms: float | None,
+                stop: threading.Event, floors: Mapping[str, FpsFloor],
                 still_current: Callable[[], bool]) -> dict[str, Any] | None:
-    """Poll until the window ends, the model is replaced, or a limit is broken on any camera."""
-    started = time.monotonic()
-    deadline = started + config.watch_window_s
-    while time.monotonic() < deadline and still_current():
-        if stop.wait(POLL_S):
-            return None
-        violation = judge_cameras(worker, cameras, config, budget_ms, fps_before or {})
+    """Poll until the window ends, the model is replaced, or a limit is broken on any camera; the window's
+    last poll is at its deadline, so a model judged only late in the window is still judged."""
+    deadline = time.monotonic() + config.watch_window_s
+    if config.watch_min_s > config.watch_window_s:  # a short window is judged at its end
+        config = config.model_copy(update={"watch_min_s": config.watch_window_s})
+    while still_current():
+        last = time.monotonic() >= deadline
+        violation = judge_cameras(worker, cameras, config, budget_ms, floors)
         if violation is not None:
-            violation.update(window_s=round(time.monotonic() - started, 1))
+            violation["excluded_frames"] = worker.window.excluded
             return violation
+        if last or stop.wait(min(POLL_S, max(0.0, deadline - time.monotonic()))):
+            return None
     return None
+
+
+def watch_summary(worker: Any, floors: Mapping[str, FpsFloor]) -> dict[str, Any]:
+    """What a passed watch saw per camera (the `watch_passed` event): frames, fps, latency and floor."""
+    now = time.monotonic()
+    cameras = {}
+    for name, window in worker.camera_windows.items():
+        statistic, q = latency_statistic(window.frames)
+        latency = window.latency.percentile(q)
+        floor = floors.get(name)
+        cameras[name] = {"frames": window.frames, "errors": window.errors, "fps": round(window.fps(now), 2),
+                         f"latency_{statistic}_ms": None if latency is None else round(latency, 1),
+                         "floor": round(floor.floor, 2) if floor else 0.0,
+                         **({"floor_from": floor.to_dict()} if floor else {})}
+    return {"window_s": round(window_age(worker.window, now), 2), "excluded_frames": worker.window.excluded,
+            "cameras": cameras}

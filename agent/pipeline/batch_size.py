@@ -46,11 +46,19 @@ def demand_fps(cameras: Iterable[Any]) -> float | None:
     before it opens, and a partial sum would understate the demand."""
     total = 0.0
     for camera in cameras:
-        fps = getattr(camera, "fps", None)
-        if not isinstance(fps, (int, float)) or isinstance(fps, bool) or fps <= 0:
+        fps = stated_fps(camera)
+        if fps is None:
             return None
-        total += float(fps)
+        total += fps
     return total or None
+
+
+def stated_fps(camera: Any) -> float | None:
+    """The rate a camera config states (`fps`), None when it states none."""
+    fps = getattr(camera, "fps", None)
+    if not isinstance(fps, (int, float)) or isinstance(fps, bool) or fps <= 0:
+        return None
+    return float(fps)
 
 
 def resolve_batch_size(setting: Union[int, str], cameras: int, curve: Any, budget_ms: float | None,

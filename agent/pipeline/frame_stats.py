@@ -34,6 +34,8 @@ class FrameStats:
         self.frames = 0
         self.errors = 0
         self.started = time.monotonic()
+        self.opened_at: float | None = None  # a model's window: its first result (see open)
+        self.excluded = 0  # frames left out of a model's window: captured before it opened (the swap gap)
         self._lock = threading.Lock()
 
     def record(self, timing: FrameTiming) -> None:
@@ -45,6 +47,10 @@ class FrameStats:
             self.processing.record(timing.preprocess + timing.infer + timing.postprocess)
         with self._lock:
             self.frames += 1
+
+    def open(self, now: float) -> None:
+        """Start the clock at a new model's first result: fps and latency then exclude the swap gap."""
+        self.opened_at = self.started = now
 
     def record_error(self) -> None:
         """Count a frame whose inference or postprocessing failed."""

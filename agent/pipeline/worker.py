@@ -91,7 +91,7 @@ class InferenceWorker(threading.Thread):
         self.max_consecutive_errors = max_consecutive_errors
         self.consecutive_errors = 0
         self.heartbeat = 0  # loop turns, idle ones too: the systemd watchdog follows this
-        self.window = FrameStats()  # numbers of the current model only (the deployment watch reads them)
+        self.window = FrameStats()  # the current model's numbers from its first result (the deployment watch reads them)
         self.camera_windows = CameraStats()  # the same, per camera
         self.batches = 0
         # finishes batch k while the engine runs batch k+1; None: finished inline, on this thread
@@ -237,12 +237,19 @@ class InferenceWorker(threading.Thread):
         now = time.monotonic()
         self.last_result_at = now  # before the windows count the frames: a swap's gap reads both in that order
         window, camera_windows = inferred.windows
+        if window.opened_at is None:
+            window.open(now)  # the model's first result: the swap gap ends here
         for frame, outcome in zip(frames, outcomes):
             latency = (now - frame.captured_at) * 1e3
             timing = FrameTiming(inferred.wait_ms, outcome.preprocess, outcome.infer, outcome.postprocess, latency)
             frame.meta["infer_ms"] = outcome.infer  # the adaptation policy predicts other variants from it
-            for stats in (self.stats, window, self.cameras.of(frame.source), camera_windows.of(frame.source)):
-                stats.record(timing)
+            self.stats.record(timing)
+            self.cameras.of(frame.source).record(timing)
+            if frame.captured_at >= window.opened_at:
+                window.record(timing)
+                camera_windows.of(frame.source).record(timing)
+            else:  # waited through the swap: its latency is the gap's, not the model's
+                window.excluded += 1
         if self.on_result is not None:
             for frame, outcome in zip(frames, outcomes):
                 try:
