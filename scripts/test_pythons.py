@@ -29,12 +29,13 @@ except ImportError:  # Python 3.10: tomli is a dependency of the project there
 
 REPO = Path(__file__).resolve().parents[1]
 # Config/TOML parsing, state, commands, signing/trust, fetch, quantize and engine builds on tiny models,
-# gates and the cache, sdnotify: the code that leans on the stdlib and on compiled wheels (numpy, onnx,
-# onnxruntime, cryptography, pydantic-core). The skip check itself runs on each interpreter as the runner.
+# gates and the cache, sdnotify, the deployment watch's judge and floors: the code that leans on the stdlib
+# and on compiled wheels (numpy, onnx, onnxruntime, cryptography, pydantic-core). The skip check itself runs on each interpreter as the runner.
 VERSION_TESTS = [
     "tests/test_config.py", "tests/test_mqtt_config.py", "tests/test_state.py", "tests/test_commands.py",
     "tests/test_signing.py", "tests/test_package_verify.py", "tests/test_fetch.py", "tests/test_quantize.py",
     "tests/test_engine_build.py", "tests/test_engine_cache.py", "tests/test_gates.py", "tests/test_sdnotify.py",
+    "tests/test_watch.py",
 ]
 # The INT8 builds of the demo detector (PP-OCRv4, 640x480): half of the subset's time, while the tiny
 # models in the same files go through the same quantize, build and gate code. The main suite runs them.
