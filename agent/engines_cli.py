@@ -175,6 +175,11 @@ def _render_result(result: Any) -> None:
         table.add_row("accuracy", f"{v.metric} {v.accuracy:.4f} (min {v.min_accuracy})")
         budget = f" (budget {v.latency_budget_ms} ms)" if v.latency_budget_ms else ""
         table.add_row("latency", f"p50 {v.latency_ms['p50']} ms, p99 {v.latency_ms['p99']} ms{budget}")
+        table.add_row("judged on", _frames(v.to_dict()))
+        if v.outputs:
+            table.add_row("per output", ", ".join(f"{name} {score:.4f}" for name, score in v.outputs.items()))
+        if not v.passed:
+            table.add_row("verdict", f"{v.code}: {v.reason}")
     if result.report.get("dla"):
         table.add_row("DLA", _dla(result.report))
     for note in result.report.get("notes", []):
@@ -235,9 +240,19 @@ def _dla(report: dict[str, Any]) -> str:
 def _verdict(validation: dict[str, Any] | None) -> str:
     if not validation:
         return "-"
+    judged = f" on {_frames(validation)}"
     if validation.get("passed"):
-        return f"pass {validation['metric']} {validation['accuracy']:.3f} p99 {validation['latency_ms']['p99']} ms"
-    return f"FAIL {validation.get('code')}"
+        return (f"pass {validation['metric']} {validation['accuracy']:.3f} >= {validation['min_accuracy']} "
+                f"p99 {validation['latency_ms']['p99']} ms{judged}")
+    return f"FAIL {validation.get('code')}{judged}"
+
+
+def _frames(validation: dict[str, Any]) -> str:
+    """Which frames a verdict was judged on: source, count and the start of their hash."""
+    frames = validation.get("frames")
+    if not frames:
+        return f"{validation.get('samples', '?')} frames (source not recorded)"
+    return f"{frames['count']} {frames['source']} frames ({frames['sha256'][:12]})"
 
 
 @engines_app.command("gc")

@@ -31,7 +31,7 @@ from agent.sdnotify import Notifier, ProgressWatchdog
 from agent.model_loading import LoadedModel, ModelLoader
 from agent.sources.base import Frame
 from agent.state import StateStore, state_db_path
-from agent.status import BACKEND_KEY, LIVE_KEY
+from agent.status import BACKEND_KEY, LIVE_KEY, validation_brief
 from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
 from engines.errors import EdgeError
 from engines.model import ModelSource
@@ -211,7 +211,8 @@ class Agent:
     def _record_active(self, loaded: LoadedModel, deployment_id: str | None = None) -> None:
         assert self.store is not None
         m = loaded.source.manifest
-        info = {**loaded.describe(), "origin": loaded.origin, "deployment_id": deployment_id}
+        info = {**loaded.describe(), "origin": loaded.origin, "deployment_id": deployment_id,
+                "validation": validation_brief(loaded.provisioned.validation)}
         self.store.set_active_model(m.name, m.version, str(loaded.source.root), loaded.source.sha256, info)
 
     def _on_result(self, frame: Frame, result: Any, runtime: Any) -> None:

@@ -118,13 +118,22 @@ def _decodes(cam: dict[str, Any]) -> str:
     return f", decoded {capture.get('decoded', 0)} of {grabbed} grabs" if grabbed else ""
 
 
+def validation_brief(validation: Any) -> dict[str, Any] | None:
+    """What a model's gate verdict was: metric, value, threshold and the frames it was judged on."""
+    if validation is None:
+        return None
+    frames = validation.frames or {"source": "not recorded", "count": validation.samples}
+    return {"metric": validation.metric, "value": validation.accuracy, "threshold": validation.min_accuracy,
+            "passed": validation.passed, "frames": {**frames, "sha256": str(frames.get("sha256", ""))[:12]}}
+
+
 def model_row(row: dict[str, Any] | None) -> dict[str, Any] | None:
     """An active_model row as status shows it (also used by the `status` command)."""
     if row is None:
         return None
     return {"name": row["name"], "version": row["version"], "path": row["path"], "sha256": row["sha256"][:12],
             "since": row["since"],
-            **{k: v for k, v in row["info"].items() if k in ("backend", "precision", "latency_budget_ms", "origin")}}
+            **{k: v for k, v in row["info"].items() if k in ("backend", "precision", "latency_budget_ms", "origin", "validation")}}
 
 
 def render_status(report: dict[str, Any], console: Console) -> None:

@@ -73,6 +73,9 @@ def package(
     labels: Optional[Path] = typer.Option(None, "--labels", help="Class names: one per line, or a JSON list."),
     latency_budget_ms: Optional[float] = typer.Option(None, "--latency-budget-ms", help="p99 latency gate."),
     min_accuracy: Optional[float] = typer.Option(None, "--min-accuracy", help="Accuracy gate vs FP32 (0..1)."),
+    validation: Optional[Path] = typer.Option(
+        None, "--validation", help="Held-out validation frames (images, or videos sampled to 16 frames each) the "
+        "device's gate judges the engine on; never the calibration images."),
     min_fps: Optional[float] = typer.Option(
         None, "--min-fps", help="fps each camera must keep after activation (the watch's absolute floor; "
         "default: half of what the model measured it can serve)."),
@@ -88,7 +91,7 @@ def package(
     def body() -> Any:
         opts = PackageOptions(
             model=model, name=name, version=version_, out=out, key=key, unsigned=unsigned, precision=precision,
-            calibration=calibration, preprocess=_preprocess_options(input_size, color, mean, std, layout, resize),
+            calibration=calibration, validation=validation, preprocess=_preprocess_options(input_size, color, mean, std, layout, resize),
             postprocess=postprocess, params=list(param), labels=labels, latency_budget_ms=latency_budget_ms,
             min_accuracy=min_accuracy, min_fps=min_fps, description=description, force=force, variants=list(variant),
             variants_json=variants_json,

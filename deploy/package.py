@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cv2
+import numpy as np
 from pydantic import ValidationError
 
 from agent.artifacts.builder import build_artifact
 from agent.artifacts.keys import load_private_key
 from agent.artifacts.layout import check_artifact_name
 from agent.artifacts.onnxcheck import check_loads, external_data_locations, load_proto, quantized
+from engines.calibration import IMAGE_SUFFIXES
 from engines.errors import EdgeError
 from engines.manifest import (BuildSpec, Gates, Manifest, ModelFile, PostprocessSpec, input_size_problem,
-                              model_input_dims)
+                              model_input_dims, sha256_file)
 from engines.preprocess import PreprocessSpec
 
 CALIBRATION_DIR = "calibration"
+VALIDATION_DIR = "validation"
+VIDEO_SUFFIXES = frozenset({".mp4", ".avi", ".mkv", ".mov", ".webm"})
+VIDEO_SAMPLES = 16  # frames taken from each validation video, evenly spread
 _PLACEHOLDER = ModelFile(file="placeholder", sha256="0" * 64, size=0)
 
 
@@ -40,6 +47,7 @@ class PackageOptions:
     unsigned: bool = False
     precision: str = "fp32"
     calibration: Path | None = None
+    validation: Path | None = None
     preprocess: dict[str, Any] = field(default_factory=dict)
     postprocess: str = "raw"
     params: list[str] = field(default_factory=list)
@@ -117,6 +125,52 @@ def calibration_files(directory: Path) -> dict[str, Path]:
     return found
 
 
+def validation_files(directory: Path, calibration: dict[str, Path], workdir: Path) -> dict[str, Path]:
+    """Artifact name -> source for each held-out validation frame: images as they are, each video sampled to
+    VIDEO_SAMPLES frames (PNG, in `workdir`). A frame that is also a calibration image (same bytes) is refused:
+    a gate on the frames the engine was calibrated on proves nothing about the frames it will see."""
+    if not directory.is_dir():
+        raise PackageError(f"--validation {directory}: not a directory")
+    found: dict[str, Path] = {}
+    for item in sorted(directory.iterdir()):
+        if not item.is_file() or item.is_symlink() or item.name.startswith("."):
+            continue
+        if item.suffix.lower() in VIDEO_SUFFIXES:
+            found.update(_video_frames(item, workdir))
+        elif item.suffix.lower() in IMAGE_SUFFIXES:
+            found[f"{VALIDATION_DIR}/{check_artifact_name(item.name)}"] = item
+    if not found:
+        raise PackageError(f"--validation {directory}: no images or videos in it "
+                           f"({', '.join(sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES))})")
+    calibrated = {sha256_file(path): name for name, path in calibration.items()}
+    for name, path in found.items():
+        twin = calibrated.get(sha256_file(path))
+        if twin is not None:
+            raise PackageError(f"--validation: {path.name} is the calibration image {twin} (same sha256); "
+                               "validation frames must be held out from calibration")
+    return found
+
+
+def _video_frames(video: Path, workdir: Path) -> dict[str, Path]:
+    capture = cv2.VideoCapture(str(video))
+    try:
+        total = int(capture.get(cv2.CAP_PROP_FRAME_COUNT) or 0)
+        picks = sorted({int(i) for i in np.linspace(0, max(total - 1, 0), VIDEO_SAMPLES)}) if total > 0 else []
+        out: dict[str, Path] = {}
+        for index in picks:
+            capture.set(cv2.CAP_PROP_POS_FRAMES, index)
+            ok, frame = capture.read()
+            if ok and frame is not None:
+                path = workdir / f"{video.stem}-{index:06d}.png"
+                cv2.imwrite(str(path), frame)
+                out[f"{VALIDATION_DIR}/{check_artifact_name(path.name)}"] = path
+    finally:
+        capture.release()
+    if not out:
+        raise PackageError(f"--validation: {video.name}: no frame could be read (not a video OpenCV reads?)")
+    return out
+
+
 def _validate_postprocess(kind: str, params: dict[str, Any]) -> None:
     """Catch a wrong postprocess kind or parameter here rather than on a thousand devices."""
     from engines.postprocess import POSTPROCESSORS
@@ -158,7 +212,8 @@ def build_template(opts: PackageOptions, model_file: str) -> Manifest:
             preprocess=PreprocessSpec(**opts.preprocess),
             postprocess=PostprocessSpec(kind=opts.postprocess, params=params),
             build=BuildSpec(precision=opts.precision, calibration=CALIBRATION_DIR if opts.calibration else None),
-            gates=Gates(latency_budget_ms=opts.latency_budget_ms, min_accuracy=opts.min_accuracy, min_fps=opts.min_fps),
+            gates=Gates(latency_budget_ms=opts.latency_budget_ms, min_accuracy=opts.min_accuracy, min_fps=opts.min_fps,
+                        validation=VALIDATION_DIR if opts.validation else None),
             labels=read_labels(opts.labels) if opts.labels else None,
         )
     except ValidationError as exc:
@@ -243,8 +298,15 @@ def package(opts: PackageOptions) -> Manifest:
     sources = _model_sources(Path(opts.model), opts.precision, opts.calibration is not None)
     template = build_template(opts, Path(opts.model).name)
     check_preprocess_size(Path(opts.model), template)
-    if opts.calibration:
-        sources.update(calibration_files(opts.calibration))
+    calibration = calibration_files(opts.calibration) if opts.calibration else {}
+    sources.update(calibration)
+    with tempfile.TemporaryDirectory(prefix="edge-validation-") as workdir:
+        if opts.validation:
+            sources.update(validation_files(Path(opts.validation), calibration, Path(workdir)))
+        return _finish_package(opts, template, sources, key)
+
+
+def _finish_package(opts: PackageOptions, template: Manifest, sources: dict[str, Path], key: Any) -> Manifest:
     if opts.labels:
         name = check_artifact_name(opts.labels.name)
         if name in sources:

@@ -88,11 +88,21 @@ class Gates(BaseModel):
     min_accuracy: float | None = Field(
         None, ge=0, le=1, description="Minimum accuracy metric vs the FP32 reference (per-precision default if unset)."
     )
+    validation: str | None = Field(
+        None, description="Directory of held-out validation frames inside the artifact (edge-deploy package "
+        "--validation): the gate judges the engine on them. Unset: generated text frames, which fit text models only.",
+    )
     min_fps: float | None = Field(
         None, gt=0, le=1000, description="Frames per second each camera must keep under this model after activation "
         "(the deployment watch's absolute floor; a device whose cameras or engine cannot reach it refuses the model "
         "with GATE_FPS before activation). Unset: the floor follows the model's own measured capacity.",
     )
+
+
+    @field_validator("validation")
+    @classmethod
+    def _validation_inside(cls, value: str | None) -> str | None:
+        return None if value is None else safe_relative_path(value)
 
 
 class Variant(BaseModel):

@@ -33,7 +33,8 @@ from engines.batching import batch_profile
 from engines.manifest import check_input_size, sha256_file
 from engines.model import ModelSource
 from engines.runtime import ModelRuntime, load_runtime, preprocess_shape, resolve_backend
-from engines.validate import GateError, ValidationResult, min_accuracy_for, validate, validation_frames
+from engines.validate import GateError, ValidationResult, min_accuracy_for, validate
+from engines.validation_set import same_set, validation_set
 
 log = logging.getLogger(__name__)
 
@@ -269,9 +270,10 @@ def _gates(cache: EngineCache, entry: CacheEntry, plan: BuildPlan, source: Model
     """The stored verdict when it was judged against today's thresholds, else a fresh one (None: no load)."""
     gates = source.manifest.gates
     threshold = min_accuracy_for(plan.precision, gates)
+    judged_on = validation_set(source, samples)
     if entry.validation and not revalidate:
         stored = ValidationResult.from_dict(entry.validation)
-        if stored.same_thresholds(threshold, gates.latency_budget_ms):
+        if stored.same_thresholds(threshold, gates.latency_budget_ms) and same_set(stored.frames, judged_on.info):
             return stored
     try:
         engine = load_engine_file(entry.path, plan.backend, plan.precision, plan.spec.providers, plan.spec.input_shapes)
@@ -282,9 +284,8 @@ def _gates(cache: EngineCache, entry: CacheEntry, plan: BuildPlan, source: Model
     candidate = ModelRuntime(source, engine)
     reference = load_runtime(source, "onnxruntime")
     try:
-        spec = source.manifest.preprocess
-        verdict = validate(candidate, reference, validation_frames(spec.width, spec.height, samples),
-                           precision=plan.precision, gates=gates, latency_runs=runs)
+        verdict = validate(candidate, reference, judged_on.frames, precision=plan.precision, gates=gates,
+                           latency_runs=runs, frames_info=judged_on.info)
     finally:
         candidate.close()
         reference.close()

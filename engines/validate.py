@@ -7,7 +7,13 @@ that fits what the model outputs (chosen by its postprocessor):
 | classification   | top-1 agreement                                               |
 | yolo             | box-match F1 (same class, IoU >= 0.5, greedy by score)        |
 | db_text          | text-mask IoU at the postprocessor's `thresh`                 |
-| raw              | cosine similarity of the outputs                              |
+| raw              | per output: cosine x norm ratio, averaged over frames; the     |
+|                  | lowest output decides (each named in the verdict's `outputs`)  |
+
+No vacuous passes: a reference that carries no signal on the validation frames proves nothing, and
+the gate fails with GATE_NO_SIGNAL before any metric is read — a detector whose FP32 reference finds
+fewer than MIN_REFERENCE_DETECTIONS objects (or no text pixel) across the set, a classifier whose
+reference gives one class for every frame, a raw model whose every output is constant.
 
 Default minimums when the manifest sets none (`gates.min_accuracy` overrides):
 - fp32 0.99: the engine differs from the reference only by kernel choice and summation order (~1e-6
@@ -34,6 +40,10 @@ from engines.runtime import ModelRuntime
 
 DEFAULT_MIN_ACCURACY = {"fp32": 0.99, "fp16": 0.95, "int8": 0.90}
 METRICS = {"classification": "top1_agreement", "yolo": "box_f1", "db_text": "mask_iou", "raw": "cosine"}
+MIN_REFERENCE_DETECTIONS = 3  # across the whole set: fewer, and box F1 is decided by noise (or defined as 1.0)
+RAW_CONSTANT_STD = 1e-7  # relative to the output's mean magnitude: an output this flat carries no signal
+NO_SIGNAL_HINT = ("ship held-out frames where the FP32 model does find what it is for: "
+                  "edge-deploy package --validation DIR")
 BOX_IOU = 0.5
 VALIDATION_SEED = 2024  # calibration frames use another seed, so validation never sees them
 
@@ -61,6 +71,8 @@ class ValidationResult:
     # preprocess + infer + postprocess per validation frame (ms: mean, p50, p99): what one frame costs the frame
     # path, so the deployment watch knows what the model can serve (None in verdicts cached before it was measured)
     frame_ms: dict[str, float] | None = None
+    outputs: dict[str, float] | None = None  # raw: the metric of each output (the lowest decides)
+    frames: dict[str, Any] | None = None  # what it was judged on: {"source", "count", "sha256"} (part of the verdict key)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -94,15 +106,23 @@ def validation_frames(width: int, height: int, count: int = 8) -> list[np.ndarra
 
 
 def validate(candidate: ModelRuntime, reference: ModelRuntime, frames: Sequence[np.ndarray], *, precision: str,
-             gates: Gates, latency_runs: int = 20, warmup: int = 3) -> ValidationResult:
+             gates: Gates, latency_runs: int = 20, warmup: int = 3,
+             frames_info: dict[str, Any] | None = None) -> ValidationResult:
     """Measure both gates; the result says which one failed (it does not raise)."""
     kind = candidate.source.manifest.postprocess.kind
-    score = accuracy(kind, candidate.source.manifest.postprocess.params, reference, candidate, frames)
+    params = candidate.source.manifest.postprocess.params
+    pairs = [(_run(reference, f), _run(candidate, f)) for f in frames]
+    no_signal = signal_problem(kind, params, [r for r, _ in pairs])
+    score, outputs = agreement(kind, params, pairs, [o.name for o in candidate.engine.outputs])
     latency = measure_latency(candidate, frames[0], latency_runs, warmup)
     threshold = min_accuracy_for(precision, gates)
     result = ValidationResult(precision, METRICS.get(kind, "cosine"), round(score, 5), threshold, len(frames),
-                              latency, gates.latency_budget_ms, True, frame_ms=measure_frame_cost(candidate, frames))
-    if score < threshold:
+                              latency, gates.latency_budget_ms, True, frame_ms=measure_frame_cost(candidate, frames),
+                              outputs=outputs, frames=frames_info)
+    if no_signal is not None:
+        result.passed, result.code = False, "GATE_NO_SIGNAL"
+        result.reason = f"{no_signal}: {NO_SIGNAL_HINT}"
+    elif score < threshold:
         result.passed, result.code = False, "GATE_ACCURACY"
         result.reason = (f"{result.metric} {score:.3f} vs the FP32 reference is below {threshold:.2f} for {precision}: "
                          "use real calibration images, another precision, or lower gates.min_accuracy")
@@ -113,18 +133,61 @@ def validate(candidate: ModelRuntime, reference: ModelRuntime, frames: Sequence[
     return result
 
 
+Run = tuple[list[np.ndarray], InferenceResult]
+
+
 def accuracy(kind: str, params: dict[str, Any], reference: ModelRuntime, candidate: ModelRuntime,
              frames: Sequence[np.ndarray]) -> float:
     """The kind's metric over `frames`, candidate vs reference."""
     pairs = [(_run(reference, f), _run(candidate, f)) for f in frames]
+    return agreement(kind, params, pairs, [o.name for o in candidate.engine.outputs])[0]
+
+
+def agreement(kind: str, params: dict[str, Any], pairs: Sequence[tuple[Run, Run]],
+               names: Sequence[str]) -> tuple[float, dict[str, float] | None]:
+    """The kind's metric over (reference, candidate) runs; for raw also each output's own score."""
     if kind == "classification":
-        return float(np.mean([top1_agreement(r[0][0], c[0][0]) for r, c in pairs]))
+        return float(np.mean([top1_agreement(r[0][0], c[0][0]) for r, c in pairs])), None
     if kind == "yolo":
-        return box_f1([r[1] for r, _ in pairs], [c[1] for _, c in pairs])
+        return box_f1([r[1] for r, _ in pairs], [c[1] for _, c in pairs]), None
     if kind == "db_text":
         thresh = float(params.get("thresh", 0.3))
-        return float(np.mean([text_mask_iou(r[0][0], c[0][0], thresh) for r, c in pairs]))
-    return float(np.mean([cosine(a, b) for r, c in pairs for a, b in zip(r[0], c[0])]))
+        return float(np.mean([text_mask_iou(r[0][0], c[0][0], thresh) for r, c in pairs])), None
+    per_output = {}
+    for i in range(len(pairs[0][0][0])):
+        name = names[i] if i < len(names) else f"output{i}"
+        per_output[name] = round(float(np.mean([scaled_cosine(r[0][i], c[0][i]) for r, c in pairs])), 5)
+    return min(per_output.values()), per_output
+
+
+def signal_problem(kind: str, params: dict[str, Any], references: Sequence[Run]) -> str | None:
+    """Why the FP32 reference's results on the validation frames cannot tell a good engine from a blind one,
+    or None when they can."""
+    count = len(references)
+    if kind == "yolo":
+        found = sum(len(result.detections) for _, result in references)
+        if found < MIN_REFERENCE_DETECTIONS:
+            return (f"the FP32 model finds {found} object(s) on the {count} validation frame(s), fewer than "
+                    f"{MIN_REFERENCE_DETECTIONS}")
+    elif kind == "db_text":
+        thresh = float(params.get("thresh", 0.3))
+        if not any(bool((outputs[0] > thresh).any()) for outputs, _ in references):
+            return f"the FP32 model finds no text (probability > {thresh:g}) on the {count} validation frame(s)"
+    elif kind == "classification":
+        classes = {int(np.argmax(outputs[0].reshape(-1))) for outputs, _ in references}
+        if count >= 2 and len(classes) == 1:
+            return f"the FP32 model gives class {classes.pop()} for every one of the {count} validation frames"
+    elif all(_constant(np.concatenate([outputs[i].ravel() for outputs, _ in references]))
+             for i in range(len(references[0][0]))):
+        return f"every output of the FP32 model is constant over the {count} validation frame(s)"
+    return None
+
+
+def _constant(values: np.ndarray) -> bool:
+    values = values.astype(np.float64)
+    if values.size == 0 or not np.isfinite(values).all():
+        return values.size == 0
+    return float(values.std()) <= RAW_CONSTANT_STD * max(float(np.abs(values).mean()), 1e-30)
 
 
 def _run(runtime: ModelRuntime, frame: np.ndarray) -> tuple[list[np.ndarray], InferenceResult]:
@@ -146,6 +209,16 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     if na == 0 or nb == 0:
         return 1.0 if na == nb else 0.0
     return float(np.dot(a64, b64) / (na * nb))
+
+
+def scaled_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Cosine similarity times the ratio of the smaller norm to the larger: a tensor that keeps its direction
+    but collapses in magnitude (a presence logit 42.2 -> 0.5) no longer agrees; two zero tensors do."""
+    a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    na, nb = np.linalg.norm(a64), np.linalg.norm(b64)
+    if na == 0 or nb == 0:
+        return 1.0 if na == nb else 0.0
+    return float(np.dot(a64, b64) / (na * nb)) * min(na, nb) / max(na, nb)
 
 
 def text_mask_iou(reference: np.ndarray, candidate: np.ndarray, threshold: float) -> float:

@@ -1,7 +1,9 @@
 """A real export with input [-1, 3, ?, ?] deployed end to end: the PP-OCR text direction classifier
 (`ch_ppocr_mobile_v2.0_cls_infer.onnx` from rapidocr-onnxruntime) packaged and signed with
 `edge-deploy package`'s API, deployed to a running agent, and its top-1 checked on text rendered upright
-and rotated 180 degrees. Before issue 10 the device refused this model with MODEL_SHAPE_MISMATCH."""
+and rotated 180 degrees. Before issue 10 the device refused this model with MODEL_SHAPE_MISMATCH. It ships
+held-out validation frames (`--validation`): on the generated text frames its FP32 reference says "180"
+for every frame, a gate that proves nothing (GATE_NO_SIGNAL, issue 18)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from agent.config import AgentConfig
 from agent.pipeline.batch_runtime import BatchRuntime
 from agent.runner import Agent
+from agent.status import read_status
 from deploy.package import PackageOptions, package
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
 from tests.helpers import wait_for
@@ -39,10 +42,20 @@ def _text_image(text: str) -> np.ndarray:
     return image
 
 
+def _validation_frames(directory: Path) -> Path:
+    """Held-out frames for the gate: each text upright and rotated, so the reference sees both classes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for i, text in enumerate(TEXTS):
+        cv2.imwrite(str(directory / f"up-{i}.png"), _text_image(text))
+        cv2.imwrite(str(directory / f"down-{i}.png"), cv2.rotate(_text_image(text), cv2.ROTATE_180))
+    return directory
+
+
 def _package_classifier(tmp_path: Path, key: Path) -> Path:
     (tmp_path / "labels.txt").write_text("0\n180\n")  # the model's label order
     opts = PackageOptions(
         model=_classifier_onnx(), name="text-direction", version="1.0.0", out=tmp_path / "pub" / "cls", key=key,
+        validation=_validation_frames(tmp_path / "cls-validation"),
         preprocess={"width": WIDTH, "height": HEIGHT, "color": "bgr", "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5)},
         postprocess="classification", params=["top_k=2"], labels=tmp_path / "labels.txt", latency_budget_ms=5000.0,
     )
@@ -63,6 +76,12 @@ def test_direction_classifier_deploys_and_tells_upright_from_rotated(tmp_path: P
         dep = agent.deployments.get(reply["deployment_id"])
         assert state == "active", f"deployment ended {state}: {getattr(dep, 'reason', None)}"
         assert agent.active.source.manifest.name == "text-direction"
+        verdict = agent.active.provisioned.validation  # judged on the artifact's own frames, both classes in them
+        assert verdict.frames["source"] == "artifact:validation" and verdict.frames["count"] == 2 * len(TEXTS)
+        assert verdict.passed and verdict.accuracy == 1.0
+        shown = read_status(agent.config)["model"]["validation"]  # what `edge-agent status` shows of the gate
+        assert shown["metric"] == "top1_agreement" and shown["value"] == 1.0 and shown["threshold"] == 0.99
+        assert shown["frames"]["source"] == "artifact:validation" and len(shown["frames"]["sha256"]) == 12
         frames = agent.stats.frames
         assert wait_for(lambda: agent.stats.frames >= frames + 3, timeout=60), "the classifier does not serve frames"
         runtime = agent.active.runtime
