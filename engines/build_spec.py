@@ -24,7 +24,7 @@ PRECISIONS = ("fp32", "fp16", "int8")
 DEFAULT_TRT_OPT_LEVEL = 3
 ENGINE_SUFFIX = {"onnxruntime": ".onnx", "tensorrt": ".plan"}
 # The ONNX Runtime CPU quantization recipe (engines.quantize.DEFAULT) and its version in the key.
-CPU_RECIPE, CPU_RECIPE_VERSION = "onnxruntime-cpu", 1
+CPU_RECIPE, CPU_RECIPE_VERSION = "onnxruntime-cpu", 2  # 2: float_output_tails
 
 
 class EngineBuildError(EdgeError):

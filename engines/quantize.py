@@ -98,6 +98,9 @@ class QuantSettings:
     #: accuracy goal, and excluding the first conv cost ~10% speed for +0.005 IoU.
     exclude_nodes: tuple[str, ...] = ()
     exclude_op_types: tuple[str, ...] = ()
+    #: Leave in float the decode tail of every output that ends in a Concat (`mixed_output_tails`): YOLO
+    #: heads concatenate box coordinates and class scores, which one uint8 scale cannot hold together.
+    float_output_tails: bool = True
     #: Extra op types to quantize on top of ORT's default list (QDQ + QOperator registries). A pure
     #: data-movement op such as DepthToSpace runs on uint8 directly when listed here.
     extra_op_types: tuple[str, ...] = ()
@@ -777,6 +780,49 @@ def _split_convs_for_ort(model: onnx.ModelProto) -> list[str]:
     return split
 
 
+# Ops that compute features; an output's "tail" is everything after the last of them on its way out.
+_COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "ConvInteger", "MatMul", "MatMulInteger", "Gemm", "QLinearConv",
+                          "QLinearMatMul", "LSTM", "GRU", "RNN", "Attention"})
+
+
+def mixed_output_tails(model: onnx.ModelProto) -> list[str]:
+    """Names of the nodes in the decode tail of every graph output whose tail merges tensors with a Concat.
+
+    A detector head ends by decoding and concatenating: YOLOv5/v8/v11 put box coordinates (0..input size)
+    and class scores (0..1) into one tensor. Quantized, that Concat shares one uint8 scale, so every score
+    rounds to 0 (YOLOv8n-DocLayNet: box F1 0.000 vs FP32). Those tails are cheap element-wise and
+    data-movement work after the last conv or matmul; left in float they cost little and keep the scores.
+    A tail without a Concat (a sigmoid over a segmentation map, PP-OCR's DB head) is left to the quantizer.
+    """
+    producers = {out: node for node in model.graph.node for out in node.output}
+    excluded: list[str] = []
+    seen: set[int] = set()
+    for output in model.graph.output:
+        tail, stack = [], [producers.get(output.name)]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen or node.op_type in _COMPUTE_OPS:
+                continue
+            seen.add(id(node))
+            tail.append(node)
+            stack.extend(producers.get(name) for name in node.input if name)
+        if any(node.op_type == "Concat" for node in tail):
+            excluded.extend(node.name for node in tail if node.name)
+    return excluded
+
+
+def _name_nodes(model: onnx.ModelProto) -> None:
+    """Give every unnamed node a unique name (nodes_to_exclude matches by name)."""
+    taken = {node.name for node in model.graph.node if node.name}
+    for i, node in enumerate(model.graph.node):
+        if not node.name:
+            name = f"{node.op_type}_{i}"
+            while name in taken:
+                name += "_"
+            node.name = name
+            taken.add(name)
+
+
 def _ort_enums(settings: QuantSettings) -> dict[str, Any]:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
 
@@ -826,8 +872,10 @@ def quantize_int8(
         ops = _op_types_to_quantize(settings)
         if "Conv" in ops:
             rewrites["split_convs_for_ort"] = len(_split_convs_for_ort(model))
+        _name_nodes(model)
+        tails = set(mixed_output_tails(model)) if settings.float_output_tails else set()
         excluded = [n.name for n in model.graph.node
-                    if n.name in settings.exclude_nodes or n.op_type in settings.exclude_op_types]
+                    if n.name in settings.exclude_nodes or n.op_type in settings.exclude_op_types or n.name in tails]
         missing = set(settings.exclude_nodes) - {n.name for n in model.graph.node}
         if missing:
             log.warning("exclude_nodes not in the prepared graph: %s", sorted(missing))
