@@ -19,6 +19,7 @@ from agent.control_socket import ControlSocketServer
 from agent.config import AgentConfig
 from agent.deployments.floors import FpsFloor, capacity_fps, fps_floors, refuse_unmeetable
 from agent.deployments.manager import DeploymentManager
+from agent.deployments.output_health import OutputHealth
 from agent.deployments.store import Deployment, DeploymentStore
 from agent.deployments import watch as deployment_watch
 from agent.pipeline.batch_size import BatchSize, batch_curve, demand_fps, resolve_batch_size, stated_fps
@@ -59,6 +60,7 @@ class Agent:
         self.active: LoadedModel | None = None
         self.previous: LoadedModel | None = None
         self.adapt: Any = None  # agent.adapt controller of the active model family (docs/adaptive.md)
+        self.output_health = OutputHealth()  # per camera: what the serving model finds (the watch's collapse check)
         self.worker: InferenceWorker | None = None
         self.cameras: CameraGroup | None = None
         self.dispatcher: CommandDispatcher | None = None
@@ -217,6 +219,7 @@ class Agent:
 
     def _on_result(self, frame: Frame, result: Any, runtime: Any) -> None:
         adapt_wiring.on_result(self, frame, runtime)
+        self.output_health.record(frame.source, result, runtime)
         self.last_result = {"camera": frame.source, "frame": frame.index, **result.to_dict(max_items=20)}
         if self.plane is not None:
             self.plane.on_result(self.last_result)
@@ -422,13 +425,14 @@ class Agent:
         floors = self.fps_floors(self.active.source, self.active.provisioned)
         violation = deployment_watch.watch_model(
             self.worker, self.cameras, self.config.deployments, budget, stop, floors,
-            still_current=lambda: self.active is not None and self.active.deployment_ok(dep))
+            still_current=lambda: self.active is not None and self.active.deployment_ok(dep),
+            health=self.output_health)
         if violation is not None:
             violation["swap_gap_ms"] = self._last_swap.get("gap_ms")
             return violation
         if not stop.is_set() and self.active.deployment_ok(dep):
             self.emit("watch_passed", deployment_id=dep.id, swap_gap_ms=self._last_swap.get("gap_ms"),
-                      **deployment_watch.watch_summary(self.worker, floors))
+                      **deployment_watch.watch_summary(self.worker, floors, self.output_health))
         adapt_wiring.release(self)  # the new family builds its variants and switches only now
         return None
 

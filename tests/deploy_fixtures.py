@@ -29,7 +29,7 @@ def make_key(directory: Path) -> tuple[Path, Path]:
 def make_artifact(out: Path, version: str, key: Path, *, budget_ms: float | None = 5000.0,
                   precision: str = "fp32", min_accuracy: float | None = None, size: tuple[int, int] = (160, 128),
                   name: str | None = None, onnx: Path | None = None, postprocess: str | None = None,
-                  min_fps: float | None = None) -> Path:
+                  min_fps: float | None = None, params: dict | None = None) -> Path:
     """The demo detector packaged and signed as `demo-det@version` at 160x128 (or another model, name, size)."""
     onnx = onnx or bundled_demo_onnx()
     template = demo_manifest(onnx).model_copy(update={
@@ -38,6 +38,7 @@ def make_artifact(out: Path, version: str, key: Path, *, budget_ms: float | None
         "gates": Gates(latency_budget_ms=budget_ms, min_accuracy=min_accuracy, min_fps=min_fps),
         **({"name": name} if name else {}),
         **({"postprocess": PostprocessSpec(kind=postprocess, params={})} if postprocess else {}),
+        **({"postprocess": PostprocessSpec(kind=postprocess or "db_text", params=params)} if params else {}),
     })
     template = template.model_copy(update={"build": template.build.model_copy(update={"precision": precision})})
     build_artifact(out, template, {template.model.file: onnx}, load_private_key(key), replace=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from agent.deployments.config import DeploymentConfig
@@ -213,3 +214,91 @@ def test_a_watch_window_shorter_than_the_minimum_time_is_judged_at_its_end() -> 
     verdict = watch_model(worker, Cameras(names=("a",)), cfg, 100.0, threading.Event(), {}, lambda: True)
     assert verdict is not None and verdict["reason"] == "WATCH_LATENCY" and time.monotonic() - started >= 0.55
     assert verdict["excluded_frames"] == 0
+
+
+# --- output health: a model blind on live frames (issue 18) -----------------------------------------
+
+class Model:
+    """What OutputHealth reads of a ModelRuntime: its manifest's postprocess kind and labels."""
+
+    def __init__(self, kind: str, labels: list[str] | None = None) -> None:
+        from types import SimpleNamespace
+
+        self.source = SimpleNamespace(manifest=SimpleNamespace(postprocess=SimpleNamespace(kind=kind), labels=labels))
+
+
+def result(kind: str, detections: int = 0, top: str | None = None, tensor=None):
+    from engines.postprocess import ClassScore, Detection, InferenceResult
+
+    dets = [Detection((0.0, 0.0, 5.0, 5.0), 0.9) for _ in range(detections)]
+    classes = [ClassScore(0, 0.9, top)] if top is not None else []
+    return InferenceResult(kind, dets, classes, {"out": tensor} if tensor is not None else {})
+
+
+def feed(health, model, camera: str, results) -> None:
+    for r in results:
+        health.record(camera, r, model)
+
+
+def test_a_detector_that_finds_nothing_where_the_previous_one_found_things_has_collapsed() -> None:
+    from agent.deployments.output_health import OutputHealth
+
+    health, old, new = OutputHealth(), Model("db_text"), Model("db_text")
+    feed(health, old, "cam", [result("db_text", 4)] * 40)
+    feed(health, new, "cam", [result("db_text", 0)] * 19 + [result("db_text", 2)])
+    verdict = health.collapse("cam", ratio=0.2, min_frames=10, min_history=30)
+    assert verdict["reason"] == "WATCH_OUTPUT_COLLAPSE" and verdict["statistic"] == "detection_rate"
+    assert verdict["value"] == 0.05 and verdict["limit"] == 0.2 and verdict["before"]["detection_rate"] == 1.0
+    assert verdict["frames"] == 20 and health.collapse("other", 0.2, 10, 30) is None
+    fine = OutputHealth()
+    feed(fine, old, "cam", [result("db_text", 4)] * 40)
+    feed(fine, new, "cam", [result("db_text", 1), result("db_text", 0)] * 10)  # half the frames: fewer, not blind
+    assert fine.collapse("cam", 0.2, 10, 30) is None
+
+
+def test_collapse_needs_history_frames_and_a_comparable_model() -> None:
+    from agent.deployments.output_health import OutputHealth
+
+    health = OutputHealth()
+    feed(health, Model("yolo"), "cam", [result("yolo", 3)] * 10)  # too little history
+    feed(health, Model("yolo"), "cam", [result("yolo", 0)] * 50)
+    assert health.collapse("cam", 0.2, 10, 30) is None
+    other = OutputHealth()
+    feed(other, Model("yolo"), "cam", [result("yolo", 3)] * 50)
+    feed(other, Model("classification", ["a", "b"]), "cam", [result("classification", top="a")] * 50)
+    assert other.collapse("cam", 0.2, 10, 30) is None  # a classifier replacing a detector: nothing to compare
+    quiet = OutputHealth()
+    feed(quiet, Model("yolo"), "cam", [result("yolo", 1)] + [result("yolo", 0)] * 49)  # rarely found anything
+    feed(quiet, Model("yolo"), "cam", [result("yolo", 0)] * 50)
+    assert quiet.collapse("cam", 0.2, 10, 30) is None
+
+
+def test_a_classifier_stuck_on_one_class_and_a_flat_raw_output_have_collapsed() -> None:
+    from agent.deployments.output_health import OutputHealth
+
+    labels = ["0", "180"]
+    health = OutputHealth()
+    feed(health, Model("classification", labels), "cam", [result("classification", top="0"),
+                                                           result("classification", top="180")] * 20)
+    feed(health, Model("classification", labels), "cam", [result("classification", top="180")] * 20)
+    verdict = health.collapse("cam", 0.2, 10, 30)
+    assert verdict["statistic"] == "classes" and verdict["value"] == 1 and verdict["before"]["classes"] == 2
+    raw = OutputHealth()
+    rng = np.random.default_rng(0)
+    feed(raw, Model("raw"), "cam", [result("raw", tensor=rng.normal(0, 1, 64)) for _ in range(40)])
+    feed(raw, Model("raw"), "cam", [result("raw", tensor=np.full(64, 0.5)) for _ in range(20)])
+    assert raw.collapse("cam", 0.2, 10, 30)["statistic"] == "output_spread"
+
+
+def test_the_watch_rolls_back_a_collapsed_camera_once_its_window_is_judged() -> None:
+    from agent.deployments.output_health import OutputHealth
+
+    health, new = OutputHealth(), Model("db_text")
+    feed(health, Model("db_text"), "cam", [result("db_text", 2)] * 40)
+    feed(health, new, "cam", [result("db_text", 0)] * 30)
+    young = Windows(cam=stats([20.0] * 30, age_s=0.5))
+    assert judge_cameras(young, Cameras(names=("cam",)), CFG, None, {}, health=health) is None  # < watch_min_s
+    verdict = judge_cameras(Windows(cam=stats([20.0] * 30)), Cameras(names=("cam",)), CFG, None, {}, health=health)
+    assert verdict["reason"] == "WATCH_OUTPUT_COLLAPSE" and verdict["camera"] == "cam" and verdict["window_s"] >= 10
+    off = CFG.model_copy(update={"output_collapse_ratio": 0.0})
+    assert judge_cameras(Windows(cam=stats([20.0] * 30)), Cameras(names=("cam",)), off, None, {}, health=health) is None

@@ -6,6 +6,8 @@ real Mosquitto, artifacts from a real HTTP server, real ONNX Runtime models.
   by the old floor (0.5 x the classifier's 30 fps); 20 deployments in a row must now all pass the watch.
 - A model that passes its gate but is slow on what the camera sees (tests/slow_model.py: fast on the gate's
   bright frames, slow on a camera replaying dark ones) is still rolled back, every time, with the numbers.
+- An INT8 engine that passes its gate and is blind on live frames (issue 18) rolls back by itself:
+  WATCH_OUTPUT_COLLAPSE against the previous model's detections on the same camera.
 """
 
 from __future__ import annotations
@@ -134,3 +136,29 @@ def test_a_model_slow_on_live_frames_is_rolled_back_every_time(tmp_path: Path, m
     assert [d["state"] for d in recent[:3]] == ["rolled_back"] * 3
     watch = recent[0]["details"]["watch"]
     assert {"limit", "value", "statistic", "window_s", "frames", "camera", "swap_gap_ms"} <= set(watch)
+
+
+def test_a_blind_int8_engine_that_passed_its_gate_rolls_back_by_itself(tmp_path: Path, mqtt_broker,
+                                                                      live_agent) -> None:
+    """The demo detector as INT8 with `min_size` 500 px: its probability map agrees with FP32 on the gate's
+    frames (mask IoU, text found: the gate passes), but every box is dropped, so on the live camera it finds
+    nothing where the serving model found text lines in every frame."""
+    private, public = make_key(tmp_path / "keys")
+    bootstrap = make_artifact(tmp_path / "pub" / "v1", "1.0.0", private, size=(320, 224))
+    make_artifact(tmp_path / "pub" / "blind", "2.0.0", private, precision="int8", size=(320, 224),
+                  params={"min_size": 500.0})  # at 160x128 the INT8 engine fails its gate (mask IoU 0.04)
+    camera = {"kind": "synthetic", "width": 320, "height": 240, "fps": 10}
+    agent, collector, server = live_agent(bootstrap, camera, public, watch_window_s=30.0, watch_min_s=2.0)
+    assert wait_for(lambda: agent.output_health.numbers("cam0") and agent.output_health.numbers("cam0")["frames"] >= 30,
+                    timeout=60), "the serving model has no history on cam0"
+    assert agent.output_health.numbers("cam0")["detection_rate"] >= 0.9
+    dep_id = send(mqtt_broker, "deploy", "--arg", f"url={server.url('blind/manifest.json')}")["deployment_id"]
+    end = outcome(collector, dep_id, timeout=300)
+    assert end["type"] == "rolled_back", end
+    assert end["reason"] == "WATCH_OUTPUT_COLLAPSE" and end["camera"] == "cam0" and end["statistic"] == "detection_rate"
+    assert end["value"] == 0.0 and end["before"]["detection_rate"] >= 0.9 and end["frames"] >= 10
+    assert end["restored"]["version"] == "1.0.0" and agent.active.source.manifest.version == "1.0.0"
+    row = agent.deployments.get(dep_id)
+    assert row.state == "rolled_back" and row.reason == "WATCH_OUTPUT_COLLAPSE"
+    verdict = row.details["watch"]
+    assert verdict["limit"] == end["limit"] and "outputs collapsed" in row.message

@@ -27,6 +27,16 @@ class DeploymentConfig(BaseModel):
         "without the swap gap) before the watch judges; a window shorter than this is judged once, at its end.",
     )
     max_error_rate: float = Field(0.05, ge=0, le=1, description="Inference error rate that triggers rollback.")
+    output_collapse_ratio: float = Field(
+        0.2, ge=0, le=1, description="WATCH_OUTPUT_COLLAPSE when, on a camera, the new model's detection rate "
+        "(frames with at least one detection) or raw output spread falls below this x the previous model's recent "
+        "one there (which must be >= 50 % for detectors), or a classifier gives one class where the previous one "
+        "gave several; only models of the same postprocess kind are compared. 0 = off.",
+    )
+    output_collapse_min_history: int = Field(
+        30, ge=1, le=300, description="Frames of the previous model's history on a camera needed to judge a collapse "
+        "there (its last 300 are kept).",
+    )
     min_fps: float = Field(
         0.0, ge=0, description="Absolute fps floor per camera during the watch window (0 = off); the manifest's "
         "gates.min_fps takes precedence. A model that cannot reach it here is refused before activation (GATE_FPS).",

@@ -7,7 +7,10 @@ The new model is judged on its own terms (issue 27):
 - the latency statistic is the one the frame count supports (p99 needs ~100 frames; fewer: p95, then p50),
   so one slow frame among ten is not a broken p99;
 - each camera's fps floor comes from agent.deployments.floors: the model's measured capacity and the
-  camera's rate, or an absolute floor from the manifest or config — never another model's fps.
+  camera's rate, or an absolute floor from the manifest or config — never another model's fps;
+- its outputs on each camera are compared with the previous model's recent outputs there
+  (agent.deployments.output_health): a model that finds nothing where the old one found things is
+  rolled back with WATCH_OUTPUT_COLLAPSE, however fast it is.
 
 Every verdict carries `limit`, `value`, `statistic`, `window_s` and `frames`, the numbers it was judged on.
 """
@@ -20,6 +23,7 @@ from typing import Any, Callable, Mapping
 
 from agent.deployments.config import DeploymentConfig
 from agent.deployments.floors import FpsFloor
+from agent.deployments.output_health import OutputHealth
 from agent.pipeline.frame_stats import FrameStats
 
 POLL_S = 0.25
@@ -71,7 +75,8 @@ def judge(window: FrameStats, config: DeploymentConfig, budget_ms: float | None,
 
 
 def judge_cameras(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms: float | None,
-                  floors: Mapping[str, FpsFloor], now: float | None = None) -> dict[str, Any] | None:
+                  floors: Mapping[str, FpsFloor], now: float | None = None,
+                  health: OutputHealth | None = None) -> dict[str, Any] | None:
     """The first camera whose window breaks a limit, with its floor's derivation in `floor_from`.
 
     Every configured camera is judged, not only those with frames since the swap: a live camera that
@@ -87,6 +92,8 @@ def judge_cameras(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms
         window = windows.get(name)
         if window is not None and window.frames + window.errors >= config.watch_min_frames:
             violation = judge(window, config, budget_ms, fps_floor, cameras.is_live(name), now)
+            if violation is None and health is not None and window_age(window, now) >= config.watch_min_s:
+                violation = _collapsed(health, name, config, window, now)
         else:
             violation = _starved(window, worker.window, config, fps_floor, cameras.is_live(name), now)
         if violation is not None:
@@ -95,6 +102,18 @@ def judge_cameras(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms
                 violation["floor_from"] = floor.to_dict()
             return violation
     return None
+
+
+def _collapsed(health: OutputHealth, camera: str, config: DeploymentConfig, window: FrameStats,
+               now: float) -> dict[str, Any] | None:
+    """WATCH_OUTPUT_COLLAPSE: the model finds (nearly) nothing where the previous one found things."""
+    if config.output_collapse_ratio <= 0:
+        return None
+    verdict = health.collapse(camera, config.output_collapse_ratio, config.watch_min_frames,
+                              config.output_collapse_min_history)
+    if verdict is not None:
+        verdict.update(errors=window.errors, window_s=round(window_age(window, now), 2))
+    return verdict
 
 
 def _starved(window: FrameStats | None, model_window: FrameStats, config: DeploymentConfig, fps_floor: float,
@@ -116,7 +135,7 @@ def _starved(window: FrameStats | None, model_window: FrameStats, config: Deploy
 
 def watch_model(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms: float | None,
                 stop: threading.Event, floors: Mapping[str, FpsFloor],
-                still_current: Callable[[], bool]) -> dict[str, Any] | None:
+                still_current: Callable[[], bool], health: OutputHealth | None = None) -> dict[str, Any] | None:
     """Poll until the window ends, the model is replaced, or a limit is broken on any camera; the window's
     last poll is at its deadline, so a model judged only late in the window is still judged."""
     deadline = time.monotonic() + config.watch_window_s
@@ -124,7 +143,7 @@ def watch_model(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms: 
         config = config.model_copy(update={"watch_min_s": config.watch_window_s})
     while still_current():
         last = time.monotonic() >= deadline
-        violation = judge_cameras(worker, cameras, config, budget_ms, floors)
+        violation = judge_cameras(worker, cameras, config, budget_ms, floors, health=health)
         if violation is not None:
             violation["excluded_frames"] = worker.window.excluded
             return violation
@@ -133,8 +152,8 @@ def watch_model(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms: 
     return None
 
 
-def watch_summary(worker: Any, floors: Mapping[str, FpsFloor]) -> dict[str, Any]:
-    """What a passed watch saw per camera (the `watch_passed` event): frames, fps, latency and floor."""
+def watch_summary(worker: Any, floors: Mapping[str, FpsFloor], health: OutputHealth | None = None) -> dict[str, Any]:
+    """What a passed watch saw per camera (the `watch_passed` event): frames, fps, latency, floor, outputs."""
     now = time.monotonic()
     cameras = {}
     for name, window in worker.camera_windows.items():
@@ -144,6 +163,7 @@ def watch_summary(worker: Any, floors: Mapping[str, FpsFloor]) -> dict[str, Any]
         cameras[name] = {"frames": window.frames, "errors": window.errors, "fps": round(window.fps(now), 2),
                          f"latency_{statistic}_ms": None if latency is None else round(latency, 1),
                          "floor": round(floor.floor, 2) if floor else 0.0,
-                         **({"floor_from": floor.to_dict()} if floor else {})}
+                         **({"floor_from": floor.to_dict()} if floor else {}),
+                         **({"outputs": health.numbers(name)} if health is not None else {})}
     return {"window_s": round(window_age(worker.window, now), 2), "excluded_frames": worker.window.excluded,
             "cameras": cameras}
