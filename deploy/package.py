@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import cv2
 import numpy as np
+import onnx
 from pydantic import ValidationError
 
 from agent.artifacts.builder import build_artifact
@@ -18,6 +20,7 @@ from agent.artifacts.layout import check_artifact_name
 from agent.artifacts.onnxcheck import check_loads, external_data_locations, load_proto, quantized
 from engines.calibration import IMAGE_SUFFIXES
 from engines.errors import EdgeError
+from engines.onnx_inputs import refuse_requantizing, toposort
 from engines.manifest import (BuildSpec, Gates, Manifest, ModelFile, PostprocessSpec, input_size_problem,
                               model_input_dims, sha256_file)
 from engines.preprocess import PreprocessSpec
@@ -27,6 +30,9 @@ VALIDATION_DIR = "validation"
 VIDEO_SUFFIXES = frozenset({".mp4", ".avi", ".mkv", ".mov", ".webm"})
 VIDEO_SAMPLES = 16  # frames taken from each validation video, evenly spread
 _PLACEHOLDER = ModelFile(file="placeholder", sha256="0" * 64, size=0)
+
+
+log = logging.getLogger(__name__)
 
 
 class PackageError(EdgeError):
@@ -184,8 +190,9 @@ def _validate_postprocess(kind: str, params: dict[str, Any]) -> None:
         raise PackageError(problems) from exc
 
 
-def _model_sources(model: Path, precision: str, has_calibration: bool) -> dict[str, Path]:
-    """The model and its external-data files, after proving ONNX and ONNX Runtime load it."""
+def _model_sources(model: Path, precision: str, has_calibration: bool, workdir: Path) -> dict[str, Path]:
+    """The model and its external-data files, after proving ONNX and ONNX Runtime load it. A graph whose
+    nodes are out of topological order is sorted into a copy in `workdir`, which is what gets packaged."""
     if not model.is_file():
         raise PackageError(f"{model}: model file not found")
     name = check_artifact_name(model.name)
@@ -193,9 +200,17 @@ def _model_sources(model: Path, precision: str, has_calibration: bool) -> dict[s
     sources = {name: model}
     for location in sorted(external_data_locations(proto)):
         sources[check_artifact_name(location)] = model.parent / location
+    if len(sources) == 1 and toposort(proto):  # with external data the copy would lose its weights' paths
+        sources[name] = model = workdir / name
+        onnx.save(proto, str(model))
+        log.warning("%s: nodes were not in topological order; packaging a sorted copy", name)
     check_loads(model, name, [n for n in sources if n != name])
+    try:
+        refuse_requantizing(proto, precision)
+    except EdgeError as exc:
+        raise PackageError(f"--precision {precision}: {exc}", code=exc.code) from exc
     if precision == "int8" and not has_calibration and not quantized(proto):
-        raise PackageError("--precision int8 needs --calibration DIR (or an already Q/DQ-quantized ONNX)")
+        raise PackageError("--precision int8 needs --calibration DIR (or an already quantized ONNX)")
     return sources
 
 
@@ -266,7 +281,7 @@ def variant_specs(opts: PackageOptions) -> list[tuple[dict[str, Any], Path | Non
     return specs
 
 
-def add_variants(template: Manifest, sources: dict[str, Path], opts: PackageOptions) -> Manifest:
+def add_variants(template: Manifest, sources: dict[str, Path], opts: PackageOptions, workdir: Path) -> Manifest:
     """Declare the family in the manifest; each other ONNX is packaged (hashed and signed) with the model."""
     declared = []
     for fields, model in variant_specs(opts):
@@ -274,7 +289,7 @@ def add_variants(template: Manifest, sources: dict[str, Path], opts: PackageOpti
             name = check_artifact_name(model.name)
             if sources.get(name, model) != model:
                 raise PackageError(f"--variant {fields.get('name')}: file name {name!r} clashes with another file")
-            sources.update(_model_sources(model, "fp32", True))
+            sources.update(_model_sources(model, fields.get("precision") or "fp32", True, workdir))
             fields["file"] = name
         declared.append(fields)
     if not declared:
@@ -295,22 +310,23 @@ def package(opts: PackageOptions) -> Manifest:
     if opts.key is not None and opts.unsigned:
         raise PackageError("--key and --unsigned exclude each other")
     key = load_private_key(opts.key) if opts.key else None
-    sources = _model_sources(Path(opts.model), opts.precision, opts.calibration is not None)
-    template = build_template(opts, Path(opts.model).name)
-    check_preprocess_size(Path(opts.model), template)
-    calibration = calibration_files(opts.calibration) if opts.calibration else {}
-    sources.update(calibration)
-    with tempfile.TemporaryDirectory(prefix="edge-validation-") as workdir:
+    with tempfile.TemporaryDirectory(prefix="edge-package-") as workdir:
+        sources = _model_sources(Path(opts.model), opts.precision, opts.calibration is not None, Path(workdir))
+        template = build_template(opts, Path(opts.model).name)
+        check_preprocess_size(Path(opts.model), template)
+        calibration = calibration_files(opts.calibration) if opts.calibration else {}
+        sources.update(calibration)
         if opts.validation:
             sources.update(validation_files(Path(opts.validation), calibration, Path(workdir)))
-        return _finish_package(opts, template, sources, key)
+        return _finish_package(opts, template, sources, key, Path(workdir))
 
 
-def _finish_package(opts: PackageOptions, template: Manifest, sources: dict[str, Path], key: Any) -> Manifest:
+def _finish_package(opts: PackageOptions, template: Manifest, sources: dict[str, Path], key: Any,
+                    workdir: Path) -> Manifest:
     if opts.labels:
         name = check_artifact_name(opts.labels.name)
         if name in sources:
             raise PackageError(f"--labels {opts.labels}: its name {name!r} clashes with another packaged file")
         sources[name] = opts.labels
-    template = add_variants(template, sources, opts)
+    template = add_variants(template, sources, opts, workdir)
     return build_artifact(opts.out, template, sources, key, replace=opts.force)

@@ -67,7 +67,7 @@ class EngineBuildSpec:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise EdgeError(f"precision {self.precision!r}: use one of {', '.join(PRECISIONS)}", code="USAGE")
-        if self.precision == "int8" and not self.calibration_hash:
+        if self.precision == "int8" and not self.calibration_hash and not self.quantization.get("prequantized"):
             raise EdgeError("an int8 build needs a calibration set (its hash is part of the key)", code="USAGE")
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise EdgeError(f"max batch {self.max_batch!r}: use a whole number >= 1", code="USAGE")

@@ -152,8 +152,13 @@ def quantize_model(job: BuildJob, model: Path, timer: "StageTimer", report: dict
     from engines import calibration, quantize, quantize_trt
     from engines.preprocess import PreprocessSpec
 
+    if job.spec.quantization.get("prequantized"):
+        report["notes"].append(f"already quantized ({job.spec.quantization['prequantized']}): built as it is, "
+                               "without calibration")
+        return model
     if not job.calibration:
         raise EngineBuildError("int8 build without a calibration set", code="ENGINE_BUILD_FAILED")
+    model = _fp32_weights(model, job.work_dir / "fp32-weights.onnx", report)
     cal = calibration.CalibrationSet.from_dict(job.calibration)
     with timer("calibration-frames", count=cal.count):
         tensors = calibration.tensors(cal, PreprocessSpec.model_validate(job.preprocess))
@@ -167,6 +172,21 @@ def quantize_model(job: BuildJob, model: Path, timer: "StageTimer", report: dict
         else:
             qreport = quantize.quantize_int8(model, out, tensors, settings=recipe)
     report["quantization"] = _jsonable(qreport)
+    return out
+
+
+def _fp32_weights(model: Path, out: Path, report: dict[str, Any]) -> Path:
+    """An FP32 copy of a model with FP16 weights, which is what gets quantized (engines.onnx_inputs)."""
+    import onnx
+
+    from engines.onnx_inputs import fp32_copy, has_fp16
+
+    proto = onnx.load(str(model))
+    if not has_fp16(proto):
+        return model
+    converted = fp32_copy(proto)
+    onnx.save(proto, str(out))
+    report["notes"].append(f"FP16 weights: quantized from an FP32 copy ({converted} tensors and casts converted)")
     return out
 
 

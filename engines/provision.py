@@ -149,7 +149,8 @@ def plan_build(source: ModelSource, backend: str = "auto", precision: str | None
     dla_core = resolve_device(device or source.manifest.build.device, backend, fingerprint)
     device = device_part(fingerprint, backend)
     shapes = input_shapes(source)
-    cal = _calibration(source, precision, calibration_dir)
+    prequantized = _prequantized(source, precision)
+    cal = None if prequantized else _calibration(source, precision, calibration_dir)
     spec = EngineBuildSpec(
         precision=precision, input_shapes=shapes,
         profiles={k: ShapeProfile(*batch_profile(v, max_batch)) for k, v in shapes.items()} if backend == "tensorrt" else {},
@@ -157,11 +158,29 @@ def plan_build(source: ModelSource, backend: str = "auto", precision: str | None
         calibration_count=cal.count if cal else 0,
         optimization_level=DEFAULT_TRT_OPT_LEVEL if backend == "tensorrt" else None,
         providers=ort_build_providers(precision) if backend == "onnxruntime" else (),
-        quantization=quant_recipe_key(backend) if precision == "int8" else {}, dla_core=dla_core,
+        quantization=({"prequantized": prequantized} if prequantized else quant_recipe_key(backend))
+        if precision == "int8" else {}, dla_core=dla_core,
         max_batch=max_batch,
     )
     key = make_cache_key(source.sha256 or sha256_file(source.onnx_path), backend, impl.version(), device, spec)
     return BuildPlan(backend, precision, spec, key, cal, hashlib.sha256(canonical_json(device)).hexdigest())
+
+
+def _prequantized(source: ModelSource, precision: str) -> str | None:
+    """The quantized ops of an already quantized model ('QLinearConv x12, ...'), None for a float model;
+    MODEL_ALREADY_QUANTIZED when asked to build one at fp32/fp16. Reads the graph only (milliseconds)."""
+    import onnx
+
+    from engines.onnx_inputs import describe_quantized, quantization_ops, refuse_requantizing
+
+    try:
+        proto = onnx.load(str(source.onnx_path), load_external_data=False)
+    except Exception as exc:  # the build reports an unreadable model with its own error
+        log.debug("could not read %s for its op types: %s", source.onnx_path, exc)
+        return None
+    refuse_requantizing(proto, precision)
+    ops = quantization_ops(proto)
+    return describe_quantized(ops) if ops else None
 
 
 def ort_build_providers(precision: str) -> tuple[str, ...]:

@@ -45,6 +45,7 @@ from onnx import helper, numpy_helper, shape_inference
 
 from engines.errors import ModelError
 from engines.fsutil import fsync_dir
+from engines.onnx_inputs import toposort
 
 log = logging.getLogger(__name__)
 
@@ -153,10 +154,14 @@ def mask_iou(a_prob: np.ndarray, b_prob: np.ndarray, threshold: float = 0.3) -> 
 
 
 def _load(path: Path) -> onnx.ModelProto:
+    """The model, its nodes in topological order (exports that are not load in ONNX Runtime but fail onnx.checker)."""
     try:
-        return onnx.load(str(path))
+        model = onnx.load(str(path))
     except Exception as exc:  # onnx raises DecodeError, OSError, ...
         raise ModelError(f"cannot read ONNX model {path}: {exc}") from exc
+    if toposort(model):
+        log.info("%s: nodes were not in topological order; sorted", path.name)
+    return model
 
 
 def op_type_counts(model: onnx.ModelProto) -> dict[str, int]:

@@ -7,6 +7,7 @@ from typing import Any, Iterable, Iterator
 
 from engines.errors import EdgeError
 from engines.manifest import ArtifactPathError
+from engines.onnx_inputs import quantization_ops
 
 
 class ModelLoadError(EdgeError):
@@ -81,8 +82,9 @@ def external_data_locations(proto: Any) -> set[str]:
 
 
 def quantized(proto: Any) -> bool:
-    """True for an explicitly quantized (Q/DQ) model, which needs no calibration images to build INT8."""
-    return any(node.op_type in ("QuantizeLinear", "DequantizeLinear") for node in proto.graph.node)
+    """True for an already quantized model (Q/DQ, QLinear*, *Integer ops): an int8 model as it is, which
+    needs no calibration images (engines.onnx_inputs)."""
+    return bool(quantization_ops(proto))
 
 
 def check_external_data(model_file: str, proto: Any, listed: Iterable[str]) -> None:
