@@ -13,8 +13,9 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from tests.engine_fixtures import save_graph
 
 SIDE = 64  # input height and width
 WIDTH = 512  # the loop state: [ROWS, WIDTH] @ [WIDTH, WIDTH] per step
@@ -56,12 +57,7 @@ def slow_on_dark_onnx(path: Path, steps_when_dark: int) -> Path:
                               [helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, SIDE, SIDE])],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 3, 1, 1])],
                               initializer=[weight, state, scale, zero])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return save_graph(graph, path)
 
 
 def dark_frames(directory: Path, count: int = 4) -> Path:

@@ -29,6 +29,7 @@ from engines.model import load_bare_onnx
 from engines.preprocess import PreprocessSpec
 from engines.provision import load_provisioned, plan_build, provision
 from engines.runtime import load_runtime, split_batch
+from tests.engine_fixtures import save_graph
 
 SIZE = 16
 
@@ -149,7 +150,7 @@ def _conv_model(path: Path, batch: object) -> Path:
              helper.make_node("Flatten", ["p"], ["y"], name="flatten")]
     graph = helper.make_graph(nodes, "batchable", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, SIZE, SIZE])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 4])], [w])
-    return _save(graph, path)
+    return save_graph(graph, path)
 
 
 def _reshape_to_one_model(path: Path) -> Path:
@@ -158,16 +159,8 @@ def _reshape_to_one_model(path: Path) -> Path:
     graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"], name="flatten_to_one")], "pinned",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, SIZE, SIZE])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3 * SIZE * SIZE])], [shape])
-    return _save(graph, path)
+    return save_graph(graph, path)
 
-
-def _save(graph: onnx.GraphProto, path: Path) -> Path:
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
 
 
 def _source(path: Path, width: int = SIZE, height: int = SIZE, **manifest):

@@ -18,7 +18,7 @@ from engines.errors import EdgeError
 from engines.model import load_model
 from engines.onnx_inputs import fp32_copy, has_fp16, quantization_ops, toposort
 from engines.provision import provision
-from tests.engine_fixtures import conv_model, source
+from tests.engine_fixtures import conv_model, save_graph, source
 
 FAST = {"validation_samples": 2, "latency_runs": 3}
 
@@ -46,10 +46,7 @@ def _two_convs(path: Path, fp16_weights: bool = False, unsorted: bool = False) -
         nodes = nodes[::-1]
     graph = helper.make_graph(nodes, "two_convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 16, 16])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    onnx.save(model, str(path))
-    return path
+    return save_graph(graph, path, check=not unsorted)  # onnx.checker refuses the unsorted one: that is the point
 
 
 # --- unsorted graphs ----------------------------------------------------------------------------------
