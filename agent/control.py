@@ -47,6 +47,7 @@ class AgentController:
             "camera": summary["camera"],
             "cameras": summary["cameras"],
             "adapt": agent.adapt.status() if getattr(agent, "adapt", None) is not None else None,
+            "storage": agent.storage.status(),
             "ts": time.time(),
         }
 

@@ -32,6 +32,7 @@ from agent.sdnotify import Notifier, ProgressWatchdog
 from agent.model_loading import LoadedModel, ModelLoader
 from agent.sources.base import Frame
 from agent.state import StateStore, state_db_path
+from agent.storage_health import StorageHealth
 from agent.status import BACKEND_KEY, LIVE_KEY, validation_brief
 from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
 from engines.errors import EdgeError
@@ -61,6 +62,7 @@ class Agent:
         self.previous: LoadedModel | None = None
         self.adapt: Any = None  # agent.adapt controller of the active model family (docs/adaptive.md)
         self.output_health = OutputHealth()  # per camera: what the serving model finds (the watch's collapse check)
+        self.storage = StorageHealth(self.emit)  # state-store writes that failed (a lock, a full disk): never fatal
         self.worker: InferenceWorker | None = None
         self.cameras: CameraGroup | None = None
         self.dispatcher: CommandDispatcher | None = None
@@ -246,18 +248,25 @@ class Agent:
         if self.plane is not None:
             self.plane.health_changed(self.health())
         summary = self.summary()
+        with self.storage.guard("live status"):
+            self._write_live(summary)
+
+    def _write_live(self, summary: dict[str, Any]) -> None:
+        assert self.store is not None
         self.store.set_kv(LIVE_KEY, {
             "ts": time.time(), "state": self.health(), "fps": summary["fps"], "frames": summary["frames"],
             "dropped_frames": summary["dropped_frames"], "latency_ms": summary["latency_ms"],
             "window_latency_ms": self.worker.window.latency.summary() if self.worker else {},
             "errors": summary["errors"], "model": summary["model"], "cameras": summary["cameras"],
             "batch": summary.get("batch"), "deployment": self.manager.status() if self.manager else None,
-            "adapt": summary.get("adapt"),
+            "adapt": summary.get("adapt"), "storage": self.storage.status(),
         })
 
     def health(self) -> str:
-        """online, degraded (inference failing or camera down) or updating (a deployment in progress)."""
+        """online, degraded (inference failing, a camera down, state writes failing) or updating (a deployment)."""
         if self.worker is not None and self.worker.degraded:
+            return "degraded"
+        if self.storage.degraded:
             return "degraded"
         if self.cameras is not None and self.cameras.any_lost():
             return "degraded"
@@ -295,9 +304,10 @@ class Agent:
         if self.dispatcher is not None:
             self.dispatcher.close()
         if self.store is not None:
-            if self.run_id is not None:
-                self.store.finish_run(self.run_id, summary)
-            self.store.set_kv(LIVE_KEY, {"ts": time.time(), "state": "stopped"})
+            with self.storage.guard("run summary"):
+                if self.run_id is not None:
+                    self.store.finish_run(self.run_id, summary)
+                self.store.set_kv(LIVE_KEY, {"ts": time.time(), "state": "stopped"})
             self.store.close()
             self.store = None
         self.state = "stopped"

@@ -46,6 +46,9 @@ class FramePathMeter:
             "latency_ms": window.latency.summary() if window is not None else {},
             "stages_ms": window.stage_means() if window is not None else {},
         }
+        storage = getattr(agent, "storage", None)
+        if storage is not None and storage.failures:  # absent until a state write has failed
+            out["storage"] = storage.status()
         cameras = self._cameras(interval)
         if cameras:
             out["cameras"] = cameras
