@@ -83,10 +83,11 @@ def fill_fleet(db: FleetDB, now: float) -> None:
 class Dashboard:
     """The dashboard served by uvicorn on a thread, on a free loopback port."""
 
-    def __init__(self, db_url: str, auth: AuthSettings | None = None, refresh_s: float = 1.0) -> None:
+    def __init__(self, db_url: str, auth: AuthSettings | None = None, refresh_s: float = 1.0,
+                 hosts: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = make_server(db_url, f"127.0.0.1:{self.port}", auth or AuthSettings(), refresh_s)
+        self.server = make_server(db_url, f"127.0.0.1:{self.port}", auth or AuthSettings(), refresh_s, hosts)
         self.thread = threading.Thread(target=self.server.run, name="dashboard-server", daemon=True)
 
     def start(self) -> None:

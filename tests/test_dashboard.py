@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from deploy.cli import app as deploy_app
 from deploy.fleet.dashboard import queries
 from deploy.fleet.dashboard.app import clean
-from deploy.fleet.dashboard.auth import AuthSettings, settings_from
+from deploy.fleet.dashboard.auth import AuthSettings, allowed_hosts, host_name, settings_from
 from deploy.fleet.dashboard.server import exposure_warning, parse_bind
 from deploy.fleet.db import ensure_schema, open_db
 from tests.dashboard_fixtures import (HOSTILE_ID, HOSTILE_MODEL, add_device, add_event, add_sample, fill_fleet,
@@ -265,6 +265,37 @@ def test_token_and_basic_auth_guard_everything_but_healthz(store: str) -> None:
         assert dash.get("/api/fleet", _basic("ops", "pa:ss"))[0] == 200
         assert dash.get("/", _basic("anyone", "s3cret-token"))[0] == 200  # browsers: the token as password
         assert dash.get("/healthz")[0] == 200
+
+
+def test_a_foreign_host_header_gets_nothing_dns_rebinding(store: str) -> None:
+    """Issue 19: with the default set-up (loopback, no token) a web page whose name resolves to 127.0.0.1 could
+    read the fleet through the operator's browser. Only loopback names and the ones allowed are answered."""
+    with running_dashboard(store) as dash:
+        status, _, body = dash.get("/api/fleet", {"Host": f"rebind.example:{dash.port}"})
+        assert status == 421 and b"--allow-host" in body and b"orin-01" not in body
+        assert dash.get("/", {"Host": "rebind.example"})[0] == 421
+        for host in (f"127.0.0.1:{dash.port}", f"localhost:{dash.port}", "LOCALHOST", f"[::1]:{dash.port}"):
+            assert dash.get("/api/fleet", {"Host": host})[0] == 200, host
+        assert dash.get("/healthz", {"Host": "proxy-probe"})[0] == 200
+    with running_dashboard(store, hosts=("fleet.example",)) as dash:
+        assert dash.get("/api/fleet", {"Host": "fleet.example"})[0] == 200
+        assert dash.get("/api/fleet", {"Host": "other.example"})[0] == 421
+    with running_dashboard(store, hosts=("*",)) as dash:
+        assert dash.get("/api/fleet", {"Host": "anything.example"})[0] == 200
+
+
+def test_allowed_hosts_follow_the_bind_address_and_the_environment() -> None:
+    assert allowed_hosts("127.0.0.1", (), {}) == ("localhost", "127.0.0.1", "::1")
+    assert "10.0.0.5" in allowed_hosts("10.0.0.5", (), {}) and "0.0.0.0" not in allowed_hosts("0.0.0.0", (), {})
+    assert {"a.example", "b.example"} <= set(allowed_hosts("0.0.0.0", ("A.example",),
+                                                           {"EDGE_DASHBOARD_ALLOWED_HOSTS": "b.example, "}))
+    assert host_name("[::1]:8080") == "::1" and host_name("Fleet.Example:443") == "fleet.example"
+
+
+def test_an_empty_token_variable_is_refused_not_read_as_no_auth() -> None:
+    for name in ("EDGE_DASHBOARD_TOKEN", "EDGE_DASHBOARD_BASIC_AUTH"):
+        with pytest.raises(ValueError, match=f"{name} is set but empty"):
+            settings_from({name: "  "})
 
 
 def test_auth_settings_from_environment_and_file(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from starlette.staticfiles import StaticFiles
 from deploy.fleet.dashboard import queries
 from deploy.fleet.db import TRANSIENT_ERRORS, open_db
 from deploy.fleet.redact import redact
-from deploy.fleet.dashboard.auth import AuthMiddleware, AuthSettings
+from deploy.fleet.dashboard.auth import LOOPBACK_NAMES, AuthMiddleware, AuthSettings, HostAllowList
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,8 @@ def _device_data(db: Any, device_id: str, since: float, until: float) -> dict[st
             "deployments": queries.deployments(db, device_id)}
 
 
-def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: float = 5.0) -> Starlette:
+def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: float = 5.0,
+               hosts: tuple[str, ...] = LOOPBACK_NAMES) -> Starlette:
     """The dashboard app over the fleet store at `db_url` (read-only: GET and HEAD only)."""
     store = Store(db_url)
 
@@ -179,6 +180,7 @@ def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: floa
     app = Starlette(routes=routes, lifespan=lifespan)
     app.add_middleware(_SecurityHeaders)
     app.add_middleware(AuthMiddleware, settings=auth or AuthSettings())
+    app.add_middleware(HostAllowList, hosts=hosts)  # outermost: a foreign Host gets nothing, not even a 401
     app.state.store = store
     return app
 

@@ -58,8 +58,12 @@ def _basic(value: str) -> tuple[str | None, str | None]:
 
 
 def settings_from(env: dict[str, str] | None = None, token_file: Path | None = None) -> AuthSettings:
-    """Read EDGE_DASHBOARD_TOKEN / EDGE_DASHBOARD_BASIC_AUTH ("user:password") and an optional token file."""
+    """Read EDGE_DASHBOARD_TOKEN / EDGE_DASHBOARD_BASIC_AUTH ("user:password") and an optional token file.
+    A variable that is set but empty is refused: it reads like auth and would have meant none (issue 19)."""
     env = dict(os.environ) if env is None else env
+    for name in (TOKEN_ENV, BASIC_ENV):
+        if name in env and not env[name].strip():
+            raise ValueError(f"{name} is set but empty: set a secret, or unset it to serve without one")
     token = env.get(TOKEN_ENV) or None
     if token_file is not None:
         try:
@@ -99,3 +103,46 @@ class AuthMiddleware:
             (b"content-type", b"text/plain; charset=utf-8"),
             (b"www-authenticate", b'Basic realm="edge fleet dashboard", charset="UTF-8"')]})
         await send({"type": "http.response.body", "body": b"authentication required\n"})
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+HOSTS_ENV = "EDGE_DASHBOARD_ALLOWED_HOSTS"
+
+
+def host_name(header: str) -> str:
+    """The host of a Host header, lower case, without the port ('[::1]:8080' -> '::1')."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def allowed_hosts(bind_host: str, extra: list[str] | tuple[str, ...] = (), env: dict[str, str] | None = None) -> tuple[str, ...]:
+    """What Host headers the dashboard answers: the loopback names, the bind address (unless a wildcard), the
+    names given (`--allow-host`, EDGE_DASHBOARD_ALLOWED_HOSTS, comma-separated); '*' in them allows any."""
+    env = dict(os.environ) if env is None else env
+    names = [n.strip().lower() for n in (*extra, *env.get(HOSTS_ENV, "").split(",")) if n.strip()]
+    if bind_host not in ("0.0.0.0", "::", ""):
+        names.append(bind_host.lower())
+    return tuple(dict.fromkeys([*LOOPBACK_NAMES, *names]))
+
+
+class HostAllowList:
+    """Answers 421 to a request whose Host header is not allowed: DNS rebinding (a web page whose name
+    resolves to 127.0.0.1) would otherwise let any site the operator visits read the fleet."""
+
+    def __init__(self, app: ASGIApp, hosts: tuple[str, ...]) -> None:
+        self.app, self.hosts = app, frozenset(hosts)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or "*" in self.hosts or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
+        if host_name(header) in self.hosts:
+            await self.app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 421,
+                    "headers": [(b"content-type", b"text/plain; charset=utf-8")]})
+        await send({"type": "http.response.body", "body": b"host not allowed: start the dashboard with "
+                    b"--allow-host NAME for the name you use (docs/dashboard.md)\n"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -25,6 +25,9 @@ def dashboard(
     token_file: Optional[Path] = typer.Option(None, "--token-file",
                                               help="File holding the access token (else EDGE_DASHBOARD_TOKEN)."),
     refresh_s: float = typer.Option(5.0, "--refresh-s", min=1.0, help="How often the fleet page refreshes."),
+    allow_host: List[str] = typer.Option([], "--allow-host", help="A Host name the dashboard answers besides "
+                                         "loopback and the bind address (the name your proxy serves it under); "
+                                         "repeatable, also EDGE_DASHBOARD_ALLOWED_HOSTS; '*' allows any."),
 ) -> None:
     """Serve the read-only fleet web dashboard (put a TLS reverse proxy in front for anything but loopback)."""
     from deploy.fleet.dashboard.auth import settings_from
@@ -49,4 +52,4 @@ def dashboard(
         raise typer.Exit(EXIT_USAGE) from exc
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
-    serve(db, bind, auth, refresh_s)
+    serve(db, bind, auth, refresh_s, tuple(allow_host))

@@ -6,7 +6,7 @@ import ipaddress
 import logging
 from pathlib import Path
 from typing import Any
-from deploy.fleet.dashboard.auth import AuthSettings
+from deploy.fleet.dashboard.auth import AuthSettings, allowed_hosts
 from deploy.fleet.redact import redact
 
 log = logging.getLogger(__name__)
@@ -63,22 +63,24 @@ def exposure_warning(host: str, auth: AuthSettings) -> str | None:
             "reverse proxy is in front (docs/dashboard.md)")
 
 
-def make_server(db_url: str, bind: str, auth: AuthSettings, refresh_s: float = 5.0, **config: Any) -> Any:
-    """A uvicorn.Server for the dashboard (not started); `serve` runs it, tests run it on a thread."""
+def make_server(db_url: str, bind: str, auth: AuthSettings, refresh_s: float = 5.0,
+                hosts: tuple[str, ...] = (), **config: Any) -> Any:
+    """A uvicorn.Server for the dashboard (not started); `serve` runs it, tests run it on a thread. `hosts`:
+    Host names to answer besides loopback and the bind address (auth.allowed_hosts)."""
     import uvicorn
 
     from deploy.fleet.dashboard.app import create_app
 
     host, port = parse_bind(bind)
     check_store(db_url)
-    app = create_app(db_url, auth=auth, refresh_s=refresh_s)
+    app = create_app(db_url, auth=auth, refresh_s=refresh_s, hosts=allowed_hosts(host, hosts))
     options = {"log_level": "warning", "access_log": False, "proxy_headers": True, **config}
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, **options))
 
 
-def serve(db_url: str, bind: str, auth: AuthSettings, refresh_s: float = 5.0) -> None:
+def serve(db_url: str, bind: str, auth: AuthSettings, refresh_s: float = 5.0, hosts: tuple[str, ...] = ()) -> None:
     """Serve until SIGINT/SIGTERM."""
-    server = make_server(db_url, bind, auth, refresh_s, log_level="info")
+    server = make_server(db_url, bind, auth, refresh_s, hosts, log_level="info")
     warning = exposure_warning(server.config.host, auth)
     if warning:
         log.warning("%s", warning)
