@@ -127,47 +127,50 @@ class SetConfigArgs(_Strict):
 
 @dataclass(frozen=True)
 class CommandSpec:
-    """One command: its args model, its handler, and a line of help."""
+    """One command: its args model, its handler, a line of help, and how many may run per minute and channel
+    (0: no limit; the dispatcher's `limits` override it, e.g. deploy's from `[deployments]`)."""
 
     args: type[BaseModel]
     run: Callable[[AgentControl, Any], Union[dict, list]]
     help: str
+    per_minute: int = 0
 
 
 COMMANDS: Registry[CommandSpec] = Registry("command")
 
 
-def command(name: str, args: type[BaseModel], help: str) -> Callable[[Callable], Callable]:  # noqa: A002
-    """Register a handler under `name` with its args model."""
+def command(name: str, args: type[BaseModel], help: str, per_minute: int) -> Callable[[Callable], Callable]:  # noqa: A002
+    """Register a handler under `name` with its args model and its rate limit (per minute, per channel)."""
 
     def add(run: Callable[[AgentControl, Any], Union[dict, list]]) -> Callable:
-        COMMANDS.register(name)(CommandSpec(args, run, help))
+        COMMANDS.register(name)(CommandSpec(args, run, help, per_minute))
         return run
 
     return add
 
 
-@command("ping", NoArgs, "Liveness check; no side effects.")
+@command("ping", NoArgs, "Liveness check; no side effects.", per_minute=600)
 def _ping(control: AgentControl, args: NoArgs) -> dict:
     return {"pong": True, "ts": time.time()}
 
 
-@command("status", NoArgs, "Active model, deployment in progress, health, last telemetry.")
+@command("status", NoArgs, "Active model, deployment in progress, health, last telemetry.", per_minute=600)
 def _status(control: AgentControl, args: NoArgs) -> dict:
     return control.status()
 
 
-@command("deploy", DeployArgs, "Start a deployment; replies at once, progress follows as events.")
+@command("deploy", DeployArgs, "Start a deployment; replies at once, progress follows as events.", per_minute=10)
 def _deploy(control: AgentControl, args: DeployArgs) -> dict:
     return control.deploy(args.url, args.timeout_s, allow_downgrade=args.allow_downgrade, channel=args.channel)
 
 
-@command("rollback", NoArgs, "Return to the previous active model.")
+@command("rollback", NoArgs, "Return to the previous active model.", per_minute=10)
 def _rollback(control: AgentControl, args: NoArgs) -> dict:
     return control.rollback()
 
 
-@command("set_config", SetConfigArgs, "Change telemetry_interval_s, results_rate_hz or log_level live.")
+@command("set_config", SetConfigArgs, "Change telemetry_interval_s, results_rate_hz or log_level live.",
+         per_minute=60)
 def _set_config(control: AgentControl, args: SetConfigArgs) -> dict:
     return control.set_config(args.model_dump(exclude_none=True))
 
@@ -197,7 +200,8 @@ class SetPolicyArgs(_Strict):
         return self
 
 
-@command("set_policy", SetPolicyArgs, "Change the adaptation policy live (enable, pin a variant, budgets, limits).")
+@command("set_policy", SetPolicyArgs, "Change the adaptation policy live (enable, pin a variant, budgets, limits).",
+         per_minute=60)
 def _set_policy(control: AgentControl, args: SetPolicyArgs) -> dict:
     set_policy = getattr(control, "set_policy", None)
     if set_policy is None:
@@ -205,7 +209,7 @@ def _set_policy(control: AgentControl, args: SetPolicyArgs) -> dict:
     return set_policy(args.model_dump(include=args.model_fields_set))
 
 
-@command("engines", NoArgs, "List the engines in this device's cache.")
+@command("engines", NoArgs, "List the engines in this device's cache.", per_minute=120)
 def _engines(control: AgentControl, args: NoArgs) -> dict:
     return {"engines": control.engines()}
 
@@ -218,7 +222,8 @@ class RestartPipelineArgs(_Strict):
 
 
 @command("restart_pipeline", RestartPipelineArgs,
-         "Reopen every camera (or only `camera`) with a fresh capture thread; the model and inference keep running.")
+         "Reopen every camera (or only `camera`) with a fresh capture thread; the model and inference keep running.",
+         per_minute=10)
 def _restart_pipeline(control: AgentControl, args: RestartPipelineArgs) -> dict:
     return control.restart_pipeline(args.camera)
 
@@ -314,10 +319,6 @@ class RateLimit:
             if self._times:
                 self._times.pop()
 
-    def fresh(self) -> "RateLimit":
-        """An empty limiter with the same limit and window (one per channel)."""
-        return RateLimit(self.limit, self.window_s)
-
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
@@ -329,12 +330,15 @@ class CommandDispatcher:
     def __init__(self, control: AgentControl, db_path: Path | str, *, max_payload_bytes: int = 64 * 1024,
                  reply_window: int = 1000, reply_max_age_s: float = 86400.0,
                  commands: Registry[CommandSpec] = COMMANDS, deploy_rate: RateLimit | None = None,
-                 busy_timeout_s: float = 5.0) -> None:
+                 busy_timeout_s: float = 5.0, limits: dict[str, int] | None = None) -> None:
         self.control, self.max_payload_bytes, self.commands = control, max_payload_bytes, commands
         self.replies = ReplyStore(db_path, max_entries=reply_window, max_age_s=reply_max_age_s,
                                   busy_timeout_s=busy_timeout_s)
-        self.deploy_rate = deploy_rate or RateLimit(0)  # the limit per channel; each channel has its own window
-        self._deploy_rates: dict[str, RateLimit] = {}
+        # (limit, window s) by command name, over each spec's own `per_minute`; deploy_rate: deploy's (the config's)
+        self.limits = {name: (limit, 60.0) for name, limit in (limits or {}).items()}
+        if deploy_rate is not None:
+            self.limits["deploy"] = (deploy_rate.limit, deploy_rate.window_s)
+        self._rates: dict[tuple[str, str], RateLimit] = {}  # (command, channel): flooding MQTT never locks the socket out
         self._running: set[str] = set()
         self._running_lock = threading.Lock()
 
@@ -408,25 +412,24 @@ class CommandDispatcher:
             return error_reply(envelope.id, "INVALID_COMMAND", describe_errors(exc, "args"))
         if isinstance(args, _Channelled):
             args._channel = envelope._channel
-        rate = self._rate(envelope) if envelope.command == "deploy" else None
-        if rate is not None:
-            wait_s = rate.take()
-            if wait_s:  # not remembered: the same id may retry once the window has room
-                return error_reply(envelope.id, "RATE_LIMITED", f"more than {rate.limit} deploy requests from "
-                                   f"{envelope._channel} in {rate.window_s:g} s; retry in {math.ceil(wait_s)} s")
+        rate = self._rate(envelope, spec)
+        wait_s = rate.take()
+        if wait_s:  # not remembered: the same id may retry once the window has room
+            return error_reply(envelope.id, "RATE_LIMITED", f"more than {rate.limit} {envelope.command} requests "
+                               f"from {envelope._channel} in {rate.window_s:g} s; retry in {math.ceil(wait_s)} s")
         reply = self._call(envelope, spec, args)
-        if rate is not None and reply.get("error", {}).get("code") in URL_CHECK_CODES:
+        if reply.get("error", {}).get("code") in URL_CHECK_CODES:
             rate.refund()  # the token counts after the URL check: refused URLs cost the sender nothing
         self._remember(envelope, reply)
         return reply
 
-    def _rate(self, envelope: Envelope) -> RateLimit:
-        """The deploy limiter of the request's channel: flooding MQTT never locks the local socket out."""
+    def _rate(self, envelope: Envelope, spec: CommandSpec) -> RateLimit:
+        """The limiter of this command on the request's channel (each channel has its own window)."""
+        key = (envelope.command, envelope._channel)
         with self._running_lock:
-            channel = envelope._channel
-            if channel not in self._deploy_rates:
-                self._deploy_rates[channel] = self.deploy_rate.fresh()
-            return self._deploy_rates[channel]
+            if key not in self._rates:
+                self._rates[key] = RateLimit(*self.limits.get(envelope.command, (spec.per_minute, 60.0)))
+            return self._rates[key]
 
     def _remember(self, envelope: Envelope, reply: dict[str, Any]) -> None:
         """Store the reply for repeated ids; the command already ran, so a failure here only costs idempotence."""

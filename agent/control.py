@@ -38,7 +38,8 @@ class AgentController:
                 model_row(store.model_slot("previous")) if store else None),
             "deployment": agent.manager.status() if agent.manager else None,
             "recent_deployments": recent,
-            "fps": summary["fps"],
+            "fps": agent.recent_fps(),  # delivered over the last 5 s
+            "fps_since_start": summary["fps"],
             "frames": summary["frames"],
             "dropped_frames": summary["dropped_frames"],
             "errors": summary["errors"],

@@ -338,6 +338,30 @@ def test_rate_limited_deploy_runs_once_the_window_has_room(tmp_path: Path) -> No
         dispatcher.close()
 
 
+def test_every_command_has_a_rate_limit_on_its_spec(tmp_path: Path) -> None:
+    """Issue 19: only deploy was limited, so a restart_pipeline flood halted inference. The limit is a field of
+    each command's spec, counted per command and channel; the config can override one (deploy's)."""
+    from agent.commands import COMMANDS
+
+    specs = {name: COMMANDS.get(name) for name in COMMANDS.names()}
+    assert specs and all(spec.per_minute > 0 for spec in specs.values()), specs
+    control = FakeControl()
+    dispatcher = CommandDispatcher(control, tmp_path / "state.db", limits={"rollback": 2})
+    try:
+        flood = [dispatcher.dispatch(json.dumps({"id": uuid.uuid4().hex, "command": "restart_pipeline"}).encode())
+                 for _ in range(specs["restart_pipeline"].per_minute + 5)]
+        limited = [r for r in flood if not r["ok"]]
+        assert len(limited) == 5 and all(r["error"]["code"] == "RATE_LIMITED" for r in limited)
+        assert "restart_pipeline requests from mqtt" in limited[0]["error"]["message"]
+        local = json.dumps({"id": "l1", "command": "restart_pipeline"}).encode()
+        assert dispatcher.dispatch(local, channel="local")["ok"]  # the local socket has its own window
+        rollbacks = [dispatcher.dispatch(json.dumps({"id": f"r{i}", "command": "rollback"}).encode()) for i in range(3)]
+        assert [r["ok"] for r in rollbacks] == [True, True, False]  # the override
+        assert dispatcher.dispatch(b'{"id": "p", "command": "ping"}')["ok"]
+    finally:
+        dispatcher.close()
+
+
 class PolicyControl(FakeControl):
     """FakeControl whose deploy applies the real URL policy of the channel, as the deployment manager does."""
 
