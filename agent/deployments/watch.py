@@ -63,7 +63,7 @@ def judge(window: FrameStats, config: DeploymentConfig, budget_ms: float | None,
     name, q = latency_statistic(window.frames)
     latency = window.latency.percentile(q)
     if budget_ms is not None and latency is not None and latency > budget_ms:
-        return {"reason": "WATCH_LATENCY", "p99_ms": round(latency, 1), "budget_ms": budget_ms,
+        return {"reason": "WATCH_LATENCY", f"{name}_ms": round(latency, 1), "budget_ms": budget_ms,
                 "limit": budget_ms, "value": round(latency, 1), "statistic": f"latency_{name}_ms", **numbers,
                 "message": f"{name} latency {latency:.1f} ms over {window.frames} frames > budget {budget_ms} ms"}
     fps = window.fps(now)

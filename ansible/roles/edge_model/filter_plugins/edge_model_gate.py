@@ -67,7 +67,7 @@ def edge_model_gate(status: object, name: str, version: str, budget_ms: object =
     elif result["active"] != expected:
         result["reason"] = f"active model is '{result['active'] or 'none'}', expected '{expected}'"
     elif agent_state in _NOT_SERVING:
-        detail = " (inference failing or camera down)" if agent_state == "degraded" else ""
+        detail = " (inference failing, a camera down, or state writes failing)" if agent_state == "degraded" else ""
         result["reason"] = f"agent is {agent_state}{detail}"
     elif budget is None:
         result["final"] = True
