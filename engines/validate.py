@@ -5,7 +5,8 @@ that fits what the model outputs (chosen by its postprocessor):
 
 | postprocess      | metric                                                        |
 | classification   | top-1 agreement                                               |
-| yolo             | box-match F1 (same class, IoU >= 0.5, greedy by score)        |
+| yolo             | box-match F1 (same class, IoU >= 0.5, greedy by score), and   |
+|                  | the matched boxes' mean score >= 0.8 x the reference's        |
 | db_text          | text-mask IoU at the postprocessor's `thresh`                 |
 | raw              | per output: cosine x norm ratio, averaged over frames; the     |
 |                  | lowest output decides (each named in the verdict's `outputs`)  |
@@ -40,6 +41,7 @@ from engines.runtime import ModelRuntime
 
 DEFAULT_MIN_ACCURACY = {"fp32": 0.99, "fp16": 0.95, "int8": 0.90}
 METRICS = {"classification": "top1_agreement", "yolo": "box_f1", "db_text": "mask_iou", "raw": "cosine"}
+MIN_SCORE_RATIO = 0.8  # matched boxes' mean score vs the reference's: INT8 moves scores a few percent, not 20
 MIN_REFERENCE_DETECTIONS = 3  # across the whole set: fewer, and box F1 is decided by noise (or defined as 1.0)
 RAW_CONSTANT_STD = 1e-7  # relative to the output's mean magnitude: an output this flat carries no signal
 NO_SIGNAL_HINT = ("ship held-out frames where the FP32 model does find what it is for: "
@@ -71,7 +73,7 @@ class ValidationResult:
     # preprocess + infer + postprocess per validation frame (ms: mean, p50, p99): what one frame costs the frame
     # path, so the deployment watch knows what the model can serve (None in verdicts cached before it was measured)
     frame_ms: dict[str, float] | None = None
-    outputs: dict[str, float] | None = None  # raw: the metric of each output (the lowest decides)
+    outputs: dict[str, float] | None = None  # raw: each output's metric (the lowest decides); yolo: matched_score_ratio
     frames: dict[str, Any] | None = None  # what it was judged on: {"source", "count", "sha256"} (part of the verdict key)
 
     def to_dict(self) -> dict[str, Any]:
@@ -119,9 +121,14 @@ def validate(candidate: ModelRuntime, reference: ModelRuntime, frames: Sequence[
     result = ValidationResult(precision, METRICS.get(kind, "cosine"), round(score, 5), threshold, len(frames),
                               latency, gates.latency_budget_ms, True, frame_ms=measure_frame_cost(candidate, frames),
                               outputs=outputs, frames=frames_info)
+    score_ratio = (outputs or {}).get("matched_score_ratio") if kind == "yolo" else None
     if no_signal is not None:
         result.passed, result.code = False, "GATE_NO_SIGNAL"
         result.reason = f"{no_signal}: {NO_SIGNAL_HINT}"
+    elif score_ratio is not None and score_ratio < MIN_SCORE_RATIO:
+        result.passed, result.code = False, "GATE_ACCURACY"
+        result.reason = (f"the boxes both find score {score_ratio:.2f}x the FP32 reference's (below {MIN_SCORE_RATIO}): "
+                         "the head's scores collapse; use real calibration images or another precision")
     elif score < threshold:
         result.passed, result.code = False, "GATE_ACCURACY"
         result.reason = (f"{result.metric} {score:.3f} vs the FP32 reference is below {threshold:.2f} for {precision}: "
@@ -149,7 +156,8 @@ def agreement(kind: str, params: dict[str, Any], pairs: Sequence[tuple[Run, Run]
     if kind == "classification":
         return float(np.mean([top1_agreement(r[0][0], c[0][0]) for r, c in pairs])), None
     if kind == "yolo":
-        return box_f1([r[1] for r, _ in pairs], [c[1] for _, c in pairs]), None
+        f1, ratio = box_agreement([r[1] for r, _ in pairs], [c[1] for _, c in pairs])
+        return f1, ({"matched_score_ratio": round(ratio, 4)} if ratio is not None else None)
     if kind == "db_text":
         thresh = float(params.get("thresh", 0.3))
         return float(np.mean([text_mask_iou(r[0][0], c[0][0], thresh) for r, c in pairs])), None
@@ -230,25 +238,39 @@ def text_mask_iou(reference: np.ndarray, candidate: np.ndarray, threshold: float
 
 def box_f1(reference: Sequence[InferenceResult], candidate: Sequence[InferenceResult], iou: float = BOX_IOU) -> float:
     """F1 of candidate boxes matched greedily (by score) to reference boxes of the same class."""
+    return box_agreement(reference, candidate, iou)[0]
+
+
+def box_agreement(reference: Sequence[InferenceResult], candidate: Sequence[InferenceResult],
+                  iou: float = BOX_IOU) -> tuple[float, float | None]:
+    """(box F1, matched score ratio): the F1 pooled over the set, and the candidate's mean score over the
+    reference's on the boxes both found (None when none matched). A head whose scores sink but stay above
+    the threshold keeps its F1; the ratio shows it."""
     tp = fp = fn = 0
+    ref_scores: list[float] = []
+    cand_scores: list[float] = []
     for ref, cand in zip(reference, candidate):
-        matched = _match(ref, cand, iou)
-        tp += matched
-        fp += len(cand.detections) - matched
-        fn += len(ref.detections) - matched
-    return 1.0 if tp + fp + fn == 0 else 2 * tp / (2 * tp + fp + fn)
+        pairs = _match(ref, cand, iou)
+        tp += len(pairs)
+        fp += len(cand.detections) - len(pairs)
+        fn += len(ref.detections) - len(pairs)
+        ref_scores += [r.score for r, _ in pairs]
+        cand_scores += [c.score for _, c in pairs]
+    f1 = 1.0 if tp + fp + fn == 0 else 2 * tp / (2 * tp + fp + fn)
+    ratio = float(np.mean(cand_scores) / np.mean(ref_scores)) if ref_scores and np.mean(ref_scores) > 0 else None
+    return f1, ratio
 
 
-def _match(ref: InferenceResult, cand: InferenceResult, threshold: float) -> int:
+def _match(ref: InferenceResult, cand: InferenceResult, threshold: float) -> list[tuple[Any, Any]]:
+    """(reference, candidate) detection pairs, matched greedily by the candidate's score."""
     free = list(ref.detections)
-    matched = 0
+    pairs = []
     for det in sorted(cand.detections, key=lambda d: -d.score):
         scores = [(box_iou(det.box, r.box), i) for i, r in enumerate(free) if r.class_id == det.class_id]
         best = max(scores, default=(0.0, -1))
         if best[0] >= threshold:
-            free.pop(best[1])
-            matched += 1
-    return matched
+            pairs.append((free.pop(best[1]), det))
+    return pairs
 
 
 def box_iou(a: Sequence[float], b: Sequence[float]) -> float:

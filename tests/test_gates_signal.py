@@ -71,6 +71,22 @@ def test_a_collapsed_small_output_fails_beside_a_large_one_that_agrees() -> None
     assert scaled_cosine(np.zeros(3), np.zeros(3)) == 1.0 and scaled_cosine(np.ones(3), np.zeros(3)) == 0.0
 
 
+def test_box_scores_that_sink_but_stay_above_the_threshold_are_seen() -> None:
+    """Same boxes, F1 1.0, but every score fell from 0.9 to 0.3: the matched score ratio shows the collapse."""
+    from engines.validate import box_agreement
+
+    def frame(score: float) -> InferenceResult:
+        return InferenceResult("yolo", [Detection((0.0, 0.0, 10.0, 10.0), score, class_id=0),
+                                        Detection((20.0, 20.0, 30.0, 30.0), score, class_id=1)])
+
+    f1, ratio = box_agreement([frame(0.9)] * 3, [frame(0.3)] * 3)
+    assert f1 == 1.0 and ratio == pytest.approx(1 / 3)
+    assert box_agreement([frame(0.9)] * 3, [frame(0.88)] * 3)[1] == pytest.approx(0.88 / 0.9)
+    assert box_agreement([frame(0.9)], [InferenceResult("yolo")]) == (0.0, None)
+    score, details = agreement("yolo", {}, [(([], frame(0.9)), ([], frame(0.3)))], [])
+    assert score == 1.0 and details == {"matched_score_ratio": pytest.approx(0.3333, abs=1e-4)}
+
+
 # --- a real model we did not choose ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
