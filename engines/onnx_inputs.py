@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import onnx
@@ -55,6 +56,8 @@ def toposort(model: onnx.ModelProto) -> bool:
     A cycle (or an input nothing produces) is a ModelError naming the nodes left over."""
     graph = model.graph
     known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    if _in_order(graph.node, set(known)):
+        return False  # already valid: the exporter's order is kept as it is
     nodes = list(graph.node)
     ordered, pending = [], nodes
     while pending:
@@ -68,13 +71,19 @@ def toposort(model: onnx.ModelProto) -> bool:
         ordered.extend(ready)
         done = {id(n) for n in ready}
         pending = [n for n in pending if id(n) not in done]
-    if [id(n) for n in ordered] == [id(n) for n in nodes]:
-        return False
     copies = [onnx.NodeProto() for _ in ordered]
     for copy, node in zip(copies, ordered):
         copy.CopyFrom(node)
     del graph.node[:]
     graph.node.extend(copies)
+    return True
+
+
+def _in_order(nodes: Any, known: set[str]) -> bool:
+    for node in nodes:
+        if not _needs(node) <= known:
+            return False
+        known.update(node.output)
     return True
 
 
