@@ -46,9 +46,13 @@ def refuse_requantizing(model: onnx.ModelProto, precision: str) -> None:
     """MODEL_ALREADY_QUANTIZED for an fp32/fp16 build of a quantized model (its own precision is int8)."""
     ops = quantization_ops(model)
     if ops and precision != "int8":
-        raise AlreadyQuantizedError(
-            f"the model is already quantized ({describe_quantized(ops)}): it is an int8 model; build it with "
-            f"precision int8 (it is then used as it is, without calibration), not {precision}")
+        raise AlreadyQuantizedError(already_quantized_message(describe_quantized(ops), precision))
+
+
+def already_quantized_message(ops: str, precision: str) -> str:
+    """What MODEL_ALREADY_QUANTIZED says, at packaging and at build time alike."""
+    return (f"the model is already quantized ({ops}): it is an int8 model; build it with precision int8 (it is "
+            f"then used as it is, without calibration), not {precision}")
 
 
 def toposort(model: onnx.ModelProto) -> bool:

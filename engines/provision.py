@@ -10,6 +10,7 @@ its verdict, and is refused with GATE_ACCURACY / GATE_LATENCY until the threshol
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import shutil
@@ -168,17 +169,27 @@ def plan_build(source: ModelSource, backend: str = "auto", precision: str | None
 
 def _prequantized(source: ModelSource, precision: str) -> str | None:
     """The quantized ops of an already quantized model ('QLinearConv x12, ...'), None for a float model;
-    MODEL_ALREADY_QUANTIZED when asked to build one at fp32/fp16. Reads the graph only (milliseconds)."""
+    MODEL_ALREADY_QUANTIZED when asked to build one at fp32/fp16. Reads the graph once per model file."""
+    from engines.onnx_inputs import AlreadyQuantizedError, already_quantized_message
+
+    ops = _quantized_ops(str(source.onnx_path), source.sha256 or "")
+    if ops and precision != "int8":
+        raise AlreadyQuantizedError(already_quantized_message(ops, precision))
+    return ops
+
+
+@functools.lru_cache(maxsize=32)
+def _quantized_ops(path: str, sha256: str) -> str | None:
+    """'QLinearConv x12, ...' for a quantized model file, None for a float one (cached by path and hash)."""
     import onnx
 
-    from engines.onnx_inputs import describe_quantized, quantization_ops, refuse_requantizing
+    from engines.onnx_inputs import describe_quantized, quantization_ops
 
     try:
-        proto = onnx.load(str(source.onnx_path), load_external_data=False)
+        proto = onnx.load(path, load_external_data=False)
     except Exception as exc:  # the build reports an unreadable model with its own error
-        log.debug("could not read %s for its op types: %s", source.onnx_path, exc)
+        log.debug("could not read %s for its op types: %s", path, exc)
         return None
-    refuse_requantizing(proto, precision)
     ops = quantization_ops(proto)
     return describe_quantized(ops) if ops else None
 
@@ -303,7 +314,7 @@ def _gates(cache: EngineCache, entry: CacheEntry, plan: BuildPlan, source: Model
     candidate = ModelRuntime(source, engine)
     reference = load_runtime(source, "onnxruntime")
     try:
-        verdict = validate(candidate, reference, judged_on.frames, precision=plan.precision, gates=gates,
+        verdict = validate(candidate, reference, judged_on.frames(), precision=plan.precision, gates=gates,
                            latency_runs=runs, frames_info=judged_on.info)
     finally:
         candidate.close()

@@ -292,7 +292,11 @@ def check_reply(reply: dict, expected: tuple[Any, str]) -> None:
 
 
 def test_fuzz_dispatch(tmp_path: Path) -> None:
-    dispatcher = CommandDispatcher(FakeControl(), tmp_path / "fuzz.db", max_payload_bytes=LIMIT)
+    from agent.commands import COMMANDS
+
+    # the oracle models what a command means, not how often it may come (tests/test_storage_faults.py does)
+    dispatcher = CommandDispatcher(FakeControl(), tmp_path / "fuzz.db", max_payload_bytes=LIMIT,
+                                   limits=dict.fromkeys(COMMANDS.names(), 0))
     oracle = Oracle(LIMIT)
 
     seen, ok = [0], [0]

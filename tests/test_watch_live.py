@@ -84,7 +84,7 @@ def test_a_heavier_model_deployed_over_a_lighter_one_20_times_is_never_rolled_ba
     light = _package_classifier(tmp_path, private)
     make_artifact(tmp_path / "pub" / "det", "1.0.0", private, name="det", size=(960, 704), budget_ms=None)
     camera = {"kind": "synthetic", "width": 640, "height": 480, "fps": 30}
-    agent, collector, server = live_agent(light, camera, public, watch_window_s=4.0, watch_min_s=2.0)
+    agent, collector, server = live_agent(light, camera, public, watch_window_s=2.5, watch_min_s=2.0)
     url = server.url("det/manifest.json")
     passed = []
     for attempt in range(20):
