@@ -133,7 +133,8 @@ def model_row(row: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     return {"name": row["name"], "version": row["version"], "path": row["path"], "sha256": row["sha256"][:12],
             "since": row["since"],
-            **{k: v for k, v in row["info"].items() if k in ("backend", "precision", "latency_budget_ms", "origin", "validation")}}
+            **{k: v for k, v in row["info"].items()
+               if k in ("backend", "precision", "latency_budget_ms", "origin", "validation")}}
 
 
 def render_status(report: dict[str, Any], console: Console) -> None:

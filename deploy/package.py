@@ -20,7 +20,7 @@ from agent.artifacts.layout import check_artifact_name
 from agent.artifacts.onnxcheck import check_loads, external_data_locations, load_proto, quantized
 from engines.calibration import IMAGE_SUFFIXES
 from engines.errors import EdgeError
-from engines.onnx_inputs import refuse_requantizing, toposort
+from engines.onnx_inputs import quantization_ops, refuse_requantizing, toposort
 from engines.manifest import (BuildSpec, Gates, Manifest, ModelFile, PostprocessSpec, input_size_problem,
                               model_input_dims, sha256_file)
 from engines.preprocess import PreprocessSpec
@@ -206,7 +206,7 @@ def _model_sources(model: Path, precision: str, has_calibration: bool, workdir: 
         log.warning("%s: nodes were not in topological order; packaging a sorted copy", name)
     check_loads(model, name, [n for n in sources if n != name])
     try:
-        refuse_requantizing(proto, precision)
+        refuse_requantizing(quantization_ops(proto), precision)
     except EdgeError as exc:
         raise PackageError(f"--precision {precision}: {exc}", code=exc.code) from exc
     if precision == "int8" and not has_calibration and not quantized(proto):

@@ -98,7 +98,6 @@ class Gates(BaseModel):
         "with GATE_FPS before activation). Unset: the floor follows the model's own measured capacity.",
     )
 
-
     @field_validator("validation")
     @classmethod
     def _validation_inside(cls, value: str | None) -> str | None:

@@ -42,17 +42,13 @@ def describe_quantized(ops: dict[str, int]) -> str:
     return ", ".join(f"{op} x{count}" for op, count in sorted(ops.items(), key=lambda kv: -kv[1]))
 
 
-def refuse_requantizing(model: onnx.ModelProto, precision: str) -> None:
-    """MODEL_ALREADY_QUANTIZED for an fp32/fp16 build of a quantized model (its own precision is int8)."""
-    ops = quantization_ops(model)
+def refuse_requantizing(ops: dict[str, int], precision: str) -> None:
+    """MODEL_ALREADY_QUANTIZED for an fp32/fp16 build of a model with these quantized ops (`quantization_ops`):
+    its own precision is int8. Packaging and the device's build plan both ask here."""
     if ops and precision != "int8":
-        raise AlreadyQuantizedError(already_quantized_message(describe_quantized(ops), precision))
-
-
-def already_quantized_message(ops: str, precision: str) -> str:
-    """What MODEL_ALREADY_QUANTIZED says, at packaging and at build time alike."""
-    return (f"the model is already quantized ({ops}): it is an int8 model; build it with precision int8 (it is "
-            f"then used as it is, without calibration), not {precision}")
+        raise AlreadyQuantizedError(
+            f"the model is already quantized ({describe_quantized(ops)}): it is an int8 model; build it with "
+            f"precision int8 (it is then used as it is, without calibration), not {precision}")
 
 
 def toposort(model: onnx.ModelProto) -> bool:
@@ -153,22 +149,21 @@ def _upcast_tensor(tensor: onnx.TensorProto) -> int:
 def _needs(node: onnx.NodeProto) -> set[str]:
     """A node's inputs plus the outer-scope names its subgraphs read."""
     needs = set(node.input)
-    for attr in node.attribute:
-        for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-            local = {i.name for i in sub.input} | {t.name for t in sub.initializer}
-            for inner in _all_nodes(sub):
-                local.update(inner.output)
-            needs.update(name for inner in _all_nodes(sub) for name in inner.input if name and name not in local)
+    for sub in _subgraphs(node):
+        inner = _all_nodes(sub)
+        local = {i.name for i in sub.input} | {t.name for t in sub.initializer} | {o for n in inner for o in n.output}
+        needs.update(name for n in inner for name in n.input if name and name not in local)
     return needs
 
 
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs held in a node's attributes (Loop/Scan bodies, If branches)."""
+    return [g for attr in node.attribute
+            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs))]
+
+
 def _all_graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
-    graphs = [graph]
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-                graphs.extend(_all_graphs(sub))
-    return graphs
+    return [graph, *(g for node in graph.node for sub in _subgraphs(node) for g in _all_graphs(sub))]
 
 
 def _all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:

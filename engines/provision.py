@@ -170,28 +170,26 @@ def plan_build(source: ModelSource, backend: str = "auto", precision: str | None
 def _prequantized(source: ModelSource, precision: str) -> str | None:
     """The quantized ops of an already quantized model ('QLinearConv x12, ...'), None for a float model;
     MODEL_ALREADY_QUANTIZED when asked to build one at fp32/fp16. Reads the graph once per model file."""
-    from engines.onnx_inputs import AlreadyQuantizedError, already_quantized_message
+    from engines.onnx_inputs import describe_quantized, refuse_requantizing
 
     ops = _quantized_ops(str(source.onnx_path), source.sha256 or "")
-    if ops and precision != "int8":
-        raise AlreadyQuantizedError(already_quantized_message(ops, precision))
-    return ops
+    refuse_requantizing(ops, precision)
+    return describe_quantized(ops) if ops else None
 
 
 @functools.lru_cache(maxsize=32)
-def _quantized_ops(path: str, sha256: str) -> str | None:
-    """'QLinearConv x12, ...' for a quantized model file, None for a float one (cached by path and hash)."""
+def _quantized_ops(path: str, sha256: str) -> dict[str, int]:
+    """The quantized op counts of a model file, {} for a float one (cached by path and hash; not mutated)."""
     import onnx
 
-    from engines.onnx_inputs import describe_quantized, quantization_ops
+    from engines.onnx_inputs import quantization_ops
 
     try:
         proto = onnx.load(path, load_external_data=False)
     except Exception as exc:  # the build reports an unreadable model with its own error
         log.debug("could not read %s for its op types: %s", path, exc)
-        return None
-    ops = quantization_ops(proto)
-    return describe_quantized(ops) if ops else None
+        return {}
+    return quantization_ops(proto)
 
 
 def ort_build_providers(precision: str) -> tuple[str, ...]:

@@ -152,7 +152,7 @@ def accuracy(kind: str, params: dict[str, Any], reference: ModelRuntime, candida
 
 
 def agreement(kind: str, params: dict[str, Any], pairs: Sequence[tuple[Run, Run]],
-               names: Sequence[str]) -> tuple[float, dict[str, float] | None]:
+              names: Sequence[str]) -> tuple[float, dict[str, float] | None]:
     """The kind's metric over (reference, candidate) runs; for raw also each output's own score."""
     if kind == "classification":
         return float(np.mean([top1_agreement(r[0][0], c[0][0]) for r, c in pairs])), None
@@ -223,11 +223,8 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 def scaled_cosine(a: np.ndarray, b: np.ndarray) -> float:
     """Cosine similarity times the ratio of the smaller norm to the larger: a tensor that keeps its direction
     but collapses in magnitude (a presence logit 42.2 -> 0.5) no longer agrees; two zero tensors do."""
-    a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    na, nb = np.linalg.norm(a64), np.linalg.norm(b64)
-    if na == 0 or nb == 0:
-        return 1.0 if na == nb else 0.0
-    return float(np.dot(a64, b64) / (na * nb)) * min(na, nb) / max(na, nb)
+    na, nb = (float(np.linalg.norm(x.astype(np.float64).ravel())) for x in (a, b))
+    return cosine(a, b) * (min(na, nb) / max(na, nb) if na and nb else 1.0)
 
 
 def text_mask_iou(reference: np.ndarray, candidate: np.ndarray, threshold: float) -> float:

@@ -68,10 +68,13 @@ def judge(window: FrameStats, config: DeploymentConfig, budget_ms: float | None,
                 "message": f"{name} latency {latency:.1f} ms over {window.frames} frames > budget {budget_ms} ms"}
     fps = window.fps(now)
     if camera_up and fps_floor > 0 and fps < fps_floor:
-        return {"reason": "WATCH_FPS", "fps": round(fps, 2), "floor": round(fps_floor, 2),
-                "limit": round(fps_floor, 2), "value": round(fps, 2), "statistic": "fps", **numbers,
-                "message": f"{fps:.2f} fps over {age:.1f} s < floor {fps_floor:.2f}"}
+        return _fps_verdict(fps, fps_floor, numbers, f"{fps:.2f} fps over {age:.1f} s < floor {fps_floor:.2f}")
     return None
+
+
+def _fps_verdict(fps: float, fps_floor: float, numbers: dict[str, Any], message: str) -> dict[str, Any]:
+    return {"reason": "WATCH_FPS", "fps": round(fps, 2), "floor": round(fps_floor, 2), "limit": round(fps_floor, 2),
+            "value": round(fps, 2), "statistic": "fps", **numbers, "message": message}
 
 
 def judge_cameras(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms: float | None,
@@ -127,10 +130,9 @@ def _starved(window: FrameStats | None, model_window: FrameStats, config: Deploy
         return None
     frames = window.frames if window is not None else 0
     fps = frames / elapsed
-    return {"reason": "WATCH_FPS", "fps": round(fps, 2), "floor": round(fps_floor, 2), "limit": round(fps_floor, 2),
-            "value": round(fps, 2), "statistic": "fps", "frames": frames,
-            "errors": window.errors if window is not None else 0, "window_s": round(elapsed, 2),
-            "message": f"{frames} frame(s) in {elapsed:.1f} s since the swap: {fps:.2f} fps < floor {fps_floor:.2f}"}
+    numbers = {"frames": frames, "errors": window.errors if window is not None else 0, "window_s": round(elapsed, 2)}
+    return _fps_verdict(fps, fps_floor, numbers,
+                        f"{frames} frame(s) in {elapsed:.1f} s since the swap: {fps:.2f} fps < floor {fps_floor:.2f}")
 
 
 def watch_model(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms: float | None,
