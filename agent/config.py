@@ -89,6 +89,11 @@ class EnginesConfig(Strict):
 
     validation_samples: int = Field(8, ge=1, le=1000, description="Frames compared against the FP32 reference.")
     latency_runs: int = Field(20, ge=3, le=10000, description="Timed runs of the latency gate (after warm-up).")
+    int8_fallback_rounds: int = Field(
+        3, ge=0, le=3, description="An INT8 engine that fails its accuracy gate is rebuilt with its most "
+        "quantization-sensitive activations in float (2, then 8, then 32 of them), up to this many rounds; "
+        "0: no fallback (the first failure is final).",
+    )
     workspace_mb: int | None = Field(None, ge=16, description="TensorRT builder memory pool; default: from free memory.")
     cache_budget_mb: int = Field(2048, ge=1, description="`engines gc` keeps the cache under this size (LRU).")
 

@@ -118,6 +118,9 @@ def build(
                                          "fallback on; default: the manifest's build.device)."),
     no_validate: bool = typer.Option(False, "--no-validate", help="Skip the accuracy and latency gates."),
     revalidate: bool = typer.Option(False, "--revalidate", help="Re-run the gates even if a verdict is stored."),
+    fallback_rounds: int = typer.Option(3, "--fallback-rounds", min=0, max=3,
+                                        help="INT8 that fails its accuracy gate: rebuild with the most sensitive "
+                                        "activations in float up to N times (0: off)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     config: Optional[Path] = _CONFIG,
 ) -> None:
@@ -140,7 +143,7 @@ def build(
         result = provision(load_model(model), backend=backend, precision=precision, cache_dir=cache_dir,
                            db_path=db_path, calibration_dir=calibration, on_progress=_progress_printer(as_json),
                            timeout_s=timeout, validate=not no_validate, workspace_mb=workspace_mb, revalidate=revalidate,
-                           device=device)
+                           device=device, fallback_rounds=fallback_rounds)
     except EdgeError as exc:
         err.print(f"[red]engine build failed ({exc.code}):[/] {exc}", highlight=False)
         raise typer.Exit(EXIT_FAILED) from exc
@@ -160,6 +163,10 @@ def _progress_printer(quiet: bool) -> Any:
             err.print(f"  [{event.get('elapsed_s', 0):7.1f}s] {event.get('stage')}{phase}", highlight=False)
         elif kind in ("engine.cache.hit", "engine.cache.miss", "engine.quarantined", "engine.validation.started"):
             err.print(f"  {kind.split('.', 1)[1]}: {event.get('key', '')[:16]} {event.get('reason', '')}", highlight=False)
+        elif kind == "engine.int8_fallback":
+            err.print(f"  int8 fallback {event['round']}/{event['rounds']}: {event['metric']} {event['accuracy']:.3f} < "
+                      f"{event['min_accuracy']}, rebuilding with the {event['keep_float']} most sensitive tensors in float",
+                      highlight=False)
 
     return None if quiet else show
 
@@ -176,6 +183,8 @@ def _render_result(result: Any) -> None:
         budget = f" (budget {v.latency_budget_ms} ms)" if v.latency_budget_ms else ""
         table.add_row("latency", f"p50 {v.latency_ms['p50']} ms, p99 {v.latency_ms['p99']} ms{budget}")
         table.add_row("judged on", _frames(v.to_dict()))
+        if v.fallback:
+            table.add_row("int8 fallback", _fallback(v.fallback))
         if v.outputs:
             table.add_row("per output", ", ".join(f"{name} {score:.4f}" for name, score in v.outputs.items()))
         if not v.passed:
@@ -241,10 +250,19 @@ def _verdict(validation: dict[str, Any] | None) -> str:
     if not validation:
         return "-"
     judged = f" on {_frames(validation)}"
+    if validation.get("fallback"):
+        judged += f"; int8 fallback: {len(validation['fallback'].get('kept_float', []))} tensor(s) in float"
     if validation.get("passed"):
         return (f"pass {validation['metric']} {validation['accuracy']:.3f} >= {validation['min_accuracy']} "
                 f"p99 {validation['latency_ms']['p99']} ms{judged}")
     return f"FAIL {validation.get('code')}{judged}"
+
+
+def _fallback(fallback: dict[str, Any]) -> str:
+    """The layer fallback in one cell: the round used, its float tensors, each round's score."""
+    kept = fallback.get("kept_float", [])
+    scores = ", ".join(f"r{t['round']} {t['accuracy']:.3f}" for t in fallback.get("tried", []))
+    return f"round {fallback.get('round')}: {len(kept)} tensor(s) in float ({', '.join(kept[:6])}); {scores}"
 
 
 def _frames(validation: dict[str, Any]) -> str:

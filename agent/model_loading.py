@@ -99,7 +99,8 @@ class ModelLoader:
                          timeout_s=self.config.deployments.build_timeout_s, stop_event=stop or self.stop_event,
                          workspace_mb=self.config.engines.workspace_mb,
                          validation_samples=self.config.engines.validation_samples,
-                         latency_runs=self.config.engines.latency_runs, max_batch=self.max_batch())
+                         latency_runs=self.config.engines.latency_runs, max_batch=self.max_batch(),
+                         fallback_rounds=self.config.engines.int8_fallback_rounds)
 
     def max_batch(self) -> int:
         """The batch the engine is built and timed for: `[batch] max_size` ("auto": up to

@@ -167,11 +167,16 @@ def quantize_model(job: BuildJob, model: Path, timer: "StageTimer", report: dict
     out = job.work_dir / "qdq.onnx"
     with timer("quantize", count=len(tensors)):
         recipe = quant_settings(job.backend)
+        keep = int(job.spec.quantization.get("float_fallback", 0))  # the layer fallback's round (engines.provision)
         if isinstance(recipe, quantize_trt.TrtQuantRecipe):
-            qreport = quantize_trt.quantize_int8_trt(model, out, tensors, recipe=replace(recipe, fp16_casts=fp16_casts))
+            qreport = quantize_trt.quantize_int8_trt(model, out, tensors, recipe=replace(recipe, fp16_casts=fp16_casts),
+                                                     keep_float=keep)
         else:
-            qreport = quantize.quantize_int8(model, out, tensors, settings=recipe)
+            qreport = quantize.quantize_int8(model, out, tensors, settings=recipe, keep_float=keep)
     report["quantization"] = _jsonable(qreport)
+    if qreport.kept_float:
+        report["notes"].append("INT8 layer fallback: kept in float " + ", ".join(
+            f"{t['tensor']} (error {t['error']:.3f})" for t in qreport.kept_float))
     return out
 
 

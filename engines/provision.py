@@ -35,11 +35,13 @@ from engines.manifest import check_input_size, sha256_file
 from engines.model import ModelSource
 from engines.runtime import ModelRuntime, load_runtime, preprocess_shape, resolve_backend
 from engines.validate import GateError, ValidationResult, min_accuracy_for, validate
+from engines.sensitivity import FALLBACK_TENSORS
 from engines.validation_set import same_set, validation_set
 
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[dict[str, Any]], None]
+DEFAULT_FALLBACK_ROUNDS = len(FALLBACK_TENSORS)
 DEFAULT_TIMEOUT_S = 1800.0  # a large TensorRT build at optimisation level 3 on an Orin Nano: ~10-20 min
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "ROCMExecutionProvider", "DmlExecutionProvider")
 
@@ -93,26 +95,26 @@ def provision(source: ModelSource, *, backend: str = "auto", precision: str | No
               builder: Builder | None = None, workspace_mb: int | None = None,
               stop_event: threading.Event | None = None, revalidate: bool = False,
               validation_samples: int = 8, latency_runs: int = 20, device: str | None = None,
-              max_batch: int = 1) -> ProvisionResult:
+              max_batch: int = 1, fallback_rounds: int = DEFAULT_FALLBACK_ROUNDS) -> ProvisionResult:
     """The cached engine for `source` on this device, built and validated first when missing.
 
-    `max_batch` > 1: an engine with a batch dimension, timed at sizes 1..max_batch (engines.batching)."""
+    `max_batch` > 1: an engine with a batch dimension, timed at sizes 1..max_batch (engines.batching).
+    `fallback_rounds`: an INT8 engine that fails its accuracy gate is rebuilt with its most sensitive layers
+    in float, up to this many times (engines.sensitivity); 0: no fallback."""
     emit = _safe_sink(on_progress)
     plan = plan_build(source, backend, precision, calibration_dir, fingerprint_root, workspace_mb, device, max_batch)
     cache = EngineCache(cache_dir, db_path, on_event=emit)
     builder = builder or Builder()
+    step = _Step(cache, source, builder, emit, timeout_s, stop_event, revalidate, validation_samples, latency_runs)
     try:
         with cache.build_lock(plan.key.key, timeout_s):
-            entry, hit = _cached_or_built(cache, plan, source, builder, emit, timeout_s, stop_event)
-            verdict = None
             if validate:
-                verdict = _gates(cache, entry, plan, source, emit, revalidate, validation_samples, latency_runs)
-                if verdict is None:  # the engine did not load: quarantined, build once more
-                    entry, hit = _cached_or_built(cache, plan, source, builder, emit, timeout_s, stop_event)
-                    verdict = _gates(cache, entry, plan, source, emit, True, validation_samples, latency_runs)
-                    if verdict is None:
-                        raise EngineIncompatibleError(f"{source.label}: a freshly built engine does not load")
+                entry, hit, verdict = step.judged(plan)
+                if _falls_back(plan, verdict, fallback_rounds):
+                    plan, entry, hit, verdict = _int8_fallback(step, plan, entry, hit, verdict, fallback_rounds)
                 verdict.raise_if_failed()
+            else:
+                (entry, hit), verdict = step.built(plan), None
             cache.touch(entry.key)
     finally:
         cache.close()
@@ -258,6 +260,85 @@ def load_ort_engine(path: Path, providers: tuple[str, ...], precision: str, thre
 
 
 # --- steps -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Step:
+    """What every build-and-judge of one provision shares (the plain plan and each fallback round)."""
+
+    cache: EngineCache
+    source: ModelSource
+    builder: Builder
+    emit: EventSink
+    timeout_s: float
+    stop_event: threading.Event | None
+    revalidate: bool
+    samples: int
+    runs: int
+
+    def built(self, plan: BuildPlan) -> tuple[CacheEntry, bool]:
+        """The cached entry, or a fresh build."""
+        return _cached_or_built(self.cache, plan, self.source, self.builder, self.emit, self.timeout_s, self.stop_event)
+
+    def judged(self, plan: BuildPlan) -> tuple[CacheEntry, bool, ValidationResult]:
+        """The entry and its verdict; an engine that does not load is quarantined and built once more."""
+        entry, hit = self.built(plan)
+        verdict = _gates(self.cache, entry, plan, self.source, self.emit, self.revalidate, self.samples, self.runs)
+        if verdict is None:
+            entry, hit = self.built(plan)
+            verdict = _gates(self.cache, entry, plan, self.source, self.emit, True, self.samples, self.runs)
+            if verdict is None:
+                raise EngineIncompatibleError(f"{self.source.label}: a freshly built engine does not load")
+        return entry, hit, verdict
+
+
+def _falls_back(plan: BuildPlan, verdict: ValidationResult, rounds: int) -> bool:
+    """Only a calibrated INT8 build that failed on accuracy: keeping layers float cannot fix latency, a
+    reference without signal, or a model that came quantized."""
+    quantization = plan.spec.quantization
+    return (rounds > 0 and not verdict.passed and verdict.code == "GATE_ACCURACY" and plan.precision == "int8"
+            and not quantization.get("prequantized") and "float_fallback" not in quantization)
+
+
+def _int8_fallback(step: _Step, plan: BuildPlan, entry: CacheEntry, hit: bool, verdict: ValidationResult,
+                   rounds: int) -> tuple[BuildPlan, CacheEntry, bool, ValidationResult]:
+    """Rebuild with the worst FALLBACK_TENSORS[r] activations in float until one passes, at most `rounds` times.
+
+    Each round is its own cache entry with its own verdict, so a restart walks the same rounds as cache
+    hits and lands on the passing one without building or judging again. The returned verdict (the passing
+    round's, else the best one's) says in `fallback` which round it was, what stayed float and what each
+    round scored; when none passes, its reason names the best score and the tensors kept float."""
+    label, first_reason = step.source.label, verdict.reason
+    rounds = min(rounds, len(FALLBACK_TENSORS))
+    tried: list[dict[str, Any]] = [{"round": 0, "accuracy": verdict.accuracy, "kept_float": []}]
+    best, best_round = (plan, entry, hit, verdict), 0
+    for number, count in enumerate(FALLBACK_TENSORS[:rounds], 1):
+        step.emit({"type": "engine.int8_fallback", "model": label, "round": number, "rounds": rounds,
+                   "keep_float": count, "metric": verdict.metric, "accuracy": best[3].accuracy,
+                   "min_accuracy": verdict.min_accuracy})
+        spec = replace(plan.spec, quantization={**plan.spec.quantization, "float_fallback": count})
+        parts = plan.key.parts
+        fallback = replace(plan, spec=spec, key=make_cache_key(parts["onnx_sha256"], plan.backend,
+                                                               parts["backend_version"], parts["device"], spec))
+        with step.cache.build_lock(fallback.key.key, step.timeout_s):
+            f_entry, f_hit, f_verdict = step.judged(fallback)
+        kept = [t["tensor"] for t in (f_entry.report.get("quantization") or {}).get("kept_float", [])]
+        tried.append({"round": number, "accuracy": f_verdict.accuracy, "kept_float": kept})
+        if f_verdict.passed or f_verdict.accuracy >= best[3].accuracy:  # a tie: the later round says more
+            best, best_round = (fallback, f_entry, f_hit, f_verdict), number
+        if f_verdict.passed or f_verdict.code != "GATE_ACCURACY":
+            break
+    plan, entry, hit, verdict = best
+    kept = tried[best_round]["kept_float"]
+    verdict.fallback = {"round": best_round, "kept_float": kept, "tried": tried}
+    if not verdict.passed and verdict.code == "GATE_ACCURACY":
+        verdict.reason = (f"INT8 fails the gate after {len(tried) - 1} layer-fallback round(s): best {verdict.metric} "
+                          f"{verdict.accuracy:.3f} (min {verdict.min_accuracy:.2f}) with {len(kept)} tensor(s) kept in "
+                          f"float ({', '.join(kept[:8]) or 'none'}{', ...' if len(kept) > 8 else ''}). "
+                          f"Without the fallback: {first_reason}")
+    step.cache.record_validation(entry.key, verdict.to_dict())
+    step.emit({"type": "engine.int8_fallback.done", "model": label, "passed": verdict.passed, **verdict.fallback})
+    return plan, entry, hit, verdict
 
 
 def _cached_or_built(cache: EngineCache, plan: BuildPlan, source: ModelSource, builder: Builder, emit: EventSink,

@@ -133,6 +133,9 @@ class QuantReport:
     rewrites: dict[str, int]
     #: Op-type counts of the written model.
     op_counts: dict[str, int] = field(default_factory=dict)
+    #: The INT8 layer fallback's choice (engines.sensitivity): the tensors kept in float, worst first,
+    #: with their quantization error and the nodes excluded for them. Empty without a fallback.
+    kept_float: list[dict[str, Any]] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------------- metrics
@@ -828,6 +831,23 @@ def _name_nodes(model: onnx.ModelProto) -> None:
             taken.add(name)
 
 
+def _fallback_nodes(model: onnx.ModelProto, calibration: list[Any], inputs: list[onnx.ValueInfoProto], count: int, *,
+                    symmetric: bool, quantized: Any) -> tuple[list[Any], list[str]]:
+    """The layer fallback's `count` worst tensors on the first calibration frames, and the nodes that keep
+    them float (engines.sensitivity; the prepared graph, so names match nodes_to_exclude)."""
+    from engines import sensitivity
+
+    reader = _Reader(calibration[:sensitivity.MAX_FRAMES], inputs)
+    feeds = []
+    while (feed := reader.get_next()) is not None:
+        feeds.append(feed)
+    ranking = sensitivity.rank_tensors(model, feeds, symmetric=symmetric, quantized=quantized)
+    chosen, nodes = sensitivity.keep_float(ranking, count)
+    log.info("INT8 layer fallback: %d tensor(s) kept in float: %s", len(chosen),
+             ", ".join(f"{t.tensor} ({t.error:.3f})" for t in chosen))
+    return chosen, nodes
+
+
 def _ort_enums(settings: QuantSettings) -> dict[str, Any]:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
 
@@ -857,12 +877,15 @@ def quantize_int8(
     calibration: Iterable[np.ndarray] | list[np.ndarray],
     *,
     settings: QuantSettings = DEFAULT,
+    keep_float: int = 0,
 ) -> QuantReport:
     """Quantize `fp32_onnx` to a static INT8 ONNX model at `out_onnx`.
 
     `calibration` yields preprocessed input tensors (e.g. 1x3xHxW float32) for a single-input model,
     or {input name: tensor} dicts. It is consumed once. Temp files live in a temp dir next to
     `out_onnx` and are removed; `out_onnx` is replaced atomically, so readers never see a partial file.
+    `keep_float` > 0: the layer fallback, which leaves the `keep_float` activations with the largest
+    quantization error (engines.sensitivity, ranked on the calibration frames) in float.
     """
     from onnxruntime.quantization import quantize_static
 
@@ -879,6 +902,13 @@ def quantize_int8(
             rewrites["split_convs_for_ort"] = len(_split_convs_for_ort(model))
         _name_nodes(model)
         tails = set(mixed_output_tails(model)) if settings.float_output_tails else set()
+        kept: list[dict[str, Any]] = []
+        if keep_float > 0:
+            calibration = list(calibration)
+            chosen, fallback = _fallback_nodes(model, calibration, inputs, keep_float, symmetric=False,
+                                               quantized=lambda p, cs: any(n.op_type in ops for n in [p, *cs] if n))
+            tails |= set(fallback)
+            kept = [t.to_dict() for t in chosen]
         excluded = [n.name for n in model.graph.node
                     if n.name in settings.exclude_nodes or n.op_type in settings.exclude_op_types or n.name in tails]
         missing = set(settings.exclude_nodes) - {n.name for n in model.graph.node}
@@ -919,7 +949,7 @@ def quantize_int8(
     t3 = time.perf_counter()
     report = QuantReport(out_onnx=out_onnx, settings=settings, calibration_samples=reader.count,
                          prepare_s=t1 - t0, quantize_s=t2 - t1, total_s=t3 - t0, excluded_nodes=excluded,
-                         float_op_types=float_ops, rewrites=rewrites, op_counts=op_counts)
+                         float_op_types=float_ops, rewrites=rewrites, op_counts=op_counts, kept_float=kept)
     log.info("quantized %s -> %s in %.1fs (%d calibration samples)", fp32_onnx, out_onnx, report.total_s,
              reader.count)
     return report

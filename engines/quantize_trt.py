@@ -95,13 +95,17 @@ class TrtQuantReport:
     #: Ops (by type) whose inputs carry Q/DQ in the written model.
     quantized_ops: dict[str, int] = field(default_factory=dict)
     op_counts: dict[str, int] = field(default_factory=dict)
+    #: The INT8 layer fallback's choice (engines.sensitivity), as in engines.quantize.QuantReport.
+    kept_float: list[dict[str, Any]] = field(default_factory=list)
 
 
 def quantize_int8_trt(fp32_onnx: Path, out_onnx: Path, calibration: Iterable[np.ndarray] | list[np.ndarray], *,
-                      recipe: TrtQuantRecipe = TRT_RECIPE) -> TrtQuantReport:
+                      recipe: TrtQuantRecipe = TRT_RECIPE, keep_float: int = 0) -> TrtQuantReport:
     """Quantize `fp32_onnx` for TensorRT into `out_onnx` (replaced atomically; temp files removed).
 
     `calibration` yields preprocessed input tensors (or {input: tensor} dicts) and is consumed once.
+    `keep_float` > 0: the layer fallback, ranked for symmetric int8 (engines.sensitivity); the ops reading
+    the worst `keep_float` activations get no Q/DQ and run in FP16/FP32.
     The result is checked with `check_trt_qdq`; a violation is a ModelError, never a silent engine.
     """
     from engines import quantize as q
@@ -114,12 +118,21 @@ def quantize_int8_trt(fp32_onnx: Path, out_onnx: Path, calibration: Iterable[np.
         opset = recipe.fp16_opset if recipe.fp16_casts else recipe.opset
         model, rewrites = q._prepare(fp32_onnx, opset, recipe.simplify)
         inits = {t.name for t in model.graph.initializer}
-        reader = q._Reader(calibration, [vi for vi in model.graph.input if vi.name not in inits])
+        inputs = [vi for vi in model.graph.input if vi.name not in inits]
+        excluded: list[str] = []
+        kept: list[dict[str, Any]] = []
+        if keep_float > 0:
+            q._name_nodes(model)
+            calibration = list(calibration)
+            chosen, excluded = q._fallback_nodes(model, calibration, inputs, keep_float, symmetric=True,
+                                                 quantized=lambda _p, cs: any(c.op_type in recipe.op_types for c in cs))
+            kept = [t.to_dict() for t in chosen]
+        reader = q._Reader(calibration, inputs)
         prepared, quantized = tmp / "prepared.onnx", tmp / "quantized.onnx"
         onnx.save(model, str(prepared))
         del model
         t1 = time.perf_counter()
-        _quantize_static(prepared, quantized, reader, recipe)
+        _quantize_static(prepared, quantized, reader, recipe, excluded)
         t2 = time.perf_counter()
         qmodel = onnx.load(str(quantized))
         _unshare_qdq(qmodel, set(recipe.op_types))
@@ -130,7 +143,7 @@ def quantize_int8_trt(fp32_onnx: Path, out_onnx: Path, calibration: Iterable[np.
             raise ModelError("the TensorRT Q/DQ model breaks the recipe: " + "; ".join(problems[:5]))
         q._save_atomic(qmodel, out_onnx)
         report = TrtQuantReport(out_onnx, recipe.key_dict(), reader.count, t2 - t1, 0.0, rewrites,
-                                quantized_ops(qmodel), q.op_type_counts(qmodel))
+                                quantized_ops(qmodel), q.op_type_counts(qmodel), kept)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report.total_s = time.perf_counter() - t0
@@ -139,7 +152,8 @@ def quantize_int8_trt(fp32_onnx: Path, out_onnx: Path, calibration: Iterable[np.
     return report
 
 
-def _quantize_static(prepared: Path, out: Path, reader: Any, recipe: TrtQuantRecipe) -> None:
+def _quantize_static(prepared: Path, out: Path, reader: Any, recipe: TrtQuantRecipe,
+                     excluded: list[str] | None = None) -> None:
     """ONNX Runtime's static quantizer with the options that give TensorRT's placement and types."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
@@ -152,7 +166,7 @@ def _quantize_static(prepared: Path, out: Path, reader: Any, recipe: TrtQuantRec
     quantize_static(
         str(prepared), str(out), reader, quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
         weight_type=QuantType.QInt8, per_channel=True, reduce_range=False, calibrate_method=method,
-        op_types_to_quantize=list(recipe.op_types),
+        op_types_to_quantize=list(recipe.op_types), nodes_to_exclude=list(excluded or []),
         extra_options={
             "ActivationSymmetric": True, "WeightSymmetric": True,  # zero point 0 everywhere
             "QuantizeBias": False,  # TensorRT fuses the float bias into the INT8 kernel

@@ -76,6 +76,9 @@ class ValidationResult:
     frame_ms: dict[str, float] | None = None
     outputs: dict[str, float] | None = None  # raw: each output's metric (the lowest decides); yolo: matched_score_ratio
     frames: dict[str, Any] | None = None  # what it was judged on: {"source", "count", "sha256"} (part of the verdict key)
+    # INT8 layer fallback (engines.provision): {"round", "kept_float": [tensor...], "tried": [{round, accuracy,
+    # kept_float}]}; None when the engine was judged as first built
+    fallback: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""

@@ -40,7 +40,7 @@ def loader(tmp: Path):
     """provision + load functions on a real engine cache in `tmp` (ONNX Runtime, real gates)."""
     def prov(source):
         return provision(source, backend="onnxruntime", cache_dir=tmp / "cache", db_path=tmp / "state.db",
-                         validation_samples=2, latency_runs=3)
+                         validation_samples=2, latency_runs=3, fallback_rounds=0)  # the bad variant stays bad
 
     def load(source, provisioned):
         return LoadedModel(source, load_provisioned(provisioned, source), provisioned, "test")
