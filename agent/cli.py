@@ -12,6 +12,7 @@ from typing import Any, Optional
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape  # messages hold `[section]` names, not markup
 
 from engines.errors import EdgeError
 
@@ -62,7 +63,7 @@ def load_config_or_exit(path: Optional[Path]) -> Any:
             _, text = read_toml(path)
         return load_config(path)
     except tomllib.TOMLDecodeError as exc:
-        err.print(f"[red]{path}: not valid TOML:[/] {exc}")
+        err.print(f"[red]{path}: not valid TOML:[/] {escape(str(exc))}")
         raise typer.Exit(EXIT_USAGE) from exc
     except ValidationError as exc:
         problems = explain(exc, text, _camera_kinds())
@@ -98,7 +99,7 @@ def run(
         agent.start()
     except EdgeError as exc:
         agent.stop()
-        err.print(f"[red]cannot start ({exc.code}):[/] {exc}")
+        err.print(f"[red]cannot start ({exc.code}):[/] {escape(str(exc))}")
         raise typer.Exit(EXIT_FAILED) from exc
     with LiveView(cfg.pipeline.report_interval_s, err) as view:
         agent.wait(duration, tick=lambda a: (view.update(a.summary()), a.persist_live()))
@@ -194,7 +195,7 @@ def bench(
         report = run_bench(model, backend=backend, precision=precision, iterations=iterations, warmup=warmup,
                            cache_dir=cfg.cache_dir, db_path=state_db_path(cfg.state_dir), batch_sizes=batch)
     except EdgeError as exc:
-        err.print(f"[red]bench failed ({exc.code}):[/] {exc}")
+        err.print(f"[red]bench failed ({exc.code}):[/] {escape(str(exc))}")
         raise typer.Exit(EXIT_USAGE if exc.code == "USAGE" else EXIT_FAILED) from exc
     if as_json:
         out.print_json(json.dumps(report))

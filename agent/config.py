@@ -98,6 +98,21 @@ class EnginesConfig(Strict):
     cache_budget_mb: int = Field(2048, ge=1, description="`engines gc` keeps the cache under this size (LRU).")
 
 
+class GatesConfig(Strict):
+    """What this device adds to the gates an engine must pass before it serves."""
+
+    live_frames: int = Field(
+        0, ge=0, le=64, description="Keep a rolling sample of this many recent camera frames in "
+        "<state_dir>/live-frames (PNG, never sent off the device) and judge every candidate engine against its "
+        "FP32 reference on them too, beside the artifact's own frames. 0: off.",
+    )
+    live_frames_interval_s: float = Field(
+        30.0, ge=0.1, le=86400, description="At most one sampled frame per camera this often (the sample rolls "
+        "over: the oldest frame goes when a new one comes).",
+    )
+    live_frames_max_mb: float = Field(64.0, gt=0, le=4096, description="Bytes the live-frame sample may use on disk.")
+
+
 class ControlConfig(Strict):
     """The local control socket used by `edge-agent deploy`/`rollback` (same handlers as MQTT commands)."""
 
@@ -146,6 +161,7 @@ class AgentConfig(BaseSettings):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Telemetry sources.")
     control: ControlConfig = Field(default_factory=ControlConfig, description="Local control socket.")
     engines: EnginesConfig = Field(default_factory=EnginesConfig, description="Engine cache and validation.")
+    gates: GatesConfig = Field(default_factory=GatesConfig, description="Frames the gates judge on (live camera frames).")
     adapt: AdaptConfig = Field(default_factory=AdaptConfig, description="Switching between model variants (docs/adaptive.md).")
 
     def control_socket_path(self) -> Path:

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape  # messages hold `[section]` names, not markup
 
 from agent.config import AgentConfig
 from agent.control_socket import send_command
@@ -37,7 +38,7 @@ def run_deploy(config: AgentConfig, url: str, wait: bool, timeout: float, out: C
     try:
         accepted = _call(config, "deploy", {"url": url, **({"allow_downgrade": True} if allow_downgrade else {})})
     except EdgeError as exc:
-        err.print(f"[red]deploy refused ({exc.code}):[/] {exc}")
+        err.print(f"[red]deploy refused ({exc.code}):[/] {escape(str(exc))}")
         return 1
     dep_id = accepted["deployment_id"]
     out.print(f"deployment {dep_id} {'joined' if accepted.get('joined') else 'accepted'}")
@@ -48,7 +49,7 @@ def run_deploy(config: AgentConfig, url: str, wait: bool, timeout: float, out: C
         try:
             found = _find(_call(config, "status"), dep_id)
         except EdgeError as exc:
-            err.print(f"[red]lost contact with the agent ({exc.code}):[/] {exc}")
+            err.print(f"[red]lost contact with the agent ({exc.code}):[/] {escape(str(exc))}")
             return 1
         state = found.get("state") if found else None
         if state and state != last:
@@ -71,7 +72,7 @@ def run_rollback(config: AgentConfig, out: Console, err: Console) -> int:
     try:
         result = _call(config, "rollback")
     except EdgeError as exc:
-        err.print(f"[red]rollback failed ({exc.code}):[/] {exc}")
+        err.print(f"[red]rollback failed ({exc.code}):[/] {escape(str(exc))}")
         return 1
     model = result.get("model", {})
     out.print(f"[green]rolled back:[/] now serving {model.get('name')}@{model.get('version')} "

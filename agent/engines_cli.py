@@ -111,6 +111,8 @@ def build(
     model: Path = typer.Argument(..., help="Model directory, manifest.json or .onnx file."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | fp16 | int8 (default: the manifest's)."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Directory of calibration images (int8)."),
+    validation: Optional[Path] = typer.Option(None, "--validation", help="Directory of held-out frames the gates judge "
+                                              "on (instead of the artifact's; a bare .onnx needs it or --no-validate)."),
     backend: str = typer.Option("auto", "--backend", help="auto | onnxruntime | tensorrt"),
     timeout: float = typer.Option(1800.0, "--timeout", min=1, help="Seconds before the build is stopped."),
     workspace_mb: Optional[int] = typer.Option(None, "--workspace-mb", min=1, help="TensorRT workspace limit."),
@@ -136,16 +138,16 @@ def build(
     try:
         parse_device(device)
     except EdgeError as exc:
-        err.print(f"[red]--device:[/] {exc}", highlight=False)
+        err.print(f"[red]--device:[/] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from exc
     cache_dir, db_path = _paths(config)
     try:
         result = provision(load_model(model), backend=backend, precision=precision, cache_dir=cache_dir,
-                           db_path=db_path, calibration_dir=calibration, on_progress=_progress_printer(as_json),
+                           db_path=db_path, calibration_dir=calibration, validation_dir=validation, on_progress=_progress_printer(as_json),
                            timeout_s=timeout, validate=not no_validate, workspace_mb=workspace_mb, revalidate=revalidate,
                            device=device, fallback_rounds=fallback_rounds)
     except EdgeError as exc:
-        err.print(f"[red]engine build failed ({exc.code}):[/] {exc}", highlight=False)
+        err.print(f"[red]engine build failed ({exc.code}):[/] {escape(str(exc))}", highlight=False)
         raise typer.Exit(EXIT_FAILED) from exc
     if as_json:
         out.print_json(json.dumps(result.to_dict(), default=str))

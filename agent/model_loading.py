@@ -17,6 +17,7 @@ from agent.state import state_db_path
 from engines.backends.base import EngineOptions
 from engines.batching import planned_max_batch
 from engines.errors import EdgeError
+from engines.live_frames import DIRECTORY as LIVE_FRAMES_DIRECTORY
 from engines.model import ModelSource, load_model
 from engines.provision import ProvisionResult, load_provisioned, provision
 from engines.runtime import ModelRuntime
@@ -100,7 +101,8 @@ class ModelLoader:
                          workspace_mb=self.config.engines.workspace_mb,
                          validation_samples=self.config.engines.validation_samples,
                          latency_runs=self.config.engines.latency_runs, max_batch=self.max_batch(),
-                         fallback_rounds=self.config.engines.int8_fallback_rounds)
+                         fallback_rounds=self.config.engines.int8_fallback_rounds,
+                         live_frames_dir=live_frames_dir(self.config), live_frames=self.config.gates.live_frames)
 
     def max_batch(self) -> int:
         """The batch the engine is built and timed for: `[batch] max_size` ("auto": up to
@@ -129,3 +131,8 @@ class ModelLoader:
     def reload(self, loaded: LoadedModel) -> LoadedModel:
         """Load the same model again (after stop_start freed it and the candidate failed)."""
         return self.load_provisioned(loaded.source, loaded.provisioned, loaded.origin)
+
+
+def live_frames_dir(config: AgentConfig) -> Path | None:
+    """Where the device keeps its sample of camera frames for the gates (None when `[gates] live_frames` is off)."""
+    return config.state_dir / LIVE_FRAMES_DIRECTORY if config.gates.live_frames > 0 else None

@@ -31,7 +31,8 @@ from agent.pipeline.frame_stats import FrameStats
 from agent.pipeline.summary import camera_numbers, capture_totals
 from agent.plane import AgentPlane
 from agent.sdnotify import Notifier, ProgressWatchdog
-from agent.model_loading import LoadedModel, ModelLoader
+from agent.live_frame_sampler import LiveFrameSampler
+from agent.model_loading import LoadedModel, ModelLoader, live_frames_dir
 from agent.sources.base import Frame
 from agent.state import StateStore, state_db_path
 from agent.storage_health import StorageHealth
@@ -66,6 +67,7 @@ class Agent:
         self.adapt: Any = None  # agent.adapt controller of the active model family (docs/adaptive.md)
         self.output_health = OutputHealth()  # per camera: what the serving model finds (the watch's collapse check)
         self.storage = StorageHealth(self.emit)  # state-store writes that failed (a lock, a full disk): never fatal
+        self.live_frames: LiveFrameSampler | None = None  # [gates] live_frames: recent camera frames for the gates
         self._restart_lock = threading.Lock()
         self._delivered: collections.deque[float] = collections.deque(maxlen=8192)  # when results were delivered
         self._last_restart: dict[str | None, float] = {}  # camera (None: all) -> when its last restart ended
@@ -107,6 +109,11 @@ class Agent:
         cfg = self.config
         limit_opencv_threads(cfg.pipeline.opencv_threads)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        sample_dir = live_frames_dir(cfg)
+        if sample_dir is not None:
+            self.live_frames = LiveFrameSampler(sample_dir, cfg.gates.live_frames, int(cfg.gates.live_frames_max_mb * 2**20),
+                                                cfg.gates.live_frames_interval_s)
+            self.live_frames.start()
         self.store = StateStore.open_checked(state_db_path(cfg.state_dir))  # a corrupt file is moved aside
         self.run_id = self.store.start_run(os.getpid())
         self.store.set_kv(LIVE_KEY, {"ts": time.time(), "state": "starting"})
@@ -236,6 +243,8 @@ class Agent:
         self._delivered.append(time.monotonic())
         adapt_wiring.on_result(self, frame, runtime)
         self.output_health.record(frame.source, result, runtime)
+        if self.live_frames is not None:
+            self.live_frames.offer(frame.source, frame.image)
         self.last_result = {"camera": frame.source, "frame": frame.index, **result.to_dict(max_items=20)}
         if self.plane is not None:
             self.plane.on_result(self.last_result)
@@ -312,6 +321,8 @@ class Agent:
             self.control_server = None
         if self.cameras is not None:
             self.cameras.stop(JOIN_TIMEOUT_S)
+        if self.live_frames is not None:
+            self.live_frames.close()
         for thread in (self.manager, self.worker):
             if thread is not None and thread.is_alive():
                 thread.join(JOIN_TIMEOUT_S)
@@ -351,6 +362,7 @@ class Agent:
             "batch": {**self.batch_size.to_dict(), "batches": self.worker.batches if self.worker else 0}
             if self.batch_size is not None else None,
             "adapt": self.adapt.status() if self.adapt is not None else None,
+            "live_frames": self.live_frames.stats() if self.live_frames is not None else None,
             "duration_s": round(time.monotonic() - self.stats.started, 2),
         }
 

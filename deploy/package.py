@@ -54,6 +54,7 @@ class PackageOptions:
     precision: str = "fp32"
     calibration: Path | None = None
     validation: Path | None = None
+    synthetic_validation: bool = False  # no frames to ship: judge on generated text frames (text models only)
     preprocess: dict[str, Any] = field(default_factory=dict)
     postprocess: str = "raw"
     params: list[str] = field(default_factory=list)
@@ -228,7 +229,8 @@ def build_template(opts: PackageOptions, model_file: str) -> Manifest:
             postprocess=PostprocessSpec(kind=opts.postprocess, params=params),
             build=BuildSpec(precision=opts.precision, calibration=CALIBRATION_DIR if opts.calibration else None),
             gates=Gates(latency_budget_ms=opts.latency_budget_ms, min_accuracy=opts.min_accuracy, min_fps=opts.min_fps,
-                        validation=VALIDATION_DIR if opts.validation else None),
+                        validation=VALIDATION_DIR if opts.validation else None,
+                        synthetic_frames=opts.synthetic_validation and not opts.validation),
             labels=read_labels(opts.labels) if opts.labels else None,
         )
     except ValidationError as exc:
@@ -318,6 +320,10 @@ def package(opts: PackageOptions) -> Manifest:
         sources.update(calibration)
         if opts.validation:
             sources.update(validation_files(Path(opts.validation), calibration, Path(workdir)))
+        elif not opts.synthetic_validation:
+            log.warning("%s@%s ships no validation frames: a device refuses to gate it (GATE_NO_VALIDATION_FRAMES) "
+                        "unless it keeps live camera frames ([gates] live_frames); pass --validation DIR (or "
+                        "--synthetic-validation for a text detector)", opts.name, opts.version)
         return _finish_package(opts, template, sources, key, Path(workdir))
 
 

@@ -1,7 +1,7 @@
 """`python -m engines ...`: the engine layer on its own, without the agent (no config, explicit paths).
 
     python -m engines fingerprint [--json] [--root /]
-    python -m engines build MODEL --cache-dir DIR --db FILE [--precision P] [--calibration DIR] [--json]
+    python -m engines build MODEL --cache-dir DIR --db FILE [--precision P] [--calibration DIR] [--validation DIR] [--json]
     python -m engines list --cache-dir DIR --db FILE [--json]
     python -m engines gc --cache-dir DIR --db FILE --budget-mb N [--pin KEY_OR_SHA ...]
     python -m engines build-worker JOB.json        (internal: the child process of a build)
@@ -44,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("model", type=Path)
     build.add_argument("--precision", choices=("fp32", "fp16", "int8"))
     build.add_argument("--calibration", type=Path)
+    build.add_argument("--validation", type=Path, help="held-out frames the gates judge on (a bare .onnx has none)")
     build.add_argument("--backend", default="auto")
     build.add_argument("--timeout", type=float, default=1800.0)
     build.add_argument("--device", help="TensorRT: gpu | dla | dla:N (default: the manifest's build.device)")
@@ -87,7 +88,7 @@ def _build(args: argparse.Namespace) -> int:
 
     result = provision(load_model(args.model), backend=args.backend, precision=args.precision,
                        cache_dir=args.cache_dir, db_path=args.db, calibration_dir=args.calibration,
-                       on_progress=progress, timeout_s=args.timeout, validate=not args.no_validate,
+                       validation_dir=args.validation, on_progress=progress, timeout_s=args.timeout, validate=not args.no_validate,
                        device=args.device)
     print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else
           f"{'hit' if result.hit else 'built'} {result.key[:16]} {result.engine_path} ({result.build_s:.1f} s)")

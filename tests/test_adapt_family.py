@@ -30,7 +30,7 @@ def make_family(tmp: Path, variants: list[str], extra: dict[str, Path] | None = 
     model = conv_model(tmp / "src" / "conv.onnx")
     for name, path in (extra or {}).items():
         outlier_model(path) if name == "outlier" else conv_model(path, seed=3)
-    opts = PackageOptions(model=model, name="fam", version=version, out=tmp / out, key=key,
+    opts = PackageOptions(synthetic_validation=True, model=model, name="fam", version=version, out=tmp / out, key=key,
                           preprocess={"width": 32, "height": 32}, variants=variants)
     package(opts)
     return tmp / out, key.with_name("signing.key.pub")
@@ -88,12 +88,12 @@ def test_variants_json_and_bad_declarations_are_clear_errors(tmp_path: Path) -> 
     key.parent.mkdir()
     keygen(key)
     model = conv_model(tmp_path / "m.onnx")
-    opts = PackageOptions(model=model, name="fam", version="1", out=tmp_path / "out", key=key,
+    opts = PackageOptions(synthetic_validation=True, model=model, name="fam", version="1", out=tmp_path / "out", key=key,
                           preprocess={"width": 32, "height": 32}, variants_json=spec)
     assert [v.name for v in package(opts).variants] == ["a", "b"]
     for bad, words in (["x"], "NAME:PRECISION"), (["a:fp32", "a:int8"], "unique"), (["a:fp64"], "precision"):
         with pytest.raises(PackageError) as err:
-            package(PackageOptions(model=model, name="fam", version="1", out=tmp_path / "o2", key=key, variants=bad))
+            package(PackageOptions(synthetic_validation=True, model=model, name="fam", version="1", out=tmp_path / "o2", key=key, variants=bad))
         assert words in str(err.value)
 
 

@@ -165,7 +165,7 @@ def _reshape_to_one_model(path: Path) -> Path:
 
 def _source(path: Path, width: int = SIZE, height: int = SIZE, **manifest):
     return load_bare_onnx(path, {"preprocess": PreprocessSpec(width=width, height=height),
-                                 "postprocess": PostprocessSpec(kind="raw"), **manifest})
+                                 "postprocess": PostprocessSpec(kind="raw"), "gates": {"synthetic_frames": True}, **manifest})
 
 
 def _provision(src, tmp_path: Path, max_batch: int):
@@ -389,7 +389,7 @@ def test_package_checks_the_preprocess_size(tmp_path: Path) -> None:
     fixed = _conv_model(tmp_path / "fixed16.onnx", 1)
 
     def opts(model: Path, width: int, height: int, out: str, layout: str = "nchw") -> PackageOptions:
-        return PackageOptions(model=model, name="m", version="1.0.0", out=tmp_path / out, key=tmp_path / "k",
+        return PackageOptions(synthetic_validation=True, model=model, name="m", version="1.0.0", out=tmp_path / out, key=tmp_path / "k",
                               preprocess={"width": width, "height": height, "layout": layout})
 
     package(opts(cls, 192, 48, "cls"))  # dynamic H/W: any size is fine
@@ -411,7 +411,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def _model_dir(tmp_path: Path, onnx_path: Path) -> Path:
     """An (unsigned) model directory with a 16x16 preprocess: what `bench` reads."""
-    package(PackageOptions(model=onnx_path, name="m", version="1.0.0", out=tmp_path / "model", unsigned=True,
+    package(PackageOptions(synthetic_validation=True, model=onnx_path, name="m", version="1.0.0", out=tmp_path / "model", unsigned=True,
                            preprocess={"width": SIZE, "height": SIZE}))
     return tmp_path / "model"
 
@@ -445,7 +445,7 @@ def test_bench_batch_on_a_batch_one_engine_skips_larger_sizes(agent_env, tmp_pat
 def test_int8_engine_is_quantized_at_batch_one_then_batches(tmp_path: Path) -> None:
     src = load_bare_onnx(_conv_model(tmp_path / "m.onnx", "n"), {
         "preprocess": PreprocessSpec(width=SIZE, height=SIZE), "postprocess": PostprocessSpec(kind="raw"),
-        "build": {"precision": "int8"}})
+        "build": {"precision": "int8"}, "gates": {"synthetic_frames": True}})
     result = provision(src, backend="onnxruntime", precision="int8", cache_dir=tmp_path / "cache",
                        db_path=tmp_path / "state.db", max_batch=3, validation_samples=2, latency_runs=3)
     assert result.precision == "int8" and result.report["batch"]["max_batch"] == 3, result.report["batch"]

@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import cv2
 import numpy as np
 import onnx
 import psutil
@@ -242,16 +243,25 @@ def test_cli_build_json_then_hit(tmp_path: Path) -> None:
     cfg = tmp_path / "agent.toml"
     cfg.write_text(f'state_dir = "{tmp_path / "state"}"\ncache_dir = "{tmp_path / "cache"}"\n')
     runner = CliRunner()
-    args = ["build", str(model), "--backend", "onnxruntime", "--json", "--config", str(cfg)]
+    refused = runner.invoke(engines_app, ["build", str(model), "--backend", "onnxruntime", "--config", str(cfg)])
+    assert refused.exit_code == 1 and "GATE_NO_VALIDATION_FRAMES" in refused.output
+    assert "[gates]" in refused.output  # printed as it is, not eaten as rich markup
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    for i in range(2):  # a bare .onnx ships no frames: the command line gives them
+        cv2.imwrite(str(frames / f"f{i}.png"), np.random.default_rng(i).integers(0, 255, (60, 80, 3), dtype=np.uint8))
+    args = ["build", str(model), "--backend", "onnxruntime", "--json", "--config", str(cfg), "--validation", str(frames)]
     first = runner.invoke(engines_app, args)
     assert first.exit_code == 0, first.output
     data = json.loads(first.output)
     assert data["hit"] is False and data["validation"]["passed"] and Path(data["engine_path"]).is_file()
+    assert data["validation"]["frames"]["source"] == f"directory:{frames}" and data["validation"]["frames"]["count"] == 2
     second = json.loads(runner.invoke(engines_app, args).output)
     assert second["hit"] is True and second["key"] == data["key"]
-    bad = runner.invoke(engines_app, ["build", str(model), "--precision", "fp16", "--config", str(cfg)])
+    bad = runner.invoke(engines_app, ["build", str(model), "--precision", "fp16", "--config", str(cfg), "--validation",
+                                      str(frames)])
     assert bad.exit_code == 1 and "ENGINE_PRECISION_UNSUPPORTED" in bad.output
     np.testing.assert_equal(len(list((tmp_path / "cache" / "engines").glob("*.onnx"))), 1)
     fixed = conv_model(tmp_path / "m" / "fixed.onnx", dynamic=False)  # 16x16 model, 640x480 preprocess
-    mismatch = runner.invoke(engines_app, ["build", str(fixed), "--config", str(cfg)])
+    mismatch = runner.invoke(engines_app, ["build", str(fixed), "--config", str(cfg), "--validation", str(frames)])
     assert mismatch.exit_code == 1 and "MODEL_SHAPE_MISMATCH" in mismatch.output

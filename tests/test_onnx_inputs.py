@@ -60,7 +60,7 @@ def test_an_unsorted_graph_is_sorted_not_refused(tmp_path: Path) -> None:
     onnx.checker.check_model(model)
     assert not toposort(model)  # already sorted: untouched
 
-    manifest = package(PackageOptions(model=path, name="u", version="1.0.0", out=tmp_path / "art", unsigned=True,
+    manifest = package(PackageOptions(synthetic_validation=True, model=path, name="u", version="1.0.0", out=tmp_path / "art", unsigned=True,
                                       preprocess={"width": 16, "height": 16}))
     packaged = onnx.load(str(tmp_path / "art" / manifest.model.file))
     onnx.checker.check_model(packaged)  # the artifact carries the sorted copy
@@ -124,7 +124,8 @@ def test_an_already_quantized_model_is_recognised_before_any_build(tmp_path: Pat
 
 
 def test_packaging_an_already_quantized_model_at_fp32_is_refused(tmp_path: Path, quantized_model: Path) -> None:
-    opts = dict(model=quantized_model, name="q", version="1.0.0", unsigned=True, preprocess={"width": 16, "height": 16})
+    opts = dict(model=quantized_model, name="q", version="1.0.0", unsigned=True, preprocess={"width": 16, "height": 16},
+                synthetic_validation=True)
     with pytest.raises(PackageError) as info:
         package(PackageOptions(out=tmp_path / "a", **opts))
     assert info.value.code == "MODEL_ALREADY_QUANTIZED"

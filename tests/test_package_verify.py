@@ -51,7 +51,7 @@ def signed_artifact(tmp: Path, key: KeyInfo, weights: int = 16, name: str = "art
     """`edge-deploy package`'s API on a tiny model, with labels."""
     model = make_onnx(tmp / "src-model.onnx", weights)
     (tmp / "labels.txt").write_text("a\nb\n")
-    opts = PackageOptions(model=model, name="tiny", version="1.0.0", out=tmp / name, key=key.private,
+    opts = PackageOptions(synthetic_validation=True, model=model, name="tiny", version="1.0.0", out=tmp / name, key=key.private,
                           labels=tmp / "labels.txt", preprocess={"width": 8, "height": 8})  # fmt: skip
     package(opts)
     return tmp / name
@@ -170,7 +170,7 @@ def test_package_refuses_non_empty_output_without_force(tmp_path: Path, key: Key
     with pytest.raises(EdgeError) as exc:
         signed_artifact(tmp_path, key)
     assert exc.value.code == "OUTPUT_EXISTS"
-    opts = PackageOptions(
+    opts = PackageOptions(synthetic_validation=True, 
         model=tmp_path / "src-model.onnx", name="tiny", version="2", out=artifact, key=key.private, force=True
     )
     package(opts)
@@ -183,7 +183,7 @@ def test_package_with_external_data(tmp_path: Path, key: KeyInfo) -> None:
     src = tmp_path / "src"
     src.mkdir()
     model = make_onnx(src / "big.onnx", weights=64, external="big.weights")
-    package(PackageOptions(model=model, name="big", version="1", out=tmp_path / "o", key=key.private))
+    package(PackageOptions(synthetic_validation=True, model=model, name="big", version="1", out=tmp_path / "o", key=key.private))
     source = verify_artifact(tmp_path / "o", trusting(key))
     assert [f.file for f in source.manifest.files] == ["big.weights"]
 
@@ -306,7 +306,7 @@ def test_unlisted_calibration_file_is_path_invalid(tmp_path: Path, key: KeyInfo)
     cal.mkdir()
     (cal / "1.jpg").write_bytes(b"1")
     model = make_onnx(tmp_path / "m.onnx")
-    opts = PackageOptions(
+    opts = PackageOptions(synthetic_validation=True, 
         model=model, name="m", version="1", out=tmp_path / "o", key=key.private, calibration=cal, precision="int8"
     )
     package(opts)

@@ -86,6 +86,7 @@ class PostprocessContext:
 
     outputs: list[TensorSpec]
     labels: list[str] | None = None
+    input_size: tuple[int, int] | None = None  # (width, height) of the model input: decoders of grid heads need it
 
     def label(self, class_id: int) -> str | None:
         """Class name for an id, when labels were given."""

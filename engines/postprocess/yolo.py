@@ -3,6 +3,10 @@
 Layouts (after the batch dimension, which must be 1):
 - `v5`: (N, 5+C) rows `[cx, cy, w, h, obj, cls_0..cls_C-1]`; score = obj * cls.
 - `v8` (also v11, same head): (4+C, N) channels-first `[cx, cy, w, h, cls...]`; no objectness.
+- `yolox`: (N, 5+C) rows of the raw YOLOX grid (an export with decode_in_inference off, e.g. ddddocr's
+  detector): `[tx, ty, tw, th, obj, cls...]` per anchor of each stride's grid, in order; decoded as YOLOX
+  does, `cx, cy = (tx, ty) + cell) * stride`, `w, h = exp(tw, th) * stride`, then scored as v5. The grids
+  come from the model input size and `strides` (default 8, 16, 32); never chosen by `auto`.
 
 `layout="auto"` reads the output shape (A, B). With `num_classes` set, the layout whose class count
 matches wins (v8: A == 4+C, v5: B == 5+C); if neither matches it is an error, and if both match
@@ -29,7 +33,7 @@ from engines.postprocess import POSTPROCESSORS
 from engines.postprocess.base import Detection, InferenceResult, PostprocessContext
 from engines.preprocess import FrameTransform
 
-Layout = Literal["v5", "v8"]
+Layout = Literal["v5", "v8", "yolox"]
 _TINY = np.finfo(np.float64).tiny  # union floor: two zero-area boxes get IoU 0, not NaN
 
 
@@ -38,9 +42,12 @@ class YoloParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    layout: Literal["auto", "v5", "v8"] = Field(
-        "auto", description="Output layout: v5 rows (N, 5+C), v8/v11 channels-first (4+C, N), or auto from the shape."
+    layout: Literal["auto", "v5", "v8", "yolox"] = Field(
+        "auto", description="Output layout: v5 rows (N, 5+C), v8/v11 channels-first (4+C, N), yolox raw grid rows "
+        "(N, 5+C), or auto from the shape (v5 or v8 only)."
     )
+    strides: list[int] = Field([8, 16, 32], min_length=1, max_length=8,
+                               description="yolox: the head's strides, in output order (P6 models: 8, 16, 32, 64).")
     conf_threshold: float = Field(0.25, ge=0, le=1, description="Boxes scoring below this are dropped before NMS.")
     iou_threshold: float = Field(0.45, ge=0, le=1, description="NMS suppresses a box whose IoU with a kept one exceeds this.")
     max_detections: int = Field(300, ge=1, le=100_000, description="Most boxes reported per frame.")
@@ -52,9 +59,9 @@ class YoloParams(BaseModel):
 def resolve_layout(shape: tuple[int, int], layout: str, num_classes: int | None) -> tuple[Layout, int]:
     """(layout, class count) for a batch-less output shape; ValueError says why it does not fit."""
     a, b = shape
-    fits: dict[Layout, int] = {"v8": a - 4, "v5": b - 5}
+    fits: dict[Layout, int] = {"v8": a - 4, "v5": b - 5, "yolox": b - 5}
     if layout == "auto":
-        possible = [k for k, c in fits.items() if c >= 1 and num_classes in (None, c)]
+        possible = [k for k, c in fits.items() if k != "yolox" and c >= 1 and num_classes in (None, c)]
         if not possible:
             wanted = "C" if num_classes is None else str(num_classes)
             raise ValueError(f"output {list(shape)} fits neither (4+{wanted}, N) nor (N, 5+{wanted})")
@@ -126,7 +133,7 @@ def candidates(
     pred: np.ndarray, layout: Layout, conf: float, max_candidates: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Boxes (x1y1x2y2 float64), scores and classes above `conf`, at most `max_candidates`, best first."""
-    xywh, scores, class_ids = (_scores_v5 if layout == "v5" else _scores_v8)(pred, conf)
+    xywh, scores, class_ids = (_scores_v8 if layout == "v8" else _scores_v5)(pred, conf)
     ok = (scores >= conf) & np.isfinite(scores) & np.isfinite(xywh).all(axis=1) & (xywh[:, 2:4] > 0).all(axis=1)
     xywh, scores, class_ids = xywh[ok], scores[ok], class_ids[ok]
     if len(scores) > max_candidates:
@@ -134,6 +141,25 @@ def candidates(
         xywh, scores, class_ids = xywh[top], scores[top], class_ids[top]
     order = np.lexsort((np.arange(len(scores)), -scores))
     return xywh_to_xyxy(xywh[order]), scores[order].astype(np.float64), class_ids[order]
+
+
+def yolox_grid(width: int, height: int, strides: list[int] | tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(cells, strides) for every anchor of a YOLOX head, in output order: (N, 2) cell x, y and (N, 1) stride."""
+    cells, scale = [], []
+    for stride in strides:
+        xs, ys = np.meshgrid(np.arange(width // stride), np.arange(height // stride))
+        cells.append(np.stack((xs, ys), axis=2).reshape(-1, 2))
+        scale.append(np.full((cells[-1].shape[0], 1), stride))
+    return np.concatenate(cells).astype(np.float32), np.concatenate(scale).astype(np.float32)
+
+
+def decode_yolox(pred: np.ndarray, cells: np.ndarray, strides: np.ndarray) -> np.ndarray:
+    """Raw grid rows to v5 rows (cx, cy, w, h in input pixels), as YOLOX's own demo_postprocess."""
+    out = pred.copy()
+    out[:, :2] = (pred[:, :2] + cells) * strides
+    with np.errstate(over="ignore"):  # a huge tw gives inf, which `candidates` drops as non-finite
+        out[:, 2:4] = np.exp(pred[:, 2:4]) * strides
+    return out
 
 
 def clip_to_frame(boxes: np.ndarray, transform: FrameTransform) -> np.ndarray:
@@ -153,6 +179,7 @@ class YoloPostprocessor:
         self.params = params
         self.context = context
         self._layouts: dict[tuple[int, int], tuple[Layout, int]] = {}
+        self._grid: tuple[np.ndarray, np.ndarray] | None = None
         if context.outputs:
             self._check_declared(context.outputs[0].shape)
 
@@ -189,12 +216,26 @@ class YoloPostprocessor:
         p = self.params
         pred = self._prediction(outputs[0])
         layout, _ = self._layout(pred.shape)  # type: ignore[arg-type]
+        if layout == "yolox":
+            pred = decode_yolox(pred, *self._yolox_grid(pred.shape[0]))
         boxes, scores, class_ids = candidates(pred, layout, p.conf_threshold, p.max_candidates)
         framed = clip_to_frame(transform.boxes_to_frame(boxes), transform)
         visible = (framed[:, 2] > framed[:, 0]) & (framed[:, 3] > framed[:, 1])
         boxes, scores, class_ids, framed = boxes[visible], scores[visible], class_ids[visible], framed[visible]
         keep = nms(boxes, scores, class_ids, p.iou_threshold, p.max_detections, p.class_agnostic)
         return InferenceResult("yolo", detections=[self._detection(framed[i], scores[i], int(class_ids[i])) for i in keep])
+
+    def _yolox_grid(self, anchors: int) -> tuple[np.ndarray, np.ndarray]:
+        """The grid for the model input size, built once; a head whose anchor count does not match is an error."""
+        if self._grid is None:
+            if self.context.input_size is None:
+                raise ModelError("yolo: layout yolox needs the model input size", code="MODEL_SHAPE_MISMATCH")
+            self._grid = yolox_grid(*self.context.input_size, self.params.strides)
+        if self._grid[0].shape[0] != anchors:
+            width, height = self.context.input_size or (0, 0)
+            raise InferenceError(f"yolo: a yolox head at {width}x{height} with strides {self.params.strides} has "
+                                 f"{self._grid[0].shape[0]} anchors, the output has {anchors}")
+        return self._grid
 
     def _detection(self, box: np.ndarray, score: float, class_id: int) -> Detection:
         """One Detection with its label."""
