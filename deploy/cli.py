@@ -66,6 +66,8 @@ def package(
     color: Optional[str] = typer.Option(None, "--color", help="Channel order the model expects: rgb or bgr."),
     mean: Optional[str] = typer.Option(None, "--mean", help="Per-channel mean after scaling to 0..1: a,b,c."),
     std: Optional[str] = typer.Option(None, "--std", help="Per-channel std: a,b,c."),
+    scale: Optional[float] = typer.Option(None, "--scale", min=1e-9, help="Multiplier on 0..255 pixels before mean "
+                                          "and std (default 1/255; 1 for models that take 0..255, e.g. YOLOX)."),
     layout: Optional[str] = typer.Option(None, "--layout", help="nchw or nhwc."),
     resize: Optional[str] = typer.Option(None, "--resize", help="stretch or letterbox."),
     postprocess: str = typer.Option("raw", "--postprocess", help="Postprocessor: classification, yolo, db_text, raw."),
@@ -94,7 +96,7 @@ def package(
     def body() -> Any:
         opts = PackageOptions(
             model=model, name=name, version=version_, out=out, key=key, unsigned=unsigned, precision=precision,
-            calibration=calibration, validation=validation, synthetic_validation=synthetic_validation, preprocess=_preprocess_options(input_size, color, mean, std, layout, resize),
+            calibration=calibration, validation=validation, synthetic_validation=synthetic_validation, preprocess=_preprocess_options(input_size, color, mean, std, layout, resize, scale),
             postprocess=postprocess, params=list(param), labels=labels, latency_budget_ms=latency_budget_ms,
             min_accuracy=min_accuracy, min_fps=min_fps, description=description, force=force, variants=list(variant),
             variants_json=variants_json,
@@ -108,12 +110,13 @@ def package(
 
 
 def _preprocess_options(
-    input_size: str | None, color: str | None, mean: str | None, std: str | None, layout: str | None, resize: str | None
+    input_size: str | None, color: str | None, mean: str | None, std: str | None, layout: str | None, resize: str | None,
+    scale: float | None = None,
 ) -> dict[str, Any]:
     """Only the options given, so the schema's defaults apply to the rest."""
     from deploy.package import parse_size, parse_triplet
 
-    fields: dict[str, Any] = {"color": color, "layout": layout, "resize": resize}
+    fields: dict[str, Any] = {"color": color, "layout": layout, "resize": resize, "scale": scale}
     if input_size:
         fields["width"], fields["height"] = parse_size(input_size)
     if mean:

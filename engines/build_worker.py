@@ -209,13 +209,10 @@ def _rewrite(model: Path, out: Path, report: dict[str, Any]) -> Path:
 
 
 def to_fp16(model: Path, out: Path) -> Path:
-    """FP16 weights and activations, FP32 inputs/outputs (the preprocessor keeps writing float32)."""
-    import onnx
-    from onnxruntime.transformers.float16 import convert_float_to_float16
+    """FP16 weights and activations, FP32 inputs/outputs (engines.fp16: one block list for every path)."""
+    from engines.fp16 import to_fp16_file
 
-    converted = convert_float_to_float16(onnx.load(str(model)), keep_io_types=True)
-    onnx.save(converted, str(out))
-    return out
+    return to_fp16_file(model, out)
 
 
 def _optimize(model: Path, out: Path, providers: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> None:

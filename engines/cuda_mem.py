@@ -261,10 +261,14 @@ class CudaPythonMemory:
     def end_capture(self, stream: Any) -> Any:
         """Stop recording and instantiate; returns (graph, executable graph)."""
         graph = self._call("cudaStreamEndCapture", self.rt.cudaStreamEndCapture(stream))
-        if hasattr(self.rt, "cudaGraphInstantiateWithFlags"):
-            exe = self._call("cudaGraphInstantiate", self.rt.cudaGraphInstantiateWithFlags(graph, 0))
-        else:
-            exe = self._call("cudaGraphInstantiate", self.rt.cudaGraphInstantiate(graph, 0))
+        try:
+            if hasattr(self.rt, "cudaGraphInstantiateWithFlags"):
+                exe = self._call("cudaGraphInstantiate", self.rt.cudaGraphInstantiateWithFlags(graph, 0))
+            else:
+                exe = self._call("cudaGraphInstantiate", self.rt.cudaGraphInstantiate(graph, 0))
+        except CudaError:
+            self.rt.cudaGraphDestroy(graph)  # the captured graph is ours until an executable owns a copy of it
+            raise
         return graph, exe
 
     def launch_graph(self, graph: Any, stream: Any) -> None:

@@ -39,6 +39,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from engines import fp16
 from engines.errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,6 @@ __all__ = ["TRT_RECIPE", "TrtQuantRecipe", "TrtQuantReport", "check_trt_qdq", "q
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
 #: FP16's smallest normal number: lower Q/DQ scales lose their precision or become 0 in FP16.
 FP16_MIN_SCALE = 2.0 ** -14
-#: Ops kept FP32 in an FP16-typed model (their FP16 accumulation overflows on large feature maps).
-FP32_OPS = ("GlobalAveragePool", "ReduceMean", "ReduceSum", "ReduceL2", "Softmax")
 
 
 @dataclass(frozen=True)
@@ -234,18 +233,12 @@ def _clamp_scales(model: onnx.ModelProto, floor: float) -> int:
 
 
 def to_fp16_typed(model: onnx.ModelProto) -> onnx.ModelProto:
-    """FP16 everywhere a strongly typed TensorRT would otherwise compute FP32; FP32 graph I/O via casts."""
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-
+    """FP16 everywhere a strongly typed TensorRT would otherwise compute FP32; FP32 graph I/O via casts
+    (engines.fp16, whose block list every FP16 path shares)."""
     if _opset(model) < 19:
         raise ModelError(f"FP16 Q/DQ scales need opset 19, the model has {_opset(model)}")
     _clamp_scales(model, FP16_MIN_SCALE)
-    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST
-
-    # Reductions over a whole feature map overflow FP16 sums (GlobalAveragePool over 240x320 on the
-    # demo model: IoU 0.44 in FP16); they stay FP32 between casts, as ModelOpt's AutoCast keeps them.
-    blocked = [*DEFAULT_OP_BLOCK_LIST, *FP32_OPS]
-    return convert_float_to_float16(model, keep_io_types=True, op_block_list=blocked)
+    return fp16.to_fp16(model)
 
 
 # ------------------------------------------------------------------------------------- checking
@@ -256,11 +249,16 @@ def check_trt_qdq(model: onnx.ModelProto, op_types: Iterable[str] = TRT_RECIPE.o
     """Every way `model` departs from the TensorRT recipe, as messages (empty: conforms)."""
     inits = {t.name: t for t in model.graph.initializer}
     producers = {o: n for n in model.graph.node for o in n.output}
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for n in model.graph.node:
+        for i, name in enumerate(n.input):
+            consumers.setdefault(name, []).append((n, i))
     allowed = set(op_types)
     problems: list[str] = []
     for node in model.graph.node:
         if node.op_type in _QDQ:
-            problems += _check_qdq_node(node, inits)
+            rank = _weight_rank(node, producers, inits)
+            problems += _check_qdq_node(node, inits, _weight_axes(node, consumers, rank), rank)
         if node.op_type == "DequantizeLinear":
             problems += _check_dq_consumers(node, model, allowed)
         if node.op_type in ("Conv", "Gemm") and len(node.input) > 2 and node.input[2] in producers \
@@ -271,7 +269,43 @@ def check_trt_qdq(model: onnx.ModelProto, op_types: Iterable[str] = TRT_RECIPE.o
     return problems
 
 
-def _check_qdq_node(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> list[str]:
+def output_channel_axis(op: onnx.NodeProto, input_index: int, rank: int) -> int | None:
+    """The axis of a weight (input `input_index` of `op`) that holds the op's output channels: where a
+    per-channel scale belongs. Conv [Cout, Cin, k...]: 0; Gemm B: 0 with transB=1 ([N, K]), 1 without ([K, N]);
+    MatMul B [..., K, N]: the last; ConvTranspose [Cin, Cout/g, k...]: 1. None when the input is not a weight."""
+    if op.op_type == "Conv" and input_index == 1:
+        return 0
+    if op.op_type == "ConvTranspose" and input_index == 1:
+        return 1
+    if op.op_type == "Gemm" and input_index == 1:
+        trans_b = next((int(a.i) for a in op.attribute if a.name == "transB"), 0)
+        return 0 if trans_b else 1
+    if op.op_type == "MatMul" and input_index == 1:
+        return rank - 1
+    return None
+
+
+def _weight_rank(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto], inits: dict[str, onnx.TensorProto]) -> int | None:
+    """The rank of the constant weight a Q/DQ node quantizes (a DQ's through its Q), None for an activation."""
+    source = node.input[0] if node.input else ""
+    if source not in inits and source in producers and producers[source].op_type == "QuantizeLinear":
+        source = producers[source].input[0]
+    return len(inits[source].dims) if source in inits else None
+
+
+def _weight_axes(node: onnx.NodeProto, consumers: dict[str, list[tuple[onnx.NodeProto, int]]],
+                 rank: int | None) -> set[int]:
+    """The output-channel axes the ops fed by this Q/DQ node's weight expect (a Q feeds its DQ first)."""
+    if rank is None:
+        return set()
+    users = consumers.get(node.output[0], [])
+    if node.op_type == "QuantizeLinear":
+        users = [u for dq, _ in users if dq.op_type == "DequantizeLinear" for u in consumers.get(dq.output[0], [])]
+    return {axis for op, index in users if (axis := output_channel_axis(op, index, rank)) is not None}
+
+
+def _check_qdq_node(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], weight_axes: set[int] | None = None,
+                    rank: int | None = None) -> list[str]:
     name = node.name or node.output[0]
     if len(node.input) < 3 or node.input[2] not in inits:
         return [f"{name}: no constant zero point"]
@@ -282,8 +316,13 @@ def _check_qdq_node(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) ->
     if np.any(numpy_helper.to_array(zp) != 0):
         problems.append(f"{name}: non-zero zero point")
     scale = inits.get(node.input[1])
-    if scale is not None and numpy_helper.to_array(scale).size > 1 and _axis(node) != 0:
-        problems.append(f"{name}: per-channel scale on axis {_axis(node)}, not 0")
+    if scale is not None and numpy_helper.to_array(scale).size > 1:
+        axis, wanted = _axis(node), weight_axes or {0}
+        if rank is not None and axis < 0:
+            axis += rank
+        if axis not in wanted:
+            problems.append(f"{name}: per-channel scale on axis {axis}, not the output channels' "
+                            f"({', '.join(map(str, sorted(wanted)))})")
     return problems
 
 

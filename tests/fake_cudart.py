@@ -20,6 +20,7 @@ import pytest
 
 class cudaError_t(enum.IntEnum):  # noqa: N801  (cuda-python's name)
     cudaSuccess = 0
+    cudaErrorInvalidValue = 1
     cudaErrorInsufficientDriver = 35
     cudaErrorNoDevice = 100
     cudaErrorStreamCaptureInvalidated = 901
@@ -57,7 +58,50 @@ def fake_cudart(built_for: int = 12060, driver: int = 12060, gpus: int = 1) -> t
         return (err,)
 
     rt.cudaGetLastError = get_last_error
+    _install_graphs(rt)
     return rt
+
+
+def _install_graphs(rt: types.ModuleType) -> None:
+    """Streams, capture and graphs, with the objects still alive in `live_streams`, `live_graphs`, `live_execs`
+    (leak checks), and `instantiate_error` to make cudaGraphInstantiate* fail."""
+    ok = cudaError_t.cudaSuccess
+    rt.live_streams, rt.live_graphs, rt.live_execs = set(), set(), set()
+    rt.instantiate_error = ok
+    rt.cudaStreamNonBlocking = 1
+    rt.cudaStreamCaptureMode = types.SimpleNamespace(cudaStreamCaptureModeThreadLocal=1)
+
+    def create_stream(flags: int) -> tuple:
+        stream = object()
+        rt.live_streams.add(id(stream))
+        return (ok, stream)
+
+    def destroy(live: set) -> Any:
+        def release(handle: Any) -> tuple:
+            live.remove(id(handle))
+            return (ok,)
+        return release
+
+    def end_capture(stream: Any) -> tuple:
+        graph = object()
+        rt.live_graphs.add(id(graph))
+        return (ok, graph)
+
+    def instantiate(graph: Any, flags: int) -> tuple:
+        if rt.instantiate_error != ok:
+            return (rt.instantiate_error, None)
+        exe = object()
+        rt.live_execs.add(id(exe))
+        return (ok, exe)
+
+    rt.cudaStreamCreateWithFlags = create_stream
+    rt.cudaStreamDestroy = destroy(rt.live_streams)
+    rt.cudaStreamBeginCapture = lambda stream, mode: (ok,)
+    rt.cudaStreamEndCapture = end_capture
+    rt.cudaGraphInstantiateWithFlags = instantiate
+    rt.cudaGraphLaunch = lambda exe, stream: (ok,)
+    rt.cudaGraphExecDestroy = destroy(rt.live_execs)
+    rt.cudaGraphDestroy = destroy(rt.live_graphs)
 
 
 def install_cudart(monkeypatch: pytest.MonkeyPatch, rt: types.ModuleType | None) -> None:

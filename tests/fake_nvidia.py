@@ -28,7 +28,12 @@ import numpy as np
 from engines.cuda_mem import CudaError, DeviceBuffer
 
 class FakeCudaMemory:
-    """Host memory posing as device memory; stream work runs at once, or is recorded while capturing."""
+    """Host memory posing as device memory; stream work runs at once, or is recorded while capturing.
+
+    A captured graph remembers the shape generation of every TensorRT context enqueued into it; replayed
+    after one of those contexts changed its input shapes, it computes with stale state, as the real one
+    does (silently: the outputs are garbage, and `stale_replays` counts it). `live()` counts what is
+    allocated and not freed (buffers, pinned arrays, streams, events, graphs), for leak checks."""
 
     name = "fake"
 
@@ -37,15 +42,32 @@ class FakeCudaMemory:
         self.corrupt_replay = corrupt_replay
         self._buffers: dict[int, Any] = {}
         self._capture: list[Callable[[], None]] | None = None
+        self._captured_contexts: list[tuple[Any, int]] = []
+        self._pinned: dict[int, np.ndarray] = {}
+        self._streams: set[int] = set()
+        self._events: set[int] = set()
+        self._graphs: set[int] = set()
         self.launches = 0
+        self.stale_replays = 0
         self.closed = False
 
-    def enqueue(self, op: Callable[[], None]) -> None:
-        """Run now, or record into the graph being captured."""
+    @property
+    def capturing(self) -> bool:
+        return self._capture is not None
+
+    def enqueue(self, op: Callable[[], None], context: Any = None) -> None:
+        """Run now, or record into the graph being captured (with the enqueuing context's shape generation)."""
         if self._capture is not None:
             self._capture.append(op)
+            if context is not None:
+                self._captured_contexts.append((context, context._generation))
         else:
             op()
+
+    def live(self) -> dict[str, int]:
+        """What is allocated and not released, by kind (all zero after a clean close)."""
+        return {"buffers": len(self._buffers), "pinned": len(self._pinned), "streams": len(self._streams),
+                "events": len(self._events), "graphs": len(self._graphs)}
 
     def malloc(self, nbytes: int) -> DeviceBuffer:
         if nbytes > 1 << 40:
@@ -58,16 +80,20 @@ class FakeCudaMemory:
         del self._buffers[buffer.ptr]
 
     def pinned_empty(self, shape: Any, dtype: Any) -> np.ndarray:
-        return np.zeros(tuple(shape), np.dtype(dtype))
+        array = np.zeros(tuple(shape), np.dtype(dtype))
+        self._pinned[id(array)] = array
+        return array
 
     def free_pinned(self, array: np.ndarray) -> None:
-        pass
+        del self._pinned[id(array)]
 
     def create_stream(self) -> Any:
-        return object()
+        stream = object()
+        self._streams.add(id(stream))
+        return stream
 
     def destroy_stream(self, stream: Any) -> None:
-        pass
+        self._streams.remove(id(stream))
 
     def stream_handle(self, stream: Any) -> int:
         return id(stream)
@@ -82,7 +108,9 @@ class FakeCudaMemory:
         pass
 
     def create_event(self) -> Any:
-        return [0.0]
+        event = [0.0]
+        self._events.add(id(event))
+        return event
 
     def record_event(self, event: Any, stream: Any) -> None:
         event[0] = time.perf_counter()
@@ -94,28 +122,33 @@ class FakeCudaMemory:
         return (end[0] - start[0]) * 1e3
 
     def destroy_event(self, event: Any) -> None:
-        pass
+        self._events.remove(id(event))
 
     def mem_get_info(self) -> tuple[int, int]:
         return 6 << 30, 8 << 30
 
     def begin_capture(self, stream: Any) -> None:
-        self._capture = []
+        self._capture, self._captured_contexts = [], []
 
     def end_capture(self, stream: Any) -> Any:
         ops, self._capture = self._capture or [], None
-        return ("graph", ops)
+        graph = ("graph", ops, tuple(self._captured_contexts))
+        self._graphs.add(id(graph))
+        return graph
 
     def launch_graph(self, graph: Any, stream: Any) -> None:
+        assert id(graph) in self._graphs, "replay of a destroyed graph"
         self.launches += 1
         for op in graph[1]:
             op()
-        if self.corrupt_replay:
+        stale = any(context._generation != generation for context, generation in graph[2])
+        self.stale_replays += int(stale)
+        if self.corrupt_replay or stale:
             for buf in self._buffers.values():
                 ctypes.memset(buf, 0x7F, 4)
 
     def destroy_graph(self, graph: Any) -> None:
-        pass
+        self._graphs.remove(id(graph))
 
     def close(self) -> None:
         self.closed = True
@@ -519,6 +552,13 @@ class _Engine(_Guarded):
 
 
 class _Context(_Guarded):
+    """An execution context with shape state. Follows TensorRT's rule for CUDA graphs (developer guide,
+    "CUDA Graphs"; trtexec in samples/common/sampleInference.cpp at v10.3.0 enqueues once after setting
+    shapes, then captures, and never changes a captured context's shapes): after `set_input_shape` changes
+    a shape, the next enqueue must be a plain one; an enqueue under capture before it fails (False), and a
+    graph captured before the change replays stale (FakeCudaMemory.launch_graph). `execute_async_v3`
+    reads the bound addresses when it is enqueued, as the real one does."""
+
     API = "IExecutionContext"
 
     def __init__(self, ctx: _Ctx) -> None:
@@ -526,10 +566,15 @@ class _Context(_Guarded):
         self._cuda = ctx.cuda
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._addresses: dict[str, int] = {}
+        self._generation = 0  # bumped by every shape change
+        self._needs_enqueue = False  # a shape changed and no plain enqueue followed yet
 
     def set_input_shape(self, name: str, shape: tuple[int, ...]) -> bool:
         if len(shape) != 4 or tuple(shape[1:]) != (3, 4, 4):
             return False
+        if self._shapes.get(name) != tuple(shape):
+            self._generation += 1
+            self._needs_enqueue = True
         self._shapes[name] = self._shapes["y"] = tuple(shape)
         return True
 
@@ -541,6 +586,10 @@ class _Context(_Guarded):
         return True
 
     def execute_async_v3(self, stream_handle: int) -> bool:
+        assert self._cuda is not None
+        if self._cuda.capturing and self._needs_enqueue:
+            return False  # capture right after a shape change: TensorRT's deferred shape work cannot be captured
+        self._needs_enqueue = False
         count = int(np.prod(self._shapes["x"]))
         src, dst = self._addresses["x"], self._addresses["y"]
 
@@ -549,8 +598,7 @@ class _Context(_Guarded):
             y = np.ctypeslib.as_array((ctypes.c_float * count).from_address(dst))
             y[:] = 2 * x + 1
 
-        assert self._cuda is not None
-        self._cuda.enqueue(compute)
+        self._cuda.enqueue(compute, self)
         return True
 
 

@@ -205,6 +205,32 @@ def test_precision_follows_the_features_of_each_tensorrt(no_gpu, tmp_path: Path,
     assert trt._record["opt_level"] == (OPT_LEVEL if has_level else 3)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_a_tensorrt_without_the_strongly_typed_flag_still_builds_strongly_typed(no_gpu, tmp_path: Path,
+                                                                                precision: str) -> None:
+    """11.0 deprecated NetworkDefinitionCreationFlag.STRONGLY_TYPED (always on, ignored: NvInfer.h at v11.1);
+    a release that drops it must still build FP16 and INT8 from the ONNX's types, with no creation flags."""
+    import copy
+
+    import tests.fake_nvidia as fake
+
+    table = copy.deepcopy(load_api("11.1.0").data)
+    members = table["enums"]["NetworkDefinitionCreationFlag"]["members"]
+    members.pop("STRONGLY_TYPED") if isinstance(members, dict) else members.remove("STRONGLY_TYPED")
+    table["version"] = "12.0.0"
+    trt = fake_tensorrt("11.1.0")
+    without = fake.FakeTensorRT(fake.ApiTable(table))
+    for name in dir(trt):  # the 11.1 fake, re-homed on the table without the flag
+        if not name.startswith("__"):
+            setattr(without, name, getattr(trt, name))
+    without._api = fake.ApiTable(table)
+    without.NetworkDefinitionCreationFlag = fake._enum(without._api, "NetworkDefinitionCreationFlag")
+    report = {"notes": []}
+    plan = tb.build_serialized(without, tmp_path / "m.onnx", _spec(precision), None, lambda *a, **k: None, report)
+    assert plan.startswith(b"PLAN") and report["precision_mode"] == "strongly-typed"
+    assert trt._record["network_flags"] == 0 and trt._record["set_flags"] == []
+
+
 @pytest.mark.parametrize("version", api_versions())
 def test_parser_errors_name_the_node_and_operator(no_gpu, tmp_path: Path, version: str) -> None:
     # ParserError.node_name/node_operator arrived in 10.0; before that only the node index exists.

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -71,6 +72,33 @@ def test_tensorrt_and_cuda_binding_agree_on_the_cuda_major(extra: str) -> None:
 def test_the_tensorrt_extra_is_a_cuda_12_pair() -> None:
     # docs/engines.md promises the x86-64 extra on a 12.x driver (tensorrt-cu12 starts at 10.0.1)
     assert cuda_majors(extras()["tensorrt"]) == {"tensorrt": {12}, "cuda-python": {12}}
+
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def newest_table(directory: str) -> Version:
+    """The newest release we hold an API table for (file stems `11.1.0`, `cuda-bindings-13.5.0`)."""
+    return max(Version(p.stem.rsplit("-", 1)[-1]) for p in (DATA / directory).glob("*.json"))
+
+
+def admitted(req: Requirement, majors: range) -> list[Version]:
+    """Releases (every major.minor.0 of `majors`, minors 0-30) the requirement lets pip install."""
+    return [Version(f"{m}.{n}.0") for m in majors for n in range(31) if req.specifier.contains(f"{m}.{n}.0")]
+
+
+@pytest.mark.parametrize("extra", sorted(extras()))
+def test_every_nvidia_pin_stops_at_the_newest_release_with_an_api_table(extra: str) -> None:
+    tables = {"tensorrt": newest_table("tensorrt_api"), "cuda-python": newest_table("cuda_api")}
+    for req in extras()[extra]:
+        name = canonicalize_name(req.name)
+        kind = "tensorrt" if TRT_CU.match(name) else name if name in tables else None
+        if kind is None:
+            continue
+        newest = tables[kind]
+        beyond = [v for v in admitted(req, range(8, 20)) if (v.major, v.minor) > (newest.major, newest.minor)]
+        assert not beyond, (f"[{extra}] {req} admits {beyond[0]}, newer than the newest {kind} API table ({newest}): "
+                            "cap the pin, or add that release's table (scripts/extract_*_api.py)")
 
 
 def test_the_major_probe_reads_specifiers() -> None:

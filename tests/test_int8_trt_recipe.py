@@ -234,3 +234,85 @@ def test_fp16_onnx_for_strongly_typed_tensorrt_folds_batchnorm_first(monkeypatch
     x = _inputs(1, (1, 3, 16, 16))[0]
     ref, got = _run(fp32, {"x": x}), _run(fp16, {"x": x})
     np.testing.assert_allclose(got, ref, rtol=0.02, atol=0.02 * float(np.abs(ref).max()))
+
+
+# --- per-channel axes: the output channels of each op's weight (issue 22) ----------------------
+
+
+def _matmul_head_model(path: Path, gemm: bool = False) -> Path:
+    """conv -> relu -> flatten -> a constant-weight MatMul (or Gemm without transB) head: weights [K, N],
+    whose output channels are axis 1 (ONNX Runtime's QDQ quantizer puts the per-channel scale there)."""
+    rng = np.random.default_rng(5)
+    head = (helper.make_node("Gemm", ["f", "wh", "bh"], ["y"]) if gemm
+            else helper.make_node("MatMul", ["f", "wh"], ["y"]))
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]), helper.make_node("Flatten", ["r1"], ["f"]), head]
+    inits = [_init("w1", rng.normal(0, 0.3, (4, 3, 3, 3))), _init("b1", rng.normal(0, 0.1, 4)),
+             _init("wh", rng.normal(0, 0.05, (4 * 8 * 8, 10)) * np.linspace(0.1, 3.0, 10)), _init("bh", np.zeros(10))]
+    graph = helper.make_graph(nodes, "matmul_head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])], inits)
+    return _save(graph, path)
+
+
+@pytest.mark.parametrize("gemm", [False, True], ids=["matmul", "gemm-transB0"])
+def test_a_matmul_head_quantizes_for_tensorrt_with_its_scale_on_the_output_channels(tmp_path: Path, gemm: bool) -> None:
+    fp32 = _matmul_head_model(tmp_path / "m.onnx", gemm)
+    out = tmp_path / "m.trt.onnx"
+    calibration = [np.random.default_rng(i).normal(0, 1, (1, 3, 8, 8)).astype(np.float32) for i in range(8)]
+    report = quantize_int8_trt(fp32, out, calibration)  # was: "breaks the recipe: per-channel scale on axis 1, not 0"
+    model = onnx.load(str(out))
+    assert check_trt_qdq(model) == [] and report.quantized_ops == {"Conv": 1, "Gemm" if gemm else "MatMul": 1}
+    axes = {n.input[0]: next((a.i for a in n.attribute if a.name == "axis"), 1) for n in model.graph.node
+            if n.op_type == "QuantizeLinear" and n.input[0] in ("w1", "wh")}
+    assert axes == {"w1": 0, "wh": 1}
+    for x in calibration[:3]:
+        ref, got = _run(fp32, {"x": x}), _run(out, {"x": x})
+        assert np.corrcoef(ref.ravel(), got.ravel())[0, 1] > 0.99
+
+
+def test_the_checker_refuses_a_conv_weight_scaled_across_its_input_channels(tmp_path: Path) -> None:
+    out = tmp_path / "m.trt.onnx"
+    quantize_int8_trt(_residual_model(tmp_path / "m.onnx"), out, _inputs(4))
+    model = onnx.load(str(out))
+    inits = _inits(model)
+    q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "w2")
+    scale = numpy_helper.to_array(inits[q.input[1]])
+    for node in model.graph.node:  # both halves of the pair say axis 1 (w2's input channels), 8 scales as before
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear") and node.input[1] == q.input[1]:
+            del node.attribute[:]
+            node.attribute.append(helper.make_attribute("axis", 1))
+    assert scale.size == 8
+    problems = " | ".join(check_trt_qdq(model))
+    assert "per-channel scale on axis 1, not the output channels' (0)" in problems
+
+
+def test_every_fp16_path_keeps_the_same_reductions_in_fp32(tmp_path: Path) -> None:
+    """ONNX Runtime fp16 and TensorRT 11's FP16 ONNX (build_worker.to_fp16) and the FP16-typed INT8 model
+    (quantize_trt.to_fp16_typed) share engines.fp16's block list: a GlobalAveragePool stays FP32 in each."""
+    from engines.build_worker import to_fp16
+    from engines.fp16 import FP32_OPS, block_list
+
+    rng = np.random.default_rng(1)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[1, 1]),
+             helper.make_node("GlobalAveragePool", ["c"], ["y"])]
+    graph = helper.make_graph(nodes, "gap", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 1, 1])],
+                              [_init("w", rng.normal(0, 1, (4, 3, 1, 1)))])
+    fp32 = _save(graph, tmp_path / "gap.onnx")
+    assert set(FP32_OPS) <= set(block_list())
+
+    def gap_input_type(model: onnx.ModelProto) -> int:
+        inferred = onnx.shape_inference.infer_shapes(model)
+        types = {vi.name: vi.type.tensor_type.elem_type for vi in [*inferred.graph.value_info, *inferred.graph.input]}
+        gap = next(n for n in inferred.graph.node if n.op_type == "GlobalAveragePool")
+        return types[gap.input[0]]
+
+    converted = onnx.load(str(to_fp16(fp32, tmp_path / "gap16.onnx")))
+    assert any(n.op_type == "Cast" for n in converted.graph.node) and gap_input_type(converted) == TensorProto.FLOAT
+    qdq = tmp_path / "gap.qdq.onnx"
+    quantize_int8_trt(fp32, qdq, _inputs_for(8, (1, 3, 8, 8)), recipe=FP16)
+    assert gap_input_type(onnx.load(str(qdq))) == TensorProto.FLOAT
+
+
+def _inputs_for(count: int, shape: tuple[int, ...]) -> list[np.ndarray]:
+    return [np.random.default_rng(i).normal(0, 1, shape).astype(np.float32) for i in range(count)]

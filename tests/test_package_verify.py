@@ -122,7 +122,8 @@ def test_cli_package_and_verify_all_options(tmp_path: Path, key: KeyInfo) -> Non
             "--input-size", "8x8", "--color", "bgr", "--mean", "0.5,0.5,0.5", "--std", "0.25,0.25,0.25",
             "--layout", "nhwc", "--resize", "letterbox", "--postprocess", "classification", "--param", "top_k=1",
             "--labels", str(tmp_path / "labels.json"), "--latency-budget-ms", "12.5", "--min-accuracy", "0.9",
-            "--min-fps", "7.5", "--key", str(key.private), "-o", str(tmp_path / "out")]  # fmt: skip
+            "--min-fps", "7.5", "--scale", "1", "--synthetic-validation", "--key", str(key.private),
+            "-o", str(tmp_path / "out")]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     manifest = Manifest.model_validate_json((tmp_path / "out" / "manifest.json").read_bytes())
@@ -130,7 +131,7 @@ def test_cli_package_and_verify_all_options(tmp_path: Path, key: KeyInfo) -> Non
     assert manifest.preprocess.color == "bgr" and manifest.preprocess.layout == "nhwc"
     assert manifest.preprocess.std == (0.25, 0.25, 0.25) and manifest.preprocess.resize == "letterbox"
     assert manifest.gates.latency_budget_ms == 12.5 and manifest.gates.min_accuracy == 0.9
-    assert manifest.gates.min_fps == 7.5
+    assert manifest.gates.min_fps == 7.5 and manifest.preprocess.scale == 1.0 and manifest.gates.synthetic_frames
     assert manifest.postprocess.params == {"top_k": 1} and manifest.labels == ["x", "y"]
     assert len(manifest.files) == 4
     verified = runner.invoke(app, ["verify", str(tmp_path / "out"), "--trust", str(key.public), "--json"])

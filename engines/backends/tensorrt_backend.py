@@ -16,9 +16,15 @@ deserialized with `Runtime.DLA_core = N` (TensorRT's default is core 0); a core 
 report is ENGINE_DLA_UNAVAILABLE.
 
 Batching: a plan built with a batch profile (min 1, opt = max = `max_size`) and loaded with
-`EngineOptions.max_batch > 1` gets buffers for the largest batch; `infer` on `[N, C, H, W]` sets the
-input shape for N (only when N changes) and uses the first N rows. With CUDA graphs on, each batch size
-in use gets its own captured graph (captured on its first use, kept only if it reproduces a plain run).
+`EngineOptions.max_batch > 1` gets buffers for the largest batch; `infer` on `[N, C, H, W]` uses the first
+N rows. With CUDA graphs on, each batch size in use gets its own execution context, created on its first
+use with its input shape set once and the shared buffers bound, and its own graph captured from that
+context. A captured graph holds the shapes its context had; TensorRT needs an enqueue after every input
+shape change, and a graph replayed after its context's shape changed computes with stale state (TensorRT
+developer guide, "CUDA Graphs"; trtexec captures once per context and never changes its shapes:
+samples/common/sampleInference.cpp at v10.3.0). So no context's shape changes after its capture. The cost
+is one context's activation memory per batch size in use (at most max_batch of them). Without graphs one
+context serves every size: its shape is set when N changes and the plain enqueue that follows is valid.
 
 This module imports when tensorrt and a CUDA binding import; whether they really run on this device
 (driver, GPU, memory) is `engines.doctor`'s question, which `auto` backend selection asks.
@@ -83,6 +89,7 @@ class TrtEngine:
         self._bindings: list[_Binding] = []
         self._graph: Any = None
         self._graphs: dict[int, Any] = {}  # batch size -> captured graph
+        self._contexts: dict[int, Any] = {}  # batch size -> its own execution context (batched, with CUDA graphs)
         self.graph_statuses: dict[int, str] = {}
         self.max_batch = 1
         self._batch = 1
@@ -116,8 +123,15 @@ class TrtEngine:
         self.inputs = [b.spec(batched) for b in self._bindings if b.is_input]
         self.outputs = [b.spec(batched) for b in self._bindings if not b.is_input]
         if batched:
+            if self._per_size_contexts():
+                self._contexts[self.max_batch] = self._context  # _bind set it up for the largest batch
             self._set_batch(1)
         self.graph_status = self._graph_for_batch()
+
+    def _per_size_contexts(self) -> bool:
+        """True when each batch size gets its own context: batched and graphs can be captured here."""
+        return (self.max_batch > 1 and self._cuda_graphs and self.cuda is not None and self.cuda.supports_graphs
+                and not graph_capture_blocker(trt))
 
     def _bind(self, static_shapes: dict[str, tuple[int, ...]], max_batch: int = 1) -> None:
         """Resolve every I/O tensor's shape (dynamic inputs from `static_shapes` or profile 0's opt); with
@@ -155,14 +169,32 @@ class TrtEngine:
         return max(1, limit)
 
     def _set_batch(self, n: int) -> None:
-        """Input shapes for a batch of `n`; the bindings then view that many rows."""
-        for name, base in self._base_shapes.items():
-            if not self._context.set_input_shape(name, (n, *base[1:])):
-                raise BatchSizeError(f"{self.path.name}: input {name} rejects a batch of {n}")
+        """The context for a batch of `n` (its own, or the one context with its shapes set to `n`); the
+        bindings then view that many rows."""
+        if self._per_size_contexts():
+            context = self._contexts.get(n)
+            if context is None:
+                context = self._engine.create_execution_context()
+                if context is None:  # TensorRT returns None when it cannot allocate the context's memory
+                    raise InferenceError(f"{self.path.name}: no execution context for a batch of {n} "
+                                         "(out of device memory?)")
+                self._shape_context(context, n)
+                for b in self._bindings:  # every size reads and writes the same buffers
+                    context.set_tensor_address(b.name, b.device.ptr)
+                self._contexts[n] = context
+        else:
+            context = self._context
+            self._shape_context(context, n)
         for b in self._bindings:
-            b.set_active(tuple(self._context.get_tensor_shape(b.name)))
+            b.set_active(tuple(context.get_tensor_shape(b.name)))
+        self._context = context
         self._batch = n
         self._graph = self._graphs.get(n)
+
+    def _shape_context(self, context: Any, n: int) -> None:
+        for name, base in self._base_shapes.items():
+            if not context.set_input_shape(name, (n, *base[1:])):
+                raise BatchSizeError(f"{self.path.name}: input {name} rejects a batch of {n}")
 
     def _graph_for_batch(self) -> str:
         """Capture (once) the graph of the current batch size; the status of that size."""
@@ -284,6 +316,7 @@ class TrtEngine:
             "backend": self.backend, "backend_version": trt.__version__, "precision": self.precision,
             "cuda_memory": self.cuda_name, "cuda_graph": self._graph is not None, "cuda_graph_status": self.graph_status,
             "max_batch": self.max_batch, "cuda_graphs": {str(n): s for n, s in sorted(self.graph_statuses.items())},
+            "contexts": sorted(self._contexts) or [self._batch],
             "device": "gpu" if self.dla_core is None else f"dla:{self.dla_core}",
             "inputs": [i.to_dict() for i in self.inputs], "outputs": [o.to_dict() for o in self.outputs],
         }
@@ -298,7 +331,8 @@ class TrtEngine:
         self._bindings = []
         if self._stream is not None:
             self.cuda.destroy_stream(self._stream)
-        self._context = self._engine = self._stream = None  # context before engine, as TensorRT requires
+        self._contexts = {}
+        self._context = self._engine = self._stream = None  # contexts before the engine, as TensorRT requires
         self.cuda.close()
         self.cuda = None
 

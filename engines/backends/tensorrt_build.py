@@ -71,9 +71,11 @@ def build_serialized(trt: Any, onnx_path: Path, spec: EngineBuildSpec, timing_ca
     logger = make_logger(trt)
     mark = logger.mark()
     # Weak typing (FP16/INT8 builder flags) wherever this TensorRT still has it, so INT8 builds keep FP16
-    # for the layers that are not quantized; strongly typed only where the flags are gone (TensorRT 11).
-    typed = spec.precision in ("fp16", "int8") and strongly_typed_only(trt)
-    strongly_typed = typed and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")
+    # for the layers that are not quantized; strongly typed where the flags are gone (TensorRT 11). That is
+    # decided by behaviour, the missing FP16 flag, not by the STRONGLY_TYPED creation flag: 11.0 deprecated
+    # it ("strongly typed mode is always enabled ... ignored", NvInfer.h at v11.1), and a release without
+    # it must still build FP16 and INT8 (network_flags sets it only where it exists).
+    strongly_typed = spec.precision in ("fp16", "int8") and strongly_typed_only(trt)
     builder = trt.Builder(logger)
     network = builder.create_network(network_flags(trt, strongly_typed))
     parser = trt.OnnxParser(network, logger)
@@ -106,12 +108,13 @@ def make_logger(trt: Any) -> Any:
 
 
 def network_flags(trt: Any, strongly_typed: bool) -> int:
-    """EXPLICIT_BATCH where the flag exists (required before TensorRT 10); STRONGLY_TYPED when asked."""
+    """EXPLICIT_BATCH where the flag exists (required before TensorRT 10); STRONGLY_TYPED when asked and the
+    flag still exists (deprecated in 11.0; without it every network is strongly typed)."""
     flags = 0
     names = trt.NetworkDefinitionCreationFlag
     if hasattr(names, "EXPLICIT_BATCH"):
         flags |= 1 << int(names.EXPLICIT_BATCH)
-    if strongly_typed:
+    if strongly_typed and hasattr(names, "STRONGLY_TYPED"):
         flags |= 1 << int(names.STRONGLY_TYPED)
     return flags
 
