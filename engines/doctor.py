@@ -109,7 +109,11 @@ def check_tensorrt(on_jetson: bool) -> tuple[Any, Check]:
 
 
 def check_numpy(trt: Any) -> Check:
-    """numpy must pass through the binding; `trt.nptype` breakage is reported but does not matter here."""
+    """Whether numpy arrays pass into the binding (`trt.Weights(ndarray)`): advisory. Nothing this agent calls
+    hands an array to TensorRT: engine I/O goes through device pointers (`set_tensor_address`) and our own
+    CUDA copies, builds through the ONNX parser. So a binding built against numpy 1.x under the venv's numpy 2
+    (JetPack 6's system numpy is 1.21) is reported with its fix, and `auto` still picks TensorRT.
+    `trt.nptype` breakage is reported but does not matter here either."""
     import numpy as np
 
     found = [f"numpy {np.__version__}"]
@@ -121,8 +125,10 @@ def check_numpy(trt: Any) -> Check:
         except NotImplementedError:  # a binding (or stand-in) that cannot say: nothing learned, nothing failed
             found.append("array hand-over not probed")
         except (ImportError, RuntimeError, TypeError, ValueError) as exc:  # numpy-1.x binding under numpy 2
-            return Check("numpy", False, f"numpy {np.__version__}: trt.Weights(ndarray) failed: {exc}",
-                         "`pip install 'numpy<2'` (this TensorRT binding was built against numpy 1.x)", True)
+            return Check("numpy", False, f"numpy {np.__version__}: trt.Weights(ndarray) failed: {exc} (advisory: "
+                         "engine I/O does not pass arrays through the binding)",
+                         "`pip install 'numpy<2'` if your own code hands arrays to TensorRT (this binding was "
+                         "built against numpy 1.x)", False)
     found.append(_nptype_note(trt))
     unmapped = [n for n in _dtype_names(trt) if n not in NUMPY_DTYPES]
     if unmapped:

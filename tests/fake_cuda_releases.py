@@ -27,9 +27,9 @@ CUDA_API_DIR = Path(__file__).resolve().parent / "data" / "cuda_api"
 
 def cuda_api_tables() -> list[str]:
     """Every recorded cuda-python / cuda-bindings release (file stems), oldest first."""
-    def key(stem: str) -> tuple[int, ...]:
-        return tuple(int(x) for x in stem.rsplit("-", 1)[1].split("."))
-    return sorted((p.stem for p in CUDA_API_DIR.glob("*.json")), key=key)
+    from packaging.version import Version  # 12.6.2.post1: a post release
+
+    return sorted((p.stem for p in CUDA_API_DIR.glob("*.json")), key=lambda stem: Version(stem.rsplit("-", 1)[1]))
 
 
 @functools.lru_cache(maxsize=None)

@@ -230,3 +230,23 @@ def test_cuda_mem_pycuda_calls_only_what_each_release_has(stem: str) -> None:
     used = _pycuda_names_used()
     assert {"mem_alloc", "memcpy_htod_async", "Stream"} <= used
     assert not used - known, f"pycuda {table['version']} lacks {sorted(used - known)}"
+
+
+def test_what_cuda_mem_calls_has_one_signature_in_every_release() -> None:
+    """The releases the pins resolve to (12.2.1 for JetPack 6.0, 12.6.2.post1 for 6.1/6.2, 12.9 and 13.5 for the
+    x86-64 and JetPack 7 extras, plus 12.4) split in two implementations: up to 12.8 the runtime module is
+    reimplemented on the driver API, from 12.9 it links a static cudart. For every name engines/cuda_mem.py
+    calls, the parameters and the documented return values are the same in all of them; the one difference
+    it meets is the import path (test_the_tables_cover_the_import_path_change)."""
+    stems = cuda_api_tables()
+    assert {"cuda-python-12.2.1", "cuda-python-12.6.2.post1"} <= set(stems)
+    for name in sorted(_runtime_names_used()):
+        seen = {}
+        for stem in stems:
+            api = load_cuda_api(stem)
+            entry = api["functions"].get(name)
+            kind = "function" if entry else "enum" if name in api["enums"] else "constant" if name in api["constants"] else None
+            if kind is None:
+                continue  # feature-detected where it is missing (the test above)
+            seen[stem] = (kind, tuple(entry.get("params") or ()) if entry else (), tuple(entry.get("returns") or ()) if entry else ())
+        assert len(set(seen.values())) <= 1, f"{name} differs between releases: {seen}"

@@ -127,6 +127,22 @@ def test_usable_with_tensorrt_and_an_initialised_cuda(monkeypatch: pytest.Monkey
     assert not jtop.ok and "systemctl restart jtop" in jtop.fix
 
 
+def test_a_binding_that_refuses_numpy_arrays_is_advisory_and_tensorrt_stays_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TensorRT binding built against numpy 1.x under numpy 2 fails trt.Weights(ndarray); nothing the agent
+    calls hands arrays to the binding (I/O is by device pointer), so `auto` must not fall back to ONNX Runtime."""
+    trt = fake_tensorrt("10.3.0")
+
+    def weights(array):  # what a pybind11 built against numpy 1.x raises under numpy 2
+        raise ImportError("numpy.core.multiarray failed to import")
+
+    trt.Weights = weights
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    report = tensorrt_readiness(Path("/nonexistent"), opener=_opener)
+    numpy_check = _check(report, "numpy")
+    assert not numpy_check.ok and not numpy_check.required and "advisory" in numpy_check.found
+    assert "numpy<2" in numpy_check.fix and report.usable, report.reason()
+
+
 def test_numpy_check_survives_tensorrt_85_nptype(monkeypatch: pytest.MonkeyPatch) -> None:
     trt = fake_tensorrt("8.5.2")
 
