@@ -5,7 +5,9 @@ Run by scripts/device-check.sh (`make device-check`) with whatever is installed 
 The checks run in the order a first run on a new device fails: versions, driver, `engines doctor`,
 CUDA memory for real, NVML telemetry, TensorRT import, the backend contract tests, FP16 and INT8 builds
 of the demo model compared to ONNX Runtime FP32, CUDA-graph capture, the timing cache written then
-reused, and our latency beside `trtexec --loadEngine` on the same plan. Every check lands in one JSON
+reused, and our latency beside `trtexec --loadEngine` on the same plan; then a batch-4 engine run at
+batch sizes 1 -> 4 -> 2 -> 1 -> 3 with every row compared to ONNX Runtime (per-size contexts and graphs,
+issue 22), its per-frame cost at each size, and the FP16/INT8 speed-ups over FP32. Every check lands in one JSON
 report, whose path is printed last; a check that cannot run says why (`skipped`).
 """
 
@@ -31,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 TRTEXEC_PATHS = ("/usr/src/tensorrt/bin/trtexec", "/usr/local/tensorrt/bin/trtexec")
 DEMO_SIZE = (320, 256)  # width, height: multiples of 32 (the DB detector's FPN)
 MIN_COSINE = {"fp16": 0.999, "int8": 0.98}  # against ONNX Runtime FP32 on held-out frames
+BATCH_SEQUENCE = (1, 4, 2, 1, 3)  # grows, shrinks, returns to sizes already captured
 
 
 class Skip(Exception):
@@ -257,6 +260,108 @@ def build_and_compare(c: Check, precision: str) -> dict[str, Any]:
     return entry
 
 
+def batch_sequence(engine: Any, name: str, reference: Callable[[Any], Any], frames: list[Any],
+                   sizes: tuple[int, ...] = BATCH_SEQUENCE) -> list[dict[str, Any]]:
+    """Batches of `sizes` distinct frames (1xCxHxW each) through `engine`; every output row compared with
+    `reference(frame)` (one frame at a time). What a context replaying a graph captured at another shape
+    gets wrong: each step's worst row is reported."""
+    import numpy as np
+
+    steps, start = [], 0
+    for n in sizes:
+        rows = [frames[(start + i) % len(frames)] for i in range(n)]
+        start += n
+        out = engine.infer({name: np.concatenate(rows)})[0]
+        numbers = [compare([out[i:i + 1]], [reference(row)]) for i, row in enumerate(rows)]
+        steps.append({"batch": n, "worst_cosine": min(x["cosine"] for x in numbers),
+                      "max_abs": max(x["max_abs"] for x in numbers)})
+    return steps
+
+
+def per_frame_ms(engine: Any, name: str, frame: Any, sizes: tuple[int, ...], runs: int = 20) -> dict[int, float]:
+    """Engine-only milliseconds per frame at each batch size (median of `runs`, after 3 warm-up calls)."""
+    import statistics
+
+    import numpy as np
+
+    out = {}
+    for n in sizes:
+        batch = np.concatenate([frame] * n)
+        for _ in range(3):
+            engine.infer({name: batch})
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            engine.infer({name: batch})
+            times.append((time.perf_counter() - t0) * 1e3)
+        out[n] = round(statistics.median(times) / n, 3)
+    return out
+
+
+def check_batch_sequence(c: Check) -> dict[str, Any]:
+    """A batch-4 FP16 engine at sizes 1, 4, 2, 1, 3: every row against ONNX Runtime FP32; then its cost curve."""
+    _needs_trt(c)
+    import onnxruntime as ort
+
+    from engines.backends.base import EngineOptions
+    from engines.provision import load_provisioned, provision
+
+    source = _demo(c)
+    result = provision(source, backend="tensorrt", precision="fp16", cache_dir=c.work / "cache",
+                       db_path=c.work / "state.db", validation_samples=4, latency_runs=20, max_batch=4)
+    runtime = load_provisioned(result, source, EngineOptions(max_batch=4))
+    session = ort.InferenceSession(str(source.onnx_path), providers=["CPUExecutionProvider"])
+    try:
+        engine = runtime.engine
+        name = engine.inputs[0].name
+        frames = _held_out_inputs(source, 6)
+        steps = batch_sequence(engine, name, lambda x: session.run(None, {name: x})[0], frames)
+        curve = per_frame_ms(engine, name, frames[0], tuple(range(1, engine.describe().get("max_batch", 1) + 1)))
+        info = engine.describe()
+    finally:
+        runtime.close()
+    best = min(curve, key=curve.get)
+    entry = {"steps": steps, "contexts": info.get("contexts"), "cuda_graphs": info.get("cuda_graphs"),
+             "per_frame_ms": curve, "auto_vs_batch1_small": round(curve[best] / curve[1], 3), "best_batch": best,
+             "summary": f"worst cosine {min(s['worst_cosine'] for s in steps)} over {list(BATCH_SEQUENCE)}; "
+                        f"per frame {curve} ms"}
+    bad = [s for s in steps if s["worst_cosine"] < MIN_COSINE["fp16"]]
+    if bad:
+        raise Failed(f"batch sizes {[s['batch'] for s in bad]} disagree with ONNX Runtime FP32 (a graph replayed at "
+                     f"another shape?): {bad}", **{k: v for k, v in entry.items() if k != "summary"})
+    return entry
+
+
+def check_speedups(c: Check) -> dict[str, Any]:
+    """FP16 and INT8 engine-only latency against an FP32 TensorRT build of the same model, interleaved."""
+    _needs_trt(c)
+    import statistics
+
+    from engines.provision import load_provisioned, provision
+
+    built = {p: c.state.get(f"built_{p}") for p in ("fp16", "int8")}
+    if any(v is None for v in built.values()):
+        raise Skip("needs the FP16 and the INT8 build")
+    source = _demo(c)
+    built["fp32"] = provision(source, backend="tensorrt", precision="fp32", cache_dir=c.work / "cache",
+                              db_path=c.work / "state.db", validation_samples=4, latency_runs=20)
+    runtimes = {p: load_provisioned(r, source) for p, r in built.items()}
+    try:
+        frame = _held_out_inputs(source, 1)[0]
+        name = runtimes["fp32"].engine.inputs[0].name
+        times: dict[str, list[float]] = {p: [] for p in runtimes}
+        for _ in range(5):  # rounds, each precision timed in turn
+            for p, rt in runtimes.items():
+                times[p].append(per_frame_ms(rt.engine, name, frame, (1,))[1])
+    finally:
+        for rt in runtimes.values():
+            rt.close()
+    ms = {p: statistics.median(v) for p, v in times.items()}
+    speedups = {p: round(ms["fp32"] / ms[p], 3) for p in ("fp16", "int8")}
+    return {"ms": {p: round(v, 3) for p, v in ms.items()}, "rounds_ms": times, "speedup_vs_fp32": speedups,
+            "summary": f"fp16 {speedups['fp16']}x, int8 {speedups['int8']}x over fp32"}
+
+
 def check_cuda_graph(c: Check) -> dict[str, Any]:
     _needs_trt(c)
     info = c.state.get("describe_fp16") or c.state.get("describe_int8")
@@ -341,6 +446,7 @@ CHECKS: tuple[tuple[str, Callable[[Check], dict[str, Any]]], ...] = (
     ("backend-contract", check_backend_contract), ("build-fp16", lambda c: build_and_compare(c, "fp16")),
     ("build-int8", lambda c: build_and_compare(c, "int8")), ("cuda-graph", check_cuda_graph),
     ("timing-cache", check_timing_cache), ("trtexec-latency", check_trtexec),
+    ("batch-sequence", check_batch_sequence), ("precision-speedups", check_speedups),
 )
 
 

@@ -33,7 +33,13 @@ class FakeCudaMemory:
     A captured graph remembers the shape generation of every TensorRT context enqueued into it; replayed
     after one of those contexts changed its input shapes, it computes with stale state, as the real one
     does (silently: the outputs are garbage, and `stale_replays` counts it). `live()` counts what is
-    allocated and not freed (buffers, pinned arrays, streams, events, graphs), for leak checks."""
+    allocated and not freed (buffers, pinned arrays, streams, events, graphs), for leak checks.
+
+    Capture follows the CUDA runtime (cudaStreamBeginCapture with cudaStreamCaptureModeThreadLocal, the mode
+    engines/cuda_mem.py uses; CUDA Programming Guide, "Prohibited and Unhandled Operations"): synchronizing
+    the capturing stream or allocating while capturing is an error (cudaErrorStreamCaptureUnsupported) that
+    invalidates the capture, and the cudaStreamEndCapture after it fails (cudaErrorStreamCaptureInvalidated)
+    with no graph."""
 
     name = "fake"
 
@@ -42,6 +48,7 @@ class FakeCudaMemory:
         self.corrupt_replay = corrupt_replay
         self._buffers: dict[int, Any] = {}
         self._capture: list[Callable[[], None]] | None = None
+        self._invalidated = False
         self._captured_contexts: list[tuple[Any, int]] = []
         self._pinned: dict[int, np.ndarray] = {}
         self._streams: set[int] = set()
@@ -69,7 +76,13 @@ class FakeCudaMemory:
         return {"buffers": len(self._buffers), "pinned": len(self._pinned), "streams": len(self._streams),
                 "events": len(self._events), "graphs": len(self._graphs)}
 
+    def _illegal_during_capture(self, call: str) -> None:
+        if self._capture is not None:
+            self._invalidated = True
+            raise CudaError(f"{call} failed: cudaErrorStreamCaptureUnsupported")
+
     def malloc(self, nbytes: int) -> DeviceBuffer:
+        self._illegal_during_capture("cudaMalloc")
         if nbytes > 1 << 40:
             raise CudaError("cudaMalloc failed: cudaErrorMemoryAllocation")
         buf = ctypes.create_string_buffer(max(1, nbytes))
@@ -105,7 +118,7 @@ class FakeCudaMemory:
         self.enqueue(lambda: ctypes.memmove(dst.ctypes.data, src.ptr, dst.nbytes))
 
     def synchronize(self, stream: Any) -> None:
-        pass
+        self._illegal_during_capture("cudaStreamSynchronize")
 
     def create_event(self) -> Any:
         event = [0.0]
@@ -128,10 +141,13 @@ class FakeCudaMemory:
         return 6 << 30, 8 << 30
 
     def begin_capture(self, stream: Any) -> None:
-        self._capture, self._captured_contexts = [], []
+        self._capture, self._captured_contexts, self._invalidated = [], [], False
 
     def end_capture(self, stream: Any) -> Any:
         ops, self._capture = self._capture or [], None
+        if self._invalidated:
+            self._invalidated = False
+            raise CudaError("cudaStreamEndCapture failed: cudaErrorStreamCaptureInvalidated")
         graph = ("graph", ops, tuple(self._captured_contexts))
         self._graphs.add(id(graph))
         return graph

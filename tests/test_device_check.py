@@ -83,3 +83,34 @@ def test_the_script_writes_one_report_and_prints_its_path_last(tmp_path: Path) -
         assert "tensorrt" in checks["tensorrt-import"]["error"]
         assert checks["build-fp16"]["ok"] is None and "tensorrt does not import" in checks["build-fp16"]["skipped"]
         assert report["first_failure"] == "tensorrt-import" and proc.returncode == 1
+
+
+def test_the_batch_sequence_check_catches_a_graph_replayed_at_another_shape(monkeypatch, tmp_path: Path) -> None:
+    """batch_sequence on the TensorRT runtime over the stand-ins (tests/fake_nvidia.py: its contexts hold shape
+    state, a stale graph replays as garbage): right with a context per batch size, and it flags the old
+    single-context behaviour, which is what the device check must catch on real hardware."""
+    import pytest
+
+    from engines.backends.base import EngineOptions
+    from tests.fake_nvidia import FakeCudaMemory, fake_tensorrt, forget_tensorrt_backend, import_tensorrt_backend
+
+    dc = _module()
+    plan = tmp_path / "e.plan"
+    plan.write_bytes(b"PLAN-fake")
+    frames = [np.full((1, 3, 4, 4), float(i + 1), np.float32) for i in range(5)]
+    try:
+        for per_size in (True, False):
+            cuda = FakeCudaMemory()
+            module = import_tensorrt_backend(monkeypatch, fake_tensorrt("10.3.0", cuda=cuda), cuda)
+            if not per_size:  # the engine before issue 22: one context switching shapes under its graphs
+                monkeypatch.setattr(module.TrtEngine, "_per_size_contexts", lambda self: False)
+            engine = module.TensorRTBackend().load(plan, EngineOptions(static_shapes={"x": (1, 3, 4, 4)}, max_batch=4))
+            try:
+                steps = dc.batch_sequence(engine, "x", lambda x: 2 * x + 1, frames)
+            finally:
+                engine.close()
+            assert [s["batch"] for s in steps] == list(dc.BATCH_SEQUENCE)
+            worst = min(s["worst_cosine"] for s in steps)
+            assert (worst == pytest.approx(1.0)) is per_size, steps
+    finally:
+        forget_tensorrt_backend()

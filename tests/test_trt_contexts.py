@@ -168,3 +168,29 @@ def test_a_graph_whose_instantiation_fails_is_destroyed(monkeypatch: pytest.Monk
     memory.destroy_graph(graph)
     memory.destroy_stream(stream)
     assert rt.live_graphs == set() and rt.live_execs == set() and rt.live_streams == set()
+
+
+def test_a_capture_that_synchronizes_fails_cleanly_and_the_engine_runs_plain(backend, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """An enqueue that synchronizes its stream while captured (illegal under capture: the fake invalidates the
+    capture as the CUDA runtime does) leaves a status, a plain engine that computes right, and no leak."""
+    import tests.fake_nvidia as fake
+
+    cuda = FakeCudaMemory()
+    real = fake._Context.execute_async_v3
+
+    def syncing(self, stream_handle):  # type: ignore[no-untyped-def]
+        ok = real(self, stream_handle)
+        cuda.synchronize(None)
+        return ok
+
+    monkeypatch.setattr(fake._Context, "execute_async_v3", syncing)
+    engine = backend(cuda).TensorRTBackend().load(_plan(tmp_path), BATCHED)
+    try:
+        for n in (1, 3, 1):
+            np.testing.assert_array_equal(engine.infer({"x": _batch(n)})[0], 2 * _batch(n) + 1)
+        assert all(s.startswith("capture failed") and "cudaErrorStreamCapture" in s for s in engine.graph_statuses.values())
+        assert cuda.launches == 0
+    finally:
+        engine.close()
+    assert cuda.live() == {"buffers": 0, "pinned": 0, "streams": 0, "events": 0, "graphs": 0}
