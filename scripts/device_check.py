@@ -7,7 +7,8 @@ CUDA memory for real, NVML telemetry, TensorRT import, the backend contract test
 of the demo model compared to ONNX Runtime FP32, CUDA-graph capture, the timing cache written then
 reused, and our latency beside `trtexec --loadEngine` on the same plan; then a batch-4 engine run at
 batch sizes 1 -> 4 -> 2 -> 1 -> 3 with every row compared to ONNX Runtime (per-size contexts and graphs,
-issue 22), its per-frame cost at each size, and the FP16/INT8 speed-ups over FP32. Every check lands in one JSON
+issue 22), its per-frame cost at each size, the FP16/INT8 speed-ups over FP32, and what the result stage's
+overlap buys in the agent's worker. Every check lands in one JSON
 report, whose path is printed last; a check that cannot run says why (`skipped`).
 """
 
@@ -362,6 +363,61 @@ def check_speedups(c: Check) -> dict[str, Any]:
             "summary": f"fp16 {speedups['fp16']}x, int8 {speedups['int8']}x over fp32"}
 
 
+def worker_fps(runtime: Any, frames: list[Any], seconds: float, overlap: bool) -> float:
+    """Frames per second of the agent's InferenceWorker fed ready frames, with postprocessing on the result
+    stage's thread (`overlap`) or inline between engine calls."""
+    import threading
+
+    from agent.pipeline.frame_stats import FrameStats
+    from agent.pipeline.worker import InferenceWorker
+    from agent.sources.base import Frame
+
+    class Ready:
+        max_size = 1
+
+        def __init__(self) -> None:
+            self.count = 0
+
+        def next_batch(self, stop: threading.Event, idle_s: float = 0.2) -> list[Any]:
+            self.count += 1
+            return [Frame(frames[self.count % len(frames)], self.count, time.monotonic(), "cam0")]
+
+    stop, stats = threading.Event(), FrameStats()
+    worker = InferenceWorker(runtime, Ready(), stop, stats, overlap_postprocess=overlap)
+    started = time.monotonic()
+    worker.start()
+    stop.wait(seconds)
+    stop.set()
+    worker.join(10)
+    return stats.frames / (time.monotonic() - started)
+
+
+def check_result_stage_overlap(c: Check) -> dict[str, Any]:
+    """What the result stage buys where the engine runs on the GPU: the FP16 demo engine in the agent's worker,
+    postprocessing overlapped vs inline, 5 interleaved rounds of 3 s."""
+    _needs_trt(c)
+    import statistics
+
+    from engines.bench import text_frames
+    from engines.provision import load_provisioned
+
+    built = c.state.get("built_fp16")
+    if built is None:
+        raise Skip("needs the FP16 build")
+    source = _demo(c)
+    spec = source.manifest.preprocess
+    frames = text_frames(spec.width, spec.height, 4)
+    runtime = load_provisioned(built, source)
+    try:
+        rounds = [(worker_fps(runtime, frames, 3.0, True), worker_fps(runtime, frames, 3.0, False)) for _ in range(5)]
+    finally:
+        runtime.close()
+    ratios = [round(a / b, 3) for a, b in rounds]
+    return {"fps_overlap": [round(a, 1) for a, _ in rounds], "fps_inline": [round(b, 1) for _, b in rounds],
+            "overlap_vs_inline_rounds": ratios, "overlap_vs_inline": statistics.median(ratios),
+            "summary": f"overlap vs inline {statistics.median(ratios)}x (rounds {ratios})"}
+
+
 def check_cuda_graph(c: Check) -> dict[str, Any]:
     _needs_trt(c)
     info = c.state.get("describe_fp16") or c.state.get("describe_int8")
@@ -447,6 +503,7 @@ CHECKS: tuple[tuple[str, Callable[[Check], dict[str, Any]]], ...] = (
     ("build-int8", lambda c: build_and_compare(c, "int8")), ("cuda-graph", check_cuda_graph),
     ("timing-cache", check_timing_cache), ("trtexec-latency", check_trtexec),
     ("batch-sequence", check_batch_sequence), ("precision-speedups", check_speedups),
+    ("result-stage-overlap", check_result_stage_overlap),
 )
 
 

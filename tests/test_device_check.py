@@ -114,3 +114,19 @@ def test_the_batch_sequence_check_catches_a_graph_replayed_at_another_shape(monk
             assert (worst == pytest.approx(1.0)) is per_size, steps
     finally:
         forget_tensorrt_backend()
+
+
+def test_worker_fps_runs_the_agents_worker_both_ways(tmp_path: Path) -> None:
+    """The overlap check's measuring loop, on ONNX Runtime here (the device check runs it on TensorRT)."""
+    from agent.demo import prepare_demo_model_dir
+    from engines.bench import text_frames
+    from engines.model import load_model
+    from engines.runtime import load_runtime
+
+    runtime = load_runtime(load_model(prepare_demo_model_dir(tmp_path / "m", 160, 128)), "onnxruntime")
+    try:
+        frames = text_frames(160, 128, 2)
+        assert _module().worker_fps(runtime, frames, 0.5, True) > 0
+        assert _module().worker_fps(runtime, frames, 0.5, False) > 0
+    finally:
+        runtime.close()
