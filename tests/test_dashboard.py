@@ -171,10 +171,10 @@ def test_lost_on_device_is_in_the_fleet_table_and_on_the_device_page(tmp_path: P
     db = open_db(url)
     ensure_schema(db)
     fill_fleet(db, time.time())
-    db.execute("INSERT INTO device_seq (device_id, min_seq, max_seq, received) VALUES (?, ?, ?, ?)",
-               ("orin-01", 100, 229, 123))  # 130 numbered, 123 stored: 7 lost
-    db.execute("INSERT INTO device_seq (device_id, min_seq, max_seq, received) VALUES (?, ?, ?, ?)",
-               ("pc-01", 10, 51, 42))  # none lost
+    streams = "INSERT INTO device_streams (device_id, stream, min_seq, max_seq, received) VALUES (?, ?, ?, ?, ?)"
+    db.execute(streams, ("orin-01", "", 100, 199, 97))  # 100 numbered, 97 stored: 3 lost
+    db.execute(streams, ("orin-01", "42", 1, 30, 26))  # its store recreated: 30 numbered, 26 stored: 4 lost
+    db.execute(streams, ("pc-01", "", 10, 51, 42))  # none lost
     db.close()
     with running_dashboard(url) as dash:
         fleet = {d["device_id"]: d for d in dash.json("/api/fleet")["devices"]}

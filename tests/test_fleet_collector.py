@@ -221,6 +221,49 @@ def test_store_keeps_each_seq_once_and_counts_gaps(fleet_db_url: str) -> None:
         db.close()
 
 
+def test_a_recreated_device_store_is_a_new_stream_not_duplicates(fleet_db_url: str) -> None:
+    """After a state.db quarantine the device numbers from seq 1 again under the same kernel boot, with a new
+    store epoch (agent.mqtt.outbox): every message is stored, and lost-on-device counts each stream's gaps."""
+    db = open_db(fleet_db_url)
+    try:
+        ensure_schema(db)
+        write_batch(db, _rows([1, 2, 3, 4, 5]), [], {}, 10.0)  # a store from before epochs: no `epoch`
+        write_batch(db, _rows([1, 2, 4], epoch=7), [], {}, 11.0)  # the recreated store: seq 3 dropped on the device
+        write_batch(db, _rows([1, 2], epoch=7), [], {}, 12.0)  # redelivered: stored once
+        assert db.query("SELECT COUNT(*) AS n FROM telemetry")[0]["n"] == 8
+        streams = {r["stream"]: (r["min_seq"], r["max_seq"], r["received"])
+                   for r in db.query("SELECT stream, min_seq, max_seq, received FROM device_streams")}
+        assert streams == {"": (1, 5, 5), "7": (1, 4, 3)}
+        seq = db.query("SELECT min_seq, max_seq, received FROM device_seq WHERE device_id = ?", ("dev-1",))[0]
+        assert seq["max_seq"] - seq["min_seq"] + 1 - seq["received"] == 1 and seq["received"] == 8
+        boots = {r["boot_id"] for r in db.query("SELECT DISTINCT boot_id FROM telemetry")}
+        assert boots == {BOOT, f"{BOOT}#7"}
+        for bad in (True, -3, 1.5, "a b", {"x": 1}):
+            with pytest.raises(Malformed, match="epoch"):
+                _rows([1], epoch=bad)
+    finally:
+        db.close()
+
+
+def test_a_store_from_before_streams_keeps_its_counts(fleet_db_url: str) -> None:
+    """device_seq was a table: its rows become each device's legacy stream and it becomes the summing view."""
+    db = open_db(fleet_db_url)
+    try:
+        with db.transaction():
+            db.execute("CREATE TABLE device_seq (device_id TEXT PRIMARY KEY, min_seq BIGINT NOT NULL, "
+                       "max_seq BIGINT NOT NULL, received BIGINT NOT NULL)")
+            db.execute("INSERT INTO device_seq VALUES (?, ?, ?, ?)", ("dev-1", 1, 100, 97))
+        ensure_schema(db)
+        ensure_schema(db)
+        seq = db.query("SELECT min_seq, max_seq, received FROM device_seq")[0]
+        assert (seq["min_seq"], seq["max_seq"], seq["received"]) == (1, 100, 97)
+        write_batch(db, _rows([101, 102]), [], {}, 10.0)
+        seq = db.query("SELECT min_seq, max_seq, received FROM device_seq")[0]
+        assert (seq["min_seq"], seq["max_seq"], seq["received"]) == (1, 102, 99)
+    finally:
+        db.close()
+
+
 def test_status_newest_by_device_clock_wins(fleet_db_url: str) -> None:
     def status(state: str, ts: float) -> Any:
         body = {"state": state, "boot_id": BOOT, "agent_version": "0.1.0", "since": ts - 1, "ts": ts,

@@ -47,6 +47,42 @@ def test_seq_and_rows_survive_reopen(tmp_path: Path, boot_root: Path) -> None:
     again.close()
 
 
+def test_a_store_stamps_its_epoch_and_a_recreated_store_gets_another(tmp_path: Path, boot_root: Path) -> None:
+    """The epoch tells the collector that a store recreated under the same boot (its seq back at 1) is a new
+    stream, not duplicates to drop (issue 19); it survives reopening, and a store from before epochs sends none."""
+    box = Outbox(tmp_path / "s.db", root=boot_root)
+    box.enqueue("telemetry", "t", {"fps": 1.0})
+    epoch = _payloads(box)[0]["epoch"]
+    assert isinstance(epoch, int) and epoch > 0
+    box.close()
+    box = Outbox(tmp_path / "s.db", root=boot_root)
+    box.enqueue("telemetry", "t", {"fps": 2.0})
+    assert [p["epoch"] for p in _payloads(box)] == [epoch, epoch] and box.epoch == epoch
+    box.close()
+    (tmp_path / "s.db").rename(tmp_path / "s.db.corrupt")  # what the state store's quarantine does
+    fresh = Outbox(tmp_path / "s.db", root=boot_root)
+    fresh.enqueue("telemetry", "t", {"fps": 3.0})
+    (first,) = _payloads(fresh)
+    assert first["seq"] == 1 and first["epoch"] not in (0, epoch) and first["boot_id"] == _payloads_boot(boot_root)
+    with pytest.raises(ValueError, match="stamped by the outbox"):
+        fresh.enqueue("telemetry", "t", {"epoch": 5})
+    fresh.close()
+    legacy = sqlite3.connect(tmp_path / "legacy.db")  # numbered messages before epochs existed
+    ensure_schema(legacy)
+    legacy.execute("INSERT INTO mqtt_counters (name, value) VALUES ('seq', 41)")
+    legacy.commit()
+    legacy.close()
+    old = Outbox(tmp_path / "legacy.db", root=boot_root)
+    old.enqueue("telemetry", "t", {"fps": 4.0})
+    (row,) = _payloads(old)
+    assert row["seq"] == 42 and "epoch" not in row and old.epoch == 0
+    old.close()
+
+
+def _payloads_boot(root: Path) -> str:
+    return (root / "proc/sys/kernel/random/boot_id").read_text().strip()
+
+
 def test_missing_boot_id_falls_back_to_random(tmp_path: Path) -> None:
     first, second = read_boot_id(tmp_path), read_boot_id(tmp_path)
     assert len(first) == 36 and first != second

@@ -1,7 +1,11 @@
 """SQLite store-and-forward outbox: telemetry and events survive outages and restarts, in order, bounded.
 
 Every row is stamped at enqueue time with the device's persistent `seq` and this boot's `boot_id`, so a
-collector can detect gaps and duplicates. Over the caps, the oldest telemetry goes first, events last;
+collector can detect gaps and duplicates, and with the store's `epoch`: a random id made when the store is
+created. A store that is recreated (a corrupt state.db moved aside, the counters lost) numbers from seq 1
+again under the same kernel boot; its new epoch makes that a new stream at the collector instead of
+duplicates it would drop. A store from before epochs keeps epoch 0, sent as no `epoch` at all, so its
+stream continues unchanged. Over the caps, the oldest telemetry goes first, events last;
 every drop is counted (persisted) and logged.
 """
 
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import secrets
 import sqlite3
 import threading
 import time
@@ -32,7 +37,7 @@ SCHEMA = (
     "CREATE INDEX IF NOT EXISTS mqtt_outbox_kind_id ON mqtt_outbox (kind, id)",
     "CREATE TABLE IF NOT EXISTS mqtt_counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
 )
-STAMP_KEYS = ("seq", "boot_id")
+STAMP_KEYS = ("seq", "boot_id", "epoch")
 TELEMETRY, EVENT = "telemetry", "event"
 DROP_COUNTERS = ("dropped_telemetry", "dropped_event", "dropped_other")
 BOOT_ID_PATH = "proc/sys/kernel/random/boot_id"
@@ -156,14 +161,27 @@ class Outbox:
             "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM mqtt_outbox"
         ).fetchone()
         self._seq = self._counter("seq")
+        self.epoch = self._epoch()
         self.last_id = self._conn.execute("SELECT COALESCE(MAX(id), 0) FROM mqtt_outbox").fetchone()[0]
         self._dropped = {name: self._counter(name) for name in DROP_COUNTERS}
+
+    def _epoch(self) -> int:
+        """This store's epoch: made (random, non-zero) when the store has never numbered a message; 0 for a
+        store that did before epochs existed (its stream goes on as it was)."""
+        rows = self._conn.execute("SELECT value FROM mqtt_counters WHERE name = 'epoch'").fetchall()
+        if rows:
+            return int(rows[0][0])
+        epoch = 0 if self._seq > 0 else 1 + secrets.randbelow(2**31 - 1)
+        self._conn.execute("INSERT OR IGNORE INTO mqtt_counters (name, value) VALUES ('epoch', ?)", (epoch,))
+        return int(self._conn.execute("SELECT value FROM mqtt_counters WHERE name = 'epoch'").fetchone()[0])
 
     def _stamp(self, fields: dict[str, Any], seq: int, now: float) -> dict[str, Any]:
         clash = [key for key in STAMP_KEYS if key in fields]
         if clash:
             raise ValueError(f"fields {clash} are stamped by the outbox; do not pass them")
         stamped: dict[str, Any] = {"seq": seq, "boot_id": self.boot_id, "ts": fields.get("ts", now)}
+        if self.epoch:
+            stamped["epoch"] = self.epoch
         stamped.update(fields)
         return stamped
 

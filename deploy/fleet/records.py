@@ -31,10 +31,11 @@ class Row:
 
     table: str
     device_id: str
-    boot_id: str
+    boot_id: str  # the stream's: the kernel boot id, with `#<epoch>` when the device's store has one
     seq: int
     ts: float
     values: dict[str, Any]
+    stream: str = ""  # the device store's epoch ("": a device or store from before epochs)
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -109,6 +110,9 @@ def _no_constant(name: str) -> None:
 def _row(table: str, device_id: str, body: dict[str, Any], received: float, text: str,
          values: dict[str, Any]) -> Row:
     seq, boot_id, ts = body.get("seq"), short_text(body.get("boot_id")), number(body.get("ts"))
+    stream = _epoch(device_id, table, body.get("epoch"))
+    if stream and boot_id is not None:
+        boot_id = f"{boot_id}#{stream}"  # a recreated store numbers from 1 again under the same boot: a new stream
     if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq <= BIGINT_MAX:
         raise Malformed(f"{device_id}/{table}: 'seq' must be an integer 0..2^63-1, got {str(seq)[:40]!r}")
     if boot_id is None:
@@ -117,7 +121,19 @@ def _row(table: str, device_id: str, body: dict[str, Any], received: float, text
         raise Malformed(f"{device_id}/{table}: 'ts' must be a finite number")
     values = {"device_id": device_id, "boot_id": boot_id, "seq": seq, "ts": ts, "received": received,
               **values, "payload": text.replace("\x00", "")}
-    return Row(table, device_id, boot_id, seq, ts, values)
+    return Row(table, device_id, boot_id, seq, ts, values, stream)
+
+
+def _epoch(device_id: str, table: str, value: Any) -> str:
+    """The store epoch a device stamps (agent.mqtt.outbox): absent or 0 is the legacy stream ("")."""
+    if value is None or value == 0:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, int) and not 0 < value <= BIGINT_MAX):
+        raise Malformed(f"{device_id}/{table}: 'epoch' must be a positive integer, got {str(value)[:40]!r}")
+    text = str(value)
+    if not 0 < len(text) <= 32 or not text.isalnum():
+        raise Malformed(f"{device_id}/{table}: 'epoch' must be at most 32 letters or digits")
+    return text
 
 
 def number(value: Any) -> float | None:

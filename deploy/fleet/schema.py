@@ -46,10 +46,16 @@ DEVICE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("status_ts", "REAL"), ("meta_ts", "REAL"), ("deployment_ts", "REAL"),
 )
 OTHER_TABLES = (
-    "CREATE TABLE IF NOT EXISTS device_seq (device_id TEXT PRIMARY KEY, min_seq BIGINT NOT NULL, "
-    "max_seq BIGINT NOT NULL, received BIGINT NOT NULL)",
+    # One row per device and store epoch (a recreated state.db numbers from 1 again: a new stream).
+    "CREATE TABLE IF NOT EXISTS device_streams (device_id TEXT NOT NULL, stream TEXT NOT NULL, "
+    "min_seq BIGINT NOT NULL, max_seq BIGINT NOT NULL, received BIGINT NOT NULL, PRIMARY KEY (device_id, stream))",
     "CREATE TABLE IF NOT EXISTS collector_stats (name TEXT PRIMARY KEY, value REAL NOT NULL)",
 )
+# `device_seq` (the dashboards' and docs' interface) sums the streams so that `max_seq - min_seq + 1 -
+# received` is the messages lost on the device over all of them; with one stream it is that stream's row.
+DEVICE_SEQ_VIEW = ("CREATE VIEW device_seq AS SELECT device_id, MIN(min_seq) AS min_seq, "
+                   "CAST(MIN(min_seq) + SUM(max_seq - min_seq + 1) - 1 AS BIGINT) AS max_seq, "
+                   "CAST(SUM(received) AS BIGINT) AS received FROM device_streams GROUP BY device_id")
 INDEXES = (
     "CREATE INDEX IF NOT EXISTS telemetry_device_ts ON telemetry (device_id, ts)",
     "CREATE INDEX IF NOT EXISTS telemetry_model_ts ON telemetry (model_name, ts)",
@@ -86,6 +92,7 @@ def ensure_schema(db: FleetDB, *, timescale: str = "auto", retention_days: float
         with db.transaction():
             for sql in create_statements("sqlite"):
                 db.execute(sql)
+            _device_seq_view(db)
         return "sqlite"
     with db.transaction():
         # Collectors starting together on a fresh database would race in CREATE ... IF NOT EXISTS
@@ -98,7 +105,35 @@ def ensure_schema(db: FleetDB, *, timescale: str = "auto", retention_days: float
             for sql in create_statements("postgresql", partitioned=True):
                 db.execute(sql)
             layout = "partitioned"
+        _device_seq_view(db)
     return layout
+
+
+def _device_seq_view(db: FleetDB) -> None:
+    """device_streams exists and device_seq is its summing view. A store from before store epochs had a
+    device_seq table: its rows become each device's legacy stream ("") and the table gives way to the view."""
+    db.execute(OTHER_TABLES[0])
+    kind = _relation_kind(db, "device_seq")
+    if kind == "table":
+        db.execute("INSERT INTO device_streams (device_id, stream, min_seq, max_seq, received) "
+                   "SELECT device_id, '', min_seq, max_seq, received FROM device_seq WHERE 1 = 1 "
+                   "ON CONFLICT (device_id, stream) DO NOTHING")
+        db.execute("DROP TABLE device_seq")
+        log.info("device_seq moved into device_streams (one stream per device and store epoch)")
+    if kind != "view":
+        db.execute(DEVICE_SEQ_VIEW)
+
+
+def _relation_kind(db: FleetDB, name: str) -> str | None:
+    """'table', 'view' or None for a relation of the current schema."""
+    if db.dialect == "sqlite":
+        rows = db.query("SELECT type FROM sqlite_master WHERE name = ?", (name,))
+        return rows[0]["type"] if rows else None
+    rows = db.query("SELECT c.relkind AS kind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE c.relname = ? AND n.nspname = current_schema()", (name,))
+    if not rows:
+        return None
+    return "view" if rows[0]["kind"] == "v" else "table"
 
 
 def existing_layout(db: FleetDB) -> str | None:

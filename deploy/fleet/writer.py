@@ -2,7 +2,7 @@
 rows and the collector's counters commit together or not at all.
 
 Exactly once per (device_id, boot_id, seq): rows go in with ON CONFLICT DO NOTHING, and only the rows
-really inserted count towards `device_seq.received`, so a replay or a redelivery changes nothing.
+really inserted count towards `device_streams.received`, so a replay or a redelivery changes nothing.
 """
 
 from __future__ import annotations
@@ -87,19 +87,22 @@ def _values(width: int, count: int) -> str:
 
 
 def _count_seqs(db: FleetDB, rows: Iterable[Row]) -> None:
-    """device_seq: lowest and highest seq seen and how many rows were stored, per device (one statement)."""
-    per: dict[str, list[int]] = {}
+    """device_streams: lowest and highest seq seen and how many rows were stored, per device and store epoch
+    (one statement); the device_seq view sums the streams."""
+    per: dict[tuple[str, str], list[int]] = {}
     for row in rows:
-        low, high, n = per.get(row.device_id, [row.seq, row.seq, 0])
-        per[row.device_id] = [min(low, row.seq), max(high, row.seq), n + 1]
+        low, high, n = per.get((row.device_id, row.stream), [row.seq, row.seq, 0])
+        per[(row.device_id, row.stream)] = [min(low, row.seq), max(high, row.seq), n + 1]
     least, greatest = ("LEAST", "GREATEST") if db.dialect == "postgresql" else ("MIN", "MAX")
-    spec = (("device_id", "TEXT"), ("min_seq", "BIGINT"), ("max_seq", "BIGINT"), ("received", "BIGINT"))
-    rows_ = [(device_id, low, high, n) for device_id, (low, high, n) in sorted(per.items())]
+    spec = (("device_id", "TEXT"), ("stream", "TEXT"), ("min_seq", "BIGINT"), ("max_seq", "BIGINT"),
+            ("received", "BIGINT"))
+    rows_ = [(device_id, stream, low, high, n) for (device_id, stream), (low, high, n) in sorted(per.items())]
     for source, params in _sources(db.dialect, spec, rows_):  # sorted: collectors lock rows in one order
-        db.execute(f"INSERT INTO device_seq (device_id, min_seq, max_seq, received) {source} "
-                   f"ON CONFLICT (device_id) DO UPDATE SET min_seq = {least}(device_seq.min_seq, excluded.min_seq), "
-                   f"max_seq = {greatest}(device_seq.max_seq, excluded.max_seq), "
-                   "received = device_seq.received + excluded.received", params)
+        db.execute(f"INSERT INTO device_streams (device_id, stream, min_seq, max_seq, received) {source} "
+                   "ON CONFLICT (device_id, stream) DO UPDATE SET "
+                   f"min_seq = {least}(device_streams.min_seq, excluded.min_seq), "
+                   f"max_seq = {greatest}(device_streams.max_seq, excluded.max_seq), "
+                   "received = device_streams.received + excluded.received", params)
 
 
 def _sources(dialect: str, spec: tuple[tuple[str, str], ...], rows: list[tuple]) -> Iterable[tuple[str, list]]:
