@@ -46,6 +46,7 @@ import psutil  # noqa: E402
 
 from benchmarks._common import ROOT, percentiles, write_json  # noqa: E402
 from deploy.fleet.db import open_db  # noqa: E402
+from tests.fixtures_mqtt import fleet_broker_settings  # noqa: E402
 from deploy.fleet.schema import ensure_schema  # noqa: E402
 
 GOALS = {"ingest_msgs_per_s": 5000, "lag_p99_s": 2.0, "lost": 0, "duplicated": 0}
@@ -62,8 +63,8 @@ def start_mosquitto(workdir: Path) -> tuple[subprocess.Popen, str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     conf = workdir / "mosquitto.conf"
-    lines = [f"listener {port} 127.0.0.1", "allow_anonymous true", "persistence false", "set_tcp_nodelay true",
-             "max_queued_messages 0", "max_inflight_messages 0", f"log_dest file {workdir / 'mosquitto.log'}"]
+    lines = [f"listener {port} 127.0.0.1", "allow_anonymous true", "persistence false",
+             f"log_dest file {workdir / 'mosquitto.log'}", *fleet_broker_settings()]  # deploy/mosquitto/fleet.conf
     if os.geteuid() == 0:
         lines.insert(0, "user root")
     conf.write_text("\n".join(lines) + "\n")

@@ -103,6 +103,14 @@ def make_tls_files(directory: Path) -> TlsFiles:
     )
 
 
+FLEET_CONF = Path(__file__).resolve().parents[1] / "deploy" / "mosquitto" / "fleet.conf"
+
+
+def fleet_broker_settings() -> list[str]:
+    """The setting lines of the broker configuration we ship (comments left out)."""
+    return [line.strip() for line in FLEET_CONF.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
 class Broker:
     """One Mosquitto process with a generated config; stop()/start() keep the port (outage tests)."""
 
@@ -124,7 +132,7 @@ class Broker:
         lines = [f"user {getpass.getuser()}", f"log_dest file {self.log_path}",
                  "log_type error", "log_type warning", "log_type notice", "log_type information",
                  f"allow_anonymous {'false' if users else 'true'}", f"persistence {str(persistence).lower()}",
-                 "max_queued_messages 200000", "max_inflight_messages 100", "set_tcp_nodelay true"]
+                 *fleet_broker_settings()]  # exactly what we ship: deploy/mosquitto/fleet.conf
         if persistence:
             lines += [f"persistence_location {self.workdir}/", "autosave_interval 3600"]
         if users:

@@ -489,6 +489,72 @@ def test_two_collectors_split_one_stream(
     assert stat(fleet_db_url, "duplicates") == 0
 
 
+def test_the_default_client_id_is_made_once_and_outlives_the_host_name(tmp_path: Path, monkeypatch) -> None:
+    """A replacement collector must find its session again: the id is generated once and kept in a file, not
+    derived from the host name (a renamed host or a new container came back under a new id and left its share
+    queued in the old session)."""
+    import socket as socket_module
+
+    from deploy.fleet.collector import default_client_id_file, stable_client_id
+
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
+    path = default_client_id_file("g1")
+    assert path == tmp_path / "state" / "collector-g1.client-id"
+    config = CollectorConfig(broker_url="mqtt://127.0.0.1:1", db_url="sqlite:///x.db", group="g1")
+    made = config.effective_client_id()
+    assert made.startswith("edge-collector-g1-") and path.read_text().strip() == made
+    monkeypatch.setattr(socket_module, "gethostname", lambda: "renamed-host")
+    again = CollectorConfig(broker_url="mqtt://127.0.0.1:1", db_url="sqlite:///x.db", group="g1")
+    assert again.effective_client_id() == made  # the same instance, whatever the host is called now
+    assert stable_client_id(tmp_path / "other.id", "g1") != made  # another instance, another id
+    assert CollectorConfig(broker_url="mqtt://127.0.0.1:1", db_url="sqlite:///x.db", group="g1",
+                           client_id="given").effective_client_id() == "given"
+    (tmp_path / "bad.id").write_text("\x00\x01")
+    with pytest.raises(ValueError, match="not a client id"):
+        stable_client_id(tmp_path / "bad.id", "g1")
+
+
+def _session_present(url: str, client_id: str) -> bool:
+    """Whether the broker still holds a session for `client_id` (a clean_start=False connect says so)."""
+    host, port = url.split("://")[1].rsplit(":", 1)
+    flags: list[bool] = []
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+    client.on_connect = lambda c, u, f, rc, p: flags.append(bool(f.session_present))
+    client.connect(host, int(port), clean_start=False)
+    client.loop_start()
+    assert wait_for(lambda: bool(flags), 10)
+    client.disconnect()
+    client.loop_stop()
+    return flags[0]
+
+
+def test_a_collector_that_leaves_its_group_takes_nothing_with_it(
+        fleet_db_url: str, mqtt_broker: Broker, publisher: Publisher, collectors: list,
+        request: pytest.FixtureRequest) -> None:
+    """Issue 19: replacing one of two collectors lost 3,999 of 9,998 messages (the offline member kept being
+    dealt its share). `leave` stores the backlog its session holds, unsubscribes, ends the session."""
+    p = unique_prefix(request)
+    one = start_collector(collectors, mqtt_broker.url, fleet_db_url, p, group="g1", client_id=f"{p}-one")
+    start_collector(collectors, mqtt_broker.url, fleet_db_url, p, group="g1", client_id=f"{p}-two")
+    batch = lambda first, last: [(f"{p}/dev-{d}/telemetry", sample(s, f"dev-{d}"))  # noqa: E731
+                                 for s in range(first, last) for d in range(5)]
+    publisher.send_many(batch(1, 101))
+    assert wait_for(lambda: count(fleet_db_url) == 500, 30), count(fleet_db_url)
+    one.stop()  # away: the broker keeps dealing it messages into its session
+    collectors.remove(one)
+    publisher.send_many(batch(101, 201))
+    assert wait_for(lambda: count(fleet_db_url) >= 550, 30)
+    assert count(fleet_db_url) < 1000  # part of the stream sits in the absent member's session
+    leaving = Collector(CollectorConfig(broker_url=mqtt_broker.url, db_url=fleet_db_url, prefix=p, group="g1",
+                                        client_id=f"{p}-one"))
+    assert leaving.leave(idle_s=1.0, timeout_s=60) is True
+    assert count(fleet_db_url) == 1000  # its backlog stored before it went
+    assert _session_present(mqtt_broker.url, f"{p}-one") is False
+    publisher.send_many(batch(201, 301))  # all of it to the member that stayed
+    assert wait_for(lambda: count(fleet_db_url) == 1500, 30), count(fleet_db_url)
+    assert stat(fleet_db_url, "duplicates") == 0
+
+
 def test_mqtt_311_falls_back_to_plain_subscriptions(
         mqtt_broker: Broker, publisher: Publisher, collectors: list, tmp_path: Path,
         request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> None:

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
-import socket
+import secrets
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import paho.mqtt.client as mqtt
@@ -56,6 +58,7 @@ class CollectorConfig:
     group: str = "edge-collectors"
     prefix: str = "edge"
     client_id: Optional[str] = None
+    client_id_file: Optional[Path] = None  # where the generated id is kept (default: default_client_id_file)
     protocol: str = "auto"  # auto | 5 | 3.1.1
     batch_size: int = 1000
     max_wait_s: float = 0.25  # longest a message waits for its batch to fill
@@ -84,8 +87,48 @@ class CollectorConfig:
         self.broker = MqttConfig(url=self.broker_url, prefix=self.prefix, **self.mqtt)
 
     def effective_client_id(self) -> str:
-        """Fixed per collector (a persistent session is found again by its client id after a restart)."""
-        return self.client_id or f"edge-collector-{self.group}-{socket.gethostname()}"[:128]
+        """Fixed per collector instance: a persistent session is found again by its client id after a restart.
+        Given (--client-id), or generated once and kept in `client_id_file`, so neither a new host name nor a
+        moved container changes it (a collector that came back under a new id would leave its share of the
+        stream queued in the old session, which Mosquitto keeps dealing messages to)."""
+        if self.client_id:
+            return self.client_id
+        if getattr(self, "_client_id", None) is None:
+            self._client_id = stable_client_id(self.client_id_file or default_client_id_file(self.group), self.group)
+        return self._client_id
+
+
+def default_client_id_file(group: str) -> Path:
+    """$STATE_DIRECTORY (systemd StateDirectory=), else $XDG_STATE_HOME or ~/.local/state, /edge-deploy/."""
+    base = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+    root = Path(base) if base else Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "edge-deploy"
+    return root / f"collector-{group}.client-id"
+
+
+def stable_client_id(path: Path, group: str) -> str:
+    """The id kept in `path`, made (edge-collector-<group>-<16 hex>) and written atomically the first time."""
+    try:
+        text = path.read_text(encoding="ascii").strip()
+        if text and len(text) <= 128 and text.isprintable():
+            return text
+        raise ValueError(f"{path}: not a client id (1..128 printable characters)")
+    except FileNotFoundError:
+        pass
+    made = f"edge-collector-{group}-{secrets.token_hex(8)}"[:128]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    with open(partial, "w", encoding="ascii") as fh:
+        fh.write(made + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    try:
+        os.link(partial, path)  # never replaces an id another instance wrote meanwhile
+    except FileExistsError:
+        return stable_client_id(path, group)
+    finally:
+        partial.unlink(missing_ok=True)
+    log.info("collector client id %s, kept in %s", made, path)
+    return made
 
 
 @dataclass
@@ -125,6 +168,7 @@ class Collector:
         self._partition_check = 0.0
         self._holding = 0  # messages of the batch being written (not in the queue any more)
         self.held_high_water = 0  # most messages held unacknowledged at once (bounded by `inflight`)
+        self.arrived = 0  # messages delivered to us (the MQTT thread's count)
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -142,16 +186,73 @@ class Collector:
             return "waiting for database"
         return "collecting" if self.connected.is_set() else "waiting for broker"
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Write what has arrived, acknowledge it, disconnect; the rest stays with the broker."""
+    def stop(self, timeout: float = 10.0, end_session: bool = False) -> None:
+        """Write what has arrived, acknowledge it, disconnect; the rest stays with the broker. `end_session`:
+        the broker drops this collector's session (`leave`), instead of keeping it for its return."""
         self.stop_event.set()
         if self._writer.is_alive():
             self._writer.join(timeout)
         if self.client is not None:
-            self.client.disconnect()
+            if end_session and self.protocol == "5":
+                props = Properties(PacketTypes.DISCONNECT)
+                props.SessionExpiryInterval = 0  # MQTT 5 3.14.2.2.2: the session ends with this connection
+                self.client.disconnect(properties=props)
+            else:
+                self.client.disconnect()
             self.client.loop_stop()
+            if end_session and self.protocol != "5":
+                self._clean_session()
         if self.db is not None:
             self.db.close()
+
+    def leave(self, idle_s: float = 2.0, timeout_s: float = 600.0) -> bool:
+        """Take this instance out of its group without losing its share: store the backlog its session holds,
+        unsubscribe from the shared filters (the broker stops dealing it messages), store what was still on
+        the way, then end the session. True when it drained; False on `timeout_s` (the session is kept)."""
+        deadline = time.monotonic() + timeout_s
+        self.start()
+        while not self.subscribed.wait(0.2):
+            if self.fatal is not None or time.monotonic() > deadline:
+                self.stop()
+                return False
+        drained = self._wait_idle(idle_s, deadline)
+        if drained and self.protocol == "5":
+            self.client.unsubscribe([topic for topic in self.subscriptions() if topic.startswith("$share/")])
+            drained = self._wait_idle(idle_s, deadline)
+        self.stop(end_session=drained)
+        log.info("collector %s %s", self.config.effective_client_id(),
+                 "left its group: session ended" if drained else "did not drain in time: session kept")
+        return drained
+
+    def _wait_idle(self, idle_s: float, deadline: float) -> bool:
+        """Until no message arrived for `idle_s` and every one that did is stored and acknowledged."""
+        last, quiet_since = -1.0, time.monotonic()
+        while time.monotonic() < deadline and self.fatal is None:
+            seen = self.arrived
+            busy = self.queue.qsize() or self._holding
+            if seen != last or busy:
+                last, quiet_since = seen, time.monotonic()
+            elif time.monotonic() - quiet_since >= idle_s:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _clean_session(self) -> None:
+        """MQTT 3.1.1 has no session expiry: a clean connection under our id discards the stored session."""
+        broker = self.config.broker
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.config.effective_client_id(),
+                             protocol=mqtt.MQTTv311, clean_session=True)
+        username, password = broker.resolve_credentials()
+        if username is not None:
+            client.username_pw_set(username, password)
+        if broker.tls:
+            client.tls_set_context(tls_context(broker))
+        try:
+            client.connect(broker.host, broker.port, broker.keepalive_s)
+            client.loop(1.0)
+            client.disconnect()
+        except OSError as exc:
+            log.warning("could not end the MQTT 3.1.1 session of %s: %s", self.config.effective_client_id(), exc)
 
     def run(self, stop: threading.Event, report_every_s: float = 60.0,
             on_state: Optional[Callable[[str], Any]] = None) -> None:
@@ -298,6 +399,7 @@ class Collector:
 
     def _on_message(self, _c: Any, _u: Any, msg: mqtt.MQTTMessage) -> None:
         # Blocking here when the queue is full stops reading the socket: TCP pushes back to the broker.
+        self.arrived += 1  # leave() watches it for quiet
         self.queue.put(Inbound(msg.topic, bytes(msg.payload), msg.mid, msg.qos, self._epoch))
         self.held_high_water = max(self.held_high_water, self.queue.qsize() + self._holding)
 

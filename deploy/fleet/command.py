@@ -40,8 +40,13 @@ def collect(
     group: str = typer.Option("edge-collectors", "--group", help="Shared-subscription group; collectors "
                               "with the same group split the stream."),
     prefix: str = typer.Option("edge", "--prefix", help="Topic prefix of the devices."),
-    client_id: Optional[str] = typer.Option(None, "--client-id", help="Fixed MQTT client id (default "
-                                            "edge-collector-<group>-<hostname>); unique per collector."),
+    client_id: Optional[str] = typer.Option(None, "--client-id", help="Fixed MQTT client id, unique per "
+                                            "collector (default: generated once, kept in --client-id-file)."),
+    client_id_file: Optional[Path] = typer.Option(None, "--client-id-file", help="Where the generated client "
+                                                  "id is kept (default $STATE_DIRECTORY, else ~/.local/state/"
+                                                  "edge-deploy/collector-<group>.client-id)."),
+    leave: bool = typer.Option(False, "--leave", help="Take this instance out of its group: store the backlog "
+                               "its session holds, unsubscribe, store the rest, end the session, exit."),
     protocol: str = typer.Option("auto", "--protocol", help="auto (MQTT 5, 3.1.1 fallback), 5 or 3.1.1."),
     batch_size: int = typer.Option(1000, "--batch-size", min=1, help="Most messages per transaction."),
     max_wait_s: float = typer.Option(0.25, "--max-wait-s", min=0.001, help="Longest a message waits for "
@@ -71,7 +76,8 @@ def collect(
         level = log_level_of(log_level)
         db_url = resolve_db_url(db, db_file, default="sqlite:///fleet.db")
         config = CollectorConfig(
-            broker_url=broker, db_url=db_url, group=group, prefix=prefix, client_id=client_id, protocol=protocol,
+            broker_url=broker, db_url=db_url, group=group, prefix=prefix, client_id=client_id,
+            client_id_file=client_id_file, protocol=protocol,
             batch_size=batch_size, max_wait_s=max_wait_s, inflight=inflight, session_expiry_s=session_expiry_s,
             retention_days=retention_days, timescale=timescale,
             mqtt={k: v for k, v in security.items() if v is not None},
@@ -82,6 +88,12 @@ def collect(
         raise typer.Exit(EXIT_USAGE) from None
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
+    if leave:
+        collector = Collector(config)
+        left = collector.leave()
+        stats = {**collector.stats(), "left": left}
+        typer.echo(json.dumps(stats))
+        raise typer.Exit(0 if left and "error" not in stats else 1)
     stats = _run(Collector(config))
     typer.echo(json.dumps(stats))
     if "error" in stats:
