@@ -247,7 +247,9 @@ def test_a_store_without_the_fleet_schema_answers_503_naming_the_problem(tmp_pat
     open_db(url).close()
     with running_dashboard(url) as dash:
         status, _, body = dash.get("/api/fleet")
-    assert status == 503 and "no such table" in json.loads(body)["error"]
+    error = json.loads(body)["error"]
+    assert status == 503 and "no fleet tables" in error and "edge-deploy collect" in error
+    assert "no such table" not in error  # our words, never the database's
 
 
 def _basic(user: str, password: str) -> dict[str, str]:
@@ -412,3 +414,117 @@ def test_the_cli_serves_on_loopback_and_stops_on_sigterm(tmp_path: Path) -> None
     # uvicorn shuts down cleanly, then re-raises SIGTERM (systemd counts that as a clean stop).
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert f"dashboard on http://127.0.0.1:{port}" in out and "Application shutdown complete" in out
+
+
+# --- bounds: what one device can make the dashboard do (issue 19) ------------------------------------
+
+
+def test_a_device_with_a_flood_of_events_gets_a_bounded_page(tmp_path: Path) -> None:
+    """20,000 adapt events in the window (a hostile or broken device; 1 M took a page 30 s and ~1 GB): the
+    device page carries the newest MAX_MARKERS and says it left the rest out."""
+    from deploy.fleet.dashboard.queries import MAX_MARKERS
+
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    db = open_db(url)
+    ensure_schema(db)
+    now = time.time()
+    fill_fleet(db, now)
+    payload = json.dumps({"type": "adapt", "from": "a", "to": "b", "filler": "x" * 200})
+    rows = [("orin-01", "flood", i, now - 3000 + i * 0.1, now, "adapt", None, payload) for i in range(20_000)]
+    with db.transaction():
+        db.conn.executemany("INSERT INTO events (device_id, boot_id, seq, ts, received, type, deployment_id, payload) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    db.close()
+    with running_dashboard(url) as dash:
+        status, _, body = dash.get("/api/device?id=orin-01&range=1h")
+        data = json.loads(body)
+        fleet = dash.json("/api/fleet")  # the other views still answer
+    # at most MAX_MARKERS read (fill_fleet's intermediate deployment steps among them are not drawn)
+    assert status == 200 and MAX_MARKERS - 10 <= len(data["markers"]) <= MAX_MARKERS and data["markers_truncated"]
+    marks = [m["ts"] for m in data["markers"]]
+    assert marks == sorted(marks) and marks[-1] == pytest.approx(now - 3000 + 19_999 * 0.1)  # the newest kept
+    assert len(body) < 2 * 2**20 and len(fleet["devices"]) == 3
+
+
+def test_a_slow_query_holds_one_reader_and_is_stopped_at_its_time_limit(tmp_path: Path) -> None:
+    """A query that would run for minutes is interrupted at the store's time limit (503, in our words), and
+    meanwhile other calls are answered by the other readers."""
+    import asyncio
+
+    from deploy.fleet.dashboard.app import QueryTimeout, Store
+
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    db = open_db(url)
+    ensure_schema(db)
+    fill_fleet(db, time.time())
+    db.close()
+    store = Store(url, readers=2, timeout_s=1.0)
+    endless = ("WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 1000000000) "
+               "SELECT COUNT(*) AS c FROM n")
+
+    async def both() -> tuple[Any, float, float]:
+        t0 = time.monotonic()
+        slow = asyncio.ensure_future(store.call(lambda d: d.query(endless)))
+        await asyncio.sleep(0.1)
+        fast = await store.call(lambda d: d.query("SELECT COUNT(*) AS n FROM devices"))
+        fast_s = time.monotonic() - t0
+        try:
+            await slow
+        except QueryTimeout as exc:
+            return exc, fast_s, time.monotonic() - t0
+        return None, fast_s, time.monotonic() - t0
+
+    try:
+        error, fast_s, slow_s = asyncio.run(both())
+        with pytest.raises(Exception, match="readonly|read-only|attempt to write"):  # readers cannot write
+            asyncio.run(store.call(lambda d: d.execute("DELETE FROM devices")))
+    finally:
+        store.close()
+    assert isinstance(error, QueryTimeout) and "1 s" in str(error)
+    assert fast_s < slow_s  # answered while the slow one still ran, not after it
+
+
+def test_a_device_clock_in_the_future_does_not_pin_its_row(tmp_path: Path) -> None:
+    """A sample stamped a day ahead (fps 999, a bogus version) is not the device's newest: its real one is."""
+    from tests.dashboard_fixtures import add_sample
+
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    db = open_db(url)
+    ensure_schema(db)
+    now = time.time()
+    fill_fleet(db, now)
+    add_sample(db, "pc-01", 9_001, now + 86400, fps=999.0, model_name="det", model_version="6.6.6")
+    db.close()
+    with running_dashboard(url) as dash:
+        pc = {d["device_id"]: d for d in dash.json("/api/fleet")["devices"]}["pc-01"]
+        device = dash.json("/api/device?id=pc-01&range=1h")["device"]
+    assert pc["fps"] != 999.0 and pc["ts"] < now + 60 and pc["model_version"] != "6.6.6"
+    assert device["model_version"] != "6.6.6"
+
+
+def test_sqlite_stores_keep_the_retention_postgresql_has(tmp_path: Path) -> None:
+    """Rows older than the retention by the device clock, or received longer ago by the collector's (a device
+    cannot skew that), are deleted in chunks; the rest stay."""
+    from deploy.fleet import schema
+    from tests.dashboard_fixtures import add_event, add_sample
+
+    db = open_db(f"sqlite:///{tmp_path / 'fleet.db'}")
+    try:
+        ensure_schema(db)
+        now = time.time()
+        for i in range(12):
+            add_sample(db, "d1", i, now - 40 * 86400)  # old by both clocks
+        add_sample(db, "d1", 100, now + 365 * 86400, received=now - 40 * 86400)  # a future clock, received long ago
+        add_sample(db, "d1", 101, now - 3600)  # recent
+        add_event(db, "d1", 102, now - 40 * 86400, "adapt")
+        add_event(db, "d1", 103, now - 60, "adapt")
+        original, schema.RETENTION_CHUNK = schema.RETENTION_CHUNK, 5
+        try:
+            assert schema.prune_sqlite(db, 30.0, now) == 14
+        finally:
+            schema.RETENTION_CHUNK = original
+        assert [r["seq"] for r in db.query("SELECT seq FROM telemetry")] == [101]
+        assert [r["seq"] for r in db.query("SELECT seq FROM events")] == [103]
+        assert schema.prune_sqlite(db, 0, now) == 0  # 0 keeps everything
+    finally:
+        db.close()

@@ -880,3 +880,49 @@ def test_cli_refuses_bad_options() -> None:
                             timeout=60, check=False)
     assert result.returncode == 2, result.stderr
     assert "group 'a/b'" in result.stderr
+
+
+def test_samples_stamped_in_the_future_are_stored_as_sent_and_counted(
+        fleet_db_url: str, mqtt_broker: Broker, publisher: Publisher, collectors: list,
+        request: pytest.FixtureRequest) -> None:
+    """A device clock a day ahead: the row keeps its ts (part of the key that catches redeliveries) and is
+    counted (`future_ts`); the dashboard's views ignore it (tests/test_dashboard.py)."""
+    p = unique_prefix(request)
+    start_collector(collectors, mqtt_broker.url, fleet_db_url, p)
+    ahead = sample(1)
+    ahead["ts"] = time.time() + 86400
+    publisher.send_many([(f"{p}/dev-1/telemetry", ahead), (f"{p}/dev-1/telemetry", sample(2))])
+    assert wait_for(lambda: count(fleet_db_url) == 2, 30)
+    assert wait_for(lambda: stat(fleet_db_url, "future_ts") == 1, 10)
+
+
+def test_a_device_over_its_ingest_quota_is_cut_off_for_the_minute_and_counted(
+        fleet_db_url: str, mqtt_broker: Broker, publisher: Publisher, collectors: list,
+        request: pytest.FixtureRequest) -> None:
+    """One device flooding (a hostile one sent 1 M events an hour) gets its quota a minute; the others all of
+    theirs; status messages are never limited."""
+    p = unique_prefix(request)
+    start_collector(collectors, mqtt_broker.url, fleet_db_url, p, quota_msgs_per_min=50)
+    now = int(time.time())
+    if now % 60 > 50:  # keep the flood inside one minute
+        time.sleep(61 - now % 60)
+    flood = [(f"{p}/noisy/telemetry", sample(s, "noisy")) for s in range(1, 201)]
+    calm = [(f"{p}/calm/telemetry", sample(s, "calm")) for s in range(1, 21)]
+    publisher.send_many(flood + calm)
+    assert wait_for(lambda: count(fleet_db_url) == 70, 30), count(fleet_db_url)
+    rows = query(fleet_db_url, "SELECT device_id, COUNT(*) AS n FROM telemetry GROUP BY device_id")
+    assert {r["device_id"]: r["n"] for r in rows} == {"noisy": 50, "calm": 20}
+    assert wait_for(lambda: stat(fleet_db_url, "over_quota") == 150, 10)
+
+
+def test_the_quota_counts_per_device_and_minute() -> None:
+    from deploy.fleet.collector import DeviceQuota
+
+    quota = DeviceQuota(msgs_per_min=2, bytes_per_min=100)
+    t = 600.0
+    assert [quota.over("e", "e/d1/telemetry", 10, t) for _ in range(4)] == [None, None, "d1", ""]
+    assert quota.over("e", "e/d2/events", 10, t) is None  # another device
+    assert quota.over("e", "e/d1/status", 10, t) is None  # retained status is never limited
+    assert quota.over("e", "e/d1/telemetry", 10, t + 60) is None  # the next minute
+    assert quota.over("e", "e/d3/telemetry", 101, t) == "d3"  # over in bytes
+    assert DeviceQuota(0, 0).over("e", "e/d1/telemetry", 10**9, t) is None

@@ -35,11 +35,11 @@ from paho.mqtt.properties import Properties
 
 from agent.mqtt.config import MqttConfig
 from agent.mqtt.paho_setup import RC_UNSUPPORTED_PROTOCOL, Backoff, refusal_code, tls_context
-from agent.mqtt.topics import EVENTS, META, STATUS, TELEMETRY, check_prefix, fleet_filter
+from agent.mqtt.topics import EVENTS, META, STATUS, TELEMETRY, check_prefix, fleet_filter, split_device_topic
 from deploy.fleet.db import TRANSIENT_ERRORS, FleetDB, open_db
 from deploy.fleet.redact import redact
 from deploy.fleet.records import DeviceUpdate, Malformed, Row, parse_message
-from deploy.fleet.schema import Partitions, ensure_schema
+from deploy.fleet.schema import Partitions, ensure_schema, prune_sqlite
 from deploy.fleet.writer import write_batch
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 SHARED_LEAVES = (TELEMETRY, EVENTS)
 RETAINED_LEAVES = (STATUS, META)
 PARTITION_CHECK_S = 3600.0
+FUTURE_TS_S = 300.0  # device clocks this far ahead of ours are counted (`future_ts`); the views ignore such rows
 
 
 @dataclass
@@ -66,6 +67,11 @@ class CollectorConfig:
     inflight: int = 2000  # MQTT 5 Receive Maximum: unacknowledged messages in memory at most
     session_expiry_s: int = 7 * 86400  # the broker keeps our subscription and backlog this long offline
     max_payload_bytes: int = 256 * 1024
+    # Per device and minute, telemetry and events: over either, the rest of that minute is acknowledged and
+    # not stored (`over_quota`). One device must not be able to fill the store or stall the dashboard (1 M
+    # events in an hour did). 0: no limit. The agent sends ~1 sample/s plus its events.
+    quota_msgs_per_min: int = 6000
+    quota_bytes_per_min: int = 16 * 2**20
     retention_days: float = 30.0
     timescale: str = "auto"
     db_retry_min_s: float = 0.5
@@ -131,6 +137,35 @@ def stable_client_id(path: Path, group: str) -> str:
     return made
 
 
+class DeviceQuota:
+    """Messages and bytes per device in the current minute (telemetry and events; status and meta are
+    retained single messages and never limited)."""
+
+    def __init__(self, msgs_per_min: int, bytes_per_min: int) -> None:
+        self.msgs_per_min, self.bytes_per_min = msgs_per_min, bytes_per_min
+        self._minute = -1
+        self._used: dict[str, list[int]] = {}
+
+    def over(self, prefix: str, topic: str, size: int, now: float) -> str | None:
+        """None when this message is within its device's quota; else "" (over, already said) or the
+        device id (the first message over in this minute: log it)."""
+        if not (self.msgs_per_min or self.bytes_per_min):
+            return None
+        where = split_device_topic(prefix, topic)
+        if where is None or where[1] not in SHARED_LEAVES:
+            return None
+        minute = int(now // 60)
+        if minute != self._minute:
+            self._minute, self._used = minute, {}
+        used = self._used.setdefault(where[0], [0, 0, 0])
+        used[0] += 1
+        used[1] += size
+        if (self.msgs_per_min and used[0] > self.msgs_per_min) or (self.bytes_per_min and used[1] > self.bytes_per_min):
+            first, used[2] = not used[2], 1
+            return where[0] if first else ""
+        return None
+
+
 @dataclass
 class Inbound:
     """One delivered message, waiting for its batch."""
@@ -169,6 +204,7 @@ class Collector:
         self._holding = 0  # messages of the batch being written (not in the queue any more)
         self.held_high_water = 0  # most messages held unacknowledged at once (bounded by `inflight`)
         self.arrived = 0  # messages delivered to us (the MQTT thread's count)
+        self.quota = DeviceQuota(config.quota_msgs_per_min, config.quota_bytes_per_min)
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -477,6 +513,14 @@ class Collector:
         rows: list[Row] = []
         updates: list[DeviceUpdate] = []
         for item in batch:
+            over = self.quota.over(self.config.prefix, item.topic, len(item.payload), now)
+            if over is not None:
+                self._count("over_quota")
+                if over:  # the first message of this device's minute over the quota
+                    log.warning("device %s is over its ingest quota (%d messages or %d bytes a minute): the rest "
+                                "of this minute is dropped", over, self.config.quota_msgs_per_min,
+                                self.config.quota_bytes_per_min)
+                continue
             try:
                 parsed = parse_message(self.config.prefix, item.topic, item.payload, now, self.config.max_payload_bytes)
             except Malformed as exc:
@@ -513,6 +557,9 @@ class Collector:
         now = time.time()
         for row in rows:
             row.values["received"] = now
+        future = sum(1 for row in rows if row.ts > now + FUTURE_TS_S)
+        if future:  # stored as sent (ts is part of the key that catches redeliveries), ignored by the views
+            self._count("future_ts", future)
         self._ensure_partitions(rows)
         with self._lock:
             pending = dict(self._pending)
@@ -526,19 +573,27 @@ class Collector:
 
     def _ensure_partitions(self, rows: list[Row]) -> None:
         if self.partitions is None:
+            if self.db is not None and self.db.dialect == "sqlite" and \
+                    time.monotonic() - self._partition_check > PARTITION_CHECK_S:
+                self._partition_check = time.monotonic()
+                self._retention(lambda: prune_sqlite(self.db, self.config.retention_days))  # type: ignore[arg-type]
             return
         for table in ("telemetry", "events"):
             self.partitions.ensure(table, [r.ts for r in rows if r.table == table])
         if time.monotonic() - self._partition_check > PARTITION_CHECK_S:
             self._partition_check = time.monotonic()
-            try:
-                self.partitions.drop_expired()
-            except TRANSIENT_ERRORS:
-                raise  # the database went away: the batch is retried
-            except Exception as exc:  # noqa: BLE001 - retention upkeep failing must not make rows look bad
-                self._count("partition_errors")
-                log.error("retention check failed (tried again in %.0f s): %s", PARTITION_CHECK_S,
-                          redact(str(exc).strip())[:200])
+            self._retention(self.partitions.drop_expired)
+
+    def _retention(self, upkeep: Callable[[], Any]) -> None:
+        """Run retention upkeep; its failure is counted and logged, never a reason to refuse the batch."""
+        try:
+            upkeep()
+        except TRANSIENT_ERRORS:
+            raise  # the database went away: the batch is retried
+        except Exception as exc:  # noqa: BLE001 - retention upkeep failing must not make rows look bad
+            self._count("partition_errors")
+            log.error("retention check failed (tried again in %.0f s): %s", PARTITION_CHECK_S,
+                      redact(str(exc).strip())[:200])
 
     def _reconnect_db(self) -> None:
         try:

@@ -55,8 +55,13 @@ def collect(
                                  "at most (MQTT 5 Receive Maximum): bounds memory."),
     session_expiry_s: int = typer.Option(7 * 86400, "--session-expiry-s", min=0, help="How long the "
                                          "broker keeps this collector's backlog while it is away."),
-    retention_days: float = typer.Option(30.0, "--retention-days", min=0, help="PostgreSQL: drop "
-                                         "telemetry/events partitions older than this; 0 keeps all."),
+    retention_days: float = typer.Option(30.0, "--retention-days", min=0, help="Delete telemetry/events older "
+                                         "than this (PostgreSQL: drop day partitions; SQLite: hourly deletes); "
+                                         "0 keeps all."),
+    quota_msgs: int = typer.Option(6000, "--quota-msgs-per-min", min=0, help="Telemetry + events stored per "
+                                   "device and minute at most; the rest of the minute is dropped (0: no limit)."),
+    quota_bytes: int = typer.Option(16 * 2**20, "--quota-bytes-per-min", min=0, help="Payload bytes stored per "
+                                    "device and minute at most (0: no limit)."),
     timescale: str = typer.Option("auto", "--timescale", help="auto: hypertables where TimescaleDB is "
                                   "installed; off: native partitions."),
     ca_file: Optional[Path] = typer.Option(None, "--ca-file", help="CA bundle of the broker (mqtts)."),
@@ -79,7 +84,8 @@ def collect(
             broker_url=broker, db_url=db_url, group=group, prefix=prefix, client_id=client_id,
             client_id_file=client_id_file, protocol=protocol,
             batch_size=batch_size, max_wait_s=max_wait_s, inflight=inflight, session_expiry_s=session_expiry_s,
-            retention_days=retention_days, timescale=timescale,
+            retention_days=retention_days, timescale=timescale, quota_msgs_per_min=quota_msgs,
+            quota_bytes_per_min=quota_bytes,
             mqtt={k: v for k, v in security.items() if v is not None},
         )  # fmt: skip
         _check_db_url(db_url)

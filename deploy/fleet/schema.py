@@ -180,6 +180,30 @@ def _try_timescale(db: FleetDB, retention_days: float) -> str | None:
         return None
 
 
+RETENTION_CHUNK = 5000  # rows one retention DELETE takes on SQLite (short write locks: the collector keeps writing)
+
+
+def prune_sqlite(db: FleetDB, retention_days: float, now: float | None = None) -> int:
+    """SQLite's retention, PostgreSQL's rule: telemetry and events older than `retention_days` by the device
+    clock, or received longer ago than that by the collector's (which a device cannot skew), are deleted, in
+    chunks of RETENTION_CHUNK rows per transaction. Returns how many."""
+    if retention_days <= 0:
+        return 0
+    cutoff = (time.time() if now is None else now) - retention_days * DAY_S
+    deleted = 0
+    for table in TIME_TABLES:
+        while True:
+            with db.transaction():
+                n = db.execute(f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} WHERE ts < ? OR "
+                               f"received < ? LIMIT {RETENTION_CHUNK})", (cutoff, cutoff))
+            deleted += n
+            if n < RETENTION_CHUNK:
+                break
+    if deleted:
+        log.info("deleted %d rows past %s days of retention", deleted, retention_days)
+    return deleted
+
+
 def partition_name(table: str, day: int) -> str:
     """`telemetry_p20261201` for unix day `day` (UTC)."""
     return f"{table}_p{datetime.fromtimestamp(day * DAY_S, tz=timezone.utc):%Y%m%d}"

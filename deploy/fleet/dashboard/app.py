@@ -1,8 +1,9 @@
 """The dashboard's web app (Starlette): three static pages and a read-only JSON API over the fleet store.
 
 Pages are static HTML whose scripts fetch the JSON API and render it with `textContent` only, so device
-strings (ids, model names, error messages) can never become markup. Queries run on one worker thread that
-owns the database connection (SQLite connections belong to the thread that opened them).
+strings (ids, model names, error messages) can never become markup. Queries run on a small pool of reader
+threads, each with its own read-only connection and a per-query time limit, so one slow page (a device with
+a million events) cannot hold every other viewer's, and no query runs for ever.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
@@ -25,7 +27,6 @@ from starlette.staticfiles import StaticFiles
 
 from deploy.fleet.dashboard import queries
 from deploy.fleet.db import TRANSIENT_ERRORS, open_db
-from deploy.fleet.redact import redact
 from deploy.fleet.dashboard.auth import LOOPBACK_NAMES, AuthMiddleware, AuthSettings, HostAllowList
 
 log = logging.getLogger(__name__)
@@ -42,46 +43,104 @@ class BadRequest(ValueError):
     """A query parameter the API cannot use; answered with 400 and the message."""
 
 
+READERS = 4  # reader threads, each with its own connection: a slow page holds one of them, not all
+QUERY_TIMEOUT_S = 5.0  # longest one API call's queries may run (PostgreSQL statement_timeout; SQLite interrupt)
+
+
+class QueryTimeout(Exception):
+    """A dashboard query ran past QUERY_TIMEOUT_S and was stopped."""
+
+
 class Store:
-    """The fleet database behind one worker thread: every query runs there, in order."""
+    """The fleet database behind a pool of reader threads, one read-only connection each (opened on first
+    use on its thread), every call limited to `timeout_s`."""
 
-    def __init__(self, db_url: str) -> None:
-        self.db_url = db_url
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dashboard-db")
-        self.db: Any = None
+    def __init__(self, db_url: str, readers: int = READERS, timeout_s: float = QUERY_TIMEOUT_S) -> None:
+        self.db_url, self.timeout_s = db_url, timeout_s
+        self.executor = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="dashboard-db")
+        self._local = threading.local()
+        self._open_dbs: list[Any] = []
+        self._lock = threading.Lock()
 
-    def _open(self) -> None:
-        self.db = open_db(self.db_url)
+    def _db(self) -> Any:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = open_db(self.db_url)
+            self._limit(db)
+            self._local.db = db
+            with self._lock:
+                self._open_dbs.append(db)
+        return db
+
+    def _limit(self, db: Any) -> None:
+        """Read only, and stopped past the deadline of the call it runs for."""
+        if db.dialect == "postgresql":
+            db.execute(f"SET statement_timeout = {int(self.timeout_s * 1000)}")
+            db.execute("SET default_transaction_read_only = on")
+            return
+        db.execute("PRAGMA query_only = ON")
+        local = self._local
+        # SQLite calls this every N virtual-machine steps of a running statement; non-zero interrupts it.
+        db.conn.set_progress_handler(lambda: int(time.monotonic() > getattr(local, "deadline", float("inf"))), 20_000)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run `fn(db, *args)` on the database thread (opening the database on first use)."""
+        """Run `fn(db, *args)` on a reader thread; QueryTimeout past `timeout_s`."""
         def job() -> Any:
-            if self.db is None:
-                self._open()
+            db = self._db()
+            self._local.deadline = time.monotonic() + self.timeout_s
             try:
-                return fn(self.db, *args)
-            except TRANSIENT_ERRORS:
-                self._drop()  # the database went away: the next request connects afresh
+                return fn(db, *args)
+            except TRANSIENT_ERRORS as exc:
+                if _timed_out(exc) or time.monotonic() > self._local.deadline:
+                    raise QueryTimeout(f"the query ran past {self.timeout_s:g} s") from exc
+                self._drop()  # the database went away: this thread connects afresh next time
                 raise
+            except Exception as exc:
+                if _timed_out(exc):
+                    raise QueryTimeout(f"the query ran past {self.timeout_s:g} s") from exc
+                raise
+            finally:
+                self._local.deadline = float("inf")
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, job)
 
     def _drop(self) -> None:
-        db, self.db = self.db, None
+        db, self._local.db = getattr(self._local, "db", None), None
+        if db is None:
+            return
+        with self._lock:
+            self._open_dbs = [d for d in self._open_dbs if d is not db]
         try:
             db.close()
         except Exception:  # noqa: BLE001 - the connection is already broken; nothing to save
             log.debug("closing a broken fleet database connection failed", exc_info=True)
 
     def close(self) -> None:
-        """Close the connection on its own thread, then stop the thread."""
-        def job() -> None:
-            if self.db is not None:
-                self.db.close()
-                self.db = None
-
-        self.executor.submit(job).result(timeout=30)
+        """Stop the threads, then close every connection they opened."""
         self.executor.shutdown(wait=True)
+        with self._lock:
+            dbs, self._open_dbs = self._open_dbs, []
+        for db in dbs:
+            try:
+                db.close()
+            except Exception:  # noqa: BLE001 - closing at shutdown: nothing left to save
+                log.debug("closing a fleet database connection failed", exc_info=True)
+
+
+def _problem(exc: BaseException) -> str:
+    """What went wrong, said by us: a wire text never quotes the database's message (it can carry a
+    host, a user or a query); the dashboard's log has the whole exception."""
+    if "no such table" in str(exc) or getattr(exc, "sqlstate", None) == "42P01":
+        return "the database has no fleet tables (run `edge-deploy collect` on it first)"
+    if isinstance(exc, TRANSIENT_ERRORS):
+        return "the database is unreachable or busy; retried on the next refresh"
+    return "see the dashboard's log"
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """SQLite's interrupt ("interrupted") or PostgreSQL's statement_timeout (QueryCanceled, SQLSTATE 57014)."""
+    return "interrupted" in str(exc) or getattr(exc, "sqlstate", None) == "57014" \
+        or type(exc).__name__ == "QueryCanceled"
 
 
 def clean(value: Any) -> Any:
@@ -125,6 +184,7 @@ def _device_data(db: Any, device_id: str, since: float, until: float) -> dict[st
         return None
     return {"device": dev, "since": since, "until": until, "series": queries.series(db, device_id, since, until),
             "markers": queries.markers(db, device_id, since, until),
+            "markers_truncated": queries.marker_overflow(db, device_id, since, until),
             "deployments": queries.deployments(db, device_id)}
 
 
@@ -138,9 +198,12 @@ def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: floa
             return _json(await store.call(fn, *args))
         except BadRequest as exc:
             return _json({"error": str(exc)}, 400)
-        except Exception as exc:  # the store is down or has no fleet schema: say so, keep serving
+        except QueryTimeout:
+            log.warning("dashboard query stopped after %.1f s: %s", store.timeout_s, request.url.path)
+            return _json({"error": f"the fleet database took longer than {store.timeout_s:g} s for this view"}, 503)
+        except Exception as exc:  # the store is down or has no fleet schema: say so, in our words, not the database's
             log.exception("dashboard query failed: %s", request.url.path)
-            return _json({"error": redact(f"fleet database query failed: {type(exc).__name__}: {exc}")}, 503)
+            return _json({"error": f"fleet database query failed: {_problem(exc)}"}, 503)
 
     async def api_fleet(request: Request) -> Response:
         return await api(request, _fleet_data, refresh_s)

@@ -15,8 +15,17 @@ TERMINAL_DEPLOYMENT_STATES = ("active", "failed", "rolled_back")
 # Event types drawn on the device page's time axis.
 MARKER_TYPES = ("deployment", "adapt", "throttling", "throttling_cleared", "rolled_back", "rollback", "model_loaded")
 MAX_POINTS = 600  # points per series on a device chart: one bucket per pixel column, about
+# Bounds on what one device can make a page read and draw, whatever it sent (a hostile or broken device
+# sent 1 M adapt events in an hour: that page took 30 s, ~1 GB and 64 MB of JSON, and stack-overflowed the
+# browser). The newest ones are kept; the response says when some were left out.
+MAX_MARKERS = 500  # events drawn on a device's time axis
+MAX_DEPLOYMENT_STEPS = 2000  # deployment events read for a device's history table
 
 LATEST_LOOKBACK_S = 7 * 86400  # a device silent for longer shows no live numbers ("—"), only when it was last seen
+# A sample stamped further ahead of the dashboard's clock is not "the newest": a device whose clock runs
+# in the future would otherwise pin its row (online, its fps, its version) until that time comes. The
+# collector counts such rows (`future_ts`, the same tolerance).
+FUTURE_TOLERANCE_S = 300.0
 
 # Each device's newest sample through the (device_id, ts) index, one probe per device: PostgreSQL has no loose
 # index scan, so `GROUP BY device_id` with MAX(ts) would read every stored sample on every refresh.
@@ -28,7 +37,7 @@ SELECT d.device_id, d.online, d.state, d.state_since, d.last_seen, d.agent_versi
        s.max_seq - s.min_seq + 1 - s.received AS lost_on_device
 FROM devices d
 LEFT JOIN telemetry t ON t.device_id = d.device_id
-  AND t.ts = (SELECT MAX(l.ts) FROM telemetry l WHERE l.device_id = d.device_id AND l.ts >= ?)
+  AND t.ts = (SELECT MAX(l.ts) FROM telemetry l WHERE l.device_id = d.device_id AND l.ts >= ? AND l.ts <= ?)
 LEFT JOIN device_seq s ON s.device_id = d.device_id
 ORDER BY d.device_id
 """
@@ -36,9 +45,9 @@ ORDER BY d.device_id
 
 def fleet(db: Any, now: float | None = None) -> list[dict[str, Any]]:
     """One row per device: its status row joined with its newest telemetry sample (of the last week)."""
-    since = (time.time() if now is None else now) - LATEST_LOOKBACK_S
+    now = time.time() if now is None else now
     rows: dict[str, dict[str, Any]] = {}
-    for row in db.query(_FLEET, (since,)):
+    for row in db.query(_FLEET, (now - LATEST_LOOKBACK_S, now + FUTURE_TOLERANCE_S)):
         if row["device_id"] in rows:
             continue  # two samples with the same newest ts (a second boot): one row per device is enough
         sample_model = [row.pop(k) for k in ("sample_model_name", "sample_model_version", "sample_precision")]
@@ -65,8 +74,8 @@ def device(db: Any, device_id: str) -> dict[str, Any] | None:
         parsed = _parse(row.pop(column, None))
         row[column.removesuffix("_json")] = parsed if isinstance(parsed, dict) else None
     row["deploying"] = _deploying(row.get("deployment_state"))
-    newest = db.query("SELECT model_name, model_version, precision FROM telemetry WHERE device_id = ? "
-                      "ORDER BY ts DESC LIMIT 1", (device_id,))
+    newest = db.query("SELECT model_name, model_version, precision FROM telemetry WHERE device_id = ? AND ts <= ? "
+                      "ORDER BY ts DESC LIMIT 1", (device_id, time.time() + FUTURE_TOLERANCE_S))
     if newest and newest[0]["model_name"]:
         row.update(newest[0])  # as in fleet(): the newest sample's model over a status that may lag
     seq = db.query("SELECT max_seq - min_seq + 1 - received AS lost, received FROM device_seq WHERE device_id = ?",
@@ -114,18 +123,28 @@ def series(db: Any, device_id: str, since: float, until: float) -> dict[str, lis
     return {key: [_num(row[key]) for row in rows] for key in ("ts", *SERIES)}
 
 
-def markers(db: Any, device_id: str, since: float, until: float) -> list[dict[str, Any]]:
-    """Deployments, adapt and throttle events in the window, for the time axis."""
+def markers(db: Any, device_id: str, since: float, until: float, limit: int = MAX_MARKERS) -> list[dict[str, Any]]:
+    """Deployments, adapt and throttle events in the window, for the time axis: the newest `limit` (oldest
+    first), whatever the device sent (`marker_overflow` says whether there were more)."""
     marks = ", ".join("?" for _ in MARKER_TYPES)
     rows = db.query(f"SELECT ts, type, deployment_id, payload FROM events WHERE device_id = ? AND ts >= ? "
-                    f"AND ts <= ? AND type IN ({marks}) ORDER BY ts", (device_id, since, until, *MARKER_TYPES))
+                    f"AND ts <= ? AND type IN ({marks}) ORDER BY ts DESC LIMIT ?",
+                    (device_id, since, until, *MARKER_TYPES, int(limit)))
     out = []
-    for row in rows:
+    for row in reversed(rows):
         payload = _object(row["payload"])
         if row["type"] == "deployment" and payload.get("state") not in ("requested", *TERMINAL_DEPLOYMENT_STATES):
             continue  # intermediate steps belong in the history table, not on the axis
         out.append({"ts": row["ts"], "type": row["type"], "label": _marker_label(row["type"], payload)})
     return out
+
+
+def marker_overflow(db: Any, device_id: str, since: float, until: float, limit: int = MAX_MARKERS) -> bool:
+    """True when the window holds more marker events than `limit` (reads at most limit + 1 index entries)."""
+    marks = ", ".join("?" for _ in MARKER_TYPES)
+    rows = db.query(f"SELECT COUNT(*) AS n FROM (SELECT 1 FROM events WHERE device_id = ? AND ts >= ? AND ts <= ? "
+                    f"AND type IN ({marks}) LIMIT ?) AS newest", (device_id, since, until, *MARKER_TYPES, int(limit) + 1))
+    return int(rows[0]["n"]) > limit
 
 
 def _marker_label(kind: str, payload: dict[str, Any]) -> str:
@@ -148,8 +167,11 @@ def deployments(db: Any, device_id: str, limit: int = 20) -> list[dict[str, Any]
     if not newest:
         return []
     ids = [row["deployment_id"] for row in newest]
+    # Newest steps first, bounded: a device that sent a million steps for one deployment id gets the newest.
     rows = db.query(f"SELECT ts, deployment_id, payload FROM events WHERE device_id = ? AND type = ? "
-                    f"AND deployment_id IN ({', '.join('?' for _ in ids)}) ORDER BY ts", (device_id, "deployment", *ids))
+                    f"AND deployment_id IN ({', '.join('?' for _ in ids)}) ORDER BY ts DESC LIMIT ?",
+                    (device_id, "deployment", *ids, MAX_DEPLOYMENT_STEPS))
+    rows.reverse()
     by_id: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         payload = _object(row["payload"])
