@@ -330,6 +330,26 @@ class DeploymentManager(threading.Thread):
             log.exception("could not record failure of %s; will retry", dep.id)
             self._unrecorded.append((dep, code, message))
         self.emit("deployment", deployment_id=dep.id, state="failed", reason=code, message=message[:500])
+        self._drop_failed_artifact(dep)
+
+    def _drop_failed_artifact(self, dep: Deployment) -> None:
+        """The verified artifact of a deployment that failed is worth nothing on this device (it was refused
+        here): removed, unless another slot serves it (the same content deployed again). Two failed
+        deployments' artifacts once filled a small disk and the next write killed the agent."""
+        if not dep.artifact_dir:
+            return
+        path = Path(dep.artifact_dir)
+        try:
+            keep = {Path(row["path"]).resolve() for row in (self.store.state.model_slot(s) for s in ("active", "previous"))
+                    if row}
+            if path.resolve() in keep or not path.is_dir() or path.resolve().parent != self.artifacts_dir.resolve():
+                return
+            size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+            shutil.rmtree(path)
+        except Exception:  # the state store or the disk failing here must not fail the failure path
+            log.exception("could not remove the artifact of failed deployment %s", dep.id)
+            return
+        self.emit("artifact_collected", path=str(path), reason="deployment failed", bytes=size)
 
     def _watch(self, dep: Deployment) -> None:
         self._watching = dep
