@@ -463,3 +463,20 @@ def test_fuzz_signature_file(artifact: Path, key: KeyInfo, sig: bytes) -> None:
 
 def test_package_error_is_a_usage_error() -> None:
     assert PackageError("x").code == "PACKAGE_INVALID"
+
+
+@pytest.mark.parametrize("sig, why", [
+    (b'{"key_id": "k", "sig": "AA=="}', "lacks one of alg, key_id, sig"),
+    (b'{"alg": "ed25519", "key_id": "k", "sig": "%%%"}', "sig is not base64"),
+    (b'not json <script>', "not JSON"),
+    (b'["alg"]', "not a JSON object"),
+])
+def test_a_malformed_signature_file_is_refused_in_our_words(sig: bytes, why: str) -> None:
+    """The refusal travels to remote senders: it says what is wrong without quoting the parser, which would
+    echo bytes of the file (issue 19: `manifest.json.sig is malformed (KeyError: 'alg')`)."""
+    from agent.artifacts.keys import decode_signature
+
+    with pytest.raises(EdgeError) as info:
+        decode_signature(sig)
+    assert info.value.code == "ARTIFACT_SIGNATURE_INVALID" and why in str(info.value)
+    assert "Error" not in str(info.value) and "<script>" not in str(info.value)

@@ -179,6 +179,16 @@ def sign_bytes(key: Ed25519PrivateKey, data: bytes) -> bytes:
     return (json.dumps(doc, sort_keys=True) + "\n").encode()
 
 
+def _sig_problem(exc: BaseException) -> str:
+    if isinstance(exc, KeyError):
+        return "it lacks one of alg, key_id, sig"
+    if isinstance(exc, binascii.Error):
+        return "sig is not base64"
+    if isinstance(exc, TypeError):
+        return "it is not a JSON object of strings"
+    return "not JSON (one object: alg, key_id, sig)"
+
+
 def decode_signature(data: bytes) -> SignatureFile:
     """Parse a `.sig` file; anything malformed is ARTIFACT_SIGNATURE_INVALID."""
     if len(data) > MAX_SIG_BYTES:
@@ -187,7 +197,8 @@ def decode_signature(data: bytes) -> SignatureFile:
         doc = json.loads(data)
         alg, kid, sig = doc["alg"], doc["key_id"], base64.b64decode(doc["sig"], validate=True)
     except (ValueError, TypeError, KeyError, RecursionError, binascii.Error) as exc:
-        raise SignatureError(f"manifest.json.sig is malformed ({type(exc).__name__}: {exc})") from exc
+        # our words only: the parser's message quotes bytes of a file a remote party wrote
+        raise SignatureError(f"manifest.json.sig is malformed: {_sig_problem(exc)}") from exc
     if alg != SIG_ALG or not isinstance(kid, str) or len(sig) != 64:
         raise SignatureError(f"manifest.json.sig: expected alg {SIG_ALG!r}, a key_id and a 64-byte signature")
     return SignatureFile(kid, sig, alg)

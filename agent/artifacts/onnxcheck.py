@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator
 
 from engines.errors import EdgeError
 from engines.manifest import ArtifactPathError
 from engines.onnx_inputs import quantization_ops
+
+log = logging.getLogger(__name__)
 
 
 class ModelLoadError(EdgeError):
@@ -23,7 +26,8 @@ def load_proto(path: Path) -> Any:
     try:
         return onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf DecodeError, onnx's own errors and OSError share no useful base
-        raise ModelLoadError(f"{path.name}: not an ONNX model ({type(exc).__name__}: {exc})") from exc
+        log.warning("%s does not parse as ONNX: %s: %s", path, type(exc).__name__, exc)  # the detail stays local
+        raise ModelLoadError(f"{path.name}: not an ONNX model (its protobuf does not parse)") from exc
 
 
 def _sparse(sparse: Any) -> Iterator[Any]:

@@ -80,7 +80,9 @@ def parse_verified_manifest(manifest_bytes: bytes, source: str = MANIFEST_NAME) 
     try:
         raw = json.loads(manifest_bytes)
     except (ValueError, RecursionError, UnicodeError) as exc:  # ValueError covers JSONDecodeError, huge ints
-        raise ModelError(f"{source}: not valid JSON: {type(exc).__name__}: {exc}", code="MANIFEST_INVALID") from exc
+        # where, never the parser's words: they quote the remote file's bytes (and the refusal goes on the wire)
+        where = f" at line {exc.lineno}, column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise ModelError(f"{source}: not valid JSON{where}", code="MANIFEST_INVALID") from exc
     for name in listed_names(raw):
         if isinstance(name, str):
             check_artifact_name(name)
