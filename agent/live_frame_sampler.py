@@ -11,7 +11,6 @@ The frames stay on the device: nothing here is published.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import re
 import threading
@@ -22,7 +21,7 @@ from typing import Callable
 import cv2
 import numpy as np
 
-from engines.fsutil import fsync_dir
+from engines.fsutil import atomic_write_bytes
 from engines.live_frames import sample_files
 
 log = logging.getLogger(__name__)
@@ -98,17 +97,7 @@ class LiveFrameSampler:
         if not ok:
             raise OSError("PNG encoding failed")
         name = f"{int(wall * 1000):013d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', camera)[:64]}.png"
-        final = self.directory / name
-        tmp = self.directory / f".{name}.tmp"
-        try:
-            with open(tmp, "wb") as fh:
-                fh.write(encoded.tobytes())
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, final)
-        finally:
-            tmp.unlink(missing_ok=True)
-        fsync_dir(self.directory)
+        atomic_write_bytes(self.directory / name, encoded.tobytes())  # temp file, fsync, rename, fsync the dir
         self._prune()
 
     def _prune(self) -> None:

@@ -9,7 +9,6 @@ CUDA; tests/fake_cudart.py for cuda-python's runtime):
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 import numpy as np
@@ -19,24 +18,15 @@ from engines import cuda_mem
 from engines.backends.base import EngineOptions
 from engines.cuda_mem import CudaError
 from engines.errors import EdgeError
-from tests.fake_nvidia import FakeCudaMemory, api_versions, fake_tensorrt, forget_tensorrt_backend, import_tensorrt_backend
+from tests.fake_nvidia import FakeCudaMemory, api_versions, fake_tensorrt
+from tests.test_backend_contract import _plan, fake_backend  # noqa: F401  (the TrtEngine-on-stand-ins fixture)
 
 BATCHED = EngineOptions(static_shapes={"x": (1, 3, 4, 4)}, max_batch=4)
 
 
 @pytest.fixture
-def backend(monkeypatch: pytest.MonkeyPatch):
-    def install(cuda: FakeCudaMemory, version: str = "10.3.0") -> types.ModuleType:
-        return import_tensorrt_backend(monkeypatch, fake_tensorrt(version, cuda=cuda), cuda)
-
-    yield install
-    forget_tensorrt_backend()
-
-
-def _plan(tmp_path: Path) -> Path:
-    path = tmp_path / "e.plan"
-    path.write_bytes(b"PLAN-fake")
-    return path
+def backend(fake_backend):  # noqa: F811
+    return fake_backend
 
 
 def _batch(n: int) -> np.ndarray:
