@@ -926,3 +926,27 @@ def test_the_quota_counts_per_device_and_minute() -> None:
     assert quota.over("e", "e/d1/telemetry", 10, t + 60) is None  # the next minute
     assert quota.over("e", "e/d3/telemetry", 101, t) == "d3"  # over in bytes
     assert DeviceQuota(0, 0).over("e", "e/d1/telemetry", 10**9, t) is None
+
+
+def test_held_payload_bytes_stay_under_the_budget_while_the_store_is_slow(
+        fleet_db_url: str, mqtt_broker: Broker, publisher: Publisher, collectors: list,
+        request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory is bounded in bytes, not only in messages (3,000 held messages of up to 256 KiB reached 745 MB):
+    with a slow store the collector stops reading at its byte budget and the broker keeps the rest."""
+    import deploy.fleet.collector as collector_module
+
+    real = collector_module.write_batch
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(collector_module, "write_batch", slow)
+    p = unique_prefix(request)
+    big = {"filler": "x" * 100_000}
+    collector = start_collector(collectors, mqtt_broker.url, fleet_db_url, p, max_held_bytes=1_000_000, batch_size=5)
+    publisher.send_many([(f"{p}/dev-1/telemetry", sample(s, **big)) for s in range(1, 61)])
+    assert wait_for(lambda: count(fleet_db_url) == 60, 60), count(fleet_db_url)
+    stats = collector.stats()
+    assert 0 < stats["held_bytes_high_water"] <= 1_000_000 + 110_000, stats  # the budget plus one message
+    assert stats["held_bytes"] == 0 and stat(fleet_db_url, "duplicates") == 0

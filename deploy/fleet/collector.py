@@ -65,6 +65,10 @@ class CollectorConfig:
     max_wait_s: float = 0.25  # longest a message waits for its batch to fill
     linger_s: float = 0.02  # a batch is written once no message came for this long
     inflight: int = 2000  # MQTT 5 Receive Maximum: unacknowledged messages in memory at most
+    # Payload bytes held (queued or in the batch being written) at most: past it the MQTT thread stops
+    # reading, and TCP pushes back to the broker. Messages alone did not bound memory: 3,000 held messages
+    # of up to 256 KiB each, plus their parse copies, reached 745 MB.
+    max_held_bytes: int = 64 * 2**20
     session_expiry_s: int = 7 * 86400  # the broker keeps our subscription and backlog this long offline
     max_payload_bytes: int = 256 * 1024
     # Per device and minute, telemetry and events: over either, the rest of that minute is acknowledged and
@@ -204,6 +208,9 @@ class Collector:
         self._holding = 0  # messages of the batch being written (not in the queue any more)
         self.held_high_water = 0  # most messages held unacknowledged at once (bounded by `inflight`)
         self.arrived = 0  # messages delivered to us (the MQTT thread's count)
+        self._held_bytes = 0
+        self._bytes_room = threading.Condition()
+        self.held_bytes_high_water = 0
         self.quota = DeviceQuota(config.quota_msgs_per_min, config.quota_bytes_per_min)
 
     # -- life cycle ---------------------------------------------------------------------------------
@@ -314,6 +321,7 @@ class Collector:
         if self.fatal is not None:
             out["error"] = self.fatal
         out.update({"queued": self.queue.qsize(), "held": self.queue.qsize() + self._holding,
+                    "held_bytes": self._held_bytes, "held_bytes_high_water": self.held_bytes_high_water,
                     "connected": self.connected.is_set(), "protocol": self.protocol})
         return out
 
@@ -434,10 +442,24 @@ class Collector:
             log.warning("disconnected from %s (%s); reconnecting", self.config.broker_url, reason)
 
     def _on_message(self, _c: Any, _u: Any, msg: mqtt.MQTTMessage) -> None:
-        # Blocking here when the queue is full stops reading the socket: TCP pushes back to the broker.
+        # Blocking here when the queue or the byte budget is full stops reading the socket: TCP pushes back
+        # to the broker. One message always fits, however large (max_payload_bytes bounds it).
+        size = len(msg.payload)
+        with self._bytes_room:
+            while self._held_bytes and self._held_bytes + size > self.config.max_held_bytes \
+                    and not self.stop_event.is_set():
+                self._bytes_room.wait(0.2)
+            self._held_bytes += size
+            self.held_bytes_high_water = max(self.held_bytes_high_water, self._held_bytes)
         self.arrived += 1  # leave() watches it for quiet
         self.queue.put(Inbound(msg.topic, bytes(msg.payload), msg.mid, msg.qos, self._epoch))
         self.held_high_water = max(self.held_high_water, self.queue.qsize() + self._holding)
+
+    def _release(self, batch: list[Inbound]) -> None:
+        """The batch's bytes are no longer held (stored and acknowledged, or dropped for redelivery)."""
+        with self._bytes_room:
+            self._held_bytes -= sum(len(item.payload) for item in batch)
+            self._bytes_room.notify_all()
 
     # -- the writer ----------------------------------------------------------------------------------
     def _write_loop(self) -> None:
@@ -479,6 +501,8 @@ class Collector:
                           "broker after a reconnect; next batch in %.2f s", len(batch), delay)
             self.stop_event.wait(delay)
             return True
+        finally:
+            self._release(batch)
 
     def _process(self, batch: list[Inbound]) -> bool:
         """Store and acknowledge one batch; False when stopped during a database outage (nothing acked)."""

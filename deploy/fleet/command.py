@@ -52,7 +52,10 @@ def collect(
     max_wait_s: float = typer.Option(0.25, "--max-wait-s", min=0.001, help="Longest a message waits for "
                                      "its batch."),
     inflight: int = typer.Option(2000, "--inflight", min=1, max=65535, help="Unacknowledged messages held "
-                                 "at most (MQTT 5 Receive Maximum): bounds memory."),
+                                 "at most (MQTT 5 Receive Maximum)."),
+    max_held_mb: float = typer.Option(64.0, "--max-held-mb", min=1.0, help="Payload megabytes held at most "
+                                      "(queued or being written): past it the collector stops reading and the "
+                                      "broker holds the rest."),
     session_expiry_s: int = typer.Option(7 * 86400, "--session-expiry-s", min=0, help="How long the "
                                          "broker keeps this collector's backlog while it is away."),
     retention_days: float = typer.Option(30.0, "--retention-days", min=0, help="Delete telemetry/events older "
@@ -84,6 +87,7 @@ def collect(
             broker_url=broker, db_url=db_url, group=group, prefix=prefix, client_id=client_id,
             client_id_file=client_id_file, protocol=protocol,
             batch_size=batch_size, max_wait_s=max_wait_s, inflight=inflight, session_expiry_s=session_expiry_s,
+            max_held_bytes=int(max_held_mb * 2**20),
             retention_days=retention_days, timescale=timescale, quota_msgs_per_min=quota_msgs,
             quota_bytes_per_min=quota_bytes,
             mqtt={k: v for k, v in security.items() if v is not None},
