@@ -66,7 +66,8 @@ class Agent:
         self.previous: LoadedModel | None = None
         self.adapt: Any = None  # agent.adapt controller of the active model family (docs/adaptive.md)
         self.output_health = OutputHealth()  # per camera: what the serving model finds (the watch's collapse check)
-        self.storage = StorageHealth(self.emit)  # state-store writes that failed (a lock, a full disk): never fatal
+        # state-store writes that failed (a lock, a full disk): never fatal; a full disk sheds what it can
+        self.storage = StorageHealth(self.emit, on_full=self.reclaim_space)
         self.live_frames: LiveFrameSampler | None = None  # [gates] live_frames: recent camera frames for the gates
         self._restart_lock = threading.Lock()
         self._delivered: collections.deque[float] = collections.deque(maxlen=8192)  # when results were delivered
@@ -442,6 +443,36 @@ class Agent:
         else:
             old.runtime.close()
             self.previous = None
+
+    def reclaim_space(self) -> dict[str, Any]:
+        """A full disk: shed failed downloads, unused artifacts, the live-frame sample, other models' engines
+        and the oldest half of the outbox's telemetry (agent.storage_reclaim); a `storage_reclaimed` event."""
+        from agent.storage_reclaim import reclaim
+        from engines.cache import EngineCache
+
+        cfg, store = self.config, self.store
+        slots = [store.model_slot(s) for s in ("active", "previous")] if store is not None else []
+        keep = {Path(row["path"]) for row in slots if row}
+        pinned = {row["sha256"] for row in slots if row}
+
+        def engines(out: Any) -> None:
+            cache = EngineCache(cfg.cache_dir, state_db_path(cfg.state_dir))
+            try:
+                report = cache.gc(0, pinned)
+            finally:
+                cache.close()
+            out.add("engines", len(report.removed), report.freed_bytes)
+
+        def outbox(out: Any) -> None:
+            if self.plane is not None:
+                out.add("outbox_telemetry", *self.plane.mqtt.outbox.shed_telemetry(0.5))
+
+        steps = [("engines", engines)] if pinned else []  # unknown active model: no engine is safe to drop
+        result = reclaim(cfg.state_dir / "artifacts" / "deployed", keep, live_frames_dir(cfg),
+                         [*steps, ("outbox_telemetry", outbox)])
+        log.warning("disk full: freed %.1f MB (%s)", result.total_bytes / 2**20, result.bytes)
+        self.emit("storage_reclaimed", **result.to_dict())
+        return result.to_dict()
 
     def collect_engines(self, pinned: set[str]) -> None:
         """Engine cache GC after a deployment (budget from `[engines] cache_budget_mb`)."""

@@ -23,11 +23,26 @@ STORAGE_ERRORS = (sqlite3.Error, OSError)
 EventSink = Callable[..., None]
 
 
-class StorageHealth:
-    """Counts failed state-store writes; `degraded` while the last one failed."""
+RECLAIM_INTERVAL_S = 60.0  # a full disk is reclaimed from at most this often
 
-    def __init__(self, emit: EventSink) -> None:
+
+def disk_full(exc: BaseException) -> bool:
+    """SQLite's "database or disk is full" (SQLITE_FULL), or an OSError ENOSPC / EDQUOT."""
+    import errno
+
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return "disk is full" in str(exc) or getattr(exc, "sqlite_errorname", "") == "SQLITE_FULL"
+
+
+class StorageHealth:
+    """Counts failed state-store writes; `degraded` while the last one failed. `on_full` (the agent's
+    agent.storage_reclaim) runs when a write failed for a full disk, at most every RECLAIM_INTERVAL_S."""
+
+    def __init__(self, emit: EventSink, on_full: Callable[[], Any] | None = None) -> None:
         self._emit = emit
+        self.on_full = on_full
+        self._last_reclaim = float("-inf")
         self._lock = threading.Lock()
         self.failures = 0
         self.degraded_since: float | None = None  # time.time() of the first failure of this outage
@@ -58,9 +73,22 @@ class StorageHealth:
                 self.degraded_since = time.time()
         if first:
             log.error("state store write failed (%s): %s; inference goes on, retried at the next write", what, exc)
-            self._emit("storage_degraded", code="STORAGE_DEGRADED", write=what, error=type(exc).__name__)
+            self._emit("storage_degraded", code="STORAGE_DEGRADED", write=what, error=type(exc).__name__,
+                       **({"disk_full": True} if disk_full(exc) else {}))
         else:
             log.debug("state store write failed again (%s): %s", what, exc)
+        self.reclaim_if_full(exc)
+
+    def reclaim_if_full(self, exc: BaseException) -> bool:
+        """Run `on_full` when `exc` says the disk is full (rate-limited); True when it ran."""
+        if self.on_full is None or not disk_full(exc) or time.monotonic() - self._last_reclaim < RECLAIM_INTERVAL_S:
+            return False
+        self._last_reclaim = time.monotonic()
+        try:
+            self.on_full()
+        except Exception:  # noqa: BLE001 - reclaiming is best effort; the agent goes on
+            log.exception("reclaiming disk space failed")
+        return True
 
     def _succeeded(self, what: str) -> None:
         with self._lock:

@@ -202,6 +202,29 @@ class Outbox:
             if self._rows <= self.max_rows and self._bytes <= self.max_bytes:
                 return
 
+    def shed_telemetry(self, fraction: float = 0.5) -> tuple[int, int]:
+        """Drop the oldest `fraction` of the waiting telemetry (a full disk: agent.storage_reclaim), counted
+        as dropped_telemetry like any eviction; events stay. Returns (rows, payload bytes) dropped."""
+        with self._lock:
+            waiting = self._conn.execute("SELECT COUNT(*) FROM mqtt_outbox WHERE kind = ?", (TELEMETRY,)).fetchone()[0]
+            victims = self._oldest([TELEMETRY], int(waiting * fraction))
+            if not victims:
+                return 0, 0
+            try:
+                with self._transaction():
+                    self._delete_ids([row_id for row_id, _ in victims])
+                    total = self._dropped["dropped_telemetry"] + len(victims)
+                    self._set_counter("dropped_telemetry", total)
+            except sqlite3.Error:
+                self._reload()
+                raise
+            self._dropped["dropped_telemetry"] = total
+            self._rows -= len(victims)
+            size = sum(s for _, s in victims)
+            self._bytes -= size
+        log.warning("outbox: dropped the oldest %d telemetry rows (%d bytes) to free disk space", len(victims), size)
+        return len(victims), size
+
     def _oldest(self, kinds: list[str] | None, limit: int) -> list[tuple[int, int]]:
         if kinds is None:
             sql = "SELECT id, LENGTH(payload) FROM mqtt_outbox WHERE kind NOT IN (?, ?) ORDER BY id LIMIT ?"
