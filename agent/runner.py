@@ -69,6 +69,7 @@ class Agent:
         # state-store writes that failed (a lock, a full disk): never fatal; a full disk sheds what it can
         self.storage = StorageHealth(self.emit, on_full=self.reclaim_space)
         self.live_frames: LiveFrameSampler | None = None  # [gates] live_frames: recent camera frames for the gates
+        self._startup_reclaimed: dict[str, Any] | None = None  # what a nearly full disk cost at start
         self._restart_lock = threading.Lock()
         self._delivered: collections.deque[float] = collections.deque(maxlen=8192)  # when results were delivered
         self._last_restart: dict[str | None, float] = {}  # camera (None: all) -> when its last restart ended
@@ -115,7 +116,7 @@ class Agent:
             self.live_frames = LiveFrameSampler(sample_dir, cfg.gates.live_frames, int(cfg.gates.live_frames_max_mb * 2**20),
                                                 cfg.gates.live_frames_interval_s)
             self.live_frames.start()
-        self.store = StateStore.open_checked(state_db_path(cfg.state_dir))  # a corrupt file is moved aside
+        self.store = self._open_store()
         self.run_id = self.store.start_run(os.getpid())
         self.store.set_kv(LIVE_KEY, {"ts": time.time(), "state": "starting"})
         self.deployments = DeploymentStore(self.store)
@@ -130,6 +131,8 @@ class Agent:
         self.plane.start()
         if self.store.recovered:  # into the outbox now, on the broker at the next connect
             self.emit("state_db_quarantined", **self.store.recovered)
+        if self._startup_reclaimed:
+            self.emit("storage_reclaimed", at="start", **self._startup_reclaimed)
         self.manager.recover()
         self.active = self._load_initial()
         self._start_frame_path()
@@ -142,6 +145,29 @@ class Agent:
         self.watchdog.start()
         self.notifier.ready(f"serving {self.active.source.label}")
         self.persist_live()
+
+    def _open_store(self) -> StateStore:
+        """The state store (a corrupt file is moved aside). On a nearly full disk, what needs no database is
+        shed first (agent.storage_reclaim.reclaim_before_start); when the store still cannot open, the error
+        says the disk is full and how much is free, not just "disk I/O error"."""
+        from agent.storage_reclaim import free_bytes, reclaim_before_start
+
+        cfg, path = self.config, state_db_path(self.config.state_dir)
+        shed = reclaim_before_start(cfg.state_dir, live_frames_dir(cfg), path)
+        if shed is not None:
+            log.warning("starting on a nearly full disk: freed %.1f MB (%s)", shed.total_bytes / 2**20, shed.bytes)
+        try:
+            store = StateStore.open_checked(path)
+        except EdgeError as exc:
+            free = free_bytes(cfg.state_dir)
+            if free >= 4 * 2**20:
+                raise
+            raise EdgeError(f"cannot open the state database: the disk holding {cfg.state_dir} is full ({free} bytes "
+                            f"free{', after freeing ' + str(shed.total_bytes) + ' bytes' if shed else ''}); free space "
+                            "there, or set state_dir on another disk", code="STORAGE_FULL") from exc
+        if shed is not None and shed.total_bytes:
+            self._startup_reclaimed = shed.to_dict()
+        return store
 
     def _start_frame_path(self) -> None:
         """Cameras -> batcher -> worker, sized by `[batch]` and what the loaded engine measured."""

@@ -96,3 +96,52 @@ def reclaim(artifacts_dir: Path, keep_artifacts: set[Path], live_frames_dir: Pat
             out.failed[category] = type(exc).__name__
             log.warning("reclaiming %s failed: %s", category, exc)
     return out
+
+
+MIN_FREE_BYTES = 4 * 2**20  # below this the state store cannot be trusted to open (WAL and shm files, a page or two)
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem holding `path` (its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def serving_paths(db_path: Path) -> set[Path]:
+    """The active and previous model directories, read from the state database without writing to it
+    (`immutable`: no WAL or shm file is made, which a full disk would refuse). Empty when it cannot be read:
+    then no artifact is safe to delete."""
+    import sqlite3
+
+    if not Path(db_path).is_file():
+        return set()
+    try:
+        conn = sqlite3.connect(f"file:{db_path}?mode=ro&immutable=1", uri=True, timeout=1.0)
+        try:
+            rows = conn.execute("SELECT path FROM active_model WHERE slot IN ('active', 'previous')").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        log.warning("cannot read the serving models from %s (%s): no artifact is deleted", db_path, exc)
+        return {Path("/nonexistent-keep-everything")}
+    return {Path(r[0]) for r in rows if r[0]}
+
+
+def reclaim_before_start(state_dir: Path, live_frames_dir: Path | None, db_path: Path) -> Reclaimed | None:
+    """At start, when the disk holding the state directory is nearly full: shed what needs no database (or
+    None when there is room). Artifacts go only when the serving models could be read."""
+    if free_bytes(state_dir) >= MIN_FREE_BYTES:
+        return None
+    keep = serving_paths(db_path)
+    artifacts = Path(state_dir) / "artifacts" / "deployed"
+    if Path("/nonexistent-keep-everything") in keep:
+        out = Reclaimed()
+        if artifacts.is_dir():
+            remove(sorted(artifacts.glob("*.partial")), "partials", out)
+        if live_frames_dir is not None and live_frames_dir.is_dir():
+            remove(sorted(live_frames_dir.glob("*.png")), "live_frames", out)
+        return out
+    return reclaim(artifacts, keep, live_frames_dir)
+
