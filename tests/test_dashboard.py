@@ -528,3 +528,28 @@ def test_sqlite_stores_keep_the_retention_postgresql_has(tmp_path: Path) -> None
         assert schema.prune_sqlite(db, 0, now) == 0  # 0 keeps everything
     finally:
         db.close()
+
+
+def test_a_devices_events_come_in_bounded_pages(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    db = open_db(url)
+    ensure_schema(db)
+    now = time.time()
+    rows = [("noisy", "b", i, now - 1000 + i // 3, now, "adapt", None, json.dumps({"i": i, "filler": "y" * 5000}))
+            for i in range(250)]  # three events share each timestamp: the pages must neither skip nor repeat
+    with db.transaction():
+        db.conn.executemany("INSERT INTO events (device_id, boot_id, seq, ts, received, type, deployment_id, payload) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    db.close()
+    seen: list[int] = []
+    with running_dashboard(url) as dash:
+        page = dash.json("/api/events?id=noisy&limit=1000")  # asked for more than a page: a page it is
+        while True:
+            assert len(page["events"]) <= 100 and all(len(e["payload"]) <= 2048 and e["truncated"] for e in page["events"])
+            seen += [e["seq"] for e in page["events"]]
+            if page["next"] is None:
+                break
+            page = dash.json(f"/api/events?id=noisy&before={page['next']['before']}&before_seq={page['next']['before_seq']}")
+        bad = dash.get("/api/events?id=noisy&before=nan")
+    assert seen == list(range(249, -1, -1))  # every event once, newest first
+    assert bad[0] == 400

@@ -218,6 +218,21 @@ def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: floa
             return _json({"error": f"no device {device_id!r} in the fleet database"}, 404)
         return response
 
+    async def api_events(request: Request) -> Response:
+        try:
+            device_id = _required(request, "id")
+            params = request.query_params
+            before = float(params["before"]) if "before" in params else None
+            before_seq = int(params["before_seq"]) if "before_seq" in params else None
+            limit = int(params.get("limit", queries.EVENTS_PAGE))
+            if before is not None and not math.isfinite(before):
+                raise ValueError
+        except BadRequest as exc:
+            return _json({"error": str(exc)}, 400)
+        except ValueError:
+            return _json({"error": "before must be a finite unix time, before_seq and limit whole numbers"}, 400)
+        return await api(request, queries.events, device_id, before, limit, before_seq)
+
     async def api_models(request: Request) -> Response:
         return await api(request, lambda db: {"models": queries.models(db)})
 
@@ -236,7 +251,7 @@ def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: floa
     routes = [
         Route("/", _page("fleet.html")), Route("/device", _page("device.html")),
         Route("/model", _page("model.html")), Route("/healthz", _healthz),
-        Route("/api/fleet", api_fleet), Route("/api/device", api_device),
+        Route("/api/fleet", api_fleet), Route("/api/device", api_device), Route("/api/events", api_events),
         Route("/api/models", api_models), Route("/api/model", api_model),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
     ]

@@ -147,6 +147,29 @@ def marker_overflow(db: Any, device_id: str, since: float, until: float, limit: 
     return int(rows[0]["n"]) > limit
 
 
+EVENTS_PAGE = 100  # a device's event list, one page; the client asks for the next with `before`
+MAX_EVENT_TEXT = 2048  # characters of each event's payload in the list (the whole stays in the store)
+
+
+def events(db: Any, device_id: str, before: float | None = None, limit: int = EVENTS_PAGE,
+           before_seq: int | None = None) -> dict[str, Any]:
+    """One page of the device's events, newest first, after the previous page's last one (`next`: its
+    `ts` and `seq`, so events sharing a timestamp are neither skipped nor repeated). Whatever the device
+    sent, a page is at most EVENTS_PAGE events of at most MAX_EVENT_TEXT characters each."""
+    limit = max(1, min(int(limit), EVENTS_PAGE))
+    ts = 1e300 if before is None else float(before)
+    seq = 2**63 - 1 if before_seq is None else int(before_seq)
+    rows = db.query("SELECT ts, seq, type, deployment_id, payload FROM events WHERE device_id = ? AND "
+                    "(ts < ? OR (ts = ? AND seq < ?)) ORDER BY ts DESC, seq DESC LIMIT ?",
+                    (device_id, ts, ts, seq, limit + 1))
+    page = rows[:limit]
+    out = [{"ts": r["ts"], "seq": r["seq"], "type": r["type"], "deployment_id": r["deployment_id"],
+            "payload": (r["payload"] or "")[:MAX_EVENT_TEXT], "truncated": len(r["payload"] or "") > MAX_EVENT_TEXT}
+           for r in page]
+    more = len(rows) > limit
+    return {"events": out, "next": {"before": page[-1]["ts"], "before_seq": page[-1]["seq"]} if more else None}
+
+
 def _marker_label(kind: str, payload: dict[str, Any]) -> str:
     if kind == "deployment":
         return f"deployment {payload.get('state')}" + (f" ({payload['reason']})" if payload.get("reason") else "")
