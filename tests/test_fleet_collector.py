@@ -882,18 +882,25 @@ def test_cli_refuses_bad_options() -> None:
     assert "group 'a/b'" in result.stderr
 
 
-def test_samples_stamped_in_the_future_are_stored_as_sent_and_counted(
+def test_samples_stamped_in_the_future_are_clamped_counted_and_stored_once(
         fleet_db_url: str, mqtt_broker: Broker, publisher: Publisher, collectors: list,
         request: pytest.FixtureRequest) -> None:
-    """A device clock a day ahead: the row keeps its ts (part of the key that catches redeliveries) and is
-    counted (`future_ts`); the dashboard's views ignore it (tests/test_dashboard.py)."""
+    """A device clock a day ahead: the row's ts becomes the collector's receive time (the device's stays in
+    the payload), counted as `future_ts`; a redelivery (a new receive time, and on PostgreSQL ts is in the
+    unique key) is still stored once."""
     p = unique_prefix(request)
     start_collector(collectors, mqtt_broker.url, fleet_db_url, p)
     ahead = sample(1)
     ahead["ts"] = time.time() + 86400
     publisher.send_many([(f"{p}/dev-1/telemetry", ahead), (f"{p}/dev-1/telemetry", sample(2))])
     assert wait_for(lambda: count(fleet_db_url) == 2, 30)
-    assert wait_for(lambda: stat(fleet_db_url, "future_ts") == 1, 10)
+    time.sleep(0.3)
+    publisher.send_many([(f"{p}/dev-1/telemetry", ahead)])  # delivered again, received later
+    assert wait_for(lambda: stat(fleet_db_url, "future_ts") == 2, 10)
+    assert wait_for(lambda: stat(fleet_db_url, "duplicates") == 1, 10)
+    assert count(fleet_db_url) == 2
+    row = query(fleet_db_url, "SELECT ts, received, payload FROM telemetry WHERE seq = ?", (1,))[0]
+    assert row["ts"] == pytest.approx(row["received"], abs=1.0) and json.loads(row["payload"])["ts"] == ahead["ts"]
 
 
 def test_a_device_over_its_ingest_quota_is_cut_off_for_the_minute_and_counted(

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 SHARED_LEAVES = (TELEMETRY, EVENTS)
 RETAINED_LEAVES = (STATUS, META)
 PARTITION_CHECK_S = 3600.0
-FUTURE_TS_S = 300.0  # device clocks this far ahead of ours are counted (`future_ts`); the views ignore such rows
+FUTURE_TS_S = 300.0  # device clocks this far ahead of ours are clamped to the receive time and counted (`future_ts`)
 
 
 @dataclass
@@ -581,9 +581,12 @@ class Collector:
         now = time.time()
         for row in rows:
             row.values["received"] = now
-        future = sum(1 for row in rows if row.ts > now + FUTURE_TS_S)
-        if future:  # stored as sent (ts is part of the key that catches redeliveries), ignored by the views
-            self._count("future_ts", future)
+        future = [row for row in rows if row.ts > now + FUTURE_TS_S]
+        for row in future:  # a clock far ahead would pin the device's "newest" views for as long: clamp it
+            row.ts = row.values["ts"] = now  # the device's own ts stays in `payload`
+            row.clamped = True
+        if future:
+            self._count("future_ts", len(future))
         self._ensure_partitions(rows)
         with self._lock:
             pending = dict(self._pending)

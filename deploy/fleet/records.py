@@ -36,6 +36,7 @@ class Row:
     ts: float
     values: dict[str, Any]
     stream: str = ""  # the device store's epoch ("": a device or store from before epochs)
+    clamped: bool = False  # `ts` was the device's clock far in the future, set to the collector's receive time
 
     @property
     def key(self) -> tuple[str, str, int]:

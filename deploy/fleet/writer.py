@@ -38,6 +38,9 @@ def write_batch(db: FleetDB, rows: list[Row], updates: list[DeviceUpdate], stats
     unique = list({row.key + (row.table,): row for row in rows}.values())
     result.duplicates = len(rows) - len(unique)
     with db.transaction():
+        fresh = _drop_stored_clamped(db, unique)
+        result.duplicates += len(unique) - len(fresh)
+        unique = fresh
         new = _insert_rows(db, unique)
         result.duplicates += len(unique) - len(new)
         result.inserted.update(row.table for row in new)
@@ -46,6 +49,21 @@ def write_batch(db: FleetDB, rows: list[Row], updates: list[DeviceUpdate], stats
         _add_stats(db, {**stats, "duplicates": stats.get("duplicates", 0) + result.duplicates,
                         **{f"inserted_{t}": n + stats.get(f"inserted_{t}", 0) for t, n in result.inserted.items()}})
     return result
+
+
+def _drop_stored_clamped(db: FleetDB, rows: list[Row]) -> list[Row]:
+    """Rows whose future `ts` was clamped to the receive time carry a new `ts` on each redelivery, and on
+    PostgreSQL's partitioned tables `ts` is part of the unique key: such a row is looked up by
+    (device_id, boot_id, seq) first (rare: one lookup per clamped row) and left out when already stored."""
+    clamped = [row for row in rows if row.clamped]
+    if not clamped:
+        return rows
+    stored = set()
+    for row in clamped:
+        if db.query(f"SELECT 1 AS x FROM {row.table} WHERE device_id = ? AND boot_id = ? AND seq = ? LIMIT 1",
+                    (row.device_id, row.boot_id, row.seq)):
+            stored.add(id(row))
+    return [row for row in rows if id(row) not in stored]
 
 
 def _insert_rows(db: FleetDB, rows: list[Row]) -> list[Row]:

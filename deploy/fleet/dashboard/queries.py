@@ -24,7 +24,8 @@ MAX_DEPLOYMENT_STEPS = 2000  # deployment events read for a device's history tab
 LATEST_LOOKBACK_S = 7 * 86400  # a device silent for longer shows no live numbers ("—"), only when it was last seen
 # A sample stamped further ahead of the dashboard's clock is not "the newest": a device whose clock runs
 # in the future would otherwise pin its row (online, its fps, its version) until that time comes. The
-# collector counts such rows (`future_ts`, the same tolerance).
+# collector clamps such rows to its receive time (`future_ts`, the same tolerance); this covers rows
+# stored before it did.
 FUTURE_TOLERANCE_S = 300.0
 
 # Each device's newest sample through the (device_id, ts) index, one probe per device: PostgreSQL has no loose
