@@ -113,7 +113,7 @@ def live(tmp_path_factory: pytest.TempPathFactory, mqtt_broker) -> Iterator[dict
         assert wait_for(lambda: _fleet_ready(_fleet_state(db_url)), timeout=60, interval=0.5), \
             f"the store never saw the whole fleet: {_fleet_state(db_url)}"
         with running_dashboard(db_url, refresh_s=1.0) as dash, chromium(tmp / "chromium") as web:
-            yield {"dash": dash, "web": web, "agents": agents}
+            yield {"dash": dash, "web": web, "agents": agents, "db_url": db_url}
     finally:
         for agent in agents:
             agent.stop()
@@ -197,3 +197,22 @@ def test_device_page_has_points_markers_and_the_deployment_history(live) -> None
     assert sorted(rows) == ["cam-01", "cam-01", "cam-02"]  # cam-01 ran 1.0.0, then 2.0.0
     assert console_errors(web) == []
     _screenshot(web, "dashboard-model.png")
+
+
+def test_a_device_that_sent_a_flood_of_events_renders_without_a_stack_overflow(live) -> None:
+    """200,000 adapt events in the last hour on one device (a broken device sent 1 M, and the page died with
+    "Maximum call stack size exceeded" and retried every 10 s): the page loads, draws the newest few hundred,
+    says so, and logs no error."""
+    web, dash = live["web"], live["dash"]
+    db = open_db(live["db_url"])
+    now = time.time()
+    payload = json.dumps({"type": "adapt", "from": "a", "to": "b"})
+    rows = [("cam-02", "flood", i, now - 3500 + i * 0.0175, now, "adapt", None, payload) for i in range(200_000)]
+    with db.transaction():
+        db.conn.executemany("INSERT INTO events (device_id, boot_id, seq, ts, received, type, deployment_id, payload) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    db.close()
+    _open(web, dash.url + "/device?id=cam-02&range=1h")
+    shown = web.execute_script("return document.querySelectorAll('#markers tbody tr').length")
+    assert 100 < shown <= 501 and "only the newest" in web.find_element("id", "markers-truncated").text
+    assert console_errors(web) == []

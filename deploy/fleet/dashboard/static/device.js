@@ -108,11 +108,15 @@ function renderChart(spec, data) {
                              cols, box.querySelector(".plot"));
 }
 
-function renderMarkers(markers) {
+function renderMarkers(markers, truncated) {
   const rows = markers.slice().reverse().map((m) => el("tr", {}, [
     el("td", {text: fmtTime(m.ts)}),
     el("td", {}, [el("span", {class: "mark " + (m.type.startsWith("throttl") ? "throttle" : m.type)}), m.label]),
   ]));
+  if (truncated) {  // the server sends the newest few hundred, whatever the device sent
+    rows.push(el("tr", {}, [el("td", {colspan: 2, class: "muted", id: "markers-truncated",
+                                      text: `only the newest ${markers.length} events of this range are shown`})]));
+  }
   document.querySelector("#markers tbody").replaceChildren(
     ...(rows.length ? rows : [el("tr", {}, [el("td", {colspan: 2, class: "muted", text: "no events in this range"})])]));
 }
@@ -151,7 +155,7 @@ async function refresh() {
     setUpdated(data.until);
     renderFacts(data.device);
     for (const spec of CHARTS) renderChart(spec, data);
-    renderMarkers(data.markers);
+    renderMarkers(data.markers, data.markers_truncated);
     renderDeployments(data.deployments);
     document.body.dataset.loaded = "true";
   } catch (err) {
