@@ -957,3 +957,51 @@ def test_held_payload_bytes_stay_under_the_budget_while_the_store_is_slow(
     stats = collector.stats()
     assert 0 < stats["held_bytes_high_water"] <= 1_000_000 + 110_000, stats  # the budget plus one message
     assert stats["held_bytes"] == 0 and stat(fleet_db_url, "duplicates") == 0
+
+
+def test_the_collector_names_stale_members_the_broker_api_reports(caplog) -> None:
+    """Stands in for EMQX 5's management API (GET /api/v5/clients, Basic auth; the row fields as its "Clients
+    API" documents them), served by a real HTTP server on loopback: a member that is gone without --leave is
+    named at start with its queued messages; our own session and connected members are not."""
+    import base64
+    import http.server
+
+    from deploy.fleet.broker_sessions import warn_stale_members
+
+    asked: list[str] = []
+    rows = [
+        {"clientid": "edge-collector-g1-aaaa", "connected": False, "disconnected_at": "2026-12-01 10:00:00",
+         "mqueue_len": 3999, "expiry_interval": 604800},
+        {"clientid": "edge-collector-g1-self", "connected": False, "mqueue_len": 0},  # ours: not stale
+        {"clientid": "edge-collector-g1-live", "connected": True, "mqueue_len": 0},
+        {"clientid": "device-7", "connected": False},
+    ]
+
+    class Api(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            asked.append(self.path)
+            good = self.headers.get("Authorization") == "Basic " + base64.b64encode(b"key:secret").decode()
+            body = json.dumps({"data": rows, "meta": {"count": len(rows), "page": 1, "limit": 1000}}).encode()
+            self.send_response(200 if good else 401)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body if good else b"{}")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with caplog.at_level(logging.WARNING, logger="deploy.fleet.broker_sessions"):
+            stale = warn_stale_members(url, "g1", "edge-collector-g1-self", ("key", "secret"))
+            refused = warn_stale_members(url, "g1", "edge-collector-g1-self", ("key", "wrong"))
+    finally:
+        server.shutdown()
+    assert [m.client_id for m in stale] == ["edge-collector-g1-aaaa"] and stale[0].queued == 3999
+    assert "edge-collector-g1-aaaa" in caplog.text and "3999 messages queued" in caplog.text
+    assert "--leave --client-id edge-collector-g1-aaaa" in caplog.text
+    assert refused == [] and "could not ask the broker API" in caplog.text  # a refusal is a warning, not a stop
+    assert "conn_state=disconnected" in asked[0] and "like_clientid=edge-collector-" in asked[0]
+    assert warn_stale_members(None, "g1", "x", None) == []  # Mosquitto: no API, nothing to ask

@@ -60,6 +60,8 @@ class CollectorConfig:
     prefix: str = "edge"
     client_id: Optional[str] = None
     client_id_file: Optional[Path] = None  # where the generated id is kept (default: default_client_id_file)
+    broker_api: Optional[str] = None  # EMQX 5 management API (http(s)://host:18083): warn about stale members
+    broker_api_credentials: Optional[tuple[str, str]] = None  # its API key and secret
     protocol: str = "auto"  # auto | 5 | 3.1.1
     batch_size: int = 1000
     max_wait_s: float = 0.25  # longest a message waits for its batch to fill
@@ -222,6 +224,12 @@ class Collector:
         made before the store is open, so the broker keeps the backlog meanwhile.
         """
         self._writer.start()
+        if self.config.broker_api:
+            from deploy.fleet.broker_sessions import warn_stale_members
+
+            threading.Thread(target=warn_stale_members, name="collector-stale-members", daemon=True,
+                             args=(self.config.broker_api, self.config.group, self.config.effective_client_id(),
+                                   self.config.broker_api_credentials)).start()
 
     def state(self) -> str:
         """What the collector is doing, in words (systemd STATUS=, logs)."""

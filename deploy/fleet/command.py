@@ -45,6 +45,11 @@ def collect(
     client_id_file: Optional[Path] = typer.Option(None, "--client-id-file", help="Where the generated client "
                                                   "id is kept (default $STATE_DIRECTORY, else ~/.local/state/"
                                                   "edge-deploy/collector-<group>.client-id)."),
+    broker_api: Optional[str] = typer.Option(None, "--broker-api", help="EMQX 5 management API "
+                                             "(http(s)://host:18083): at start, warn about collector sessions the "
+                                             "broker still holds for members that are gone."),
+    broker_api_credentials_file: Optional[Path] = typer.Option(None, "--broker-api-credentials-file",
+                                                               help="File 'key:secret' of that API (mode 0600)."),
     leave: bool = typer.Option(False, "--leave", help="Take this instance out of its group: store the backlog "
                                "its session holds, unsubscribe, store the rest, end the session, exit."),
     protocol: str = typer.Option("auto", "--protocol", help="auto (MQTT 5, 3.1.1 fallback), 5 or 3.1.1."),
@@ -85,7 +90,8 @@ def collect(
         db_url = resolve_db_url(db, db_file, default="sqlite:///fleet.db")
         config = CollectorConfig(
             broker_url=broker, db_url=db_url, group=group, prefix=prefix, client_id=client_id,
-            client_id_file=client_id_file, protocol=protocol,
+            client_id_file=client_id_file, protocol=protocol, broker_api=broker_api,
+            broker_api_credentials=_api_credentials(broker_api_credentials_file),
             batch_size=batch_size, max_wait_s=max_wait_s, inflight=inflight, session_expiry_s=session_expiry_s,
             max_held_bytes=int(max_held_mb * 2**20),
             retention_days=retention_days, timescale=timescale, quota_msgs_per_min=quota_msgs,
@@ -108,6 +114,19 @@ def collect(
     typer.echo(json.dumps(stats))
     if "error" in stats:
         raise typer.Exit(1)
+
+
+def _api_credentials(path: Optional[Path]) -> Optional[tuple[str, str]]:
+    """(key, secret) from a 'key:secret' file; ValueError naming the file when it holds none."""
+    if path is None:
+        return None
+    try:
+        key, sep, secret = path.read_text(encoding="utf-8").strip().partition(":")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--broker-api-credentials-file {path}: cannot read it ({type(exc).__name__})") from None
+    if not sep or not key or not secret:
+        raise ValueError(f"--broker-api-credentials-file {path}: expected one line 'key:secret'")
+    return key, secret
 
 
 def log_level_of(name: str) -> int:
