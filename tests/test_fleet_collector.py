@@ -1005,3 +1005,27 @@ def test_the_collector_names_stale_members_the_broker_api_reports(caplog) -> Non
     assert refused == [] and "could not ask the broker API" in caplog.text  # a refusal is a warning, not a stop
     assert "conn_state=disconnected" in asked[0] and "like_clientid=edge-collector-" in asked[0]
     assert warn_stale_members(None, "g1", "x", None) == []  # Mosquitto: no API, nothing to ask
+
+
+def test_two_collectors_with_one_client_id_are_told_apart_by_an_error(
+        fleet_db_url: str, mqtt_broker: Broker, collectors: list, request: pytest.FixtureRequest, caplog) -> None:
+    """Two instances given the same id took the session from each other every second with only a warning
+    (Mosquitto closes the first one's socket without a reason code): now an error names the likely cause."""
+    p = unique_prefix(request)
+    with caplog.at_level(logging.ERROR, logger="deploy.fleet.collector"):
+        start_collector(collectors, mqtt_broker.url, fleet_db_url, p, client_id=f"{p}-same")
+        start_collector(collectors, mqtt_broker.url, fleet_db_url, p, client_id=f"{p}-same")
+        assert wait_for(lambda: "another collector probably uses the same client id" in caplog.text, 60)
+    assert f"{p}-same" in caplog.text
+
+
+def test_a_broker_that_says_session_taken_over_stops_the_second_holder() -> None:
+    """MQTT 5 reason 142 (EMQX and HiveMQ send it): twice within a minute, the collector stops and names the id."""
+    from types import SimpleNamespace
+
+    collector = Collector(CollectorConfig(broker_url="mqtt://127.0.0.1:1", db_url="sqlite:///x.db", client_id="dup"))
+    taken = SimpleNamespace(value=142)
+    collector._on_disconnect(None, None, None, taken, None)
+    assert collector.fatal is None
+    collector._on_disconnect(None, None, None, taken, None)
+    assert collector.fatal is not None and "'dup'" in collector.fatal and collector.stop_event.is_set()

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 SHARED_LEAVES = (TELEMETRY, EVENTS)
 RETAINED_LEAVES = (STATUS, META)
 PARTITION_CHECK_S = 3600.0
+TAKEOVER_WINDOW_S = 60.0  # two session takeovers within this: two collectors share one client id
+SHORT_LIVED_S = 5.0  # a connection the broker drops younger than this counts towards the shared-id error
+RC_SESSION_TAKEN_OVER = 142  # MQTT 5 DISCONNECT reason "Session taken over"
 FUTURE_TS_S = 300.0  # device clocks this far ahead of ours are clamped to the receive time and counted (`future_ts`)
 
 
@@ -210,6 +213,10 @@ class Collector:
         self._holding = 0  # messages of the batch being written (not in the queue any more)
         self.held_high_water = 0  # most messages held unacknowledged at once (bounded by `inflight`)
         self.arrived = 0  # messages delivered to us (the MQTT thread's count)
+        self._takeovers: list[float] = []
+        self._short_lived: list[float] = []
+        self._short_lived_said = float("-inf")
+        self._connected_at: float | None = None
         self._held_bytes = 0
         self._bytes_room = threading.Condition()
         self.held_bytes_high_water = 0
@@ -410,6 +417,7 @@ class Collector:
             self._count("broker_reconnects")
             self._count("broker_wait_s", down)
         self._count("broker_connects")
+        self._connected_at = time.monotonic()
         if self.protocol != "5":
             log.warning("MQTT 3.1.1: no shared subscriptions; this collector takes the whole stream "
                         "(run one per fleet, or use an MQTT 5 broker to split it between several)")
@@ -446,8 +454,45 @@ class Collector:
             self._down_since = time.monotonic()
         self.connected.clear()
         self.subscribed.clear()
+        if getattr(reason, "value", None) == RC_SESSION_TAKEN_OVER and self._taken_over():
+            return
+        self._short_lived_connection()
         if not self.stop_event.is_set():
             log.warning("disconnected from %s (%s); reconnecting", self.config.broker_url, reason)
+
+    def _short_lived_connection(self) -> None:
+        """Mosquitto hands a session to a second client with the same id by closing the first one's socket,
+        without saying why: two collectors sharing an id then drop each other every second. Three connections
+        that lived under SHORT_LIVED_S within TAKEOVER_WINDOW_S get an error naming the likely cause (once a
+        window); the collector keeps reconnecting, since a flapping network looks the same."""
+        now = time.monotonic()
+        if self._connected_at is None or now - self._connected_at >= SHORT_LIVED_S:
+            return
+        self._short_lived = [t for t in self._short_lived if now - t < TAKEOVER_WINDOW_S] + [now]
+        if len(self._short_lived) >= 3 and now - self._short_lived_said > TAKEOVER_WINDOW_S:
+            self._short_lived_said = now
+            self._count("short_lived_connections", len(self._short_lived))
+            log.error("the broker dropped %d connections of collector %s within %.0f s, each under %.0f s old: "
+                      "another collector probably uses the same client id (each takes the session from the "
+                      "other); give each instance its own --client-id, or check the network",
+                      len(self._short_lived), self.config.effective_client_id(), TAKEOVER_WINDOW_S, SHORT_LIVED_S)
+
+    def _taken_over(self) -> bool:
+        """Another client connected with our id and the broker handed it our session (MQTT 5 reason 142).
+        Twice in TAKEOVER_WINDOW_S means two collectors share one id and would take the session from each
+        other forever: this one stops (fatal) and says so, the other keeps the stream."""
+        now = time.monotonic()
+        self._takeovers = [t for t in self._takeovers if now - t < TAKEOVER_WINDOW_S] + [now]
+        self._count("session_taken_over")
+        if len(self._takeovers) < 2:
+            log.warning("the broker gave our session (%s) to another client with the same id",
+                        self.config.effective_client_id())
+            return False
+        self.fatal = (f"another collector uses client id {self.config.effective_client_id()!r}: the broker keeps handing "
+                      "the session between the two; give each instance its own --client-id (this one stops)")
+        log.error("%s", self.fatal)
+        self.stop_event.set()
+        return True
 
     def _on_message(self, _c: Any, _u: Any, msg: mqtt.MQTTMessage) -> None:
         # Blocking here when the queue or the byte budget is full stops reading the socket: TCP pushes back
