@@ -78,6 +78,9 @@ class _Session:
     window: int = 0
     log: _SessionLog = field(default_factory=_SessionLog)
     ended: threading.Event = field(default_factory=threading.Event)
+    # set once on_connect has published the retained `online` status: the goodbye (`stopped`) goes after it,
+    # or a stop racing the CONNACK left `online` retained for a device that had stopped
+    announced: threading.Event = field(default_factory=threading.Event)
 
 
 def send_window(max_inflight: int, receive_maximum: int | None) -> int:
@@ -251,6 +254,7 @@ class MqttConnection:
                 return
 
     def _say_goodbye(self, session: _Session) -> None:
+        session.announced.wait(2.0)  # after `online`, never before it (both retained: the last one stays)
         try:
             payload = to_json_bytes(self._status_payload("stopped"))
             info = session.client.publish(self.topics.status, payload, qos=1, retain=True)
@@ -299,9 +303,11 @@ class MqttConnection:
         self.protocol, self.state = session.protocol, "connected"
         log.info("MQTT connected to %s (MQTT %s, client id %s)", self.config.url, session.protocol, self.client_id)
         client.subscribe(self.topics.cmd, qos=1)
-        client.publish(self.topics.status, to_json_bytes(self._status_payload("online")), qos=1, retain=True)
+        state = "stopped" if self._stop.is_set() else "online"  # a CONNACK that arrived while stopping
+        client.publish(self.topics.status, to_json_bytes(self._status_payload(state)), qos=1, retain=True)
         if self._meta_payload is not None:
             client.publish(self.topics.meta, to_json_bytes(self._meta_payload()), qos=1, retain=True)
+        session.announced.set()
         self._notify_session(self.session)
 
     def _on_disconnect(self, session: _Session, _c: Any, _u: Any, _f: Any, reason: Any, _p: Any) -> None:
