@@ -150,7 +150,7 @@ class Agent:
         """The state store (a corrupt file is moved aside). On a nearly full disk, what needs no database is
         shed first (agent.storage_reclaim.reclaim_before_start); when the store still cannot open, the error
         says the disk is full and how much is free, not just "disk I/O error"."""
-        from agent.storage_reclaim import free_bytes, reclaim_before_start
+        from agent.storage_reclaim import MIN_FREE_BYTES, free_bytes, reclaim_before_start
 
         cfg, path = self.config, state_db_path(self.config.state_dir)
         shed = reclaim_before_start(cfg.state_dir, live_frames_dir(cfg), path)
@@ -160,7 +160,7 @@ class Agent:
             store = StateStore.open_checked(path)
         except EdgeError as exc:
             free = free_bytes(cfg.state_dir)
-            if free >= 4 * 2**20:
+            if free >= MIN_FREE_BYTES:
                 raise
             raise EdgeError(f"cannot open the state database: the disk holding {cfg.state_dir} is full ({free} bytes "
                             f"free{', after freeing ' + str(shed.total_bytes) + ' bytes' if shed else ''}); free space "
@@ -474,19 +474,14 @@ class Agent:
         """A full disk: shed failed downloads, unused artifacts, the live-frame sample, other models' engines
         and the oldest half of the outbox's telemetry (agent.storage_reclaim); a `storage_reclaimed` event."""
         from agent.storage_reclaim import reclaim
-        from engines.cache import EngineCache
 
-        cfg, store = self.config, self.store
-        slots = [store.model_slot(s) for s in ("active", "previous")] if store is not None else []
-        keep = {Path(row["path"]) for row in slots if row}
-        pinned = {row["sha256"] for row in slots if row}
+        cfg = self.config
+        slots = self.store.serving_models() if self.store is not None else None
+        keep = {Path(row["path"]) for row in slots} if slots is not None else None
+        pinned = {row["sha256"] for row in slots or []}
 
         def engines(out: Any) -> None:
-            cache = EngineCache(cfg.cache_dir, state_db_path(cfg.state_dir))
-            try:
-                report = cache.gc(0, pinned)
-            finally:
-                cache.close()
+            report = self.collect_engines(pinned, budget_bytes=0)
             out.add("engines", len(report.removed), report.freed_bytes)
 
         def outbox(out: Any) -> None:
@@ -500,17 +495,20 @@ class Agent:
         self.emit("storage_reclaimed", **result.to_dict())
         return result.to_dict()
 
-    def collect_engines(self, pinned: set[str]) -> None:
-        """Engine cache GC after a deployment (budget from `[engines] cache_budget_mb`)."""
+    def collect_engines(self, pinned: set[str], budget_bytes: int | None = None) -> Any:
+        """Engine cache GC, never the `pinned` models' engines: after a deployment to `[engines]
+        cache_budget_mb`, on a full disk to 0. Returns the cache's GcReport."""
         from engines.cache import EngineCache
 
+        budget = self.config.engines.cache_budget_mb * 2**20 if budget_bytes is None else budget_bytes
         cache = EngineCache(self.config.cache_dir, state_db_path(self.config.state_dir), on_event=self._engine_progress)
         try:
-            report = cache.gc(self.config.engines.cache_budget_mb * 2**20, pinned)
+            report = cache.gc(budget, pinned)
         finally:
             cache.close()
         if report.removed:
             log.info("engine cache: collected %d engine(s), %.1f MB", len(report.removed), report.freed_bytes / 2**20)
+        return report
 
     def commit_active(self, source: ModelSource, provisioned: Any, dep: Deployment, store: DeploymentStore) -> None:
         """The new active model and the deployment's `active` state, in one transaction."""

@@ -273,6 +273,10 @@ class StateStore:
         rows[0]["info"] = json.loads(rows[0]["info"] or "{}")
         return rows[0]
 
+    def serving_models(self) -> list[dict[str, Any]]:
+        """The active and previous model rows that exist: what no collection or shedding may delete."""
+        return [row for row in (self.model_slot("active"), self.model_slot("previous")) if row]
+
     # --- events and key/value ---------------------------------------------------------------
 
     def add_event(self, type_: str, payload: dict[str, Any], keep: int = 10_000) -> None:

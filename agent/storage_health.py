@@ -10,6 +10,7 @@ succeeds ends the outage with `storage_recovered` and the numbers (issue 19).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import sqlite3
 import threading
@@ -28,8 +29,6 @@ RECLAIM_INTERVAL_S = 60.0  # a full disk is reclaimed from at most this often
 
 def disk_full(exc: BaseException) -> bool:
     """SQLite's "database or disk is full" (SQLITE_FULL), or an OSError ENOSPC / EDQUOT."""
-    import errno
-
     if isinstance(exc, OSError):
         return exc.errno in (errno.ENOSPC, errno.EDQUOT)
     return "disk is full" in str(exc) or getattr(exc, "sqlite_errorname", "") == "SQLITE_FULL"

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from engines.live_frames import sample_files
+
 log = logging.getLogger(__name__)
 
 
@@ -75,20 +77,22 @@ def remove(paths: Iterable[Path], category: str, out: Reclaimed) -> None:
         out.add(category, 1, size)
 
 
-def reclaim(artifacts_dir: Path, keep_artifacts: set[Path], live_frames_dir: Path | None,
+def reclaim(artifacts_dir: Path, keep_artifacts: set[Path] | None, live_frames_dir: Path | None,
             steps: Iterable[tuple[str, Callable[[Reclaimed], None]]] = ()) -> Reclaimed:
     """Free space in the order of the module docstring; `steps` are the ones that need the agent's objects
-    (engine cache, outbox), run after the file-only ones."""
+    (engine cache, outbox), run after the file-only ones. `keep_artifacts` None: which artifacts serve is
+    not known, so none is deleted (only interrupted downloads)."""
     out = Reclaimed()
     artifacts_dir = Path(artifacts_dir)
     if artifacts_dir.is_dir():
         remove(sorted(artifacts_dir.glob("*.partial")), "partials", out)
-        keep = {p.resolve() for p in keep_artifacts}
-        stale = [p for p in artifacts_dir.iterdir() if p.is_dir() and not p.name.endswith(".partial")
-                 and p.resolve() not in keep]
-        remove(sorted(stale), "artifacts", out)
+        if keep_artifacts is not None:
+            keep = {p.resolve() for p in keep_artifacts}
+            stale = [p for p in artifacts_dir.iterdir() if p.is_dir() and not p.name.endswith(".partial")
+                     and p.resolve() not in keep]
+            remove(sorted(stale), "artifacts", out)
     if live_frames_dir is not None and live_frames_dir.is_dir():
-        remove(sorted(live_frames_dir.glob("*.png")), "live_frames", out)
+        remove(sample_files(live_frames_dir), "live_frames", out)
     for category, step in steps:
         try:
             step(out)
@@ -109,10 +113,10 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def serving_paths(db_path: Path) -> set[Path]:
+def serving_paths(db_path: Path) -> set[Path] | None:
     """The active and previous model directories, read from the state database without writing to it
-    (`immutable`: no WAL or shm file is made, which a full disk would refuse). Empty when it cannot be read:
-    then no artifact is safe to delete."""
+    (`immutable`: no WAL or shm file is made, which a full disk would refuse). Empty when there is no
+    database yet; None when it cannot be read: then no artifact is safe to delete."""
     import sqlite3
 
     if not Path(db_path).is_file():
@@ -125,7 +129,7 @@ def serving_paths(db_path: Path) -> set[Path]:
             conn.close()
     except sqlite3.Error as exc:
         log.warning("cannot read the serving models from %s (%s): no artifact is deleted", db_path, exc)
-        return {Path("/nonexistent-keep-everything")}
+        return None
     return {Path(r[0]) for r in rows if r[0]}
 
 
@@ -134,14 +138,5 @@ def reclaim_before_start(state_dir: Path, live_frames_dir: Path | None, db_path:
     None when there is room). Artifacts go only when the serving models could be read."""
     if free_bytes(state_dir) >= MIN_FREE_BYTES:
         return None
-    keep = serving_paths(db_path)
-    artifacts = Path(state_dir) / "artifacts" / "deployed"
-    if Path("/nonexistent-keep-everything") in keep:
-        out = Reclaimed()
-        if artifacts.is_dir():
-            remove(sorted(artifacts.glob("*.partial")), "partials", out)
-        if live_frames_dir is not None and live_frames_dir.is_dir():
-            remove(sorted(live_frames_dir.glob("*.png")), "live_frames", out)
-        return out
-    return reclaim(artifacts, keep, live_frames_dir)
+    return reclaim(Path(state_dir) / "artifacts" / "deployed", serving_paths(db_path), live_frames_dir)
 

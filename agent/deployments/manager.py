@@ -25,6 +25,7 @@ from agent.artifacts.urlpolicy import LOCAL, Channel, UrlRefused, check_url
 from agent.deployments.config import DeploymentConfig
 from agent.deployments.store import Deployment, DeploymentStore
 from agent.deployments.versions import VersionMemory
+from agent.storage_reclaim import tree_size
 from agent.testhooks import pause_point
 from agent.wire_errors import internal_error
 from engines.errors import EdgeError
@@ -340,11 +341,10 @@ class DeploymentManager(threading.Thread):
             return
         path = Path(dep.artifact_dir)
         try:
-            keep = {Path(row["path"]).resolve() for row in (self.store.state.model_slot(s) for s in ("active", "previous"))
-                    if row}
+            keep = {Path(row["path"]).resolve() for row in self.store.state.serving_models()}
             if path.resolve() in keep or not path.is_dir() or path.resolve().parent != self.artifacts_dir.resolve():
                 return
-            size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+            size = tree_size(path)
             shutil.rmtree(path)
         except Exception:  # the state store or the disk failing here must not fail the failure path
             log.exception("could not remove the artifact of failed deployment %s", dep.id)
@@ -381,11 +381,7 @@ class DeploymentManager(threading.Thread):
 
     def _collect_artifacts(self) -> None:
         """Remove artifact directories beyond the newest `keep_versions`, never the active or previous one."""
-        keep = set()
-        for slot in ("active", "previous"):
-            row = self.store.state.model_slot(slot)
-            if row:
-                keep.add(Path(row["path"]).resolve())
+        keep = {Path(row["path"]).resolve() for row in self.store.state.serving_models()}
         dirs = sorted((p for p in self.artifacts_dir.glob("*") if p.is_dir() and (p / "manifest.json").is_file()
                        and not p.name.endswith(".partial") and ".quarantine-" not in p.name),
                       key=lambda p: p.stat().st_mtime, reverse=True)
@@ -397,7 +393,7 @@ class DeploymentManager(threading.Thread):
 
 def _pinned(state: Any) -> set[str]:
     """Model sha256s of the active and previous models: their engines are never collected."""
-    return {row["sha256"] for row in (state.model_slot("active"), state.model_slot("previous")) if row}
+    return {row["sha256"] for row in state.serving_models()}
 
 
 def _engine_summary(provisioned: Any) -> dict[str, Any]:

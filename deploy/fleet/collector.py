@@ -88,6 +88,7 @@ class CollectorConfig:
     reconnect_min_s: int = 1
     reconnect_max_s: int = 30
     mqtt: dict[str, Any] = field(default_factory=dict)  # username, credentials_file, ca_file, ...
+    _client_id: Optional[str] = field(default=None, init=False, repr=False)  # the generated id, once read
 
     def __post_init__(self) -> None:
         check_prefix(self.prefix)
@@ -108,7 +109,7 @@ class CollectorConfig:
         stream queued in the old session, which Mosquitto keeps dealing messages to)."""
         if self.client_id:
             return self.client_id
-        if getattr(self, "_client_id", None) is None:
+        if self._client_id is None:
             self._client_id = stable_client_id(self.client_id_file or default_client_id_file(self.group), self.group)
         return self._client_id
 

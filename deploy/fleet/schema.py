@@ -129,20 +129,23 @@ def _relation_kind(db: FleetDB, name: str) -> str | None:
     if db.dialect == "sqlite":
         rows = db.query("SELECT type FROM sqlite_master WHERE name = ?", (name,))
         return rows[0]["type"] if rows else None
+    kind = _pg_relkind(db, name)
+    return None if kind is None else "view" if kind == "v" else "table"
+
+
+def _pg_relkind(db: FleetDB, name: str) -> str | None:
+    """PostgreSQL's relkind of `name` in the current schema ('r' table, 'p' partitioned, 'v' view), or None."""
     rows = db.query("SELECT c.relkind AS kind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
                     "WHERE c.relname = ? AND n.nspname = current_schema()", (name,))
-    if not rows:
-        return None
-    return "view" if rows[0]["kind"] == "v" else "table"
+    return rows[0]["kind"] if rows else None
 
 
 def existing_layout(db: FleetDB) -> str | None:
     """How an existing PostgreSQL store was made (None: no telemetry table yet)."""
-    rows = db.query("SELECT c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                    "WHERE c.relname = 'telemetry' AND n.nspname = current_schema()")
-    if not rows:
+    kind = _pg_relkind(db, "telemetry")
+    if kind is None:
         return None
-    if rows[0]["relkind"] == "p":
+    if kind == "p":
         return "partitioned"
     return "timescaledb" if _is_hypertable(db) else "plain"
 

@@ -90,14 +90,12 @@ class Store:
             self._local.deadline = time.monotonic() + self.timeout_s
             try:
                 return fn(db, *args)
-            except TRANSIENT_ERRORS as exc:
-                if _timed_out(exc) or time.monotonic() > self._local.deadline:
-                    raise QueryTimeout(f"the query ran past {self.timeout_s:g} s") from exc
-                self._drop()  # the database went away: this thread connects afresh next time
-                raise
             except Exception as exc:
-                if _timed_out(exc):
+                transient = isinstance(exc, TRANSIENT_ERRORS)
+                if _timed_out(exc) or (transient and time.monotonic() > self._local.deadline):
                     raise QueryTimeout(f"the query ran past {self.timeout_s:g} s") from exc
+                if transient:
+                    self._drop()  # the database went away: this thread connects afresh next time
                 raise
             finally:
                 self._local.deadline = float("inf")
@@ -182,10 +180,9 @@ def _device_data(db: Any, device_id: str, since: float, until: float) -> dict[st
     dev = queries.device(db, device_id)
     if dev is None:
         return None
+    marks, truncated = queries.markers(db, device_id, since, until)
     return {"device": dev, "since": since, "until": until, "series": queries.series(db, device_id, since, until),
-            "markers": queries.markers(db, device_id, since, until),
-            "markers_truncated": queries.marker_overflow(db, device_id, since, until),
-            "deployments": queries.deployments(db, device_id)}
+            "markers": marks, "markers_truncated": truncated, "deployments": queries.deployments(db, device_id)}
 
 
 def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: float = 5.0,

@@ -124,28 +124,22 @@ def series(db: Any, device_id: str, since: float, until: float) -> dict[str, lis
     return {key: [_num(row[key]) for row in rows] for key in ("ts", *SERIES)}
 
 
-def markers(db: Any, device_id: str, since: float, until: float, limit: int = MAX_MARKERS) -> list[dict[str, Any]]:
+def markers(db: Any, device_id: str, since: float, until: float,
+            limit: int = MAX_MARKERS) -> tuple[list[dict[str, Any]], bool]:
     """Deployments, adapt and throttle events in the window, for the time axis: the newest `limit` (oldest
-    first), whatever the device sent (`marker_overflow` says whether there were more)."""
+    first), whatever the device sent, and whether the window held more (one query of limit + 1 rows)."""
     marks = ", ".join("?" for _ in MARKER_TYPES)
     rows = db.query(f"SELECT ts, type, deployment_id, payload FROM events WHERE device_id = ? AND ts >= ? "
                     f"AND ts <= ? AND type IN ({marks}) ORDER BY ts DESC LIMIT ?",
-                    (device_id, since, until, *MARKER_TYPES, int(limit)))
+                    (device_id, since, until, *MARKER_TYPES, int(limit) + 1))
+    truncated, rows = len(rows) > limit, rows[:limit]
     out = []
     for row in reversed(rows):
         payload = _object(row["payload"])
         if row["type"] == "deployment" and payload.get("state") not in ("requested", *TERMINAL_DEPLOYMENT_STATES):
             continue  # intermediate steps belong in the history table, not on the axis
         out.append({"ts": row["ts"], "type": row["type"], "label": _marker_label(row["type"], payload)})
-    return out
-
-
-def marker_overflow(db: Any, device_id: str, since: float, until: float, limit: int = MAX_MARKERS) -> bool:
-    """True when the window holds more marker events than `limit` (reads at most limit + 1 index entries)."""
-    marks = ", ".join("?" for _ in MARKER_TYPES)
-    rows = db.query(f"SELECT COUNT(*) AS n FROM (SELECT 1 FROM events WHERE device_id = ? AND ts >= ? AND ts <= ? "
-                    f"AND type IN ({marks}) LIMIT ?) AS newest", (device_id, since, until, *MARKER_TYPES, int(limit) + 1))
-    return int(rows[0]["n"]) > limit
+    return out, truncated
 
 
 EVENTS_PAGE = 100  # a device's event list, one page; the client asks for the next with `before`
