@@ -260,7 +260,7 @@ def check_trt_qdq(model: onnx.ModelProto, op_types: Iterable[str] = TRT_RECIPE.o
             rank = _weight_rank(node, producers, inits)
             problems += _check_qdq_node(node, inits, _weight_axes(node, consumers, rank), rank)
         if node.op_type == "DequantizeLinear":
-            problems += _check_dq_consumers(node, model, allowed)
+            problems += _check_dq_consumers(node, [u for u, _ in consumers.get(node.output[0], [])], allowed)
         if node.op_type in ("Conv", "Gemm") and len(node.input) > 2 and node.input[2] in producers \
                 and producers[node.input[2]].op_type == "DequantizeLinear":
             problems.append(f"{node.name or node.op_type}: bias has Q/DQ")
@@ -326,8 +326,7 @@ def _check_qdq_node(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], we
     return problems
 
 
-def _check_dq_consumers(node: onnx.NodeProto, model: onnx.ModelProto, allowed: set[str]) -> list[str]:
-    users = [n for n in model.graph.node if node.output[0] in n.input]
+def _check_dq_consumers(node: onnx.NodeProto, users: list[onnx.NodeProto], allowed: set[str]) -> list[str]:
     bad = sorted({u.op_type for u in users if u.op_type not in allowed})
     if bad:
         return [f"{node.name or node.output[0]}: Q/DQ feeds {', '.join(bad)} (only {', '.join(sorted(allowed))})"]
