@@ -195,8 +195,7 @@ class Outbox:
                     break
                 dropped += self._drop_until_under(victims)
             if dropped:
-                total = self._dropped[counter] = self._dropped[counter] + dropped
-                self._set_counter(counter, total)
+                total = self._add_dropped(counter, dropped)
                 log.warning("outbox full (%d rows, %d bytes): dropped %d oldest %s (total %d)",
                             self._rows, self._bytes, dropped, counter.removeprefix("dropped_"), total)
             if self._rows <= self.max_rows and self._bytes <= self.max_bytes:
@@ -210,20 +209,23 @@ class Outbox:
             victims = self._oldest([TELEMETRY], int(waiting * fraction))
             if not victims:
                 return 0, 0
+            size = sum(s for _, s in victims)
             try:
                 with self._transaction():
                     self._delete_ids([row_id for row_id, _ in victims])
-                    total = self._dropped["dropped_telemetry"] + len(victims)
-                    self._set_counter("dropped_telemetry", total)
+                    self._rows, self._bytes = self._rows - len(victims), self._bytes - size
+                    self._add_dropped("dropped_telemetry", len(victims))
             except sqlite3.Error:
-                self._reload()
+                self._reload()  # rolled back: the in-memory totals follow the disk
                 raise
-            self._dropped["dropped_telemetry"] = total
-            self._rows -= len(victims)
-            size = sum(s for _, s in victims)
-            self._bytes -= size
         log.warning("outbox: dropped the oldest %d telemetry rows (%d bytes) to free disk space", len(victims), size)
         return len(victims), size
+
+    def _add_dropped(self, counter: str, count: int) -> int:
+        """Count `count` more drops in `counter`, in memory and in the store (transaction held); the new total."""
+        total = self._dropped[counter] = self._dropped[counter] + count
+        self._set_counter(counter, total)
+        return total
 
     def _oldest(self, kinds: list[str] | None, limit: int) -> list[tuple[int, int]]:
         if kinds is None:
