@@ -137,10 +137,11 @@ class ReadyFrames:
         return [Frame(self.frames[self.count % len(self.frames)], self.count, time.monotonic(), "cam0")]
 
 
-def worker_loop(runtime, frames: list[np.ndarray], seconds: float) -> tuple[int, FrameStats]:
-    """(e) InferenceWorker (default settings) on frames that are always ready."""
+def worker_loop(runtime, frames: list[np.ndarray], seconds: float, overlap: bool = True) -> tuple[int, FrameStats]:
+    """(e) InferenceWorker (default settings; `overlap`: postprocessing on the result stage's thread, else
+    inline) on frames that are always ready. scripts/device_check.py runs it on TensorRT."""
     stop, stats = threading.Event(), FrameStats()
-    worker = InferenceWorker(runtime, ReadyFrames(frames), stop, stats)
+    worker = InferenceWorker(runtime, ReadyFrames(frames), stop, stats, overlap_postprocess=overlap)
     worker.start()
     stop.wait(seconds)
     stop.set()

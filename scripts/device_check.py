@@ -365,31 +365,13 @@ def check_speedups(c: Check) -> dict[str, Any]:
 
 def worker_fps(runtime: Any, frames: list[Any], seconds: float, overlap: bool) -> float:
     """Frames per second of the agent's InferenceWorker fed ready frames, with postprocessing on the result
-    stage's thread (`overlap`) or inline between engine calls."""
-    import threading
+    stage's thread (`overlap`) or inline between engine calls: benchmarks/pipeline.py's worker loop."""
+    benchmarks = str(REPO / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    from pipeline import worker_loop  # benchmarks/pipeline.py
 
-    from agent.pipeline.frame_stats import FrameStats
-    from agent.pipeline.worker import InferenceWorker
-    from agent.sources.base import Frame
-
-    class Ready:
-        max_size = 1
-
-        def __init__(self) -> None:
-            self.count = 0
-
-        def next_batch(self, stop: threading.Event, idle_s: float = 0.2) -> list[Any]:
-            self.count += 1
-            return [Frame(frames[self.count % len(frames)], self.count, time.monotonic(), "cam0")]
-
-    stop, stats = threading.Event(), FrameStats()
-    worker = InferenceWorker(runtime, Ready(), stop, stats, overlap_postprocess=overlap)
-    started = time.monotonic()
-    worker.start()
-    stop.wait(seconds)
-    stop.set()
-    worker.join(10)
-    return stats.frames / (time.monotonic() - started)
+    return worker_loop(runtime, frames, seconds, overlap)[0] / seconds
 
 
 def check_result_stage_overlap(c: Check) -> dict[str, Any]:
