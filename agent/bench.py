@@ -28,13 +28,15 @@ def render_bench(report: dict[str, Any], console: Console) -> None:
 
 
 def render_batch(batch: dict[str, Any], console: Console) -> None:
-    """The per-size cost curve of `bench --batch`: ms per frame, frames per second, batch latency."""
-    table = Table(title=f"batch sizes (engine takes up to {batch['max_batch']})", title_justify="left")
-    for column in ("batch", "ms/frame mean", "p50", "p99", "fps", "batch ms"):
+    """The per-size cost curve of `bench --batch`: median ms per frame with its spread, fps, batch latency."""
+    table = Table(title=f"batch sizes (engine takes up to {batch['max_batch']}; {batch.get('rounds', '?')} "
+                  "interleaved rounds)", title_justify="left")
+    for column in ("batch", "ms/frame p50", "spread p25-p75", "p99", "fps", "batch ms"):
         table.add_column(column, justify="right")
     for size, stats in batch["per_frame_ms"].items():
-        table.add_row(size, f"{stats['mean']:.3f}", f"{stats['p50']:.3f}", f"{stats['p99']:.3f}",
-                      f"{batch['fps'][size]:.1f}", f"{stats['mean'] * int(size):.2f}")
+        low, high = stats.get("spread") or (stats["p50"], stats["p50"])
+        table.add_row(size, f"{stats['p50']:.3f}", f"{low:.3f}-{high:.3f}", f"{stats['p99']:.3f}",
+                      f"{batch['fps'][size]:.1f}", f"{stats['p50'] * int(size):.2f}")
     console.print(table)
     for size, why in batch["skipped"].items():
         console.print(f"batch {size} skipped: {why}")
@@ -42,4 +44,5 @@ def render_batch(batch: dict[str, Any], console: Console) -> None:
         console.print(f"engine: {batch['note']}")
     budget = batch.get("latency_budget_ms")
     console.print(f"auto would pick batch {batch['auto_pick']}"
-                  + (f" (latency budget {budget} ms)" if budget is not None else " (no latency budget)"))
+                  + (f" (latency budget {budget} ms)" if budget is not None else " (no latency budget)")
+                  + (f": {batch['auto_reason']}" if batch.get("auto_reason") else ""))

@@ -155,6 +155,21 @@ def _camera_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     batch = summary.get("batch")
     if batch and len(cameras) > 1:
         rows.append(("batch", f"max {batch['max_size']} ({batch['reason']}), {batch.get('batches', 0)} batches"))
+        rows += batch_profile_rows(batch)
+    return rows
+
+
+def batch_profile_rows(batch: dict[str, Any]) -> list[tuple[str, str]]:
+    """Where one batch's time goes, per size run (mean ms per batch): the gather wait, preprocessing (whole
+    batch and one slot), the engine call, the split of its outputs, postprocessing; then the frame path's
+    cost per frame, what `auto` compares."""
+    rows = []
+    for size, p in (batch.get("profile") or {}).items():
+        rows.append((f"batch of {size}", f"{int(p['batches'])} batches: gather {p['gather_ms']}, preprocess "
+                     f"{p['preprocess_ms']} ({p['preprocess_slot_ms']} per slot), engine {p['engine_ms']}, split "
+                     f"{p['split_ms']}, postprocess {p['postprocess_ms']} ms; {p['path_ms_per_frame']} ms per frame"))
+    if batch.get("preprocess"):
+        rows.append(("slot preprocessing", batch["preprocess"]))
     return rows
 
 

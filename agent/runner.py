@@ -24,7 +24,8 @@ from agent.deployments.manager import DeploymentManager
 from agent.deployments.output_health import OutputHealth
 from agent.deployments.store import Deployment, DeploymentStore
 from agent.deployments import watch as deployment_watch
-from agent.pipeline.batch_size import BatchSize, batch_curve, demand_fps, resolve_batch_size, stated_fps
+from agent.pipeline.batch_size import BatchSize, batch_curve, batch_spread, demand_fps, resolve_batch_size, stated_fps
+from agent.pipeline.batch_tuner import LiveBatchTuner, make_tuner
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.cameras import CameraGroup
 from agent.pipeline.frame_stats import FrameStats
@@ -182,7 +183,9 @@ class Agent:
         self.stats = FrameStats()  # fps and duration count from the first frame the model can take
         self.worker = InferenceWorker(active.runtime, self.batcher, self.stop_event, self.stats,
                                       self._on_result, cfg.pipeline.max_consecutive_errors,
-                                      overlap_postprocess=cfg.pipeline.overlap_postprocess)
+                                      overlap_postprocess=cfg.pipeline.overlap_postprocess,
+                                      tuner=self._tuner_for(active, self.batch_size),
+                                      parallel_preprocess=cfg.batch.parallel_preprocess)
         self.worker.start()
         self.cameras.start()
 
@@ -194,7 +197,14 @@ class Agent:
         cfg = self.config
         cameras = cfg.camera_list()
         return resolve_batch_size(cfg.batch.max_size, len(cameras), batch_curve(provisioned),
-                                  source.manifest.gates.latency_budget_ms, demand_fps(cameras))
+                                  source.manifest.gates.latency_budget_ms, demand_fps(cameras),
+                                  spread=batch_spread(provisioned))
+
+    def _tuner_for(self, loaded: LoadedModel, initial: BatchSize) -> LiveBatchTuner | None:
+        """`loaded`'s live batch-size tuner (agent.pipeline.batch_tuner), None where its size is fixed."""
+        cfg, cameras = self.config, self.config.camera_list()
+        return make_tuner(cfg.batch, len(cameras), batch_curve(loaded.provisioned), batch_spread(loaded.provisioned),
+                          loaded.source.manifest.gates.latency_budget_ms, demand_fps(cameras), initial)
 
     def fps_floors(self, source: ModelSource, provisioned: Any) -> dict[str, FpsFloor]:
         """Each camera's fps floor under `source`: from its own gate-measured capacity at the batch size it
@@ -209,7 +219,7 @@ class Agent:
         rollbacks and adapt switches all come here; a 640x480 and a 320x224 variant can pick different sizes)."""
         assert self.worker is not None
         size = self._batch_size_for(loaded)
-        self.worker.swap(loaded.runtime, batch_size=size.size)
+        self.worker.swap(loaded.runtime, batch_size=size.size, tuner=self._tuner_for(loaded, size))
         if self.batch_size is None or size.size != self.batch_size.size:
             log.info("batch size %d -> %d for %s (%s)", self.batch_size.size if self.batch_size else 0, size.size,
                      loaded.source.label, size.reason)
@@ -386,12 +396,25 @@ class Agent:
             "errors": self.stats.errors,
             "camera": capture_totals(self.cameras),
             "cameras": camera_numbers(self.worker, self.batcher, self.cameras),
-            "batch": {**self.batch_size.to_dict(), "batches": self.worker.batches if self.worker else 0}
-            if self.batch_size is not None else None,
+            "batch": self._batch_summary(),
             "adapt": self.adapt.status() if self.adapt is not None else None,
             "live_frames": self.live_frames.stats() if self.live_frames is not None else None,
             "duration_s": round(time.monotonic() - self.stats.started, 2),
         }
+
+    def _batch_summary(self) -> dict[str, Any] | None:
+        """The size in use and why (the tuner's, once it has decided), batches run, the per-size stage profile,
+        how slots are preprocessed and, with `auto` live, the curve the last decision used."""
+        if self.batch_size is None:
+            return None
+        out: dict[str, Any] = {**self.batch_size.to_dict(), "batches": self.worker.batches if self.worker else 0}
+        if self.worker is not None:
+            status = self.worker.batch_status()
+            live = status.get("live")
+            if live is not None:
+                out.update(max_size=live["max_size"], reason=live["reason"])
+            out.update(status)
+        return out
 
     # --- SwapHost (called from the deployment worker) ------------------------------------------
 

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from agent.pipeline.summary import DECODE_FIELDS, camera_numbers
+from agent.pipeline.summary import DECODE_FIELDS, batch_numbers, camera_numbers
 from agent.telemetry import collector_from_names, energy_mj_per_frame
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,9 @@ class FramePathMeter:
             out["cameras"] = cameras
         if agent.active is not None:
             out["model"] = agent.active.describe()
+        batch = batch_numbers(agent.worker)
+        if batch is not None:
+            out["batch"] = batch
         adapt = getattr(agent, "adapt", None)
         if adapt is not None:
             out["adapt"] = adapt.telemetry()  # {enabled, pinned, variant}: the policy state, docs/adaptive.md
@@ -162,6 +165,9 @@ class PrometheusExporter:
         self.camera_capture = gauge("edge_agent_camera_capture_frames", "Frames of one camera since start by what "
                                     "the capture did: grabbed, decoded (retrieved), skipped (grabbed, never retrieved)",
                                     ("camera", "stage"))
+        self.batch_size = gauge("edge_agent_batch_size", "Frames per engine call in use (max_size = \"auto\" re-decides it live)")
+        self.batch_cost = gauge("edge_agent_batch_cost_ms_per_frame", "Frame-path cost per frame of one batch size, "
+                                "as the last live decision saw it (origin: live, predicted or build)", ("size", "origin"))
         self.server, self.thread = prom.start_http_server(port, addr=bind, registry=self.registry)
 
     def __call__(self, sample: dict[str, Any]) -> None:
@@ -177,6 +183,13 @@ class PrometheusExporter:
             self.temp.labels(zone).set(value)
         if "throttled" in sample:
             self.throttled.set(1 if sample["throttled"] else 0)
+        batch = sample.get("batch") or {}
+        if "max_size" in batch:
+            self.batch_size.set(batch["max_size"])
+        if batch.get("curve_ms"):
+            self.batch_cost.clear()  # a size's origin changes (predicted -> live): no stale series
+            for size, cost in batch["curve_ms"].items():
+                self.batch_cost.labels(size, (batch.get("origin") or {}).get(size, "live")).set(cost)
         for name, cam in (sample.get("cameras") or {}).items():
             self.camera_fps.labels(name).set(cam.get("fps", 0))
             self.camera_frames.labels(name).set(cam.get("frames", 0))

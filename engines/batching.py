@@ -12,19 +12,20 @@ Three parts, each small enough to test alone:
   dimension when shape inference carries it to every output, and the rewrite is kept only if a batch
   of 2 gives the same outputs as two batch-1 runs. Otherwise the engine stays batch 1 and the reason
   is recorded (`BatchRewriteError`).
-- `measure_curve`: per-frame inference cost for batch sizes 1..max on this device.
+- `time_build`: the build's timing of batch sizes 1..max on this device (engines.batch_curve: warm,
+  interleaved, repeated until each size's median is known, stored with its spread).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from engines.batch_curve import measure_curve, normalize_spread
 from engines.errors import ModelError
 
 BATCH_DIM = "batch"
@@ -79,19 +80,24 @@ def capacity_fps(cost_ms: float) -> float:
 
 
 def choose_batch_size(curve: Mapping[Any, Any] | Iterable[Sequence[Any]], latency_budget_ms: float | None,
-                      max_size: int, demand_fps: float | None = None) -> BatchPick:
+                      max_size: int, demand_fps: float | None = None,
+                      spread: Mapping[Any, Any] | None = None) -> BatchPick:
     """The batch size to run and why, among sizes <= `max_size` whose batch latency fits the budget.
 
     A batch of `b` frames at `c(b)` ms per frame occupies the engine for `b * c(b)` ms, which is the
     latency its first frame sees; sizes where that exceeds `latency_budget_ms` are cut. With the cameras'
     total rate `demand_fps` known, the smallest size whose capacity (1000 / c(b)) is at least
     `DEMAND_HEADROOM` x demand wins: a larger batch would serve the same frames later. Without a demand,
-    or when no size covers it, the lowest cost per frame wins, a larger size only when it is at least
-    `MIN_GAIN` cheaper than the smallest size that is as good. No size fits (or no curve): 1.
+    or when no size covers it, the lowest cost per frame wins, but a larger size replaces a smaller one
+    only when it is clearly cheaper: at least `MIN_GAIN`, and, where `spread` ({size: (p25, p75)}, from
+    engines.batch_curve) is known for both, its 75th percentile below the smaller size's 25th. A
+    difference inside the spread is noise, and the smaller size has the lower latency. No size fits
+    (or no curve): 1.
     """
     if demand_fps is not None and not (math.isfinite(demand_fps) and demand_fps > 0):
         raise ValueError(f"demand_fps {demand_fps!r}: the cameras' total frame rate must be a positive number")
     points = normalize_curve(curve)
+    bands = normalize_spread(spread)
     fits = {b: c for b, c in points.items()
             if b <= max_size and (latency_budget_ms is None or b * c <= latency_budget_ms)}
     if not fits:
@@ -103,18 +109,31 @@ def choose_batch_size(curve: Mapping[Any, Any] | Iterable[Sequence[Any]], latenc
             b = min(enough)
             return BatchPick(b, "demand", f"demand {demand_fps:.1f} fps x {DEMAND_HEADROOM} headroom = "
                              f"{needed:.1f} fps; batch {b} serves {capacity_fps(fits[b]):.1f} fps")
-    best = min(fits.values())
-    b = min(b for b, c in fits.items() if c * (1 - MIN_GAIN) <= best)
+    cheapest = min(fits, key=lambda size: (fits[size], size))
+    b = min(size for size in fits if not clearly_cheaper(cheapest, size, fits, bands))
     why = f"best throughput: batch {b} serves {capacity_fps(fits[b]):.1f} fps"
+    if b != cheapest:
+        why += (f" (batch {cheapest} measured {fits[cheapest]:.2f} ms per frame vs {fits[b]:.2f}: "
+                + ("within the measured spread" if cheapest in bands and b in bands else f"under {MIN_GAIN:.0%}") + ")")
     if demand_fps is not None:
         why += f" (< demand {demand_fps:.1f} fps x {DEMAND_HEADROOM} headroom)"
     return BatchPick(b, "throughput", why)
 
 
+def clearly_cheaper(a: int, b: int, costs: Mapping[int, float], bands: Mapping[int, tuple[float, float]]) -> bool:
+    """True when size `a` costs less per frame than size `b` by more than noise: `MIN_GAIN`, and beyond the
+    measured spread of both when both have one (a's 75th percentile under b's 25th)."""
+    if a == b or costs[a] > costs[b] * (1 - MIN_GAIN):
+        return False
+    if a in bands and b in bands:
+        return bands[a][1] < bands[b][0]
+    return True
+
+
 def pick_batch_size(curve: Mapping[Any, Any] | Iterable[Sequence[Any]], latency_budget_ms: float | None,
-                    max_size: int, demand_fps: float | None = None) -> int:
+                    max_size: int, demand_fps: float | None = None, spread: Mapping[Any, Any] | None = None) -> int:
     """The batch size to run (`choose_batch_size` without the reason)."""
-    return choose_batch_size(curve, latency_budget_ms, max_size, demand_fps).size
+    return choose_batch_size(curve, latency_budget_ms, max_size, demand_fps, spread).size
 
 
 def planned_max_batch(setting: int | str | None, cameras: int = 1) -> int:
@@ -294,29 +313,6 @@ def prepare_batch_model(model: Path, out: Path, sample_shape: Sequence[int], max
     return BatchPlan(out, max_batch, note)
 
 
-# --- measuring ------------------------------------------------------------------------------------
-
-
-def measure_curve(engine: Any, sample_shape: Sequence[int], max_batch: int, runs: int = 5,
-                  warmup: int = 1, sizes: Iterable[int] | None = None) -> dict[str, float]:
-    """Median per-frame ms of `engine.infer` for each batch size (keys are strings: it goes into JSON)."""
-    spec = engine.inputs[0]
-    rng = np.random.default_rng(0)
-    rest = tuple(int(d) for d in sample_shape[1:])
-    curve: dict[str, float] = {}
-    for size in sizes or range(1, max_batch + 1):
-        batch = rng.normal(0, 1, (size, *rest)).astype(spec.dtype)
-        for _ in range(warmup):
-            engine.infer({spec.name: batch})
-        samples = []
-        for _ in range(max(1, runs)):
-            t0 = time.perf_counter()
-            engine.infer({spec.name: batch})
-            samples.append((time.perf_counter() - t0) * 1e3 / size)
-        curve[str(size)] = round(float(np.median(samples)), 4)
-    return curve
-
-
 # --- the build's steps (run in the build child process) --------------------------------------------
 
 
@@ -384,8 +380,9 @@ def trt_batch_model(job: Any, onnx_path: Path, report: dict[str, Any]) -> Path:
     return plan.model
 
 
-def time_build(job: Any, report: dict[str, Any], emit: Any, runs: int = 5) -> None:
-    """Time batch sizes 1..max on the engine just built; the curve goes into the report (the sidecar)."""
+def time_build(job: Any, report: dict[str, Any], emit: Any, **limits: Any) -> None:
+    """Time batch sizes 1..max on the engine just built (engines.batch_curve); the curve, its spread and
+    the rounds go into the report (the sidecar). `limits`: engines.batch_curve.sample_sizes's bounds."""
     spec = job.spec
     if spec.max_batch <= 1 or len(spec.input_shapes) != 1:
         return
@@ -402,8 +399,8 @@ def time_build(job: Any, report: dict[str, Any], emit: Any, runs: int = 5) -> No
         if engine.max_batch < batch["max_batch"]:
             batch["max_batch"] = engine.max_batch
             batch.setdefault("note", f"runs batch {engine.max_batch}: the built engine's batch dimension is fixed")
-        t0 = time.monotonic()
-        batch["curve"] = measure_curve(engine, sample, engine.max_batch, runs=runs)
-        report.setdefault("stages_s", {})["batch-timing"] = round(time.monotonic() - t0, 3)
+        measured = measure_curve(engine, sample, engine.max_batch, **limits)
+        batch.update(measured.to_report())
+        report.setdefault("stages_s", {})["batch-timing"] = round(measured.seconds, 3)
     finally:
         engine.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from pathlib import Path
@@ -11,7 +12,8 @@ import cv2
 import numpy as np
 
 from engines.backends.base import EngineOptions
-from engines.batching import pick_batch_size
+from engines.batch_curve import sample_sizes, size_cost
+from engines.batching import choose_batch_size
 from engines.errors import ModelError
 from engines.model import load_model
 from engines.provision import load_provisioned, provision
@@ -124,30 +126,29 @@ def parse_batch_sizes(sizes: Sequence[int] | str | None) -> list[int]:
 
 def time_batches(runtime: ModelRuntime, frames: Sequence[np.ndarray], sizes: Sequence[int], iterations: int,
                  warmup: int, build_report: dict[str, Any]) -> dict[str, Any]:
-    """Per-frame ms of one engine call on `[N, C, H, W]` per size, plus what `auto` would pick from it."""
+    """Per-frame ms of one engine call on `[N, C, H, W]` per size, timed as the build times them (warm,
+    interleaved rounds: engines.batch_curve) for `iterations` rounds, with each size's spread, plus what
+    `auto` would pick from it."""
     sample = _preprocessed(runtime, frames)
     usable = [n for n in sizes if n <= runtime.max_batch]
-    per_frame: dict[str, dict[str, float]] = {}
-    for n in usable:
-        batch = np.ascontiguousarray(np.concatenate([sample[i % len(sample)] for i in range(n)]))
-        for _ in range(warmup):
-            runtime.infer_batch(batch)
-        samples = []
-        for _ in range(iterations):
-            t0 = time.perf_counter()
-            runtime.infer_batch(batch)
-            samples.append((time.perf_counter() - t0) * 1e3 / n)
-        per_frame[str(n)] = _stats(samples)
-    curve = {n: v["mean"] for n, v in per_frame.items()}
+    batches = {n: np.ascontiguousarray(np.concatenate([sample[i % len(sample)] for i in range(n)])) for n in usable}
+    samples = sample_sizes(lambda n: runtime.infer_batch(batches[n]), usable, warmup=warmup,
+                           min_rounds=iterations, max_rounds=iterations, max_seconds=math.inf)
+    costs = {str(n): size_cost(values) for n, values in samples.items()}
+    per_frame = {n: {**_stats(samples[int(n)]), "spread": [round(c.low, 4), round(c.high, 4)]} for n, c in costs.items()}
+    curve = {n: round(c.median, 4) for n, c in costs.items()}
+    spread = {n: tuple(row["spread"]) for n, row in per_frame.items()}  # the pick is made on what is printed
     budget = runtime.source.manifest.gates.latency_budget_ms
     built = build_report.get("batch") or {}
+    pick = choose_batch_size(curve, budget, max(sizes), spread=spread) if curve else None
     return {
         "max_batch": runtime.max_batch, "note": built.get("note"), "sizes": usable,
         "skipped": {str(n): f"the engine takes at most {runtime.max_batch}" for n in sizes if n not in usable},
-        "per_frame_ms": per_frame, "curve_ms": curve,
+        "per_frame_ms": per_frame, "curve_ms": curve, "rounds": iterations,
         "fps": {n: round(1000.0 / c, 2) for n, c in curve.items()},
-        "latency_budget_ms": budget, "auto_pick": pick_batch_size(curve, budget, max(sizes)) if curve else 1,
-        "build_curve_ms": built.get("curve"),
+        "latency_budget_ms": budget, "auto_pick": pick.size if pick else 1,
+        "auto_reason": pick.reason if pick else "no size timed",
+        "build_curve_ms": built.get("curve"), "build_spread_ms": built.get("spread"),
     }
 
 

@@ -329,7 +329,7 @@ def test_batch_profile_is_part_of_the_cache_key(tmp_path: Path) -> None:
 
 
 def test_curve_is_in_the_sidecar_and_auto_picks_from_it(tmp_path: Path) -> None:
-    from agent.pipeline.batch_size import batch_curve, resolve_batch_size
+    from agent.pipeline.batch_size import batch_curve, batch_spread, resolve_batch_size
 
     src = _source(_conv_model(tmp_path / "m.onnx", "n"))
     result = _provision(src, tmp_path, max_batch=2)
@@ -337,21 +337,32 @@ def test_curve_is_in_the_sidecar_and_auto_picks_from_it(tmp_path: Path) -> None:
     curve = sidecar["report"]["batch"]["curve"]
     assert curve == result.report["batch"]["curve"] and set(curve) == {"1", "2"}
     assert batch_curve(result) == curve  # what the frame path reads
-    resolved = resolve_batch_size("auto", 2, batch_curve(result), None)
-    assert resolved.size == pick_batch_size(curve, None, 2) == best_by_definition(curve, None, 2), (curve, resolved)
+    spread = sidecar["report"]["batch"]["spread"]
+    assert set(spread) == {"1", "2"} and all(lo <= curve[n] <= hi for n, (lo, hi) in spread.items())
+    assert min(sidecar["report"]["batch"]["rounds"].values()) >= 7  # warm, interleaved, repeated
+    resolved = resolve_batch_size("auto", 2, batch_curve(result), None, spread=batch_spread(result))
+    assert resolved.size == pick_batch_size(curve, None, 2, spread=spread) == best_by_definition(curve, None, 2, spread)
 
 
-def best_by_definition(curve: dict, budget_ms: float | None, max_size: int) -> int:
+def best_by_definition(curve: dict, budget_ms: float | None, max_size: int, spread: dict | None = None) -> int:
     """The pick written out from its definition (engines.batching docs), apart from the picker's code: the
-    smallest size within the budget whose cost per frame is within MIN_GAIN of the cheapest; 1 if none fits."""
+    smallest size within the budget that the cheapest size does not beat by more than noise (MIN_GAIN, and
+    its 75th percentile under this size's 25th where both have a spread); 1 if none fits."""
     from engines.batching import MIN_GAIN
 
     fits = {int(b): float(c) for b, c in curve.items()
             if int(b) <= max_size and (budget_ms is None or int(b) * float(c) <= budget_ms)}
     if not fits:
         return 1
-    cheapest = min(fits.values())
-    return min(b for b in sorted(fits) if fits[b] * (1 - MIN_GAIN) <= cheapest)
+    bands = {int(b): tuple(v) for b, v in (spread or {}).items()}
+    best = min(fits, key=lambda b: (fits[b], b))
+
+    def beaten(b: int) -> bool:
+        if fits[best] > fits[b] * (1 - MIN_GAIN):
+            return False
+        return bands[best][1] < bands[b][0] if best in bands and b in bands else True
+
+    return min(b for b in sorted(fits) if b == best or not beaten(b))
 
 
 # --- real exports: [-1, 3, ?, ?] -----------------------------------------------------------------------
@@ -424,8 +435,9 @@ def test_bench_batch_prints_the_curve(agent_env, tmp_path: Path) -> None:
     assert report["sizes"] == [1, 2, 4] and report["max_batch"] == 4 and report["skipped"] == {}
     assert set(report["curve_ms"]) == {"1", "2", "4"}
     budget = report["latency_budget_ms"]
-    assert report["auto_pick"] == pick_batch_size(report["curve_ms"], budget, 4), report  # over the printed curve
-    assert report["auto_pick"] == best_by_definition(report["curve_ms"], budget, 4), report
+    spread = {size: stats["spread"] for size, stats in report["per_frame_ms"].items()}
+    assert report["auto_pick"] == pick_batch_size(report["curve_ms"], budget, 4, spread=spread), report  # as printed
+    assert report["rounds"] == 3 and all(lo <= report["curve_ms"][n] <= hi for n, (lo, hi) in spread.items())
     assert set(report["build_curve_ms"]) == {"1", "2", "3", "4"}  # timed when the engine was built
     table = _run_cli("bench", str(model), "--batch", "1,2", "--iterations", "2", "--warmup", "0")
     assert table.returncode == 0, table.stderr

@@ -311,7 +311,7 @@ def test_batch_timing_of_a_fresh_dla_plan_runs_on_its_core(trt_backend, tmp_path
     job = BuildJob("tensorrt", tmp_path / "m.onnx", tmp_path / "out.plan", tmp_path / "work", spec, {})
     job.out_path.write_bytes(b"PLAN-fake")
     report: dict[str, Any] = {"notes": []}
-    batching.time_build(job, report, lambda *a, **k: None, runs=1)
+    batching.time_build(job, report, lambda *a, **k: None, warmup=0, min_rounds=1, max_rounds=1)
     assert trt._record["deserialized_on_core"] == 1 and set(report["batch"]["curve"]) >= {"1", "2"}
 
 

@@ -10,6 +10,11 @@ is batched again, so one passing fault never costs batching for good.
 `run` is `infer` then `InferredBatch.finish`: the worker may finish (postprocess) one batch on another thread
 while the engine runs the next (agent.pipeline.result_stage). An InferredBatch holds nothing the next engine
 call overwrites: the backends return fresh output arrays, and each frame's transform is its own object.
+
+Each batch carries its stage times (preprocess of the whole batch and per slot, the engine calls, the split
+of the outputs, and after `finish` the postprocessing): the worker's per-size cost statistics
+(agent.pipeline.batch_costs) come from them. The slots are preprocessed straight into the preallocated
+tensor, serially or side by side (agent.pipeline.slot_preprocess, `[batch] parallel_preprocess`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
+from agent.pipeline.slot_preprocess import Mode, SlotPreprocessing
 from engines.errors import BatchSizeError, EdgeError
 from engines.postprocess import InferenceResult
 from engines.preprocess import FrameTransform, Preprocessor
@@ -48,13 +54,24 @@ class FrameOutcome:
 
 @dataclass
 class InferredBatch:
-    """A batch after its engine call: each frame's outputs and transform, and its share of the stage times (ms)."""
+    """A batch after its engine call: each frame's outputs and transform, its share of the stage times (ms),
+    and the batch's own stage times (ms for the whole batch)."""
 
     runtime: ModelRuntime
     outputs: list[list[np.ndarray]]
     transforms: list[FrameTransform]
     preprocess: float
     infer: float
+    preprocess_ms: float = 0.0
+    slot_ms: float = 0.0  # mean preprocessing time of one slot
+    engine_ms: float = 0.0
+    split_ms: float = 0.0
+    postprocess_ms: float = 0.0  # set by `finish`
+
+    @property
+    def size(self) -> int:
+        """Frames in the batch."""
+        return len(self.transforms)
 
     def finish(self) -> list[FrameOutcome]:
         """Postprocess each frame with the model that inferred it (its own postprocessor, never the next model's)."""
@@ -63,20 +80,23 @@ class InferredBatch:
             start = time.perf_counter()
             result = self.runtime.postprocessor(outputs, transform)
             outcomes.append(FrameOutcome(result, self.preprocess, self.infer, (time.perf_counter() - start) * 1e3))
+        self.postprocess_ms = sum(o.postprocess for o in outcomes)
         return outcomes
 
 
 class BatchRuntime:
     """Wraps a ModelRuntime for batches of up to `max_size` frames; preallocates everything at construction."""
 
-    def __init__(self, runtime: ModelRuntime, max_size: int) -> None:
+    def __init__(self, runtime: ModelRuntime, max_size: int, parallel_preprocess: Mode = False) -> None:
         self.runtime = runtime
         self.max_size = max(1, max_size)
         single = runtime.preprocessor.tensor
         self.tensor = np.zeros((self.max_size, *single.shape[1:]), dtype=single.dtype)
         self.capacity = engine_capacity(runtime)  # None: any size
         self.batched = self.max_size > 1 and self.capacity != 1
+        self.slots = SlotPreprocessing(parallel_preprocess, self.max_size)
         self._preprocessors: dict[str, Preprocessor] = {}  # per camera: each keeps its own frame geometry
+        self._engine_ms = 0.0
 
     def run(self, images: Sequence[np.ndarray], cameras: Sequence[str]) -> list[FrameOutcome]:
         """Results in the order of `images` (one per camera name)."""
@@ -87,12 +107,22 @@ class BatchRuntime:
         n = len(images)
         if not 1 <= n <= self.max_size:
             raise ValueError(f"batch of {n} frames, this runtime takes 1..{self.max_size}")
+        preprocessors = [self._preprocessor(cam) for cam in cameras]  # created here, on this thread only
+        tensor = self.tensor
         t0 = time.perf_counter()
-        transforms = [self._preprocessor(cam)(img, self.tensor[i : i + 1]) for i, (img, cam) in enumerate(zip(images, cameras))]
+        transforms, slot_ms = self.slots.run(n, lambda i: preprocessors[i](images[i], tensor[i : i + 1]))
         t1 = time.perf_counter()
+        self._engine_ms = 0.0
         per_frame = self._infer(n)
         t2 = time.perf_counter()
-        return InferredBatch(self.runtime, per_frame, transforms, (t1 - t0) * 1e3 / n, (t2 - t1) * 1e3 / n)
+        pre, total = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        return InferredBatch(self.runtime, per_frame, transforms, pre / n, total / n, preprocess_ms=pre,
+                             slot_ms=sum(slot_ms) / n, engine_ms=self._engine_ms,
+                             split_ms=max(0.0, total - self._engine_ms))
+
+    def close(self) -> None:
+        """Let the preprocessing pool go (the worker replaced this runtime, or stopped)."""
+        self.slots.close()
 
     def _preprocessor(self, camera: str) -> Preprocessor:
         pre = self._preprocessors.get(camera)
@@ -117,7 +147,9 @@ class BatchRuntime:
         name, per_frame = self.runtime.input_name, []
         for start in range(0, n, chunk):
             rows = min(chunk, n - start)
+            t0 = time.perf_counter()
             outputs = self.runtime.engine.infer({name: self.tensor[start : start + rows]})
+            self._engine_ms += (time.perf_counter() - t0) * 1e3
             per_frame += [[out[i : i + 1] for out in outputs] for i in range(rows)]
         return per_frame
 

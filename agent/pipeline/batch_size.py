@@ -40,6 +40,14 @@ def batch_curve(provisioned: Any) -> Any:
     return report.get("batch_curve") if isinstance(report, dict) else None
 
 
+def batch_spread(provisioned: Any) -> Any:
+    """Each size's measured spread (`{"1": [p25, p75]}`) from the sidecar; None from engines timed before
+    the build measured it (their sizes are then compared by median alone)."""
+    report = getattr(provisioned, "report", None) or {}
+    batch = report.get("batch") if isinstance(report, dict) else None
+    return batch.get("spread") if isinstance(batch, dict) else None
+
+
 def demand_fps(cameras: Iterable[Any]) -> float | None:
     """The cameras' total frame rate when every camera config states its rate (`fps`: synthetic, a file's
     replay rate, a V4L2 requested rate), else None: a network stream or a driver default is not known
@@ -62,7 +70,7 @@ def stated_fps(camera: Any) -> float | None:
 
 
 def resolve_batch_size(setting: Union[int, str], cameras: int, curve: Any, budget_ms: float | None,
-                       demand: float | None = None) -> BatchSize:
+                       demand: float | None = None, spread: Any = None) -> BatchSize:
     """Never more than the number of cameras: a batch holds at most one frame per camera.
 
     `demand` is the cameras' total fps (`demand_fps`), None when unknown.
@@ -82,7 +90,7 @@ def resolve_batch_size(setting: Union[int, str], cameras: int, curve: Any, budge
     except ImportError:
         return BatchSize(1, "auto: engines.batching.choose_batch_size is not available in this build")
     try:
-        pick = choose_batch_size(curve, budget_ms, min(MAX_BATCH, cameras), demand)
+        pick = choose_batch_size(curve, budget_ms, min(MAX_BATCH, cameras), demand, spread)
     except Exception as exc:  # a bad curve must not stop the agent: batch 1 and say why
         log.warning("batch size auto: picker failed on the sidecar curve: %s", exc)
         return BatchSize(1, f"auto: picker failed ({type(exc).__name__}: {exc})")

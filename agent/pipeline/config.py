@@ -34,6 +34,29 @@ class BatchConfig(BaseModel):
         "moment one of its cameras' mailboxes went from empty to full; a newer frame replacing an unread one does "
         "not restart it, so a silent camera delays the others by at most this (0: send at once).",
     )
+    live_retune: bool = Field(
+        True,
+        description="With max_size = \"auto\": re-decide the size while serving, from what batches of each size cost "
+        "on the frame path here (preprocess, engine, split, postprocess), since the build's curve was measured on an "
+        "idle machine; sizes not run recently are predicted from the build curve and the live overhead. Two "
+        "decisions in a row must agree, and a larger size must be cheaper beyond the measured spread. false: the "
+        "size picked at start (from the build curve) stays until the next model swap.",
+    )
+    retune_interval_s: float = Field(
+        10.0, ge=1, le=3600,
+        description="Seconds between two live batch-size decisions (so at most one change per two intervals).",
+    )
+    retune_min_batches: int = Field(
+        16, ge=2, le=64,
+        description="Batches of a size in its live window (the last 64) before its live cost counts in a decision.",
+    )
+    parallel_preprocess: Union[bool, Literal["auto"]] = Field(
+        "auto",
+        description="Preprocess a batch's frames side by side on a small thread pool (one thread fewer than the "
+        "cores, at most one per slot) instead of one after another. \"auto\": the first batches are timed both "
+        "ways on the real frames and parallel is kept only when it is at least 5 % faster per frame (on a small CPU "
+        "the threads compete with the engine). One core: always serial.",
+    )
 
     @field_validator("max_size", mode="before")
     @classmethod

@@ -37,3 +37,19 @@ def capture_totals(cameras: Any) -> dict[str, int]:
         for field in CAPTURE_FIELDS:
             totals[field] += getattr(capture, field) if capture else 0
     return totals
+
+
+def batch_numbers(worker: Any) -> dict[str, Any] | None:
+    """The batch size in use and the live curve it was chosen on, for telemetry and Prometheus:
+    `{"max_size", "batches", "reason"?, "switches"?, "curve_ms"?: {"2": ms per frame}, "origin"?: {"2": "live"}}`;
+    None before the frame path runs."""
+    if worker is None:
+        return None
+    out: dict[str, Any] = {"max_size": worker.frames.max_size, "batches": worker.batches}
+    tuner = worker.tuner
+    if tuner is not None:
+        status = tuner.status()
+        out.update(reason=status["reason"], switches=status["switches"],
+                   curve_ms={size: point["ms_per_frame"] for size, point in status["curve"].items()},
+                   origin={size: point["origin"] for size, point in status["curve"].items()})
+    return out

@@ -5,6 +5,11 @@ The model it runs is swapped only between two batches (`swap`), so a deployment 
 With `overlap_postprocess` (the `[pipeline]` default) a batch's postprocessing, stats and result delivery run
 on a second thread (agent.pipeline.result_stage) while the engine runs the next batch; each batch carries the
 model and the stats windows it was inferred under, so a swap never mixes two models' numbers either.
+
+Every finished batch's stage times go into the current model's per-size cost statistics (`costs`,
+agent.pipeline.batch_costs). With a tuner (`[batch] max_size = "auto"` and `live_retune`,
+agent.pipeline.batch_tuner) the loop re-decides the batch size from them between two batches, at the
+tuner's bounded rate; the batch tensor is allocated for the largest size the tuner may choose.
 """
 
 from __future__ import annotations
@@ -13,12 +18,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
+from agent.pipeline.batch_costs import BatchCosts, BatchTiming
 from agent.pipeline.batch_runtime import BatchRuntime, InferredBatch
+from agent.pipeline.batch_tuner import LiveBatchTuner
 from agent.pipeline.frame_stats import CameraStats, FrameStats, FrameTiming
 from agent.pipeline.mailbox import FreshestMailbox
 from agent.pipeline.result_stage import ResultStage
+from agent.pipeline.slot_preprocess import Mode
 from agent.sources.base import Frame, SourceError
 from engines.errors import EdgeError
 from engines.postprocess import InferenceResult
@@ -71,6 +79,7 @@ class _Inferred:
     wait_ms: float
     windows: tuple[FrameStats, CameraStats]  # the current model's windows when it ran: a swap starts new ones
     generation: int  # which model (counted by swaps) ran it: an old model's errors never count against a new one
+    costs: BatchCosts  # the model's per-size batch costs (a swap starts new ones, like the windows)
     batch: InferredBatch | None = None
     error: Exception | None = None
 
@@ -80,10 +89,14 @@ class InferenceWorker(threading.Thread):
 
     def __init__(self, runtime: ModelRuntime, frames: FrameBatches | FreshestMailbox[Frame], stop_event: threading.Event,
                  stats: FrameStats, on_result: ResultSink | None = None, max_consecutive_errors: int = 100,
-                 overlap_postprocess: bool = True) -> None:
+                 overlap_postprocess: bool = True, tuner: LiveBatchTuner | None = None,
+                 parallel_preprocess: Mode = "auto") -> None:
         super().__init__(name="inference", daemon=True)
         self.frames: FrameBatches = SingleMailbox(frames) if isinstance(frames, FreshestMailbox) else frames
-        self.batch = BatchRuntime(runtime, self.frames.max_size)
+        self.parallel_preprocess = parallel_preprocess
+        self.tuner = tuner
+        self.batch = BatchRuntime(runtime, _capacity(self.frames.max_size, tuner), parallel_preprocess)
+        self.costs = BatchCosts()  # the current model's batch costs per size
         self.stop_event = stop_event
         self.stats = stats
         self.cameras = CameraStats()  # per camera, since start
@@ -100,6 +113,7 @@ class InferenceWorker(threading.Thread):
         self._lock = threading.Lock()
         self._pending: BatchRuntime | None = None
         self._pending_size: int | None = None  # the batcher's max_size from the pending model on
+        self._pending_tuner: LiveBatchTuner | None = None
         self._swapped = threading.Event()
         self._pause_requested = False
         self._paused = threading.Event()
@@ -119,22 +133,25 @@ class InferenceWorker(threading.Thread):
         """True while inference of the current model keeps failing."""
         return self.consecutive_errors >= self.max_consecutive_errors and self._errors_generation == self._generation
 
-    def swap(self, runtime: ModelRuntime, timeout: float = 10.0, batch_size: int | None = None) -> ModelRuntime | None:
+    def swap(self, runtime: ModelRuntime, timeout: float = 10.0, batch_size: int | None = None,
+             tuner: LiveBatchTuner | None = None) -> ModelRuntime | None:
         """Replace the model at the next batch boundary; returns the one it replaced. `batch_size` (None: keep
-        the current one) is set in the batcher at that same boundary, so no batch mixes the two sizes.
+        the current one) is set in the batcher at that same boundary, so no batch mixes the two sizes, and
+        `tuner` (the new model's, None for a fixed size) replaces the old model's tuner there too.
 
         On SWAP_TIMEOUT the pending model is withdrawn under the same lock the worker installs it with:
         either the worker installed it (the swap succeeded after all) or it never will (the caller's failure holds).
         """
         size = batch_size or self.frames.max_size
-        prepared = BatchRuntime(runtime, size)  # allocated here, off the frame path
+        prepared = BatchRuntime(runtime, _capacity(size, tuner), self.parallel_preprocess)  # allocated off the frame path
         with self._lock:
             self._swapped.clear()
-            self._pending, self._pending_size = prepared, size
+            self._pending, self._pending_size, self._pending_tuner = prepared, size, tuner
         if self.is_alive() and not self._paused.is_set() and not self._swapped.wait(timeout):
             with self._lock:
                 if self._pending is prepared:
-                    self._pending = self._pending_size = None
+                    self._pending = self._pending_size = self._pending_tuner = None
+                    prepared.close()
                     raise EdgeError("the inference loop did not reach a batch boundary in time", code="SWAP_TIMEOUT")
         if not self.is_alive() or self._paused.is_set():
             self._take_pending()
@@ -162,11 +179,13 @@ class InferenceWorker(threading.Thread):
     def _take_pending(self) -> None:
         with self._lock:
             if self._pending is not None:
+                self.batch.close()
                 self._previous, self.batch = self.batch.runtime, self._pending
                 if self._pending_size is not None and self._pending_size != self.frames.max_size:
                     self.frames.max_size = self._pending_size  # between two batches: next_batch runs on this thread
-                self.window, self.camera_windows = FrameStats(), CameraStats()
-                self._pending = self._pending_size = None
+                self.window, self.camera_windows, self.costs = FrameStats(), CameraStats(), BatchCosts()
+                self.tuner = self._pending_tuner
+                self._pending = self._pending_size = self._pending_tuner = None
                 self._generation += 1  # the new model starts with a clean record (see degraded)
                 self._swap_mark = self.results.submitted if self.results is not None else 0
                 self._swapped.set()
@@ -180,6 +199,7 @@ class InferenceWorker(threading.Thread):
         finally:
             if self.results is not None:
                 self.results.close(5.0)  # the batches already inferred still get their results
+            self.batch.close()
 
     def _loop(self) -> None:
         while not self.stop_event.is_set():
@@ -194,15 +214,35 @@ class InferenceWorker(threading.Thread):
             frames = self.frames.next_batch(self.stop_event)
             if frames:
                 self._process(frames, (time.perf_counter() - wait_start) * 1e3)
+            if self.tuner is not None and self.tuner.due():
+                self._retune(self.tuner)
         if self._pending is not None:
             self._take_pending()
+
+    def _retune(self, tuner: LiveBatchTuner) -> None:
+        """Between two batches: the tuner's decision over this model's live costs becomes the batcher's size."""
+        try:
+            size = tuner.decide(self.costs)
+        except Exception:  # a tuner fault must never stop the frame path: keep the size, say why
+            log.exception("batch size re-decision failed; keeping batch %d", self.frames.max_size)
+            return
+        if size is not None and size != self.frames.max_size:
+            log.info("batch size %d -> %d (%s)", self.frames.max_size, size, tuner.reason)
+            self.frames.max_size = min(size, self.batch.max_size)
+
+    def batch_status(self) -> dict[str, Any]:
+        """Per-size stage profile, how slots are preprocessed and, with a tuner, its live choice and curve."""
+        out: dict[str, Any] = {"profile": self.costs.profile(), "preprocess": self.batch.slots.decision}
+        if self.tuner is not None:
+            out["live"] = self.tuner.status()
+        return out
 
     def _process(self, frames: list[Frame], wait_ms: float) -> None:
         batch = self.batch
         frames, images = _images(frames)
         if not frames:
             return
-        inferred = _Inferred(frames, wait_ms, (self.window, self.camera_windows), self._generation)
+        inferred = _Inferred(frames, wait_ms, (self.window, self.camera_windows), self._generation, self.costs)
         try:
             inferred.batch = batch.infer(images, [f.source for f in frames])
         except (EdgeError, ValueError) as exc:
@@ -234,6 +274,9 @@ class InferenceWorker(threading.Thread):
             return
         self.consecutive_errors = 0
         self.batches += 1
+        done = inferred.batch
+        inferred.costs.record(BatchTiming(done.size, inferred.wait_ms, done.preprocess_ms, done.slot_ms, done.engine_ms,
+                                          done.split_ms, done.postprocess_ms, overlapped=self.results is not None))
         now = time.monotonic()
         self.last_result_at = now  # before the windows count the frames: a swap's gap reads both in that order
         window, camera_windows = inferred.windows
@@ -265,6 +308,11 @@ class InferenceWorker(threading.Thread):
         self.consecutive_errors += 1
         if self.consecutive_errors in (1, self.max_consecutive_errors):
             log.warning("inference error on a batch of %d (%d in a row): %s", len(frames), self.consecutive_errors, exc)
+
+
+def _capacity(size: int, tuner: LiveBatchTuner | None) -> int:
+    """Slots to allocate: the batcher's size, or the largest the tuner may move it to."""
+    return max(size, tuner.max_size) if tuner is not None else size
 
 
 def _images(frames: list[Frame]) -> tuple[list[Frame], list]:
