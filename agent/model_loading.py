@@ -102,7 +102,8 @@ class ModelLoader:
                          validation_samples=self.config.engines.validation_samples,
                          latency_runs=self.config.engines.latency_runs, max_batch=self.max_batch(),
                          fallback_rounds=self.config.engines.int8_fallback_rounds,
-                         live_frames_dir=live_frames_dir(self.config), live_frames=self.config.gates.live_frames)
+                         live_frames_dir=live_frames_dir(self.config), live_frames=self.config.gates.live_frames,
+                         timing=serving_timing(self.config))
 
     def max_batch(self) -> int:
         """The batch the engine is built and timed for: `[batch] max_size` ("auto": up to
@@ -131,6 +132,12 @@ class ModelLoader:
     def reload(self, loaded: LoadedModel) -> LoadedModel:
         """Load the same model again (after stop_start freed it and the candidate failed)."""
         return self.load_provisioned(loaded.source, loaded.provisioned, loaded.origin)
+
+
+def serving_timing(config: AgentConfig) -> dict[str, Any]:
+    """The engine options the agent serves with that change what a call costs (`[model] threads`,
+    `spin_wait`): the build times its batch curve with them, so the curve describes the engine as it runs."""
+    return {"intra_op_threads": config.model.threads, "allow_spinning": config.model.spin_wait}
 
 
 def live_frames_dir(config: AgentConfig) -> Path | None:

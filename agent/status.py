@@ -84,6 +84,18 @@ def render_adapt(adapt: dict[str, Any] | None, console: Console) -> None:
                       f"p99 {p99} ms {note}", highlight=False, markup=False)
 
 
+def render_batch_live(batch: dict[str, Any] | None, console: Console) -> None:
+    """The batch size in use and why; with `auto` live, the curve it decided on (ms per frame, origin)."""
+    if not batch or (len(batch.get("profile") or {}) <= 1 and batch.get("max_size", 1) == 1 and not batch.get("live")):
+        return
+    console.print(f"  batch    max {batch.get('max_size')} ({batch.get('reason', '')}), {batch.get('batches', 0)} batches",
+                  highlight=False, markup=False)
+    curve = (batch.get("live") or {}).get("curve") or {}
+    if curve:
+        points = ", ".join(f"{size}: {p['ms_per_frame']} ms ({p['origin']})" for size, p in curve.items())
+        console.print(f"  batch    live curve {points}", highlight=False, markup=False)
+
+
 def _alive(pid: int | None) -> bool:
     """True while the process that recorded the run still exists (a crashed agent's run looks 'running')."""
     if not pid:
@@ -158,6 +170,7 @@ def render_status(report: dict[str, Any], console: Console) -> None:
         console.print(f"  camera   {name}{state}: {cam.get('fps', 0):.1f} fps, p99 {cam.get('latency_ms', {}).get('p99', '-')} ms, "
                       f"frames {cam.get('frames', 0)}, dropped {cam.get('dropped_frames', 0)}{_decodes(cam)}",
                       highlight=False, markup=False)
+    render_batch_live((report.get("live") or {}).get("batch"), console)
     render_adapt(report.get("adapt"), console)
     if report.get("last_run"):
         run = report["last_run"]

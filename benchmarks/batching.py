@@ -20,10 +20,21 @@ InferenceWorker with its BatchRuntime, db_text postprocessing. Batch 1 is the sa
 - `fairness_min_over_max`: slowest camera's fps / fastest camera's fps, per run (worst round)
 - a model swap in the middle of one small auto run: `frames_lost` = frames the batcher handed out
   without a result (errors included); frames replaced in their mailbox unread are drops, not losses
-- the per-size cost curve the agent's "auto" used: measured by the engine build (engines.batching.time_build)
-  into the engine sidecar, exactly as on a device; the engines are built through `provision` first
+- the per-size cost curve the agent's "auto" used: measured by the engine build (engines.batching.time_build:
+  warm, interleaved rounds, median and spread per size) into the engine sidecar, exactly as on a device; the
+  engines are built through `provision` first. The small engine is built three times, in separate caches
+  (three builds in three child processes): `curve_builds` holds each curve with its spread and
+  `between_builds` says whether the builds' medians moved by less than the spread each reports
+- auto runs as the agent runs it: the start size from the build curve, then the live tuner
+  (agent.pipeline.batch_tuner) re-deciding from the frame path's own per-size costs. Its tuner and costs
+  carry on from round to round (the rounds are slices of one long run); `--retune-s` (default 2 s, the agent's
+  default is 10 s) lets it settle inside a round. `delivered_over_promised`: the delivered ratio over the
+  ratio the curves promise for the size auto ended on, by the build curve and by the live frame-path costs
+  (batch 1's from the batch-1 runs)
+- `profile`: where a batch's time goes, per size (gather, preprocess whole and per slot, engine, split,
+  postprocess) and how slots were preprocessed (`[batch] parallel_preprocess = "auto"` measures it)
 
-Usage: python benchmarks/batching.py [--seconds 15] [--rounds 3] [--quick] [--out out/bench-batching.json]
+Usage: python benchmarks/batching.py [--seconds 15] [--rounds 3] [--retune-s 2] [--quick] [--out out/bench-batching.json]
 """
 
 from __future__ import annotations
@@ -40,8 +51,10 @@ from _common import machine, write_json
 
 from agent.config import AgentConfig
 from agent.demo import prepare_demo_model_dir
-from agent.model_loading import built_max_batch
-from agent.pipeline.batch_size import batch_curve, demand_fps, resolve_batch_size
+from agent.model_loading import built_max_batch, serving_timing
+from agent.pipeline.batch_costs import BatchCosts
+from agent.pipeline.batch_size import BatchSize, batch_curve, batch_spread, demand_fps, resolve_batch_size
+from agent.pipeline.batch_tuner import make_tuner
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.cameras import CameraGroup
 from agent.pipeline.frame_stats import FrameStats
@@ -70,7 +83,7 @@ def build_engine(model_dir: Path, cache: Path, max_batch: int, quick: bool) -> t
     source = load_model(model_dir)
     provisioned = provision(source, backend="onnxruntime", cache_dir=cache, db_path=cache / "state.db",
                             max_batch=max_batch, validation_samples=2 if quick else 8,
-                            latency_runs=5 if quick else 20)
+                            latency_runs=5 if quick else 20, timing=serving_timing(AgentConfig()))
     return source, provisioned
 
 
@@ -89,8 +102,16 @@ def auto_size(source: Any, provisioned: Any, camera_fps: float) -> tuple[int, st
     cameras' demand through the agent's resolver."""
     configs = camera_configs(camera_fps)
     resolved = resolve_batch_size("auto", CAMERAS, batch_curve(provisioned), source.manifest.gates.latency_budget_ms,
-                                  demand_fps(configs))
+                                  demand_fps(configs), spread=batch_spread(provisioned))
     return resolved.size, resolved.reason
+
+
+def live_tuner(source: Any, provisioned: Any, camera_fps: float, size: int, reason: str, retune_s: float) -> Any:
+    """The live tuner the agent would run for this engine and these cameras (agent.runner._tuner_for)."""
+    config = AgentConfig().batch.model_copy(update={"retune_interval_s": retune_s})
+    return make_tuner(config, CAMERAS, batch_curve(provisioned), batch_spread(provisioned),
+                      source.manifest.gates.latency_budget_ms, demand_fps(camera_configs(camera_fps)),
+                      BatchSize(size, reason))
 
 
 def engine_limits(curve: Any, camera_fps: float) -> dict[str, Any]:
@@ -119,15 +140,19 @@ def camera_configs(camera_fps: float = CAMERA_FPS) -> list[SyntheticConfig]:
 
 
 def run_cameras(runtime: Any, max_size: int, seconds: float, swap_to: Any = None,
-                camera_fps: float = CAMERA_FPS) -> dict[str, Any]:
-    """4 cameras -> Batcher(max_size) -> worker for `seconds`; a swap half-way when `swap_to` is given."""
-    timeout_s = AgentConfig().batch.timeout_ms / 1e3
+                camera_fps: float = CAMERA_FPS, tuner: Any = None, costs: BatchCosts | None = None) -> dict[str, Any]:
+    """4 cameras -> Batcher(max_size) -> worker for `seconds`; a swap half-way when `swap_to` is given.
+    With `tuner` the batcher starts at the tuner's current size and the tuner re-decides it live."""
+    batch_config = AgentConfig().batch
     configs = camera_configs(camera_fps)
     stop, stats, events = threading.Event(), FrameStats(), []
     cameras: CameraGroup
-    batcher = Batcher([c.name for c in configs], max_size, timeout_s, is_live=lambda n: cameras.is_live(n))
+    start_size = tuner.size if tuner is not None else max_size
+    batcher = Batcher([c.name for c in configs], start_size, batch_config.timeout_ms / 1e3,
+                      is_live=lambda n: cameras.is_live(n))
     cameras = CameraGroup(configs, batcher, lambda kind, **fields: events.append((kind, fields)))
-    worker = InferenceWorker(runtime, batcher, stop, stats)
+    worker = InferenceWorker(runtime, batcher, stop, stats, tuner=tuner, costs=costs,
+                             parallel_preprocess=batch_config.parallel_preprocess)
     cameras.start()
     worker.start()
     t0 = time.perf_counter()
@@ -138,13 +163,15 @@ def run_cameras(runtime: Any, max_size: int, seconds: float, swap_to: Any = None
     worker.join(10)
     elapsed = time.perf_counter() - t0
     cameras.stop(5)
-    return _run_report(worker, stats, batcher, elapsed, max_size, swap, events)
+    report = _run_report(worker, stats, batcher, elapsed, max_size, swap, events)
+    report.update(start_size=start_size, end_size=batcher.max_size, batch_status=worker.batch_status())
+    return report
 
 
 def _swap_half_way(worker: InferenceWorker, runtime: Any, seconds: float, stop: threading.Event) -> dict[str, Any]:
     stop.wait(seconds / 2)
     errors_before, t0 = worker.stats.errors, time.perf_counter()
-    worker.swap(runtime)
+    worker.swap(runtime, batch_size=worker.frames.max_size, tuner=worker.tuner)  # same model: its tuner goes on
     return {"swap_s": round(time.perf_counter() - t0, 3), "errors_during": worker.stats.errors - errors_before}
 
 
@@ -167,21 +194,25 @@ def _run_report(worker: InferenceWorker, stats: FrameStats, batcher: Batcher, el
 
 
 def rounds_of(runtimes: dict[str, Any], sizes: dict[str, int], camera_fps: dict[str, float], swap_to: Any,
-              args: argparse.Namespace) -> dict:
-    """Interleaved rounds of every (workload, mode); the swap happens in the first small auto run."""
+              args: argparse.Namespace, tuners: dict[str, Any]) -> dict:
+    """Interleaved rounds of every (workload, mode); the swap happens in the first small auto run. Each
+    (workload, mode) keeps its batch costs (and auto its tuner) from round to round."""
     runs: dict[str, list[dict[str, Any]]] = {f"{w}_{m}": [] for w in WORKLOADS for m in ("auto", "batch1")}
+    costs = {key: BatchCosts() for key in runs}
     swapped = False
     for round_no in range(args.rounds):
         for workload, engine in WORKLOADS.items():
             for mode in ("auto", "batch1"):
                 size = sizes[workload] if mode == "auto" else 1
                 swap = swap_to if (workload == "small" and mode == "auto" and not swapped) else None
-                report = run_cameras(runtimes[engine], size, args.seconds, swap, camera_fps[workload])
+                report = run_cameras(runtimes[engine], size, args.seconds, swap, camera_fps[workload],
+                                     tuners.get(workload) if mode == "auto" else None, costs[f"{workload}_{mode}"])
                 swapped = swapped or swap is not None
                 if swap is not None:
                     runtimes[engine], swap_to = swap_to, runtimes[engine]  # the worker now runs the other one
                 runs[f"{workload}_{mode}"].append(report)
-                print(f"round {round_no + 1} {workload:15s} {mode:6s} (batch {size}): {report['fps']:7.2f} fps  "
+                print(f"round {round_no + 1} {workload:15s} {mode:6s} (batch {report['start_size']}->"
+                      f"{report['end_size']}): {report['fps']:7.2f} fps  "
                       f"p99 {report['glass_to_result_ms'].get('p99', 0):7.1f} ms  "
                       f"fairness {report['fairness_min_over_max']:.2f}  lost {report['frames_lost']}")
     return runs
@@ -200,6 +231,43 @@ def summarize(runs: dict[str, list[dict[str, Any]]], workload: str) -> dict[str,
                      "dropped_frames": sum(r["dropped_frames"] for r in reports),
                      "frames_lost": sum(r["frames_lost"] for r in reports)}
     out["auto_vs_batch1"] = round(out["auto"]["fps"] / out["batch1"]["fps"], 3) if out["batch1"]["fps"] else None
+    last_auto, last_batch1 = runs[f"{workload}_auto"][-1], runs[f"{workload}_batch1"][-1]
+    out["auto"]["sizes_by_round"] = [[r["start_size"], r["end_size"]] for r in runs[f"{workload}_auto"]]
+    out["auto"]["live"] = last_auto["batch_status"].get("live")
+    out["profile"] = {"auto": last_auto["batch_status"]["profile"], "batch1": last_batch1["batch_status"]["profile"],
+                      "preprocess": last_auto["batch_status"]["preprocess"]}
+    return out
+
+
+def promised(summary: dict[str, Any], curve: Any) -> dict[str, Any]:
+    """What the curves promise for the size auto ended on, and the delivered ratio over each promise.
+
+    build: curve[1] / curve[b]; live: the batch-1 runs' frame-path cost per frame / the auto runs' at b."""
+    size = summary["auto"]["sizes_by_round"][-1][1]
+    points = normalize_curve(curve or {})
+    build = round(points[1] / points[size], 3) if 1 in points and size in points else None
+    path = lambda profile, b: (profile or {}).get(str(b), {}).get("path_ms_per_frame")  # noqa: E731
+    one, at_size = path(summary["profile"]["batch1"], 1), path(summary["profile"]["auto"], size)
+    live = round(one / at_size, 3) if one and at_size else None
+    delivered = summary["auto_vs_batch1"]
+    return {"size": size, "build": build, "live": live,
+            "delivered_over_promised": {"build": round(delivered / build, 3) if delivered and build else None,
+                                        "live": round(delivered / live, 3) if delivered and live else None}}
+
+
+def between_builds(builds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per size: the builds' medians, how far apart they are, the mean width of the spread they report
+    (p75 - p25), and whether the medians moved by less than that (the spread is honest about the noise)."""
+    out: dict[str, Any] = {}
+    sizes = sorted(set.intersection(*(set(b["curve"]) for b in builds)), key=int) if builds else []
+    for size in sizes:
+        medians = [b["curve"][size] for b in builds]
+        widths = [b["spread"][size][1] - b["spread"][size][0] for b in builds if b.get("spread")]
+        width = sum(widths) / len(widths) if widths else None
+        apart = max(medians) - min(medians)
+        out[size] = {"medians": medians, "apart_ms": round(apart, 4),
+                     "spread_width_ms": round(width, 4) if width is not None else None,
+                     "inside": width is not None and apart <= width}
     return out
 
 
@@ -207,6 +275,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=15.0, help="Seconds per run.")
     parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds.")
+    parser.add_argument("--retune-s", type=float, default=2.0, help="The live tuner's interval in the auto runs "
+                        "(the agent's default is 10 s; shorter lets it settle within a run).")
+    parser.add_argument("--builds", type=int, default=3, help="Separate builds of the small engine, for the "
+                        "between-builds spread of its curve (the first one runs).")
     parser.add_argument("--quick", action="store_true", help="Short iteration run: 5 s per run, 1 round, "
                         "fewer validation and latency runs in the engine build.")
     parser.add_argument("--cache", type=Path, default=None,
@@ -224,22 +296,33 @@ def main() -> None:
         dirs = {w: prepare_demo_model_dir(Path(tmp), *wh) for w, wh in SIZES.items()}
         # the agent builds for planned_max_batch("auto", 4 cameras) = 4; the picker then reads the curve
         built = {w: build_engine(d, cache, planned_max_batch("auto", CAMERAS), args.quick) for w, d in dirs.items()}
+        curve_builds = [dict(curve=batch_curve(built["small"][1]), spread=batch_spread(built["small"][1]))]
+        for extra in range(1, max(1, args.builds)):  # separate caches: each is a fresh build and timing
+            other = Path(tmp) / f"cache-build{extra + 1}"
+            other.mkdir()
+            again = build_engine(dirs["small"], other, planned_max_batch("auto", CAMERAS), args.quick)[1]
+            curve_builds.append(dict(curve=batch_curve(again), spread=batch_spread(again)))
+            print(f"small build {extra + 1}: {curve_builds[-1]}")
         runtimes = {w: load_engine(*b) for w, b in built.items()}
         swap_to = load_engine(*built["small"])  # the "new version" deployed mid-run: a second engine instance
         curves = {w: batch_curve(built[e][1]) for w, e in WORKLOADS.items()}
         camera_fps = {w: CAMERA_FPS for w in WORKLOADS}
         camera_fps["small_saturated"] = saturated_camera_fps(curves["small_saturated"])
-        sizes, reasons, limits = {}, {}, {}
+        sizes, reasons, limits, tuners = {}, {}, {}, {}
         for workload, engine in WORKLOADS.items():
             sizes[workload], reasons[workload] = auto_size(*built[engine], camera_fps[workload])
+            tuners[workload] = live_tuner(*built[engine], camera_fps[workload], sizes[workload], reasons[workload],
+                                          args.retune_s)
             limits[workload] = engine_limits(curves[workload], camera_fps[workload])
             print(f"{workload}: 4 cameras x {camera_fps[workload]} fps, cost per frame (ms) by batch size "
                   f"{curves[workload]} -> batch {sizes[workload]} ({reasons[workload]}); {limits[workload]}")
-        runs = rounds_of(runtimes, sizes, camera_fps, swap_to, args)
+        runs = rounds_of(runtimes, sizes, camera_fps, swap_to, args, tuners)
         for runtime in (*runtimes.values(), swap_to):
             runtime.close()
 
     result = build_result(runs, sizes, reasons, curves, limits, camera_fps, args)
+    result["curve_builds"] = curve_builds
+    result["between_builds"] = between_builds(curve_builds)
     print_result(result)
     write_json(args.out, result)
 
@@ -250,6 +333,7 @@ def build_result(runs: dict, sizes: dict, reasons: dict, curves: dict, limits: d
     summaries = {w: summarize(runs, w) for w in WORKLOADS}
     for workload, summary in summaries.items():
         summary.update(limits[workload])
+        summary["promised"] = promised(summary, curves[workload])
     swap_runs = [r for r in runs["small_auto"] if "swap" in r]
     fairness = {w: min(s["auto"]["fairness_min_over_max"], s["batch1"]["fairness_min_over_max"])
                 for w, s in summaries.items()}
@@ -259,6 +343,7 @@ def build_result(runs: dict, sizes: dict, reasons: dict, curves: dict, limits: d
         "auto_vs_batch1_small_saturated": summaries["small_saturated"]["auto_vs_batch1"],
         "auto_batch_size_small_saturated": sizes["small_saturated"],
         "auto_vs_batch1_large": summaries["large"]["auto_vs_batch1"],
+        "delivered_over_promised": {w: s["promised"]["delivered_over_promised"] for w, s in summaries.items()},
         "fairness_min_over_max": fairness,
         "frames_lost": frames_lost,
         "verdicts": verdicts(summaries, fairness, frames_lost, sizes),
@@ -269,7 +354,7 @@ def build_result(runs: dict, sizes: dict, reasons: dict, curves: dict, limits: d
         "cameras": CAMERAS, "camera_fps": camera_fps, "frame_size": [640, 480],
         "model_input": {w: list(SIZES[e]) for w, e in WORKLOADS.items()},
         "timeout_ms": AgentConfig().batch.timeout_ms,
-        "seconds_per_run": args.seconds, "rounds": args.rounds, "quick": args.quick,
+        "seconds_per_run": args.seconds, "rounds": args.rounds, "quick": args.quick, "retune_interval_s": args.retune_s,
         "runs": runs, "machine": machine(), "goal": GOALS,
     }
 
@@ -324,6 +409,15 @@ def print_result(result: dict[str, Any]) -> None:
           f"auto_vs_batch1_large {result['auto_vs_batch1_large']}  frames_lost {result['frames_lost']}")
     for goal, verdict in result["verdicts"].items():
         print(f"  {goal}: {verdict}")
+    for workload in WORKLOADS:
+        print(f"{workload}: auto ended on batch {result[workload]['promised']['size']}; promised build "
+              f"{result[workload]['promised']['build']} live {result[workload]['promised']['live']}; delivered/promised "
+              f"{result[workload]['promised']['delivered_over_promised']}; slots: {result[workload]['profile']['preprocess']}")
+        for mode in ("auto", "batch1"):
+            for size, row in result[workload]["profile"][mode].items():
+                print(f"    {mode} batch {size}: {row}")
+    if result.get("between_builds"):
+        print(f"small curve over {len(result['curve_builds'])} builds: {result['between_builds']}")
 
 
 if __name__ == "__main__":

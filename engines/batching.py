@@ -380,6 +380,13 @@ def trt_batch_model(job: Any, onnx_path: Path, report: dict[str, Any]) -> Path:
     return plan.model
 
 
+def timing_options(timing: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The serving engine options the curve is timed with (threads, spinning), from a build job's `timing`;
+    anything else in it is ignored (a newer parent's field an older child does not know)."""
+    allowed = {"intra_op_threads": int, "allow_spinning": bool}
+    return {k: allowed[k](v) for k, v in (timing or {}).items() if k in allowed and v is not None}
+
+
 def time_build(job: Any, report: dict[str, Any], emit: Any, **limits: Any) -> None:
     """Time batch sizes 1..max on the engine just built (engines.batch_curve); the curve, its spread and
     the rounds go into the report (the sidecar). `limits`: engines.batch_curve.sample_sizes's bounds."""
@@ -394,13 +401,15 @@ def time_build(job: Any, report: dict[str, Any], emit: Any, **limits: Any) -> No
     emit("batch-timing", max_batch=batch["max_batch"])
     engine = load_engine_file(job.out_path, job.backend, spec.precision, spec.providers, spec.input_shapes,
                               EngineOptions(max_batch=batch["max_batch"], precision=spec.precision,
-                                            dla_core=spec.dla_core))  # no sidecar yet: the spec names the core
+                                            dla_core=spec.dla_core,  # no sidecar yet: the spec names the core
+                                            **timing_options(job.timing)))
     try:
         if engine.max_batch < batch["max_batch"]:
             batch["max_batch"] = engine.max_batch
             batch.setdefault("note", f"runs batch {engine.max_batch}: the built engine's batch dimension is fixed")
         measured = measure_curve(engine, sample, engine.max_batch, **limits)
         batch.update(measured.to_report())
+        batch["timed_with"] = timing_options(job.timing)
         report.setdefault("stages_s", {})["batch-timing"] = round(measured.seconds, 3)
     finally:
         engine.close()

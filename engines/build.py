@@ -50,6 +50,7 @@ class BuildJob:
     calibration: dict[str, Any] | None = None
     timing_cache: Path | None = None
     parent_pid: int = field(default_factory=os.getpid)
+    timing: dict[str, Any] = field(default_factory=dict)  # engine options the batch curve is timed with
 
     def to_json(self) -> bytes:
         """The job file's bytes."""
@@ -57,7 +58,7 @@ class BuildJob:
             "backend": self.backend, "onnx_path": str(self.onnx_path), "out_path": str(self.out_path),
             "work_dir": str(self.work_dir), "spec": self.spec.to_dict(), "preprocess": self.preprocess,
             "label": self.label, "calibration": self.calibration, "parent_pid": self.parent_pid,
-            "timing_cache": str(self.timing_cache) if self.timing_cache else None,
+            "timing_cache": str(self.timing_cache) if self.timing_cache else None, "timing": self.timing,
         }
         return json.dumps(data, indent=1).encode()
 
@@ -67,7 +68,8 @@ class BuildJob:
         d = json.loads(raw)
         return cls(d["backend"], Path(d["onnx_path"]), Path(d["out_path"]), Path(d["work_dir"]),
                    EngineBuildSpec.from_dict(d["spec"]), d["preprocess"], d.get("label", ""), d.get("calibration"),
-                   Path(d["timing_cache"]) if d.get("timing_cache") else None, int(d.get("parent_pid", 0)))
+                   Path(d["timing_cache"]) if d.get("timing_cache") else None, int(d.get("parent_pid", 0)),
+                   dict(d.get("timing") or {}))
 
 
 @dataclass

@@ -62,6 +62,9 @@ class BuildPlan:
     key: CacheKey
     calibration: calib.CalibrationSet | None
     device_digest: str
+    # engine options the batch curve is timed under (threads, spinning): the ones the agent serves with, so the
+    # curve describes the engine as it will run. Not part of the key: they change no byte of the engine.
+    timing: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,16 +99,19 @@ def provision(source: ModelSource, *, backend: str = "auto", precision: str | No
               stop_event: threading.Event | None = None, revalidate: bool = False,
               validation_samples: int = 8, latency_runs: int = 20, device: str | None = None,
               max_batch: int = 1, fallback_rounds: int = DEFAULT_FALLBACK_ROUNDS, live_frames_dir: Path | None = None,
-              live_frames: int = 0, validation_dir: Path | None = None) -> ProvisionResult:
+              live_frames: int = 0, validation_dir: Path | None = None,
+              timing: dict[str, Any] | None = None) -> ProvisionResult:
     """The cached engine for `source` on this device, built and validated first when missing.
 
     `max_batch` > 1: an engine with a batch dimension, timed at sizes 1..max_batch (engines.batching).
     `fallback_rounds`: an INT8 engine that fails its accuracy gate is rebuilt with its most sensitive layers
     in float, up to this many times (engines.sensitivity); 0: no fallback. `live_frames_dir`: the device's sample
     of its camera frames (engines.live_frames); the newest `live_frames` of them join the validation frames.
-    `validation_dir`: judge on these frames instead of the artifact's (a bare .onnx has none)."""
+    `validation_dir`: judge on these frames instead of the artifact's (a bare .onnx has none). `timing`: the
+    engine options (`intra_op_threads`, `allow_spinning`) the batch curve is timed with, those the caller serves with."""
     emit = _safe_sink(on_progress)
     plan = plan_build(source, backend, precision, calibration_dir, fingerprint_root, workspace_mb, device, max_batch)
+    plan = replace(plan, timing=dict(timing or {}))
     # the frames first: a model that cannot be judged is refused before minutes of building (GATE_NO_VALIDATION_FRAMES)
     frames = validation_set(source, validation_samples, live_frames_dir, live_frames, validation_dir) if validate else None
     cache = EngineCache(cache_dir, db_path, on_event=emit)
@@ -365,7 +371,8 @@ def _build(cache: EngineCache, plan: BuildPlan, source: ModelSource, builder: Bu
     job = BuildJob(plan.backend, source.onnx_path, work / f"engine{cache.engine_path('x', plan.backend).suffix}",
                    work, plan.spec, source.manifest.preprocess.model_dump(mode="json"), source.label,
                    plan.calibration.to_dict() if plan.calibration else None,
-                   cache.timing_cache_path(plan.device_digest) if plan.backend == "tensorrt" else None)
+                   cache.timing_cache_path(plan.device_digest) if plan.backend == "tensorrt" else None,
+                   timing=plan.timing)
     try:
         outcome = builder.build(job, timeout_s=timeout_s, on_progress=emit, stop_event=stop_event)
         entry = cache.put(plan.key, outcome.path, model=source.label, build_s=outcome.seconds, report=outcome.report)

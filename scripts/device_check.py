@@ -279,24 +279,24 @@ def batch_sequence(engine: Any, name: str, reference: Callable[[Any], Any], fram
     return steps
 
 
-def per_frame_ms(engine: Any, name: str, frame: Any, sizes: tuple[int, ...], runs: int = 20) -> dict[int, float]:
-    """Engine-only milliseconds per frame at each batch size (median of `runs`, after 3 warm-up calls)."""
-    import statistics
-
+def per_frame_ms(engine: Any, name: str, frame: Any, sizes: tuple[int, ...]) -> dict[int, dict[str, float]]:
+    """Engine-only ms per frame at each batch size, timed as the build times them (engines.batch_curve: warm,
+    interleaved rounds until each median is known): median and spread (p25, p75) per size."""
     import numpy as np
 
-    out = {}
-    for n in sizes:
-        batch = np.concatenate([frame] * n)
-        for _ in range(3):
-            engine.infer({name: batch})
-        times = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            engine.infer({name: batch})
-            times.append((time.perf_counter() - t0) * 1e3)
-        out[n] = round(statistics.median(times) / n, 3)
-    return out
+    from engines.batch_curve import sample_sizes, size_cost
+
+    batches = {n: np.concatenate([frame] * n) for n in sizes}
+    samples = sample_sizes(lambda n: engine.infer({name: batches[n]}), sizes)
+    costs = {n: size_cost(values) for n, values in samples.items()}
+    return {n: {"median": round(c.median, 4), "spread": [round(c.low, 4), round(c.high, 4)], "rounds": c.rounds}
+            for n, c in costs.items()}
+
+
+def _inside(build: dict[str, Any], size: int, spread: list[float]) -> bool | None:
+    """Whether the build's median for `size` lies within the spread timed here (None: not in the build)."""
+    median = (build.get("curve") or {}).get(str(size))
+    return None if median is None else spread[0] <= float(median) <= spread[1]
 
 
 def check_batch_sequence(c: Check) -> dict[str, Any]:
@@ -305,6 +305,7 @@ def check_batch_sequence(c: Check) -> dict[str, Any]:
     import onnxruntime as ort
 
     from engines.backends.base import EngineOptions
+    from engines.batching import choose_batch_size
     from engines.provision import load_provisioned, provision
 
     source = _demo(c)
@@ -317,15 +318,21 @@ def check_batch_sequence(c: Check) -> dict[str, Any]:
         name = engine.inputs[0].name
         frames = _held_out_inputs(source, 6)
         steps = batch_sequence(engine, name, lambda x: session.run(None, {name: x})[0], frames)
-        curve = per_frame_ms(engine, name, frames[0], tuple(range(1, engine.describe().get("max_batch", 1) + 1)))
+        timed = per_frame_ms(engine, name, frames[0], tuple(range(1, engine.describe().get("max_batch", 1) + 1)))
         info = engine.describe()
     finally:
         runtime.close()
+    curve = {n: t["median"] for n, t in timed.items()}
+    build = (result.report.get("batch") or {})
+    pick = choose_batch_size(curve, None, max(curve), spread={n: t["spread"] for n, t in timed.items()})
     best = min(curve, key=curve.get)
     entry = {"steps": steps, "contexts": info.get("contexts"), "cuda_graphs": info.get("cuda_graphs"),
-             "per_frame_ms": curve, "auto_vs_batch1_small": round(curve[best] / curve[1], 3), "best_batch": best,
+             "per_frame_ms": timed, "build_curve_ms": build.get("curve"), "build_spread_ms": build.get("spread"),
+             "ceiling": round(curve[1] / curve[best], 3), "best_batch": best, "auto_pick": pick.size,
+             "auto_reason": pick.reason,
+             "build_inside_spread": {str(n): _inside(build, n, t["spread"]) for n, t in timed.items()},
              "summary": f"worst cosine {min(s['worst_cosine'] for s in steps)} over {list(BATCH_SEQUENCE)}; "
-                        f"per frame {curve} ms"}
+                        f"per frame {curve} ms, auto picks {pick.size}"}
     bad = [s for s in steps if s["worst_cosine"] < MIN_COSINE["fp16"]]
     if bad:
         raise Failed(f"batch sizes {[s['batch'] for s in bad]} disagree with ONNX Runtime FP32 (a graph replayed at "
@@ -353,7 +360,7 @@ def check_speedups(c: Check) -> dict[str, Any]:
         times: dict[str, list[float]] = {p: [] for p in runtimes}
         for _ in range(5):  # rounds, each precision timed in turn
             for p, rt in runtimes.items():
-                times[p].append(per_frame_ms(rt.engine, name, frame, (1,))[1])
+                times[p].append(per_frame_ms(rt.engine, name, frame, (1,))[1]["median"])
     finally:
         for rt in runtimes.values():
             rt.close()

@@ -168,9 +168,9 @@ def _source(path: Path, width: int = SIZE, height: int = SIZE, **manifest):
                                  "postprocess": PostprocessSpec(kind="raw"), "gates": {"synthetic_frames": True}, **manifest})
 
 
-def _provision(src, tmp_path: Path, max_batch: int):
+def _provision(src, tmp_path: Path, max_batch: int, **kw):
     return provision(src, backend="onnxruntime", cache_dir=tmp_path / "cache", db_path=tmp_path / "state.db",
-                     max_batch=max_batch, validation_samples=2, latency_runs=3)
+                     max_batch=max_batch, validation_samples=2, latency_runs=3, **kw)
 
 
 def _batch_equals_singles(runtime, batch: np.ndarray, atol: float = 1e-5) -> None:
@@ -332,8 +332,10 @@ def test_curve_is_in_the_sidecar_and_auto_picks_from_it(tmp_path: Path) -> None:
     from agent.pipeline.batch_size import batch_curve, batch_spread, resolve_batch_size
 
     src = _source(_conv_model(tmp_path / "m.onnx", "n"))
-    result = _provision(src, tmp_path, max_batch=2)
+    # timed with the options the agent serves with (agent.model_loading.serving_timing), not the build's own
+    result = _provision(src, tmp_path, max_batch=2, timing={"intra_op_threads": 1, "allow_spinning": False, "x": 3})
     sidecar = json.loads(result.engine_path.with_name(result.engine_path.name + ".json").read_text())
+    assert sidecar["report"]["batch"]["timed_with"] == {"intra_op_threads": 1, "allow_spinning": False}
     curve = sidecar["report"]["batch"]["curve"]
     assert curve == result.report["batch"]["curve"] and set(curve) == {"1", "2"}
     assert batch_curve(result) == curve  # what the frame path reads

@@ -238,8 +238,23 @@ def test_auto_batch_size_follows_the_engine_swapped_in(start_agent) -> None:
         assert agent.worker.batch.max_size == 2  # slots for the largest size the live tuner may move to
         served = len(results)
         assert wait_for(lambda: len(results) >= served + 4, timeout=60), "no frames served after the swap"
+    from agent.status import render_batch_live
+    from agent.telemetry_loop import FramePathMeter
+    from rich.console import Console
+
+    telemetry = FramePathMeter(agent).sample()["batch"]
+    assert telemetry["max_size"] == 2 and set(telemetry["curve_ms"]) == {"1", "2"} and "reason" in telemetry
+    console = Console(record=True, width=200)
+    render_batch_live(agent.summary()["batch"], console)
+    text = console.export_text()  # export clears the record
+    assert "live curve 1:" in text and "max 2" in text
     summary = agent.stop()
     assert summary["batch"]["max_size"] == 2 and summary["errors"] == 0
+    batch = summary["batch"]
+    assert batch["live"]["mode"] == "live" and set(batch["live"]["curve"]) == {"1", "2"}  # the last model's curve
+    profile = batch["profile"]  # where a batch's time went, per size run since the last swap
+    assert profile and all(row["engine_ms"] > 0 and row["batches"] >= 1 for row in profile.values()), profile
+    assert batch["preprocess"]  # serial, parallel or still measuring: always said
 
 
 def test_mqtt_results_carry_the_camera_name_and_every_camera_gets_its_turn(start_agent, mqtt_broker,

@@ -55,3 +55,20 @@ def test_per_camera_fps_drops_and_percentiles() -> None:
     assert 'edge_agent_camera_capture_frames{camera="left",stage="grabbed"} 600.0' in text
     assert 'edge_agent_camera_capture_frames{camera="left",stage="skipped"} 407.0' in text
     assert 'edge_agent_camera_capture_frames{camera="door"' not in text
+
+
+def test_batch_size_and_the_live_curve_with_each_points_origin() -> None:
+    port = free_port()
+    exporter = PrometheusExporter(port, "127.0.0.1")
+    batch = {"max_size": 2, "batches": 40, "reason": "auto (live, demand): ...", "switches": 1,
+             "curve_ms": {"1": 9.5, "2": 7.9}, "origin": {"1": "live", "2": "predicted"}}
+    try:
+        exporter({"fps": 9.5, "frames": 190, "dropped_frames": 3, "batch": batch})
+        exporter({"fps": 9.5, "frames": 190, "dropped_frames": 3, "batch": {**batch, "origin": {"1": "live", "2": "live"}}})
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        exporter.stop()
+    assert "edge_agent_batch_size 2.0" in text
+    assert 'edge_agent_batch_cost_ms_per_frame{origin="live",size="1"} 9.5' in text
+    assert 'edge_agent_batch_cost_ms_per_frame{origin="live",size="2"} 7.9' in text
+    assert 'origin="predicted"' not in text  # size 2 has run since: its predicted series is gone

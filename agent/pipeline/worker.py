@@ -90,13 +90,14 @@ class InferenceWorker(threading.Thread):
     def __init__(self, runtime: ModelRuntime, frames: FrameBatches | FreshestMailbox[Frame], stop_event: threading.Event,
                  stats: FrameStats, on_result: ResultSink | None = None, max_consecutive_errors: int = 100,
                  overlap_postprocess: bool = True, tuner: LiveBatchTuner | None = None,
-                 parallel_preprocess: Mode = "auto") -> None:
+                 parallel_preprocess: Mode = "auto", costs: BatchCosts | None = None) -> None:
         super().__init__(name="inference", daemon=True)
         self.frames: FrameBatches = SingleMailbox(frames) if isinstance(frames, FreshestMailbox) else frames
         self.parallel_preprocess = parallel_preprocess
         self.tuner = tuner
         self.batch = BatchRuntime(runtime, _capacity(self.frames.max_size, tuner), parallel_preprocess)
-        self.costs = BatchCosts()  # the current model's batch costs per size
+        self.costs = costs or BatchCosts()  # the current model's batch costs per size (given: carried on from
+        # an earlier worker on the same model, as the benchmarks' interleaved rounds slice one long run)
         self.stop_event = stop_event
         self.stats = stats
         self.cameras = CameraStats()  # per camera, since start
