@@ -69,7 +69,7 @@ def deploy_and_time(agent: Agent, url: str, stamps: list[float]) -> dict:
     """Deploy `url`, wait for active, and time the intervals around the swap."""
     lost_before = agent.batcher.dropped + agent.stats.errors
     requested = time.monotonic()
-    dep_id = agent.manager.request(url)["deployment_id"]
+    dep_id = agent.manager.request(url, channel="local")["deployment_id"]  # file:// from the operator, as the CLI sends it
     activating = None
     while True:
         dep = agent.deployments.get(dep_id)
