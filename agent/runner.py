@@ -24,7 +24,8 @@ from agent.deployments.manager import DeploymentManager
 from agent.deployments.output_health import OutputHealth
 from agent.deployments.store import Deployment, DeploymentStore
 from agent.deployments import watch as deployment_watch
-from agent.pipeline.batch_size import BatchSize, batch_curve, batch_spread, demand_fps, resolve_batch_size, stated_fps
+from agent.pipeline.batch_size import (BatchSize, batch_curve, batch_relative, batch_spread, demand_fps,
+                                      resolve_batch_size, stated_fps)
 from agent.pipeline.batch_tuner import LiveBatchTuner, make_tuner
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.cameras import CameraGroup
@@ -198,13 +199,14 @@ class Agent:
         cameras = cfg.camera_list()
         return resolve_batch_size(cfg.batch.max_size, len(cameras), batch_curve(provisioned),
                                   source.manifest.gates.latency_budget_ms, demand_fps(cameras),
-                                  spread=batch_spread(provisioned))
+                                  spread=batch_spread(provisioned), relative=batch_relative(provisioned))
 
     def _tuner_for(self, loaded: LoadedModel, initial: BatchSize) -> LiveBatchTuner | None:
         """`loaded`'s live batch-size tuner (agent.pipeline.batch_tuner), None where its size is fixed."""
         cfg, cameras = self.config, self.config.camera_list()
         return make_tuner(cfg.batch, len(cameras), batch_curve(loaded.provisioned), batch_spread(loaded.provisioned),
-                          loaded.source.manifest.gates.latency_budget_ms, demand_fps(cameras), initial)
+                          loaded.source.manifest.gates.latency_budget_ms, demand_fps(cameras), initial,
+                          relative=batch_relative(loaded.provisioned))
 
     def fps_floors(self, source: ModelSource, provisioned: Any) -> dict[str, FpsFloor]:
         """Each camera's fps floor under `source`: from its own gate-measured capacity at the batch size it

@@ -53,7 +53,8 @@ from agent.config import AgentConfig
 from agent.demo import prepare_demo_model_dir
 from agent.model_loading import built_max_batch, serving_timing
 from agent.pipeline.batch_costs import BatchCosts
-from agent.pipeline.batch_size import BatchSize, batch_curve, batch_spread, demand_fps, resolve_batch_size
+from agent.pipeline.batch_size import (BatchSize, batch_curve, batch_relative, batch_spread, demand_fps,
+                                      resolve_batch_size)
 from agent.pipeline.batch_tuner import make_tuner
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.cameras import CameraGroup
@@ -110,7 +111,8 @@ def auto_size(source: Any, provisioned: Any, camera_fps: float) -> tuple[int, st
     cameras' demand through the agent's resolver."""
     configs = camera_configs(camera_fps)
     resolved = resolve_batch_size("auto", CAMERAS, batch_curve(provisioned), source.manifest.gates.latency_budget_ms,
-                                  demand_fps(configs), spread=batch_spread(provisioned))
+                                  demand_fps(configs), spread=batch_spread(provisioned),
+                                  relative=batch_relative(provisioned))
     return resolved.size, resolved.reason
 
 
@@ -119,7 +121,7 @@ def live_tuner(source: Any, provisioned: Any, camera_fps: float, size: int, reas
     config = AgentConfig().batch.model_copy(update={"retune_interval_s": retune_s})
     return make_tuner(config, CAMERAS, batch_curve(provisioned), batch_spread(provisioned),
                       source.manifest.gates.latency_budget_ms, demand_fps(camera_configs(camera_fps)),
-                      BatchSize(size, reason))
+                      BatchSize(size, reason), relative=batch_relative(provisioned))
 
 
 def engine_limits(curve: Any, camera_fps: float) -> dict[str, Any]:
@@ -264,19 +266,23 @@ def promised(summary: dict[str, Any], curve: Any) -> dict[str, Any]:
 
 
 def between_builds(builds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per size: the builds' medians, how far apart they are, the mean width of the spread they report
-    (p75 - p25), and whether the medians moved by less than that (the spread is honest about the noise)."""
-    out: dict[str, Any] = {}
-    sizes = sorted(set.intersection(*(set(b["curve"]) for b in builds)), key=int) if builds else []
-    for size in sizes:
-        medians = [b["curve"][size] for b in builds]
-        widths = [b["spread"][size][1] - b["spread"][size][0] for b in builds if b.get("spread")]
-        width = sum(widths) / len(widths) if widths else None
-        apart = max(medians) - min(medians)
-        out[size] = {"medians": medians, "apart_ms": round(apart, 4),
-                     "spread_width_ms": round(width, 4) if width is not None else None,
-                     "inside": width is not None and apart <= width}
-    return out
+    """Per size, for the absolute curve (ms per frame) and the relative one (cost / batch 1, same round): the
+    builds' medians, how far apart they are, the mean width of the spread they report (p75 - p25), and
+    whether the medians moved by less than that (the spread is honest about the noise between builds)."""
+    def check(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        sizes = sorted(set.intersection(*(set(r) for r in rows)), key=int) if rows and all(rows) else []
+        for size in sizes:
+            medians = [r[size][0] for r in rows]
+            width = sum(r[size][2] - r[size][1] for r in rows) / len(rows)
+            apart = max(medians) - min(medians)
+            out[size] = {"medians": medians, "apart": round(apart, 4), "spread_width": round(width, 4),
+                         "inside": apart <= width}
+        return out
+
+    absolute = [{n: (b["curve"][n], *b["spread"][n]) for n in b["curve"]} if b.get("spread") else {} for b in builds]
+    relative = [{n: (row[1], row[0], row[-1]) for n, row in (b.get("relative") or {}).items()} for b in builds]
+    return {"absolute_ms": check(absolute), "relative_to_batch1": check(relative)}
 
 
 def main() -> None:
@@ -304,12 +310,13 @@ def main() -> None:
         dirs = {w: prepare_demo_model_dir(Path(tmp), *wh) for w, wh in SIZES.items()}
         # the agent builds for planned_max_batch("auto", 4 cameras) = 4; the picker then reads the curve
         built = {w: build_engine(d, cache, planned_max_batch("auto", CAMERAS), args.quick) for w, d in dirs.items()}
-        curve_builds = [dict(curve=batch_curve(built["small"][1]), spread=batch_spread(built["small"][1]))]
+        curve_builds = [dict(curve=batch_curve(built["small"][1]), spread=batch_spread(built["small"][1]),
+                             relative=batch_relative(built["small"][1]))]
         for extra in range(1, max(1, args.builds)):  # separate caches: each is a fresh build and timing
             other = Path(tmp) / f"cache-build{extra + 1}"
             other.mkdir()
             again = build_engine(dirs["small"], other, planned_max_batch("auto", CAMERAS), args.quick)[1]
-            curve_builds.append(dict(curve=batch_curve(again), spread=batch_spread(again)))
+            curve_builds.append(dict(curve=batch_curve(again), spread=batch_spread(again), relative=batch_relative(again)))
             print(f"small build {extra + 1}: {curve_builds[-1]}")
         runtimes = {w: load_engine(*b) for w, b in built.items()}
         swap_to = load_engine(*built["small"])  # the "new version" deployed mid-run: a second engine instance

@@ -6,15 +6,20 @@ from other processes fell on whichever size was being timed. So each size is war
 interleaved rounds (1, 2, 3, 4, then 2, 3, 4, 1, ...: the starting size rotates so no size always runs right
 after the longest one), so a load change falls on every size alike, until the median of every size is known
 to `target_error` (its standard error, estimated from the interquartile range) or a round or time limit is
-reached. Each size keeps its median and its spread (25th and 75th percentile of its rounds);
-`engines.batching.choose_batch_size` takes a larger size only when it is cheaper beyond that spread.
+reached. Each size keeps its median and its spread (25th and 75th percentile of its rounds), and its
+`relative` cost: per round, its cost over the smallest size's cost in the same round, as median and
+spread. The absolute level moves between builds on a shared machine (on the 2-core VM three builds of one
+model put batch 1 at 8.8, 7.2 and 6.9 ms), but a load change lasting a round hits every size of that round
+alike, so the paired ratio keeps the shape of the curve where the level drifts.
+`engines.batching.choose_batch_size` takes a larger size only when it is cheaper beyond the spread: by the
+relative spreads where both sizes have one, else by the absolute ones.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -49,6 +54,7 @@ class CostCurve:
 
     sizes: dict[int, SizeCost]
     seconds: float = 0.0
+    relative: dict[int, SizeCost] = field(default_factory=dict)  # per-round cost / the smallest size's, same round
 
     def medians(self) -> dict[int, float]:
         """{size: median ms per frame}."""
@@ -59,9 +65,12 @@ class CostCurve:
         return {b: (c.low, c.high) for b, c in self.sizes.items()}
 
     def to_report(self) -> dict[str, Any]:
-        """`{"curve": {"1": ms}, "spread": {"1": [p25, p75]}, "rounds": {"1": n}}` (string keys: JSON)."""
+        """`{"curve": {"1": ms}, "spread": {"1": [p25, p75]}, "relative": {"2": [p25, median, p75]},
+        "rounds": {"1": n}}` (string keys: JSON)."""
         return {"curve": {str(b): round(c.median, 4) for b, c in self.sizes.items()},
                 "spread": {str(b): [round(c.low, 4), round(c.high, 4)] for b, c in self.sizes.items()},
+                "relative": {str(b): [round(c.low, 4), round(c.median, 4), round(c.high, 4)]
+                             for b, c in self.relative.items()},
                 "rounds": {str(b): c.rounds for b, c in self.sizes.items()}}
 
 
@@ -123,7 +132,25 @@ def measure_curve(engine: Any, sample_shape: Sequence[int], max_batch: int, size
     batches = {size: rng.normal(0, 1, (size, *rest)).astype(spec.dtype) for size in wanted}
     t0 = time.perf_counter()
     samples = sample_sizes(lambda size: engine.infer({spec.name: batches[size]}), wanted, **limits)
-    return CostCurve({size: size_cost(values) for size, values in samples.items()}, time.perf_counter() - t0)
+    return curve_of(samples, time.perf_counter() - t0)
+
+
+def curve_of(samples: Mapping[int, Sequence[float]], seconds: float = 0.0) -> CostCurve:
+    """A CostCurve from `sample_sizes`'s per-round samples (index r of every size is round r)."""
+    base = min(samples)
+    relative = {size: size_cost([c / b for c, b in zip(values, samples[base])])
+                for size, values in samples.items() if size != base}
+    return CostCurve({size: size_cost(values) for size, values in samples.items()}, seconds, relative)
+
+
+def normalize_relative(relative: Mapping[Any, Any] | None) -> dict[int, tuple[float, float]]:
+    """`{"2": [p25, median, p75]}` (sidecar JSON) -> {2: (p25, p75)}, with the smallest size's own (1, 1)
+    added; bad entries dropped like `normalize_spread`'s."""
+    bands = normalize_spread({size: (row[0], row[-1]) for size, row in (relative or {}).items()
+                              if isinstance(row, (list, tuple)) and len(row) >= 2})
+    if bands:
+        bands.setdefault(min(min(bands), 1), (1.0, 1.0))
+    return bands
 
 
 def normalize_spread(spread: Mapping[Any, Any] | None) -> dict[int, tuple[float, float]]:

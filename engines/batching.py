@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from engines.batch_curve import measure_curve, normalize_spread
+from engines.batch_curve import measure_curve, normalize_relative, normalize_spread
 from engines.errors import ModelError
 
 BATCH_DIM = "batch"
@@ -81,23 +81,22 @@ def capacity_fps(cost_ms: float) -> float:
 
 def choose_batch_size(curve: Mapping[Any, Any] | Iterable[Sequence[Any]], latency_budget_ms: float | None,
                       max_size: int, demand_fps: float | None = None,
-                      spread: Mapping[Any, Any] | None = None) -> BatchPick:
+                      spread: Mapping[Any, Any] | None = None, relative: Mapping[Any, Any] | None = None) -> BatchPick:
     """The batch size to run and why, among sizes <= `max_size` whose batch latency fits the budget.
 
     A batch of `b` frames at `c(b)` ms per frame occupies the engine for `b * c(b)` ms, which is the
     latency its first frame sees; sizes where that exceeds `latency_budget_ms` are cut. With the cameras'
     total rate `demand_fps` known, the smallest size whose capacity (1000 / c(b)) is at least
     `DEMAND_HEADROOM` x demand wins: a larger batch would serve the same frames later. Without a demand,
-    or when no size covers it, the lowest cost per frame wins, but a larger size replaces a smaller one
-    only when it is clearly cheaper: at least `MIN_GAIN`, and, where `spread` ({size: (p25, p75)}, from
-    engines.batch_curve) is known for both, its 75th percentile below the smaller size's 25th. A
-    difference inside the spread is noise, and the smaller size has the lower latency. No size fits
-    (or no curve): 1.
+    or when no size covers it, the smallest size that no other size is clearly cheaper than wins
+    (`clearly_cheaper`: by `MIN_GAIN` and beyond the spread, the paired `relative` one of engines.batch_curve
+    where both sizes have it, else the absolute `spread`, {size: (p25, p75)}). A difference inside the
+    spread is noise, and the smaller size has the lower latency. No size fits (or no curve): 1.
     """
     if demand_fps is not None and not (math.isfinite(demand_fps) and demand_fps > 0):
         raise ValueError(f"demand_fps {demand_fps!r}: the cameras' total frame rate must be a positive number")
     points = normalize_curve(curve)
-    bands = normalize_spread(spread)
+    bands, shape = normalize_spread(spread), normalize_relative(relative)
     fits = {b: c for b, c in points.items()
             if b <= max_size and (latency_budget_ms is None or b * c <= latency_budget_ms)}
     if not fits:
@@ -110,30 +109,36 @@ def choose_batch_size(curve: Mapping[Any, Any] | Iterable[Sequence[Any]], latenc
             return BatchPick(b, "demand", f"demand {demand_fps:.1f} fps x {DEMAND_HEADROOM} headroom = "
                              f"{needed:.1f} fps; batch {b} serves {capacity_fps(fits[b]):.1f} fps")
     cheapest = min(fits, key=lambda size: (fits[size], size))
-    b = min(size for size in fits if not clearly_cheaper(cheapest, size, fits, bands))
+    b = min(size for size in fits if not any(clearly_cheaper(a, size, fits, bands, shape) for a in fits))
     why = f"best throughput: batch {b} serves {capacity_fps(fits[b]):.1f} fps"
     if b != cheapest:
+        within = (cheapest in shape and b in shape) or (cheapest in bands and b in bands)
         why += (f" (batch {cheapest} measured {fits[cheapest]:.2f} ms per frame vs {fits[b]:.2f}: "
-                + ("within the measured spread" if cheapest in bands and b in bands else f"under {MIN_GAIN:.0%}") + ")")
+                + ("within the measured spread" if within else f"under {MIN_GAIN:.0%}") + ")")
     if demand_fps is not None:
         why += f" (< demand {demand_fps:.1f} fps x {DEMAND_HEADROOM} headroom)"
     return BatchPick(b, "throughput", why)
 
 
-def clearly_cheaper(a: int, b: int, costs: Mapping[int, float], bands: Mapping[int, tuple[float, float]]) -> bool:
+def clearly_cheaper(a: int, b: int, costs: Mapping[int, float], bands: Mapping[int, tuple[float, float]],
+                    shape: Mapping[int, tuple[float, float]] | None = None) -> bool:
     """True when size `a` costs less per frame than size `b` by more than noise: `MIN_GAIN`, and beyond the
-    measured spread of both when both have one (a's 75th percentile under b's 25th)."""
+    measured spread of both (a's 75th percentile under b's 25th): the paired relative spreads (`shape`) when
+    both have one, else the absolute ones (`bands`), else by `MIN_GAIN` alone."""
     if a == b or costs[a] > costs[b] * (1 - MIN_GAIN):
         return False
+    if shape and a in shape and b in shape:
+        return shape[a][1] < shape[b][0]
     if a in bands and b in bands:
         return bands[a][1] < bands[b][0]
     return True
 
 
 def pick_batch_size(curve: Mapping[Any, Any] | Iterable[Sequence[Any]], latency_budget_ms: float | None,
-                    max_size: int, demand_fps: float | None = None, spread: Mapping[Any, Any] | None = None) -> int:
+                    max_size: int, demand_fps: float | None = None, spread: Mapping[Any, Any] | None = None,
+                    relative: Mapping[Any, Any] | None = None) -> int:
     """The batch size to run (`choose_batch_size` without the reason)."""
-    return choose_batch_size(curve, latency_budget_ms, max_size, demand_fps, spread).size
+    return choose_batch_size(curve, latency_budget_ms, max_size, demand_fps, spread, relative).size
 
 
 def planned_max_batch(setting: int | str | None, cameras: int = 1) -> int:

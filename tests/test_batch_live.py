@@ -79,10 +79,42 @@ def test_a_larger_size_wins_only_when_it_is_cheaper_beyond_the_spread() -> None:
     assert choose_batch_size(curve, None, 2, spread={"2": [8.9, 9.1]}).size == 2
 
 
+def test_the_relative_curve_pairs_each_round_so_a_level_drift_does_not_hide_the_shape() -> None:
+    from engines.batch_curve import curve_of
+
+    clock, level = FakeClock(), [1.0]
+
+    def drifting(size: int) -> None:  # the machine slows 3 % a round: absolute spreads grow wide,
+        clock.now += size * 0.001 * (10.0 if size == 1 else 8.0) * level[0]  # batch 2 stays 0.8 of batch 1
+        if size == 2:
+            level[0] *= 1.03
+
+    samples = sample_sizes(drifting, [1, 2], warmup=0, min_rounds=20, max_rounds=20, clock=clock)
+    curve = curve_of(samples)
+    low, high = curve.sizes[2].low, curve.sizes[2].high
+    assert low < curve.sizes[1].high and high > curve.sizes[1].low  # absolute quartiles overlap: "noise"
+    assert curve.relative[2].median == pytest.approx(0.8, rel=0.04) and curve.relative[2].high < 0.85
+    report = curve.to_report()
+    assert choose_batch_size(report["curve"], None, 2, spread=report["spread"]).size == 1
+    assert choose_batch_size(report["curve"], None, 2, spread=report["spread"], relative=report["relative"]).size == 2
+
+
+def test_the_smallest_size_that_no_size_clearly_beats_wins() -> None:
+    # 4 is cheapest but its spread is wide; 3 is clearly cheaper than 1 and 2: 3, never back to 1
+    curve = {"1": 8.3, "2": 8.2, "3": 6.9, "4": 6.8}
+    spread = {"1": [8.1, 8.5], "2": [7.9, 8.6], "3": [6.8, 7.0], "4": [6.0, 8.4]}
+    pick = choose_batch_size(curve, None, 4, spread=spread)
+    assert pick.size == 3 and "batch 4 measured 6.80" in pick.reason
+
+
 def test_a_bad_spread_entry_is_ignored_not_fatal() -> None:
     bands = normalize_spread({"1": [1.0, 2.0], "2": "x", "3": [3.0, 1.0], "x": [1, 2], "4": [float("nan"), 1.0]})
     assert bands == {1: (1.0, 2.0)}
     assert normalize_spread(None) == {}
+    from engines.batch_curve import normalize_relative
+
+    assert normalize_relative({"2": [0.7, 0.8, 0.9], "3": "x", "4": [0.9]}) == {1: (1.0, 1.0), 2: (0.7, 0.9)}
+    assert normalize_relative(None) == {}
 
 
 # --- live costs ----------------------------------------------------------------------------------------
@@ -335,7 +367,7 @@ def test_doclaynet_runs_batch_one_with_a_spread_and_parallel_slots_find_the_same
         curve = measure_curve(engine, (1, 3, 1024, 1024), 1, warmup=1, min_rounds=3, max_rounds=3)
         assert set(curve.sizes) == {1} and curve.sizes[1].rounds == 3
         assert curve.sizes[1].low <= curve.sizes[1].median <= curve.sizes[1].high
-        assert set(curve.to_report()) == {"curve", "spread", "rounds"}
+        assert set(curve.to_report()) == {"curve", "spread", "relative", "rounds"} and curve.relative == {}
 
         images = [pages.page(i) for i in range(2)]
         serial, parallel = BatchRuntime(runtime, 2, False), BatchRuntime(runtime, 2, True)

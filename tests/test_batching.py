@@ -329,7 +329,7 @@ def test_batch_profile_is_part_of_the_cache_key(tmp_path: Path) -> None:
 
 
 def test_curve_is_in_the_sidecar_and_auto_picks_from_it(tmp_path: Path) -> None:
-    from agent.pipeline.batch_size import batch_curve, batch_spread, resolve_batch_size
+    from agent.pipeline.batch_size import batch_curve, batch_relative, batch_spread, resolve_batch_size
 
     src = _source(_conv_model(tmp_path / "m.onnx", "n"))
     # timed with the options the agent serves with (agent.model_loading.serving_timing), not the build's own
@@ -342,14 +342,19 @@ def test_curve_is_in_the_sidecar_and_auto_picks_from_it(tmp_path: Path) -> None:
     spread = sidecar["report"]["batch"]["spread"]
     assert set(spread) == {"1", "2"} and all(lo <= curve[n] <= hi for n, (lo, hi) in spread.items())
     assert min(sidecar["report"]["batch"]["rounds"].values()) >= 7  # warm, interleaved, repeated
-    resolved = resolve_batch_size("auto", 2, batch_curve(result), None, spread=batch_spread(result))
-    assert resolved.size == pick_batch_size(curve, None, 2, spread=spread) == best_by_definition(curve, None, 2, spread)
+    relative = sidecar["report"]["batch"]["relative"]
+    assert set(relative) == {"2"} and relative["2"][0] <= relative["2"][1] <= relative["2"][2]
+    resolved = resolve_batch_size("auto", 2, batch_curve(result), None, spread=batch_spread(result),
+                                  relative=batch_relative(result))
+    assert resolved.size == pick_batch_size(curve, None, 2, spread=spread, relative=relative) \
+        == best_by_definition(curve, None, 2, spread, relative)
 
 
-def best_by_definition(curve: dict, budget_ms: float | None, max_size: int, spread: dict | None = None) -> int:
+def best_by_definition(curve: dict, budget_ms: float | None, max_size: int, spread: dict | None = None,
+                       relative: dict | None = None) -> int:
     """The pick written out from its definition (engines.batching docs), apart from the picker's code: the
-    smallest size within the budget that the cheapest size does not beat by more than noise (MIN_GAIN, and
-    its 75th percentile under this size's 25th where both have a spread); 1 if none fits."""
+    smallest size within the budget that no other size beats by more than noise (MIN_GAIN, and its 75th
+    percentile under this size's 25th: relative to batch 1 where both have that, else absolute); 1 if none fits."""
     from engines.batching import MIN_GAIN
 
     fits = {int(b): float(c) for b, c in curve.items()
@@ -357,14 +362,18 @@ def best_by_definition(curve: dict, budget_ms: float | None, max_size: int, spre
     if not fits:
         return 1
     bands = {int(b): tuple(v) for b, v in (spread or {}).items()}
-    best = min(fits, key=lambda b: (fits[b], b))
+    shape = {int(b): (v[0], v[-1]) for b, v in (relative or {}).items()}
+    if shape:
+        shape.setdefault(1, (1.0, 1.0))
 
-    def beaten(b: int) -> bool:
-        if fits[best] > fits[b] * (1 - MIN_GAIN):
+    def beats(a: int, b: int) -> bool:
+        if a == b or fits[a] > fits[b] * (1 - MIN_GAIN):
             return False
-        return bands[best][1] < bands[b][0] if best in bands and b in bands else True
+        if a in shape and b in shape:
+            return shape[a][1] < shape[b][0]
+        return bands[a][1] < bands[b][0] if a in bands and b in bands else True
 
-    return min(b for b in sorted(fits) if b == best or not beaten(b))
+    return min(b for b in sorted(fits) if not any(beats(a, b) for a in fits))
 
 
 # --- real exports: [-1, 3, ?, ?] -----------------------------------------------------------------------
@@ -438,7 +447,9 @@ def test_bench_batch_prints_the_curve(agent_env, tmp_path: Path) -> None:
     assert set(report["curve_ms"]) == {"1", "2", "4"}
     budget = report["latency_budget_ms"]
     spread = {size: stats["spread"] for size, stats in report["per_frame_ms"].items()}
-    assert report["auto_pick"] == pick_batch_size(report["curve_ms"], budget, 4, spread=spread), report  # as printed
+    assert report["auto_pick"] == pick_batch_size(report["curve_ms"], budget, 4, spread=spread,
+                                                  relative=report["relative"]), report  # as printed
+    assert report["auto_pick"] == best_by_definition(report["curve_ms"], budget, 4, spread, report["relative"])
     assert report["rounds"] == 3 and all(lo <= report["curve_ms"][n] <= hi for n, (lo, hi) in spread.items())
     assert set(report["build_curve_ms"]) == {"1", "2", "3", "4"}  # timed when the engine was built
     table = _run_cli("bench", str(model), "--batch", "1,2", "--iterations", "2", "--warmup", "0")

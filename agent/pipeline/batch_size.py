@@ -43,9 +43,19 @@ def batch_curve(provisioned: Any) -> Any:
 def batch_spread(provisioned: Any) -> Any:
     """Each size's measured spread (`{"1": [p25, p75]}`) from the sidecar; None from engines timed before
     the build measured it (their sizes are then compared by median alone)."""
+    return _batch_field(provisioned, "spread")
+
+
+def batch_relative(provisioned: Any) -> Any:
+    """Each size's cost relative to batch 1 in the same timing round (`{"2": [p25, median, p75]}`), None
+    from engines timed before the build measured it."""
+    return _batch_field(provisioned, "relative")
+
+
+def _batch_field(provisioned: Any, name: str) -> Any:
     report = getattr(provisioned, "report", None) or {}
     batch = report.get("batch") if isinstance(report, dict) else None
-    return batch.get("spread") if isinstance(batch, dict) else None
+    return batch.get(name) if isinstance(batch, dict) else None
 
 
 def demand_fps(cameras: Iterable[Any]) -> float | None:
@@ -70,7 +80,7 @@ def stated_fps(camera: Any) -> float | None:
 
 
 def resolve_batch_size(setting: Union[int, str], cameras: int, curve: Any, budget_ms: float | None,
-                       demand: float | None = None, spread: Any = None) -> BatchSize:
+                       demand: float | None = None, spread: Any = None, relative: Any = None) -> BatchSize:
     """Never more than the number of cameras: a batch holds at most one frame per camera.
 
     `demand` is the cameras' total fps (`demand_fps`), None when unknown.
@@ -90,7 +100,7 @@ def resolve_batch_size(setting: Union[int, str], cameras: int, curve: Any, budge
     except ImportError:
         return BatchSize(1, "auto: engines.batching.choose_batch_size is not available in this build")
     try:
-        pick = choose_batch_size(curve, budget_ms, min(MAX_BATCH, cameras), demand, spread)
+        pick = choose_batch_size(curve, budget_ms, min(MAX_BATCH, cameras), demand, spread, relative)
     except Exception as exc:  # a bad curve must not stop the agent: batch 1 and say why
         log.warning("batch size auto: picker failed on the sidecar curve: %s", exc)
         return BatchSize(1, f"auto: picker failed ({type(exc).__name__}: {exc})")

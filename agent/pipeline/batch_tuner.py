@@ -27,7 +27,7 @@ import numpy as np
 
 from agent.pipeline.batch_costs import BatchCosts, LiveCost
 from engines.batching import DEMAND_HEADROOM, capacity_fps, choose_batch_size, clearly_cheaper, normalize_curve
-from engines.batch_curve import normalize_spread
+from engines.batch_curve import normalize_relative, normalize_spread
 
 CONFIRM = 2  # decisions in a row that must pick a new size before it is taken
 DOWNSIZE_MARGIN = 1.10  # a smaller size for the demand must serve this much more than headroom x demand
@@ -68,6 +68,7 @@ class LiveBatchTuner:
     interval_s: float = 10.0
     min_batches: int = 16
     clock: Callable[[], float] = time.monotonic
+    build_relative: Any = None  # the build's paired per-round cost / batch 1 (engines.batch_curve)
     decisions: int = 0
     switches: int = 0
     curve: dict[int, CurvePoint] = field(default_factory=dict)
@@ -78,6 +79,7 @@ class LiveBatchTuner:
     def __post_init__(self) -> None:
         self._build = normalize_curve(self.build_curve or {})
         self._build_bands = normalize_spread(self.build_spread)
+        self._build_shape = normalize_relative(self.build_relative)
         self._next_at = self.clock() + self.interval_s
         self.curve = {b: CurvePoint(c, self._build_bands.get(b), "build") for b, c in self._build.items()
                       if b <= self.max_size}
@@ -97,7 +99,10 @@ class LiveBatchTuner:
         self.curve = self._effective(live, costs.curve(self.min_batches, kind="engine"))
         costs_ms = {b: p.ms_per_frame for b, p in self.curve.items()}
         bands = {b: p.spread for b, p in self.curve.items() if p.spread is not None}
-        pick = choose_batch_size(costs_ms, self.budget_ms, self.max_size, self.demand_fps, bands)
+        # the build's paired spreads compare two sizes that both come from the build (scaled alike); a live
+        # size is compared by its own measured spread
+        shape = {b: self._build_shape[b] for b, p in self.curve.items() if p.origin != "live" and b in self._build_shape}
+        pick = choose_batch_size(costs_ms, self.budget_ms, self.max_size, self.demand_fps, bands, shape)
         self.decisions += 1
         origins = ", ".join(f"{b}: {p.origin}" for b, p in sorted(self.curve.items()))
         if pick.size == self.size or not self._worth_switching(pick.size, pick.rule, costs_ms, bands):
@@ -148,8 +153,15 @@ class LiveBatchTuner:
         if new > self.size:
             current_serves = (self.demand_fps is not None
                               and capacity_fps(costs[self.size]) >= self.demand_fps * DEMAND_HEADROOM)
-            return not current_serves and (rule == "demand" or clearly_cheaper(new, self.size, costs, bands))
+            return not current_serves and (rule == "demand" or clearly_cheaper(new, self.size, costs, bands, self._shape(new)))
         return True
+
+    def _shape(self, new: int) -> dict[int, tuple[float, float]]:
+        """The build's paired spreads of `new` and the current size when neither is live."""
+        sizes = (new, self.size)
+        if any(self.curve[b].origin == "live" for b in sizes if b in self.curve):
+            return {}
+        return {b: self._build_shape[b] for b in sizes if b in self._build_shape}
 
     def status(self) -> dict[str, Any]:
         """The choice, its reason and the curve it was made on (`status`, telemetry, Prometheus)."""
@@ -160,7 +172,7 @@ class LiveBatchTuner:
 
 
 def make_tuner(config: Any, cameras: int, curve: Any, spread: Any, budget_ms: float | None,
-               demand: float | None, initial: Any) -> LiveBatchTuner | None:
+               demand: float | None, initial: Any, relative: Any = None) -> LiveBatchTuner | None:
     """The tuner for one model, or None where the size cannot move: a configured integer, `live_retune`
     off, one camera, or no build curve (the engine was not timed: it runs batch 1, agent.pipeline.batch_size).
 
@@ -177,4 +189,4 @@ def make_tuner(config: Any, cameras: int, curve: Any, spread: Any, budget_ms: fl
     if top <= 1:
         return None
     return LiveBatchTuner(curve, spread, budget_ms, top, initial.size, initial.reason, demand,
-                          config.retune_interval_s, config.retune_min_batches)
+                          config.retune_interval_s, config.retune_min_batches, build_relative=relative)
