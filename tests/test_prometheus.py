@@ -8,15 +8,21 @@ from agent.telemetry_loop import PrometheusExporter
 from tests.fixtures_mqtt import free_port
 
 
-def test_exporter_serves_the_sample_figures() -> None:
+def scrape(*samples: dict) -> str:
+    """Feed a real exporter `samples` in order and read its /metrics over HTTP."""
     port = free_port()
     exporter = PrometheusExporter(port, "127.0.0.1")
     try:
-        exporter({"fps": 12.5, "frames": 300, "dropped_frames": 4, "latency_ms": {"p50": 40.0, "p99": 61.2},
-                  "power_mw": {"total": 7300, "VDD_CPU_GPU_CV": 2100}, "temp_c": {"tj": 55.5}, "throttled": False})
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        for sample in samples:
+            exporter(sample)
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         exporter.stop()
+
+
+def test_exporter_serves_the_sample_figures() -> None:
+    text = scrape({"fps": 12.5, "frames": 300, "dropped_frames": 4, "latency_ms": {"p50": 40.0, "p99": 61.2},
+                   "power_mw": {"total": 7300, "VDD_CPU_GPU_CV": 2100}, "temp_c": {"tj": 55.5}, "throttled": False})
     assert "edge_agent_fps 12.5" in text
     assert 'edge_agent_latency_ms{quantile="p99"} 61.2' in text
     assert 'edge_agent_power_mw{rail="total"} 7300.0' in text
@@ -25,27 +31,15 @@ def test_exporter_serves_the_sample_figures() -> None:
 
 
 def test_absent_fields_stay_absent() -> None:
-    port = free_port()
-    exporter = PrometheusExporter(port, "127.0.0.1")
-    try:
-        exporter({"fps": 1.0, "frames": 1, "dropped_frames": 0})
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    finally:
-        exporter.stop()
+    text = scrape({"fps": 1.0, "frames": 1, "dropped_frames": 0})
     assert "edge_agent_power_mw{" not in text and "edge_agent_temp_c{" not in text
 
 
 def test_per_camera_fps_drops_and_percentiles() -> None:
-    port = free_port()
-    exporter = PrometheusExporter(port, "127.0.0.1")
     cameras = {"left": {"fps": 9.5, "frames": 190, "dropped_frames": 3, "latency_ms": {"p50": 41.0, "p99": 70.5},
                         "capture": {"grabbed": 600, "decoded": 193, "skipped": 407}},
                "door": {"fps": 0.0, "frames": 0, "dropped_frames": 0, "latency_ms": {}, "connected": False}}
-    try:
-        exporter({"fps": 9.5, "frames": 190, "dropped_frames": 3, "cameras": cameras})
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    finally:
-        exporter.stop()
+    text = scrape({"fps": 9.5, "frames": 190, "dropped_frames": 3, "cameras": cameras})
     assert 'edge_agent_camera_fps{camera="left"} 9.5' in text
     assert 'edge_agent_camera_dropped_frames{camera="left"} 3.0' in text
     assert 'edge_agent_camera_latency_ms{camera="left",quantile="p50"} 41.0' in text
@@ -58,16 +52,10 @@ def test_per_camera_fps_drops_and_percentiles() -> None:
 
 
 def test_batch_size_and_the_live_curve_with_each_points_origin() -> None:
-    port = free_port()
-    exporter = PrometheusExporter(port, "127.0.0.1")
     batch = {"max_size": 2, "batches": 40, "reason": "auto (live, demand): ...", "switches": 1,
              "curve_ms": {"1": 9.5, "2": 7.9}, "origin": {"1": "live", "2": "predicted"}}
-    try:
-        exporter({"fps": 9.5, "frames": 190, "dropped_frames": 3, "batch": batch})
-        exporter({"fps": 9.5, "frames": 190, "dropped_frames": 3, "batch": {**batch, "origin": {"1": "live", "2": "live"}}})
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    finally:
-        exporter.stop()
+    text = scrape({"fps": 9.5, "frames": 190, "dropped_frames": 3, "batch": batch},
+                  {"fps": 9.5, "frames": 190, "dropped_frames": 3, "batch": {**batch, "origin": {"1": "live", "2": "live"}}})
     assert "edge_agent_batch_size 2.0" in text
     assert 'edge_agent_batch_cost_ms_per_frame{origin="live",size="1"} 9.5' in text
     assert 'edge_agent_batch_cost_ms_per_frame{origin="live",size="2"} 7.9' in text
