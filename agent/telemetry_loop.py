@@ -186,9 +186,8 @@ class PrometheusExporter:
         batch = sample.get("batch") or {}
         if "max_size" in batch:
             self.batch_size.set(batch["max_size"])
-        if batch.get("curve_ms"):
-            self.batch_cost.clear()  # a size's origin changes (predicted -> live): no stale series
-            for size, cost in batch["curve_ms"].items():
+            self.batch_cost.clear()  # a size's origin changes (predicted -> live), a swap drops the tuner: no stale series
+            for size, cost in (batch.get("curve_ms") or {}).items():
                 self.batch_cost.labels(size, (batch.get("origin") or {}).get(size, "live")).set(cost)
         for name, cam in (sample.get("cameras") or {}).items():
             self.camera_fps.labels(name).set(cam.get("fps", 0))

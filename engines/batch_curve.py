@@ -143,13 +143,16 @@ def curve_of(samples: Mapping[int, Sequence[float]], seconds: float = 0.0) -> Co
     return CostCurve({size: size_cost(values) for size, values in samples.items()}, seconds, relative)
 
 
-def normalize_relative(relative: Mapping[Any, Any] | None) -> dict[int, tuple[float, float]]:
-    """`{"2": [p25, median, p75]}` (sidecar JSON) -> {2: (p25, p75)}, with the smallest size's own (1, 1)
-    added; bad entries dropped like `normalize_spread`'s."""
-    bands = normalize_spread({size: (row[0], row[-1]) for size, row in (relative or {}).items()
+def normalize_relative(relative: Mapping[Any, Any] | None, add_base: bool = True) -> dict[int, tuple[float, float]]:
+    """`{"2": [p25, median, p75]}` (sidecar JSON) -> {2: (p25, p75)}, with batch 1's own (1, 1) added unless
+    `add_base` is False (a caller whose batch 1 is compared by another measure); bad entries dropped like
+    `normalize_spread`'s."""
+    if not isinstance(relative, Mapping):
+        return {}
+    bands = normalize_spread({size: (row[0], row[-1]) for size, row in relative.items()
                               if isinstance(row, (list, tuple)) and len(row) >= 2})
-    if bands:
-        bands.setdefault(min(min(bands), 1), (1.0, 1.0))
+    if bands and add_base:
+        bands.setdefault(1, (1.0, 1.0))
     return bands
 
 
@@ -157,7 +160,9 @@ def normalize_spread(spread: Mapping[Any, Any] | None) -> dict[int, tuple[float,
     """`{"1": [p25, p75]}` (sidecar JSON) -> {1: (p25, p75)}; entries that are not two ordered positive
     numbers are dropped (an old or hand-edited sidecar: those sizes are then compared by median alone)."""
     out: dict[int, tuple[float, float]] = {}
-    for size, pair in (spread or {}).items():
+    if not isinstance(spread, Mapping):
+        return out
+    for size, pair in spread.items():
         try:
             low, high = (float(v) for v in pair)
             size_i = int(size)

@@ -81,7 +81,8 @@ def capacity_fps(cost_ms: float) -> float:
 
 def choose_batch_size(curve: Mapping[Any, Any] | Iterable[Sequence[Any]], latency_budget_ms: float | None,
                       max_size: int, demand_fps: float | None = None,
-                      spread: Mapping[Any, Any] | None = None, relative: Mapping[Any, Any] | None = None) -> BatchPick:
+                      spread: Mapping[Any, Any] | None = None, relative: Mapping[Any, Any] | None = None,
+                      relative_base: bool = True) -> BatchPick:
     """The batch size to run and why, among sizes <= `max_size` whose batch latency fits the budget.
 
     A batch of `b` frames at `c(b)` ms per frame occupies the engine for `b * c(b)` ms, which is the
@@ -92,11 +93,13 @@ def choose_batch_size(curve: Mapping[Any, Any] | Iterable[Sequence[Any]], latenc
     (`clearly_cheaper`: by `MIN_GAIN` and beyond the spread, the paired `relative` one of engines.batch_curve
     where both sizes have it, else the absolute `spread`, {size: (p25, p75)}). A difference inside the
     spread is noise, and the smaller size has the lower latency. No size fits (or no curve): 1.
+    `relative_base`: batch 1's relative spread is its own (1, 1); False where batch 1 is measured otherwise
+    (the live tuner's live batch 1 is compared by its own spread).
     """
     if demand_fps is not None and not (math.isfinite(demand_fps) and demand_fps > 0):
         raise ValueError(f"demand_fps {demand_fps!r}: the cameras' total frame rate must be a positive number")
     points = normalize_curve(curve)
-    bands, shape = normalize_spread(spread), normalize_relative(relative)
+    bands, shape = normalize_spread(spread), normalize_relative(relative, add_base=relative_base)
     fits = {b: c for b, c in points.items()
             if b <= max_size and (latency_budget_ms is None or b * c <= latency_budget_ms)}
     if not fits:

@@ -12,7 +12,7 @@ import cv2
 import numpy as np
 
 from engines.backends.base import EngineOptions
-from engines.batch_curve import curve_of, sample_sizes
+from engines.batch_curve import CostCurve, curve_of, sample_sizes
 from engines.batching import choose_batch_size
 from engines.errors import ModelError
 from engines.model import load_model
@@ -133,8 +133,8 @@ def time_batches(runtime: ModelRuntime, frames: Sequence[np.ndarray], sizes: Seq
     usable = [n for n in sizes if n <= runtime.max_batch]
     batches = {n: np.ascontiguousarray(np.concatenate([sample[i % len(sample)] for i in range(n)])) for n in usable}
     samples = sample_sizes(lambda n: runtime.infer_batch(batches[n]), usable, warmup=warmup,
-                           min_rounds=iterations, max_rounds=iterations, max_seconds=math.inf)
-    measured = curve_of(samples)
+                           min_rounds=iterations, max_rounds=iterations, max_seconds=math.inf) if usable else {}
+    measured = curve_of(samples) if samples else CostCurve({})
     costs = {str(n): c for n, c in measured.sizes.items()}
     relative = {str(n): [round(c.low, 4), round(c.median, 4), round(c.high, 4)] for n, c in measured.relative.items()}
     per_frame = {n: {**_stats(samples[int(n)]), "spread": [round(c.low, 4), round(c.high, 4)]} for n, c in costs.items()}

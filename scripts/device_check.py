@@ -279,15 +279,15 @@ def batch_sequence(engine: Any, name: str, reference: Callable[[Any], Any], fram
     return steps
 
 
-def per_frame_ms(engine: Any, name: str, frame: Any, sizes: tuple[int, ...]) -> dict[int, dict[str, float]]:
+def per_frame_ms(engine: Any, name: str, frame: Any, sizes: tuple[int, ...], **limits: Any) -> dict[int, dict[str, float]]:
     """Engine-only ms per frame at each batch size, timed as the build times them (engines.batch_curve: warm,
-    interleaved rounds until each median is known): median and spread (p25, p75) per size."""
+    interleaved rounds until each median is known; `limits` bound it): median and spread (p25, p75) per size."""
     import numpy as np
 
     from engines.batch_curve import sample_sizes, size_cost
 
     batches = {n: np.concatenate([frame] * n) for n in sizes}
-    samples = sample_sizes(lambda n: engine.infer({name: batches[n]}), sizes)
+    samples = sample_sizes(lambda n: engine.infer({name: batches[n]}), sizes, **limits)
     costs = {n: size_cost(values) for n, values in samples.items()}
     return {n: {"median": round(c.median, 4), "spread": [round(c.low, 4), round(c.high, 4)], "rounds": c.rounds}
             for n, c in costs.items()}
@@ -360,7 +360,7 @@ def check_speedups(c: Check) -> dict[str, Any]:
         times: dict[str, list[float]] = {p: [] for p in runtimes}
         for _ in range(5):  # rounds, each precision timed in turn
             for p, rt in runtimes.items():
-                times[p].append(per_frame_ms(rt.engine, name, frame, (1,))[1]["median"])
+                times[p].append(per_frame_ms(rt.engine, name, frame, (1,), min_rounds=20)[1]["median"])
     finally:
         for rt in runtimes.values():
             rt.close()

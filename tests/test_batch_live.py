@@ -208,6 +208,49 @@ def test_a_clearly_cheaper_size_is_taken_after_confirmation_and_a_stale_size_is_
     assert live.curve[2].origin == "predicted" and live.curve[4].origin == "live"
 
 
+def test_a_size_beaten_by_any_other_is_left_even_when_the_pick_is_not_the_cheapest() -> None:
+    # "clearly cheaper" is not transitive: 4 beats 1, nothing clearly beats 2, so the pick is 2 (reviewed case)
+    clock = FakeClock()
+    live = tuner(clock, demand=None, size=1)
+    live.curve = {}
+    costs = {1: 10.0, 2: 9.0, 4: 8.0}
+    bands = {1: (9.5, 10.5), 2: (8.0, 10.0), 4: (7.6, 8.4)}
+    for b in costs:
+        live.curve[b] = __import__("agent.pipeline.batch_tuner", fromlist=["CurvePoint"]).CurvePoint(costs[b], bands[b], "live", 16)
+    assert choose_batch_size(costs, None, 4, spread=bands).size == 2
+    assert live._worth_switching(2, "throughput", costs, bands)  # 1 is clearly beaten (by 4): leave it
+    live.size = 2
+    assert not live._worth_switching(1, "throughput", {1: 10.0, 2: 9.0}, bands)  # 2 is 10 % cheaper: stay
+    assert live._worth_switching(1, "throughput", {1: 10.0, 2: 9.95}, bands)  # inside the dead band: go down
+
+
+def test_a_live_batch_one_is_judged_by_its_own_spread_not_the_builds_relative_one() -> None:
+    clock = FakeClock()
+    costs, live = BatchCosts(clock=clock), tuner(clock, demand=None, size=1,
+                                                 build_relative={"2": [0.78, 0.8, 0.82], "3": [0.78, 0.8, 0.82],
+                                                                 "4": [0.78, 0.8, 0.82]})
+    rng = np.random.default_rng(1)
+    feed(costs, 1, 9.0, 1.0, n=32, jitter=0.35, rng=rng)  # batch 1 live, noisy: its spread is wide
+    for step in range(1, 4):
+        clock.now = step * 10.0
+        live.decide(costs)
+    assert live.curve[1].origin == "live" and live.curve[2].origin == "predicted"
+    assert live.size == 1 and live.switches == 0  # inside batch 1's own wide spread: no switch
+    costs_ms = {b: p.ms_per_frame for b, p in live.curve.items()}
+    bands = {b: p.spread for b, p in live.curve.items()}
+    shape = {b: (0.78, 0.82) for b in (2, 3, 4)}
+    # had batch 1 taken the build's (1, 1) relative spread, the build's tight 0.78-0.82 would have decided it
+    assert choose_batch_size(costs_ms, None, 4, spread=bands, relative=shape, relative_base=True).size > 1
+    assert choose_batch_size(costs_ms, None, 4, spread=bands, relative=shape, relative_base=False).size == 1
+
+
+def test_a_bad_sidecar_spread_leaves_the_start_size_without_a_tuner(caplog) -> None:
+    initial = BatchSize(1, "auto")
+    assert make_tuner(BatchConfig(), 4, BUILD, ["not", "a", "mapping"], None, None, initial,
+                      relative="nor this") is not None  # bad spreads are ignored, the curve is good
+    assert make_tuner(BatchConfig(), 4, {"1": 1.0, "2": float("inf")}, None, None, None, initial) is None
+
+
 def test_tuner_only_where_the_size_can_move() -> None:
     initial = BatchSize(1, "auto")
     assert make_tuner(BatchConfig(), 4, BUILD, BUILD_SPREAD, None, 120.0, initial) is not None
@@ -220,6 +263,23 @@ def test_tuner_only_where_the_size_can_move() -> None:
 
 
 # --- slot preprocessing -----------------------------------------------------------------------------------
+
+
+def test_a_failing_slot_returns_only_after_every_other_slot_is_done() -> None:
+    slots = SlotPreprocessing(True, max_slots=4, cores=4)
+    done: list[int] = []
+
+    def job(i: int) -> int:
+        if i == 0:
+            raise ValueError("frame 0 has no pixels")
+        threading.Event().wait(0.05)  # the other slots are still writing when slot 0 fails
+        done.append(i)
+        return i
+
+    with pytest.raises(ValueError, match="no pixels"):
+        slots.run(4, job)
+    assert sorted(done) == [1, 2, 3]  # the next batch never meets a slot still being written
+    slots.close()
 
 
 def test_auto_slot_preprocessing_alternates_then_keeps_the_faster_way() -> None:

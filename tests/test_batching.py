@@ -465,6 +465,10 @@ def test_bench_batch_on_a_batch_one_engine_skips_larger_sizes(agent_env, tmp_pat
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)["batch"]
     assert report["sizes"] == [1] and "at most 1" in report["skipped"]["2"] and "runs batch 1" in report["note"]
+    none = _run_cli("bench", str(model), "--batch", "2,4", "--iterations", "2", "--warmup", "0", "--json")
+    assert none.returncode == 0, none.stderr  # no size this engine takes: a report that says so, not a crash
+    report = json.loads(none.stdout)["batch"]
+    assert report["sizes"] == [] and set(report["skipped"]) == {"2", "4"} and report["auto_pick"] == 1
 
 
 def test_int8_engine_is_quantized_at_batch_one_then_batches(tmp_path: Path) -> None:

@@ -11,14 +11,18 @@ made of what the frame path really paid (agent.pipeline.batch_costs, the `path` 
   that size runs, since it then counts live.
 
 Hysteresis, so the size does not flap: a new size is taken only when two decisions in a row pick it; a
-larger size only when it is clearly cheaper per frame than the current one (engines.batching.clearly_cheaper:
-beyond `MIN_GAIN` and the spread of both) or when the current one does not serve the demand; a smaller
-one for the demand only with `DOWNSIZE_MARGIN` more capacity than the headroom asks. At most one change
-per two intervals.
+larger size only when the current one is clearly beaten per frame by some size (engines.batching.
+clearly_cheaper: beyond `MIN_GAIN` and the spread of both), or, under the demand rule, when the current one
+does not serve the demand and the new one does; a smaller one for the demand only with `DOWNSIZE_MARGIN`
+more capacity than the headroom asks, and for throughput only when the current size is not cheaper by half
+of `MIN_GAIN` or more (a dead band between the two directions). At most one change per two intervals. A
+size left for `STALE_INTERVALS` intervals is predicted again, so it may be tried again that often: the
+bounded exploration that lets a changed load be noticed.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -26,8 +30,10 @@ from typing import Any, Callable
 import numpy as np
 
 from agent.pipeline.batch_costs import BatchCosts, LiveCost
-from engines.batching import DEMAND_HEADROOM, capacity_fps, choose_batch_size, clearly_cheaper, normalize_curve
+from engines.batching import DEMAND_HEADROOM, MIN_GAIN, capacity_fps, choose_batch_size, clearly_cheaper, normalize_curve
 from engines.batch_curve import normalize_relative, normalize_spread
+
+log = logging.getLogger(__name__)
 
 CONFIRM = 2  # decisions in a row that must pick a new size before it is taken
 DOWNSIZE_MARGIN = 1.10  # a smaller size for the demand must serve this much more than headroom x demand
@@ -79,7 +85,7 @@ class LiveBatchTuner:
     def __post_init__(self) -> None:
         self._build = normalize_curve(self.build_curve or {})
         self._build_bands = normalize_spread(self.build_spread)
-        self._build_shape = normalize_relative(self.build_relative)
+        self._build_shape = normalize_relative(self.build_relative)  # batch 1's own (1, 1) included
         self._next_at = self.clock() + self.interval_s
         self.curve = {b: CurvePoint(c, self._build_bands.get(b), "build") for b, c in self._build.items()
                       if b <= self.max_size}
@@ -101,8 +107,10 @@ class LiveBatchTuner:
         bands = {b: p.spread for b, p in self.curve.items() if p.spread is not None}
         # the build's paired spreads compare two sizes that both come from the build (scaled alike); a live
         # size is compared by its own measured spread
-        shape = {b: self._build_shape[b] for b, p in self.curve.items() if p.origin != "live" and b in self._build_shape}
-        pick = choose_batch_size(costs_ms, self.budget_ms, self.max_size, self.demand_fps, bands, shape)
+        shape = self._shape(self.curve)
+        base_from_build = 1 in self.curve and self.curve[1].origin != "live"
+        pick = choose_batch_size(costs_ms, self.budget_ms, self.max_size, self.demand_fps, bands, shape,
+                                 relative_base=base_from_build)
         self.decisions += 1
         origins = ", ".join(f"{b}: {p.origin}" for b, p in sorted(self.curve.items()))
         if pick.size == self.size or not self._worth_switching(pick.size, pick.rule, costs_ms, bands):
@@ -129,19 +137,25 @@ class LiveBatchTuner:
         return {b: c for b, c in live.items() if b <= self.max_size and now - c.newest_at <= horizon}
 
     def _effective(self, live: dict[int, LiveCost], engine: dict[int, LiveCost]) -> dict[int, CurvePoint]:
-        """Live sizes as measured; the others predicted from the build curve (see the module docstring)."""
+        """Live sizes as measured; the others predicted from the build curve (see the module docstring).
+
+        A prediction is no surer than the live numbers it is scaled from: its spread is the build's, scaled,
+        and never narrower (relative to its cost) than the live sizes' typical spread."""
         curve = {b: CurvePoint(c.median, (c.low, c.high), "live", c.batches) for b, c in live.items()}
         ratios = [engine[b].median / self._build[b] for b in live if b in engine and b in self._build]
         overheads = [live[b].median - engine[b].median for b in live if b in engine]
         if not ratios:
             return curve
         factor, overhead = float(np.median(ratios)), max(0.0, float(np.median(overheads)))
+        live_width = float(np.median([(c.high - c.low) / 2 / c.median for c in live.values()]))
         for b, cost in self._build.items():
             if b in curve or b > self.max_size:
                 continue
+            value = cost * factor + overhead
             band = self._build_bands.get(b)
-            curve[b] = CurvePoint(cost * factor + overhead,
-                                  (band[0] * factor + overhead, band[1] * factor + overhead) if band else None, "predicted")
+            low, high = (band[0] * factor + overhead, band[1] * factor + overhead) if band else (value, value)
+            half = max((high - low) / 2, live_width * value)
+            curve[b] = CurvePoint(value, (value - half, value + half) if band or half else None, "predicted")
         return dict(sorted(curve.items()))
 
     def _worth_switching(self, new: int, rule: str, costs: dict[int, float], bands: dict[int, Any]) -> bool:
@@ -153,15 +167,20 @@ class LiveBatchTuner:
         if new > self.size:
             current_serves = (self.demand_fps is not None
                               and capacity_fps(costs[self.size]) >= self.demand_fps * DEMAND_HEADROOM)
-            return not current_serves and (rule == "demand" or clearly_cheaper(new, self.size, costs, bands, self._shape(new)))
-        return True
+            shape = self._shape(self.curve)
+            beaten = any(clearly_cheaper(a, self.size, costs, bands, shape) for a in costs)
+            return not current_serves and (rule == "demand" or beaten)
+        # a smaller size for throughput: only when the current one is not meaningfully cheaper (a dead band,
+        # so an estimate hovering at the "clearly cheaper" threshold does not flap between the two)
+        return costs[self.size] >= costs[new] * (1 - MIN_GAIN / 2)
 
-    def _shape(self, new: int) -> dict[int, tuple[float, float]]:
-        """The build's paired spreads of `new` and the current size when neither is live."""
-        sizes = (new, self.size)
-        if any(self.curve[b].origin == "live" for b in sizes if b in self.curve):
-            return {}
-        return {b: self._build_shape[b] for b in sizes if b in self._build_shape}
+    def _shape(self, curve: dict[int, CurvePoint]) -> dict[int, tuple[float, float]]:
+        """The build's paired spreads of the sizes that come from the build (predicted or build, scaled
+        alike); a live size is compared by its own measured spread."""
+        shape = {b: self._build_shape[b] for b, p in curve.items() if p.origin != "live" and b in self._build_shape}
+        if 1 in shape and 1 in curve and curve[1].origin == "live":
+            del shape[1]
+        return shape
 
     def status(self) -> dict[str, Any]:
         """The choice, its reason and the curve it was made on (`status`, telemetry, Prometheus)."""
@@ -179,14 +198,16 @@ def make_tuner(config: Any, cameras: int, curve: Any, spread: Any, budget_ms: fl
     `config` is `[batch]` (agent.pipeline.config.BatchConfig); `initial` the BatchSize picked at start."""
     if config.max_size != "auto" or not config.live_retune or cameras <= 1 or not curve:
         return None
-    try:
-        sizes = normalize_curve(curve)
-    except ValueError:
-        return None
     from agent.pipeline.config import MAX_BATCH
 
-    top = min(MAX_BATCH, cameras, max(sizes) if sizes else 1)
-    if top <= 1:
+    try:
+        sizes = normalize_curve(curve)
+        top = min(MAX_BATCH, cameras, max(sizes) if sizes else 1)
+        if top <= 1:
+            return None
+        return LiveBatchTuner(curve, spread, budget_ms, top, initial.size, initial.reason, demand,
+                              config.retune_interval_s, config.retune_min_batches, build_relative=relative)
+    except Exception as exc:  # a bad sidecar must not fail a start or a swap: the start size stays, say why
+        log.warning("batch size auto: no live re-decision for this engine (its sidecar's batch curve: %s: %s)",
+                    type(exc).__name__, exc)
         return None
-    return LiveBatchTuner(curve, spread, budget_ms, top, initial.size, initial.reason, demand,
-                          config.retune_interval_s, config.retune_min_batches, build_relative=relative)

@@ -52,8 +52,8 @@ class BatchConfig(BaseModel):
     )
     parallel_preprocess: Union[bool, Literal["auto"]] = Field(
         "auto",
-        description="Preprocess a batch's frames side by side on a small thread pool (one thread fewer than the "
-        "cores, at most one per slot) instead of one after another. \"auto\": the first batches are timed both "
+        description="Preprocess a batch's frames side by side on a small thread pool (min(cores, slots) - 1 threads; "
+        "the inference thread takes a share itself) instead of one after another. \"auto\": the first batches are timed both "
         "ways on the real frames and parallel is kept only when it is at least 5 % faster per frame (on a small CPU "
         "the threads compete with the engine). One core: always serial.",
     )

@@ -16,7 +16,7 @@ import os
 import statistics
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterable, TypeVar, Union
 
 T = TypeVar("T")
@@ -84,7 +84,11 @@ class SlotPreprocessing:
         groups = min(self.threads + 1, count)
         indices = [range(g, count, groups) for g in range(groups)]
         futures = [pool.submit(_timed_group, job, idx) for idx in indices[1:]]
-        done = [_timed_group(job, indices[0])] + [f.result() for f in futures]
+        try:
+            first = _timed_group(job, indices[0])
+        finally:  # never return (or raise) while a slot is still being written: the next batch reuses them
+            wait(futures)
+        done = [first] + [f.result() for f in futures]
         results: list[Any] = [None] * count
         times = [0.0] * count
         for idx, (values, ms) in zip(indices, done):
