@@ -136,7 +136,10 @@ def measure_curve(engine: Any, sample_shape: Sequence[int], max_batch: int, size
 
 
 def curve_of(samples: Mapping[int, Sequence[float]], seconds: float = 0.0) -> CostCurve:
-    """A CostCurve from `sample_sizes`'s per-round samples (index r of every size is round r)."""
+    """A CostCurve from `sample_sizes`'s per-round samples (index r of every size is round r); empty when
+    no size was timed."""
+    if not samples:
+        return CostCurve({}, seconds)
     base = min(samples)
     relative = {size: size_cost([c / b for c, b in zip(values, samples[base])])
                 for size, values in samples.items() if size != base}

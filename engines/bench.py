@@ -12,7 +12,7 @@ import cv2
 import numpy as np
 
 from engines.backends.base import EngineOptions
-from engines.batch_curve import CostCurve, curve_of, sample_sizes
+from engines.batch_curve import curve_of, sample_sizes
 from engines.batching import choose_batch_size
 from engines.errors import ModelError
 from engines.model import load_model
@@ -134,15 +134,12 @@ def time_batches(runtime: ModelRuntime, frames: Sequence[np.ndarray], sizes: Seq
     batches = {n: np.ascontiguousarray(np.concatenate([sample[i % len(sample)] for i in range(n)])) for n in usable}
     samples = sample_sizes(lambda n: runtime.infer_batch(batches[n]), usable, warmup=warmup,
                            min_rounds=iterations, max_rounds=iterations, max_seconds=math.inf) if usable else {}
-    measured = curve_of(samples) if samples else CostCurve({})
-    costs = {str(n): c for n, c in measured.sizes.items()}
-    relative = {str(n): [round(c.low, 4), round(c.median, 4), round(c.high, 4)] for n, c in measured.relative.items()}
-    per_frame = {n: {**_stats(samples[int(n)]), "spread": [round(c.low, 4), round(c.high, 4)]} for n, c in costs.items()}
-    curve = {n: round(c.median, 4) for n, c in costs.items()}
-    spread = {n: tuple(row["spread"]) for n, row in per_frame.items()}  # the pick is made on what is printed
+    timed = curve_of(samples).to_report()  # the sidecar's form, rounded as printed: the pick is made on it
+    curve, relative = timed["curve"], timed["relative"]
+    per_frame = {n: {**_stats(samples[int(n)]), "spread": band} for n, band in timed["spread"].items()}
     budget = runtime.source.manifest.gates.latency_budget_ms
     built = build_report.get("batch") or {}
-    pick = choose_batch_size(curve, budget, max(sizes), spread=spread, relative=relative) if curve else None
+    pick = choose_batch_size(curve, budget, max(sizes), spread=timed["spread"], relative=relative) if curve else None
     return {
         "max_batch": runtime.max_batch, "note": built.get("note"), "sizes": usable,
         "skipped": {str(n): f"the engine takes at most {runtime.max_batch}" for n in sizes if n not in usable},

@@ -32,12 +32,10 @@ class BatchSize:
 
 
 def batch_curve(provisioned: Any) -> Any:
-    """The per-size cost curve from the engine's sidecar report, None when it was not measured."""
-    report = getattr(provisioned, "report", None) or {}
-    batch = report.get("batch") if isinstance(report, dict) else None
-    if isinstance(batch, dict) and batch.get("curve"):
-        return batch["curve"]
-    return report.get("batch_curve") if isinstance(report, dict) else None
+    """The per-size cost curve from the engine's sidecar report (or its older top-level `batch_curve`), None
+    when it was not measured."""
+    report = getattr(provisioned, "report", None)
+    return _batch_field(provisioned, "curve") or (report.get("batch_curve") if isinstance(report, dict) else None)
 
 
 def batch_spread(provisioned: Any) -> Any:

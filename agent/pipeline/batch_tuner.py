@@ -106,11 +106,10 @@ class LiveBatchTuner:
         costs_ms = {b: p.ms_per_frame for b, p in self.curve.items()}
         bands = {b: p.spread for b, p in self.curve.items() if p.spread is not None}
         # the build's paired spreads compare two sizes that both come from the build (scaled alike); a live
-        # size is compared by its own measured spread
-        shape = self._shape(self.curve)
-        base_from_build = 1 in self.curve and self.curve[1].origin != "live"
-        pick = choose_batch_size(costs_ms, self.budget_ms, self.max_size, self.demand_fps, bands, shape,
-                                 relative_base=base_from_build)
+        # size is compared by its own measured spread. `_shape` holds batch 1's (1, 1) exactly when batch 1
+        # is not live, so the picker must not add it back.
+        pick = choose_batch_size(costs_ms, self.budget_ms, self.max_size, self.demand_fps, bands,
+                                 self._shape(self.curve), relative_base=False)
         self.decisions += 1
         origins = ", ".join(f"{b}: {p.origin}" for b, p in sorted(self.curve.items()))
         if pick.size == self.size or not self._worth_switching(pick.size, pick.rule, costs_ms, bands):
@@ -177,10 +176,7 @@ class LiveBatchTuner:
     def _shape(self, curve: dict[int, CurvePoint]) -> dict[int, tuple[float, float]]:
         """The build's paired spreads of the sizes that come from the build (predicted or build, scaled
         alike); a live size is compared by its own measured spread."""
-        shape = {b: self._build_shape[b] for b, p in curve.items() if p.origin != "live" and b in self._build_shape}
-        if 1 in shape and 1 in curve and curve[1].origin == "live":
-            del shape[1]
-        return shape
+        return {b: self._build_shape[b] for b, p in curve.items() if p.origin != "live" and b in self._build_shape}
 
     def status(self) -> dict[str, Any]:
         """The choice, its reason and the curve it was made on (`status`, telemetry, Prometheus)."""

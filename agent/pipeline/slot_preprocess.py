@@ -36,6 +36,7 @@ class SlotPreprocessing:
         self.threads = max(0, min(max_slots, cores) - 1)
         self.mode = mode if self.threads else False
         self.parallel = self.mode is True
+        self.measuring = self.mode == "auto"  # until the trial below has timed both ways
         self.decision = self._initial_decision(mode)
         self._trial: dict[bool, list[float]] = {False: [], True: []}
         self._pool: ThreadPoolExecutor | None = None
@@ -55,12 +56,12 @@ class SlotPreprocessing:
         parallel = self._choose()
         t0 = time.perf_counter()
         out = self._parallel(count, job) if parallel else _timed_group(job, range(count))
-        if self.mode == "auto" and self.decision.startswith("measuring"):
+        if self.measuring:
             self._record(parallel, (time.perf_counter() - t0) * 1e3 / count)
         return out
 
     def _choose(self) -> bool:
-        if self.mode != "auto" or not self.decision.startswith("measuring"):
+        if not self.measuring:
             return self.parallel
         return len(self._trial[False]) > len(self._trial[True])  # alternate, serial first
 
@@ -69,7 +70,7 @@ class SlotPreprocessing:
         if min(len(v) for v in self._trial.values()) < TRIAL:
             return
         serial, spread = statistics.median(self._trial[False]), statistics.median(self._trial[True])
-        self.parallel = spread <= serial * (1 - MIN_GAIN)
+        self.parallel, self.measuring = spread <= serial * (1 - MIN_GAIN), False
         self.decision = (f"{'parallel' if self.parallel else 'serial'} (measured: {spread:.3f} ms per slot "
                          f"parallel vs {serial:.3f} serial over {TRIAL} batches each)")
         if not self.parallel:
