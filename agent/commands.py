@@ -70,6 +70,10 @@ class AgentControl(Protocol):
         An unknown camera name is an EdgeError with code INVALID_COMMAND naming the known cameras."""
         ...
 
+    def snapshot(self, camera: str | None, overlay: bool, request_id: str | None) -> dict:
+        """Take and publish one snapshot; reply with its metadata and topic (EdgeError with a code otherwise)."""
+        ...
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -89,14 +93,21 @@ class NoArgs(_Strict):
 
 
 class _Channelled(_Strict):
-    """Args of a command whose rules depend on where it came from; the dispatcher sets the channel, never the sender."""
+    """Args of a command whose rules depend on where it came from, or that need the request's id; the dispatcher
+    sets both, never the sender."""
 
     _channel: Channel = PrivateAttr(default="mqtt")
+    _request_id: Optional[str] = PrivateAttr(default=None)
 
     @property
     def channel(self) -> Channel:
         """`local` (control socket) or `mqtt` (remote)."""
         return self._channel
+
+    @property
+    def request_id(self) -> Optional[str]:
+        """The envelope's id (a snapshot carries it, so the sender can match the picture to its request)."""
+        return self._request_id
 
 
 class DeployArgs(_Channelled):
@@ -226,6 +237,21 @@ class RestartPipelineArgs(_Strict):
          per_minute=10)
 def _restart_pipeline(control: AgentControl, args: RestartPipelineArgs) -> dict:
     return control.restart_pipeline(args.camera)
+
+
+class SnapshotArgs(_Channelled):
+    """snapshot: one JPEG of a camera, published on `<prefix>/<device>/snapshot/<camera>` (docs/mqtt.md)."""
+
+    camera: Optional[str] = Field(default=None, pattern=CAMERA_NAME_PATTERN,
+                                  description="The camera (its name in the config); omitted: the first camera.")
+    overlay: bool = Field(default=True, description="Draw the results on the picture.")
+
+
+@command("snapshot", SnapshotArgs,
+         "Publish one JPEG of a camera (results drawn unless overlay is false) on <prefix>/<device>/snapshot/<camera>.",
+         per_minute=30)
+def _snapshot(control: AgentControl, args: SnapshotArgs) -> dict:
+    return control.snapshot(args.camera, args.overlay, args.request_id)
 
 
 def ok_reply(command_id: str | None, result: Any) -> dict[str, Any]:
@@ -411,7 +437,7 @@ class CommandDispatcher:
         except ValidationError as exc:
             return error_reply(envelope.id, "INVALID_COMMAND", describe_errors(exc, "args"))
         if isinstance(args, _Channelled):
-            args._channel = envelope._channel
+            args._channel, args._request_id = envelope._channel, envelope.id
         rate = self._rate(envelope, spec)
         wait_s = rate.take()
         if wait_s:  # not remembered: the same id may retry once the window has room

@@ -22,6 +22,7 @@ from agent.paths import default_cache_dir, default_runtime_dir, default_state_di
 from agent.pipeline.config import BatchConfig, check_cameras, default_kinds
 from agent.sources import source_config_models
 from agent.sources.synthetic import SyntheticConfig
+from agent.video.config import VideoConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -163,6 +164,7 @@ class AgentConfig(BaseSettings):
     engines: EnginesConfig = Field(default_factory=EnginesConfig, description="Engine cache and validation.")
     gates: GatesConfig = Field(default_factory=GatesConfig, description="Frames the gates judge on (live camera frames).")
     adapt: AdaptConfig = Field(default_factory=AdaptConfig, description="Switching between model variants (docs/adaptive.md).")
+    video: VideoConfig = Field(default_factory=VideoConfig, description="Video out: MJPEG, an H.264 stream, snapshots (docs/video.md).")
 
     def control_socket_path(self) -> Path:
         """Where the control socket lives."""

@@ -49,6 +49,7 @@ class AgentController:
             "cameras": summary["cameras"],
             "adapt": agent.adapt.status() if getattr(agent, "adapt", None) is not None else None,
             "storage": agent.storage.status(),
+            "video": summary.get("video"),
             "ts": time.time(),
         }
 
@@ -89,6 +90,13 @@ class AgentController:
     def restart_pipeline(self, camera: str | None = None) -> dict:
         """Restart every camera's capture thread, or only `camera`'s (a wedged driver is the usual reason)."""
         return self.agent.restart_capture(camera)
+
+    def snapshot(self, camera: str | None, overlay: bool, request_id: str | None) -> dict:
+        """One JPEG of a camera on the snapshot topic (agent.video)."""
+        video = self.agent.video
+        if video is None:
+            raise EdgeError("video is not running on this agent", code="VIDEO_UNAVAILABLE")
+        return video.snapshot(camera, overlay, request_id)
 
     def set_policy(self, changes: dict) -> dict:
         """The adaptation policy's settings, live and persisted (only while a model family is active)."""

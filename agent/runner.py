@@ -40,6 +40,7 @@ from agent.state import StateStore, state_db_path
 from agent.storage_health import StorageHealth
 from agent.status import BACKEND_KEY, LIVE_KEY, validation_brief
 from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
+from agent.video.service import VideoService
 from engines.errors import EdgeError
 from engines.model import ModelSource
 from engines.runtime import choose_backend
@@ -71,6 +72,7 @@ class Agent:
         # state-store writes that failed (a lock, a full disk): never fatal; a full disk sheds what it can
         self.storage = StorageHealth(self.emit, on_full=self.reclaim_space)
         self.live_frames: LiveFrameSampler | None = None  # [gates] live_frames: recent camera frames for the gates
+        self.video: VideoService | None = None  # [video]: MJPEG, stream, snapshots (agent.video)
         self._startup_reclaimed: dict[str, Any] | None = None  # what a nearly full disk cost at start
         self._restart_lock = threading.Lock()
         self._delivered: collections.deque[float] = collections.deque(maxlen=8192)  # when results were delivered
@@ -137,7 +139,9 @@ class Agent:
             self.emit("storage_reclaimed", at="start", **self._startup_reclaimed)
         self.manager.recover()
         self.active = self._load_initial()
+        self.video = self._video_service()
         self._start_frame_path()
+        self.video.start()
         adapt_wiring.restart(self)  # a family: its other variants build in the background
         self.manager.start()
         self.control_server = ControlSocketServer(cfg.control_socket_path(), self.dispatcher.dispatch, cfg.control.group)
@@ -189,6 +193,14 @@ class Agent:
                                       parallel_preprocess=cfg.batch.parallel_preprocess)
         self.worker.start()
         self.cameras.start()
+
+    def _video_service(self) -> VideoService:
+        """`[video]`: the tap always (snapshots need it; it costs nothing unwatched), server and stream when set."""
+        cfg, plane = self.config, self.plane
+        mqtt = plane.mqtt if plane is not None else None
+        return VideoService(cfg.video, cfg.device_id, [c.name for c in cfg.camera_list()],
+                            mqtt.publish_snapshot if mqtt is not None else None, self.emit,
+                            mqtt.topics.snapshot if mqtt is not None else None)
 
     def _batch_size_for(self, loaded: LoadedModel) -> BatchSize:
         """`[batch] max_size` against `loaded`'s own measured curve: "auto" follows the engine in use."""
@@ -284,6 +296,8 @@ class Agent:
         self.output_health.record(frame.source, result, runtime)
         if self.live_frames is not None:
             self.live_frames.offer(frame.source, frame.image)
+        if self.video is not None:
+            self.video.offer(frame.source, frame.index, frame.image, result, frame.captured_at, runtime)
         self.last_result = {"camera": frame.source, "frame": frame.index, **result.to_dict(max_items=20)}
         if self.plane is not None:
             self.plane.on_result(self.last_result)
@@ -358,6 +372,8 @@ class Agent:
         if self.control_server is not None:
             self.control_server.stop()
             self.control_server = None
+        if self.video is not None:
+            self.video.stop()
         if self.cameras is not None:
             self.cameras.stop(JOIN_TIMEOUT_S)
         if self.live_frames is not None:
@@ -401,6 +417,7 @@ class Agent:
             "batch": self._batch_summary(),
             "adapt": self.adapt.status() if self.adapt is not None else None,
             "live_frames": self.live_frames.stats() if self.live_frames is not None else None,
+            "video": self.video.status() if self.video is not None else None,
             "duration_s": round(time.monotonic() - self.stats.started, 2),
         }
 

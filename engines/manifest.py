@@ -58,7 +58,7 @@ class PostprocessSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: str = Field("raw", description="Postprocessor name: classification, yolo, db_text, raw.")
+    kind: str = Field("raw", description="Postprocessor name: classification, yolo, db_text, image, raw.")
     params: dict[str, Any] = Field(default_factory=dict, description="Plugin parameters.")
 
 

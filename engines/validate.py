@@ -40,7 +40,7 @@ from engines.postprocess import InferenceResult
 from engines.runtime import ModelRuntime
 
 DEFAULT_MIN_ACCURACY = {"fp32": 0.99, "fp16": 0.95, "int8": 0.90}
-METRICS = {"classification": "top1_agreement", "yolo": "box_f1", "db_text": "mask_iou", "raw": "cosine"}
+METRICS = {"classification": "top1_agreement", "yolo": "box_f1", "db_text": "mask_iou", "raw": "cosine", "image": "cosine"}
 FRAME_COST_FRAMES = 8  # frames timed through the whole stage chain: enough for a p50, cheap for 64-frame sets
 MIN_SCORE_RATIO = 0.8  # matched boxes' mean score vs the reference's: INT8 moves scores a few percent, not 20
 MIN_REFERENCE_DETECTIONS = 3  # across the whole set: fewer, and box F1 is decided by noise (or defined as 1.0)

@@ -47,7 +47,7 @@ def _send(dispatcher: CommandDispatcher, command: str, args: Any = None, id: str
 
 def test_table_has_the_contract_commands() -> None:
     assert set(COMMANDS.names()) == {"ping", "status", "deploy", "rollback", "set_config", "engines",
-                                     "restart_pipeline", "set_policy"}
+                                     "restart_pipeline", "set_policy", "snapshot"}
 
 
 @pytest.mark.parametrize(("command", "args", "call", "result_key"), [

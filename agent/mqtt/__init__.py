@@ -214,6 +214,14 @@ class MqttPlane:
         """Send an inference result at QoS 0 if connected and within results_rate_hz."""
         return self.publisher.publish_result(result)
 
+    def publish_snapshot(self, camera: str, payload: bytes) -> bool:
+        """Send one snapshot (agent.video.snapshot_wire) at QoS 1 now; False when not connected. Never through
+        the outbox: a picture from before an outage is not what an operator asked for, and it would crowd out
+        the telemetry and events the outbox keeps."""
+        if not self.connected or self.connection is None:
+            return False
+        return self.connection.publish(self.topics.snapshot(camera), payload, qos=1) is not None
+
     def set_results_rate(self, hz: float) -> None:
         """Apply `results_rate_hz` live."""
         self.publisher.set_results_rate(hz)

@@ -12,6 +12,7 @@ EVENTS = "events"
 RESULTS = "results"
 CMD = "cmd"
 CMD_REPLY = "cmd/reply"
+SNAPSHOT = "snapshot"  # `snapshot/<camera>`: one JPEG per message (agent.video.snapshot_wire)
 
 STATES = ("online", "degraded", "updating", "stopped", "offline")
 
@@ -95,6 +96,10 @@ class Topics:
     @property
     def cmd_reply(self) -> str:
         return self.leaf(CMD_REPLY)
+
+    def snapshot(self, camera: str) -> str:
+        """`<prefix>/<device_id>/snapshot/<camera>`."""
+        return self.leaf(f"{SNAPSHOT}/{camera}")
 
 
 def fleet_filter(prefix: str, leaf: str) -> str:

@@ -27,6 +27,8 @@ class Detection:
     class_id: int | None = None
     label: str | None = None
     polygon: list[tuple[float, float]] | None = None
+    keypoints: list[tuple[float, float, float]] | None = None  # (x, y, confidence) in frame pixels
+    mask: np.ndarray | None = None  # bool, frame-sized or the box's size (cropped to the box)
 
     def to_dict(self) -> dict[str, Any]:
         """Compact JSON form (results topic, tests)."""
@@ -37,6 +39,10 @@ class Detection:
             out["label"] = self.label
         if self.polygon is not None:
             out["polygon"] = [[round(x, 1), round(y, 1)] for x, y in self.polygon]
+        if self.keypoints is not None:
+            out["keypoints"] = [[round(x, 1), round(y, 1), round(c, 3)] for x, y, c in self.keypoints]
+        if self.mask is not None:
+            out["mask"] = {"shape": list(self.mask.shape), "area": int(np.count_nonzero(self.mask))}
         return out
 
 
@@ -57,6 +63,10 @@ class InferenceResult:
     detections: list[Detection] = field(default_factory=list)
     classes: list[ClassScore] = field(default_factory=list)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    # image-output models (engines.postprocess.image): the model's output frame, BGR uint8 at the model's
+    # resolution, or its matte (uint8 0..255, HxW). Never sent per frame on MQTT: the video output shows it.
+    image: np.ndarray | None = None
+    matte: np.ndarray | None = None
 
     def to_dict(self, max_items: int = 100) -> dict[str, Any]:
         """JSON-friendly summary; raw tensors are reported by shape only."""
@@ -67,6 +77,10 @@ class InferenceResult:
             out["classes"] = [{"class_id": c.class_id, "score": round(c.score, 4), "label": c.label} for c in self.classes]
         if self.tensors:
             out["tensors"] = {k: list(v.shape) for k, v in self.tensors.items()}
+        for name in ("image", "matte"):
+            picture = getattr(self, name)
+            if picture is not None:
+                out[name] = {"shape": list(picture.shape), "mean": round(float(picture.mean()), 1)}
         return out
 
 

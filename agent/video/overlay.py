@@ -1,0 +1,181 @@
+"""Results drawn on the frame they came from: boxes with labels and scores, text polygons, masks, keypoints
+and skeletons, classification top-k, and for image-output models the output picture (or a matte composite).
+
+Runs only for frames somebody will see (a viewer, a stream, a snapshot), on the video threads, never on
+the frame path. The input frame is never written to: the camera's array may still be read by others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import cv2
+import numpy as np
+
+from engines.postprocess.base import Detection, InferenceResult
+
+_PALETTE = [(56, 56, 255), (151, 157, 255), (31, 112, 255), (29, 178, 255), (49, 210, 207), (10, 249, 72),
+            (23, 204, 146), (134, 219, 61), (52, 147, 26), (187, 212, 0), (168, 153, 44), (255, 194, 0),
+            (147, 69, 52), (255, 115, 100), (236, 24, 0), (255, 56, 132), (133, 0, 82), (255, 56, 203)]
+_FONT = cv2.FONT_HERSHEY_SIMPLEX
+
+
+@dataclass(frozen=True)
+class OverlayStyle:
+    """What the drawing needs to know about the model that produced the result."""
+
+    label: str = ""  # model name@version, shown in the corner
+    composite: str = "none"  # for a matte: none | blur | color (engines.postprocess.image)
+    background: tuple[int, int, int] = (0, 177, 64)
+    skeleton: tuple[tuple[int, int], ...] = ()  # keypoint index pairs joined by a line
+
+    @classmethod
+    def of(cls, runtime: Any) -> "OverlayStyle":
+        """The style of a ModelRuntime (its manifest's postprocess params); the default for anything else."""
+        try:
+            manifest = runtime.source.manifest
+            params = dict(manifest.postprocess.params or {})
+            label = f"{manifest.name}@{manifest.version}"
+        except AttributeError:
+            return cls()
+        skeleton = tuple((int(a), int(b)) for a, b in params.get("skeleton") or () if _is_pair(a, b))
+        background = params.get("background") or (0, 177, 64)
+        return cls(label, str(params.get("composite", "none")), tuple(int(v) for v in background)[:3], skeleton)  # type: ignore[arg-type]
+
+
+def _is_pair(a: Any, b: Any) -> bool:
+    return isinstance(a, int) and isinstance(b, int) and a >= 0 and b >= 0
+
+
+def color_of(class_id: int | None) -> tuple[int, int, int]:
+    """One colour per class (BGR), the same on every frame."""
+    return _PALETTE[(class_id or 0) % len(_PALETTE)]
+
+
+def render(frame: np.ndarray, result: InferenceResult | None, style: OverlayStyle = OverlayStyle(),
+           overlay: bool = True, caption: str = "") -> np.ndarray:
+    """A new BGR uint8 image: the picture to show for `frame` and its `result`.
+
+    Image-output models show their output (resized to the frame); a matte shows its composite. With
+    `overlay` false the frame (or the output picture) is returned without any drawing.
+    """
+    canvas = _base(frame, result, style)
+    if not overlay or result is None:
+        return canvas
+    thickness = max(1, round(max(canvas.shape[:2]) / 500))
+    for detection in result.detections:
+        _draw_detection(canvas, detection, style, thickness)
+    if result.classes:
+        lines = [f"{c.label or c.class_id}: {c.score:.2f}" for c in result.classes[:5]]
+        _text_block(canvas, lines, (8, 8 + _line_height(canvas)), (255, 255, 255))
+    head = " | ".join(part for part in (caption, style.label, _count(result)) if part)
+    if head:
+        _label(canvas, head, (4, canvas.shape[0] - 6), (40, 40, 40), thickness)
+    return canvas
+
+
+def _count(result: InferenceResult) -> str:
+    if result.detections:
+        return f"{len(result.detections)} found"
+    return ""
+
+
+def _base(frame: np.ndarray, result: InferenceResult | None, style: OverlayStyle) -> np.ndarray:
+    """The picture drawn on: a copy of the frame, the model's output picture, or a matte composite."""
+    height, width = frame.shape[:2]
+    if result is not None and result.image is not None:
+        return _fit(result.image, width, height).copy()
+    if result is not None and result.matte is not None:
+        return composite(frame, _fit(result.matte, width, height), style)
+    if frame.ndim == 2:
+        return cv2.cvtColor(frame, cv2.COLOR_GRAY2BGR)
+    return frame.copy()
+
+
+def _fit(picture: np.ndarray, width: int, height: int) -> np.ndarray:
+    if picture.shape[1] == width and picture.shape[0] == height:
+        return picture
+    return cv2.resize(picture, (width, height), interpolation=cv2.INTER_LINEAR)
+
+
+def composite(frame: np.ndarray, matte: np.ndarray, style: OverlayStyle) -> np.ndarray:
+    """The frame with its background (matte 0) blurred, replaced by a colour, or the matte itself (none)."""
+    if style.composite == "none":
+        return cv2.cvtColor(matte, cv2.COLOR_GRAY2BGR)
+    if style.composite == "blur":
+        k = max(3, (max(frame.shape[:2]) // 40) | 1)
+        background = cv2.GaussianBlur(frame, (k, k), 0)
+    else:
+        background = np.empty_like(frame)
+        background[:] = style.background
+    alpha = matte.astype(np.float32)[:, :, None] * (1.0 / 255.0)
+    out = frame.astype(np.float32) * alpha + background.astype(np.float32) * (1.0 - alpha)
+    return out.astype(np.uint8)
+
+
+def _draw_detection(canvas: np.ndarray, d: Detection, style: OverlayStyle, thickness: int) -> None:
+    color = color_of(d.class_id)
+    x1, y1, x2, y2 = (int(round(v)) for v in d.box)
+    if d.mask is not None:
+        _draw_mask(canvas, d.mask, (x1, y1, x2, y2), color)
+    if d.polygon:
+        points = np.array(d.polygon, np.float32).round().astype(np.int32).reshape(-1, 1, 2)
+        cv2.polylines(canvas, [points], True, color, thickness, cv2.LINE_AA)
+    else:
+        cv2.rectangle(canvas, (x1, y1), (x2, y2), color, thickness, cv2.LINE_AA)
+    if d.keypoints:
+        _draw_keypoints(canvas, d.keypoints, style.skeleton, color, thickness)
+    name = d.label if d.label is not None else (str(d.class_id) if d.class_id is not None else "")
+    _label(canvas, f"{name} {d.score:.2f}".strip(), (x1, max(y1 - 3, _line_height(canvas))), color, thickness)
+
+
+def _draw_mask(canvas: np.ndarray, mask: np.ndarray, box: tuple[int, int, int, int], color: tuple[int, int, int]) -> None:
+    """Tint the pixels of a mask: frame-sized, or the box's size (cropped to the box)."""
+    height, width = canvas.shape[:2]
+    mask = np.asarray(mask).astype(bool)
+    if mask.shape == (height, width):
+        region, where = canvas, mask
+    else:
+        x1, y1, x2, y2 = max(0, box[0]), max(0, box[1]), min(width, box[2]), min(height, box[3])
+        if x2 <= x1 or y2 <= y1:
+            return
+        where = cv2.resize(mask.astype(np.uint8), (x2 - x1, y2 - y1), interpolation=cv2.INTER_NEAREST).astype(bool)
+        region = canvas[y1:y2, x1:x2]
+    tint = np.array(color, np.float32)
+    region[where] = (region[where].astype(np.float32) * 0.5 + tint * 0.5).astype(np.uint8)
+
+
+def _draw_keypoints(canvas: np.ndarray, keypoints: Sequence[Sequence[float]], skeleton: tuple[tuple[int, int], ...],
+                    color: tuple[int, int, int], thickness: int, min_conf: float = 0.5) -> None:
+    points = [(int(round(p[0])), int(round(p[1])), float(p[2]) if len(p) > 2 else 1.0) for p in keypoints]
+    for a, b in skeleton:
+        if a < len(points) and b < len(points) and points[a][2] >= min_conf and points[b][2] >= min_conf:
+            cv2.line(canvas, points[a][:2], points[b][:2], color, thickness, cv2.LINE_AA)
+    for x, y, conf in points:
+        if conf >= min_conf:
+            cv2.circle(canvas, (x, y), thickness + 2, (255, 255, 255), -1, cv2.LINE_AA)
+            cv2.circle(canvas, (x, y), thickness + 1, color, -1, cv2.LINE_AA)
+
+
+def _line_height(canvas: np.ndarray) -> int:
+    return max(12, round(max(canvas.shape[:2]) / 45))
+
+
+def _label(canvas: np.ndarray, text: str, origin: tuple[int, int], color: tuple[int, int, int], thickness: int) -> None:
+    """Text on a filled box of `color` (white or black text, whichever reads better)."""
+    if not text:
+        return
+    scale = _line_height(canvas) / 30
+    (w, h), base = cv2.getTextSize(text, _FONT, scale, thickness)
+    x, y = origin
+    cv2.rectangle(canvas, (x, y - h - base), (x + w + 2, y + 2), color, -1)
+    ink = (0, 0, 0) if sum(color) > 450 else (255, 255, 255)
+    cv2.putText(canvas, text, (x + 1, y - 1), _FONT, scale, ink, thickness, cv2.LINE_AA)
+
+
+def _text_block(canvas: np.ndarray, lines: list[str], origin: tuple[int, int], color: tuple[int, int, int]) -> None:
+    x, y = origin
+    for line in lines:
+        _label(canvas, line, (x, y), (40, 40, 40), 1)
+        y += _line_height(canvas) + 4

@@ -1,0 +1,86 @@
+"""`image`: models whose output is a picture — image-to-image (enhancement, beautification, super-resolution,
+1x3xHxW) or a matte (background matting, 1x1xHxW).
+
+The result keeps the picture at the model's resolution as uint8 (BGR for images, 0..255 for mattes): one
+cheap conversion per frame. Resizing to the frame and compositing a matte over the frame happen only when
+somebody looks (agent.video.overlay), never on the frame path. The gate compares the raw outputs by scaled
+cosine, as for `raw`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import cv2
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from engines.errors import ModelError
+from engines.postprocess import POSTPROCESSORS
+from engines.postprocess.base import InferenceResult, PostprocessContext
+from engines.preprocess import FrameTransform
+
+_RANGES = {"0-1": (0.0, 255.0), "0-255": (0.0, 1.0), "-1-1": (1.0, 127.5)}  # (offset, gain): u8 = (x + offset) * gain
+
+
+class ImageParams(BaseModel):
+    """How to read the output picture."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output: int = Field(0, ge=0, description="Index of the output that holds the picture.")
+    range: Literal["0-1", "0-255", "-1-1"] = Field(
+        "0-1", description="Value range of the output: 0-1 (sigmoid, most matting and enhancement models), "
+        "0-255, or -1-1 (tanh, GAN generators).")
+    color: Literal["rgb", "bgr"] = Field(
+        "rgb", description="Channel order of a 3-channel output (most models trained in PyTorch write RGB).")
+    composite: Literal["none", "blur", "color"] = Field(
+        "none", description="For a matte: what the video output shows — the matte itself (none), the frame "
+        "with its background blurred (blur) or replaced by `background` (color).")
+    background: tuple[int, int, int] = Field((0, 177, 64), description="B, G, R of the replaced background.")
+
+
+@POSTPROCESSORS.register("image")
+class ImagePostprocessor:
+    """A 1xCxHxW (or 1xHxWxC) output with C 1 (matte) or 3 (image) -> uint8 picture on the result."""
+
+    Params = ImageParams
+
+    def __init__(self, params: ImageParams, context: PostprocessContext) -> None:
+        self.params = params
+        self._offset, self._gain = _RANGES[params.range]
+        if context.outputs and params.output >= len(context.outputs):
+            raise ModelError(f"postprocess.params.output: the model has {len(context.outputs)} output(s), "
+                             f"no output {params.output}", code="MODEL_INVALID")
+
+    def __call__(self, outputs: list[np.ndarray], transform: FrameTransform) -> InferenceResult:
+        """The picture as uint8; ValueError when the output is not one."""
+        picture, planar = _picture(outputs[self.params.output])
+        scaled = (picture + self._offset) * self._gain if self._offset else picture * self._gain  # contiguous
+        np.clip(scaled, 0, 255, out=scaled)
+        u8 = scaled.astype(np.uint8)
+        channels = u8.shape[0] if planar else u8.shape[2]
+        if channels == 1:
+            return InferenceResult("image", matte=u8[0] if planar else u8[:, :, 0])
+        if planar:  # CxHxW: merging the planes is the cheap way to HxWxC (a strided transpose is not)
+            planes = list(u8[::-1]) if self.params.color == "rgb" else list(u8)
+            return InferenceResult("image", image=cv2.merge(planes))
+        return InferenceResult("image", image=np.ascontiguousarray(u8[:, :, ::-1]) if self.params.color == "rgb" else u8)
+
+
+def _picture(tensor: np.ndarray) -> tuple[np.ndarray, bool]:
+    """One frame's output as float32 CxHxW (planar, True) or HxWxC (False), with 1 or 3 channels."""
+    array = np.asarray(tensor)
+    while array.ndim > 3 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim == 2:
+        array = array[None]
+    if array.ndim != 3:
+        raise ValueError(f"image output: expected CxHxW or HxWxC, got shape {list(np.shape(tensor))}")
+    if array.shape[0] in (1, 3):
+        planar = True
+    elif array.shape[2] in (1, 3):
+        planar = False
+    else:
+        raise ValueError(f"image output: shape {list(np.shape(tensor))} has no axis of 1 or 3 channels")
+    return array.astype(np.float32, copy=False), planar
