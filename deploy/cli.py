@@ -1,4 +1,5 @@
-"""`edge-deploy`: the operator's command line (package, sign, verify, fetch; send commands, watch the fleet).
+"""`edge-deploy`: the operator's command line (package, sign, verify, fetch; send commands, fetch camera
+snapshots, watch the fleet).
 
 Exit codes (CONTRACT.md): 0 success, 1 operation failed (`error CODE: message` on stderr), 2 usage.
 """
@@ -70,7 +71,7 @@ def package(
                                           "and std (default 1/255; 1 for models that take 0..255, e.g. YOLOX)."),
     layout: Optional[str] = typer.Option(None, "--layout", help="nchw or nhwc."),
     resize: Optional[str] = typer.Option(None, "--resize", help="stretch or letterbox."),
-    postprocess: str = typer.Option("raw", "--postprocess", help="Postprocessor: classification, yolo, db_text, raw."),
+    postprocess: str = typer.Option("raw", "--postprocess", help="Postprocessor: classification, yolo, db_text, image, raw."),
     param: List[str] = typer.Option([], "--param", help="Postprocessor parameter KEY=VALUE (JSON values), repeatable."),
     labels: Optional[Path] = typer.Option(None, "--labels", help="Class names: one per line, or a JSON list."),
     latency_budget_ms: Optional[float] = typer.Option(None, "--latency-budget-ms", help="p99 latency gate."),
@@ -208,9 +209,10 @@ def fetch(
 
 
 def _mount_fleet() -> None:
-    from deploy.fleet_cli import fleet_app, send
+    from deploy.fleet_cli import fleet_app, send, snapshot
 
     app.command("send")(send)
+    app.command("snapshot")(snapshot)
     app.add_typer(fleet_app, name="fleet")
     from deploy.fleet.command import collect
 

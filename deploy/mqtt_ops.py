@@ -1,8 +1,9 @@
-"""Operator side of the MQTT plane: send a command to a device and read the fleet's retained status.
+"""Operator side of the MQTT plane: send a command to a device, fetch a camera snapshot, read the fleet's
+retained status.
 
-Used by `edge-deploy send` and `edge-deploy fleet status`. Connection settings are the device's own
-`MqttConfig` fields (ca_file, cert_file, key_file, username, password, credentials_file, protocol, ...),
-so both sides validate them the same way.
+Used by `edge-deploy send`, `edge-deploy snapshot` and `edge-deploy fleet status`. Connection settings are
+the device's own `MqttConfig` fields (ca_file, cert_file, key_file, username, password, credentials_file,
+protocol, ...), so both sides validate them the same way.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import paho.mqtt.client as mqtt
@@ -20,7 +22,9 @@ from paho.mqtt.properties import Properties
 
 from agent.mqtt.paho_setup import HINTS, RC_UNSUPPORTED_PROTOCOL, build_client, connect_kwargs, refusal_code
 from agent.mqtt.config import MqttConfig
-from agent.mqtt.topics import STATUS, TELEMETRY, Topics, fleet_filter, split_device_topic
+from agent.mqtt.topics import SNAPSHOT, STATUS, TELEMETRY, Topics, fleet_filter, split_device_topic
+from agent.names import CAMERA_NAME
+from agent.video.snapshot_wire import MAX_JPEG_BYTES as SNAPSHOT_MAX_BYTES, SnapshotError, parse_snapshot
 from engines.errors import EdgeError
 
 STATE_STYLES = {"online": "green", "degraded": "yellow", "updating": "cyan", "offline": "red", "stopped": "dim"}
@@ -32,11 +36,27 @@ class OperatorError(EdgeError):
     code = "MQTT_UNREACHABLE"
 
 
+class SnapshotFailed(EdgeError):
+    """No snapshot: the device answered with an error (its code), none came in time (TIMEOUT), or the one it
+    sent for this request is not a snapshot (SNAPSHOT_INVALID)."""
+
+    code = "SNAPSHOT_FAILED"
+
+
+@dataclass(frozen=True)
+class SnapshotResult:
+    """A fetched snapshot (agent.video.snapshot_wire.Snapshot, checked) and the device's reply to the command."""
+
+    snapshot: Any
+    reply: dict[str, Any]
+
+
 class _Link:
     """A short-lived operator connection: connect (MQTT 5, 3.1.1 fallback), subscribe, collect."""
 
-    def __init__(self, config: MqttConfig, on_message: Callable[[mqtt.MQTTMessage], None]) -> None:
-        self.config, self.on_message = config, on_message
+    def __init__(self, config: MqttConfig, on_message: Callable[[mqtt.MQTTMessage], None],
+                 max_packet_bytes: int | None = None) -> None:
+        self.config, self.on_message, self.max_packet_bytes = config, on_message, max_packet_bytes
         self.client_id = f"edge-deploy-{uuid.uuid4().hex[:12]}"
         self.protocol = "3.1.1" if config.protocol == "3.1.1" else "5"
         self.client: Any = None
@@ -68,7 +88,7 @@ class _Link:
         client.on_message = lambda _c, _u, msg: self.on_message(msg)
         try:
             client.connect(self.config.host, self.config.port, self.config.keepalive_s,
-                           **connect_kwargs(self.protocol))
+                           **connect_kwargs(self.protocol, self.max_packet_bytes))
         except OSError as exc:  # includes ssl.SSLError
             code = "MQTT_TLS_FAILED" if "SSL" in type(exc).__name__ else "MQTT_UNREACHABLE"
             raise OperatorError(f"cannot connect to {self.config.url}: {exc}", code=code) from None
@@ -108,17 +128,14 @@ def send_command(broker_url: str, device_id: str, command: str, args: Optional[d
     got, replied = [], threading.Event()
 
     def on_message(msg: mqtt.MQTTMessage) -> None:
-        reply = _json(msg.payload)
-        props = getattr(msg, "properties", None)
-        mine = getattr(props, "CorrelationData", None) == correlation if msg.topic != topics.cmd_reply \
-            else isinstance(reply, dict) and reply.get("id") == command_id
-        if mine and isinstance(reply, dict):
+        reply = _reply_to(msg, topics, command_id, correlation)
+        if reply is not None:
             got.append(reply)
             replied.set()
 
     link = _Link(config, on_message)
     response_topic = f"{topics.cmd_reply}/{link.client_id}"
-    link.open([response_topic, topics.cmd_reply] if link.protocol == "5" else [topics.cmd_reply], timeout_s)
+    link.open(_reply_topics(link, topics, response_topic), timeout_s)
     try:
         _publish_request(link, topics.cmd, {"id": command_id, "command": command, "args": args or {}},
                          response_topic, correlation)
@@ -128,6 +145,108 @@ def send_command(broker_url: str, device_id: str, command: str, args: Optional[d
         link.close()
     return {"id": command_id, "ok": False, "error": {"code": "TIMEOUT", "message": (
         f"no reply from {device_id} within {timeout_s:g} s; is it online? (edge-deploy fleet status)")}}
+
+
+def fetch_snapshot(broker_url: str, device_id: str, camera: str | None = None, overlay: bool = True,
+                   prefix: str = "edge", timeout_s: float = 10.0, *, command_id: str | None = None,
+                   max_bytes: int = SNAPSHOT_MAX_BYTES, **connection: Any) -> SnapshotResult:
+    """Ask a device for one snapshot (`snapshot` command) and return it once both the device's reply and the
+    image (on `<prefix>/<device>/snapshot/<camera>`, `request_id` = the command id) have arrived.
+
+    The snapshot topic is subscribed before the command goes out: the image is not retained, and one sent
+    before we listened would be gone. Raises SnapshotFailed with the device's own code (RATE_LIMITED,
+    VIDEO_UNAVAILABLE, INVALID_COMMAND, ...), TIMEOUT (saying which of the two did not come), or
+    SNAPSHOT_INVALID (the image sent for this request fails the wire check); OperatorError when the broker
+    cannot be reached; ValueError for a device id or camera name that cannot be a topic level.
+    """
+
+    config = MqttConfig(url=broker_url, prefix=prefix, **connection)
+    topics = Topics(prefix, device_id)
+    if camera is not None and not CAMERA_NAME.match(camera):
+        raise ValueError(f"camera {camera!r} is not a camera name (1-32 letters, digits, '_', '.', '-')")
+    command_id = command_id or uuid.uuid4().hex
+    correlation = uuid.uuid4().bytes
+    images = topics.snapshot(camera) if camera else topics.leaf(f"{SNAPSHOT}/+")
+    got: dict[str, Any] = {}
+    done = threading.Event()
+
+    def on_message(msg: mqtt.MQTTMessage) -> None:
+        if msg.topic.startswith(topics.leaf(SNAPSHOT) + "/"):
+            try:
+                snap = parse_snapshot(bytes(msg.payload), max_bytes)
+            except SnapshotError as exc:
+                body = _json(msg.payload)
+                if isinstance(body, dict) and body.get("request_id") == command_id:
+                    got["invalid"] = f"{msg.topic}: {exc}"
+                    done.set()
+                return
+            # Another operator's snapshot, a periodic one or one of another camera is not ours.
+            if snap.request_id != command_id or snap.device_id != device_id or msg.topic != topics.snapshot(snap.camera):
+                return
+            got.setdefault("snapshot", snap)
+        else:
+            reply = _reply_to(msg, topics, command_id, correlation)
+            if reply is None:
+                return
+            got.setdefault("reply", reply)
+        reply = got.get("reply")
+        if reply is not None and ("snapshot" in got or reply.get("ok") is not True):
+            done.set()
+
+    # The largest snapshot the wire allows must come through; anything far larger is not even sent to us.
+    link = _Link(config, on_message, max_packet_bytes=(max_bytes + 2) // 3 * 4 + 64 * 1024)
+    response_topic = f"{topics.cmd_reply}/{link.client_id}"
+    link.open([images, *_reply_topics(link, topics, response_topic)], timeout_s)
+    try:
+        args = {"overlay": overlay, **({"camera": camera} if camera else {})}  # no camera: the device's first
+        _publish_request(link, topics.cmd, {"id": command_id, "command": "snapshot", "args": args}, response_topic,
+                         correlation)
+        done.wait(timeout_s)
+    finally:
+        link.close()
+    return _snapshot_outcome(device_id, timeout_s, got)
+
+
+def _snapshot_outcome(device_id: str, timeout_s: float, got: dict[str, Any]) -> SnapshotResult:
+    """What fetch_snapshot gathered, as a result or the SnapshotFailed that says what is missing."""
+    if "invalid" in got:
+        raise SnapshotFailed(f"{device_id} sent a snapshot for this request that is not one: {got['invalid']}",
+                             code="SNAPSHOT_INVALID")
+    reply = got.get("reply")
+    if reply is not None and reply.get("ok") is not True:
+        error = reply.get("error") if isinstance(reply.get("error"), dict) else {}
+        raise SnapshotFailed(str(error.get("message") or "the device answered ok:false without a message"),
+                             code=str(error.get("code") or "SNAPSHOT_FAILED")[:64])
+    if reply is not None and "snapshot" in got:
+        return SnapshotResult(got["snapshot"], reply)
+    if reply is None and "snapshot" not in got:
+        why = f"no reply from {device_id} within {timeout_s:g} s; is it online? (edge-deploy fleet status)"
+    elif reply is None:
+        why = f"the snapshot arrived but {device_id} sent no reply within {timeout_s:g} s"
+    else:
+        result = reply.get("result") if isinstance(reply.get("result"), dict) else {}
+        size = result.get("bytes")
+        why = (f"{device_id} replied, but its snapshot on {result.get('topic') or 'the snapshot topic'} did not arrive "
+               f"within {timeout_s:g} s" + (f": is the broker's max_packet_size below its ~{int(size) * 4 // 3} "
+                                            "bytes? (docs/mqtt.md)" if isinstance(size, int) else ""))
+    raise SnapshotFailed(why, code="TIMEOUT")
+
+
+def _reply_topics(link: _Link, topics: Topics, response_topic: str) -> list[str]:
+    """Where a reply can come: our MQTT 5 response topic, and `cmd/reply` (a device on 3.1.1)."""
+    return [response_topic, topics.cmd_reply] if link.protocol == "5" else [topics.cmd_reply]
+
+
+def _reply_to(msg: mqtt.MQTTMessage, topics: Topics, command_id: str, correlation: bytes) -> dict[str, Any] | None:
+    """The reply to our command, or None: on our response topic matched by Correlation Data (MQTT 5), on
+    `cmd/reply` by its id."""
+    if not msg.topic.startswith(topics.cmd_reply):
+        return None
+    reply = _json(msg.payload)
+    props = getattr(msg, "properties", None)
+    mine = getattr(props, "CorrelationData", None) == correlation if msg.topic != topics.cmd_reply \
+        else isinstance(reply, dict) and reply.get("id") == command_id
+    return reply if mine and isinstance(reply, dict) else None
 
 
 def _publish_request(link: _Link, topic: str, request: dict[str, Any], response_topic: str,

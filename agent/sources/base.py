@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engines.errors import EdgeError
 
-CAMERA_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,32}$"  # config, events and the `camera` argument of commands
+from agent.names import CAMERA_NAME_PATTERN  # noqa: F401  (re-exported: config, events, commands)
 
 
 class SourceError(EdgeError):

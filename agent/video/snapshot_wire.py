@@ -3,26 +3,25 @@
 One module builds it (the agent) and checks it (the collector, `edge-deploy snapshot`), so both sides agree
 on the fields and the limits. JSON with the JPEG in base64 rather than bare bytes: the message names its
 camera, frame time and the command that asked for it, and every consumer of the fleet's topics already
-reads JSON. docs/mqtt.md "Snapshots" is the contract.
+reads JSON. docs/mqtt.md "Snapshots" is the contract. Light on purpose (no numpy, no OpenCV): the
+collector, the dashboard and `edge-deploy` import it.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from agent.sources.base import CAMERA_NAME_PATTERN
+from agent.names import CAMERA_NAME, CAMERA_NAME_PATTERN
 
 SCHEMA = 1
 CONTENT_TYPE = "image/jpeg"
 JPEG_MAGIC = b"\xff\xd8\xff"
 MAX_JPEG_BYTES = 1024 * 1024  # the most any snapshot may carry, whatever `[video] snapshot_max_bytes` says
 REASONS = ("command", "periodic")
-_CAMERA = re.compile(CAMERA_NAME_PATTERN)
 _MAX_ID_CHARS = 128
 
 
@@ -79,7 +78,7 @@ def parse_snapshot(payload: Any, max_bytes: int = MAX_JPEG_BYTES) -> Snapshot:
         raise SnapshotError(f"schema: expected {SCHEMA}, got {payload.get('schema')!r}")
     device_id = _text(payload, "device_id", 128)
     camera = _text(payload, "camera", 32)
-    if not _CAMERA.match(camera):
+    if not CAMERA_NAME.match(camera):
         raise SnapshotError(f"camera: {camera!r} is not a camera name ({CAMERA_NAME_PATTERN})")
     encoded = payload.get("jpeg")
     if not isinstance(encoded, str):

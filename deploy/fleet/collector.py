@@ -4,10 +4,13 @@
     (manual ack: nothing is acknowledged before it is committed, so a killed collector loses nothing:
      the broker redelivers to its persistent session, and the unique key drops what was already stored)
 
-- Telemetry and events come through an MQTT 5 shared subscription (`$share/<group>/<p>/+/telemetry`),
-  so several collectors split one fleet's stream. Status and meta are retained, and a broker does not
-  send retained messages to shared subscriptions, so every collector subscribes to them directly; the
-  upsert keeps the newest by the device's clock. MQTT 3.1.1: plain subscriptions, with a warning.
+- Telemetry, events and snapshots come through an MQTT 5 shared subscription
+  (`$share/<group>/<p>/+/telemetry`), so several collectors split one fleet's stream. Status and meta are
+  retained, and a broker does not send retained messages to shared subscriptions, so every collector
+  subscribes to them directly; the upsert keeps the newest by the device's clock. MQTT 3.1.1: plain
+  subscriptions, with a warning.
+- Snapshots (`<p>/+/snapshot/+`, one JPEG each, not retained) keep the newest per device and camera only,
+  at most `snapshot_cameras` cameras per device and `snapshot_max_bytes` per image.
 - Memory is bounded by the MQTT 5 Receive Maximum (`inflight`): the broker sends no more unacknowledged
   messages than that, and keeps the rest queued for us while the database is away.
 - Database away: the batch is retried with capped, jittered backoff (counted: `db_retries`,
@@ -26,7 +29,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
@@ -35,16 +38,18 @@ from paho.mqtt.properties import Properties
 
 from agent.mqtt.config import MqttConfig
 from agent.mqtt.paho_setup import RC_UNSUPPORTED_PROTOCOL, Backoff, refusal_code, tls_context
-from agent.mqtt.topics import EVENTS, META, STATUS, TELEMETRY, check_prefix, fleet_filter, split_device_topic
+from agent.mqtt.topics import EVENTS, META, SNAPSHOT, STATUS, TELEMETRY, check_prefix, fleet_filter, split_device_topic
 from deploy.fleet.db import TRANSIENT_ERRORS, FleetDB, open_db
 from deploy.fleet.redact import redact
-from deploy.fleet.records import DeviceUpdate, Malformed, Row, parse_message
+from deploy.fleet.records import (MAX_JPEG_BYTES, DeviceUpdate, Malformed, Row, SnapshotRecord, is_snapshot_leaf,
+                                  parse_message, snapshot_payload_limit)
 from deploy.fleet.schema import Partitions, ensure_schema, prune_sqlite
-from deploy.fleet.writer import write_batch
+from deploy.fleet.writer import SNAPSHOT_CAMERAS, write_batch
 
 log = logging.getLogger(__name__)
 
 SHARED_LEAVES = (TELEMETRY, EVENTS)
+SNAPSHOT_LEAF = f"{SNAPSHOT}/+"  # `<p>/+/snapshot/+`: not retained either, so shared like telemetry and events
 RETAINED_LEAVES = (STATUS, META)
 PARTITION_CHECK_S = 3600.0
 TAKEOVER_WINDOW_S = 60.0  # two session takeovers within this: two collectors share one client id
@@ -81,6 +86,13 @@ class CollectorConfig:
     # events in an hour did). 0: no limit. The agent sends ~1 sample/s plus its events.
     quota_msgs_per_min: int = 6000
     quota_bytes_per_min: int = 16 * 2**20
+    # Snapshots: the newest per device and camera is kept, at most this many cameras per device (the device's
+    # oldest row goes), each JPEG at most this large (the wire's own ceiling by default), and at most this
+    # many snapshot messages per device and minute are stored (0: no limit): a device's images cost bounded
+    # space and bounded writes.
+    snapshot_cameras: int = SNAPSHOT_CAMERAS
+    snapshot_max_bytes: int = MAX_JPEG_BYTES
+    quota_snapshots_per_min: int = 120
     retention_days: float = 30.0
     timescale: str = "auto"
     db_retry_min_s: float = 0.5
@@ -100,6 +112,13 @@ class CollectorConfig:
             raise ValueError(f"protocol {self.protocol!r} must be auto, 5 or 3.1.1")
         if not 1 <= self.inflight <= 65535 or self.batch_size < 1:
             raise ValueError("inflight must be 1..65535 and batch_size >= 1")
+        if not 1 <= self.snapshot_cameras <= 1024:
+            raise ValueError(f"snapshot_cameras {self.snapshot_cameras} must be 1..1024")
+        if not 1024 <= self.snapshot_max_bytes <= MAX_JPEG_BYTES:
+            raise ValueError(f"snapshot_max_bytes {self.snapshot_max_bytes} must be 1024..{MAX_JPEG_BYTES} "
+                             "(the snapshot wire's ceiling)")
+        if self.quota_snapshots_per_min < 0:
+            raise ValueError(f"quota_snapshots_per_min {self.quota_snapshots_per_min} must be >= 0")
         self.broker = MqttConfig(url=self.broker_url, prefix=self.prefix, **self.mqtt)
 
     def effective_client_id(self) -> str:
@@ -148,32 +167,53 @@ def stable_client_id(path: Path, group: str) -> str:
 
 
 class DeviceQuota:
-    """Messages and bytes per device in the current minute (telemetry and events; status and meta are
-    retained single messages and never limited)."""
+    """Messages and bytes per device in the current minute: telemetry and events together, snapshots apart
+    (a camera's images must not use up its telemetry's quota). Status and meta are retained single messages
+    and never limited."""
 
-    def __init__(self, msgs_per_min: int, bytes_per_min: int) -> None:
+    def __init__(self, msgs_per_min: int, bytes_per_min: int, snapshots_per_min: int = 0) -> None:
         self.msgs_per_min, self.bytes_per_min = msgs_per_min, bytes_per_min
+        self.limits = {"stream": (msgs_per_min, bytes_per_min), "snapshot": (snapshots_per_min, 0)}
         self._minute = -1
-        self._used: dict[str, list[int]] = {}
+        self._used: dict[tuple[str, str], list[int]] = {}
 
     def over(self, prefix: str, topic: str, size: int, now: float) -> str | None:
         """None when this message is within its device's quota; else "" (over, already said) or the
-        device id (the first message over in this minute: log it)."""
-        if not (self.msgs_per_min or self.bytes_per_min):
-            return None
+        device id (the first message over in this minute of that kind: log it)."""
         where = split_device_topic(prefix, topic)
-        if where is None or where[1] not in SHARED_LEAVES:
+        if where is None:
             return None
+        kind = "stream" if where[1] in SHARED_LEAVES else "snapshot" if is_snapshot_leaf(where[1]) else None
+        if kind is None or not any(self.limits[kind]):
+            return None
+        msgs_per_min, bytes_per_min = self.limits[kind]
         minute = int(now // 60)
         if minute != self._minute:
             self._minute, self._used = minute, {}
-        used = self._used.setdefault(where[0], [0, 0, 0])
+        used = self._used.setdefault((where[0], kind), [0, 0, 0])
         used[0] += 1
         used[1] += size
-        if (self.msgs_per_min and used[0] > self.msgs_per_min) or (self.bytes_per_min and used[1] > self.bytes_per_min):
+        if (msgs_per_min and used[0] > msgs_per_min) or (bytes_per_min and used[1] > bytes_per_min):
             first, used[2] = not used[2], 1
             return where[0] if first else ""
         return None
+
+
+@dataclass
+class Parsed:
+    """One batch as the store sees it: keyed rows, device upserts, snapshot upserts."""
+
+    rows: list[Row] = field(default_factory=list)
+    updates: list[DeviceUpdate] = field(default_factory=list)
+    snapshots: list[SnapshotRecord] = field(default_factory=list)
+
+    def add(self, item: Row | DeviceUpdate | SnapshotRecord) -> None:
+        if isinstance(item, Row):
+            self.rows.append(item)
+        elif isinstance(item, SnapshotRecord):
+            self.snapshots.append(item)
+        else:
+            self.updates.append(item)
 
 
 @dataclass
@@ -221,7 +261,8 @@ class Collector:
         self._held_bytes = 0
         self._bytes_room = threading.Condition()
         self.held_bytes_high_water = 0
-        self.quota = DeviceQuota(config.quota_msgs_per_min, config.quota_bytes_per_min)
+        self.quota = DeviceQuota(config.quota_msgs_per_min, config.quota_bytes_per_min,
+                                 config.quota_snapshots_per_min)
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -395,17 +436,20 @@ class Collector:
         props.SessionExpiryInterval = self.config.session_expiry_s
         props.ReceiveMaximum = self.config.inflight
         # A PUBLISH far over max_payload_bytes is not even sent to us (the broker drops it): reading a
-        # 100 MB message into memory just to count it as malformed would defeat the memory bound.
-        props.MaximumPacketSize = self.config.max_payload_bytes * 4 + 1024
+        # 100 MB message into memory just to count it as malformed would defeat the memory bound. The largest
+        # snapshot we keep (its JPEG in base64) must still come through.
+        props.MaximumPacketSize = max(self.config.max_payload_bytes * 4,
+                                      snapshot_payload_limit(self.config.snapshot_max_bytes)) + 1024
         return props
 
     def subscriptions(self) -> list[str]:
-        """Shared filters for telemetry/events (MQTT 5), plain ones for the retained status/meta."""
+        """Shared filters for telemetry/events/snapshots (MQTT 5), plain ones for the retained status/meta."""
         p, group = self.config.prefix, self.config.group
+        leaves = (*SHARED_LEAVES, SNAPSHOT_LEAF)
         if self.protocol == "5":
-            shared = [f"$share/{group}/{fleet_filter(p, leaf)}" for leaf in SHARED_LEAVES]
+            shared = [f"$share/{group}/{fleet_filter(p, leaf)}" for leaf in leaves]
         else:
-            shared = [fleet_filter(p, leaf) for leaf in SHARED_LEAVES]
+            shared = [fleet_filter(p, leaf) for leaf in leaves]
         return shared + [fleet_filter(p, leaf) for leaf in RETAINED_LEAVES]
 
     def _on_connect(self, client: mqtt.Client, _u: Any, flags: Any, reason: Any, _p: Any) -> None:
@@ -587,22 +631,28 @@ class Collector:
                 break
         return batch
 
-    def _parse(self, batch: list[Inbound], now: float) -> tuple[list[Row], list[DeviceUpdate]]:
-        rows: list[Row] = []
-        updates: list[DeviceUpdate] = []
+    def _parse(self, batch: list[Inbound], now: float) -> Parsed:
+        parsed = Parsed()
         for item in batch:
+            snapshot = is_snapshot_leaf((split_device_topic(self.config.prefix, item.topic) or ("", ""))[1])
             over = self.quota.over(self.config.prefix, item.topic, len(item.payload), now)
             if over is not None:
                 self._count("over_quota")
-                if over:  # the first message of this device's minute over the quota
+                if over and snapshot:
+                    log.warning("device %s is over its snapshot quota (%d a minute): the rest of this minute's "
+                                "snapshots are dropped", over, self.config.quota_snapshots_per_min)
+                elif over:  # the first message of this device's minute over the quota
                     log.warning("device %s is over its ingest quota (%d messages or %d bytes a minute): the rest "
                                 "of this minute is dropped", over, self.config.quota_msgs_per_min,
                                 self.config.quota_bytes_per_min)
                 continue
             try:
-                parsed = parse_message(self.config.prefix, item.topic, item.payload, now, self.config.max_payload_bytes)
+                one = parse_message(self.config.prefix, item.topic, item.payload, now, self.config.max_payload_bytes,
+                                    self.config.snapshot_max_bytes)
             except Malformed as exc:
                 self._count("malformed")
+                if snapshot:
+                    self._count("snapshots_malformed")
                 log.warning("dropped a malformed message: %s", exc)
                 continue
             except Exception:  # noqa: BLE001 - a parser bug on one message must not stop the fleet's ingest
@@ -610,16 +660,17 @@ class Collector:
                 self._count("malformed")
                 log.exception("dropped a message on %s the parser failed on", item.topic[:200])
                 continue
-            (rows if isinstance(parsed, Row) else updates).append(parsed)
+            parsed.add(one)
         self._count("messages", len(batch))
-        return rows, updates
+        return parsed
 
     def _store(self, batch: list[Inbound]) -> bool:
         """Commit the batch, retrying while the database is away; False if stopped before it committed."""
-        rows, updates = self._parse(batch, time.time())
+        parsed = self._parse(batch, time.time())
+        rows, updates, snapshots = parsed.rows, parsed.updates, parsed.snapshots
         while True:
             try:
-                self._commit(rows, updates)
+                self._commit(rows, updates, snapshots)
                 self._db_backoff.reset()
                 return True
             except TRANSIENT_ERRORS as exc:
@@ -628,10 +679,11 @@ class Collector:
                     return False
                 self._reconnect_db()
             except Exception as exc:  # noqa: BLE001 - a row the database refuses must not stop the stream
-                if self._isolate(rows, updates, exc):
+                if self._isolate(rows, updates, snapshots, exc):
                     return True
 
-    def _commit(self, rows: list[Row], updates: list[DeviceUpdate]) -> None:
+    def _commit(self, rows: list[Row], updates: list[DeviceUpdate],
+                snapshots: Sequence[SnapshotRecord] = ()) -> None:
         now = time.time()
         for row in rows:
             row.values["received"] = now
@@ -639,17 +691,25 @@ class Collector:
         for row in future:  # a clock far ahead would pin the device's "newest" views for as long: clamp it
             row.ts = row.values["ts"] = now  # the device's own ts stays in `payload`
             row.clamped = True
-        if future:
-            self._count("future_ts", len(future))
+        for snap in snapshots:
+            snap.values["received"] = now
+            if snap.ts > now + FUTURE_TS_S:  # else no later snapshot of the camera would replace it for as long
+                snap.ts = snap.values["ts"] = now
+                snap.clamped = True
+        clamped = len(future) + sum(1 for snap in snapshots if snap.clamped)
+        if clamped:
+            self._count("future_ts", clamped)
         self._ensure_partitions(rows)
         with self._lock:
             pending = dict(self._pending)
-        result = write_batch(self.db, rows, updates, pending, now)  # type: ignore[arg-type]
+        result = write_batch(self.db, rows, updates, pending, now, snapshots,  # type: ignore[arg-type]
+                             self.config.snapshot_cameras)
         with self._lock:
             self._pending.subtract(pending)
             self._pending = +self._pending
             self.totals["duplicates"] += result.duplicates
             self.totals.update({f"inserted_{t}": n for t, n in result.inserted.items()})
+            self.totals.update(result.snapshots)
             self.totals["batches"] += 1
 
     def _ensure_partitions(self, rows: list[Row]) -> None:
@@ -682,14 +742,16 @@ class Collector:
         except TRANSIENT_ERRORS as exc:
             log.debug("fleet store still unavailable: %s", redact(str(exc)))
 
-    def _isolate(self, rows: list[Row], updates: list[DeviceUpdate], exc: Exception) -> bool:
+    def _isolate(self, rows: list[Row], updates: list[DeviceUpdate], snapshots: list[SnapshotRecord],
+                 exc: Exception) -> bool:
         """The database refused the batch for its content: store item by item, drop what it refuses.
 
         False when the database went away meanwhile: the caller retries the whole batch (what was
-        already stored is skipped by the unique key).
+        already stored is skipped by the unique key, and an older snapshot never replaces a newer one).
         """
         log.warning("fleet store refused a batch (%s); storing it message by message", str(exc).strip()[:200])
-        for one in [([r], []) for r in rows] + [([], [u]) for u in updates]:
+        singles = [([r], [], []) for r in rows] + [([], [u], []) for u in updates] + [([], [], [s]) for s in snapshots]
+        for one in singles:
             try:
                 self._commit(*one)  # type: ignore[arg-type]
             except TRANSIENT_ERRORS as away:
@@ -697,7 +759,7 @@ class Collector:
                 return False
             except Exception as single:  # noqa: BLE001 - counted, logged, dropped
                 self._count("rejected_by_db")
-                log.error("fleet store refused a message of %s: %s", (one[0] or one[1])[0].device_id,
+                log.error("fleet store refused a message of %s: %s", (one[0] or one[1] or one[2])[0].device_id,
                           str(single).strip()[:200])
         return True
 

@@ -70,6 +70,12 @@ def collect(
                                    "device and minute at most; the rest of the minute is dropped (0: no limit)."),
     quota_bytes: int = typer.Option(16 * 2**20, "--quota-bytes-per-min", min=0, help="Payload bytes stored per "
                                     "device and minute at most (0: no limit)."),
+    snapshot_cameras: int = typer.Option(16, "--snapshot-cameras", min=1, max=1024, help="Cameras per device "
+                                         "whose newest snapshot is kept; past it the device's oldest goes."),
+    snapshot_max_bytes: int = typer.Option(1024 * 1024, "--snapshot-max-bytes", min=1024, max=1024 * 1024,
+                                           help="Largest snapshot JPEG stored; a larger one is dropped (malformed)."),
+    quota_snapshots: int = typer.Option(120, "--quota-snapshots-per-min", min=0, help="Snapshots stored per device "
+                                        "and minute at most; the rest of the minute is dropped (0: no limit)."),
     timescale: str = typer.Option("auto", "--timescale", help="auto: hypertables where TimescaleDB is "
                                   "installed; off: native partitions."),
     ca_file: Optional[Path] = typer.Option(None, "--ca-file", help="CA bundle of the broker (mqtts)."),
@@ -80,7 +86,8 @@ def collect(
                                                     "(mode 0600)."),
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
 ) -> None:
-    """Store the fleet's telemetry, events, status and meta from MQTT into SQLite or PostgreSQL."""
+    """Store the fleet's telemetry, events, status, meta and newest camera snapshots from MQTT into SQLite or
+    PostgreSQL."""
     from deploy.fleet.collector import Collector, CollectorConfig
 
     security = {"ca_file": ca_file, "cert_file": cert_file, "key_file": key_file, "username": username,
@@ -95,7 +102,8 @@ def collect(
             batch_size=batch_size, max_wait_s=max_wait_s, inflight=inflight, session_expiry_s=session_expiry_s,
             max_held_bytes=int(max_held_mb * 2**20),
             retention_days=retention_days, timescale=timescale, quota_msgs_per_min=quota_msgs,
-            quota_bytes_per_min=quota_bytes,
+            quota_bytes_per_min=quota_bytes, snapshot_cameras=snapshot_cameras,
+            snapshot_max_bytes=snapshot_max_bytes, quota_snapshots_per_min=quota_snapshots,
             mqtt={k: v for k, v in security.items() if v is not None},
         )  # fmt: skip
         _check_db_url(db_url)

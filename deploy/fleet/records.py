@@ -4,6 +4,8 @@ A device is not trusted to send what docs/mqtt.md promises. A message that canno
 not an object, no usable `seq`/`boot_id`/`ts`, too large) raises `Malformed` and is counted and dropped.
 A field of the wrong type, NaN, out of range or absent becomes NULL, never 0. Strings are capped and
 stripped of NUL (PostgreSQL TEXT cannot hold it); markup is stored as text, never interpreted here.
+A snapshot (`snapshot/<camera>`) is checked by the wire's own parser (agent.video.snapshot_wire), and
+its topic must name the device and camera the payload does.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from agent.mqtt.topics import EVENTS, META, STATUS, TELEMETRY, split_device_topic
+from agent.mqtt.topics import EVENTS, META, SNAPSHOT, STATUS, TELEMETRY, split_device_topic
+from agent.video.snapshot_wire import MAX_JPEG_BYTES, SnapshotError, parse_snapshot
 
 MAX_TEXT = 256  # characters kept of a short text column (names, versions, types, ids)
 MAX_JSON_TEXT = 64 * 1024  # characters kept of status_json / meta_json
 BIGINT_MAX = 2**63 - 1
 ONLINE_STATES = ("online", "degraded", "updating")
+SNAPSHOT_META_BYTES = 16 * 1024  # what a snapshot message may carry besides its JPEG's base64
 
 
 class Malformed(ValueError):
@@ -53,15 +57,40 @@ class DeviceUpdate:
     values: dict[str, Any]
 
 
+@dataclass
+class SnapshotRecord:
+    """A `snapshot/<camera>` message: an upsert of that camera's row in `snapshots` (newest `ts` wins)."""
+
+    device_id: str
+    camera: str
+    ts: float
+    values: dict[str, Any]  # the snapshots columns, `received` set at commit
+    clamped: bool = False  # `ts` was far in the future and was set to the collector's receive time
+
+
+def snapshot_payload_limit(max_jpeg_bytes: int) -> int:
+    """The largest snapshot message kept: the JPEG in base64 plus room for its fields."""
+    return (max_jpeg_bytes + 2) // 3 * 4 + SNAPSHOT_META_BYTES
+
+
+def is_snapshot_leaf(leaf: str) -> bool:
+    """`snapshot/<camera>` (the camera itself is checked against the payload when parsed)."""
+    return leaf.partition("/")[0] == SNAPSHOT
+
+
 def parse_message(prefix: str, topic: str, payload: bytes, received: float,
-                  max_bytes: int = 256 * 1024) -> Row | DeviceUpdate:
-    """The store's view of one message; raises Malformed saying why it cannot be stored."""
+                  max_bytes: int = 256 * 1024,
+                  snapshot_max_bytes: int = MAX_JPEG_BYTES) -> Row | DeviceUpdate | SnapshotRecord:
+    """The store's view of one message; raises Malformed saying why it cannot be stored. `max_bytes` bounds
+    every payload but a snapshot's, whose JPEG may have `snapshot_max_bytes` (its message ~4/3 of that)."""
     where = split_device_topic(prefix, topic)
     if where is None:
         raise Malformed(f"topic {topic!r} is not <prefix>/<device>/<leaf>")
     device_id, leaf = where
     if len(device_id) > MAX_TEXT or "\x00" in device_id:
         raise Malformed(f"device id on topic {topic[:80]!r} is too long or holds NUL")
+    if is_snapshot_leaf(leaf):
+        return snapshot_record(topic, device_id, leaf, payload, received, snapshot_max_bytes)
     if len(payload) > max_bytes:
         raise Malformed(f"{topic}: payload of {len(payload)} bytes exceeds {max_bytes}")
     text = _utf8(topic, payload)
@@ -80,6 +109,37 @@ def parse_message(prefix: str, topic: str, payload: bytes, received: float,
     if leaf == META:
         return DeviceUpdate(META, device_id, number(body.get("ts")), meta_values(body, text))
     raise Malformed(f"{topic}: leaf {leaf!r} is not stored")
+
+
+def snapshot_record(topic: str, device_id: str, leaf: str, payload: bytes, received: float,
+                    max_jpeg_bytes: int = MAX_JPEG_BYTES) -> SnapshotRecord:
+    """A snapshot message as its `snapshots` row; Malformed when the wire parser refuses it, when it is larger
+    than a JPEG of `max_jpeg_bytes` allows, or when the topic's device or camera is not the payload's (a
+    device must not file images under another device's or camera's name)."""
+    camera = leaf.partition("/")[2]
+    where = topic[:200]
+    if not camera:
+        raise Malformed(f"{where}: a snapshot topic names its camera (<prefix>/<device>/snapshot/<camera>)")
+    limit = snapshot_payload_limit(max_jpeg_bytes)
+    if len(payload) > limit:
+        raise Malformed(f"{where}: snapshot payload of {len(payload)} bytes exceeds {limit} "
+                        f"(a JPEG of at most {max_jpeg_bytes} bytes)")
+
+    try:
+        snap = parse_snapshot(_json_object(topic, _utf8(topic, payload)), max_jpeg_bytes)
+    except SnapshotError as exc:
+        raise Malformed(f"{where}: not a snapshot: {str(exc)[:200]}") from None
+    if snap.device_id != device_id:
+        raise Malformed(f"{where}: snapshot of device {snap.device_id[:80]!r} on the topic of {device_id[:80]!r}")
+    if snap.camera != camera:
+        raise Malformed(f"{where}: snapshot of camera {snap.camera!r} on the topic of camera {camera[:40]!r}")
+    values = {
+        "device_id": device_id, "camera": camera, "ts": snap.ts, "captured_at": snap.captured_at,
+        "received": received, "frame": integer(snap.frame), "width": snap.width, "height": snap.height,
+        "overlay": snap.overlay, "reason": snap.reason, "request_id": short_text(snap.request_id),
+        "model": short_text(snap.model), "bytes": len(snap.jpeg), "jpeg": snap.jpeg,
+    }
+    return SnapshotRecord(device_id, camera, snap.ts, values)
 
 
 def _utf8(topic: str, payload: bytes) -> str:

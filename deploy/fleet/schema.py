@@ -6,6 +6,9 @@ seq)` is unique, so a replay or a redelivered message is stored once. PostgreSQL
 telemetry and events by day on `ts` (its unique key then has to include `ts`; a duplicate carries the
 same `ts`, it was stamped when the sample was produced), or makes them TimescaleDB hypertables where
 that extension is installed.
+
+Tables added after a store was first made (`snapshots`) are created by `_added_tables` on every start,
+whatever the layout: an existing PostgreSQL store never runs `create_statements` again.
 """
 
 from __future__ import annotations
@@ -56,6 +59,17 @@ OTHER_TABLES = (
 DEVICE_SEQ_VIEW = ("CREATE VIEW device_seq AS SELECT device_id, MIN(min_seq) AS min_seq, "
                    "CAST(MIN(min_seq) + SUM(max_seq - min_seq + 1) - 1 AS BIGINT) AS max_seq, "
                    "CAST(SUM(received) AS BIGINT) AS received FROM device_streams GROUP BY device_id")
+# The newest snapshot (JPEG) per device and camera, nothing older: an upsert keyed by (device_id, camera)
+# that an older `ts` never wins, and at most MAX_SNAPSHOT_CAMERAS rows per device (deploy.fleet.writer).
+SNAPSHOT_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("device_id", "TEXT NOT NULL"), ("camera", "TEXT NOT NULL"), ("ts", "REAL NOT NULL"), ("captured_at", "REAL"),
+    ("received", "REAL NOT NULL"), ("frame", "BIGINT"), ("width", "INTEGER NOT NULL"), ("height", "INTEGER NOT NULL"),
+    ("overlay", "BOOLEAN NOT NULL"), ("reason", "TEXT NOT NULL"), ("request_id", "TEXT"), ("model", "TEXT"),
+    ("bytes", "INTEGER NOT NULL"), ("jpeg", "BLOB NOT NULL"),
+)
+ADDED_TABLES = (
+    ("snapshots", SNAPSHOT_COLUMNS, "PRIMARY KEY (device_id, camera)"),
+)
 INDEXES = (
     "CREATE INDEX IF NOT EXISTS telemetry_device_ts ON telemetry (device_id, ts)",
     "CREATE INDEX IF NOT EXISTS telemetry_model_ts ON telemetry (model_name, ts)",
@@ -66,7 +80,7 @@ TIME_TABLES = ("telemetry", "events")
 
 
 def _pg_type(sql_type: str) -> str:
-    return sql_type.replace("REAL", "DOUBLE PRECISION")
+    return sql_type.replace("REAL", "DOUBLE PRECISION").replace("BLOB", "BYTEA")
 
 
 def _columns(columns: tuple[tuple[str, str], ...], dialect: str) -> str:
@@ -83,7 +97,12 @@ def create_statements(dialect: str, partitioned: bool = False) -> list[str]:
     out += list(OTHER_TABLES)
     if partitioned:  # rows with a day outside the managed window land here instead of failing the batch
         out += [f"CREATE TABLE IF NOT EXISTS {t}_default PARTITION OF {t} DEFAULT" for t in TIME_TABLES]
-    return out + list(INDEXES)
+    return out + list(INDEXES) + added_statements(dialect)
+
+
+def added_statements(dialect: str) -> list[str]:
+    """CREATE TABLE IF NOT EXISTS of the tables added since the first layout (run at every start)."""
+    return [f"CREATE TABLE IF NOT EXISTS {name} ({_columns(cols, dialect)}, {key})" for name, cols, key in ADDED_TABLES]
 
 
 def ensure_schema(db: FleetDB, *, timescale: str = "auto", retention_days: float = 30.0) -> str:
@@ -92,7 +111,7 @@ def ensure_schema(db: FleetDB, *, timescale: str = "auto", retention_days: float
         with db.transaction():
             for sql in create_statements("sqlite"):
                 db.execute(sql)
-            _device_seq_view(db)
+            _device_seq_view(db)  # create_statements holds the added tables too
         return "sqlite"
     with db.transaction():
         # Collectors starting together on a fresh database would race in CREATE ... IF NOT EXISTS
@@ -106,7 +125,16 @@ def ensure_schema(db: FleetDB, *, timescale: str = "auto", retention_days: float
                 db.execute(sql)
             layout = "partitioned"
         _device_seq_view(db)
+        _added_tables(db)
     return layout
+
+
+def _added_tables(db: FleetDB) -> None:
+    """The migration of a store made before `snapshots` existed: create what is missing (idempotent; inside
+    ensure_schema's transaction, under its advisory lock on PostgreSQL). A dashboard role granted SELECT on
+    the tables that existed then needs the grant again for the new one (docs/dashboard.md)."""
+    for sql in added_statements(db.dialect):
+        db.execute(sql)
 
 
 def _device_seq_view(db: FleetDB) -> None:

@@ -3,6 +3,8 @@ rows and the collector's counters commit together or not at all.
 
 Exactly once per (device_id, boot_id, seq): rows go in with ON CONFLICT DO NOTHING, and only the rows
 really inserted count towards `device_streams.received`, so a replay or a redelivery changes nothing.
+Snapshots keep the newest per (device_id, camera) only: an upsert that an older `ts` never wins, and at
+most `snapshot_cameras` rows per device (the device's oldest go), so one device's images stay bounded.
 """
 
 from __future__ import annotations
@@ -13,13 +15,23 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from deploy.fleet.db import FleetDB
-from deploy.fleet.records import STATUS, DeviceUpdate, Row
-from deploy.fleet.schema import EVENT_COLUMNS, TELEMETRY_COLUMNS
+from deploy.fleet.records import STATUS, DeviceUpdate, Row, SnapshotRecord
+from deploy.fleet.schema import EVENT_COLUMNS, SNAPSHOT_COLUMNS, TELEMETRY_COLUMNS
 
 COLUMNS = {"telemetry": [c for c, _ in TELEMETRY_COLUMNS], "events": [c for c, _ in EVENT_COLUMNS]}
 # Rows per multi-row statement: 500 x 25 columns stays under SQLite's 32766 and PostgreSQL's 65535
 # parameters, and one statement per table per batch instead of one per row is most of the batching gain.
 CHUNK_ROWS = 500
+SNAPSHOT_CAMERAS = 16  # snapshot rows kept per device at most (the default of `edge-deploy collect --snapshot-cameras`)
+_SNAPSHOT_NAMES = [c for c, _ in SNAPSHOT_COLUMNS]
+_SNAPSHOT_KEY = ("device_id", "camera")
+# Newer or as new (a redelivery writes the same image again) replaces; older leaves the stored one.
+_UPSERT_SNAPSHOT = (f"INSERT INTO snapshots ({', '.join(_SNAPSHOT_NAMES)}) VALUES ({', '.join('?' * len(_SNAPSHOT_NAMES))}) "
+                    "ON CONFLICT (device_id, camera) DO UPDATE SET "
+                    + ", ".join(f"{c} = excluded.{c}" for c in _SNAPSHOT_NAMES if c not in _SNAPSHOT_KEY)
+                    + " WHERE excluded.ts >= snapshots.ts")
+_TRIM_SNAPSHOTS = ("DELETE FROM snapshots WHERE device_id = ? AND camera NOT IN (SELECT camera FROM snapshots "
+                   "WHERE device_id = ? ORDER BY ts DESC, camera LIMIT ?)")
 
 
 @dataclass
@@ -29,12 +41,15 @@ class BatchResult:
     inserted: Counter = field(default_factory=Counter)  # per table
     duplicates: int = 0
     devices: int = 0
+    snapshots: Counter = field(default_factory=Counter)  # snapshots_stored, snapshots_stale, snapshots_trimmed
 
 
 def write_batch(db: FleetDB, rows: list[Row], updates: list[DeviceUpdate], stats: dict[str, float],
-                received: float) -> BatchResult:
+                received: float, snapshots: Iterable[SnapshotRecord] = (),
+                snapshot_cameras: int = SNAPSHOT_CAMERAS) -> BatchResult:
     """Store the batch and add `stats` to collector_stats, atomically."""
     result = BatchResult()
+    snapshots = list(snapshots)
     unique = list({row.key + (row.table,): row for row in rows}.values())
     result.duplicates = len(rows) - len(unique)
     with db.transaction():
@@ -45,10 +60,32 @@ def write_batch(db: FleetDB, rows: list[Row], updates: list[DeviceUpdate], stats
         result.duplicates += len(unique) - len(new)
         result.inserted.update(row.table for row in new)
         _count_seqs(db, new)
-        result.devices = _touch_devices(db, new, received) + _apply_updates(db, updates)
+        result.snapshots = _upsert_snapshots(db, snapshots, snapshot_cameras)
+        heard = {row.device_id for row in new} | {snap.device_id for snap in snapshots}
+        result.devices = _touch_devices(db, new, received, heard) + _apply_updates(db, updates)
         _add_stats(db, {**stats, "duplicates": stats.get("duplicates", 0) + result.duplicates,
-                        **{f"inserted_{t}": n + stats.get(f"inserted_{t}", 0) for t, n in result.inserted.items()}})
+                        **{f"inserted_{t}": n + stats.get(f"inserted_{t}", 0) for t, n in result.inserted.items()},
+                        **{name: n + stats.get(name, 0) for name, n in result.snapshots.items()}})
     return result
+
+
+def _upsert_snapshots(db: FleetDB, snapshots: list[SnapshotRecord], cameras: int) -> Counter:
+    """The newest snapshot of each (device, camera) of the batch upserted, then each device trimmed to its
+    `cameras` newest rows. Counts what was stored, what lost to a newer one (in the batch or stored) and
+    what the bound deleted."""
+    counts: Counter = Counter()
+    newest: dict[tuple[str, str], SnapshotRecord] = {}
+    for snap in snapshots:  # arrival order: of two with one `ts`, the later one wins, as in the table
+        key = (snap.device_id, snap.camera)
+        if key not in newest or snap.ts >= newest[key].ts:
+            newest[key] = snap
+    counts["snapshots_stale"] += len(snapshots) - len(newest)
+    for key in sorted(newest):  # sorted: collectors lock rows in one order
+        changed = db.execute(_UPSERT_SNAPSHOT, [newest[key].values[c] for c in _SNAPSHOT_NAMES])
+        counts["snapshots_stored" if changed else "snapshots_stale"] += 1
+    for device_id in sorted({device_id for device_id, _ in newest}):
+        counts["snapshots_trimmed"] += max(0, db.execute(_TRIM_SNAPSHOTS, (device_id, device_id, int(cameras))))
+    return +counts
 
 
 def _drop_stored_clamped(db: FleetDB, rows: list[Row]) -> list[Row]:
@@ -138,10 +175,11 @@ def _sources(dialect: str, spec: tuple[tuple[str, str], ...], rows: list[tuple])
         yield f"VALUES {_values(len(spec), len(chunk))}", [v for row in chunk for v in row]
 
 
-def _touch_devices(db: FleetDB, rows: list[Row], received: float) -> int:
-    """last_seen for every device heard from, and deployment_state from `deployment` events."""
+def _touch_devices(db: FleetDB, rows: list[Row], received: float, heard: Iterable[str] = ()) -> int:
+    """last_seen for every device heard from (`rows`' and `heard`), and deployment_state from `deployment`
+    events."""
     greatest = "GREATEST" if db.dialect == "postgresql" else "MAX"
-    devices = sorted({row.device_id for row in rows})
+    devices = sorted({row.device_id for row in rows} | set(heard))
     spec = (("device_id", "TEXT"), ("last_seen", "DOUBLE PRECISION"))
     for source, params in _sources(db.dialect, spec, [(device_id, received) for device_id in devices]):
         db.execute(f"INSERT INTO devices (device_id, last_seen) {source} ON CONFLICT (device_id) DO UPDATE "

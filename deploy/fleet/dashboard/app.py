@@ -1,4 +1,5 @@
-"""The dashboard's web app (Starlette): three static pages and a read-only JSON API over the fleet store.
+"""The dashboard's web app (Starlette): three static pages and a read-only JSON API over the fleet store,
+plus the stored camera snapshots as `image/jpeg`.
 
 Pages are static HTML whose scripts fetch the JSON API and render it with `textContent` only, so device
 strings (ids, model names, error messages) can never become markup. Queries run on a small pool of reader
@@ -25,6 +26,7 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from agent.names import CAMERA_NAME
 from deploy.fleet.dashboard import queries
 from deploy.fleet.db import TRANSIENT_ERRORS, open_db
 from deploy.fleet.dashboard.auth import LOOPBACK_NAMES, AuthMiddleware, AuthSettings, HostAllowList
@@ -172,6 +174,13 @@ def _required(request: Request, name: str) -> str:
     return value
 
 
+def _camera(request: Request) -> str:
+    camera = _required(request, "camera")
+    if not CAMERA_NAME.match(camera):
+        raise BadRequest(f"camera {camera[:40]!r} is not a camera name (1-32 letters, digits, '_', '.', '-')")
+    return camera
+
+
 def _fleet_data(db: Any, refresh_s: float) -> dict[str, Any]:
     return {"generated": time.time(), "refresh_s": refresh_s, "devices": queries.fleet(db)}
 
@@ -190,9 +199,10 @@ def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: floa
     """The dashboard app over the fleet store at `db_url` (read-only: GET and HEAD only)."""
     store = Store(db_url)
 
-    async def api(request: Request, fn: Callable[..., Any], *args: Any) -> Response:
+    async def api(request: Request, fn: Callable[..., Any], *args: Any,
+                  render: Callable[[Any], Response] = _json) -> Response:
         try:
-            return _json(await store.call(fn, *args))
+            return render(await store.call(fn, *args))
         except BadRequest as exc:
             return _json({"error": str(exc)}, 400)
         except QueryTimeout:
@@ -240,6 +250,28 @@ def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: floa
             return _json({"error": str(exc)}, 400)
         return await api(request, queries.model_view, name, since)
 
+    async def api_snapshots(request: Request) -> Response:
+        try:
+            device_id = _required(request, "id")
+        except BadRequest as exc:
+            return _json({"error": str(exc)}, 400)
+        return await api(request, queries.snapshots, device_id)
+
+    async def api_snapshot(request: Request) -> Response:
+        try:
+            device_id, camera = _required(request, "id"), _camera(request)
+        except BadRequest as exc:
+            return _json({"error": str(exc)}, 400)
+
+        def image(found: tuple[bytes, float] | None) -> Response:
+            if found is None:
+                return _json({"error": f"no snapshot of camera {camera!r} of device {device_id!r} in the fleet "
+                              "database"}, 404)
+            # Stored only after the collector checked it is a JPEG; served as one, never sniffed (nosniff).
+            return Response(found[0], media_type="image/jpeg", headers={"x-snapshot-ts": f"{found[1]:.3f}"})
+
+        return await api(request, queries.snapshot_image, device_id, camera, render=image)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
@@ -250,6 +282,7 @@ def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: floa
         Route("/model", _page("model.html")), Route("/healthz", _healthz),
         Route("/api/fleet", api_fleet), Route("/api/device", api_device), Route("/api/events", api_events),
         Route("/api/models", api_models), Route("/api/model", api_model),
+        Route("/api/snapshots", api_snapshots), Route("/api/snapshot", api_snapshot),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -292,3 +292,31 @@ def _parse(text: Any) -> Any:
         return json.loads(text)
     except (TypeError, ValueError):
         return None
+
+
+MAX_SNAPSHOTS = 64  # rows listed per device at most, whatever the store holds (the collector keeps 16 by default)
+_SNAPSHOT_META = ("camera, ts, captured_at, received, frame, width, height, overlay, reason, request_id, model, "
+                  "bytes")
+
+
+def snapshots(db: Any, device_id: str, now: float | None = None) -> dict[str, Any]:
+    """The newest snapshot of each of the device's cameras, without the images (those come one at a time
+    from `snapshot_image`), by camera name, each with its age: seconds since its frame was captured (or,
+    without a capture time, since it was published) by the dashboard's clock, never below 0."""
+    now = time.time() if now is None else now
+    rows = db.query(f"SELECT {_SNAPSHOT_META} FROM snapshots WHERE device_id = ? ORDER BY camera LIMIT ?",
+                    (device_id, MAX_SNAPSHOTS))
+    out = []
+    for row in rows:
+        taken = row["captured_at"] if row["captured_at"] is not None else row["ts"]
+        out.append({**{k: _num(v) if k in ("ts", "captured_at", "received") else v for k, v in row.items()},
+                    "overlay": bool(row["overlay"]), "age_s": max(0.0, now - float(taken))})
+    return {"device_id": device_id, "now": now, "snapshots": out}
+
+
+def snapshot_image(db: Any, device_id: str, camera: str) -> tuple[bytes, float] | None:
+    """(JPEG bytes, ts) of the device's newest snapshot of `camera`, or None when the store has none."""
+    rows = db.query("SELECT jpeg, ts FROM snapshots WHERE device_id = ? AND camera = ?", (device_id, camera))
+    if not rows:
+        return None
+    return bytes(rows[0]["jpeg"]), float(rows[0]["ts"])

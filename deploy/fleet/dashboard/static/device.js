@@ -1,5 +1,6 @@
-// One device: facts, charts over time (uPlot, vendored) with deployments and adapt/throttle events marked on
-// the time axis, and the deployment history with each step's duration. Refreshed from /api/device.
+// One device: facts, the newest snapshot of each camera, charts over time (uPlot, vendored) with deployments
+// and adapt/throttle events marked on the time axis, and the deployment history with each step's duration.
+// Refreshed from /api/device and /api/snapshots; an image is fetched again only when a newer one is stored.
 "use strict";
 
 const CHARTS = [
@@ -13,6 +14,7 @@ const MARK_COLORS = {deployment: "#2563eb", adapt: "#16a34a", throttling: "#dc26
                      rolled_back: "#b45309", rollback: "#b45309", model_loaded: "#64748b"};
 const deviceId = param("id");
 const plots = {};
+const snapshotBoxes = new Map();  // camera -> its figure, kept across refreshes so an unchanged image stays loaded
 
 function fact(name, value) {
   return [el("dt", {text: name}), el("dd", {}, [value])];
@@ -142,6 +144,73 @@ function renderDeployments(history) {
   ])));
 }
 
+function snapshotUrl(camera, ts) {
+  // `v` changes with each newer snapshot: the browser fetches the image again only then.
+  return `/api/snapshot?id=${encodeURIComponent(deviceId)}&camera=${encodeURIComponent(camera)}&v=${encodeURIComponent(ts)}`;
+}
+
+function snapshotBox(camera) {
+  let box = snapshotBoxes.get(camera);
+  if (!box) {
+    const img = el("img", {alt: `snapshot of camera ${camera}`});
+    const link = el("a", {target: "_blank", rel: "noopener", title: "open the full image"}, [img]);
+    const caption = el("figcaption");
+    const figure = el("figure", {class: "snapshot", "data-camera": camera}, [link, caption]);
+    img.addEventListener("error", () => figure.classList.add("failed"));
+    img.addEventListener("load", () => figure.classList.remove("failed"));
+    box = {figure, img, link, caption};
+    snapshotBoxes.set(camera, box);
+  }
+  return box;
+}
+
+function renderSnapshots(data) {
+  const figures = data.snapshots.map((s) => {
+    const box = snapshotBox(s.camera);
+    const url = snapshotUrl(s.camera, s.ts);
+    if (box.img.getAttribute("src") !== url) {
+      box.img.setAttribute("width", s.width);  // the frame's aspect before the image has loaded
+      box.img.setAttribute("height", s.height);
+      box.img.setAttribute("src", url);
+      box.link.setAttribute("href", url);
+    }
+    const captured = !missing(s.captured_at);
+    const taken = captured ? s.captured_at : s.ts;
+    box.caption.replaceChildren(
+      el("strong", {class: "snapshot-camera", text: s.camera}), " ",
+      el("span", {class: s.overlay ? "tag overlay" : "tag", text: s.overlay ? "overlay" : "no overlay"}), el("br"),
+      captured ? "captured " : "published ",
+      el("time", {class: "snapshot-time", datetime: new Date(taken * 1000).toISOString(), text: fmtTime(taken)}),
+      el("span", {class: "muted snapshot-age", text: ` (${fmtAgo(taken, data.now)} ago)`}), el("br"),
+      el("span", {class: "muted", text: `${s.width}×${s.height} · ${fmtNum(s.bytes / 1024, 0)} KB · ${fmtText(s.reason)}`
+        + (missing(s.model) ? "" : ` · ${s.model}`)}),
+    );
+    return box.figure;
+  });
+  const cameras = new Set(data.snapshots.map((s) => s.camera));
+  for (const camera of [...snapshotBoxes.keys()]) if (!cameras.has(camera)) snapshotBoxes.delete(camera);
+  const box = document.getElementById("snapshots");
+  const shown = [...box.children];
+  // Re-attached only when the set of cameras changed: moving an <img> is harmless, but nothing needs to move.
+  if (!figures.length) {
+    box.replaceChildren(el("p", {class: "muted", text: "no snapshots stored (edge-deploy snapshot DEVICE asks for "
+                                  + "one; [video] snapshot_interval_s on the device sends them periodically)"}));
+  } else if (shown.length !== figures.length || shown.some((node, i) => node !== figures[i])) {
+    box.replaceChildren(...figures);
+  }
+  box.dataset.loaded = "true";
+}
+
+async function refreshSnapshots() {
+  try {
+    renderSnapshots(await getJSON(`/api/snapshots?id=${encodeURIComponent(deviceId)}`));
+  } catch (err) {
+    document.getElementById("snapshots").replaceChildren(
+      el("p", {class: "error", text: "Could not load the snapshots: " + err.message}));
+    snapshotBoxes.clear();
+  }
+}
+
 function buildChartBoxes() {
   document.getElementById("charts").replaceChildren(...CHARTS.map((spec) =>
     el("figure", {id: "chart-" + spec.id, class: "chart"}, [el("figcaption", {text: spec.title}), el("div", {class: "plot"})])));
@@ -160,7 +229,9 @@ async function refresh() {
     document.body.dataset.loaded = "true";
   } catch (err) {
     showError("Could not load the device: " + err.message);
+    return;
   }
+  await refreshSnapshots();
 }
 
 async function loop() {
