@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape  # messages hold `[section]` names, not markup
 
+from agent.video.summary import video_rows
 from engines.errors import EdgeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Jetson Edge Agent: the on-device daemon and its tools.")
@@ -141,26 +142,6 @@ def _print_summary(summary: dict[str, Any], last_result: dict[str, Any] | None) 
     for key, value in rows:
         table.add_row(key, value)
     out.print(table)
-
-
-def video_rows(video: dict[str, Any] | None) -> list[tuple[str, str]]:
-    """What the viewers got: frames sent and glass-to-glass (capture -> frame written to the socket) per camera."""
-    if not video:
-        return []
-    rows = []
-    http = video.get("http")
-    if http:
-        rows.append(("video", f"{http.get('frames_sent', 0)} frames to {http.get('streams', 0)} viewer(s) on "
-                              f"{http['listen']}, {http.get('dropped_slow', 0)} dropped as slow"))
-        for camera, g2g in (http.get("glass_to_glass_ms") or {}).items():
-            rows.append((f"glass-to-glass {camera}", " ".join(f"{k} {v}" for k, v in g2g.items()) + " ms"))
-    stream = video.get("stream")
-    if stream:
-        rows.append(("video stream", f"{stream['state']} ({stream.get('encoder') or '-'}), {stream['frames']} frames "
-                                     f"to {stream['url']}" + (f": {stream['error']['message']}" if stream.get("error") else "")))
-    if video.get("error"):
-        rows.append(("video", video["error"]["message"]))
-    return rows
 
 
 def _camera_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:

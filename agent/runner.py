@@ -335,7 +335,7 @@ class Agent:
             "window_latency_ms": self.worker.window.latency.summary() if self.worker else {},
             "errors": summary["errors"], "model": summary["model"], "cameras": summary["cameras"],
             "batch": summary.get("batch"), "deployment": self.manager.status() if self.manager else None,
-            "adapt": summary.get("adapt"), "storage": self.storage.status(),
+            "adapt": summary.get("adapt"), "storage": self.storage.status(), "video": summary.get("video"),
         })
 
     def recent_fps(self, window_s: float = RECENT_FPS_WINDOW_S) -> float:

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from agent.config import AgentConfig
 from agent.deployments.store import DeploymentStore
+from agent.video.summary import video_rows
 from agent.state import StateStore, state_db_path
 
 LIVE_KEY = "live_status"
@@ -171,6 +172,8 @@ def render_status(report: dict[str, Any], console: Console) -> None:
                       f"frames {cam.get('frames', 0)}, dropped {cam.get('dropped_frames', 0)}{_decodes(cam)}",
                       highlight=False, markup=False)
     render_batch_live((report.get("live") or {}).get("batch"), console)
+    for key, value in video_rows((report.get("live") or {}).get("video")):
+        console.print(f"  {key:<8} {value}", highlight=False, markup=False)
     render_adapt(report.get("adapt"), console)
     if report.get("last_run"):
         run = report["last_run"]

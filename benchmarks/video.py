@@ -66,24 +66,26 @@ def draw_and_encode(iterations: int) -> dict[str, Any]:
             for name, t in times.items()}
 
 
-def read_stream(port: int, fps: float) -> None:
-    """A viewer: read the camera's MJPEG stream until killed (run in a process of its own, as a browser is)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request("GET", f"/cameras/cam0.mjpg?fps={fps:g}")
-    response = conn.getresponse()
-    while response.fp.read(65536):
-        pass
+_VIEWER = """
+import http.client, sys
+conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=30)
+conn.request("GET", "/cameras/cam0.mjpg?fps=" + sys.argv[2])
+response = conn.getresponse()
+while response.fp.read1(65536):
+    pass
+"""
 
 
 class Viewer:
-    """One MJPEG viewer in its own process: the agent's process pays only for what the server does."""
+    """One MJPEG viewer in a process of its own, as a browser is, that imports nothing but http.client (a viewer
+    that loaded the agent's modules would spend the window's first second of CPU on its imports)."""
 
     def __init__(self, port: int, fps: float) -> None:
         self.port, self.fps = port, fps
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "--viewer", str(self.port), "--viewer-fps", str(self.fps)])
+        self.proc = subprocess.Popen([sys.executable, "-c", _VIEWER, str(self.port), f"{self.fps:g}"])
 
     def close(self) -> None:
         if self.proc is not None:
@@ -118,7 +120,7 @@ def viewers_window(agent: Agent, port: int, count: int, window_s: float) -> dict
         v.start()
     server = agent.video.server
     deadline = time.monotonic() + 20
-    while server.clients < count and time.monotonic() < deadline:  # every viewer streams before the window opens
+    while server.clients != count and time.monotonic() < deadline:  # exactly these viewers stream when it opens
         time.sleep(0.05)
     time.sleep(0.5)
     sent0 = server.counters["frames_sent"]
@@ -130,6 +132,9 @@ def viewers_window(agent: Agent, port: int, count: int, window_s: float) -> dict
     sent = server.counters["frames_sent"] - sent0
     for v in viewers:
         v.close()
+    deadline = time.monotonic() + 20
+    while server.clients and time.monotonic() < deadline:  # the next window starts with no viewer left over
+        time.sleep(0.05)
     return {"fps": (frames1 - frames0) / (t1 - t0), "viewer_fps": sent / count / (t1 - t0) if count else 0.0,
             "glass_to_glass_ms": g2g}
 
@@ -168,12 +173,7 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=8.0)
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="smoke run: seconds, JSON written, no goals judged")
-    parser.add_argument("--viewer", type=int, default=None, help=argparse.SUPPRESS)  # internal: be one viewer
-    parser.add_argument("--viewer-fps", type=float, default=15.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.viewer is not None:
-        read_stream(args.viewer, args.viewer_fps)
-        return
     rounds, window_s, iterations = (1, 1.0, 5) if args.quick else (args.rounds, args.window_s, args.iterations)
     out: dict[str, Any] = {"machine": machine(), "quick": args.quick, "rounds": rounds, "window_s": window_s}
     print("draw + encode per frame", flush=True)

@@ -192,7 +192,7 @@ def video_agent(tmp_path: Path, request):
     """A real agent on the demo detector with the MJPEG server on, recording every result by frame."""
     opts: dict[str, Any] = getattr(request, "param", {})
     port = free_port()
-    video = {"enabled": True, "listen": f"127.0.0.1:{port}", "max_fps": 10, **opts.get("video", {})}
+    video = {"enabled": True, "listen": f"{opts.get('host', '127.0.0.1')}:{port}", "max_fps": 10, **opts.get("video", {})}
     cfg = AgentConfig(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache", device_id="vid-01",
                       camera=opts.get("camera", {"kind": "synthetic", "width": 320, "height": 256, "fps": 8}),
                       model=opts.get("model", {"warmup_runs": 1}), video=video, **opts.get("extra", {}))
@@ -281,8 +281,9 @@ def test_slow_viewers_are_dropped_and_extra_viewers_refused(video_agent) -> None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("video_agent", [{"video": {"token": "s3cret-token-0123456789"}}], indirect=True)
-def test_a_token_guards_every_path_when_one_is_set(video_agent) -> None:
+@pytest.mark.parametrize("video_agent", [{"host": "0.0.0.0", "video": {"token": "s3cret-token-0123456789"}}],
+                         indirect=True)
+def test_off_loopback_a_token_guards_every_path(video_agent) -> None:
     agent, port, _ = video_agent
     assert wait_for(lambda: agent.stats.frames >= 1, 60)
 
@@ -374,8 +375,10 @@ def test_snapshots_over_mqtt_fit_their_cap_carry_their_request_and_are_rate_limi
     from deploy.mqtt_ops import send_command
 
     cfg = AgentConfig(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache", device_id="snap-01",
-                      camera={"kind": "synthetic", "width": 640, "height": 480, "fps": 8}, model={"warmup_runs": 1},
-                      mqtt={"url": mqtt_broker.url}, video={"snapshot_max_bytes": 8000, "snapshot_min_interval_s": 30})
+                      cameras=[{"kind": "synthetic", "name": "cam0", "width": 640, "height": 480, "fps": 8},
+                               {"kind": "synthetic", "name": "back", "width": 320, "height": 256, "fps": 8}],
+                      model={"warmup_runs": 1}, mqtt={"url": mqtt_broker.url},
+                      video={"snapshot_max_bytes": 8000, "snapshot_min_interval_s": 30})
     collector = collector_factory(mqtt_broker.url, ["edge/snap-01/snapshot/#"])
     agent = Agent(cfg)  # [video] enabled stays false: snapshots need no HTTP server
     agent.start()
@@ -399,7 +402,34 @@ def test_snapshots_over_mqtt_fit_their_cap_carry_their_request_and_are_rate_limi
         bad = send_command(mqtt_broker.url, "snap-01", "snapshot", {"camera": "../x"}, timeout_s=30)
         assert bad["error"]["code"] == "INVALID_COMMAND"
         assert len([t for t, _, _ in collector.messages]) == 1, "refused requests publish nothing"
-        assert agent.summary()["video"]["snapshots"] == {"taken": 1, "published": 1, "unsent": 0, "refused": 1}
+        # the operator's command line against this real agent: the other camera, without drawing
+        from typer.testing import CliRunner
+
+        from deploy.cli import app as deploy_app
+
+        out = tmp_path / "back.jpg"
+        run = CliRunner().invoke(deploy_app, ["snapshot", "snap-01", "--camera", "back", "--no-overlay", "-o", str(out),
+                                              "--broker", mqtt_broker.url, "--timeout", "30"])
+        assert run.exit_code == 0, run.output
+        assert cv2.imdecode(np.frombuffer(out.read_bytes(), np.uint8), cv2.IMREAD_COLOR).shape == (256, 320, 3)
+        assert agent.summary()["video"]["snapshots"] == {"taken": 2, "published": 2, "unsent": 0, "refused": 1}
+    finally:
+        agent.stop()
+
+
+@pytest.mark.slow
+def test_periodic_snapshots_of_every_camera(tmp_path: Path, mqtt_broker, collector_factory) -> None:
+    cfg = AgentConfig(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache", device_id="snap-02",
+                      camera={"kind": "synthetic", "width": 320, "height": 256, "fps": 8}, model={"warmup_runs": 1},
+                      mqtt={"url": mqtt_broker.url}, video={"snapshot_interval_s": 0.5, "snapshot_min_interval_s": 0})
+    collector = collector_factory(mqtt_broker.url, ["edge/snap-02/snapshot/#"])
+    agent = Agent(cfg)
+    agent.start()
+    try:
+        assert collector.wait_for(lambda msgs: len(msgs) >= 2, 60)
+        shots = [parse_snapshot(p) for _, p, _ in collector.messages[:2]]
+        assert all(s.reason == "periodic" and s.request_id is None and s.camera == "cam0" for s in shots)
+        assert shots[0].ts < shots[1].ts and shots[0].frame != shots[1].frame
     finally:
         agent.stop()
 
@@ -435,7 +465,7 @@ def test_an_image_to_image_models_frames_stream_over_mjpeg_with_glass_to_glass_l
         assert np.abs(shown.astype(int) - still).mean() > 6.0, "...not the camera's frame"
     g2g = summary["video"]["http"]["glass_to_glass_ms"]["cam0"]
     assert 0 < g2g["p50"] <= g2g["p99"]
-    from agent.cli import video_rows
+    from agent.video.summary import video_rows
     assert any(key == "glass-to-glass cam0" and "p99" in value for key, value in video_rows(summary["video"]))
 
 
@@ -503,3 +533,19 @@ def test_the_video_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert set(data["draw_encode"]) == {"640x480", "1280x720"} and set(data["viewers"]["ratio_to_none"]) == {"1", "4"}
     assert data["image_to_image"]["glass_to_glass_ms"]["p50"] > 0
+
+
+@pytest.mark.slow
+def test_a_player_reads_the_stream(video_agent, tmp_path: Path) -> None:
+    """ffmpeg (what ffplay and VLC's HTTP input are built on) reads the MJPEG stream as video."""
+    import subprocess
+
+    agent, port, _ = video_agent
+    assert wait_for(lambda: agent.stats.frames >= 2, 60)
+    out = tmp_path / "frame-%02d.png"
+    done = subprocess.run(["ffmpeg", "-hide_banner", "-loglevel", "error", "-y", "-f", "mpjpeg", "-i",
+                           f"http://127.0.0.1:{port}/cameras/cam0.mjpg", "-frames:v", "3", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-1000:]
+    frames = sorted(tmp_path.glob("frame-*.png"))
+    assert len(frames) == 3 and cv2.imread(str(frames[0])).shape == (256, 320, 3)

@@ -128,6 +128,7 @@ class _VideoHandler(BaseHTTPRequestHandler):
     video: MjpegServer
     server_version = "edge-agent-video"
     protocol_version = "HTTP/1.0"  # one request per connection: a stream ends with its connection
+    timeout = 10  # a client that sends no request line in this long is closed (it holds a thread meanwhile)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         log.debug("video %s: " + format, self.client_address[0], *args)
