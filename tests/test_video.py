@@ -121,11 +121,11 @@ def test_the_image_postprocessor_reads_planar_and_interleaved_rgb(shape: tuple, 
 
 def test_a_snapshot_fits_its_byte_cap_by_quality_then_size() -> None:
     noise = np.random.default_rng(1).integers(0, 255, (480, 640, 3), dtype=np.uint8)
-    full = fit_jpeg(noise, 90, 10**7)
-    small = fit_jpeg(noise, 90, 30_000)
-    assert len(small) <= 30_000 < len(full)
+    full, full_size = fit_jpeg(noise, 90, 10**7)
+    small, small_size = fit_jpeg(noise, 90, 30_000)
+    assert len(small) <= 30_000 < len(full) and full_size == (480, 640)
     decoded = cv2.imdecode(np.frombuffer(small, np.uint8), cv2.IMREAD_COLOR)
-    assert decoded.shape[1] < 640  # noise does not fit at 25 % quality: it had to shrink too
+    assert decoded.shape[:2] == small_size and small_size[1] < 640  # noise does not fit at 25 %: it shrank too
 
 
 # --- config -----------------------------------------------------------------------------------------------
@@ -158,6 +158,29 @@ def test_an_unwatched_camera_costs_a_dict_lookup_and_a_watched_one_keeps_only_th
         shot = tap.wait_next("cam0", 0, 1.0)
         assert shot.frame_index == 7 and tap.wait_next("cam0", shot.seq, 0.05) is None
     assert tap.latest("cam0") is None, "the last watcher leaving frees the frame"
+    with tap.watch("cam0"):  # a still or a snapshot asks for the *next* frame, not the one a viewer already has
+        tap.offer("cam0", 8, image, None, time.monotonic())
+        threading.Timer(0.2, lambda: tap.offer("cam0", 9, image, None, time.monotonic())).start()
+        with tap.next_shot("cam0", 10.0) as shot:
+            assert shot.frame_index == 9
+
+
+def test_a_result_with_nan_coordinates_is_drawn_without_them() -> None:
+    frame = np.full((60, 80, 3), 90, np.uint8)
+    bad = InferenceResult("yolo", detections=[Detection((float("nan"), 1, 2, 3), 0.5),
+                                              Detection((1, 1, 20, 20), 0.5, polygon=[(float("inf"), 0), (3, 4), (5, 6)],
+                                                        keypoints=[(float("nan"), 2.0, 0.9)])])
+    assert render(frame, bad).shape == frame.shape
+    assert OverlayStyle.of(type("R", (), {"source": None})()) == OverlayStyle()
+
+
+def test_stream_urls_are_checked_when_the_config_loads() -> None:
+    for url, why in [("rtmp://x/live", "unsupported scheme"), ("udp://10.0.0.2", "needs host:port"),
+                     ("/var/x.avi", "must end in"), ("rtsp://h:1/a b", "spaces")]:
+        with pytest.raises(ValueError, match=why):
+            VideoConfig(stream={"url": url})
+    with pytest.raises(EdgeError, match="needs ffmpeg"):
+        gstreamer_command("srt://h:9000", 640, 480, VideoConfig().stream, hardware=True)
 
 
 # --- MJPEG over HTTP on a real agent ---------------------------------------------------------------------
@@ -301,6 +324,34 @@ def test_off_loopback_a_token_guards_every_path(video_agent) -> None:
     assert get("/cameras/cam0.jpg?token=s3cret-token-0123456789") == 200
     assert get("/cameras/nope.jpg?token=s3cret-token-0123456789") == 404
     assert agent.video.server.counters["unauthorized"] == 3
+    assert get("/cameras/cam0.jpg", {"Authorization": "bearer s3cret-token-0123456789"}) == 200  # any case
+
+
+def test_the_token_never_reaches_the_log_and_idle_connections_are_bounded(caplog, tmp_path: Path) -> None:
+    from agent.video.mjpeg import EXTRA_CONNECTIONS, MjpegServer
+
+    cfg = VideoConfig(enabled=True, listen="127.0.0.1:0", max_clients=1, token="t" * 20)
+    server = MjpegServer(cfg, FrameTap(), JpegEncoder(), ["cam0"], cfg.resolve_token())
+    server.stop()  # never started: returns at once (an agent that failed to start stops its parts)
+    server = MjpegServer(cfg, FrameTap(), JpegEncoder(), ["cam0"], cfg.resolve_token())
+    server.start()
+    idle = []
+    try:
+        with caplog.at_level("DEBUG", logger="agent.video.mjpeg"):
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            conn.request("GET", "/?token=" + "t" * 20)
+            assert conn.getresponse().status == 200
+        assert "t" * 20 not in caplog.text and "GET / HTTP" in caplog.text
+        for _ in range(1 + EXTRA_CONNECTIONS):  # connections that never send a request take every place
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
+        assert wait_for(lambda: server._httpd._slots._value == 0, 10)
+        extra = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        assert extra.recv(1) == b"", "one more is closed at once"
+        assert server._httpd.closed_over_limit == 1
+    finally:
+        for s in idle:
+            s.close()
+        server.stop()
 
 
 # --- the H.264 stream ------------------------------------------------------------------------------------
@@ -332,23 +383,24 @@ def test_the_stream_is_real_h264_that_a_player_decodes(tmp_path: Path) -> None:
     stream = EncodedStream(cfg, "cam0", tap, JpegEncoder(), lambda t, **f: events.append(t), stop)
     stream.start()
     assert wait_for(lambda: tap.watched("cam0"), 10)
-    frame = np.zeros((240, 320, 3), np.uint8)
-    for i in range(30):
+    frame = np.zeros((240, 318, 3), np.uint8)  # 318 wide: streamed at 316 (a multiple of 4)
+    for i in range(15):  # the model delivers 5 fps, the stream runs at 10: each picture is written twice or so
         frame[:, :] = (i * 8, 100, 200)
         tap.offer("cam0", i, frame.copy(), InferenceResult("raw"), time.monotonic())
-        time.sleep(0.1)
+        time.sleep(0.2)
     stop.set()
     stream.join(20)
     assert stream.status()["state"] == "stopped" and stream.frames >= 20 and not events
+    assert stream.repeated > 0 and stream.size == (316, 240)
     capture = cv2.VideoCapture(str(out))
     decoded = 0
     while True:
         ok, picture = capture.read()
         if not ok:
             break
-        assert picture.shape == (240, 320, 3)
+        assert picture.shape == (240, 316, 3)
         decoded += 1
-    assert decoded >= 15
+    assert abs(decoded - stream.frames) <= 2, "every frame written is in the file: its duration is the wall time's"
 
 
 @pytest.mark.slow

@@ -29,7 +29,40 @@ class StreamConfig(_Strict):
     bitrate_kbps: int = Field(2000, ge=100, le=50000, description="Target bitrate of the H.264 stream.")
     overlay: bool = Field(True, description="Draw the results on the streamed frames.")
     width: int = Field(0, ge=0, le=3840, description="Width of the stream (height keeps the aspect); 0: the camera's.")
-    restart_max: int = Field(5, ge=0, le=1000, description="Restarts of a failed encoder before the stream gives up.")
+    restart_max: int = Field(5, ge=0, le=1000, description="Restarts of a failed encoder in a row (a minute of "
+                             "healthy streaming clears the count) before the stream gives up.")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if value:
+            stream_target(value)
+        return value
+
+
+STREAM_SCHEMES = ("rtsp", "rtsps", "udp", "tcp", "srt", "rtp")  # srt and rtp: ffmpeg only
+FILE_SUFFIXES = (".ts", ".mp4", ".mkv")
+
+
+def stream_target(url: str) -> tuple[str, str]:
+    """(scheme, rest) of a stream URL, scheme "" for a file path; ValueError naming what is wrong. One parser for
+    both encoders' command lines, so a URL means the same to ffmpeg and to GStreamer."""
+    if any(ch.isspace() for ch in url):
+        raise ValueError(f"video.stream.url {url!r} must not contain spaces")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        if not url.lower().endswith(FILE_SUFFIXES):
+            raise ValueError(f"video.stream.url {url!r}: a file must end in {', '.join(FILE_SUFFIXES)}")
+        return "", url
+    scheme = scheme.lower()
+    if scheme not in STREAM_SCHEMES:
+        raise ValueError(f"video.stream.url: unsupported scheme {scheme!r} (rtsp://, rtsps://, udp://, tcp://, "
+                         "srt://, rtp:// or a file path)")
+    if scheme in ("udp", "tcp", "srt", "rtp"):
+        host, _, port = rest.split("?")[0].rstrip("/").rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"video.stream.url {url!r}: {scheme}:// needs host:port")
+    return scheme, rest
 
 
 class VideoConfig(_Strict):
@@ -45,7 +78,8 @@ class VideoConfig(_Strict):
                                     "at least 16 characters.")
     token_file: Path | None = Field(None, description="File holding the token (first line); beats `token`.")
     max_fps: float = Field(15.0, gt=0, le=60, description="Most frames per second sent to one viewer.")
-    max_clients: int = Field(4, ge=1, le=64, description="Viewers served at once; more get 503.")
+    max_clients: int = Field(4, ge=1, le=64, description="Streams served at once; more get 503. Connections beyond "
+                             "max_clients + 8 are closed as they come.")
     send_timeout_s: float = Field(2.0, gt=0, le=60, description="A viewer that takes longer than this to accept "
                                   "one frame is dropped (frames are never queued for a slow viewer).")
     quality: int = Field(80, ge=10, le=100, description="JPEG quality of the MJPEG frames and snapshots.")

@@ -51,9 +51,17 @@ class JpegEncoder:
         """The BGR picture to show for `shot`, scaled down to `max_width` (default: the configured one)."""
         start = time.perf_counter()
         picture = render(shot.image, shot.result, shot.style, overlay, caption=shot.camera)
-        self.draws += 1
+        with self._guard:
+            self.draws += 1
         self.draw_ms.record((time.perf_counter() - start) * 1e3)
         return fit_width(picture, max_width or self.max_width)
+
+    def counted(self, size: int, ms: float) -> None:
+        """One encode of `size` bytes that took `ms` (viewers, streams and snapshots encode on their own threads)."""
+        with self._guard:
+            self.encodes += 1
+            self.encoded_bytes += size
+        self.encode_ms.record(ms)
 
     def stats(self) -> dict[str, Any]:
         """Draws and encodes done, bytes per frame, their costs (ms)."""
@@ -79,7 +87,5 @@ def encode_jpeg(picture: np.ndarray, quality: int, counter: JpegEncoder | None =
         raise ValueError(f"JPEG encoding failed for a {picture.shape} picture")
     data = buffer.tobytes()
     if counter is not None:
-        counter.encodes += 1
-        counter.encoded_bytes += len(data)
-        counter.encode_ms.record((time.perf_counter() - start) * 1e3)
+        counter.counted(len(data), (time.perf_counter() - start) * 1e3)
     return data

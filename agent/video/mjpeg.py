@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import html
 import logging
+import re
 import select
 import socket
 import threading
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 
 BOUNDARY = "edgeagentframe"
 SEND_BUFFER_BYTES = 256 * 1024  # what the kernel may hold for one viewer: a frame or two, never a backlog
+_QUERY = re.compile(r"\?\S*")
+EXTRA_CONNECTIONS = 8  # connections beyond max_clients (stills, the index page, refusals) before new ones are closed
 
 
 class MjpegServer:
@@ -48,7 +51,7 @@ class MjpegServer:
         self.counters: Counter[str] = Counter()
         self.glass_to_glass: dict[str, LatencyHistogram] = {name: LatencyHistogram() for name in self.cameras}
         host, port = host_port(config.listen)
-        self._httpd = _Server((host, port), _handler(self))
+        self._httpd = _Server((host, port), _handler(self), config.max_clients + EXTRA_CONNECTIONS)
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="video-http", daemon=True)
 
@@ -69,12 +72,14 @@ class MjpegServer:
         log.info("video: MJPEG on %s/ (%d camera(s)%s)", self.url, len(self.cameras), ", token required" if self.token else "")
 
     def stop(self, timeout: float = 3.0) -> None:
-        """Stop accepting, end every viewer's stream, close the socket."""
+        """Stop accepting, end every viewer's stream, close the socket (also when it never started: an agent
+        that failed to start stops its parts, and shutdown() of a server that never served waits forever)."""
         self.stopping.set()
         self.tap.wake()
-        self._httpd.shutdown()
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+            self._thread.join(timeout)
         self._httpd.server_close()
-        self._thread.join(timeout)
 
     def admit(self) -> bool:
         """Take one of the `max_clients` places; False when all are taken."""
@@ -93,28 +98,60 @@ class MjpegServer:
         if self.token is None:
             return True
         offered = ""
-        auth = headers.get("Authorization", "")
-        if auth.startswith("Bearer "):
-            offered = auth[len("Bearer "):].strip()
+        scheme, _, credentials = headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer":  # auth schemes are case-insensitive (RFC 7235)
+            offered = credentials.strip()
         elif query.get("token"):
             offered = query["token"][0]
         return hmac.compare_digest(offered.encode(), self.token.encode())
 
+    def count(self, name: str) -> None:
+        """One more of `name` in the counters (handler threads count at once)."""
+        with self._lock:
+            self.counters[name] += 1
+
     def stats(self) -> dict[str, Any]:
         """Viewers now, frames sent, viewers dropped or refused, glass-to-glass per camera."""
         g2g = {name: h.summary() for name, h in self.glass_to_glass.items() if h.count}
-        return {"listen": self.url, "clients": self.clients, **dict(self.counters), "glass_to_glass_ms": g2g}
+        with self._lock:
+            counters = dict(self.counters)
+        return {"listen": self.url, "clients": self.clients, **counters, "glass_to_glass_ms": g2g}
 
 
 class _Server(ThreadingHTTPServer):
+    """One thread per connection, at most `max_connections` at once: more are closed as they come, so a peer
+    that opens connections and sends nothing cannot pin threads on a small device."""
+
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 16
 
-    def __init__(self, address: tuple[str, int], handler: type) -> None:
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.closed_over_limit = 0
         super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.closed_over_limit += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.exception("video: request from %s failed", client_address[0] if client_address else "?")
 
 
 def _handler(server: MjpegServer) -> type:
@@ -131,14 +168,15 @@ class _VideoHandler(BaseHTTPRequestHandler):
     timeout = 10  # a client that sends no request line in this long is closed (it holds a thread meanwhile)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        log.debug("video %s: " + format, self.client_address[0], *args)
+        """Debug lines without the query string: it may hold the viewer's token."""
+        log.debug("video %s: %s", self.client_address[0], _QUERY.sub("", format % args))
 
     def do_GET(self) -> None:  # noqa: N802
         url = urlsplit(self.path)
         query = parse_qs(url.query)
         video = self.video
         if not video.authorized(self.headers, query):
-            video.counters["unauthorized"] += 1
+            video.count("unauthorized")
             self._plain(401, "a token is required: send Authorization: Bearer <token> or ?token=<token>\n",
                         {"WWW-Authenticate": 'Bearer realm="edge-agent video"'})
             return
@@ -188,8 +226,8 @@ class _VideoHandler(BaseHTTPRequestHandler):
 
     def _one(self, camera: str, overlay: bool) -> None:
         video = self.video
-        with video.tap.watch(camera):
-            shot = video.tap.wait_next(camera, 0, video.config.snapshot_wait_s)
+        with video.tap.next_shot(camera, video.config.snapshot_wait_s) as shot:
+            pass
         if shot is None:
             self._plain(503, f"no frame from camera {camera!r} within {video.config.snapshot_wait_s:g} s\n",
                         {"Retry-After": "2"})
@@ -202,12 +240,12 @@ class _VideoHandler(BaseHTTPRequestHandler):
         self.send_header("X-Frame-Index", str(shot.frame_index))
         self.end_headers()
         self.wfile.write(data)
-        video.counters["stills"] += 1
+        video.count("stills")
 
     def _stream(self, camera: str, overlay: bool, fps: float) -> None:
         video = self.video
         if not video.admit():
-            video.counters["refused"] += 1
+            video.count("refused")
             self._plain(503, f"{video.config.max_clients} viewer(s) already connected (video.max_clients)\n",
                         {"Retry-After": "5"})
             return
@@ -220,15 +258,15 @@ class _VideoHandler(BaseHTTPRequestHandler):
             self.send_header("Pragma", "no-cache")
             self.send_header("Connection", "close")
             self.end_headers()
-            video.counters["streams"] += 1
+            video.count("streams")
             with video.tap.watch(camera):
                 self._frames(camera, overlay, 1.0 / fps)
         except socket.timeout:
-            video.counters["dropped_slow"] += 1
+            video.count("dropped_slow")
             log.info("video: viewer %s of %s dropped: it took more than %.1f s to accept a frame",
                      self.client_address[0], camera, video.config.send_timeout_s)
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
-            video.counters["disconnected"] += 1
+            video.count("disconnected")
         finally:
             video.leave()
 
@@ -252,7 +290,7 @@ class _VideoHandler(BaseHTTPRequestHandler):
             self.wfile.flush()
             sent = time.monotonic()
             g2g.record((sent - shot.captured_at) * 1e3)
-            video.counters["frames_sent"] += 1
+            video.count("frames_sent")
             seq, due = shot.seq, sent + interval
 
 

@@ -7,6 +7,7 @@ the frame path. The input frame is never written to: the camera's array may stil
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -37,15 +38,25 @@ class OverlayStyle:
             manifest = runtime.source.manifest
             params = dict(manifest.postprocess.params or {})
             label = f"{manifest.name}@{manifest.version}"
-        except AttributeError:
+        except (AttributeError, TypeError, ValueError):
             return cls()
-        skeleton = tuple((int(a), int(b)) for a, b in params.get("skeleton") or () if _is_pair(a, b))
-        background = params.get("background") or (0, 177, 64)
-        return cls(label, str(params.get("composite", "none")), tuple(int(v) for v in background)[:3], skeleton)  # type: ignore[arg-type]
+        try:  # a plugin's params are its own: a malformed skeleton or colour draws without it, never fails
+            skeleton = tuple((a, b) for a, b in params.get("skeleton") or () if _is_pair(a, b))
+        except (TypeError, ValueError):
+            skeleton = ()
+        background = params.get("background")
+        if not (isinstance(background, (list, tuple)) and len(background) == 3
+                and all(isinstance(v, int) and 0 <= v <= 255 for v in background)):
+            background = (0, 177, 64)
+        return cls(label, str(params.get("composite", "none")), tuple(background), skeleton)  # type: ignore[arg-type]
 
 
 def _is_pair(a: Any, b: Any) -> bool:
     return isinstance(a, int) and isinstance(b, int) and a >= 0 and b >= 0
+
+
+def _finite(*values: float) -> bool:
+    return all(math.isfinite(v) for v in values)
 
 
 def color_of(class_id: int | None) -> tuple[int, int, int]:
@@ -65,7 +76,8 @@ def render(frame: np.ndarray, result: InferenceResult | None, style: OverlayStyl
         return canvas
     thickness = max(1, round(max(canvas.shape[:2]) / 500))
     for detection in result.detections:
-        _draw_detection(canvas, detection, style, thickness)
+        if _finite(*detection.box):  # a plugin's NaN box is not drawn (and does not end the viewer's stream)
+            _draw_detection(canvas, detection, style, thickness)
     if result.classes:
         lines = [f"{c.label or c.class_id}: {c.score:.2f}" for c in result.classes[:5]]
         _text_block(canvas, lines, (8, 8 + _line_height(canvas)), (255, 255, 255))
@@ -88,8 +100,6 @@ def _base(frame: np.ndarray, result: InferenceResult | None, style: OverlayStyle
         return _fit(result.image, width, height).copy()
     if result is not None and result.matte is not None:
         return composite(frame, _fit(result.matte, width, height), style)
-    if frame.ndim == 2:
-        return cv2.cvtColor(frame, cv2.COLOR_GRAY2BGR)
     return frame.copy()
 
 
@@ -119,7 +129,7 @@ def _draw_detection(canvas: np.ndarray, d: Detection, style: OverlayStyle, thick
     x1, y1, x2, y2 = (int(round(v)) for v in d.box)
     if d.mask is not None:
         _draw_mask(canvas, d.mask, (x1, y1, x2, y2), color)
-    if d.polygon:
+    if d.polygon and np.isfinite(np.asarray(d.polygon, np.float32)).all():
         points = np.array(d.polygon, np.float32).round().astype(np.int32).reshape(-1, 1, 2)
         cv2.polylines(canvas, [points], True, color, thickness, cv2.LINE_AA)
     else:
@@ -148,7 +158,8 @@ def _draw_mask(canvas: np.ndarray, mask: np.ndarray, box: tuple[int, int, int, i
 
 def _draw_keypoints(canvas: np.ndarray, keypoints: Sequence[Sequence[float]], skeleton: tuple[tuple[int, int], ...],
                     color: tuple[int, int, int], thickness: int, min_conf: float = 0.5) -> None:
-    points = [(int(round(p[0])), int(round(p[1])), float(p[2]) if len(p) > 2 else 1.0) for p in keypoints]
+    points = [(int(round(p[0])), int(round(p[1])), float(p[2]) if len(p) > 2 else 1.0) if _finite(p[0], p[1])
+              else (0, 0, 0.0) for p in keypoints]  # a non-finite point is drawn as an unseen one
     for a, b in skeleton:
         if a < len(points) and b < len(points) and points[a][2] >= min_conf and points[b][2] >= min_conf:
             cv2.line(canvas, points[a][:2], points[b][:2], color, thickness, cv2.LINE_AA)

@@ -1,6 +1,7 @@
 """The video wing of a running agent: the tap on the results path, the MJPEG server, the encoded stream and
 the snapshotter, started and stopped together. Built from `[video]` and the camera names alone; it reaches
-the rest of the agent only through the two callables it is given (publish a snapshot, emit an event)."""
+the rest of the agent only through the callables it is given (publish a snapshot, its topic, emit an event).
+Its status goes to `status`, the live record `edge-agent status` reads, and the run summary."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class VideoService:
-    """`offer` on every result; `snapshot` for the command; `status` for status, telemetry and the summary."""
+    """`offer` on every result; `snapshot` for the command; `status` for `status` and the run summary."""
 
     def __init__(self, config: VideoConfig, device_id: str, cameras: list[str], publish: Publish | None,
                  on_event: Callable[..., None], topic_of: Callable[[str], str] | None = None) -> None:
@@ -68,6 +69,9 @@ class VideoService:
             self.server.stop()
         if self.stream is not None and self.stream.is_alive():
             self.stream.join(10)
+            if self.stream.is_alive():  # blocked on a wedged encoder's pipe: end the encoder, the thread follows
+                self.stream.kill(grace_s=0)
+                self.stream.join(5)
 
     def offer(self, camera: str, frame_index: int, image: Any, result: Any, captured_at: float, runtime: Any) -> None:
         """The results path's call, for every frame: nothing happens unless `camera` is watched."""

@@ -22,6 +22,7 @@ CONTENT_TYPE = "image/jpeg"
 JPEG_MAGIC = b"\xff\xd8\xff"
 MAX_JPEG_BYTES = 1024 * 1024  # the most any snapshot may carry, whatever `[video] snapshot_max_bytes` says
 REASONS = ("command", "periodic")
+MAX_TIME_S = 2**34  # seconds since 1970 (year 2514): a wall-clock time beyond this is not one
 _MAX_ID_CHARS = 128
 
 
@@ -117,11 +118,13 @@ def _text(payload: dict, key: str, limit: int) -> str:
 
 
 def _number(payload: dict, key: str, required: bool = False) -> float | None:
+    """A wall-clock time in seconds: finite and within 0..MAX_TIME_S (a browser's Date and Python's datetime
+    must both be able to show it)."""
     value = payload.get(key)
     if value is None and not required:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
-        raise SnapshotError(f"{key}: not a finite number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_TIME_S:
+        raise SnapshotError(f"{key}: not a time in seconds since 1970 (0..{MAX_TIME_S})")
     return float(value)
 
 

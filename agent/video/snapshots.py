@@ -47,32 +47,32 @@ class Snapshotter:
         self._thread: threading.Thread | None = None
 
     def take(self, camera: str | None = None, overlay: bool = True, request_id: str | None = None,
-             reason: str = "command", model: str | None = None) -> Snapshot:
-        """A snapshot of `camera` (default: the first), rate-limited; EdgeError with a code when none can be had."""
+             reason: str = "command") -> Snapshot:
+        """A snapshot of `camera` (default: the first) from its next frame, rate-limited per camera (commands and
+        periodic snapshots each in their own slot: a periodic one never refuses an operator's command); EdgeError
+        with a code when none can be had."""
         name = camera or self.cameras[0]
         if name not in self.cameras:
             raise EdgeError(f"no camera {name!r}; cameras: {', '.join(self.cameras)}", code="INVALID_COMMAND")
         now = time.monotonic()
         with self._lock:
-            last = self._last.get(name)
-            if last is not None and now - last < self.config.snapshot_min_interval_s:
+            last = self._last.get((name, reason))
+            if reason == "command" and last is not None and now - last < self.config.snapshot_min_interval_s:
                 self.refused += 1
                 raise EdgeError(f"camera {name!r} was snapshotted {now - last:.1f} s ago; at most one every "
                                 f"{self.config.snapshot_min_interval_s:g} s (video.snapshot_min_interval_s)",
                                 code="RATE_LIMITED")
-            self._last[name] = now
-        with self.tap.watch(name):
-            shot = self.tap.wait_next(name, 0, self.config.snapshot_wait_s)
+            self._last[(name, reason)] = now
+        with self.tap.next_shot(name, self.config.snapshot_wait_s) as shot:
+            pass
         if shot is None:
             raise EdgeError(f"camera {name!r} delivered no frame within {self.config.snapshot_wait_s:g} s "
                             "(video.snapshot_wait_s)", code="VIDEO_UNAVAILABLE")
-        picture = self.encoder.picture(shot, overlay)
-        jpeg = fit_jpeg(picture, self.config.quality, self.config.snapshot_max_bytes, self.encoder)
+        jpeg, (height, width) = fit_jpeg(self.encoder.picture(shot, overlay), self.config.quality,
+                                         self.config.snapshot_max_bytes, self.encoder)
         self.taken += 1
-        label = model or (shot.style.label or None)
-        height, width = _size_of(jpeg, picture)
         return Snapshot(self.device_id, name, jpeg, time.time(), shot.captured_wall, shot.frame_index, width, height,
-                        overlay, reason, request_id, label)
+                        overlay, reason, request_id, shot.style.label or None)
 
     def send(self, snapshot: Snapshot) -> bool:
         """Publish it; False when there is no broker connection (nothing is kept for later)."""
@@ -84,8 +84,8 @@ class Snapshotter:
         return sent
 
     def start(self) -> None:
-        """Periodic snapshots of every camera, when `snapshot_interval_s` is set."""
-        if self.config.snapshot_interval_s > 0 and self.publish is not None:
+        """Periodic snapshots of every camera, when `snapshot_interval_s` is set (and snapshots are on)."""
+        if self.config.snapshots and self.config.snapshot_interval_s > 0 and self.publish is not None:
             self._thread = threading.Thread(target=self._periodic, name="video-snapshots", daemon=True)
             self._thread.start()
 
@@ -104,32 +104,15 @@ class Snapshotter:
         return {"taken": self.taken, "published": self.published, "unsent": self.unsent, "refused": self.refused}
 
 
-def fit_jpeg(picture: np.ndarray, quality: int, max_bytes: int, counter: JpegEncoder | None = None) -> bytes:
-    """The largest, best JPEG of `picture` within `max_bytes`: lower quality first, then halve the size."""
+def fit_jpeg(picture: np.ndarray, quality: int, max_bytes: int,
+             counter: JpegEncoder | None = None) -> tuple[bytes, tuple[int, int]]:
+    """The largest, best JPEG of `picture` within `max_bytes`, and its (height, width): lower quality first,
+    then halve the size."""
     while True:
         for q in (quality, *(q for q in _LOWER_QUALITIES if q < quality)):
             data = encode_jpeg(picture, q, counter)
             if len(data) <= max_bytes:
-                return data
+                return data, (picture.shape[0], picture.shape[1])
         if picture.shape[1] <= 64:
             raise EdgeError(f"a snapshot does not fit in {max_bytes} bytes even at 64 px wide", code="VIDEO_UNAVAILABLE")
         picture = fit_width(picture, max(64, picture.shape[1] // 2))
-
-
-def _size_of(jpeg: bytes, picture: np.ndarray) -> tuple[int, int]:
-    """(height, width) of the encoded JPEG (it may have been scaled down to fit)."""
-    return _sof_size(jpeg) or (picture.shape[0], picture.shape[1])
-
-
-def _sof_size(jpeg: bytes) -> tuple[int, int] | None:
-    """(height, width) from the JPEG's start-of-frame marker."""
-    i = 2
-    while i + 9 < len(jpeg):
-        if jpeg[i] != 0xFF:
-            return None
-        marker = jpeg[i + 1]
-        length = int.from_bytes(jpeg[i + 2:i + 4], "big")
-        if marker in (0xC0, 0xC1, 0xC2):
-            return int.from_bytes(jpeg[i + 5:i + 7], "big"), int.from_bytes(jpeg[i + 7:i + 9], "big")
-        i += 2 + length
-    return None

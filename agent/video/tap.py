@@ -40,7 +40,8 @@ class FrameTap:
     """Newest Shot per watched camera; `watch` marks interest, `wait_next` hands over newer shots."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._conds: dict[str, threading.Condition] = {}  # one per camera, all on `_lock`: a frame wakes its own waiters
         self._latest: dict[str, Shot] = {}
         self._watchers: Counter[str] = Counter()
         self._seq = 0
@@ -56,11 +57,20 @@ class FrameTap:
             return
         style = self._style(runtime)
         wall = time.time() - (time.monotonic() - captured_at)
-        with self._cond:
+        with self._lock:
+            if not self._watchers.get(camera):  # the last watcher left meanwhile: keep nothing
+                return
             self._seq += 1
             self._latest[camera] = Shot(camera, self._seq, frame_index, image, result, captured_at, wall, style)
             self.kept += 1
-            self._cond.notify_all()
+            self._cond(camera).notify_all()
+
+    def _cond(self, camera: str) -> threading.Condition:
+        """The camera's condition (caller holds `_lock`)."""
+        cond = self._conds.get(camera)
+        if cond is None:
+            cond = self._conds[camera] = threading.Condition(self._lock)
+        return cond
 
     def _style(self, runtime: Any) -> OverlayStyle:
         """The overlay style of `runtime`, worked out once per model (a swap brings a new runtime)."""
@@ -76,12 +86,12 @@ class FrameTap:
     @contextmanager
     def watch(self, camera: str) -> Iterator[None]:
         """Mark `camera` watched for the duration; the last watcher to leave frees its frame."""
-        with self._cond:
+        with self._lock:
             self._watchers[camera] += 1
         try:
             yield
         finally:
-            with self._cond:
+            with self._lock:
                 self._watchers[camera] -= 1
                 if self._watchers[camera] <= 0:
                     del self._watchers[camera]
@@ -93,18 +103,25 @@ class FrameTap:
 
     def watchers(self) -> dict[str, int]:
         """Watchers per camera."""
-        with self._cond:
+        with self._lock:
             return dict(self._watchers)
 
     def latest(self, camera: str) -> Shot | None:
         """The newest shot of a watched camera, None before its first."""
-        with self._cond:
+        with self._lock:
             return self._latest.get(camera)
+
+    def seq(self, camera: str) -> int:
+        """The newest shot's seq of `camera` (0: none yet): `wait_next(camera, tap.seq(camera))` is the next frame."""
+        with self._lock:
+            shot = self._latest.get(camera)
+            return shot.seq if shot is not None else 0
 
     def wait_next(self, camera: str, after_seq: int, timeout: float) -> Shot | None:
         """The newest shot of `camera` with a seq above `after_seq`, waiting up to `timeout`; None on timeout."""
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
+            cond = self._cond(camera)
             while True:
                 shot = self._latest.get(camera)
                 if shot is not None and shot.seq > after_seq:
@@ -112,13 +129,20 @@ class FrameTap:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                self._cond.wait(left)
+                cond.wait(left)
 
     def wake(self) -> None:
         """Wake every waiter (shutdown)."""
-        with self._cond:
-            self._cond.notify_all()
+        with self._lock:
+            for cond in self._conds.values():
+                cond.notify_all()
 
     def stats(self) -> dict[str, Any]:
         """Frames kept for watchers and skipped (nobody watched), watchers per camera."""
         return {"kept": self.kept, "skipped": self.skipped, "watchers": self.watchers()}
+
+    @contextmanager
+    def next_shot(self, camera: str, timeout: float) -> Iterator[Shot | None]:
+        """Watch `camera` and yield its next frame (one captured after this call), None after `timeout`."""
+        with self.watch(camera):
+            yield self.wait_next(camera, self.seq(camera), timeout)
