@@ -99,9 +99,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_agent(tmp: Path, name: str, model: dict[str, Any], camera_fps: float) -> tuple[Agent, int]:
+def start_agent(tmp: Path, cache: Path, name: str, model: dict[str, Any], camera_fps: float) -> tuple[Agent, int]:
     port = free_port()
-    cfg = AgentConfig(state_dir=tmp / name / "state", cache_dir=tmp / "cache", device_id=f"bench-{name}",
+    cfg = AgentConfig(state_dir=tmp / name / "state", cache_dir=cache, device_id=f"bench-{name}",
                       model={"warmup_runs": 2, **model},
                       camera={"kind": "synthetic", "width": 640, "height": 480, "fps": camera_fps},
                       video={"enabled": True, "listen": f"127.0.0.1:{port}", "max_clients": 8, "max_fps": 15})
@@ -173,6 +173,7 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=8.0)
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="smoke run: seconds, JSON written, no goals judged")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="engine cache to use (default: a fresh one)")
     args = parser.parse_args()
     rounds, window_s, iterations = (1, 1.0, 5) if args.quick else (args.rounds, args.window_s, args.iterations)
     out: dict[str, Any] = {"machine": machine(), "quick": args.quick, "rounds": rounds, "window_s": window_s}
@@ -182,7 +183,8 @@ def main() -> None:
         print(f"  {name}: draw p50 {case['draw_ms']['p50']} p99 {case['draw_ms']['p99']} ms, encode p50 "
               f"{case['encode_ms']['p50']} p99 {case['encode_ms']['p99']} ms, {case['bytes_per_frame']} bytes")
     with tempfile.TemporaryDirectory(prefix="bench-video-") as tmp:
-        agent, port = start_agent(Path(tmp), "detector", {}, camera_fps=60)
+        cache = args.cache_dir or Path(tmp) / "cache"
+        agent, port = start_agent(Path(tmp), cache, "detector", {}, camera_fps=60)
         try:
             print("frame path fps with 0, 1, 4 viewers (demo detector, camera offered 60 fps)", flush=True)
             out["viewers"] = viewer_cost(agent, port, rounds, window_s)
@@ -190,7 +192,7 @@ def main() -> None:
         finally:
             agent.stop()
         beauty = beauty_model_dir(Path(tmp) / "models")
-        agent, port = start_agent(Path(tmp), "image", {"path": str(beauty)}, camera_fps=30)
+        agent, port = start_agent(Path(tmp), cache, "image", {"path": str(beauty)}, camera_fps=30)
         try:
             out["image_to_image"] = glass_to_glass(agent, port, window_s)
         finally:

@@ -210,13 +210,19 @@ def read_parts(port: int, path: str, count: int, headers: dict[str, str] | None 
     return parts
 
 
+@pytest.fixture(scope="module")
+def engine_cache(tmp_path_factory) -> Path:
+    """One engine cache for this file's agents: the demo detector is built once, not once per test."""
+    return tmp_path_factory.mktemp("video-engines")
+
+
 @pytest.fixture
-def video_agent(tmp_path: Path, request):
+def video_agent(tmp_path: Path, request, engine_cache: Path):
     """A real agent on the demo detector with the MJPEG server on, recording every result by frame."""
     opts: dict[str, Any] = getattr(request, "param", {})
     port = free_port()
     video = {"enabled": True, "listen": f"{opts.get('host', '127.0.0.1')}:{port}", "max_fps": 10, **opts.get("video", {})}
-    cfg = AgentConfig(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache", device_id="vid-01",
+    cfg = AgentConfig(state_dir=tmp_path / "state", cache_dir=engine_cache, device_id="vid-01",
                       camera=opts.get("camera", {"kind": "synthetic", "width": 320, "height": 256, "fps": 8}),
                       model=opts.get("model", {"warmup_runs": 1}), video=video, **opts.get("extra", {}))
     agent = Agent(cfg)
@@ -423,10 +429,11 @@ def test_a_missing_encoder_says_so_and_mjpeg_still_works(video_agent, monkeypatc
 
 @pytest.mark.slow
 def test_snapshots_over_mqtt_fit_their_cap_carry_their_request_and_are_rate_limited(tmp_path: Path, mqtt_broker,
-                                                                                     collector_factory) -> None:
+                                                                                     collector_factory,
+                                                                                     engine_cache: Path) -> None:
     from deploy.mqtt_ops import send_command
 
-    cfg = AgentConfig(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache", device_id="snap-01",
+    cfg = AgentConfig(state_dir=tmp_path / "state", cache_dir=engine_cache, device_id="snap-01",
                       cameras=[{"kind": "synthetic", "name": "cam0", "width": 640, "height": 480, "fps": 8},
                                {"kind": "synthetic", "name": "back", "width": 320, "height": 256, "fps": 8}],
                       model={"warmup_runs": 1}, mqtt={"url": mqtt_broker.url},
@@ -470,8 +477,8 @@ def test_snapshots_over_mqtt_fit_their_cap_carry_their_request_and_are_rate_limi
 
 
 @pytest.mark.slow
-def test_periodic_snapshots_of_every_camera(tmp_path: Path, mqtt_broker, collector_factory) -> None:
-    cfg = AgentConfig(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache", device_id="snap-02",
+def test_periodic_snapshots_of_every_camera(tmp_path: Path, mqtt_broker, collector_factory, engine_cache: Path) -> None:
+    cfg = AgentConfig(state_dir=tmp_path / "state", cache_dir=engine_cache, device_id="snap-02",
                       camera={"kind": "synthetic", "width": 320, "height": 256, "fps": 8}, model={"warmup_runs": 1},
                       mqtt={"url": mqtt_broker.url}, video={"snapshot_interval_s": 0.5, "snapshot_min_interval_s": 0})
     collector = collector_factory(mqtt_broker.url, ["edge/snap-02/snapshot/#"])
@@ -572,13 +579,14 @@ def test_the_index_page_plays_the_stream_in_chromium(video_agent, tmp_path: Path
 
 
 @pytest.mark.slow
-def test_the_video_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> None:
+def test_the_video_benchmark_runs_in_its_quick_mode(tmp_path: Path, engine_cache: Path) -> None:
     """The benchmark cannot rot: its smoke mode runs the whole path and writes its JSON (numbers not judged)."""
     import subprocess
     import sys
 
     out = tmp_path / "video.json"
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "video.py"), "--quick", "--out", str(out)],
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "video.py"), "--quick", "--out", str(out),
+                           "--cache-dir", str(engine_cache)],
                           cwd=REPO, capture_output=True, text=True, timeout=240,
                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert done.returncode == 0, done.stderr[-2000:]

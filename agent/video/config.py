@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from agent.sources.base import CAMERA_NAME_PATTERN
+from agent.addresses import is_loopback
+from agent.names import CAMERA_NAME_PATTERN
 
 
 class _Strict(BaseModel):
@@ -134,13 +134,3 @@ def host_port(listen: str) -> tuple[str, int]:
     if not 0 <= number <= 65535:
         raise ValueError(f"{listen!r}: port {number} is out of range")
     return host, number
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 and localhost."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

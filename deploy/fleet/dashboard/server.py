@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from pathlib import Path
 from typing import Any
+from agent.addresses import is_loopback
 from deploy.fleet.dashboard.auth import AuthSettings, allowed_hosts
 from deploy.fleet.redact import redact
 
@@ -28,16 +28,6 @@ def parse_bind(bind: str) -> tuple[str, int]:
     if not 0 < number < 65536:
         raise ValueError(f"--bind {bind!r}: port {number} is outside 1..65535")
     return host, number
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and localhost."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_store(db_url: str) -> None:
