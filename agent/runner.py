@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 2.0
 RECENT_FPS_WINDOW_S = 5.0
+RECENT_RESULTS = 5  # the run summary's `last_results`
+RESULT_META = ("file", "file_frame")  # what a frame's source said about it that its result carries
 EventSink = Callable[..., None]
 
 
@@ -87,6 +89,7 @@ class Agent:
         self.run_id: int | None = None
         self.event_sinks: list[EventSink] = [on_event] if on_event else []
         self.last_result: dict[str, Any] | None = None
+        self._recent_results: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_RESULTS)
         self.state = "starting"
         self._swap_lock = threading.Lock()
         self._last_swap: dict[str, Any] = {}
@@ -298,7 +301,9 @@ class Agent:
             self.live_frames.offer(frame.source, frame.image)
         if self.video is not None:
             self.video.offer(frame.source, frame.index, frame.image, result, frame.captured_at, runtime)
-        self.last_result = {"camera": frame.source, "frame": frame.index, **result.to_dict(max_items=20)}
+        named = {k: frame.meta[k] for k in RESULT_META if k in frame.meta}  # a file source: which file it was
+        self.last_result = {"camera": frame.source, "frame": frame.index, **named, **result.to_dict(max_items=20)}
+        self._recent_results.append(self.last_result)
         if self.plane is not None:
             self.plane.on_result(self.last_result)
 
@@ -418,6 +423,7 @@ class Agent:
             "adapt": self.adapt.status() if self.adapt is not None else None,
             "live_frames": self.live_frames.stats() if self.live_frames is not None else None,
             "video": self.video.status() if self.video is not None else None,
+            "last_results": list(self._recent_results),
             "duration_s": round(time.monotonic() - self.stats.started, 2),
         }
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from agent.pipeline.mailbox import FreshestMailbox
 from agent.pipeline.on_demand import OnDemandGrabber, decodes_on_demand
-from agent.sources.base import Frame, SourceError, validate_image
+from agent.sources.base import Frame, SourceError, frame_meta, validate_image
 from agent.sources.lazy import GrabCounts, LazyGrabber, can_grab
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class CaptureThread(threading.Thread):
             self._lost(f"unexpected: {exc}")
             return False
         self.stats.frames += 1
-        self.mailbox.put(Frame(image, self.stats.frames, time.monotonic(), self._name))
+        self.mailbox.put(Frame(image, self.stats.frames, time.monotonic(), self._name, frame_meta(self.source)))
         return True
 
     def _grab_one(self, grabber: LazyGrabber | OnDemandGrabber) -> bool:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -126,3 +127,15 @@ def validate_image(image: object, source: str) -> np.ndarray:
     if image.ndim != 3 or image.shape[2] != 3 or min(image.shape[:2]) < 8:
         raise SourceError(f"{source}: frame shape {image.shape} is not HxWx3", code="CAMERA_BAD_FRAME")
     return image
+
+
+def frame_meta(source: Any) -> dict:
+    """What the source says about the frame it just grabbed (a file source: which file), else nothing."""
+    describe = getattr(source, "frame_meta", None)
+    if describe is None:
+        return {}
+    try:
+        return dict(describe())
+    except Exception:  # a source's description never costs a frame
+        logging.getLogger(__name__).debug("frame_meta of %r failed", source, exc_info=True)
+        return {}

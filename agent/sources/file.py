@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import cv2
 import numpy as np
@@ -95,6 +95,12 @@ class FileSource:
         if self._images is not None:
             return self._image  # decoded at grab: an unreadable file must be skipped before it is offered
         return self._capture.retrieve()
+
+    def frame_meta(self) -> dict[str, Any]:
+        """Which input the frame just grabbed came from: results name it (`file`, and a video's `file_frame`)."""
+        if self._images is not None:
+            return {"file": self._images[self._position - 1].name} if self._position else {}
+        return {"file": self.config.path.name, "file_frame": max(0, self._pass_frames - 1)}
 
     def at_last_frame(self) -> bool:
         """True when the frame just grabbed is the last of a non-looping input (the grabber decodes it at once:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.sources.base import LazyFrame, SourceError, validate_image
+from agent.sources.base import LazyFrame, SourceError, frame_meta, validate_image
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class LazyGrabber:
                 self._current = None
                 return False
             frame = LazyFrame(index, time.monotonic(), self.name, self._load)
+            frame.meta.update(frame_meta(self.source))
             self._current = frame
             self.stats.grabbed += 1
             self.mailbox.put(frame)  # under the lock: a late retrieve sees the mailbox and the source agree
