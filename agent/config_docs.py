@@ -5,16 +5,13 @@
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
-from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
 from agent.config import AgentConfig
+from engines.field_docs import field_default as _default, type_name as _type_name
 from agent.sources import SOURCES
 
 HEADER = """# Configuration reference
@@ -27,31 +24,6 @@ environment variables `EDGE_AGENT_<FIELD>`, nested with `__` (for example `EDGE_
 defaults run the demo. Unknown keys are errors. Check a file with `edge-agent config check PATH`
 (exit 0 valid, 2 invalid, every problem listed with its field path and line).
 """
-
-
-def _default(field: FieldInfo) -> str:
-    if field.default_factory is not None:
-        value = field.default_factory()  # type: ignore[call-arg]
-        if isinstance(value, BaseModel):
-            return "(section)"
-        if not isinstance(value, (list, dict)):
-            return "(computed: see description)"  # host name, XDG paths: differ per machine
-    else:
-        value = field.default
-    if value is PydanticUndefined:
-        return "(required)"
-    if isinstance(value, Path):
-        value = str(value)
-    if hasattr(value, "get_secret_value"):
-        return "(secret)"
-    return f"`{json.dumps(value, default=str)}`"
-
-
-def _type_name(annotation: Any) -> str:
-    text = str(annotation).replace("typing.", "").replace("pathlib.", "").replace("NoneType", "None")
-    text = text.replace("<class '", "").replace("'>", "")
-    text = text if len(text) < 60 else text[:57] + "..."
-    return text.replace("|", "\\|")
 
 
 def _is_section(annotation: Any) -> type[BaseModel] | None:

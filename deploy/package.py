@@ -180,15 +180,14 @@ def _video_frames(video: Path, workdir: Path) -> dict[str, Path]:
 
 def _validate_postprocess(kind: str, params: dict[str, Any]) -> None:
     """Catch a wrong postprocess kind or parameter here rather than on a thousand devices."""
-    from engines.postprocess import POSTPROCESSORS
+    from engines.postprocess import POSTPROCESSORS, describe_param_errors
 
     try:
         POSTPROCESSORS.get(kind).Params.model_validate(params)
     except LookupError as exc:
         raise PackageError(f"--postprocess: {exc}") from exc
     except ValidationError as exc:
-        problems = "; ".join(f"--param {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise PackageError(problems) from exc
+        raise PackageError(describe_param_errors(kind, exc, "--param ")) from exc
 
 
 def _model_sources(model: Path, precision: str, has_calibration: bool, workdir: Path) -> dict[str, Path]:

@@ -34,9 +34,22 @@ def build_postprocessor(kind: str, params: dict[str, Any], context: PostprocessC
     try:
         parsed = cls.Params.model_validate(params)
     except ValidationError as exc:
-        problems = "; ".join(f"postprocess.params.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ModelError(problems, code="MODEL_INVALID") from exc
+        raise ModelError(describe_param_errors(kind, exc, "postprocess.params."), code="MODEL_INVALID") from exc
     return cls(parsed, context)
+
+
+def describe_param_errors(kind: str, exc: ValidationError, prefix: str) -> str:
+    """A postprocessor's parameter errors, one per field; an unknown parameter lists the valid ones (a typo in
+    a manifest otherwise reads only "Extra inputs are not permitted")."""
+    valid = ", ".join(POSTPROCESSORS.get(kind).Params.model_fields) or "none"
+    problems = []
+    for error in exc.errors(include_input=False, include_url=False):
+        where = f"{prefix}{'.'.join(map(str, error['loc']))}"
+        if error["type"] == "extra_forbidden":
+            problems.append(f"{where}: {kind} has no such parameter (valid: {valid}; docs/postprocessors.md)")
+        else:
+            problems.append(f"{where}: {error['msg']}")
+    return "; ".join(problems)
 
 
 __all__ = [
@@ -47,4 +60,5 @@ __all__ = [
     "PostprocessContext",
     "Postprocessor",
     "build_postprocessor",
+    "describe_param_errors",
 ]

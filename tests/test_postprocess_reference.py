@@ -1,0 +1,38 @@
+"""docs/postprocessors.md is generated from the postprocessors' parameter models, and a wrong parameter says
+which ones exist (issue #21: "a wrong one says only 'Extra inputs are not permitted'")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deploy.package import PackageError, _validate_postprocess
+from engines.errors import ModelError
+from engines.postprocess import POSTPROCESSORS, PostprocessContext, build_postprocessor
+from engines.postprocess.reference import render
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_committed_reference_is_current_and_names_every_parameter() -> None:
+    committed = (REPO / "docs" / "postprocessors.md").read_text()
+    assert committed == render(), "stale: python -m engines.postprocess.reference > docs/postprocessors.md"
+    for name in POSTPROCESSORS.names():
+        assert f"## `{name}`" in committed
+        for param in POSTPROCESSORS.get(name).Params.model_fields:
+            assert f"| `{param}` |" in committed, (name, param)
+
+
+def test_an_unknown_parameter_lists_the_valid_ones_at_build_and_at_package() -> None:
+    with pytest.raises(ModelError) as built:
+        build_postprocessor("yolo", {"conf_thresh": 0.3}, PostprocessContext(outputs=[]))
+    message = str(built.value)
+    assert message.startswith("postprocess.params.conf_thresh: yolo has no such parameter (valid: ")
+    assert "conf_threshold" in message and "iou_threshold" in message and "docs/postprocessors.md" in message
+    with pytest.raises(PackageError, match=r"--param thresh: classification has no such parameter .*top_k"):
+        _validate_postprocess("classification", {"thresh": 0.3})
+    with pytest.raises(PackageError, match=r"--param top_k: Input should be"):
+        _validate_postprocess("classification", {"top_k": "many"})
+    with pytest.raises(PackageError, match=r"raw has no such parameter \(valid: none"):
+        _validate_postprocess("raw", {"x": 1})
