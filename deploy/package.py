@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,8 @@ from agent.artifacts.onnxcheck import check_loads, external_data_locations, load
 from engines.calibration import IMAGE_SUFFIXES
 from engines.errors import EdgeError
 from engines.onnx_inputs import quantization_ops, refuse_requantizing, toposort
-from engines.manifest import (BuildSpec, Gates, Manifest, ModelFile, PostprocessSpec, input_size_problem,
-                              model_input_dims, sha256_file)
+from engines.manifest import (BuildSpec, Gates, Manifest, ModelFile, PostprocessSpec, fixed_input_size,
+                              input_size_problem, model_input_dims, sha256_file)
 from engines.preprocess import PreprocessSpec
 
 CALIBRATION_DIR = "calibration"
@@ -247,8 +248,21 @@ def check_preprocess_size(model: Path, manifest: Manifest) -> None:
     problem = input_size_problem(dims, manifest.preprocess)
     if problem:
         spec = manifest.preprocess
-        raise PackageError(f"{model.name}: input {name}: {problem} (--input-size {spec.width}x{spec.height}, "
+        raise PackageError(f"{model.name}: input {name}: {problem} (packaged with --input-size {spec.width}x{spec.height}, "
                            f"--layout {spec.layout})", code="MODEL_SHAPE_MISMATCH")
+
+
+def with_model_input_size(model: Path, preprocess: dict[str, Any]) -> dict[str, Any]:
+    """`preprocess` with the model's own fixed width and height when `--input-size` was not given (a fixed
+    1024x1024 export must not be fed the default 640x480)."""
+    if "width" in preprocess or "height" in preprocess:
+        return preprocess
+    _, dims = model_input_dims(model)
+    fixed = fixed_input_size(dims, preprocess.get("layout", "nchw"))
+    if fixed is None:
+        return preprocess
+    log.info("%s: input size %dx%d, from the model's fixed input", model.name, *fixed)
+    return {**preprocess, "width": fixed[0], "height": fixed[1]}
 
 
 def parse_variant(text: str) -> tuple[dict[str, Any], Path | None]:
@@ -313,6 +327,7 @@ def package(opts: PackageOptions) -> Manifest:
     key = load_private_key(opts.key) if opts.key else None
     with tempfile.TemporaryDirectory(prefix="edge-package-") as workdir:
         sources = _model_sources(Path(opts.model), opts.precision, opts.calibration is not None, Path(workdir))
+        opts = dataclasses.replace(opts, preprocess=with_model_input_size(Path(opts.model), opts.preprocess))
         template = build_template(opts, Path(opts.model).name)
         check_preprocess_size(Path(opts.model), template)
         calibration = calibration_files(opts.calibration) if opts.calibration else {}

@@ -195,6 +195,14 @@ def model_input_dims(onnx_path: Path) -> tuple[str, list[int | None]]:
     return inputs[0].name, dims
 
 
+def fixed_input_size(dims: list[int | None], layout: str = "nchw") -> tuple[int, int] | None:
+    """(width, height) of an image input whose spatial dims are fixed, else None (dynamic, or not rank 4)."""
+    if len(dims) != 4:
+        return None
+    height, width = (dims[2], dims[3]) if layout == "nchw" else (dims[1], dims[2])
+    return (width, height) if width and height else None
+
+
 def input_size_problem(dims: list[int | None], spec: PreprocessSpec) -> str | None:
     """Why the preprocess tensor cannot feed an input of `dims`, or None when it can.
 
@@ -208,8 +216,11 @@ def input_size_problem(dims: list[int | None], spec: PreprocessSpec) -> str | No
     for axis, (have, want) in enumerate(zip(dims, wanted)):
         if have is not None and have != want:
             what = "batch" if axis == 0 else ("channels" if want == 3 else "height/width")
-            return (f"the model's input is {shown} but the preprocess makes {list(wanted)} ({what} differs); "
-                    "set preprocess width/height/layout to match the model")
+            fixed = fixed_input_size(dims, spec.layout)
+            fix = (f"the model takes {fixed[0]}x{fixed[1]}: set preprocess width/height to it (edge-deploy package "
+                   f"--input-size {fixed[0]}x{fixed[1]})" if what == "height/width" and fixed
+                   else "set preprocess width/height/layout to match the model")
+            return f"the model's input is {shown} but the preprocess makes {list(wanted)} ({what} differs); {fix}"
     return None
 
 

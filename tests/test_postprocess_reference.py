@@ -36,3 +36,28 @@ def test_an_unknown_parameter_lists_the_valid_ones_at_build_and_at_package() -> 
         _validate_postprocess("classification", {"top_k": "many"})
     with pytest.raises(PackageError, match=r"raw has no such parameter \(valid: none"):
         _validate_postprocess("raw", {"x": 1})
+
+
+def _fixed_model(path: Path, height: int, width: int) -> Path:
+    from onnx import TensorProto, helper
+
+    from tests.engine_fixtures import save_graph
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "fixed",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, height, width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, height, width])])
+    return save_graph(graph, path)
+
+
+def test_package_takes_a_fixed_models_own_input_size_and_a_wrong_one_names_the_right_one(tmp_path: Path) -> None:
+    """Issue #21: a fixed 1024x1024 export was fed the default 640x480, and the mismatch suggested 640x480."""
+    from deploy.package import PackageOptions, package
+
+    model = _fixed_model(tmp_path / "fixed.onnx", 32, 48)
+    manifest = package(PackageOptions(model=model, name="fixed", version="1.0.0", out=tmp_path / "a", unsigned=True))
+    assert (manifest.preprocess.width, manifest.preprocess.height) == (48, 32)
+    with pytest.raises(PackageError) as wrong:
+        package(PackageOptions(model=model, name="fixed", version="1.0.0", out=tmp_path / "b", unsigned=True,
+                               preprocess={"width": 640, "height": 480}))
+    assert wrong.value.code == "MODEL_SHAPE_MISMATCH"
+    assert "the model takes 48x32: set preprocess width/height to it (edge-deploy package --input-size 48x32)" in str(wrong.value)
