@@ -8,6 +8,9 @@ Layouts (after the batch dimension, which must be 1):
   does, `cx, cy = (tx, ty) + cell) * stride`, `w, h = exp(tw, th) * stride`, then scored as v5. The grids
   come from the model input size and `strides` (default 8, 16, 32); never chosen by `auto`.
 
+- `pose`, `seg`, `end2end`, `efficient_nms`: keypoints, instance masks, and exports whose NMS already ran
+  (engines.postprocess.yolo_heads has their layouts); set explicitly, never chosen by `auto`.
+
 `layout="auto"` reads the output shape (A, B). With `num_classes` set, the layout whose class count
 matches wins (v8: A == 4+C, v5: B == 5+C); if neither matches it is an error, and if both match
 (only when B == A+1) the shape rule below breaks the tie. Without `num_classes`: A < B means v8
@@ -31,9 +34,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from engines.errors import InferenceError, ModelError
 from engines.postprocess import POSTPROCESSORS
 from engines.postprocess.base import Detection, InferenceResult, PostprocessContext
+from engines.postprocess.yolo_heads import (efficient_nms_rows, end2end_rows, instance_masks, keypoints_to_frame,
+                                            split_channels)
 from engines.preprocess import FrameTransform
 
-Layout = Literal["v5", "v8", "yolox"]
+Layout = Literal["v5", "v8", "yolox", "pose", "seg", "end2end", "efficient_nms"]
+HEADS = ("pose", "seg")  # channels-first like v8, with keypoints or mask coefficients after the classes
+NMS_DONE = ("end2end", "efficient_nms")  # the export ran NMS already
 _TINY = np.finfo(np.float64).tiny  # union floor: two zero-area boxes get IoU 0, not NaN
 
 
@@ -42,10 +49,15 @@ class YoloParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    layout: Literal["auto", "v5", "v8", "yolox"] = Field(
+    layout: Literal["auto", "v5", "v8", "yolox", "pose", "seg", "end2end", "efficient_nms"] = Field(
         "auto", description="Output layout: v5 rows (N, 5+C), v8/v11 channels-first (4+C, N), yolox raw grid rows "
-        "(N, 5+C), or auto from the shape (v5 or v8 only)."
+        "(N, 5+C), pose (4+C+3K, N), seg (4+C+M, N) plus prototypes, end2end (N, 6) rows after NMS, efficient_nms "
+        "(TensorRT's four outputs), or auto from the shape (v5 or v8 only: set the others)."
     )
+    num_keypoints: int = Field(17, ge=1, le=512, description="pose: keypoints per object (17 for COCO persons).")
+    skeleton: list[tuple[int, int]] | None = Field(None, max_length=1024, description="pose: keypoint index pairs "
+                                                   "joined by a line in the video output (COCO: 16 pairs).")
+    mask_channels: int = Field(32, ge=1, le=1024, description="seg: mask coefficients per box (the prototypes' depth).")
     strides: list[int] = Field([8, 16, 32], min_length=1, max_length=8,
                                description="yolox: the head's strides, in output order (P6 models: 8, 16, 32, 64).")
     conf_threshold: float = Field(0.25, ge=0, le=1, description="Boxes scoring below this are dropped before NMS.")
@@ -56,12 +68,17 @@ class YoloParams(BaseModel):
     num_classes: int | None = Field(None, ge=1, description="Expected class count: checks the shape and settles auto layout.")
 
 
-def resolve_layout(shape: tuple[int, int], layout: str, num_classes: int | None) -> tuple[Layout, int]:
-    """(layout, class count) for a batch-less output shape; ValueError says why it does not fit."""
+def resolve_layout(shape: tuple[int, int], layout: str, num_classes: int | None, extra: int = 0) -> tuple[Layout, int]:
+    """(layout, class count) for a batch-less output shape (`extra`: a pose or seg head's channels after the
+    classes); ValueError says why it does not fit."""
     a, b = shape
-    fits: dict[Layout, int] = {"v8": a - 4, "v5": b - 5, "yolox": b - 5}
+    if layout == "end2end":
+        if b != 6:
+            raise ValueError(f"output {list(shape)} is not (N, 6) rows x1, y1, x2, y2, score, class")
+        return "end2end", num_classes or 0
+    fits: dict[Layout, int] = {"v8": a - 4, "v5": b - 5, "yolox": b - 5, "pose": a - 4 - extra, "seg": a - 4 - extra}
     if layout == "auto":
-        possible = [k for k, c in fits.items() if k != "yolox" and c >= 1 and num_classes in (None, c)]
+        possible = [k for k, c in fits.items() if k in ("v8", "v5") and c >= 1 and num_classes in (None, c)]
         if not possible:
             wanted = "C" if num_classes is None else str(num_classes)
             raise ValueError(f"output {list(shape)} fits neither (4+{wanted}, N) nor (N, 5+{wanted})")
@@ -113,34 +130,37 @@ def _suppressed_by_first(cols: list[np.ndarray], iou_threshold: float) -> np.nda
     return (iou > iou_threshold) & (classes[1:] == classes[0])
 
 
-def _scores_v5(pred: np.ndarray, conf: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(xywh, score, class) of v5 rows; objectness >= conf is a cheap pre-filter since cls <= 1."""
-    rows = pred[pred[:, 4] >= conf]
+def _scores_v5(pred: np.ndarray, conf: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(xywh, score, class, row index) of v5 rows; objectness >= conf is a cheap pre-filter since cls <= 1."""
+    index = np.flatnonzero(pred[:, 4] >= conf)
+    rows = pred[index]
     cls = rows[:, 5:] * rows[:, 4:5]
     class_ids = cls.argmax(axis=1)
-    return rows[:, :4], cls[np.arange(len(rows)), class_ids], class_ids
+    return rows[:, :4], cls[np.arange(len(rows)), class_ids], class_ids, index
 
 
-def _scores_v8(pred: np.ndarray, conf: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(xywh, score, class) of channels-first v8 columns, transposing only those above conf."""
+def _scores_v8(pred: np.ndarray, conf: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(xywh, score, class, anchor index) of channels-first v8 columns, transposing only those above conf."""
     best = pred[4:].max(axis=0)
-    above = best >= conf
-    cols = pred[:, above]
-    return cols[:4].T, best[above], cols[4:].argmax(axis=0)
+    index = np.flatnonzero(best >= conf)
+    cols = pred[:, index]
+    return cols[:4].T, best[index], cols[4:].argmax(axis=0), index
 
 
 def candidates(
-    pred: np.ndarray, layout: Layout, conf: float, max_candidates: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Boxes (x1y1x2y2 float64), scores and classes above `conf`, at most `max_candidates`, best first."""
-    xywh, scores, class_ids = (_scores_v8 if layout == "v8" else _scores_v5)(pred, conf)
+    pred: np.ndarray, layout: Layout, conf: float, max_candidates: int, with_index: bool = False
+) -> tuple[np.ndarray, ...]:
+    """Boxes (x1y1x2y2 float64), scores and classes above `conf`, at most `max_candidates`, best first; with
+    `with_index` also each one's anchor index in `pred` (a pose or seg head's extra columns are found by it)."""
+    xywh, scores, class_ids, index = (_scores_v8 if layout == "v8" else _scores_v5)(pred, conf)
     ok = (scores >= conf) & np.isfinite(scores) & np.isfinite(xywh).all(axis=1) & (xywh[:, 2:4] > 0).all(axis=1)
-    xywh, scores, class_ids = xywh[ok], scores[ok], class_ids[ok]
+    xywh, scores, class_ids, index = xywh[ok], scores[ok], class_ids[ok], index[ok]
     if len(scores) > max_candidates:
         top = np.argpartition(-scores, max_candidates - 1)[:max_candidates]
-        xywh, scores, class_ids = xywh[top], scores[top], class_ids[top]
+        xywh, scores, class_ids, index = xywh[top], scores[top], class_ids[top], index[top]
     order = np.lexsort((np.arange(len(scores)), -scores))
-    return xywh_to_xyxy(xywh[order]), scores[order].astype(np.float64), class_ids[order]
+    out = (xywh_to_xyxy(xywh[order]), scores[order].astype(np.float64), class_ids[order])
+    return (*out, index[order]) if with_index else out
 
 
 def yolox_grid(width: int, height: int, strides: list[int] | tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -180,7 +200,13 @@ class YoloPostprocessor:
         self.context = context
         self._layouts: dict[tuple[int, int], tuple[Layout, int]] = {}
         self._grid: tuple[np.ndarray, np.ndarray] | None = None
-        if context.outputs:
+        if params.layout == "seg" and len(context.outputs) == 1:
+            raise ModelError("yolo seg: the model has one output; a segmentation export has two (boxes and mask "
+                             "prototypes)", code="MODEL_SHAPE_MISMATCH")
+        if params.layout == "efficient_nms" and context.outputs and len(context.outputs) != 4:
+            raise ModelError(f"yolo efficient_nms: the model has {len(context.outputs)} output(s), EfficientNMS_TRT "
+                             "gives 4 (num_dets, boxes, scores, classes)", code="MODEL_SHAPE_MISMATCH")
+        if context.outputs and params.layout != "efficient_nms":
             self._check_declared(context.outputs[0].shape)
 
     def _check_declared(self, shape: tuple[int | None, ...]) -> None:
@@ -190,7 +216,7 @@ class YoloPostprocessor:
         a, b = shape[-2:]
         if a is not None and b is not None:
             try:
-                self._layouts[(a, b)] = resolve_layout((a, b), self.params.layout, self.params.num_classes)
+                self._layouts[(a, b)] = resolve_layout((a, b), self.params.layout, self.params.num_classes, self._extra)
             except ValueError as exc:
                 raise ModelError(f"yolo: {exc}; set postprocess.params.layout/num_classes", code="MODEL_SHAPE_MISMATCH") from exc
 
@@ -198,7 +224,7 @@ class YoloPostprocessor:
         """Layout for a runtime shape, resolved once per distinct shape (dynamic outputs)."""
         if shape not in self._layouts:
             try:
-                self._layouts[shape] = resolve_layout(shape, self.params.layout, self.params.num_classes)
+                self._layouts[shape] = resolve_layout(shape, self.params.layout, self.params.num_classes, self._extra)
             except ValueError as exc:
                 raise InferenceError(f"yolo: {exc}") from exc
         return self._layouts[shape]
@@ -211,19 +237,72 @@ class YoloPostprocessor:
             raise InferenceError(f"yolo: expected an output of shape (1, A, B), got {list(output.shape)}")
         return np.asarray(output, dtype=np.float32)
 
-    def __call__(self, outputs: list[np.ndarray], transform: FrameTransform) -> InferenceResult:
-        """Decode the first output into detections, best first."""
+    @property
+    def _extra(self) -> int:
+        """Channels after the classes: keypoints (pose) or mask coefficients (seg)."""
         p = self.params
+        return 3 * p.num_keypoints if p.layout == "pose" else p.mask_channels if p.layout == "seg" else 0
+
+    def __call__(self, outputs: list[np.ndarray], transform: FrameTransform) -> InferenceResult:
+        """Decode the outputs into detections, best first."""
+        p = self.params
+        if p.layout in NMS_DONE:
+            return self._after_nms(outputs, transform)
         pred = self._prediction(outputs[0])
-        layout, _ = self._layout(pred.shape)  # type: ignore[arg-type]
+        layout, classes = self._layout(pred.shape)  # type: ignore[arg-type]
+        extra = None
+        if layout in HEADS:
+            pred, extra = split_channels(pred, classes, self._extra, layout)
         if layout == "yolox":
             pred = decode_yolox(pred, *self._yolox_grid(pred.shape[0]))
-        boxes, scores, class_ids = candidates(pred, layout, p.conf_threshold, p.max_candidates)
+        boxes, scores, class_ids, index = candidates(pred, "v5" if layout == "yolox" else
+                                                     "v8" if layout in HEADS else layout,
+                                                     p.conf_threshold, p.max_candidates, with_index=True)
         framed = clip_to_frame(transform.boxes_to_frame(boxes), transform)
         visible = (framed[:, 2] > framed[:, 0]) & (framed[:, 3] > framed[:, 1])
-        boxes, scores, class_ids, framed = boxes[visible], scores[visible], class_ids[visible], framed[visible]
+        boxes, scores, class_ids, framed, index = (boxes[visible], scores[visible], class_ids[visible], framed[visible],
+                                                   index[visible])
         keep = nms(boxes, scores, class_ids, p.iou_threshold, p.max_detections, p.class_agnostic)
-        return InferenceResult("yolo", detections=[self._detection(framed[i], scores[i], int(class_ids[i])) for i in keep])
+        detections = [self._detection(framed[i], scores[i], int(class_ids[i])) for i in keep]
+        if extra is not None and len(keep):
+            columns = extra[:, index[keep]]
+            if layout == "pose":
+                for d, points in zip(detections, keypoints_to_frame(columns, transform)):
+                    d.keypoints = points
+            else:
+                protos = self._protos(outputs)
+                size = self.context.input_size or (protos.shape[2] * 4, protos.shape[1] * 4)
+                for d, mask in zip(detections, instance_masks(columns.T, protos, boxes[keep], framed[keep], size)):
+                    d.mask = mask
+        return InferenceResult("yolo", detections=detections)
+
+    def _protos(self, outputs: list[np.ndarray]) -> np.ndarray:
+        """The seg head's prototypes (M, h, w) from the second output."""
+        if len(outputs) < 2:
+            raise InferenceError("yolo seg: no prototype output (a segmentation export has two outputs)")
+        protos = np.asarray(outputs[1], dtype=np.float32)
+        while protos.ndim > 3 and protos.shape[0] == 1:
+            protos = protos[0]
+        if protos.ndim != 3 or protos.shape[0] != self.params.mask_channels:
+            raise InferenceError(f"yolo seg: prototypes {list(np.shape(outputs[1]))} are not (1, "
+                                 f"{self.params.mask_channels}, h, w) (set mask_channels)")
+        return protos
+
+    def _after_nms(self, outputs: list[np.ndarray], transform: FrameTransform) -> InferenceResult:
+        """end2end / efficient_nms: the export's own NMS ran; filter by score, cap, map to the frame."""
+        p = self.params
+        if p.layout == "end2end":
+            boxes, scores, classes = end2end_rows(self._prediction(outputs[0]))
+        else:
+            boxes, scores, classes = efficient_nms_rows(outputs)
+        ok = (scores >= p.conf_threshold) & np.isfinite(scores) & np.isfinite(boxes).all(axis=1) & \
+            (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+        boxes, scores, classes = boxes[ok], scores[ok], classes[ok]
+        order = np.argsort(-scores, kind="stable")[:p.max_detections]
+        framed = clip_to_frame(transform.boxes_to_frame(boxes[order]), transform)
+        visible = (framed[:, 2] > framed[:, 0]) & (framed[:, 3] > framed[:, 1])
+        return InferenceResult("yolo", detections=[self._detection(framed[k], scores[i], int(classes[i]))
+                                                   for k, i in enumerate(order) if visible[k]])
 
     def _yolox_grid(self, anchors: int) -> tuple[np.ndarray, np.ndarray]:
         """The grid for the model input size, built once; a head whose anchor count does not match is an error."""

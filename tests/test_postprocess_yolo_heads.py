@@ -1,0 +1,141 @@
+"""YOLO pose, instance segmentation and end-to-end (NMS-done) outputs through the real frame path pieces
+(Preprocessor -> ONNX Runtime -> yolo postprocessor).
+
+No pretrained pose, segmentation or end-to-end export ships in a public package (../shared/real-models.md), so
+each model here is an onnx.helper graph whose constant outputs encode known objects in the family's exact
+layout, as Ultralytics (v8/v11 `-pose`, `-seg`, YOLOv10 / `nms=True`) and TensorRT's EfficientNMS_TRT write it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from engines.backends import get_backend
+from engines.backends.base import EngineOptions
+from engines.errors import ModelError
+from engines.postprocess import PostprocessContext, build_postprocessor
+from engines.postprocess.base import InferenceResult
+from engines.preprocess import PreprocessSpec, Preprocessor
+from agent.video.overlay import OverlayStyle
+
+
+def constant_outputs(path: Path, tables: list[np.ndarray], size: int) -> Path:
+    """A model whose outputs are `tables` whatever the image (each table + 0 * sum(image))."""
+    image = helper.make_tensor_value_info("images", TensorProto.FLOAT, [1, 3, size, size])
+    nodes = [helper.make_node("Constant", [], ["zero"], value=numpy_helper.from_array(np.array(0, np.float32), "zero")),
+             helper.make_node("ReduceSum", ["images"], ["total"], keepdims=0),
+             helper.make_node("Mul", ["total", "zero"], ["nothing"])]
+    outs = []
+    for i, table in enumerate(tables):
+        nodes += [helper.make_node("Constant", [], [f"t{i}"], value=numpy_helper.from_array(table.astype(np.float32), f"t{i}")),
+                  helper.make_node("Add", [f"t{i}", "nothing"], [f"output{i}"])]
+        outs.append(helper.make_tensor_value_info(f"output{i}", TensorProto.FLOAT, list(table.shape)))
+    model = helper.make_model(helper.make_graph(nodes, "constant", [image], outs), opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def run(tmp_path: Path, tables: list[np.ndarray], params: dict[str, Any], frame_wh: tuple[int, int] = (640, 640),
+        size: int = 640) -> InferenceResult:
+    engine = get_backend("onnxruntime").load(constant_outputs(tmp_path / "m.onnx", tables, size), EngineOptions())
+    try:
+        prep = Preprocessor(PreprocessSpec(width=size, height=size, resize="letterbox"))
+        transform = prep(np.full((frame_wh[1], frame_wh[0], 3), 90, np.uint8))
+        outputs = engine.infer({engine.inputs[0].name: prep.tensor})
+        post = build_postprocessor("yolo", params, PostprocessContext(engine.outputs, ["person", "car"], (size, size)))
+        return post(outputs, transform)
+    finally:
+        engine.close()
+
+
+def test_pose_keypoints_land_in_frame_pixels_with_their_box(tmp_path: Path) -> None:
+    # (4 + 1 class + 3 keypoints x 3, N=3): a person, a weaker duplicate of it, and a column below conf
+    columns = [
+        [320, 320, 100, 200, 0.9, 300, 250, 0.95, 340, 250, 0.9, 320, 400, 0.2],
+        [322, 318, 100, 200, 0.6, 1, 1, 0.9, 2, 2, 0.9, 3, 3, 0.9],
+        [100, 100, 50, 50, 0.1, 90, 90, 0.9, 95, 95, 0.9, 99, 99, 0.9],
+    ]
+    table = np.asarray(columns, np.float32).T[None]
+    result = run(tmp_path, [table], {"layout": "pose", "num_keypoints": 3, "num_classes": 1}, frame_wh=(1280, 720))
+    assert len(result.detections) == 1  # the duplicate is suppressed, with its keypoints
+    person = result.detections[0]
+    # 1280x720 letterboxed into 640: scale 0.5, 140 px of padding above; frame = (input - pad) / scale
+    assert person.label == "person" and person.box == pytest.approx((540, 160, 740, 560))
+    assert np.allclose(person.keypoints, [(600, 220, 0.95), (680, 220, 0.9), (640, 520, 0.2)])
+    assert person.to_dict()["keypoints"][0] == [600.0, 220.0, 0.95]
+
+
+def test_seg_masks_are_coefficients_times_prototypes_cropped_to_the_box(tmp_path: Path) -> None:
+    protos = np.full((4, 160, 160), -1.0, np.float32)  # 640 input / 4
+    protos[0, 40:80, 40:80] = 1.0  # channel 0 is positive on input pixels 160..320 only
+    columns = [
+        [240, 240, 160, 160, 0.9, 0.1, 5, 0, 0, 0],   # box 160..320: all inside the square -> a full mask
+        [400, 400, 160, 160, 0.1, 0.8, 5, 0, 0, 0],   # box 320..480: outside -> an empty mask
+        [200, 200, 160, 160, 0.0, 0.7, 5, 0, 0, 0],   # box 120..280: the square covers 3/4 of each side
+    ]
+    table = np.asarray(columns, np.float32).T[None]
+    result = run(tmp_path, [table, protos[None]], {"layout": "seg", "mask_channels": 4, "num_classes": 2,
+                                                    "class_agnostic": True, "iou_threshold": 0.9})
+    by_class = {(d.class_id, round(d.box[0])): d for d in result.detections}
+    full, empty, part = by_class[(0, 160)], by_class[(1, 320)], by_class[(1, 120)]
+    assert full.mask.shape == (160, 160) and full.mask.all()
+    assert empty.mask.shape == (160, 160) and not empty.mask.any()
+    assert part.mask.mean() == pytest.approx(0.75 * 0.75, abs=0.03)
+    assert full.to_dict()["mask"] == {"shape": [160, 160], "area": 160 * 160}
+
+
+def test_end_to_end_rows_are_taken_as_the_exports_nms_left_them(tmp_path: Path) -> None:
+    rows = np.zeros((1, 300, 6), np.float32)  # YOLOv10 / nms=True: max_det rows, the unused ones zero
+    rows[0, 0] = [100, 100, 200, 200, 0.9, 1]
+    rows[0, 1] = [110, 110, 210, 210, 0.8, 1]  # overlaps the first: kept, the export decided
+    result = run(tmp_path, [rows], {"layout": "end2end"})
+    assert [(d.box, d.label, round(d.score, 2)) for d in result.detections] == [
+        ((100, 100, 200, 200), "car", 0.9), ((110, 110, 210, 210), "car", 0.8)]
+    assert not run(tmp_path, [rows], {"layout": "end2end", "conf_threshold": 0.95}).detections
+
+
+def test_efficient_nms_outputs_count_only_num_dets(tmp_path: Path) -> None:
+    boxes = np.full((1, 100, 4), 7.0, np.float32)  # garbage past num_dets, as TensorRT leaves it
+    boxes[0, 0], boxes[0, 1] = [10, 20, 110, 220], [300, 300, 400, 380]
+    scores = np.full((1, 100), 0.99, np.float32)
+    scores[0, :2] = [0.7, 0.95]
+    classes = np.ones((1, 100), np.float32)
+    classes[0, :2] = [0, 1]
+    result = run(tmp_path, [np.array([[2]], np.float32), boxes, scores, classes], {"layout": "efficient_nms"})
+    assert [(d.label, d.box) for d in result.detections] == [("car", (300, 300, 400, 380)), ("person", (10, 20, 110, 220))]
+
+
+def test_a_layout_that_does_not_fit_the_model_fails_when_it_is_built(tmp_path: Path) -> None:
+    table = np.zeros((1, 14, 8), np.float32)
+    engine = get_backend("onnxruntime").load(constant_outputs(tmp_path / "one.onnx", [table], 64), EngineOptions())
+    try:
+        with pytest.raises(ModelError, match="a segmentation export has two"):
+            build_postprocessor("yolo", {"layout": "seg"}, PostprocessContext(engine.outputs, None, (64, 64)))
+        with pytest.raises(ModelError, match="EfficientNMS_TRT gives 4"):
+            build_postprocessor("yolo", {"layout": "efficient_nms"}, PostprocessContext(engine.outputs, None, (64, 64)))
+        with pytest.raises(ModelError, match="is not \\(N, 6\\) rows"):
+            build_postprocessor("yolo", {"layout": "end2end"}, PostprocessContext(engine.outputs, None, (64, 64)))
+        with pytest.raises(ModelError, match="has no class columns for layout pose"):  # 14 = 4 + 0 classes + 3 x 17 ...
+            build_postprocessor("yolo", {"layout": "pose"}, PostprocessContext(engine.outputs, None, (64, 64)))
+    finally:
+        engine.close()
+
+
+def test_a_pose_models_skeleton_reaches_the_video_overlay() -> None:
+    class Runtime:
+        class source:  # noqa: N801  (the ModelRuntime attribute path the overlay reads)
+            class manifest:  # noqa: N801
+                name, version = "pose", "1.0.0"
+
+                class postprocess:  # noqa: N801
+                    params = {"layout": "pose", "skeleton": [[0, 1], [1, 2]]}
+
+    assert OverlayStyle.of(Runtime()).skeleton == ((0, 1), (1, 2))
