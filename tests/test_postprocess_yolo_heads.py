@@ -89,7 +89,22 @@ def test_seg_masks_are_coefficients_times_prototypes_cropped_to_the_box(tmp_path
     assert full.mask.shape == (160, 160) and full.mask.all()
     assert empty.mask.shape == (160, 160) and not empty.mask.any()
     assert part.mask.mean() == pytest.approx(0.75 * 0.75, abs=0.03)
-    assert full.to_dict()["mask"] == {"shape": [160, 160], "area": 160 * 160}
+    assert full.to_dict()["mask"] == {"size": [160, 160], "counts": [0, 160 * 160], "stride": 1, "area": 160 * 160}
+    encoded = part.to_dict()["mask"]  # COCO-style column-major runs of the box's mask, decoded back here
+    runs, value = [], False
+    for count in encoded["counts"]:
+        runs += [value] * count
+        value = not value
+    assert np.array_equal(np.array(runs).reshape(encoded["size"][::-1]).T, part.mask)
+
+
+def test_a_large_ragged_mask_is_sampled_until_its_runs_fit_one_message() -> None:
+    from engines.postprocess.base import MAX_RLE_COUNTS, mask_rle
+
+    noise = np.random.default_rng(0).random((300, 300)) > 0.5
+    encoded = mask_rle(noise)
+    assert len(encoded["counts"]) <= MAX_RLE_COUNTS and encoded["stride"] > 1 and sum(encoded["counts"]) == \
+        encoded["size"][0] * encoded["size"][1] and encoded["area"] == int(noise.sum())
 
 
 def test_end_to_end_rows_are_taken_as_the_exports_nms_left_them(tmp_path: Path) -> None:

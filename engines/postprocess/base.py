@@ -42,8 +42,32 @@ class Detection:
         if self.keypoints is not None:
             out["keypoints"] = [[round(x, 1), round(y, 1), round(c, 3)] for x, y, c in self.keypoints]
         if self.mask is not None:
-            out["mask"] = {"shape": list(self.mask.shape), "area": int(np.count_nonzero(self.mask))}
+            out["mask"] = mask_rle(self.mask)
         return out
+
+
+MAX_RLE_COUNTS = 256  # per mask in a result message: 20 detections stay within ~30 KB of JSON
+
+
+def mask_rle(mask: np.ndarray, max_counts: int = MAX_RLE_COUNTS) -> dict[str, Any]:
+    """A mask as COCO-style uncompressed run lengths (column-major, starting with a run of zeros) of its box.
+
+    `size` is [height, width] of the runs; when the full-resolution runs would exceed `max_counts`, the mask is
+    taken every `stride` pixels until they fit (`stride` > 1 says so), so one message stays small. `area` is the
+    full-resolution pixel count."""
+    mask = np.asarray(mask, dtype=bool)
+    area = int(np.count_nonzero(mask))
+    stride = 1
+    while True:
+        sampled = mask[::stride, ::stride]
+        flat = sampled.flatten(order="F")
+        changes = np.flatnonzero(np.diff(flat.astype(np.int8))) + 1
+        counts = np.diff(np.concatenate(([0], changes, [flat.size]))).tolist()
+        if flat.size and flat[0]:
+            counts = [0] + counts
+        if len(counts) <= max_counts or min(sampled.shape) <= 1:
+            return {"size": list(sampled.shape), "counts": counts, "stride": stride, "area": area}
+        stride *= 2
 
 
 @dataclass
