@@ -154,3 +154,21 @@ def test_a_pose_models_skeleton_reaches_the_video_overlay() -> None:
                     params = {"layout": "pose", "skeleton": [[0, 1], [1, 2]]}
 
     assert OverlayStyle.of(Runtime()).skeleton == ((0, 1), (1, 2))
+
+
+def test_the_postprocess_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> None:
+    """The benchmark cannot rot: its smoke mode decodes every family and writes its JSON (numbers not judged)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "postprocess.json"
+    done = subprocess.run([sys.executable, str(repo / "benchmarks" / "postprocess.py"), "--quick", "--out", str(out)],
+                          cwd=repo, capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["found"] == {"detect": 60, "seg_instances": 100} and set(data["cases"]) == {
+        "yolo_detect_8400", "yolo_seg_100", "matte_composite_640x480", "image_640x480"}

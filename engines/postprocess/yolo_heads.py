@@ -43,19 +43,20 @@ def instance_masks(coefficients: np.ndarray, protos: np.ndarray, input_boxes: np
     `coefficients` (n, M), `protos` (M, h, w), `input_boxes` x1y1x2y2 in model-input pixels, `frame_boxes` the
     same boxes in frame pixels. Only the box's region of the prototypes is computed."""
     m, ph, pw = protos.shape
+    protos = np.ascontiguousarray(protos, dtype=np.float32)
+    coefficients = np.ascontiguousarray(coefficients, dtype=np.float32)
     sx, sy = pw / input_size[0], ph / input_size[1]
+    # every box's region of the prototypes and its size in the frame, worked out for all boxes at once
+    xs = np.stack([np.clip(np.floor(input_boxes[:, 0] * sx), 0, pw - 1), np.clip(np.ceil(input_boxes[:, 2] * sx), 1, pw)], 1)
+    ys = np.stack([np.clip(np.floor(input_boxes[:, 1] * sy), 0, ph - 1), np.clip(np.ceil(input_boxes[:, 3] * sy), 1, ph)], 1)
+    sizes = np.maximum(1, np.rint(frame_boxes[:, 2:4] - frame_boxes[:, 0:2])).astype(int)
     masks = []
-    for coef, box, framed in zip(coefficients, input_boxes, frame_boxes):
-        x1, x2 = int(np.clip(np.floor(box[0] * sx), 0, pw - 1)), int(np.clip(np.ceil(box[2] * sx), 1, pw))
-        y1, y2 = int(np.clip(np.floor(box[1] * sy), 0, ph - 1)), int(np.clip(np.ceil(box[3] * sy), 1, ph))
-        width, height = max(1, int(round(framed[2] - framed[0]))), max(1, int(round(framed[3] - framed[1])))
+    for coef, (x1, x2), (y1, y2), (width, height) in zip(coefficients, xs.astype(int), ys.astype(int), sizes):
         if x2 <= x1 or y2 <= y1:
             masks.append(np.zeros((height, width), bool))
             continue
-        region = protos[:, y1:y2, x1:x2].reshape(m, -1).astype(np.float32)
-        logits = (coef.astype(np.float32) @ region).reshape(y2 - y1, x2 - x1)
-        crop = cv2.resize(logits, (width, height), interpolation=cv2.INTER_LINEAR)
-        masks.append(crop > 0.0)  # sigmoid(x) > 0.5 <=> x > 0
+        logits = np.tensordot(coef, protos[:, y1:y2, x1:x2], axes=1)
+        masks.append(cv2.resize(logits, (int(width), int(height)), interpolation=cv2.INTER_LINEAR) > 0.0)  # sigmoid > 0.5
     return masks
 
 

@@ -1,0 +1,158 @@
+"""What decoding costs per frame, per family, against a straightforward NumPy reference of the same decode.
+
+    python benchmarks/postprocess.py --out out/bench-postprocess.json [--iterations 300] [--quick]
+
+Cases (realistic sizes, the two variants interleaved call by call):
+- yolo detect: a v8 head (84, 8400) at 640x640, 60 anchors above conf among 8400 (goal: p99 <= 1 ms);
+- yolo seg: a v8-seg head (116, 8400) + prototypes (32, 160, 160) with 100 instances (goal: p99 <= 3 ms);
+- image matte: a 1x1x480x640 matte -> uint8 and composited over the 640x480 frame (goal: p99 <= 2 ms);
+- image-to-image: a 1x3x480x640 output -> a BGR frame.
+The references decode the way a first version would: the whole head transposed, a Python NMS loop, full-size
+masks per instance (Ultralytics' upsample-then-crop), float compositing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import _common  # noqa: F401  (puts the repo on sys.path)
+import cv2
+import numpy as np
+from _common import machine, percentiles, write_json
+
+from agent.video.overlay import OverlayStyle, composite
+from engines.postprocess import PostprocessContext, build_postprocessor
+from engines.preprocess import FrameTransform
+
+IDENTITY = FrameTransform(1.0, 1.0, 0.0, 0.0, 640, 640)
+
+
+def v8_head(classes: int, anchors: int, objects: int, extra: int, rng: np.random.Generator) -> np.ndarray:
+    """A channels-first head: low scores everywhere, `objects` confident anchors on a grid of separate boxes."""
+    head = np.empty((4 + classes + extra, anchors), np.float32)
+    head[0:2] = rng.uniform(0, 640, (2, anchors))
+    head[2:4] = rng.uniform(10, 60, (2, anchors))
+    head[4:4 + classes] = 1 / (1 + np.exp(-rng.normal(-9, 1, (classes, anchors))))  # background: never above conf
+    head[4 + classes:] = rng.normal(0, 1, (extra, anchors))
+    side = int(np.ceil(np.sqrt(objects)))
+    for k, anchor in enumerate(rng.choice(anchors, objects, replace=False)):
+        head[0, anchor], head[1, anchor] = 32 + (k % side) * (576 / side), 32 + (k // side) * (576 / side)
+        head[2:4, anchor] = 576 / side * 0.6
+        head[4 + k % classes, anchor] = 0.9
+    return head
+
+
+def reference_detect(head: np.ndarray, conf: float = 0.25, iou: float = 0.45) -> list[tuple]:
+    rows = head.T
+    scores = rows[:, 4:84].max(axis=1)
+    keep = rows[scores >= conf]
+    kept_scores = scores[scores >= conf]
+    boxes = np.stack([keep[:, 0] - keep[:, 2] / 2, keep[:, 1] - keep[:, 3] / 2,
+                      keep[:, 0] + keep[:, 2] / 2, keep[:, 1] + keep[:, 3] / 2], axis=1)
+    classes = keep[:, 4:84].argmax(axis=1)
+    order = list(np.argsort(-kept_scores))
+    out = []
+    while order:
+        i = order.pop(0)
+        out.append((boxes[i], kept_scores[i], classes[i]))
+        rest = []
+        for j in order:
+            xx1, yy1 = max(boxes[i, 0], boxes[j, 0]), max(boxes[i, 1], boxes[j, 1])
+            xx2, yy2 = min(boxes[i, 2], boxes[j, 2]), min(boxes[i, 3], boxes[j, 3])
+            inter = max(0.0, xx2 - xx1) * max(0.0, yy2 - yy1)
+            union = (boxes[i, 2] - boxes[i, 0]) * (boxes[i, 3] - boxes[i, 1]) + \
+                (boxes[j, 2] - boxes[j, 0]) * (boxes[j, 3] - boxes[j, 1]) - inter
+            if classes[i] != classes[j] or inter / union <= iou:
+                rest.append(j)
+        order = rest
+    return out
+
+
+def reference_masks(head: np.ndarray, protos: np.ndarray) -> list[np.ndarray]:
+    """Ultralytics-style: every instance's full mask upsampled to the input, then cropped to its box."""
+    found = reference_detect(head[:84])
+    rows = head.T
+    scores = rows[:, 4:84].max(axis=1)
+    out = []
+    for box, score, _ in found:
+        anchor = int(np.flatnonzero(scores == score)[0])
+        full = 1 / (1 + np.exp(-(rows[anchor, 84:] @ protos.reshape(32, -1)).reshape(160, 160)))
+        big = cv2.resize(full, (640, 640))
+        x1, y1, x2, y2 = (int(max(0, v)) for v in box)
+        out.append(big[y1:y2, x1:x2] > 0.5)
+    return out
+
+
+def reference_composite(matte: np.ndarray, frame: np.ndarray) -> np.ndarray:
+    alpha = np.clip(matte[0, 0], 0, 1)[:, :, None]
+    return (frame * alpha + np.array([0, 177, 64]) * (1 - alpha)).astype(np.uint8)
+
+
+def timed(variants: dict[str, Callable[[], Any]], iterations: int) -> dict[str, dict[str, float]]:
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(3):
+        for run in variants.values():
+            run()
+    for _ in range(iterations):
+        for name, run in variants.items():
+            start = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: percentiles(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="smoke run: a few calls, JSON written, no goals judged")
+    args = parser.parse_args()
+    iterations = 5 if args.quick else args.iterations
+    rng = np.random.default_rng(0)
+    detect_head = v8_head(80, 8400, 60, 0, rng)
+    seg_head = v8_head(80, 8400, 100, 32, rng)
+    protos = rng.normal(0, 1, (32, 160, 160)).astype(np.float32)
+    matte = (1 / (1 + np.exp(-rng.normal(0, 3, (1, 1, 480, 640))))).astype(np.float32)
+    picture = rng.random((1, 3, 480, 640), np.float32)
+    frame = rng.integers(0, 255, (480, 640, 3), dtype=np.uint8)
+    detect = build_postprocessor("yolo", {"layout": "v8"}, PostprocessContext([], None, (640, 640)))
+    seg = build_postprocessor("yolo", {"layout": "seg", "max_detections": 300}, PostprocessContext([], None, (640, 640)))
+    image = build_postprocessor("image", {}, PostprocessContext([], None, (640, 480)))
+    framed = FrameTransform(1.0, 1.0, 0.0, 0.0, 640, 480)
+    style = OverlayStyle(composite="color")
+    found = len(detect([detect_head[None]], IDENTITY).detections)
+    instances = len(seg([seg_head[None], protos[None]], IDENTITY).detections)
+    assert len(reference_detect(detect_head)) == found, "the reference and ours must find the same boxes"
+    cases = {
+        "yolo_detect_8400": timed({"ours": lambda: detect([detect_head[None]], IDENTITY),
+                                   "reference": lambda: reference_detect(detect_head)}, iterations),
+        "yolo_seg_100": timed({"ours": lambda: seg([seg_head[None], protos[None]], IDENTITY),
+                               "reference": lambda: reference_masks(seg_head, protos)}, max(3, iterations // 5)),
+        "matte_composite_640x480": timed(
+            {"ours": lambda: composite(frame, image([matte], framed).matte, style),
+             "reference": lambda: reference_composite(matte, frame)}, iterations),
+        "image_640x480": timed({"ours": lambda: image([picture], framed),
+                                "reference": lambda: (np.clip(picture[0].transpose(1, 2, 0)[:, :, ::-1], 0, 1) * 255)
+                                .astype(np.uint8)}, iterations),
+    }
+    goals = {"yolo_detect_8400": 1.0, "yolo_seg_100": 3.0, "matte_composite_640x480": 2.0}
+    out: dict[str, Any] = {"machine": machine(), "quick": args.quick, "iterations": iterations,
+                           "found": {"detect": found, "seg_instances": instances}, "cases": cases}
+    for name, result in cases.items():
+        ratio = result["reference"]["p50"] / max(result["ours"]["p50"], 1e-9)
+        result["speedup_p50"] = round(ratio, 2)
+        goal = goals.get(name)
+        verdict = "" if goal is None else f" (goal p99 <= {goal} ms: {'met' if result['ours']['p99'] <= goal else 'MISSED'})"
+        print(f"{name}: ours p50 {result['ours']['p50']} p99 {result['ours']['p99']} ms, reference p50 "
+              f"{result['reference']['p50']} ms, {ratio:.1f}x{verdict}")
+    if not args.quick:
+        out["goals"] = {name: cases[name]["ours"]["p99"] <= goal for name, goal in goals.items()}
+    write_json(args.out, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
