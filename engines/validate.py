@@ -40,7 +40,8 @@ from engines.postprocess import InferenceResult
 from engines.runtime import ModelRuntime
 
 DEFAULT_MIN_ACCURACY = {"fp32": 0.99, "fp16": 0.95, "int8": 0.90}
-METRICS = {"classification": "top1_agreement", "yolo": "box_f1", "db_text": "mask_iou", "raw": "cosine", "image": "cosine"}
+METRICS = {"classification": "top1_agreement", "yolo": "box_f1", "db_text": "mask_iou", "raw": "cosine", "image": "cosine",
+           "segmentation": "mean_iou"}
 FRAME_COST_FRAMES = 8  # frames timed through the whole stage chain: enough for a p50, cheap for 64-frame sets
 MIN_SCORE_RATIO = 0.8  # matched boxes' mean score vs the reference's: INT8 moves scores a few percent, not 20
 MIN_REFERENCE_DETECTIONS = 3  # across the whole set: fewer, and box F1 is decided by noise (or defined as 1.0)
@@ -165,6 +166,10 @@ def agreement(kind: str, params: dict[str, Any], pairs: Sequence[tuple[Run, Run]
     if kind == "db_text":
         thresh = float(params.get("thresh", 0.3))
         return float(np.mean([text_mask_iou(r[0][0], c[0][0], thresh) for r, c in pairs])), None
+    if kind == "segmentation":
+        from engines.postprocess.segmentation import mean_iou
+
+        return float(np.mean([mean_iou(r[1].class_map, c[1].class_map) for r, c in pairs])), None
     per_output = {}
     for i in range(len(pairs[0][0][0])):
         name = names[i] if i < len(names) else f"output{i}"
@@ -189,6 +194,10 @@ def signal_problem(kind: str, params: dict[str, Any], references: Sequence[Run])
         classes = {int(np.argmax(outputs[0].reshape(-1))) for outputs, _ in references}
         if count >= 2 and len(classes) == 1:
             return f"the FP32 model gives class {classes.pop()} for every one of the {count} validation frames"
+    elif kind == "segmentation":
+        found = {int(c) for _, result in references for c in np.unique(result.class_map)}
+        if len(found) < 2:
+            return f"the FP32 model labels every pixel of the {count} validation frame(s) as class {found or {'none'}}"
     elif all(_constant(np.concatenate([outputs[i].ravel() for outputs, _ in references]))
              for i in range(len(references[0][0]))):
         return f"every output of the FP32 model is constant over the {count} validation frame(s)"

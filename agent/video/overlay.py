@@ -31,6 +31,7 @@ class OverlayStyle:
     composite: str = "none"  # for a matte: none | blur | color (engines.postprocess.image)
     background: tuple[int, int, int] = (0, 177, 64)
     skeleton: tuple[tuple[int, int], ...] = ()  # keypoint index pairs joined by a line
+    background_class: int | None = 0  # semantic segmentation: the class left untinted
 
     @classmethod
     def of(cls, runtime: Any) -> "OverlayStyle":
@@ -49,7 +50,9 @@ class OverlayStyle:
         if not (isinstance(background, (list, tuple)) and len(background) == 3
                 and all(isinstance(v, int) and 0 <= v <= 255 for v in background)):
             background = (0, 177, 64)
-        return cls(label, str(params.get("composite", "none")), tuple(background), skeleton)  # type: ignore[arg-type]
+        unpainted = params.get("background_class", 0)
+        unpainted = unpainted if unpainted is None or (isinstance(unpainted, int) and unpainted >= 0) else 0
+        return cls(label, str(params.get("composite", "none")), tuple(background), skeleton, unpainted)  # type: ignore[arg-type]
 
 
 def _is_pair(a: Any, b: Any) -> bool:
@@ -76,6 +79,8 @@ def render(frame: np.ndarray, result: InferenceResult | None, style: OverlayStyl
     if not overlay or result is None:
         return canvas
     thickness = max(1, round(max(canvas.shape[:2]) / 500))
+    if result.class_map is not None:
+        _draw_class_map(canvas, result.class_map, style.background_class)
     for detection in result.detections:
         if _finite(*detection.box):  # a plugin's NaN box is not drawn (and does not end the viewer's stream)
             _draw_detection(canvas, detection, style, thickness)
@@ -147,6 +152,18 @@ def _draw_detection(canvas: np.ndarray, d: Detection, style: OverlayStyle, thick
         _draw_keypoints(canvas, d.keypoints, style.skeleton, color, thickness)
     name = d.label if d.label is not None else (str(d.class_id) if d.class_id is not None else "")
     _label(canvas, f"{name} {d.score:.2f}".strip(), (x1, max(y1 - 3, _line_height(canvas))), color, thickness)
+
+
+def _draw_class_map(canvas: np.ndarray, class_map: np.ndarray, background: int | None) -> None:
+    """Tint every pixel in its class's colour, half-way (the background class untinted)."""
+    height, width = canvas.shape[:2]
+    classes = cv2.resize(class_map, (width, height), interpolation=cv2.INTER_NEAREST)
+    painted = classes != background if background is not None else np.ones(classes.shape, bool)
+    if not painted.any():
+        return
+    palette = np.array(_PALETTE, np.uint8)
+    colors = palette[classes[painted].astype(np.intp) % len(_PALETTE)]
+    canvas[painted] = ((canvas[painted].astype(np.uint16) + colors) // 2).astype(np.uint8)
 
 
 def _draw_mask(canvas: np.ndarray, mask: np.ndarray, box: tuple[int, int, int, int], color: tuple[int, int, int]) -> None:

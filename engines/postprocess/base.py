@@ -91,6 +91,7 @@ class InferenceResult:
     # resolution, or its matte (uint8 0..255, HxW). Never sent per frame on MQTT: the video output shows it.
     image: np.ndarray | None = None
     matte: np.ndarray | None = None
+    class_map: np.ndarray | None = None  # semantic segmentation: a class id per pixel (the padding cut off)
 
     def to_dict(self, max_items: int = 100) -> dict[str, Any]:
         """JSON-friendly summary; raw tensors are reported by shape only."""
@@ -101,6 +102,8 @@ class InferenceResult:
             out["classes"] = [{"class_id": c.class_id, "score": round(c.score, 4), "label": c.label} for c in self.classes]
         if self.tensors:
             out["tensors"] = {k: list(v.shape) for k, v in self.tensors.items()}
+        if self.class_map is not None:  # the map itself is too large for a message: its shape; `classes` has the areas
+            out["class_map"] = {"shape": list(self.class_map.shape)}
         for name in ("image", "matte"):
             picture = getattr(self, name)
             if picture is not None:

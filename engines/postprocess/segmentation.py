@@ -1,0 +1,95 @@
+"""`segmentation`: semantic segmentation heads -> a class per pixel (DeepLab, SegFormer, BiSeNet, PP-LiteSeg...).
+
+Layouts (after the batch dimension of 1): `(C, H, W)` scores or logits (argmax over C), `(H, W)` class ids
+already (an export with its argmax inside), or `(1, H, W)` one sigmoid channel (foreground > `threshold`).
+The map keeps the model's resolution with the letterbox padding cut off, so it lines up with the frame; the
+video output scales it to the frame only when somebody looks. The gate compares class maps by mean IoU over
+the classes either map has.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from engines.errors import InferenceError
+from engines.postprocess import POSTPROCESSORS
+from engines.postprocess.base import ClassScore, InferenceResult, PostprocessContext
+from engines.preprocess import FrameTransform
+
+
+class SegmentationParams(BaseModel):
+    """Which output, and what a one-channel output means."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output: int = Field(0, ge=0, description="Index of the output that holds the class scores.")
+    threshold: float = Field(0.5, gt=0, lt=1, description="One-channel outputs: foreground (class 1) above this.")
+    background_class: int | None = Field(0, ge=0, description="Class left untinted in the video output and not "
+                                         "reported among the classes (null: every class is).")
+    top_k: int = Field(5, ge=1, le=100, description="Classes reported per frame, by the share of the frame they cover.")
+
+
+@POSTPROCESSORS.register("segmentation")
+class SegmentationPostprocessor:
+    """Class scores per pixel -> a class map (uint8 or uint16) and the classes covering most of the frame."""
+
+    Params = SegmentationParams
+
+    def __init__(self, params: SegmentationParams, context: PostprocessContext) -> None:
+        self.params = params
+        self.context = context
+
+    def __call__(self, outputs: list[np.ndarray], transform: FrameTransform) -> InferenceResult:
+        """The class map (padding cut off) and the top classes by area."""
+        class_map = crop_padding(class_map_of(np.asarray(outputs[self.params.output]), self.params.threshold),
+                                 transform, self.context.input_size)
+        counts = np.bincount(class_map.ravel())
+        if self.params.background_class is not None and self.params.background_class < len(counts):
+            counts[self.params.background_class] = 0
+        total = max(1, class_map.size)
+        top = [int(c) for c in np.argsort(-counts, kind="stable")[:self.params.top_k] if counts[c]]
+        classes = [ClassScore(c, round(float(counts[c]) / total, 4), self.context.label(c)) for c in top]
+        return InferenceResult("segmentation", classes=classes, class_map=class_map)
+
+
+def class_map_of(output: np.ndarray, threshold: float) -> np.ndarray:
+    """One frame's output as class ids (H, W): argmax over channels, ids as given, or a thresholded channel."""
+    array = output
+    while array.ndim > 3 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim == 2:
+        if not np.issubdtype(array.dtype, np.integer) and not np.all(np.mod(array, 1) == 0):
+            raise InferenceError(f"segmentation: a 2-D output must hold class ids, got {array.dtype} fractions")
+        ids = array.astype(np.int64)
+    elif array.ndim == 3 and array.shape[0] == 1:
+        ids = (array[0] > threshold).astype(np.int64)
+    elif array.ndim == 3:
+        ids = np.argmax(array, axis=0)
+    else:
+        raise InferenceError(f"segmentation: expected (C, H, W) or (H, W), got shape {list(output.shape)}")
+    if ids.size and (ids.min() < 0 or ids.max() > 65535):
+        raise InferenceError("segmentation: class ids outside 0..65535")
+    return ids.astype(np.uint8 if ids.size == 0 or ids.max() < 256 else np.uint16)
+
+
+def crop_padding(class_map: np.ndarray, transform: FrameTransform, input_size: tuple[int, int] | None) -> np.ndarray:
+    """The part of the map that covers the frame (a letterbox's padding removed), in map pixels."""
+    if transform is None or input_size is None:
+        return class_map
+    h, w = class_map.shape
+    fx, fy = w / input_size[0], h / input_size[1]  # the map may be smaller than the input (stride 4, 8)
+    x0, y0 = int(round(transform.pad_x * fx)), int(round(transform.pad_y * fy))
+    x1 = int(round((transform.pad_x + transform.frame_width * transform.scale_x) * fx))
+    y1 = int(round((transform.pad_y + transform.frame_height * transform.scale_y) * fy))
+    return class_map[max(0, y0):min(h, max(y0 + 1, y1)), max(0, x0):min(w, max(x0 + 1, x1))]
+
+
+def mean_iou(reference: np.ndarray, candidate: np.ndarray) -> float:
+    """Mean IoU over the classes either map has; two identical maps give 1, maps of different shapes 0."""
+    if reference.shape != candidate.shape:
+        return 0.0
+    classes = np.union1d(np.unique(reference), np.unique(candidate))
+    ious = [np.logical_and(reference == c, candidate == c).sum() / np.logical_or(reference == c, candidate == c).sum()
+            for c in classes]
+    return float(np.mean(ious)) if ious else 1.0
