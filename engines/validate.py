@@ -41,7 +41,7 @@ from engines.runtime import ModelRuntime
 
 DEFAULT_MIN_ACCURACY = {"fp32": 0.99, "fp16": 0.95, "int8": 0.90}
 METRICS = {"classification": "top1_agreement", "yolo": "box_f1", "db_text": "mask_iou", "raw": "cosine", "image": "cosine",
-           "segmentation": "mean_iou"}
+           "segmentation": "mean_iou", "anchors": "box_f1"}
 FRAME_COST_FRAMES = 8  # frames timed through the whole stage chain: enough for a p50, cheap for 64-frame sets
 MIN_SCORE_RATIO = 0.8  # matched boxes' mean score vs the reference's: INT8 moves scores a few percent, not 20
 MIN_REFERENCE_DETECTIONS = 3  # across the whole set: fewer, and box F1 is decided by noise (or defined as 1.0)
@@ -126,7 +126,7 @@ def validate(candidate: ModelRuntime, reference: ModelRuntime, frames: Sequence[
     result = ValidationResult(precision, METRICS.get(kind, "cosine"), round(score, 5), threshold, len(frames),
                               latency, gates.latency_budget_ms, True, frame_ms=measure_frame_cost(candidate, frames),
                               outputs=outputs, frames=frames_info)
-    score_ratio = (outputs or {}).get("matched_score_ratio") if kind == "yolo" else None
+    score_ratio = (outputs or {}).get("matched_score_ratio") if kind in ("yolo", "anchors") else None
     if no_signal is not None:
         result.passed, result.code = False, "GATE_NO_SIGNAL"
         result.reason = f"{no_signal}: {NO_SIGNAL_HINT}"
@@ -160,7 +160,7 @@ def agreement(kind: str, params: dict[str, Any], pairs: Sequence[tuple[Run, Run]
     """The kind's metric over (reference, candidate) runs; for raw also each output's own score."""
     if kind == "classification":
         return float(np.mean([top1_agreement(r[0][0], c[0][0]) for r, c in pairs])), None
-    if kind == "yolo":
+    if kind in ("yolo", "anchors"):
         f1, ratio = box_agreement([r[1] for r, _ in pairs], [c[1] for _, c in pairs])
         return f1, ({"matched_score_ratio": round(ratio, 4)} if ratio is not None else None)
     if kind == "db_text":
@@ -181,7 +181,7 @@ def signal_problem(kind: str, params: dict[str, Any], references: Sequence[Run])
     """Why the FP32 reference's results on the validation frames cannot tell a good engine from a blind one,
     or None when they can."""
     count = len(references)
-    if kind == "yolo":
+    if kind in ("yolo", "anchors"):
         found = sum(len(result.detections) for _, result in references)
         if found < MIN_REFERENCE_DETECTIONS:
             return (f"the FP32 model finds {found} object(s) on the {count} validation frame(s), fewer than "

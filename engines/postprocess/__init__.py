@@ -1,4 +1,4 @@
-"""Postprocessor registry: `classification`, `yolo`, `db_text`, `segmentation`, `image`, `raw`."""
+"""Postprocessor registry: `classification`, `yolo`, `anchors`, `db_text`, `segmentation`, `image`, `raw`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ POSTPROCESSORS: Registry[Any] = Registry("postprocessor")
 import_plugins(
     POSTPROCESSORS,
     __name__,
-    [("raw", "raw"), ("db_text", "db_text"), ("classification", "classification"), ("yolo", "yolo"), ("image", "image"), ("segmentation", "segmentation")],
+    [("raw", "raw"), ("db_text", "db_text"), ("classification", "classification"), ("yolo", "yolo"), ("image", "image"), ("segmentation", "segmentation"),
+     ("anchors", "anchors")],
 )
 
 

@@ -42,6 +42,7 @@ Layout = Literal["v5", "v8", "yolox", "pose", "seg", "end2end", "efficient_nms"]
 HEADS = ("pose", "seg")  # channels-first like v8, with keypoints or mask coefficients after the classes
 NMS_DONE = ("end2end", "efficient_nms")  # the export ran NMS already
 _TINY = np.finfo(np.float64).tiny  # union floor: two zero-area boxes get IoU 0, not NaN
+SCORE_SLACK = 1e-3  # fp16 engines round a probability of 1.0 to 1.0005
 
 
 class YoloParams(BaseModel):
@@ -159,6 +160,7 @@ def _suppressed_by_first(cols: list[np.ndarray], iou_threshold: float) -> np.nda
 
 def _scores_v5(pred: np.ndarray, conf: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(xywh, score, class, row index) of v5 rows; objectness >= conf is a cheap pre-filter since cls <= 1."""
+    _check_probabilities(pred[:, 4], "objectness")
     index = np.flatnonzero(pred[:, 4] >= conf)
     rows = pred[index]
     cls = rows[:, 5:] * rows[:, 4:5]
@@ -166,9 +168,22 @@ def _scores_v5(pred: np.ndarray, conf: float) -> tuple[np.ndarray, np.ndarray, n
     return rows[:, :4], cls[np.arange(len(rows)), class_ids], class_ids, index
 
 
+def _check_probabilities(values: np.ndarray, what: str) -> None:
+    """A YOLO head's scores are probabilities: values far outside [0, 1] mean the outputs are not one (an SSD's
+    regressors, a head without its sigmoid), and decoding them would report garbage boxes with scores like 871."""
+    if values.size == 0:
+        return
+    low, high = float(values.min()), float(values.max())
+    if high > 1.0 + SCORE_SLACK or low < -SCORE_SLACK or not np.isfinite(high + low):
+        raise InferenceError(f"yolo: {what} range from {low:.3g} to {high:.3g}, not probabilities in [0, 1]: this "
+                             "output is not a YOLO head's as exported (check postprocess.kind and layout; an "
+                             "anchor-based face detector is `anchors`)", code="POSTPROCESS_MISMATCH")
+
+
 def _scores_v8(pred: np.ndarray, conf: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(xywh, score, class, anchor index) of channels-first v8 columns, transposing only those above conf."""
     best = pred[4:].max(axis=0)
+    _check_probabilities(best, "class scores")
     index = np.flatnonzero(best >= conf)
     cols = pred[:, index]
     return cols[:4].T, best[index], cols[4:].argmax(axis=0), index
