@@ -70,7 +70,7 @@ def package(
     scale: Optional[float] = typer.Option(None, "--scale", min=1e-9, help="Multiplier on 0..255 pixels before mean "
                                           "and std (default 1/255; 1 for models that take 0..255, e.g. YOLOX)."),
     layout: Optional[str] = typer.Option(None, "--layout", help="nchw or nhwc."),
-    resize: Optional[str] = typer.Option(None, "--resize", help="stretch or letterbox."),
+    resize: Optional[str] = typer.Option(None, "--resize", help="stretch, letterbox or short-crop (centre crop)."),
     postprocess: str = typer.Option("raw", "--postprocess", help="Postprocessor: classification, yolo, db_text, image, raw."),
     param: List[str] = typer.Option([], "--param", help="Postprocessor parameter KEY=VALUE (JSON values), repeatable."),
     labels: Optional[Path] = typer.Option(None, "--labels", help="Class names: one per line, or a JSON list."),

@@ -24,8 +24,9 @@ class PreprocessSpec(BaseModel):
 
     width: int = Field(640, ge=8, le=8192, description="Model input width in pixels.")
     height: int = Field(480, ge=8, le=8192, description="Model input height in pixels.")
-    resize: Literal["stretch", "letterbox"] = Field(
-        "stretch", description="stretch: resize to the input size; letterbox: keep aspect, pad."
+    resize: Literal["stretch", "letterbox", "short-crop"] = Field(
+        "stretch", description="stretch: resize to the input size; letterbox: keep aspect, pad; short-crop: keep "
+        "aspect, scale the short side to the input and cut the centre (classifiers trained on centre crops)."
     )
     color: Literal["bgr", "rgb"] = Field("rgb", description="Channel order the model expects.")
     scale: float = Field(1 / 255, gt=0, description="Multiplier applied to 0..255 pixel values first.")
@@ -87,6 +88,7 @@ class Preprocessor:
         self._frame_size: tuple[int, int] | None = None
         self._transform: FrameTransform | None = None
         self._letterbox_inner: np.ndarray | None = None
+        self._crop: tuple[slice, slice] | None = None  # short-crop: the frame region that is resized to the input
 
     @staticmethod
     def _build_luts(spec: PreprocessSpec) -> np.ndarray | None:
@@ -98,10 +100,19 @@ class Preprocessor:
 
     def _geometry(self, frame_w: int, frame_h: int) -> FrameTransform:
         spec = self.spec
+        self._crop = None
         if spec.resize == "stretch":
             t = FrameTransform(spec.width / frame_w, spec.height / frame_h, 0.0, 0.0, frame_w, frame_h)
             self._letterbox_inner = None
             return t
+        if spec.resize == "short-crop":  # the centre region of the frame with the input's aspect, resized to it
+            self._letterbox_inner = None
+            r = max(spec.width / frame_w, spec.height / frame_h)
+            crop_w, crop_h = min(frame_w, max(1, round(spec.width / r))), min(frame_h, max(1, round(spec.height / r)))
+            x0, y0 = (frame_w - crop_w) // 2, (frame_h - crop_h) // 2
+            self._crop = (slice(y0, y0 + crop_h), slice(x0, x0 + crop_w))
+            sx, sy = spec.width / crop_w, spec.height / crop_h
+            return FrameTransform(sx, sy, -x0 * sx, -y0 * sy, frame_w, frame_h)
         r = min(spec.width / frame_w, spec.height / frame_h)
         new_w, new_h = max(1, round(frame_w * r)), max(1, round(frame_h * r))
         pad_x, pad_y = (spec.width - new_w) // 2, (spec.height - new_h) // 2
@@ -131,6 +142,8 @@ class Preprocessor:
 
     def _resize(self, frame: np.ndarray) -> np.ndarray:
         spec = self.spec
+        if self._crop is not None:
+            frame = frame[self._crop]
         if self._letterbox_inner is None:
             if frame.shape[1] == spec.width and frame.shape[0] == spec.height:
                 return frame

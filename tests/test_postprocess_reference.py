@@ -61,3 +61,20 @@ def test_package_takes_a_fixed_models_own_input_size_and_a_wrong_one_names_the_r
                                preprocess={"width": 640, "height": 480}))
     assert wrong.value.code == "MODEL_SHAPE_MISMATCH"
     assert "the model takes 48x32: set preprocess width/height to it (edge-deploy package --input-size 48x32)" in str(wrong.value)
+
+
+def test_short_crop_takes_the_centre_at_the_inputs_aspect_and_maps_back_to_the_frame() -> None:
+    import cv2
+    import numpy as np
+
+    from engines.preprocess import PreprocessSpec, Preprocessor
+
+    frame = np.zeros((100, 200, 3), np.uint8)
+    frame[:, :50] = (0, 0, 255)  # red left quarter: cut away
+    frame[:, 50:150] = (0, 255, 0)  # the green centre square is what a classifier sees
+    prep = Preprocessor(PreprocessSpec(width=64, height=64, resize="short-crop", color="bgr", scale=1.0, dtype="uint8"))
+    transform = prep(frame)
+    picture = prep.tensor[0].transpose(1, 2, 0)
+    assert np.array_equal(picture, cv2.resize(frame[:, 50:150], (64, 64)))
+    assert transform.boxes_to_frame(np.array([[0, 0, 64, 64]], np.float32)).tolist() == [[50, 0, 150, 100]]
+    assert transform.points_to_frame(np.array([[32, 32]], np.float32)).tolist() == [[100, 50]]

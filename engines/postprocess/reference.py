@@ -45,9 +45,18 @@ def section(name: str) -> list[str]:
     return lines + [""]
 
 
+PREPROCESS_TEXT = """Every frame is turned into the model's input tensor by the manifest's `preprocess` (`edge-deploy package`
+flags: `--input-size`, `--resize`, `--color`, `--scale`, `--mean`, `--std`, `--layout`). The defaults below are
+what a manifest without them gets; `package` takes the width and height from a model whose input size is
+fixed. Boxes, points and maps are mapped back to frame pixels through the same geometry (letterbox padding and
+centre crops undone)."""
+
+
 def render() -> str:
     """The whole page."""
-    lines = [HEADER]
+    from engines.preprocess import PreprocessSpec
+
+    lines = [HEADER, "## The preprocess (`preprocess`)", "", PREPROCESS_TEXT, ""] + param_rows(PreprocessSpec) + [""]
     for name in POSTPROCESSORS.names():
         lines += section(name)
     return "\n".join(lines).rstrip() + "\n"
