@@ -252,6 +252,39 @@ def check_preprocess_size(model: Path, manifest: Manifest) -> None:
                            f"--layout {spec.layout})", code="MODEL_SHAPE_MISMATCH")
 
 
+def check_decodes(model: Path, manifest: Manifest, validation: Path | None) -> None:
+    """Run the model once with its postprocessor, on a validation frame (or a generated one), so a decoder that
+    does not fit the outputs (a seg layout on a one-output model, scores that are not probabilities) is refused
+    here with its code, not on every device's first frame."""
+    from engines.errors import EdgeError
+    from engines.model import load_bare_onnx
+    from engines.runtime import load_runtime
+    from engines.validate import validation_frames
+
+    if len(model_input_dims(model)[1]) != 4:
+        return  # not a camera model's input (as check_preprocess_size): nothing a frame can exercise
+    spec = manifest.preprocess
+    frame = None
+    if validation is not None:
+        image = next((p for p in sorted(validation.iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES), None)
+        frame = cv2.imread(str(image), cv2.IMREAD_COLOR) if image is not None else None
+    if frame is None:
+        frame = validation_frames(spec.width, spec.height, 1)[0]
+    fields = {"preprocess": spec, "postprocess": manifest.postprocess, "labels": manifest.labels}
+    try:
+        runtime = load_runtime(load_bare_onnx(model, fields), "onnxruntime")
+    except EdgeError as exc:
+        raise PackageError(f"--postprocess {manifest.postprocess.kind}: {exc}", code=exc.code) from exc
+    try:
+        runtime.run(frame)
+    except EdgeError as exc:
+        raise PackageError(f"--postprocess {manifest.postprocess.kind}: {exc} (on "
+                           f"{'a validation frame' if validation is not None else 'a generated frame'})",
+                           code=exc.code) from exc
+    finally:
+        runtime.close()
+
+
 def with_model_input_size(model: Path, preprocess: dict[str, Any]) -> dict[str, Any]:
     """`preprocess` with the model's own fixed width and height when `--input-size` was not given (a fixed
     1024x1024 export must not be fed the default 640x480)."""
@@ -330,6 +363,7 @@ def package(opts: PackageOptions) -> Manifest:
         opts = dataclasses.replace(opts, preprocess=with_model_input_size(Path(opts.model), opts.preprocess))
         template = build_template(opts, Path(opts.model).name)
         check_preprocess_size(Path(opts.model), template)
+        check_decodes(sources[Path(opts.model).name], template, Path(opts.validation) if opts.validation else None)
         calibration = calibration_files(opts.calibration) if opts.calibration else {}
         sources.update(calibration)
         if opts.validation:

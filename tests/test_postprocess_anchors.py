@@ -127,3 +127,20 @@ def test_blazeface_through_the_yolo_decoder_is_refused_not_decoded_into_garbage(
         runtime.close()
     assert refused.value.code == "POSTPROCESS_MISMATCH" and "not probabilities" in str(refused.value)
     assert "`anchors`" in str(refused.value)
+
+
+@pytest.mark.slow
+def test_package_refuses_a_decoder_that_does_not_fit_and_signs_the_one_that_does(tmp_path: Path) -> None:
+    """Issue #21: the wrong decoder fails at `package`, with its code and the reason, before any device sees it."""
+    from deploy.package import PackageError, PackageOptions, package
+
+    frames = tmp_path / "val"
+    frames.mkdir()
+    cv2.imwrite(str(frames / "astronaut.png"), cv2.imread(str(wheel_member(*ASTRONAUT)), cv2.IMREAD_COLOR))
+    common = dict(model=blazeface_onnx(), name="face", version="1.0.0", unsigned=True, validation=frames,
+                  preprocess={"color": "rgb", "mean": (0.5,) * 3, "std": (0.5,) * 3})
+    with pytest.raises(PackageError) as wrong:
+        package(PackageOptions(out=tmp_path / "yolo", postprocess="yolo", **common))
+    assert wrong.value.code == "POSTPROCESS_MISMATCH" and "on a validation frame" in str(wrong.value)
+    manifest = package(PackageOptions(out=tmp_path / "anchors", postprocess="anchors", **common))
+    assert manifest.postprocess.kind == "anchors" and (manifest.preprocess.width, manifest.preprocess.height) == (128, 128)
