@@ -30,13 +30,20 @@ def _doc(obj: Any) -> str:
     return " ".join(line.strip() for line in text.splitlines())
 
 
+def _module_text(module: Any) -> str:
+    """The module's docstring whole: it holds the output layouts the postprocessor accepts."""
+    import inspect
+
+    return inspect.cleandoc(module.__doc__ or "")
+
+
 def section(name: str) -> list[str]:
     """One postprocessor: what it decodes, its gate metric, its parameters."""
     from engines.validate import METRICS
 
     cls = POSTPROCESSORS.get(name)
     module = sys.modules[cls.__module__]
-    lines = [f"## `{name}`", "", _doc(cls), "", _doc(module), "",
+    lines = [f"## `{name}`", "", _doc(cls), "", _module_text(module), "",
              f"Gate metric: `{METRICS.get(name, 'cosine')}`.", ""]
     if cls.Params.model_fields:
         lines += param_rows(cls.Params)

@@ -7,9 +7,13 @@ Layouts (after the batch dimension, which must be 1):
   detector): `[tx, ty, tw, th, obj, cls...]` per anchor of each stride's grid, in order; decoded as YOLOX
   does, `cx, cy = (tx, ty) + cell) * stride`, `w, h = exp(tw, th) * stride`, then scored as v5. The grids
   come from the model input size and `strides` (default 8, 16, 32); never chosen by `auto`.
-
-- `pose`, `seg`, `end2end`, `efficient_nms`: keypoints, instance masks, and exports whose NMS already ran
-  (engines.postprocess.yolo_heads has their layouts); set explicitly, never chosen by `auto`.
+- `pose` (v8/v11-pose): (4 + C + 3K, N) `cx, cy, w, h, cls..., x_0, y_0, v_0, ...`, K = `num_keypoints`;
+  keypoints land on each detection in frame pixels, v already a probability.
+- `seg` (v8/v11-seg): output 0 (4 + C + M, N) with M = `mask_channels` coefficients, output 1 the prototypes
+  (M, H/4, W/4); a mask is sigmoid(coefficients . prototypes) > 0.5, cropped to its box, in frame pixels.
+- `end2end` (YOLOv10, Ultralytics `nms=True`): (N, 6) rows `x1, y1, x2, y2, score, class`, NMS done.
+- `efficient_nms` (TensorRT's EfficientNMS_TRT): `num_dets, boxes (N, 4), scores (N), classes (N)`.
+These four are set explicitly, never chosen by `auto` (engines.postprocess.yolo_heads decodes them).
 
 `layout="auto"` reads the output shape (A, B). With `num_classes` set, the layout whose class count
 matches wins (v8: A == 4+C, v5: B == 5+C); if neither matches it is an error, and if both match

@@ -1,13 +1,6 @@
 """The YOLO heads beyond plain detection: pose (keypoints), instance segmentation (mask coefficients x
 prototypes) and end-to-end exports whose NMS already ran (YOLOv10, Ultralytics `nms=True`, TensorRT's
-`EfficientNMS_TRT`). Layouts, exactly as the exporters write them (after the batch dimension of 1):
-
-- `pose` (v8/v11-pose): channels-first (4 + C + 3K, N): `cx, cy, w, h, cls_0..cls_C-1, x_0, y_0, v_0, ...`;
-  K = `num_keypoints` (17 for COCO), C = `num_classes` (1 for person pose); v is already a probability.
-- `seg` (v8/v11-seg): output 0 channels-first (4 + C + M, N) with M mask coefficients (32), output 1 the
-  prototypes (M, H/4, W/4). A mask is sigmoid(coefficients . prototypes), cropped to its box, > 0.5.
-- `end2end`: (N, 6) rows `x1, y1, x2, y2, score, class` in input pixels, best first, NMS done.
-- `efficient_nms`: TensorRT's four outputs `num_dets (1), boxes (N, 4) x1y1x2y2, scores (N), classes (N)`.
+`EfficientNMS_TRT`), exactly as the exporters write them; engines.postprocess.yolo documents the layouts.
 """
 
 from __future__ import annotations
