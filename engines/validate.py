@@ -75,7 +75,8 @@ class ValidationResult:
     # preprocess + infer + postprocess per validation frame (ms: mean, p50, p99): what one frame costs the frame
     # path, so the deployment watch knows what the model can serve (None in verdicts cached before it was measured)
     frame_ms: dict[str, float] | None = None
-    outputs: dict[str, float] | None = None  # raw: each output's metric (the lowest decides); yolo: matched_score_ratio
+    outputs: dict[str, float] | None = None  # raw: each output's metric (the lowest decides); yolo: matched_score_ratio,
+    # and for seg / pose heads mask_iou / oks of the matched boxes (the lowest of them and box F1 decides)
     frames: dict[str, Any] | None = None  # what it was judged on: {"source", "count", "sha256"} (part of the verdict key)
     # INT8 layer fallback (engines.provision): {"round", "kept_float": [tensor...], "tried": [{round, accuracy,
     # kept_float}]}; None when the engine was judged as first built
@@ -98,6 +99,13 @@ class ValidationResult:
         """GateError with the failing gate's code."""
         if not self.passed:
             raise GateError(self.reason or "validation failed", code=self.code or "GATE_ACCURACY")
+
+
+def metric_name(kind: str, outputs: dict[str, Any] | None) -> str:
+    """The kind's metric, joined by the instance metrics it was taken with (`box_f1+mask_iou` for a seg head:
+    the score is the lower of the two)."""
+    extra = [k for k in ("mask_iou", "oks") if k in (outputs or {})]
+    return "+".join([METRICS.get(kind, "cosine"), *extra])
 
 
 def min_accuracy_for(precision: str, gates: Gates) -> float:
@@ -123,7 +131,7 @@ def validate(candidate: ModelRuntime, reference: ModelRuntime, frames: Sequence[
     score, outputs = agreement(kind, params, pairs, [o.name for o in candidate.engine.outputs])
     latency = measure_latency(candidate, frames[0], latency_runs, warmup)
     threshold = min_accuracy_for(precision, gates)
-    result = ValidationResult(precision, METRICS.get(kind, "cosine"), round(score, 5), threshold, len(frames),
+    result = ValidationResult(precision, metric_name(kind, outputs), round(score, 5), threshold, len(frames),
                               latency, gates.latency_budget_ms, True, frame_ms=measure_frame_cost(candidate, frames),
                               outputs=outputs, frames=frames_info)
     score_ratio = (outputs or {}).get("matched_score_ratio") if kind in ("yolo", "anchors") else None
@@ -161,8 +169,13 @@ def agreement(kind: str, params: dict[str, Any], pairs: Sequence[tuple[Run, Run]
     if kind == "classification":
         return float(np.mean([top1_agreement(r[0][0], c[0][0]) for r, c in pairs])), None
     if kind in ("yolo", "anchors"):
-        f1, ratio = box_agreement([r[1] for r, _ in pairs], [c[1] for _, c in pairs])
-        return f1, ({"matched_score_ratio": round(ratio, 4)} if ratio is not None else None)
+        from engines.instance_metrics import instance_agreement
+
+        refs, cands = [r[1] for r, _ in pairs], [c[1] for _, c in pairs]
+        f1, ratio = box_agreement(refs, cands)
+        inside = instance_agreement([p for r, c in zip(refs, cands) for p in _match(r, c, BOX_IOU)])
+        out = {**({"matched_score_ratio": round(ratio, 4)} if ratio is not None else {}), **inside}
+        return min([f1, *inside.values()]), (out or None)
     if kind == "db_text":
         thresh = float(params.get("thresh", 0.3))
         return float(np.mean([text_mask_iou(r[0][0], c[0][0], thresh) for r, c in pairs])), None

@@ -172,3 +172,45 @@ def test_the_postprocess_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> Non
     data = json.loads(out.read_text())
     assert data["found"] == {"detect": 60, "seg_instances": 100} and set(data["cases"]) == {
         "yolo_detect_8400", "yolo_seg_100", "matte_composite_640x480", "image_640x480"}
+
+
+def _runtime(path: Path, params: dict[str, Any]):
+    from engines.manifest import Gates, PostprocessSpec
+    from engines.model import load_bare_onnx
+    from engines.runtime import load_runtime
+
+    return load_runtime(load_bare_onnx(path, {"preprocess": PreprocessSpec(width=640, height=640),
+                                              "postprocess": PostprocessSpec(kind="yolo", params=params),
+                                              "gates": Gates(synthetic_frames=True)}), "onnxruntime")
+
+
+def test_the_gate_judges_a_seg_heads_masks_and_a_pose_heads_keypoints_not_only_its_boxes(tmp_path: Path) -> None:
+    """Same boxes, different masks (or keypoints): box F1 is 1.0, and the gate still fails the candidate."""
+    from engines.manifest import Gates
+    from engines.validate import validate
+
+    protos = np.full((1, 4, 160, 160), -1.0, np.float32)
+    protos[0, 0, 40:80, 40:80] = 1.0
+    head = np.asarray([[240, 240, 160, 160, 0.9, 0.1, 5, 0, 0, 0]], np.float32).T[None]
+    blind = head.copy()
+    blind[0, 6] = -5  # the candidate's coefficient flips: same box, the mask inverted
+    seg = {"layout": "seg", "mask_channels": 4, "num_classes": 2}
+    pose_head = np.asarray([[320, 320, 100, 200, 0.9, 300, 250, 0.9, 340, 250, 0.9]], np.float32).T[None]
+    moved = pose_head.copy()
+    moved[0, 5:10:3] += 40  # both keypoints 40 px off, the box unchanged
+    pose = {"layout": "pose", "num_keypoints": 2, "num_classes": 1}
+    frames = [np.full((640, 640, 3), 90, np.uint8)] * 4  # one object a frame: enough for the gate to have a signal
+    for params, good, bad, metric in ((seg, [head, protos], [blind, protos], "box_f1+mask_iou"),
+                                      (pose, [pose_head], [moved], "box_f1+oks")):
+        reference = _runtime(constant_outputs(tmp_path / "ref.onnx", good, 640), params)
+        same = _runtime(constant_outputs(tmp_path / "same.onnx", good, 640), params)
+        wrong = _runtime(constant_outputs(tmp_path / "wrong.onnx", bad, 640), params)
+        try:
+            ok = validate(same, reference, frames, precision="int8", gates=Gates(), latency_runs=2, warmup=1)
+            failed = validate(wrong, reference, frames, precision="int8", gates=Gates(), latency_runs=2, warmup=1)
+        finally:
+            for runtime in (reference, same, wrong):
+                runtime.close()
+        assert ok.passed and ok.metric == metric and ok.accuracy == 1.0
+        assert not failed.passed and failed.code == "GATE_ACCURACY" and failed.metric == metric
+        assert failed.accuracy < 0.5 and failed.outputs["matched_score_ratio"] == 1.0, failed.outputs

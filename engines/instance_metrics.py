@@ -1,0 +1,53 @@
+"""Agreement of what two engines found *inside* their matched boxes: instance masks by IoU, keypoints by OKS.
+
+The box F1 of the gate says both engines found the same objects; these say the masks and the keypoints on
+them agree too (a quantized seg head can keep its boxes and lose its masks). Both are pooled over the
+matched pairs of all frames; no pair at all (nothing found by both) is 1.0 here, the box F1 judges that.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import cv2
+import numpy as np
+
+OKS_SIGMA = 0.1  # one falloff for every keypoint (COCO's per-keypoint sigmas exist for its 17 only)
+MIN_VISIBLE = 0.5  # a reference keypoint counts when its confidence is at least this
+
+
+def mask_iou(reference: np.ndarray, candidate: np.ndarray) -> float:
+    """IoU of two box-cropped masks; the candidate's is scaled to the reference's box size first."""
+    ref = np.asarray(reference, bool)
+    cand = np.asarray(candidate, bool)
+    if cand.shape != ref.shape:
+        cand = cv2.resize(cand.astype(np.uint8), (ref.shape[1], ref.shape[0]), interpolation=cv2.INTER_NEAREST) > 0
+    union = np.logical_or(ref, cand).sum()
+    return float(np.logical_and(ref, cand).sum() / union) if union else 1.0
+
+
+def oks(reference: Any, candidate: Any) -> float | None:
+    """Object keypoint similarity of two detections' keypoints (None: no visible reference keypoint)."""
+    ref = np.asarray(reference.keypoints, np.float64)
+    cand = np.asarray(candidate.keypoints, np.float64)
+    if ref.shape != cand.shape or not len(ref):
+        return 0.0
+    visible = ref[:, 2] >= MIN_VISIBLE
+    if not visible.any():
+        return None
+    x1, y1, x2, y2 = reference.box
+    area = max((x2 - x1) * (y2 - y1), 1.0)
+    d2 = ((ref[:, :2] - cand[:, :2]) ** 2).sum(axis=1)
+    return float(np.exp(-d2[visible] / (2 * area * OKS_SIGMA ** 2)).mean())
+
+
+def instance_agreement(pairs: Sequence[tuple[Any, Any]]) -> dict[str, float]:
+    """Mean mask IoU and mean OKS over matched (reference, candidate) detections, for those that have them."""
+    masks = [mask_iou(r.mask, c.mask) for r, c in pairs if r.mask is not None and c.mask is not None]
+    points = [v for v in (oks(r, c) for r, c in pairs if r.keypoints and c.keypoints) if v is not None]
+    out: dict[str, float] = {}
+    if any(r.mask is not None for r, _ in pairs):
+        out["mask_iou"] = round(float(np.mean(masks)) if masks else 0.0, 5)
+    if any(r.keypoints for r, _ in pairs):
+        out["oks"] = round(float(np.mean(points)) if points else 1.0, 5)
+    return out
