@@ -6,7 +6,9 @@ Cases (realistic sizes, the two variants interleaved call by call):
 - yolo detect: a v8 head (84, 8400) at 640x640, 60 anchors above conf among 8400 (goal: p99 <= 1 ms);
 - yolo seg: a v8-seg head (116, 8400) + prototypes (32, 160, 160) with 100 instances (goal: p99 <= 3 ms);
 - image matte: a 1x1x480x640 matte -> uint8 and composited over the 640x480 frame (goal: p99 <= 2 ms);
-- image-to-image: a 1x3x480x640 output -> a BGR frame.
+- image-to-image: a 1x3x480x640 output -> a BGR frame; and the whole frame of an image-to-image model at
+  640x480 (tests/image_models.py: preprocess, ONNX Runtime, postprocess) FP32 against its INT8 build
+  (engines.quantize on generated frames), interleaved.
 The references decode the way a first version would: the whole head transposed, a Python NMS loop, full-size
 masks per instance (Ultralytics' upsample-then-crop), float compositing.
 """
@@ -92,6 +94,38 @@ def reference_composite(matte: np.ndarray, frame: np.ndarray) -> np.ndarray:
     return (frame * alpha + np.array([0, 177, 64]) * (1 - alpha)).astype(np.uint8)
 
 
+def image_model_fp32_vs_int8(iterations: int) -> dict[str, Any]:
+    """The seed's scenario on this CPU: one 640x480 frame through the image-to-image model, FP32 and INT8."""
+    import dataclasses
+    import tempfile
+
+    from engines.model import load_model
+    from engines.quantize import quantize_int8
+    from engines.runtime import load_runtime
+    from engines.validate import validation_frames
+    from tests.image_models import beauty_model_dir
+
+    with tempfile.TemporaryDirectory(prefix="bench-i2i-") as tmp:
+        model_dir = beauty_model_dir(Path(tmp))
+        source = load_model(model_dir)
+        fp32 = load_runtime(source, "onnxruntime")
+        frames = validation_frames(640, 480, 4)
+        calibration = []
+        for frame in frames:
+            fp32.preprocessor(frame)
+            calibration.append(fp32.preprocessor.tensor.copy())
+        int8_path = Path(tmp) / "beauty-int8.onnx"
+        quantize_int8(source.onnx_path, int8_path, calibration)
+        int8 = load_runtime(dataclasses.replace(source, onnx_path=int8_path), "onnxruntime")
+        try:
+            times = timed({"fp32": lambda: fp32.run(frames[0]), "int8": lambda: int8.run(frames[0])}, iterations)
+        finally:
+            fp32.close()
+            int8.close()
+    times["int8_over_fp32_p50"] = round(times["int8"]["p50"] / times["fp32"]["p50"], 3)
+    return times
+
+
 def timed(variants: dict[str, Callable[[], Any]], iterations: int) -> dict[str, dict[str, float]]:
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(3):
@@ -139,9 +173,14 @@ def main() -> None:
                                 "reference": lambda: (np.clip(picture[0].transpose(1, 2, 0)[:, :, ::-1], 0, 1) * 255)
                                 .astype(np.uint8)}, iterations),
     }
+    cases["image_to_image_model_640x480"] = image_model_fp32_vs_int8(max(3, iterations // 10))
     goals = {"yolo_detect_8400": 1.0, "yolo_seg_100": 3.0, "matte_composite_640x480": 2.0}
     out: dict[str, Any] = {"machine": machine(), "quick": args.quick, "iterations": iterations,
                            "found": {"detect": found, "seg_instances": instances}, "cases": cases}
+    model = cases.pop("image_to_image_model_640x480")
+    out["image_to_image_model_640x480"] = model
+    print(f"image-to-image model 640x480, whole frame: fp32 p50 {model['fp32']['p50']} p99 {model['fp32']['p99']} ms, "
+          f"int8 p50 {model['int8']['p50']} p99 {model['int8']['p99']} ms (int8 / fp32 {model['int8_over_fp32_p50']})")
     for name, result in cases.items():
         ratio = result["reference"]["p50"] / max(result["ours"]["p50"], 1e-9)
         result["speedup_p50"] = round(ratio, 2)
