@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, Callable
 
 from agent.pipeline.batcher import Batcher
 from agent.mqtt import MqttPlane
@@ -86,13 +86,19 @@ class AgentPlane:
         """Every agent event goes to the outbox (QoS 1, survives outages)."""
         self.mqtt.enqueue_event(type_, **fields)
 
-    def on_result(self, result: dict[str, Any]) -> None:
-        """Called on the frame path: never blocks; the newest result replaces an unsent one."""
-        self._results.mailbox(result["camera"]).put(result)
+    def on_result(self, result: dict[str, Any], payload: Callable[[], dict[str, Any]] | None = None) -> None:
+        """Called on the frame path: never blocks; the newest result replaces an unsent one. `payload` makes the
+        message when it is sent (what is costly to encode, e.g. masks, is made only for results that go out)."""
+        self._results.mailbox(result["camera"]).put(payload or result)
 
     def _forward_results(self) -> None:
         while not self.stop_event.is_set():
-            for result in self._results.next_batch(self.stop_event, idle_s=0.5):
+            for item in self._results.next_batch(self.stop_event, idle_s=0.5):
+                try:
+                    result = item() if callable(item) else item
+                except Exception:  # a result that cannot be encoded is skipped, never the forwarder
+                    log.exception("result could not be encoded for MQTT")
+                    continue
                 if self.mqtt.publish_result(result) and self._results_rate > 0:
                     # take the next camera's result only when the rate limit lets it out, so the
                     # turn moves on with each result sent, not with each one the limit would drop

@@ -302,10 +302,11 @@ class Agent:
         if self.video is not None:
             self.video.offer(frame.source, frame.index, frame.image, result, frame.captured_at, runtime)
         named = {k: frame.meta[k] for k in RESULT_META if k in frame.meta}  # a file source: which file it was
-        self.last_result = {"camera": frame.source, "frame": frame.index, **named, **result.to_dict(max_items=20)}
+        head = {"camera": frame.source, "frame": frame.index, **named}
+        self.last_result = {**head, **result.to_dict(max_items=20, masks=False)}  # every frame: nothing costly
         self._recent_results.append(self.last_result)
-        if self.plane is not None:
-            self.plane.on_result(self.last_result)
+        if self.plane is not None:  # masks' run lengths only for the results the rate limit lets out
+            self.plane.on_result(self.last_result, lambda: {**head, **result.to_dict(max_items=20)})
 
     def _set_live_config(self, changes: dict[str, Any]) -> dict[str, Any]:
         return self.plane.set_config(changes) if self.plane is not None else {}

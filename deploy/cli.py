@@ -71,7 +71,7 @@ def package(
                                           "and std (default 1/255; 1 for models that take 0..255, e.g. YOLOX)."),
     layout: Optional[str] = typer.Option(None, "--layout", help="nchw or nhwc."),
     resize: Optional[str] = typer.Option(None, "--resize", help="stretch, letterbox or short-crop (centre crop)."),
-    postprocess: str = typer.Option("raw", "--postprocess", help="Postprocessor: classification, yolo, db_text, image, raw."),
+    postprocess: str = typer.Option("raw", "--postprocess", help="Postprocessor: yolo, anchors, db_text, classification, segmentation, image, raw (docs/postprocessors.md)."),
     param: List[str] = typer.Option([], "--param", help="Postprocessor parameter KEY=VALUE (JSON values), repeatable."),
     labels: Optional[Path] = typer.Option(None, "--labels", help="Class names: one per line, or a JSON list."),
     latency_budget_ms: Optional[float] = typer.Option(None, "--latency-budget-ms", help="p99 latency gate."),

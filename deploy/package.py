@@ -253,10 +253,9 @@ def check_preprocess_size(model: Path, manifest: Manifest) -> None:
 
 
 def check_decodes(model: Path, manifest: Manifest, validation: Path | None) -> None:
-    """Run the model once with its postprocessor, on a validation frame (or a generated one), so a decoder that
-    does not fit the outputs (a seg layout on a one-output model, scores that are not probabilities) is refused
-    here with its code, not on every device's first frame."""
-    from engines.errors import EdgeError
+    """Run the model once with its postprocessor, on the first validation frame (or a generated one), so a
+    decoder that does not fit the outputs (a seg layout on a one-output model, scores that are not
+    probabilities) is refused here with its code, not on every device's first frame."""
     from engines.model import load_bare_onnx
     from engines.runtime import load_runtime
     from engines.validate import validation_frames
@@ -264,23 +263,22 @@ def check_decodes(model: Path, manifest: Manifest, validation: Path | None) -> N
     if len(model_input_dims(model)[1]) != 4:
         return  # not a camera model's input (as check_preprocess_size): nothing a frame can exercise
     spec = manifest.preprocess
-    frame = None
-    if validation is not None:
-        image = next((p for p in sorted(validation.iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES), None)
-        frame = cv2.imread(str(image), cv2.IMREAD_COLOR) if image is not None else None
+    frame = cv2.imread(str(validation), cv2.IMREAD_COLOR) if validation is not None else None
+    where = f"the validation frame {validation.name}" if frame is not None and validation is not None else "a generated frame"
     if frame is None:
         frame = validation_frames(spec.width, spec.height, 1)[0]
     fields = {"preprocess": spec, "postprocess": manifest.postprocess, "labels": manifest.labels}
     try:
         runtime = load_runtime(load_bare_onnx(model, fields), "onnxruntime")
     except EdgeError as exc:
-        raise PackageError(f"--postprocess {manifest.postprocess.kind}: {exc}", code=exc.code) from exc
+        raise PackageError(f"{model.name} with --postprocess {manifest.postprocess.kind} does not load: {exc}",
+                           code=exc.code) from exc
     try:
         runtime.run(frame)
-    except EdgeError as exc:
-        raise PackageError(f"--postprocess {manifest.postprocess.kind}: {exc} (on "
-                           f"{'a validation frame' if validation is not None else 'a generated frame'})",
-                           code=exc.code) from exc
+    except Exception as exc:  # a decoder that crashes on the model's outputs is as unfit as one that says so
+        code = exc.code if isinstance(exc, EdgeError) else "POSTPROCESS_MISMATCH"
+        raise PackageError(f"--postprocess {manifest.postprocess.kind} does not fit {model.name}'s outputs on {where}: "
+                           f"{exc}", code=code) from exc
     finally:
         runtime.close()
 
@@ -363,12 +361,13 @@ def package(opts: PackageOptions) -> Manifest:
         opts = dataclasses.replace(opts, preprocess=with_model_input_size(Path(opts.model), opts.preprocess))
         template = build_template(opts, Path(opts.model).name)
         check_preprocess_size(Path(opts.model), template)
-        check_decodes(sources[Path(opts.model).name], template, Path(opts.validation) if opts.validation else None)
         calibration = calibration_files(opts.calibration) if opts.calibration else {}
         sources.update(calibration)
         if opts.validation:
             sources.update(validation_files(Path(opts.validation), calibration, Path(workdir)))
-        elif not opts.synthetic_validation:
+        check_decodes(sources[Path(opts.model).name], template,
+                      next((path for name, path in sorted(sources.items()) if name.startswith(f"{VALIDATION_DIR}/")), None))
+        if not opts.validation and not opts.synthetic_validation:
             log.warning("%s@%s ships no validation frames: a device refuses to gate it (GATE_NO_VALIDATION_FRAMES) "
                         "unless it keeps live camera frames ([gates] live_frames); pass --validation DIR (or "
                         "--synthetic-validation for a text detector)", opts.name, opts.version)

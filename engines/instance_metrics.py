@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 
-OKS_SIGMA = 0.1  # one falloff for every keypoint (COCO's per-keypoint sigmas exist for its 17 only)
+OKS_KAPPA = 0.1  # COCO's kappa (= 2 sigma), one for every keypoint: COCO's per-keypoint sigmas exist for its 17 only
 MIN_VISIBLE = 0.5  # a reference keypoint counts when its confidence is at least this
 
 
@@ -38,7 +38,7 @@ def oks(reference: Any, candidate: Any) -> float | None:
     x1, y1, x2, y2 = reference.box
     area = max((x2 - x1) * (y2 - y1), 1.0)
     d2 = ((ref[:, :2] - cand[:, :2]) ** 2).sum(axis=1)
-    return float(np.exp(-d2[visible] / (2 * area * OKS_SIGMA ** 2)).mean())
+    return float(np.exp(-d2[visible] / (2 * area * OKS_KAPPA ** 2)).mean())  # COCO: exp(-d^2 / (2 s^2 k^2)), s^2 = area
 
 
 def instance_agreement(pairs: Sequence[tuple[Any, Any]]) -> dict[str, float]:

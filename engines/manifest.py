@@ -199,7 +199,9 @@ def fixed_input_size(dims: list[int | None], layout: str = "nchw") -> tuple[int,
     """(width, height) of an image input whose spatial dims are fixed, else None (dynamic, or not rank 4)."""
     if len(dims) != 4:
         return None
-    height, width = (dims[2], dims[3]) if layout == "nchw" else (dims[1], dims[2])
+    channels, height, width = (dims[1], dims[2], dims[3]) if layout == "nchw" else (dims[3], dims[1], dims[2])
+    if channels not in (None, 1, 3):  # not this layout (an NHWC model read as NCHW): no size to trust
+        return None
     return (width, height) if width and height else None
 
 

@@ -141,6 +141,6 @@ def test_package_refuses_a_decoder_that_does_not_fit_and_signs_the_one_that_does
                   preprocess={"color": "rgb", "mean": (0.5,) * 3, "std": (0.5,) * 3})
     with pytest.raises(PackageError) as wrong:
         package(PackageOptions(out=tmp_path / "yolo", postprocess="yolo", **common))
-    assert wrong.value.code == "POSTPROCESS_MISMATCH" and "on a validation frame" in str(wrong.value)
+    assert wrong.value.code == "POSTPROCESS_MISMATCH" and "on the validation frame astronaut.png" in str(wrong.value)
     manifest = package(PackageOptions(out=tmp_path / "anchors", postprocess="anchors", **common))
     assert manifest.postprocess.kind == "anchors" and (manifest.preprocess.width, manifest.preprocess.height) == (128, 128)

@@ -214,3 +214,16 @@ def test_the_gate_judges_a_seg_heads_masks_and_a_pose_heads_keypoints_not_only_i
         assert ok.passed and ok.metric == metric and ok.accuracy == 1.0
         assert not failed.passed and failed.code == "GATE_ACCURACY" and failed.metric == metric
         assert failed.accuracy < 0.5 and failed.outputs["matched_score_ratio"] == 1.0, failed.outputs
+
+
+def test_a_seg_mask_lines_up_with_the_frame_when_its_box_reaches_into_the_letterbox_padding(tmp_path: Path) -> None:
+    protos = np.full((1, 4, 160, 160), -1.0, np.float32)
+    protos[0, 0, 50:100, :] = 1.0  # positive on input rows 200..400 only
+    head = np.asarray([[200, 200, 200, 200, 0.9, 0.1, 5, 0, 0, 0]], np.float32).T[None]  # input box 100..300
+    result = run(tmp_path, [head, protos], {"layout": "seg", "mask_channels": 4, "num_classes": 2},
+                 frame_wh=(1280, 720))
+    (d,) = result.detections
+    # 1280x720 letterboxed: scale 0.5, 140 px of padding above; the box's top 40 input rows are padding
+    assert d.box == pytest.approx((200, 0, 600, 320)) and d.mask.shape == (320, 400)
+    edge = (200 - 140) * 2  # input row 200 is frame row 120
+    assert not d.mask[:edge - 2].any() and d.mask[edge + 2:].all()

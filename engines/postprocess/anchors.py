@@ -1,5 +1,7 @@
-"""`anchors`: SSD-style heads whose boxes are offsets from generated anchors — BlazeFace (MediaPipe), RetinaFace
-and SSD — with optional landmarks (keypoints).
+"""`anchors`: face detectors whose boxes are offsets from generated square anchors — BlazeFace (MediaPipe) and
+RetinaFace-style SSD heads — with optional landmarks (keypoints). One class, anchors square per stride, boxes in
+`[x, y, w, h]` order: TF Object Detection API SSDs (`[y, x, h, w]`, aspect-ratio anchors, many classes) are
+not this layout.
 
 Anchors are generated from parameters in the manifest, per stride, row by row, `anchors_per_cell` at each
 cell centre (`(x + anchor_offset) * stride`), in the head's output order. Two encodings:

@@ -30,8 +30,9 @@ class Detection:
     keypoints: list[tuple[float, float, float]] | None = None  # (x, y, confidence) in frame pixels
     mask: np.ndarray | None = None  # bool, frame-sized or the box's size (cropped to the box)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Compact JSON form (results topic, tests)."""
+    def to_dict(self, masks: bool = True) -> dict[str, Any]:
+        """Compact JSON form (results topic, tests); `masks` False: a mask as its size and area only (cheap: the
+        run lengths are made only for results that are sent)."""
         out: dict[str, Any] = {"box": [round(v, 1) for v in self.box], "score": round(self.score, 4)}
         if self.class_id is not None:
             out["class_id"] = self.class_id
@@ -42,7 +43,8 @@ class Detection:
         if self.keypoints is not None:
             out["keypoints"] = [[round(x, 1), round(y, 1), round(c, 3)] for x, y, c in self.keypoints]
         if self.mask is not None:
-            out["mask"] = mask_rle(self.mask)
+            out["mask"] = mask_rle(self.mask) if masks else {"size": list(self.mask.shape),
+                                                              "area": int(np.count_nonzero(self.mask))}
         return out
 
 
@@ -93,11 +95,11 @@ class InferenceResult:
     matte: np.ndarray | None = None
     class_map: np.ndarray | None = None  # semantic segmentation: a class id per pixel (the padding cut off)
 
-    def to_dict(self, max_items: int = 100) -> dict[str, Any]:
-        """JSON-friendly summary; raw tensors are reported by shape only."""
+    def to_dict(self, max_items: int = 100, masks: bool = True) -> dict[str, Any]:
+        """JSON-friendly summary; raw tensors are reported by shape only (`masks`: see Detection.to_dict)."""
         out: dict[str, Any] = {"kind": self.kind}
         if self.detections:
-            out["detections"] = [d.to_dict() for d in self.detections[:max_items]]
+            out["detections"] = [d.to_dict(masks) for d in self.detections[:max_items]]
         if self.classes:
             out["classes"] = [{"class_id": c.class_id, "score": round(c.score, 4), "label": c.label} for c in self.classes]
         if self.tensors:

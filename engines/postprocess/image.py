@@ -55,6 +55,9 @@ class ImagePostprocessor:
 
     def __call__(self, outputs: list[np.ndarray], transform: FrameTransform) -> InferenceResult:
         """The picture as uint8; ValueError when the output is not one."""
+        from engines.postprocess.segmentation import refuse_crop
+
+        refuse_crop(transform, "image")
         picture, planar = _picture(outputs[self.params.output])
         scaled = (picture + self._offset) * self._gain if self._offset else picture * self._gain  # contiguous
         np.clip(scaled, 0, 255, out=scaled)

@@ -44,7 +44,9 @@ def section(name: str) -> list[str]:
     cls = POSTPROCESSORS.get(name)
     module = sys.modules[cls.__module__]
     lines = [f"## `{name}`", "", _doc(cls), "", _module_text(module), "",
-             f"Gate metric: `{METRICS.get(name, 'cosine')}`.", ""]
+             f"Gate metric: `{METRICS.get(name, 'cosine')}`" + (
+                 " (with `+mask_iou` / `+oks` for masks and keypoints: engines/instance_metrics.py)."
+                 if name in ("yolo", "anchors") else "."), ""]
     if cls.Params.model_fields:
         lines += param_rows(cls.Params)
     else:
@@ -55,8 +57,9 @@ def section(name: str) -> list[str]:
 PREPROCESS_TEXT = """Every frame is turned into the model's input tensor by the manifest's `preprocess` (`edge-deploy package`
 flags: `--input-size`, `--resize`, `--color`, `--scale`, `--mean`, `--std`, `--layout`). The defaults below are
 what a manifest without them gets; `package` takes the width and height from a model whose input size is
-fixed. Boxes, points and maps are mapped back to frame pixels through the same geometry (letterbox padding and
-centre crops undone)."""
+fixed. Boxes and points are mapped back to frame pixels through the same geometry (letterbox padding and
+centre crops undone); maps and pictures (`segmentation`, `image`) lose the letterbox padding, and refuse
+`short-crop`, which would leave them covering only the frame's centre."""
 
 
 def render() -> str:

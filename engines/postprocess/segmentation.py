@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.errors import InferenceError
+from engines.errors import InferenceError, ModelError
 from engines.postprocess import POSTPROCESSORS
 from engines.postprocess.base import ClassScore, InferenceResult, PostprocessContext
 from engines.preprocess import FrameTransform
@@ -39,9 +39,13 @@ class SegmentationPostprocessor:
     def __init__(self, params: SegmentationParams, context: PostprocessContext) -> None:
         self.params = params
         self.context = context
+        if context.outputs and params.output >= len(context.outputs):
+            raise ModelError(f"postprocess.params.output: the model has {len(context.outputs)} output(s), no output "
+                             f"{params.output}", code="MODEL_INVALID")
 
     def __call__(self, outputs: list[np.ndarray], transform: FrameTransform) -> InferenceResult:
         """The class map (padding cut off) and the top classes by area."""
+        refuse_crop(transform, "segmentation")
         class_map = crop_padding(class_map_of(np.asarray(outputs[self.params.output]), self.params.threshold),
                                  transform, self.context.input_size)
         counts = np.bincount(class_map.ravel())
@@ -56,10 +60,10 @@ class SegmentationPostprocessor:
 def class_map_of(output: np.ndarray, threshold: float) -> np.ndarray:
     """One frame's output as class ids (H, W): argmax over channels, ids as given, or a thresholded channel."""
     array = output
-    while array.ndim > 3 and array.shape[0] == 1:
-        array = array[0]
+    while array.ndim > 2 and array.shape[0] == 1 and (array.ndim > 3 or _ids(array)):
+        array = array[0]  # (1, H, W) or (1, 1, H, W) of class ids: an export with its argmax inside
     if array.ndim == 2:
-        if not np.issubdtype(array.dtype, np.integer) and not np.all(np.mod(array, 1) == 0):
+        if not _ids(array):
             raise InferenceError(f"segmentation: a 2-D output must hold class ids, got {array.dtype} fractions")
         ids = array.astype(np.int64)
     elif array.ndim == 3 and array.shape[0] == 1:
@@ -71,6 +75,19 @@ def class_map_of(output: np.ndarray, threshold: float) -> np.ndarray:
     if ids.size and (ids.min() < 0 or ids.max() > 65535):
         raise InferenceError("segmentation: class ids outside 0..65535")
     return ids.astype(np.uint8 if ids.size == 0 or ids.max() < 256 else np.uint16)
+
+
+def _ids(array: np.ndarray) -> bool:
+    """True for class ids: an integer tensor, or floats that are all whole numbers."""
+    return bool(np.issubdtype(array.dtype, np.integer) or (array.size and np.all(np.mod(array, 1) == 0)))
+
+
+def refuse_crop(transform: FrameTransform | None, kind: str) -> None:
+    """Map and picture outputs cover the model input; after a centre crop that is only part of the frame, and
+    drawing it over the whole frame would misplace it: refuse the combination with the reason."""
+    if transform is not None and (transform.pad_x < 0 or transform.pad_y < 0):
+        raise InferenceError(f"{kind}: preprocess resize short-crop cuts the frame, and a per-pixel output then "
+                             "covers only its centre; use stretch or letterbox", code="POSTPROCESS_MISMATCH")
 
 
 def crop_padding(class_map: np.ndarray, transform: FrameTransform, input_size: tuple[int, int] | None) -> np.ndarray:

@@ -29,27 +29,37 @@ def keypoints_to_frame(raw: np.ndarray, transform: FrameTransform) -> list[list[
     return [[(float(x), float(y), float(v)) for (x, y), v in zip(xy[i], points[i, :, 2])] for i in range(len(points))]
 
 
-def instance_masks(coefficients: np.ndarray, protos: np.ndarray, input_boxes: np.ndarray, frame_boxes: np.ndarray,
+def instance_masks(coefficients: np.ndarray, protos: np.ndarray, frame_boxes: np.ndarray, transform: FrameTransform,
                    input_size: tuple[int, int]) -> list[np.ndarray]:
     """Per kept box: its mask cropped to the box, in frame pixels (bool, the box's height x width).
 
-    `coefficients` (n, M), `protos` (M, h, w), `input_boxes` x1y1x2y2 in model-input pixels, `frame_boxes` the
-    same boxes in frame pixels. Only the box's region of the prototypes is computed."""
+    `coefficients` (n, M), `protos` (M, h, w), `frame_boxes` x1y1x2y2 in frame pixels, clipped to the frame. Each
+    box is mapped back to the prototypes through the same geometry (so a box clipped at the frame's edge, or
+    reaching into the letterbox padding, samples exactly its visible part), only its region of the prototypes
+    is computed, and it is sampled at fractional coordinates to the box's size in the frame."""
     m, ph, pw = protos.shape
     protos = np.ascontiguousarray(protos, dtype=np.float32)
     coefficients = np.ascontiguousarray(coefficients, dtype=np.float32)
-    sx, sy = pw / input_size[0], ph / input_size[1]
-    # every box's region of the prototypes and its size in the frame, worked out for all boxes at once
-    xs = np.stack([np.clip(np.floor(input_boxes[:, 0] * sx), 0, pw - 1), np.clip(np.ceil(input_boxes[:, 2] * sx), 1, pw)], 1)
-    ys = np.stack([np.clip(np.floor(input_boxes[:, 1] * sy), 0, ph - 1), np.clip(np.ceil(input_boxes[:, 3] * sy), 1, ph)], 1)
+    fx, fy = pw / input_size[0], ph / input_size[1]
+    px1 = (frame_boxes[:, 0] * transform.scale_x + transform.pad_x) * fx  # frame -> input -> prototype pixels
+    px2 = (frame_boxes[:, 2] * transform.scale_x + transform.pad_x) * fx
+    py1 = (frame_boxes[:, 1] * transform.scale_y + transform.pad_y) * fy
+    py2 = (frame_boxes[:, 3] * transform.scale_y + transform.pad_y) * fy
     sizes = np.maximum(1, np.rint(frame_boxes[:, 2:4] - frame_boxes[:, 0:2])).astype(int)
     masks = []
-    for coef, (x1, x2), (y1, y2), (width, height) in zip(coefficients, xs.astype(int), ys.astype(int), sizes):
-        if x2 <= x1 or y2 <= y1:
+    for i, (width, height) in enumerate(sizes):
+        x0, x1 = int(np.clip(np.floor(px1[i]), 0, pw - 1)), int(np.clip(np.ceil(px2[i]), 1, pw))
+        y0, y1 = int(np.clip(np.floor(py1[i]), 0, ph - 1)), int(np.clip(np.ceil(py2[i]), 1, ph))
+        if x1 <= x0 or y1 <= y0:
             masks.append(np.zeros((height, width), bool))
             continue
-        logits = np.tensordot(coef, protos[:, y1:y2, x1:x2], axes=1)
-        masks.append(cv2.resize(logits, (int(width), int(height)), interpolation=cv2.INTER_LINEAR) > 0.0)  # sigmoid > 0.5
+        logits = np.tensordot(coefficients[i], protos[:, y0:y1, x0:x1], axes=1)
+        sx, sy = (px2[i] - px1[i]) / width, (py2[i] - py1[i]) / height
+        # output pixel (u, v) samples the region at ((px1 - x0) + (u + 0.5) sx - 0.5, same for y)
+        warp = np.array([[sx, 0, px1[i] - x0 + 0.5 * sx - 0.5], [0, sy, py1[i] - y0 + 0.5 * sy - 0.5]], np.float64)
+        sampled = cv2.warpAffine(logits, warp, (int(width), int(height)), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+                                 borderMode=cv2.BORDER_REPLICATE)
+        masks.append(sampled > 0.0)  # sigmoid(x) > 0.5 <=> x > 0
     return masks
 
 
