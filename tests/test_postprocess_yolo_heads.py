@@ -171,7 +171,8 @@ def test_the_postprocess_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["found"] == {"detect": 60, "seg_instances": 100} and set(data["cases"]) == {
-        "yolo_detect_8400", "yolo_seg_100", "matte_composite_640x480", "image_640x480"}
+        "yolo_detect_8400", "yolo_detect_crowded_700", "yolo_seg_100", "matte_composite_640x480", "image_640x480"}
+    assert data["image_to_image_model_640x480"]["int8_over_fp32_p50"] > 0
 
 
 def _runtime(path: Path, params: dict[str, Any]):
