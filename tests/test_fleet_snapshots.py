@@ -42,6 +42,7 @@ from deploy.fleet.records import Malformed, SnapshotRecord, parse_message, snaps
 from deploy.fleet.schema import ensure_schema
 from deploy.fleet.writer import write_batch
 from tests.browser import chromium, console_errors
+from tests.test_fleet_collector import query, stat  # one way to read the fleet database in tests
 from tests.dashboard_fixtures import running_dashboard
 from tests.fixtures_mqtt import Broker
 from tests.helpers import wait_for
@@ -217,19 +218,6 @@ def start_collector(made: list[Any], broker: Broker, db_url: str, prefix: str, *
     collector.start()
     assert wait_for(collector.subscribed.is_set, 15), "collector did not subscribe"
     return collector
-
-
-def query(url: str, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
-    db = open_db(url)
-    try:
-        return db.query(sql, params)
-    finally:
-        db.close()
-
-
-def stat(url: str, name: str) -> float:
-    rows = query(url, "SELECT value FROM collector_stats WHERE name = ?", (name,))
-    return rows[0]["value"] if rows else 0.0
 
 
 def stored(url: str, device: str) -> dict[str, dict[str, Any]]:
