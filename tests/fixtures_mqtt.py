@@ -355,6 +355,10 @@ class FakeControl:
         self.calls.append(("restart_pipeline", camera))
         return {"restarted": True}
 
+    def snapshot(self, camera: str | None, overlay: bool, request_id: str | None) -> dict:
+        self.calls.append(("snapshot", (camera, overlay, request_id)))
+        return {"camera": camera or "cam0", "overlay": overlay, "request_id": request_id, "bytes": 1234}
+
 
 @pytest.fixture
 def plane_factory(tmp_path: Path) -> Iterator[Callable[..., Any]]:

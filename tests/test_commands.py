@@ -243,6 +243,10 @@ def _args_ok(cmd: str, args: dict) -> bool:
         camera = args.get("camera")
         return set(args) <= {"camera"} and (camera is None or (isinstance(camera, str)
                                                                and re.fullmatch(r"[A-Za-z0-9_.-]{1,32}", camera) is not None))
+    if cmd == "snapshot":
+        camera, overlay = args.get("camera"), args.get("overlay", True)
+        return set(args) <= {"camera", "overlay"} and isinstance(overlay, bool) and (
+            camera is None or (isinstance(camera, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,32}", camera) is not None))
     if cmd == "deploy":
         url, timeout = args.get("url"), args.get("timeout_s")
         return (set(args) <= {"url", "timeout_s"} and isinstance(url, str) and 1 <= len(url) <= 2048
@@ -259,7 +263,8 @@ json_scalars = (st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floa
                 | st.text(max_size=12))
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
-arg_keys = st.sampled_from(["url", "timeout_s", "telemetry_interval_s", "results_rate_hz", "log_level", "camera", "x"])
+arg_keys = st.sampled_from(["url", "timeout_s", "telemetry_interval_s", "results_rate_hz", "log_level", "camera",
+                            "overlay", "x"])
 arg_values = json_values | st.sampled_from(["INFO", "DEBUG", "LOUD", "https://m/manifest.json", "", "cam0", "dock 2",
                                             "x" * 33]) | st.floats(-1, 5000)
 envelopes = st.fixed_dictionaries({}, optional={
