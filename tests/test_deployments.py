@@ -89,7 +89,8 @@ def test_candidate_failing_its_latency_gate_never_becomes_active(running_agent, 
     assert wait_terminal(agent, dep_id) == "failed"
     dep = agent.deployments.get(dep_id)
     assert dep.reason == "GATE_LATENCY"
-    assert dep.artifact_dir and not Path(dep.artifact_dir).exists()  # refused here: its bytes are not kept
+    # refused here: its bytes are not kept (removed just after the failed state is written: state before side effects)
+    assert dep.artifact_dir and wait_for(lambda: not Path(dep.artifact_dir).exists(), timeout=10)
     assert Path(agent.store.model_slot("active")["path"]).is_dir()
     assert wait_for(lambda: any(e["type"] == "artifact_collected" and e["payload"].get("reason") == "deployment failed"
                                 for e in agent.store.events(50)), timeout=10)
