@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import http.client
 import socket
 import statistics
 import subprocess

@@ -31,7 +31,7 @@ OpenCV). Boxes with no area, non-finite values, or nothing left inside the frame
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -136,12 +136,8 @@ def _nms_matrix(order: np.ndarray, x1: np.ndarray, y1: np.ndarray, x2: np.ndarra
                 classes: np.ndarray, iou_threshold: float, max_detections: int) -> np.ndarray:
     """The same greedy NMS over a precomputed pairwise IoU matrix: for the usual few hundred candidates one
     vectorised pass beats a compaction per kept box (60 kept of 89: 1.0 -> 0.2 ms)."""
-    area = (x2 - x1) * (y2 - y1)
-    iw = np.maximum(np.minimum(x2[:, None], x2[None, :]) - np.maximum(x1[:, None], x1[None, :]), 0)
-    ih = np.maximum(np.minimum(y2[:, None], y2[None, :]) - np.maximum(y1[:, None], y1[None, :]), 0)
-    inter = iw * ih
-    suppresses = (inter / np.maximum(area[:, None] + area[None, :] - inter, _TINY) > iou_threshold) & \
-        (classes[:, None] == classes[None, :])
+    cols = (x1, y1, x2, y2, (x2 - x1) * (y2 - y1), classes)
+    suppresses = _suppresses([c[:, None] for c in cols], [c[None, :] for c in cols], iou_threshold)
     removed = np.zeros(len(order), bool)
     keep: list[int] = []
     for i in range(len(order)):
@@ -155,13 +151,17 @@ def _nms_matrix(order: np.ndarray, x1: np.ndarray, y1: np.ndarray, x2: np.ndarra
 
 
 def _suppressed_by_first(cols: list[np.ndarray], iou_threshold: float) -> np.ndarray:
-    """Which boxes after the first it suppresses: same class and IoU > threshold (0 for empty unions)."""
-    x1, y1, x2, y2, area, classes, _ = cols
-    iw = np.maximum(np.minimum(x2[0], x2[1:]) - np.maximum(x1[0], x1[1:]), 0)
-    ih = np.maximum(np.minimum(y2[0], y2[1:]) - np.maximum(y1[0], y1[1:]), 0)
-    inter = iw * ih
-    iou = inter / np.maximum(area[0] + area[1:] - inter, _TINY)
-    return (iou > iou_threshold) & (classes[1:] == classes[0])
+    """Which boxes after the first it suppresses."""
+    return _suppresses([c[0] for c in cols[:6]], [c[1:] for c in cols[:6]], iou_threshold)
+
+
+def _suppresses(a: list[Any], b: list[Any], iou_threshold: float) -> np.ndarray:
+    """Where a box of `a` suppresses one of `b` (columns x1, y1, x2, y2, area, class, broadcast against each
+    other): same class and IoU > threshold (0 for empty unions). The one rule of both NMS paths."""
+    ax1, ay1, ax2, ay2, a_area, a_cls = a
+    bx1, by1, bx2, by2, b_area, b_cls = b
+    inter = np.maximum(np.minimum(ax2, bx2) - np.maximum(ax1, bx1), 0) * np.maximum(np.minimum(ay2, by2) - np.maximum(ay1, by1), 0)
+    return (inter / np.maximum(a_area + b_area - inter, _TINY) > iou_threshold) & (a_cls == b_cls)
 
 
 def _scores_v5(pred: np.ndarray, conf: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -197,10 +197,10 @@ def _scores_v8(pred: np.ndarray, conf: float) -> tuple[np.ndarray, np.ndarray, n
 
 
 def candidates(
-    pred: np.ndarray, layout: Layout, conf: float, max_candidates: int, with_index: bool = False
-) -> tuple[np.ndarray, ...]:
-    """Boxes (x1y1x2y2 float64), scores and classes above `conf`, at most `max_candidates`, best first; with
-    `with_index` also each one's anchor index in `pred` (a pose or seg head's extra columns are found by it)."""
+    pred: np.ndarray, layout: Layout, conf: float, max_candidates: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Boxes (x1y1x2y2 float64), scores and classes above `conf`, at most `max_candidates`, best first, and each
+    one's anchor index in `pred` (a pose or seg head's extra columns are found by it)."""
     xywh, scores, class_ids, index = (_scores_v8 if layout == "v8" else _scores_v5)(pred, conf)
     ok = (scores >= conf) & np.isfinite(scores) & np.isfinite(xywh).all(axis=1) & (xywh[:, 2:4] > 0).all(axis=1)
     xywh, scores, class_ids, index = xywh[ok], scores[ok], class_ids[ok], index[ok]
@@ -208,8 +208,7 @@ def candidates(
         top = np.argpartition(-scores, max_candidates - 1)[:max_candidates]
         xywh, scores, class_ids, index = xywh[top], scores[top], class_ids[top], index[top]
     order = np.lexsort((np.arange(len(scores)), -scores))
-    out = (xywh_to_xyxy(xywh[order]), scores[order].astype(np.float64), class_ids[order])
-    return (*out, index[order]) if with_index else out
+    return xywh_to_xyxy(xywh[order]), scores[order].astype(np.float64), class_ids[order], index[order]
 
 
 def yolox_grid(width: int, height: int, strides: list[int] | tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -306,7 +305,7 @@ class YoloPostprocessor:
             pred = decode_yolox(pred, *self._yolox_grid(pred.shape[0]))
         boxes, scores, class_ids, index = candidates(pred, "v5" if layout == "yolox" else
                                                      "v8" if layout in HEADS else layout,
-                                                     p.conf_threshold, p.max_candidates, with_index=True)
+                                                     p.conf_threshold, p.max_candidates)
         framed = clip_to_frame(transform.boxes_to_frame(boxes), transform)
         visible = (framed[:, 2] > framed[:, 0]) & (framed[:, 3] > framed[:, 1])
         boxes, scores, class_ids, framed, index = (boxes[visible], scores[visible], class_ids[visible], framed[visible],
