@@ -271,12 +271,55 @@ def deploy(
     timeout: float = typer.Option(3600.0, "--timeout", min=1, help="Seconds to wait with --wait."),
     allow_downgrade: bool = typer.Option(False, "--allow-downgrade",
                                          help="Accept a version older than the highest deployed (ARTIFACT_DOWNGRADE)."),
+    mode: str = typer.Option("swap", "--mode", help="swap: activate once gated. shadow: run beside the serving "
+                             "model on a share of live frames until promoted or cancelled (--wait returns then)."),
+    share: Optional[float] = typer.Option(None, "--share", min=0.0001, max=1.0, help="shadow: share of frames (0.1)."),
+    every: Optional[int] = typer.Option(None, "--every", min=1, help="shadow: every Nth frame instead of a share."),
+    promote_min_frames: Optional[int] = typer.Option(None, "--promote-min-frames", min=1,
+                                                     help="shadow: promote automatically after this many frames..."),
+    promote_min_agreement: Optional[float] = typer.Option(None, "--promote-min-agreement", min=0, max=1,
+                                                          help="...at this agreement or more (default 0.95)..."),
+    promote_max_p99_ms: Optional[float] = typer.Option(None, "--promote-max-p99-ms", min=0.001,
+                                                       help="...and this candidate p99 or less (default: its budget)."),
+    cancel_below: Optional[float] = typer.Option(None, "--cancel-below", min=0, max=1,
+                                                 help="shadow: cancel when window agreement falls below (0.5)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for the socket path)."),
 ) -> None:
-    """Ask the running agent to deploy a model artifact."""
-    from agent.deploy_cli import run_deploy
+    """Ask the running agent to deploy a model artifact (or to shadow it first: --mode shadow)."""
+    from agent.deploy_cli import run_deploy, shadow_args
 
-    raise typer.Exit(run_deploy(load_config_or_exit(config), url, wait, timeout, out, err, allow_downgrade))
+    if mode not in ("swap", "shadow"):
+        err.print(f"[red]--mode must be swap or shadow, not {mode!r}[/]")
+        raise typer.Exit(2)
+    shadow = shadow_args(share, every, promote_min_frames, promote_min_agreement, promote_max_p99_ms, cancel_below) \
+        if mode == "shadow" else None
+    raise typer.Exit(run_deploy(load_config_or_exit(config), url, wait, timeout, out, err, allow_downgrade, shadow))
+
+
+@app.command()
+def promote(
+    deployment: Optional[str] = typer.Option(None, "--deployment", help="The shadow's deployment id (default: the one running)."),
+    wait: bool = typer.Option(False, "--wait", help="Follow the promotion; exit 0 when the candidate is active."),
+    timeout: float = typer.Option(600.0, "--timeout", min=1, help="Seconds to wait with --wait."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for the socket path)."),
+) -> None:
+    """Promote the running shadow deployment: its candidate becomes the serving model (hot swap)."""
+    from agent.deploy_cli import run_decision
+
+    raise typer.Exit(run_decision(load_config_or_exit(config), "promote", deployment, wait, timeout, out, err))
+
+
+@app.command()
+def cancel(
+    deployment: Optional[str] = typer.Option(None, "--deployment", help="The shadow's deployment id (default: the one running)."),
+    wait: bool = typer.Option(False, "--wait", help="Wait until the deployment is recorded cancelled."),
+    timeout: float = typer.Option(60.0, "--timeout", min=1, help="Seconds to wait with --wait."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for the socket path)."),
+) -> None:
+    """Cancel the running shadow deployment; the serving model was never touched."""
+    from agent.deploy_cli import run_decision
+
+    raise typer.Exit(run_decision(load_config_or_exit(config), "cancel", deployment, wait, timeout, out, err))
 
 
 @app.command()

@@ -24,10 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from agent.artifacts.urlpolicy import Channel
 from agent.mqtt.config import RESULTS_RATE_BOUNDS, TELEMETRY_INTERVAL_BOUNDS
+from agent.shadow.plan import ShadowArgs
 from agent.sources.base import CAMERA_NAME_PATTERN
 from agent.wire_errors import internal_error, new_ref
 from engines.errors import EdgeError
 from engines.registry import Registry, UnknownPluginError
+from engines.shadow_policy import CancelBelow, PromoteWhen
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +51,17 @@ class AgentControl(Protocol):
         ...
 
     def deploy(self, url: str, timeout_s: float | None, *, allow_downgrade: bool = False,
-               channel: Channel = "mqtt") -> dict:
-        """Start a deployment and return at once: {"accepted": True, "deployment_id": ...}."""
+               channel: Channel = "mqtt", shadow: ShadowArgs | None = None) -> dict:
+        """Start a deployment and return at once: {"accepted": True, "deployment_id": ...}; with `shadow` the
+        candidate runs beside the serving model until promoted or cancelled."""
+        ...
+
+    def promote(self, deployment_id: str | None = None) -> dict:
+        """Promote the running shadow deployment (EdgeError NO_SHADOW when none runs)."""
+        ...
+
+    def cancel(self, deployment_id: str | None = None) -> dict:
+        """Cancel the running shadow deployment (EdgeError NO_SHADOW when none runs)."""
         ...
 
     def rollback(self) -> dict:
@@ -117,6 +128,40 @@ class DeployArgs(_Channelled):
                      description="Manifest URL: https:// (http:// when allowed; file:// from the control socket only).")
     timeout_s: Optional[float] = Field(default=None, gt=0, le=86400, description="Give up after this long.")
     allow_downgrade: bool = Field(default=False, description="Accept a version older than the highest deployed.")
+    mode: Literal["swap", "shadow"] = Field(default="swap", description="swap: activate once gated. shadow: run "
+                                            "beside the serving model on a share of live frames first, until "
+                                            "promoted or cancelled (docs/deployments.md#shadow-deployments).")
+    share: Optional[float] = Field(default=None, gt=0, le=1, description="shadow: share of frames (default 0.1).")
+    every: Optional[int] = Field(default=None, ge=1, le=100_000, description="shadow: every Nth frame instead.")
+    window_frames: Optional[int] = Field(default=None, ge=10, le=100_000, description="shadow: sliding window.")
+    report_interval_s: Optional[float] = Field(default=None, ge=0.5, le=3600, description="shadow: report period.")
+    promote_when: Optional[PromoteWhen] = Field(default=None, description="shadow: automatic promotion.")
+    cancel_below: Optional[CancelBelow] = Field(default=None, description="shadow: automatic cancel floors.")
+
+    @model_validator(mode="after")
+    def _shadow_only(self) -> "DeployArgs":
+        given = [name for name in SHADOW_FIELDS if getattr(self, name) is not None]
+        if given and self.mode != "shadow":
+            raise ValueError(f"{', '.join(given)} only go with mode=shadow")
+        if self.share is not None and self.every is not None:
+            raise ValueError("give share or every, not both")
+        return self
+
+    def shadow_args(self) -> ShadowArgs | None:
+        """The shadow part (None for a plain deployment)."""
+        if self.mode != "shadow":
+            return None
+        return ShadowArgs(**{name: getattr(self, name) for name in SHADOW_FIELDS if getattr(self, name) is not None})
+
+
+SHADOW_FIELDS = ("share", "every", "window_frames", "report_interval_s", "promote_when", "cancel_below")
+
+
+class ShadowDecisionArgs(_Strict):
+    """promote / cancel: the running shadow deployment (optionally named, so a stale command misses)."""
+
+    deployment_id: Optional[str] = Field(default=None, min_length=1, max_length=64,
+                                         description="The shadow's deployment id; omitted: whichever runs.")
 
 
 class SetConfigArgs(_Strict):
@@ -172,7 +217,22 @@ def _status(control: AgentControl, args: NoArgs) -> dict:
 
 @command("deploy", DeployArgs, "Start a deployment; replies at once, progress follows as events.", per_minute=10)
 def _deploy(control: AgentControl, args: DeployArgs) -> dict:
-    return control.deploy(args.url, args.timeout_s, allow_downgrade=args.allow_downgrade, channel=args.channel)
+    shadow = args.shadow_args()
+    if shadow is None:  # the plain call: controls that predate shadows keep working
+        return control.deploy(args.url, args.timeout_s, allow_downgrade=args.allow_downgrade, channel=args.channel)
+    return control.deploy(args.url, args.timeout_s, allow_downgrade=args.allow_downgrade, channel=args.channel,
+                          shadow=shadow)
+
+
+@command("promote", ShadowDecisionArgs, "Promote the running shadow deployment: hot swap to its candidate.",
+         per_minute=10)
+def _promote(control: AgentControl, args: ShadowDecisionArgs) -> dict:
+    return control.promote(args.deployment_id)
+
+
+@command("cancel", ShadowDecisionArgs, "Cancel the running shadow deployment; the serving model stays.", per_minute=10)
+def _cancel(control: AgentControl, args: ShadowDecisionArgs) -> dict:
+    return control.cancel(args.deployment_id)
 
 
 @command("rollback", NoArgs, "Return to the previous active model.", per_minute=10)

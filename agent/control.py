@@ -37,6 +37,7 @@ class AgentController:
             "previous_model": agent.previous.describe() if agent.previous else (
                 model_row(store.model_slot("previous")) if store else None),
             "deployment": agent.manager.status() if agent.manager else None,
+            "shadow": agent.manager.shadowing.status() if agent.manager else None,  # a shadow deployment's numbers
             "recent_deployments": recent,
             "fps": agent.recent_fps(),  # delivered over the last 5 s
             "fps_since_start": summary["fps"],
@@ -54,10 +55,19 @@ class AgentController:
         }
 
     def deploy(self, url: str, timeout_s: float | None, *, allow_downgrade: bool = False,
-               channel: str = "mqtt") -> dict:
-        """Accept a deployment (URL policy of `channel`, deadline `timeout_s`); progress follows as events."""
+               channel: str = "mqtt", shadow: Any = None) -> dict:
+        """Accept a deployment (URL policy of `channel`, deadline `timeout_s`, `shadow` mode); progress follows
+        as events."""
         return self.agent.manager.request(url, timeout_s=timeout_s, allow_downgrade=allow_downgrade,
-                                          channel=channel)
+                                          channel=channel, shadow=shadow)
+
+    def promote(self, deployment_id: str | None = None) -> dict:
+        """Promote the running shadow deployment (hot swap to the candidate; the watch follows)."""
+        return self.agent.manager.request_decision("promote", deployment_id)
+
+    def cancel(self, deployment_id: str | None = None) -> dict:
+        """Cancel the running shadow deployment; the serving model was never touched."""
+        return self.agent.manager.request_decision("cancel", deployment_id)
 
     def rollback(self) -> dict:
         """Back to the previous model."""

@@ -14,7 +14,7 @@ from engines.errors import EdgeError
 
 POLL_S = 0.5
 DONE_OK = {"active"}
-DONE_BAD = {"failed", "rolled_back"}
+DONE_BAD = {"failed", "rolled_back", "cancelled"}
 
 
 def _call(config: AgentConfig, command: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -32,11 +32,27 @@ def _find(status: dict[str, Any], dep_id: str) -> dict[str, Any] | None:
     return next((d for d in status.get("recent_deployments", []) if d.get("deployment_id") == dep_id), None)
 
 
+def shadow_args(share: float | None, every: int | None, min_frames: int | None, min_agreement: float | None,
+                max_p99_ms: float | None, cancel_below: float | None) -> dict[str, Any]:
+    """The deploy command's shadow arguments from the CLI's flags (unset ones left to the manifest/defaults)."""
+    args: dict[str, Any] = {k: v for k, v in (("share", share), ("every", every)) if v is not None}
+    rule = {k: v for k, v in (("min_frames", min_frames), ("min_agreement", min_agreement),
+                              ("max_p99_ms", max_p99_ms)) if v is not None}
+    if rule:
+        args["promote_when"] = rule
+    if cancel_below is not None:
+        args["cancel_below"] = {"agreement": cancel_below}
+    return args
+
+
 def run_deploy(config: AgentConfig, url: str, wait: bool, timeout: float, out: Console, err: Console,
-               allow_downgrade: bool = False) -> int:
-    """Send `deploy`; with wait, print each state change until active (0) or failed (1)."""
+               allow_downgrade: bool = False, shadow: dict[str, Any] | None = None) -> int:
+    """Send `deploy`; with wait, print each state change until active (0) or failed (1). With `shadow` (the
+    deploy command's shadow arguments) the wait ends when the shadow runs (`shadowing`)."""
+    args = {"url": url, **({"allow_downgrade": True} if allow_downgrade else {}),
+            **({"mode": "shadow", **shadow} if shadow is not None else {})}
     try:
-        accepted = _call(config, "deploy", {"url": url, **({"allow_downgrade": True} if allow_downgrade else {})})
+        accepted = _call(config, "deploy", args)
     except EdgeError as exc:
         err.print(f"[red]deploy refused ({exc.code}):[/] {escape(str(exc))}")
         return 1
@@ -44,6 +60,11 @@ def run_deploy(config: AgentConfig, url: str, wait: bool, timeout: float, out: C
     out.print(f"deployment {dep_id} {'joined' if accepted.get('joined') else 'accepted'}")
     if not wait:
         return 0
+    return follow(config, dep_id, {"shadowing", *DONE_OK} if shadow is not None else DONE_OK, timeout, out, err)
+
+
+def follow(config: AgentConfig, dep_id: str, done_ok: set[str], timeout: float, out: Console, err: Console) -> int:
+    """Print the deployment's state changes until one of `done_ok` (0) or a bad end (1)."""
     deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         try:
@@ -55,16 +76,31 @@ def run_deploy(config: AgentConfig, url: str, wait: bool, timeout: float, out: C
         if state and state != last:
             out.print(f"  {time.strftime('%H:%M:%S')} {state}", highlight=False)
             last = state
-        if state in DONE_OK:
-            out.print(f"[green]active:[/] {found.get('model_name')}@{found.get('model_version')}")
+        if found and state in done_ok:
+            out.print(f"[green]{state}:[/] {found.get('model_name')}@{found.get('model_version')}")
             return 0
-        if state in DONE_BAD:
-            err.print(f"[red]{state} ({found.get('reason')}):[/] {found.get('message', '')}")
+        if found and state in DONE_BAD:
+            err.print(f"[red]{state} ({found.get('reason')}):[/] {escape(str(found.get('message', '')))}")
             return 1
         time.sleep(POLL_S)
     err.print(f"[red]timed out after {timeout:.0f} s waiting for deployment {dep_id} (last state {last}); "
               "it continues in the agent[/]")
     return 1
+
+
+def run_decision(config: AgentConfig, outcome: str, deployment_id: str | None, wait: bool, timeout: float,
+                 out: Console, err: Console) -> int:
+    """`promote` or `cancel` the running shadow; promote --wait follows the candidate until active."""
+    try:
+        result = _call(config, outcome, {"deployment_id": deployment_id} if deployment_id else {})
+    except EdgeError as exc:
+        err.print(f"[red]{outcome} refused ({exc.code}):[/] {escape(str(exc))}")
+        return 1
+    out.print(f"shadow {result['deployment_id']}: {result['outcome']} after {result['frames']} frames "
+              f"(agreement {result['agreement']})", highlight=False)
+    if not wait:
+        return 0
+    return follow(config, result["deployment_id"], DONE_OK if outcome == "promote" else {"cancelled"}, timeout, out, err)
 
 
 def run_rollback(config: AgentConfig, out: Console, err: Console) -> int:

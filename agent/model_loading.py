@@ -114,11 +114,22 @@ class ModelLoader:
         """Load the engine file and warm it up."""
         options = EngineOptions(intra_op_threads=self.config.model.threads, allow_spinning=self.config.model.spin_wait,
                                 max_batch=built_max_batch(provisioned))
+        return self._load_warm(source, provisioned, origin, options)
+
+    def _load_warm(self, source: ModelSource, provisioned: ProvisionResult, origin: str,
+                   options: EngineOptions) -> LoadedModel:
         runtime = load_provisioned(provisioned, source, options)
         spec = source.manifest.preprocess
         if self.config.model.warmup_runs:
             runtime.warmup(np.zeros((spec.height, spec.width, 3), np.uint8), self.config.model.warmup_runs)
         return LoadedModel(source, runtime, provisioned, origin)
+
+    def load_for_shadow(self, source: ModelSource, provisioned: ProvisionResult) -> LoadedModel:
+        """The candidate of a shadow deployment ([deployments] shadow_threads), loaded on the caller's thread (the
+        shadow's, at its lower priority: the engine's threads inherit it); warmed like any model."""
+        threads = self.config.deployments.shadow_threads or self.config.model.threads
+        options = EngineOptions(intra_op_threads=threads, allow_spinning=False, max_batch=built_max_batch(provisioned))
+        return self._load_warm(source, provisioned, "shadow", options)
 
     def load(self, source: ModelSource, origin: str, on_progress: Progress | None = None) -> LoadedModel:
         """Provision then load."""

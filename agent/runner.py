@@ -33,6 +33,7 @@ from agent.pipeline.frame_stats import FrameStats
 from agent.pipeline.summary import camera_numbers, capture_totals
 from agent.plane import AgentPlane
 from agent.sdnotify import Notifier, ProgressWatchdog
+from agent.shadow import wiring as shadow_wiring
 from agent.live_frame_sampler import LiveFrameSampler
 from agent.model_loading import LoadedModel, ModelLoader, live_frames_dir
 from agent.sources.base import Frame
@@ -69,6 +70,7 @@ class Agent:
         self.loader: ModelLoader | None = None
         self.active: LoadedModel | None = None
         self.previous: LoadedModel | None = None
+        self.shadow: Any = None  # agent.shadow.session.ShadowSession of a shadow deployment while it runs
         self.adapt: Any = None  # agent.adapt controller of the active model family (docs/adaptive.md)
         self.output_health = OutputHealth()  # per camera: what the serving model finds (the watch's collapse check)
         # state-store writes that failed (a lock, a full disk): never fatal; a full disk sheds what it can
@@ -295,6 +297,9 @@ class Agent:
 
     def _on_result(self, frame: Frame, result: Any, runtime: Any) -> None:
         self._delivered.append(time.monotonic())
+        shadow = self.shadow
+        if shadow is not None:  # a share of the frames, into a one-slot mailbox: never waits
+            shadow.offer(frame.source, frame.image, frame.captured_at, result, runtime)
         adapt_wiring.on_result(self, frame, runtime)
         self.output_health.record(frame.source, result, runtime)
         if self.live_frames is not None:
@@ -584,6 +589,19 @@ class Agent:
                       **deployment_watch.watch_summary(self.worker, floors, self.output_health))
         adapt_wiring.release(self)  # the new family builds its variants and switches only now
         return None
+
+    def start_shadow(self, source: ModelSource, provisioned: Any, dep: Deployment, plan: Any,
+                     on_verdict: Callable[[Any], None]) -> Any:
+        """A shadow deployment's candidate beside the serving model (agent.shadow.wiring)."""
+        return shadow_wiring.start(self, source, provisioned, dep, plan, on_verdict)
+
+    def stop_shadow(self, session: Any) -> None:
+        """The shadow gets no more frames; its engine is closed."""
+        shadow_wiring.stop(self, session)
+
+    def serving_label(self) -> str:
+        """name@version of the serving model."""
+        return shadow_wiring.serving_label(self)
 
     def rollback(self, reason: str, numbers: dict[str, Any] | None = None) -> dict[str, Any]:
         """Back to the previous model: instant when it is still loaded, else loaded again from its artifact."""

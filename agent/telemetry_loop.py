@@ -57,6 +57,9 @@ class FramePathMeter:
         batch = batch_numbers(agent.worker)
         if batch is not None:
             out["batch"] = batch
+        shadow = getattr(agent, "shadow", None)
+        if shadow is not None and not shadow.done:
+            out["shadow"] = shadow.telemetry()  # a shadow deployment's agreement so far (docs/deployments.md#shadow-deployments)
         adapt = getattr(agent, "adapt", None)
         if adapt is not None:
             out["adapt"] = adapt.telemetry()  # {enabled, pinned, variant}: the policy state, docs/adaptive.md
@@ -129,6 +132,11 @@ class TelemetryThread(threading.Thread):
         if throttled != self._throttled and self.on_throttle is not None:
             self.on_throttle(throttled, sample.get("throttle") or {})
         self._throttled = throttled
+
+    @property
+    def throttled(self) -> bool:
+        """The last sample's throttling flag (a shadow deployment yields while it is set)."""
+        return self._throttled
 
     def stop(self) -> None:
         """Wake and join."""

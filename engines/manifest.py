@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engines.errors import ModelError
 from engines.preprocess import PreprocessSpec
+from engines.shadow_policy import ShadowPolicy
 
 MANIFEST_SCHEMA = "edge-agent/model/v1"
 MANIFEST_NAME = "manifest.json"
@@ -142,6 +143,9 @@ class Manifest(BaseModel):
     description: str = ""
     variants: list[Variant] | None = Field(
         None, description="Model family for adaptation, most accurate first (docs/adaptive.md); None: one model.")
+    shadow: ShadowPolicy | None = Field(
+        None, description="How a shadow deployment of this model is judged (docs/deployments.md#shadow-deployments); "
+        "the deploy command's values win.")
 
     @model_validator(mode="after")
     def _variants_valid(self) -> "Manifest":

@@ -173,7 +173,7 @@ def agreement(kind: str, params: dict[str, Any], pairs: Sequence[tuple[Run, Run]
 
         refs, cands = [r[1] for r, _ in pairs], [c[1] for _, c in pairs]
         f1, ratio = box_agreement(refs, cands)
-        inside = instance_agreement([p for r, c in zip(refs, cands) for p in _match(r, c, BOX_IOU)])
+        inside = instance_agreement([p for r, c in zip(refs, cands) for p in match_detections(r, c, BOX_IOU)])
         out = {**({"matched_score_ratio": round(ratio, 4)} if ratio is not None else {}), **inside}
         return min([f1, *inside.values()]), (out or None)
     if kind == "db_text":
@@ -273,7 +273,7 @@ def box_agreement(reference: Sequence[InferenceResult], candidate: Sequence[Infe
     ref_scores: list[float] = []
     cand_scores: list[float] = []
     for ref, cand in zip(reference, candidate):
-        pairs = _match(ref, cand, iou)
+        pairs = match_detections(ref, cand, iou)
         tp += len(pairs)
         fp += len(cand.detections) - len(pairs)
         fn += len(ref.detections) - len(pairs)
@@ -284,7 +284,7 @@ def box_agreement(reference: Sequence[InferenceResult], candidate: Sequence[Infe
     return f1, ratio
 
 
-def _match(ref: InferenceResult, cand: InferenceResult, threshold: float) -> list[tuple[Any, Any]]:
+def match_detections(ref: InferenceResult, cand: InferenceResult, threshold: float) -> list[tuple[Any, Any]]:
     """(reference, candidate) detection pairs, matched greedily by the candidate's score."""
     free = list(ref.detections)
     pairs = []

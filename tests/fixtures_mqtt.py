@@ -333,6 +333,16 @@ class FakeControl:
         self.deploy_options = options  # allow_downgrade, channel
         return {"accepted": True, "deployment_id": f"dep-{len(self.calls)}"}
 
+    def promote(self, deployment_id: str | None = None) -> dict:
+        self.calls.append(("promote", deployment_id))
+        return {"accepted": True, "deployment_id": deployment_id or "dep-1", "outcome": "promoted", "frames": 0,
+                "agreement": None}
+
+    def cancel(self, deployment_id: str | None = None) -> dict:
+        self.calls.append(("cancel", deployment_id))
+        return {"accepted": True, "deployment_id": deployment_id or "dep-1", "outcome": "cancelled", "frames": 0,
+                "agreement": None}
+
     def rollback(self) -> dict:
         self.calls.append(("rollback", None))
         if self.fail_rollback:

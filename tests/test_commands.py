@@ -21,7 +21,7 @@ from tests.fixtures_mqtt import FakeControl
 
 LIMIT = 4096
 NO_ARGS = ("ping", "status", "rollback", "engines")
-OPTIONAL_ARGS = ("restart_pipeline",)  # valid without args too
+OPTIONAL_ARGS = ("restart_pipeline", "promote", "cancel")  # valid without args too
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def _send(dispatcher: CommandDispatcher, command: str, args: Any = None, id: str
 
 def test_table_has_the_contract_commands() -> None:
     assert set(COMMANDS.names()) == {"ping", "status", "deploy", "rollback", "set_config", "engines",
-                                     "restart_pipeline", "set_policy", "snapshot"}
+                                     "restart_pipeline", "set_policy", "snapshot", "promote", "cancel"}
 
 
 @pytest.mark.parametrize(("command", "args", "call", "result_key"), [
@@ -82,7 +82,7 @@ def test_each_command_runs_its_handler(dispatcher: CommandDispatcher, control: F
     (b'{"id": "a"}', "INVALID_COMMAND", "command: Field required", "a"),
     (b'{"id": "a", "command": "ping", "sig": "x"}', "INVALID_COMMAND", "sig: Extra inputs are not permitted", "a"),
     (b'{"id": "a", "command": "ping", "args": []}', "INVALID_COMMAND", "args: Input should be a valid dictionary", "a"),
-    (b'{"id": "a", "command": "reboot"}', "UNKNOWN_COMMAND", "unknown command 'reboot' (available: deploy", "a"),
+    (b'{"id": "a", "command": "reboot"}', "UNKNOWN_COMMAND", "unknown command 'reboot' (available: cancel, deploy", "a"),
     (b'{"id": "a", "command": "ping", "args": {"x": 1}}', "INVALID_COMMAND", "args.x: Extra inputs", "a"),
     (b'{"id": "a", "command": "deploy", "args": {}}', "INVALID_COMMAND", "args.url: Field required", "a"),
     (b'{"id": "a", "command": "deploy", "args": {"url": "u", "timeout_s": "10"}}', "INVALID_COMMAND",
@@ -243,6 +243,9 @@ def _args_ok(cmd: str, args: dict) -> bool:
         camera = args.get("camera")
         return set(args) <= {"camera"} and (camera is None or (isinstance(camera, str)
                                                                and re.fullmatch(r"[A-Za-z0-9_.-]{1,32}", camera) is not None))
+    if cmd in ("promote", "cancel"):
+        dep = args.get("deployment_id")
+        return set(args) <= {"deployment_id"} and (dep is None or (isinstance(dep, str) and 1 <= len(dep) <= 64))
     if cmd == "snapshot":
         camera, overlay = args.get("camera"), args.get("overlay", True)
         return set(args) <= {"camera", "overlay"} and isinstance(overlay, bool) and (

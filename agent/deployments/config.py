@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,7 +52,7 @@ class DeploymentConfig(BaseModel):
         512, ge=0, description="Keep the previous engine loaded only while this much memory stays free."
     )
     keep_deployments: int = Field(
-        50, ge=1, le=10000, description="Finished deployments (active, failed, rolled_back) kept in state.db with their "
+        50, ge=1, le=10000, description="Finished deployments (active, failed, rolled_back, cancelled) kept in state.db with their "
         "transition logs; older ones are deleted at start and after each deployment. The deployments of the active and "
         "previous models are always kept.",
     )
@@ -60,4 +60,12 @@ class DeploymentConfig(BaseModel):
         10, ge=0, le=600, description="deploy commands accepted per minute, counted per channel (MQTT and the control "
         "socket each have their own window); a URL refused by the policy uses none. More are answered RATE_LIMITED "
         "with the seconds to wait. 0 = no limit.",
+    )
+    shadow_threads: int = Field(
+        1, ge=0, le=64, description="Engine threads of a shadow candidate (mode=shadow): it runs beside the serving "
+        "model at a lower scheduling priority, and one thread keeps it to one core. 0 = [model] threads.",
+    )
+    shadow_yield_p99_ms: Optional[float] = Field(
+        None, gt=0, description="The serving model's recent p99 (glass to result, last 3 s) at or above which a "
+        "shadow skips frames (counted as skipped `budget`); unset: 0.9 x the serving model's gates.latency_budget_ms.",
     )

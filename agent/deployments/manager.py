@@ -23,8 +23,10 @@ from agent.artifacts.transport import FetchError
 from agent.artifacts.trust import verify_artifact
 from agent.artifacts.urlpolicy import LOCAL, Channel, UrlRefused, check_url
 from agent.deployments.config import DeploymentConfig
+from agent.deployments.shadowing import ShadowHost, ShadowStage, end_interrupted_shadow
 from agent.deployments.store import Deployment, DeploymentStore
 from agent.deployments.versions import VersionMemory
+from agent.shadow.plan import ShadowArgs
 from agent.storage_reclaim import tree_size
 from agent.testhooks import pause_point
 from agent.wire_errors import internal_error
@@ -45,7 +47,8 @@ class RequestOptions:
 
     channel: Channel = "mqtt"
     allow_downgrade: bool = False
-    deadline: float | None = None  # time.monotonic() by which the deployment must be active
+    deadline: float | None = None  # time.monotonic() by which the deployment must be active (shadow: shadowing)
+    shadow: ShadowArgs | None = None  # mode=shadow: the candidate runs beside the serving model first
 
     def remaining_s(self) -> float | None:
         """Seconds left before the deadline (None: no deadline from the command)."""
@@ -58,7 +61,7 @@ class BusyError(EdgeError):
     code = "BUSY"
 
 
-class SwapHost(Protocol):
+class SwapHost(ShadowHost, Protocol):
     """What the deployment worker needs from the running agent (implemented by agent.runner.Agent)."""
 
     def provision(self, source: ModelSource, on_progress: Callable[[dict], None], stop: threading.Event) -> Any:
@@ -101,20 +104,23 @@ class DeploymentManager(threading.Thread):
         self.versions.seed_from_active()  # an upgraded agent or a fresh database knows what is deployed
         self._unrecorded: list[tuple[Deployment, str, str]] = []  # failures the database refused; retried
         self.progress: dict[str, Any] = {}
+        self.shadowing = ShadowStage(store, host, emit, stop_event)
 
     # --- requests (any thread) -----------------------------------------------------------------
 
     def request(self, url: str, *, timeout_s: float | None = None, allow_downgrade: bool = False,
-                channel: Channel = "mqtt") -> dict[str, Any]:
+                channel: Channel = "mqtt", shadow: ShadowArgs | None = None) -> dict[str, Any]:
         """Start a deployment; the same URL while busy joins it; another one is refused with BUSY.
 
         The URL must pass the policy of the channel the command came from (ARTIFACT_URL_REFUSED), checked
-        here so the refusal is the command's reply; `timeout_s` bounds the whole deployment up to activation.
+        here so the refusal is the command's reply; `timeout_s` bounds the whole deployment up to activation
+        (with `shadow`: up to the start of the shadow, which then runs until promoted or cancelled).
         """
         if not url or len(url) > 2048:
             raise EdgeError("deploy: url must be a non-empty manifest URL", code="INVALID_COMMAND")
         check_url(url, self.artifacts, channel)
-        options = RequestOptions(channel, allow_downgrade, None if timeout_s is None else time.monotonic() + timeout_s)
+        options = RequestOptions(channel, allow_downgrade, None if timeout_s is None else time.monotonic() + timeout_s,
+                                 shadow)
         with self._lock:
             current = self._current
             if current is not None:
@@ -126,8 +132,14 @@ class DeploymentManager(threading.Thread):
             self._current = dep
             self._options[dep.id] = options
         self._queue.put(dep)
-        self.emit("deployment", deployment_id=dep.id, state="requested", url=url)
-        return {"accepted": True, "deployment_id": dep.id, "joined": False, "state": "requested"}
+        self.emit("deployment", deployment_id=dep.id, state="requested", url=url,
+                  **({"mode": "shadow"} if shadow is not None else {}))
+        return {"accepted": True, "deployment_id": dep.id, "joined": False, "state": "requested",
+                **({"mode": "shadow"} if shadow is not None else {})}
+
+    def request_decision(self, outcome: str, deployment_id: str | None = None) -> dict[str, Any]:
+        """`promote` or `cancel` the shadow deployment running now (NO_SHADOW when none is)."""
+        return self.shadowing.decide(outcome, deployment_id)
 
     def request_rollback(self) -> dict[str, Any]:
         """Roll back to the previous model now, in the caller's thread (refused while a deployment runs)."""
@@ -153,7 +165,9 @@ class DeploymentManager(threading.Thread):
         dep = self._current or self._watching
         if dep is None:
             return None
-        return {**dep.to_dict(), "progress": dict(self.progress), "watching": dep is self._watching}
+        shadow = self.shadowing.status() if dep.state == "shadowing" else None
+        return {**dep.to_dict(), "progress": dict(self.progress), "watching": dep is self._watching,
+                **({"shadow": shadow} if shadow is not None else {})}
 
     # --- recovery (before start) -------------------------------------------------------------
 
@@ -161,6 +175,11 @@ class DeploymentManager(threading.Thread):
         """Mark deployments a crash interrupted as failed(INTERRUPTED); returns their ids."""
         interrupted = []
         for dep in self.store.in_progress():
+            if dep.state == "shadowing":  # ends with its recorded evidence, never silently
+                end_interrupted_shadow(self.store, dep, self.emit)
+                interrupted.append(dep.id)
+                log.warning("shadow deployment %s was interrupted; marked cancelled", dep.id)
+                continue
             self.store.transition(dep, "failed", reason="INTERRUPTED",
                                   message=f"the agent stopped during {dep.state}; the active model was kept")
             self.emit("deployment", deployment_id=dep.id, state="failed", reason="INTERRUPTED", was=dep.state)
@@ -212,7 +231,12 @@ class DeploymentManager(threading.Thread):
         try:
             source, provisioned = self._prepare(dep)
             self._check_deadline(dep)
-            self._step(dep, "activating")
+            shadow = self._options.get(dep.id, RequestOptions()).shadow
+            evidence = self.shadowing.run(dep, source, provisioned, shadow, self._step) if shadow is not None else None
+            if evidence is not None and evidence["outcome"] != "promoted":
+                self._cancelled(dep, evidence)
+                return
+            self._step(dep, "activating", **({"details": {"shadow": evidence}} if evidence is not None else {}))
             swap = self.host.activate(source, provisioned, dep)
             pause_point("activated")
             self.host.commit_active(source, provisioned, dep, self.store)
@@ -331,6 +355,15 @@ class DeploymentManager(threading.Thread):
             log.exception("could not record failure of %s; will retry", dep.id)
             self._unrecorded.append((dep, code, message))
         self.emit("deployment", deployment_id=dep.id, state="failed", reason=code, message=message[:500])
+        self._drop_failed_artifact(dep)
+
+    def _cancelled(self, dep: Deployment, evidence: dict[str, Any]) -> None:
+        """A shadow that ended without promotion: the serving model was never touched; the candidate's artifact
+        goes as a failed one's does (its engine stays in the cache until the cache's budget wants the space)."""
+        self.store.transition(dep, "cancelled", reason=evidence["reason"], message=evidence["message"][:2000],
+                              details={"shadow": evidence})
+        self.emit("deployment", deployment_id=dep.id, state="cancelled", reason=evidence["reason"],
+                  message=evidence["message"][:500])
         self._drop_failed_artifact(dep)
 
     def _drop_failed_artifact(self, dep: Deployment) -> None:

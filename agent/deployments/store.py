@@ -13,9 +13,9 @@ import sqlite_utils
 from agent.state import StateStore
 from engines.errors import EdgeError
 
-STATES = ("requested", "fetching", "verifying", "building", "validating", "ready", "activating", "active",
-          "failed", "rolled_back")
-TERMINAL = {"active", "failed", "rolled_back"}
+STATES = ("requested", "fetching", "verifying", "building", "validating", "ready", "shadowing", "activating",
+          "active", "failed", "rolled_back", "cancelled")
+TERMINAL = {"active", "failed", "rolled_back", "cancelled"}
 IN_PROGRESS = set(STATES) - TERMINAL
 
 ALLOWED = {
@@ -24,11 +24,13 @@ ALLOWED = {
     "verifying": {"building", "failed"},
     "building": {"validating", "ready", "failed"},
     "validating": {"ready", "failed"},
-    "ready": {"activating", "failed"},
+    "ready": {"activating", "shadowing", "failed"},
+    "shadowing": {"activating", "cancelled", "failed"},  # a shadow deployment (agent.shadow) ends promoted or not
     "activating": {"active", "failed"},
     "active": {"rolled_back"},
     "failed": set(),
     "rolled_back": set(),
+    "cancelled": set(),
 }
 
 
@@ -121,6 +123,14 @@ class DeploymentStore:
         dep.state, dep.updated, dep.details = state, now, details
         for key, value in columns.items():
             setattr(dep, key, value)
+
+    def record_details(self, dep: Deployment, **details: Any) -> None:
+        """Merge `details` into the row without a transition (a running shadow's evidence, so a crash keeps it)."""
+        merged = {**(dep.details or {}), **details}
+        with self.state.transaction():
+            self.state.db.execute("UPDATE deployments SET details = ?, updated = ? WHERE id = ?",
+                                  (json.dumps(merged), time.time(), dep.id))
+        dep.details = merged
 
     def _current_state(self, dep_id: str) -> str:
         rows = list(self.state.db.query("SELECT state FROM deployments WHERE id = ?", (dep_id,)))

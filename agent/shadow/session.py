@@ -1,0 +1,229 @@
+"""One shadow deployment running: the candidate on its own low-priority thread, fed a share of the frames the
+serving model just finished, compared with the serving model's results on the same frames.
+
+The frame path only offers: a counter decides whether this frame is in the share, the pressure check (cached)
+whether the shadow must yield, and the frame and a frozen copy of its result go into a one-slot mailbox. A frame
+that finds the slot taken replaces it (the candidate is behind: the older one is skipped as `busy`). Nothing
+on the frame path waits on the candidate, its engine, the disk or the network.
+
+The thread lowers its own scheduling priority (Linux: `setpriority` on the thread id) before it loads the
+candidate, so the engine's threads, created by the load, inherit it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from agent.pipeline.histogram import LatencyHistogram
+from agent.shadow.agreement import ShadowAgreement
+from agent.shadow.plan import ShadowPlan
+from agent.shadow.pressure import ServingPressure
+from agent.shadow.verdict import Verdict, judge
+from engines.live_agreement import frozen_copy, live_metric
+from engines.postprocess import InferenceResult
+
+log = logging.getLogger(__name__)
+
+SHADOW_NICE = 10  # added to the thread's nice value: the frame path's threads win every contended core
+
+
+@dataclass(frozen=True)
+class ShadowModel:
+    """What the session runs: `load` returns an object with `runtime` (a ModelRuntime) and `runtime.close()`;
+    called on the shadow's own thread."""
+
+    deployment_id: str
+    label: str  # name@version
+    kind: str
+    labels: tuple[str, ...] | None
+    budget_ms: float | None
+    load: Callable[[], Any]
+
+
+@dataclass
+class _Offer:
+    camera: str
+    image: np.ndarray
+    result: InferenceResult
+
+
+@dataclass
+class _Counts:
+    offered: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    serving_swaps: int = 0
+
+
+class ShadowSession(threading.Thread):
+    """Started by the deployment manager; ends with a Verdict (its own, or `finish` from outside)."""
+
+    def __init__(self, model: ShadowModel, serving_label: str, plan: ShadowPlan, pressure: ServingPressure,
+                 emit: Callable[..., None], on_verdict: Callable[[Verdict], None]) -> None:
+        super().__init__(name="shadow", daemon=True)
+        self.model, self.plan, self.pressure = model, plan, pressure
+        self.serving_label = serving_label
+        self.agreement = ShadowAgreement(model.kind, model.labels, plan.window_frames)
+        self.candidate_ms = LatencyHistogram()
+        self.verdict: Verdict | None = None
+        self._emit, self._on_verdict = emit, on_verdict
+        self._counts = _Counts()
+        self._credit = 0.0
+        self._serving: Any = None
+        self._slot: Optional[_Offer] = None
+        self._cond = threading.Condition()
+        self._ready = threading.Event()
+        self._halt = threading.Event()
+        self._began = time.monotonic()
+
+    # --- the frame path (results thread) --------------------------------------------------------------
+
+    def offer(self, camera: str, image: np.ndarray, captured_at: float, result: InferenceResult, runtime: Any) -> None:
+        """One frame the serving model finished; never blocks."""
+        now = time.monotonic()
+        self.pressure.record((now - captured_at) * 1e3, now)
+        if runtime is not self._serving:
+            if self._serving is not None:  # a variant switch or another swap: compare afresh from here
+                self._counts.serving_swaps += 1
+                self.agreement.restart_windows()
+            self._serving = runtime
+        self._credit += self.plan.share
+        if self._credit < 1.0 - 1e-9:
+            return
+        self._credit -= 1.0
+        self._counts.offered += 1
+        reason = "loading" if not self._ready.is_set() else self.pressure.reason(now)
+        if reason is not None or self._halt.is_set():
+            self._counts.skipped[reason or "stopping"] += 1
+            return
+        offer = _Offer(camera, image, frozen_copy(result))
+        with self._cond:
+            if self._slot is not None:
+                self._counts.skipped["busy"] += 1
+            self._slot = offer
+            self._cond.notify()
+
+    # --- control ------------------------------------------------------------------------------------------
+
+    def finish(self, verdict: Verdict) -> bool:
+        """End the shadow with `verdict` (an operator's promote or cancel); False when it had ended already."""
+        with self._cond:
+            if self.verdict is not None:
+                return False
+            self.verdict = verdict
+            self._halt.set()
+            self._cond.notify_all()
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread (the candidate's engine is closed on it)."""
+        self._halt.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)
+
+    @property
+    def done(self) -> bool:
+        """True once a verdict is in."""
+        return self.verdict is not None
+
+    # --- the shadow thread ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        lower_priority(SHADOW_NICE)
+        try:
+            loaded = self.model.load()
+        except Exception as exc:
+            log.exception("shadow %s: the candidate could not be loaded", self.model.deployment_id)
+            self._conclude(Verdict("cancelled", "SHADOW_CANDIDATE_FAILED", f"the candidate could not be loaded: {exc}"))
+            return
+        self._ready.set()
+        try:
+            self._loop(loaded.runtime)
+        finally:
+            try:
+                loaded.runtime.close()
+            except Exception:
+                log.exception("shadow %s: closing the candidate failed", self.model.deployment_id)
+
+    def _loop(self, runtime: Any) -> None:
+        next_report = time.monotonic() + self.plan.report_interval_s
+        while not self._halt.is_set():
+            with self._cond:
+                if self._slot is None:
+                    self._cond.wait(min(0.2, max(0.0, next_report - time.monotonic())))
+                offer, self._slot = self._slot, None
+            if offer is not None and not self._halt.is_set():
+                verdict = self._compare(runtime, offer)
+                if verdict is not None:
+                    self._conclude(verdict)
+                    return
+            if time.monotonic() >= next_report:
+                next_report = time.monotonic() + self.plan.report_interval_s
+                self._emit("shadow/report", **self.report())
+
+    def _compare(self, runtime: Any, offer: _Offer) -> Verdict | None:
+        try:
+            result, times = runtime.run(offer.image)
+        except Exception as exc:  # the candidate fails on a live frame: the shadow ends, serving goes on
+            log.warning("shadow %s: the candidate failed on a frame of %s: %s", self.model.deployment_id,
+                        offer.camera, exc)
+            return Verdict("cancelled", "SHADOW_CANDIDATE_FAILED",
+                           f"the candidate failed on a frame of camera {offer.camera}: {type(exc).__name__}: {exc}"[:500])
+        self.candidate_ms.record(times.infer)
+        self.agreement.add(offer.camera, offer.result, result)
+        return judge(self.plan, self.model.kind, self.agreement.numbers(), self.candidate_ms.percentile(99),
+                     self.model.budget_ms)
+
+    def _conclude(self, verdict: Verdict) -> None:
+        if self.finish(verdict):
+            log.info("shadow %s: %s (%s): %s", self.model.deployment_id, verdict.outcome, verdict.reason,
+                     verdict.message)
+            self._on_verdict(verdict)
+
+    # --- numbers ---------------------------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """The shadow's numbers: status, telemetry, shadow/report and shadow/finished, the deployment's evidence."""
+        counts = self._counts
+        numbers = self.agreement.numbers()
+        latency = _latency(self.candidate_ms)
+        p99 = self.pressure.p99()
+        return {"deployment_id": self.model.deployment_id, "model": self.model.label, "active_model": self.serving_label,
+                "metric": live_metric(self.model.kind), **numbers, "share": round(self.plan.share, 6),
+                "offered": counts.offered, "skipped": dict(counts.skipped), "skipped_total": sum(counts.skipped.values()),
+                "candidate_ms": latency, "active_p99_ms": None if p99 is None else round(p99, 3),
+                "serving_swaps": counts.serving_swaps, "elapsed_s": round(time.monotonic() - self._began, 1),
+                "state": "loading" if not self._ready.is_set() else ("finished" if self.done else "running")}
+
+    def telemetry(self) -> dict[str, Any]:
+        """The compact form every telemetry sample carries while the shadow runs."""
+        full = self.report()
+        latency = full["candidate_ms"] or {}
+        return {"deployment_id": full["deployment_id"], "model": full["model"], "frames": full["frames"],
+                "agreement": full["agreement"], "window_agreement": full["window_agreement"],
+                "candidate_p99_ms": latency.get("p99"), "skipped_total": full["skipped_total"]}
+
+
+def _latency(histogram: LatencyHistogram) -> dict[str, float] | None:
+    if not histogram.count:
+        return None
+    return {"mean": round(histogram.mean or 0.0, 3), "p50": round(histogram.percentile(50) or 0.0, 3),
+            "p99": round(histogram.percentile(99) or 0.0, 3), "count": histogram.count}
+
+
+def lower_priority(increment: int) -> None:
+    """Raise this thread's nice value by `increment` (Linux: per thread); elsewhere a no-op, logged."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except (AttributeError, OSError) as exc:
+        log.info("shadow: could not lower the thread's priority (%s); it runs at the frame path's", exc)

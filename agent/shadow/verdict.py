@@ -1,0 +1,78 @@
+"""The automatic decisions of a shadow: cancel when the candidate falls below a floor, promote when
+`promote_when` holds. Pure functions of the report's numbers, so a test or an operator can replay them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from agent.shadow.plan import ShadowPlan
+
+DETECTION_KINDS = ("yolo", "anchors", "db_text")
+MIN_SERVING_DETECTIONS = 3  # as the gates' MIN_REFERENCE_DETECTIONS: no promotion on frames where nothing was found
+MIN_SERVING_DETECTION_RATE = 0.2  # below it the serving model finds too little for a rate ratio to mean anything
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How a shadow ends: `outcome` promoted or cancelled, the reason code and a message with the numbers."""
+
+    outcome: str
+    reason: str
+    message: str
+
+    def to_dict(self) -> dict[str, str]:
+        """The fields of shadow/finished."""
+        return {"outcome": self.outcome, "reason": self.reason, "message": self.message}
+
+
+def judge(plan: ShadowPlan, kind: str, numbers: dict[str, Any], candidate_p99_ms: float | None,
+          budget_ms: float | None) -> Verdict | None:
+    """A cancel (first) or a promotion due on these numbers; None while the shadow should go on."""
+    return _floor(plan, kind, numbers) or _promotion(plan, numbers, candidate_p99_ms, budget_ms)
+
+
+def _floor(plan: ShadowPlan, kind: str, numbers: dict[str, Any]) -> Verdict | None:
+    floor, frames = plan.cancel_below, numbers["frames"]
+    if frames < floor.min_frames:
+        return None
+    window = numbers["window_agreement"]
+    if floor.agreement > 0 and window is not None and window < floor.agreement:
+        return Verdict("cancelled", "SHADOW_AGREEMENT",
+                       f"agreement {window:.3f} over the last {numbers['window_frames']} frames is below the floor "
+                       f"{floor.agreement:g} (cancel_below.agreement); {frames} frames compared, "
+                       f"{_fmt(numbers['agreement'])} in total")
+    health = numbers.get("health") or {}
+    serving = (health.get("serving") or {}).get("detection_rate")
+    rate = health.get("detection_rate")
+    if (kind in DETECTION_KINDS and floor.detection_rate_ratio > 0 and serving is not None and rate is not None
+            and serving >= MIN_SERVING_DETECTION_RATE and rate < floor.detection_rate_ratio * serving):
+        return Verdict("cancelled", "SHADOW_HEALTH",
+                       f"the candidate finds something on {rate:.1%} of the frames, the serving model on "
+                       f"{serving:.1%} of the same frames: below {floor.detection_rate_ratio:g}x "
+                       f"(cancel_below.detection_rate_ratio) after {frames} frames")
+    return None
+
+
+def _promotion(plan: ShadowPlan, numbers: dict[str, Any], candidate_p99_ms: float | None,
+               budget_ms: float | None) -> Verdict | None:
+    rule = plan.promote_when
+    if rule is None or numbers["frames"] < rule.min_frames:
+        return None
+    found = (numbers.get("parts") or {}).get("serving_detections")
+    if found is not None and found < MIN_SERVING_DETECTIONS:
+        return None  # an empty scene agrees with everything: wait for frames with something on them
+    total, window = numbers["agreement"], numbers["window_agreement"]
+    if total is None or window is None or min(total, window) < rule.min_agreement:
+        return None
+    limit = rule.max_p99_ms if rule.max_p99_ms is not None else budget_ms
+    if limit is not None and (candidate_p99_ms is None or candidate_p99_ms > limit):
+        return None
+    latency = f", candidate p99 {candidate_p99_ms:.2f} ms <= {limit:g} ms" if limit is not None else ""
+    return Verdict("promoted", "PROMOTE_WHEN",
+                   f"agreement {total:.3f} over {numbers['frames']} frames ({window:.3f} over the last "
+                   f"{numbers['window_frames']}) >= {rule.min_agreement:g}{latency}")
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"

@@ -1,0 +1,156 @@
+"""Agreement of two models on live frames, frame by frame, with the gates' metrics (engines.validate).
+
+The gates judge a candidate against the FP32 reference on a fixed set, all frames at once. A shadow deployment
+(agent.shadow) compares a candidate with the serving model on camera frames as they come, for as long as it runs:
+it cannot keep every frame's results. Each frame is reduced to a few sums (`Tally`: true/false positives and
+matched scores for boxes, per-output sums for the mean metrics), and the metric is read from summed tallies, so
+a window and the whole run are one sum each and the total equals the gate's metric over the same frames:
+
+| postprocess | live metric | from the decoded results |
+| --- | --- | --- |
+| yolo, anchors | box_f1 (+ mask_iou / oks of matched boxes) | pooled F1, as `validate.box_agreement` |
+| db_text | box_f1 | the text boxes (the live result keeps no probability map: the gate's mask IoU cannot be read) |
+| classification | top1_agreement | the top class of each result |
+| segmentation | mean_iou | the class maps |
+| image | cosine | the output frame or matte (cosine x norm ratio) |
+| raw | cosine | per output tensor; the lowest output decides |
+
+Only decoded results are used: they are what the frame path already made for the serving model, so the shadow
+never asks the serving engine for anything.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Iterable
+
+import numpy as np
+
+from engines.instance_metrics import mask_iou, oks
+from engines.postprocess import InferenceResult
+from engines.validate import BOX_IOU, match_detections, scaled_cosine
+
+LIVE_METRICS = {"yolo": "box_f1", "anchors": "box_f1", "db_text": "box_f1", "classification": "top1_agreement",
+                "segmentation": "mean_iou", "image": "cosine", "raw": "cosine"}
+BOX_KINDS = ("yolo", "anchors", "db_text")
+
+Tally = Counter  # str -> float: one frame's (or many frames') sums; `+` pools them
+
+
+def live_metric(kind: str) -> str:
+    """The metric a shadow of this postprocessor kind is judged by."""
+    return LIVE_METRICS.get(kind, "cosine")
+
+
+def frame_tally(kind: str, active: InferenceResult, candidate: InferenceResult) -> Tally:
+    """One frame's contribution: the sums its metric is pooled from."""
+    if kind in BOX_KINDS:
+        return _box_tally(active, candidate)
+    if kind == "classification":
+        same = bool(active.classes and candidate.classes and active.classes[0].class_id == candidate.classes[0].class_id)
+        return Tally({"top1_sum": float(same), "top1_n": 1.0})
+    if kind == "segmentation":
+        from engines.postprocess.segmentation import mean_iou
+
+        both = active.class_map is not None and candidate.class_map is not None
+        return Tally({"mean_iou_sum": mean_iou(active.class_map, candidate.class_map) if both else 0.0, "mean_iou_n": 1.0})
+    return _output_tally(_outputs(active), _outputs(candidate))
+
+
+def _box_tally(active: InferenceResult, candidate: InferenceResult) -> Tally:
+    pairs = match_detections(active, candidate, BOX_IOU)
+    tally = Tally({"tp": len(pairs), "fp": len(candidate.detections) - len(pairs),
+                   "fn": len(active.detections) - len(pairs), "frames": 1.0})
+    tally["ref_score"] = float(sum(r.score for r, _ in pairs))
+    tally["cand_score"] = float(sum(c.score for _, c in pairs))
+    for ref, cand in pairs:  # mirrors engines.instance_metrics.instance_agreement, pooled
+        if ref.mask is not None:
+            tally["mask_ref"] += 1
+            if cand.mask is not None:
+                tally["mask_iou_sum"] += mask_iou(ref.mask, cand.mask)
+                tally["mask_iou_n"] += 1
+        if ref.keypoints:
+            tally["oks_ref"] += 1
+            value = oks(ref, cand) if cand.keypoints else None
+            if value is not None:
+                tally["oks_sum"] += value
+                tally["oks_n"] += 1
+    return tally
+
+
+def _outputs(result: InferenceResult) -> dict[str, np.ndarray]:
+    if result.kind == "image":
+        picture = result.image if result.image is not None else result.matte
+        return {"image": picture} if picture is not None else {}
+    return dict(result.tensors)
+
+
+def _output_tally(active: dict[str, np.ndarray], candidate: dict[str, np.ndarray]) -> Tally:
+    tally = Tally()
+    for name, ref in active.items():
+        cand = candidate.get(name)
+        same_shape = cand is not None and np.shape(cand) == np.shape(ref)
+        tally[f"out:{name}_sum"] += scaled_cosine(np.asarray(ref), np.asarray(cand)) if same_shape else 0.0
+        tally[f"out:{name}_n"] += 1
+    return tally
+
+
+def pooled(tallies: Iterable[Tally]) -> Tally:
+    """The sum of many frames' tallies."""
+    total = Tally()
+    for tally in tallies:
+        total.update(tally)
+    return total
+
+
+def score(kind: str, tally: Tally) -> tuple[float | None, dict[str, float]]:
+    """(the metric, its parts) from pooled sums; None before the first frame."""
+    if not tally:
+        return None, {}
+    if kind in BOX_KINDS:
+        return _box_score(tally)
+    if kind == "classification":
+        return _mean(tally, "top1"), {}
+    if kind == "segmentation":
+        return _mean(tally, "mean_iou"), {}
+    outputs = {key[4:-4]: _mean(tally, key[:-4]) for key in tally if key.startswith("out:") and key.endswith("_sum")}
+    parts = {name: round(value, 5) for name, value in outputs.items() if value is not None}
+    return (min(parts.values()) if parts else None), parts
+
+
+def _box_score(tally: Tally) -> tuple[float, dict[str, float]]:
+    tp, fp, fn = tally["tp"], tally["fp"], tally["fn"]
+    f1 = 1.0 if tp + fp + fn == 0 else 2 * tp / (2 * tp + fp + fn)
+    parts: dict[str, float] = {"box_f1": round(f1, 5)}
+    if tally["ref_score"] > 0:
+        parts["matched_score_ratio"] = round(tally["cand_score"] / tally["ref_score"], 4)
+    if tally["mask_ref"]:
+        parts["mask_iou"] = round(tally["mask_iou_sum"] / tally["mask_iou_n"], 5) if tally["mask_iou_n"] else 0.0
+    if tally["oks_ref"]:
+        parts["oks"] = round(tally["oks_sum"] / tally["oks_n"], 5) if tally["oks_n"] else 1.0
+    parts["serving_detections"] = int(tp + fn)  # the signal: few, and box F1 is decided by noise (or defined as 1)
+    decisive = [value for key, value in parts.items() if key not in ("matched_score_ratio", "serving_detections")]
+    return min(decisive), parts
+
+
+def _mean(tally: Tally, name: str) -> float | None:
+    count = tally[f"{name}_n"]
+    return float(tally[f"{name}_sum"] / count) if count else None
+
+
+def frozen_copy(result: InferenceResult) -> InferenceResult:
+    """A result whose arrays no later frame can overwrite (an engine may reuse its output buffers): the shadow
+    compares it on another thread, after the frame path has moved on."""
+    if not result.tensors and result.image is None and result.matte is None:
+        return result  # detections and classes are new objects for every frame
+    return InferenceResult(result.kind, detections=result.detections, classes=result.classes,
+                           tensors={k: np.array(v, copy=True) for k, v in result.tensors.items()},
+                           image=None if result.image is None else result.image.copy(),
+                           matte=None if result.matte is None else result.matte.copy(), class_map=result.class_map)
+
+
+def describe(kind: str, tally: Tally) -> dict[str, Any]:
+    """`{"agreement", "frames", "parts"}` of pooled sums, for reports."""
+    value, parts = score(kind, tally)
+    frames = tally["frames"] if kind in BOX_KINDS else max((v for k, v in tally.items() if k.endswith("_n")), default=0)
+    return {"agreement": None if value is None else round(value, 5), "frames": int(frames), "parts": parts}

@@ -1,0 +1,115 @@
+"""Shadow deployments on a running agent: real artifacts, real engine builds and gates, real frames.
+
+The demo detector serves; its INT8 build is shadowed (high agreement, promoted with the evidence on the
+deployment), a mirrored variant that passes its own gates is shadowed (cancelled for disagreeing, with the
+numbers), a shadow yields under a forced p99 breach, and an operator's promote / cancel go through the same
+commands the MQTT plane and the control socket use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.config import AgentConfig
+from agent.runner import Agent
+from agent.shadow.plan import ShadowArgs
+from engines.shadow_policy import CancelBelow, PromoteWhen
+from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
+from tests.helpers import wait_for
+from tests.shadow_models import mirrored_demo_onnx
+
+pytestmark = pytest.mark.slow
+
+ENDS = ("active", "failed", "rolled_back", "cancelled")
+
+
+@pytest.fixture
+def published(tmp_path: Path):
+    private, public = make_key(tmp_path / "keys")
+    v1 = make_artifact(tmp_path / "pub" / "v1", "1.0.0", private)
+    return {"private": private, "public": public, "v1": v1, "tmp": tmp_path}
+
+
+def publish(published, name: str, version: str, **kwargs) -> str:
+    path = make_artifact(published["tmp"] / "pub" / name, version, published["private"], **kwargs)
+    return (path / "manifest.json").as_uri()
+
+
+@pytest.fixture
+def running_agent(tmp_path: Path, published):
+    agents = []
+
+    def start(**overrides) -> Agent:
+        overrides.setdefault("camera", {"fps": 20})
+        agent = Agent(AgentConfig(**agent_settings(tmp_path, published["public"], published["v1"], **overrides)))
+        agent.start()
+        agents.append(agent)
+        assert wait_for(lambda: agent.stats.frames >= 3, timeout=60), "loop never produced frames"
+        return agent
+
+    yield start
+    for agent in agents:
+        agent.stop()
+
+
+def events(agent: Agent, type_: str) -> list[dict]:
+    return [e["payload"] for e in agent.store.events(500) if e["type"] == type_]
+
+
+def test_int8_candidate_agrees_and_is_promoted_with_its_evidence(running_agent, published) -> None:
+    agent = running_agent()
+    url = publish(published, "v2", "2.0.0", precision="int8")
+    shadow = ShadowArgs(share=1.0, report_interval_s=0.5,
+                        promote_when=PromoteWhen(min_frames=20, min_agreement=0.6))
+    dep_id = agent.manager.request(url, channel="local", shadow=shadow)["deployment_id"]
+    assert wait_terminal(agent, dep_id, states=ENDS) == "active"
+    dep = agent.deployments.get(dep_id)
+    states = [t["state"] for t in agent.deployments.transitions(dep_id)]
+    assert states[-4:] == ["ready", "shadowing", "activating", "active"]
+    evidence = dep.details["shadow"]
+    assert evidence["outcome"] == "promoted" and evidence["reason"] == "PROMOTE_WHEN"
+    assert evidence["frames"] >= 20 and evidence["agreement"] >= 0.6 and evidence["metric"] == "box_f1"
+    assert evidence["parts"]["serving_detections"] >= 3  # promoted on frames where the serving model found text
+    assert evidence["candidate_ms"]["p99"] > 0
+    assert agent.active.source.manifest.version == "2.0.0"
+    assert agent.stats.errors == 0 and agent.batcher.dropped == 0, "a frame was lost across the promotion"
+    assert events(agent, "shadow/started")[0]["deployment_id"] == dep_id
+    assert wait_for(lambda: events(agent, "shadow/finished"), timeout=10)
+    assert events(agent, "shadow/finished")[0]["outcome"] == "promoted"
+
+
+def test_mirrored_candidate_passes_its_gates_and_is_cancelled_for_disagreeing(running_agent, published) -> None:
+    agent = running_agent()
+    url = publish(published, "bad", "2.0.0", onnx=mirrored_demo_onnx(published["tmp"] / "mirrored.onnx"))
+    shadow = ShadowArgs(share=1.0, report_interval_s=0.5, cancel_below=CancelBelow(agreement=0.5, min_frames=10),
+                        promote_when=PromoteWhen(min_frames=10_000))
+    dep_id = agent.manager.request(url, channel="local", shadow=shadow)["deployment_id"]
+    assert wait_terminal(agent, dep_id, states=ENDS) == "cancelled"
+    dep = agent.deployments.get(dep_id)
+    assert dep.reason == "SHADOW_AGREEMENT" and "below the floor 0.5" in dep.message
+    evidence = dep.details["shadow"]
+    assert evidence["window_agreement"] < 0.5 and evidence["frames"] >= 10
+    assert agent.active.source.manifest.version == "1.0.0"  # never touched
+    assert wait_for(lambda: not Path(dep.artifact_dir).exists(), timeout=10)  # a refused artifact is dropped
+    assert agent.shadow is None and agent.stats.errors == 0
+
+
+def test_shadow_yields_under_a_p99_breach_and_an_operator_cancels(running_agent, published) -> None:
+    agent = running_agent(deployments={"shadow_yield_p99_ms": 0.001})  # every serving frame is over this
+    url = publish(published, "v2", "2.0.0")
+    dep_id = agent.manager.request(url, channel="local", shadow=ShadowArgs(share=1.0))["deployment_id"]
+    assert wait_terminal(agent, dep_id, states=("shadowing", *ENDS)) == "shadowing"
+    assert wait_for(lambda: (agent.manager.shadowing.status() or {}).get("skipped", {}).get("budget", 0) >= 10,
+                    timeout=30)
+    report = agent.manager.shadowing.status()
+    assert report["frames"] == 0, "the shadow ran while the serving model was over its p99"
+    status = agent.dispatcher.dispatch(b'{"id": "s1", "command": "status"}', channel="local")
+    assert status["result"]["shadow"]["deployment_id"] == dep_id
+    reply = agent.dispatcher.dispatch(b'{"id": "c1", "command": "cancel"}', channel="local")
+    assert reply["ok"] and reply["result"]["outcome"] == "cancelled"
+    assert wait_terminal(agent, dep_id, states=ENDS) == "cancelled"
+    assert agent.deployments.get(dep_id).reason == "CANCEL_REQUESTED"
+    again = agent.dispatcher.dispatch(b'{"id": "c2", "command": "promote"}', channel="local")
+    assert not again["ok"] and again["error"]["code"] == "NO_SHADOW"
