@@ -347,6 +347,7 @@ class Agent:
             "errors": summary["errors"], "model": summary["model"], "cameras": summary["cameras"],
             "batch": summary.get("batch"), "deployment": self.manager.status() if self.manager else None,
             "adapt": summary.get("adapt"), "storage": self.storage.status(), "video": summary.get("video"),
+            "shadow": summary.get("shadow"),
         })
 
     def recent_fps(self, window_s: float = RECENT_FPS_WINDOW_S) -> float:
@@ -429,6 +430,7 @@ class Agent:
             "adapt": self.adapt.status() if self.adapt is not None else None,
             "live_frames": self.live_frames.stats() if self.live_frames is not None else None,
             "video": self.video.status() if self.video is not None else None,
+            "shadow": self.shadow.report() if self.shadow is not None else None,  # a shadow deployment running
             "last_results": list(self._recent_results),
             "duration_s": round(time.monotonic() - self.stats.started, 2),
         }

@@ -42,6 +42,7 @@ def read_status(config: AgentConfig) -> dict[str, Any]:
             "events": [{"ts": e["ts"], "type": e["type"], **e["payload"]} for e in store.events(10)],
             "recent_deployments": [d.to_dict() for d in DeploymentStore(store).latest(5)],
             "adapt": adapt_status(store, live if running else None),
+            "shadow": live.get("shadow") if running else None,  # a shadow deployment's latest numbers
         }
         return report
     finally:
@@ -83,6 +84,17 @@ def render_adapt(adapt: dict[str, Any] | None, console: Console) -> None:
         mark = "*" if v["name"] == active else " "
         console.print(f"         {mark}{v['name']} {v['precision']} {v['input'][0]}x{v['input'][1]} accuracy {acc} "
                       f"p99 {p99} ms {note}", highlight=False, markup=False)
+
+
+def render_shadow(shadow: dict[str, Any] | None, console: Console) -> None:
+    """One line for a shadow deployment in progress."""
+    if not shadow:
+        return
+    latency = shadow.get("candidate_ms") or {}
+    console.print(f"  shadow   {shadow.get('model')} beside {shadow.get('active_model')} ({shadow.get('state')}): "
+                  f"{shadow.get('frames', 0)} frames, {shadow.get('metric')} {shadow.get('agreement')} "
+                  f"(window {shadow.get('window_agreement')}), candidate p99 {latency.get('p99', '-')} ms, "
+                  f"skipped {shadow.get('skipped_total', 0)}", highlight=False, markup=False)
 
 
 def render_batch_live(batch: dict[str, Any] | None, console: Console) -> None:
@@ -175,6 +187,7 @@ def render_status(report: dict[str, Any], console: Console) -> None:
     for key, value in video_rows((report.get("live") or {}).get("video")):
         console.print(f"  {key:<8} {value}", highlight=False, markup=False)
     render_adapt(report.get("adapt"), console)
+    render_shadow(report.get("shadow"), console)
     if report.get("last_run"):
         run = report["last_run"]
         console.print(f"  last run #{run['id']} {run['status']}")

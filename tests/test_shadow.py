@@ -96,20 +96,109 @@ def test_mirrored_candidate_passes_its_gates_and_is_cancelled_for_disagreeing(ru
     assert agent.shadow is None and agent.stats.errors == 0
 
 
-def test_shadow_yields_under_a_p99_breach_and_an_operator_cancels(running_agent, published) -> None:
-    agent = running_agent(deployments={"shadow_yield_p99_ms": 0.001})  # every serving frame is over this
+def test_shadow_yields_under_a_p99_breach_and_an_operator_cancels(running_agent, published, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the device CLI (the control socket), as Ansible drives it."""
+    from rich.console import Console
+    from typer.testing import CliRunner
+
+    from agent.cli import app
+    from agent.status import read_status, render_status
+
+    socket = tmp_path / "ctl.sock"
+    agent = running_agent(deployments={"shadow_yield_p99_ms": 0.001},  # every serving frame is over this
+                          control={"socket": str(socket)})
+    monkeypatch.setenv("EDGE_AGENT_CONTROL__SOCKET", str(socket))  # what the CLI talks to
     url = publish(published, "v2", "2.0.0")
-    dep_id = agent.manager.request(url, channel="local", shadow=ShadowArgs(share=1.0))["deployment_id"]
-    assert wait_terminal(agent, dep_id, states=("shadowing", *ENDS)) == "shadowing"
+    started = CliRunner().invoke(app, ["deploy", url, "--mode", "shadow", "--share", "1", "--wait", "--timeout", "240"])
+    assert started.exit_code == 0 and "shadowing" in started.output, started.output
+    dep_id = agent.manager.shadowing.status()["deployment_id"]
     assert wait_for(lambda: (agent.manager.shadowing.status() or {}).get("skipped", {}).get("budget", 0) >= 10,
                     timeout=30)
     report = agent.manager.shadowing.status()
     assert report["frames"] == 0, "the shadow ran while the serving model was over its p99"
     status = agent.dispatcher.dispatch(b'{"id": "s1", "command": "status"}', channel="local")
     assert status["result"]["shadow"]["deployment_id"] == dep_id
-    reply = agent.dispatcher.dispatch(b'{"id": "c1", "command": "cancel"}', channel="local")
-    assert reply["ok"] and reply["result"]["outcome"] == "cancelled"
-    assert wait_terminal(agent, dep_id, states=ENDS) == "cancelled"
+    agent.persist_live()
+    offline = read_status(agent.config)  # `edge-agent status` reads the state store, not the socket
+    assert offline["shadow"]["deployment_id"] == dep_id and offline["shadow"]["skipped"]["budget"] >= 10
+    console = Console(record=True, width=200)
+    render_status(offline, console)
+    assert "shadow   demo-det@2.0.0 beside demo-det@1.0.0" in console.export_text()
+    cancelled = CliRunner().invoke(app, ["cancel", "--deployment", dep_id, "--wait"])
+    assert cancelled.exit_code == 0, cancelled.output
+    assert agent.deployments.get(dep_id).state == "cancelled"
     assert agent.deployments.get(dep_id).reason == "CANCEL_REQUESTED"
-    again = agent.dispatcher.dispatch(b'{"id": "c2", "command": "promote"}', channel="local")
-    assert not again["ok"] and again["error"]["code"] == "NO_SHADOW"
+    again = CliRunner().invoke(app, ["promote"])
+    assert again.exit_code == 1 and "NO_SHADOW" in again.output
+    assert agent.active.source.manifest.version == "1.0.0" and agent.stats.errors == 0
+
+
+def test_the_shadow_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> None:
+    """The benchmark cannot rot: its smoke mode runs every part and writes its JSON (numbers not judged)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "shadow.json"
+    done = subprocess.run([sys.executable, str(repo / "benchmarks" / "shadow.py"), "--quick", "--out", str(out)],
+                          cwd=repo, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["cost"]["fps_ratio"] > 0 and data["frames"] > 0
+    assert data["blind_candidate"]["state"] == "cancelled" and data["blind_candidate"]["reason"] == "SHADOW_AGREEMENT"
+
+
+def test_shadow_start_report_and_promote_over_a_real_broker(tmp_path: Path, published, mqtt_broker,
+                                                            collector_factory) -> None:
+    """The fleet engineer's path: `edge-deploy send` over Mosquitto starts the shadow, telemetry and events
+    carry its numbers, and `promote` swaps the candidate in."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from deploy.cli import app as deploy_app
+    from tests.http_server import ArtifactServer
+
+    publish(published, "v2", "2.0.0")
+    settings = agent_settings(tmp_path, published["public"], published["v1"], device_id="cam-01",
+                              camera={"fps": 20}, mqtt={"url": mqtt_broker.url, "telemetry_interval_s": 1.0},
+                              artifacts={"allow_http": True})
+    collector = collector_factory(mqtt_broker.url, ["edge/cam-01/#"])
+
+    def send(*args: str) -> dict:
+        result = CliRunner().invoke(deploy_app, ["send", "cam-01", *args, "--broker", mqtt_broker.url, "--timeout", "30"])
+        return json.loads(result.stdout)
+
+    agent = Agent(AgentConfig(**settings))
+    with ArtifactServer(published["tmp"] / "pub") as server:
+        agent.start()
+        try:
+            reply = send("deploy", "--arg", f"url={server.url('v2/manifest.json')}", "--arg", "mode=shadow",
+                         "--arg", "share=1", "--arg", "report_interval_s=1")
+            assert reply["ok"] and reply["result"]["mode"] == "shadow", reply
+            dep_id = reply["result"]["deployment_id"]
+            assert wait_terminal(agent, dep_id, states=("shadowing", *ENDS)) == "shadowing"
+            refused = send("deploy", "--arg", f"url={server.url('v1/manifest.json')}")
+            assert refused["error"]["code"] == "BUSY"  # one deployment at a time, a shadow included
+
+            def shadow_telemetry(msgs) -> bool:
+                return any(t.endswith("/telemetry") and (json.loads(p).get("shadow") or {}).get("frames", 0) >= 5
+                           for t, p, _ in msgs)
+
+            assert collector.wait_for(shadow_telemetry, timeout=60)
+            assert collector.wait_for(lambda msgs: any(
+                t.endswith("/events") and json.loads(p).get("type") == "shadow/report" for t, p, _ in msgs), timeout=30)
+            promoted = send("promote", "--arg", f"deployment_id={dep_id}")
+            assert promoted["ok"] and promoted["result"]["outcome"] == "promoted"
+            assert wait_terminal(agent, dep_id, states=ENDS) == "active"
+            assert agent.deployments.get(dep_id).details["shadow"]["reason"] == "PROMOTE_REQUESTED"
+            assert collector.wait_for(lambda msgs: any(
+                t.endswith("/events") and json.loads(p).get("type") == "shadow/finished"
+                and json.loads(p).get("outcome") == "promoted" for t, p, _ in msgs), timeout=30)
+            assert agent.stats.errors == 0 and agent.batcher.dropped == 0
+        finally:
+            agent.stop()

@@ -6,8 +6,9 @@ whether the shadow must yield, and the frame and a frozen copy of its result go 
 that finds the slot taken replaces it (the candidate is behind: the older one is skipped as `busy`). Nothing
 on the frame path waits on the candidate, its engine, the disk or the network.
 
-The thread lowers its own scheduling priority (Linux: `setpriority` on the thread id) before it loads the
-candidate, so the engine's threads, created by the load, inherit it.
+The thread lowers its own scheduling priority before it loads the candidate (Linux: SCHED_IDLE on the thread, else
+a higher nice value), so the engine's threads, created by the load, inherit it: on a saturated CPU the shadow gets
+what the frame path leaves, and its skipped frames say so.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class ShadowSession(threading.Thread):
         self._ready = threading.Event()
         self._halt = threading.Event()
         self._began = time.monotonic()
+        self.priority = "normal"  # how the thread was put below the frame path (lower_priority)
 
     # --- the frame path (results thread) --------------------------------------------------------------
 
@@ -138,7 +140,7 @@ class ShadowSession(threading.Thread):
     # --- the shadow thread ----------------------------------------------------------------------------
 
     def run(self) -> None:
-        lower_priority(SHADOW_NICE)
+        self.priority = lower_priority(SHADOW_NICE)
         try:
             loaded = self.model.load()
         except Exception as exc:
@@ -201,7 +203,7 @@ class ShadowSession(threading.Thread):
                 "metric": live_metric(self.model.kind), **numbers, "share": round(self.plan.share, 6),
                 "offered": counts.offered, "skipped": dict(counts.skipped), "skipped_total": sum(counts.skipped.values()),
                 "candidate_ms": latency, "active_p99_ms": None if p99 is None else round(p99, 3),
-                "serving_swaps": counts.serving_swaps, "elapsed_s": round(time.monotonic() - self._began, 1),
+                "serving_swaps": counts.serving_swaps, "priority": self.priority, "elapsed_s": round(time.monotonic() - self._began, 1),
                 "state": "loading" if not self._ready.is_set() else ("finished" if self.done else "running")}
 
     def telemetry(self) -> dict[str, Any]:
@@ -220,10 +222,19 @@ def _latency(histogram: LatencyHistogram) -> dict[str, float] | None:
             "p99": round(histogram.percentile(99) or 0.0, 3), "count": histogram.count}
 
 
-def lower_priority(increment: int) -> None:
-    """Raise this thread's nice value by `increment` (Linux: per thread); elsewhere a no-op, logged."""
+def lower_priority(increment: int) -> str:
+    """Put this thread below the frame path: Linux SCHED_IDLE (it runs only on a core nothing else wants), else
+    its nice value raised by `increment`; returns which. Both are per thread on Linux and inherited by threads it
+    starts (the engine's), and neither needs a privilege."""
+    tid = threading.get_native_id()
     try:
-        tid = threading.get_native_id()
+        os.sched_setscheduler(tid, getattr(os, "SCHED_IDLE"), os.sched_param(0))  # Linux only: AttributeError elsewhere
+        return "idle"
+    except (AttributeError, OSError):
+        pass
+    try:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+        return "nice"
     except (AttributeError, OSError) as exc:
         log.info("shadow: could not lower the thread's priority (%s); it runs at the frame path's", exc)
+        return "normal"

@@ -1,0 +1,201 @@
+"""Shadow-deployment benchmark: what a shadow costs the serving model, whether its live agreement is the metric,
+and how long a blind candidate lives.
+
+One process, the real agent (synthetic camera faster than the engine, so the CPU is the limit; the demo detector
+at 320x256 serving in FP32):
+
+1. **Cost.** A shadow deployment of the demo's INT8 build at `share` 0.1 (no automatic end), then interleaved
+   rounds with the shadow attached and detached (the agent's `shadow` slot: detached, the frame path offers
+   nothing, exactly as without a shadow): the serving model's fps and glass-to-result p99 in each.
+   Goals: fps ratio >= 0.9 and >= 1 - share - 0.02; p99 within 10 %.
+2. **Live = offline.** Every frame the shadow compared is recorded with the serving model's result; afterwards
+   the FP32 and INT8 engines are loaded afresh and run on those frames one by one, and the same metric is
+   pooled over them: `agreement_live` vs `agreement_offline`.
+3. **Blind candidate.** A variant that passes its own gates but sees every frame turned by 180 degrees
+   (tests/shadow_models.py) is shadowed with the default floor (window agreement 0.5) after `min_frames`:
+   seconds from the shadow's start to its automatic cancel.
+
+Usage: python benchmarks/shadow.py [--rounds 4] [--seconds 6] [--quick] [--out out/bench-shadow.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import _common  # noqa: F401  (puts the repo on sys.path)
+import numpy as np
+from _common import machine, percentiles, write_json
+
+from agent.config import AgentConfig
+from agent.runner import Agent
+from agent.shadow.plan import ShadowArgs
+from engines.live_agreement import frame_tally, pooled, score
+from engines.model import load_model
+from engines.runtime import load_runtime
+from engines.shadow_policy import CancelBelow, PromoteWhen
+from engines.validate import _run
+from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
+from tests.shadow_models import mirrored_demo_onnx
+
+SIZE = (320, 256)
+SHARE = 0.1
+
+
+def _agent(tmp: Path, public: Path, v1: Path, camera_fps: float) -> Agent:
+    settings = agent_settings(tmp, public, v1, camera={"width": 320, "height": 240, "fps": camera_fps},
+                              deployments={"watch_window_s": 1.0})
+    agent = Agent(AgentConfig(**settings))
+    agent.start()
+    return agent
+
+
+class _Latencies:
+    """The serving model's per-frame latencies, from the agent's own FrameStats (wrapped, not replaced)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.samples: list[float] = []
+        record = agent.stats.record
+
+        def both(timing: Any) -> None:
+            self.samples.append(timing.latency)
+            record(timing)
+
+        agent.stats.record = both  # type: ignore[method-assign]
+
+
+def _round(agent: Agent, latencies: _Latencies, seconds: float) -> dict[str, float]:
+    frames, start, first = agent.stats.frames, time.perf_counter(), len(latencies.samples)
+    time.sleep(seconds)
+    elapsed = time.perf_counter() - start
+    window = latencies.samples[first:]
+    return {"fps": (agent.stats.frames - frames) / elapsed, "p99": percentiles(window)["p99"] if window else 0.0,
+            "frames": len(window)}
+
+
+def _record_compared(session: Any) -> list[tuple[np.ndarray, Any]]:
+    """Keep every frame the shadow compares with the serving model's result on it."""
+    kept: list[tuple[np.ndarray, Any]] = []
+    compare = session._compare
+
+    def recording(runtime: Any, offer: Any) -> Any:
+        kept.append((offer.image, offer.result))
+        return compare(runtime, offer)
+
+    session._compare = recording
+    return kept
+
+
+def cost_and_agreement(agent: Agent, url: str, rounds: int, seconds: float) -> dict[str, Any]:
+    shadow = ShadowArgs(share=SHARE, report_interval_s=1.0, cancel_below=CancelBelow(agreement=0, detection_rate_ratio=0),
+                        promote_when=None)
+    dep_id = agent.manager.request(url, channel="local", shadow=shadow)["deployment_id"]
+    wait_terminal(agent, dep_id, states=("shadowing", "failed", "cancelled"), timeout=600)
+    while agent.shadow is None or agent.shadow.report()["state"] == "loading":
+        time.sleep(0.1)
+    session = agent.shadow
+    compared = _record_compared(session)
+    latencies = _Latencies(agent)
+    time.sleep(1.0)  # settle after the candidate's load and warm-up
+    off: list[dict[str, float]] = []
+    on: list[dict[str, float]] = []
+    for _ in range(rounds):
+        agent.shadow = None
+        off.append(_round(agent, latencies, seconds))
+        agent.shadow = session
+        on.append(_round(agent, latencies, seconds))
+    agent.shadow = None
+    report = session.report()
+    agent.shadow = session
+    agent.manager.request_decision("cancel", dep_id)
+    wait_terminal(agent, dep_id, states=("cancelled",), timeout=60)
+    fps_ratio = [b["fps"] / a["fps"] for a, b in zip(off, on)]
+    p99_ratio = [b["p99"] / a["p99"] for a, b in zip(off, on) if a["p99"]]
+    return {"deployment_id": dep_id, "share": SHARE, "rounds_off": off, "rounds_on": on,
+            "fps_ratio_rounds": [round(r, 4) for r in fps_ratio], "fps_ratio_median": round(statistics.median(fps_ratio), 4),
+            "fps_ratio": round(sum(b["fps"] for b in on) / sum(a["fps"] for a in off), 4),
+            "p99_ratio_rounds": [round(r, 4) for r in p99_ratio],
+            "p99_ratio_median": round(statistics.median(p99_ratio), 4) if p99_ratio else None,
+            "shadow_report": {k: report[k] for k in ("frames", "agreement", "offered", "skipped", "candidate_ms")},
+            "compared": compared}
+
+
+def offline_agreement(serving_artifact: Path, candidate_artifact: Path, cache: Path, compared: list) -> dict[str, Any]:
+    """The same frames, one by one, through fresh FP32 and INT8 engines (the gate's way)."""
+    from engines.provision import load_provisioned, provision
+
+    candidate_source = load_model(candidate_artifact)
+    provisioned = provision(candidate_source, cache_dir=cache, db_path=cache / "bench.db", validation_samples=2,
+                            latency_runs=3)
+    candidate = load_provisioned(provisioned, candidate_source)
+    serving = load_runtime(load_model(serving_artifact), "onnxruntime")
+    tallies_offline, tallies_live = [], []
+    for image, live_result in compared:
+        reference, cand = _run(serving, image)[1], _run(candidate, image)[1]
+        tallies_offline.append(frame_tally("db_text", reference, cand))
+        tallies_live.append(frame_tally("db_text", live_result, cand))
+    offline, parts = score("db_text", pooled(tallies_offline))
+    same_reference, _ = score("db_text", pooled(tallies_live))
+    return {"frames": len(compared), "agreement_offline": offline, "agreement_offline_parts": parts,
+            "agreement_live_reference_offline_candidate": same_reference}
+
+
+def time_to_cancel(agent: Agent, url: str, share: float, min_frames: int) -> dict[str, Any]:
+    shadow = ShadowArgs(share=share, report_interval_s=1.0, cancel_below=CancelBelow(min_frames=min_frames),
+                        promote_when=PromoteWhen(min_frames=10**6))
+    dep_id = agent.manager.request(url, channel="local", shadow=shadow)["deployment_id"]
+    wait_terminal(agent, dep_id, states=("shadowing", "failed", "cancelled"), timeout=600)
+    started = time.monotonic()
+    state = wait_terminal(agent, dep_id, states=("cancelled", "failed", "active"), timeout=600)
+    took = time.monotonic() - started
+    dep = agent.deployments.get(dep_id)
+    evidence = (dep.details or {}).get("shadow", {})
+    return {"state": state, "reason": dep.reason, "seconds_from_shadow_start": round(took, 2), "share": share,
+            "min_frames": min_frames, "frames": evidence.get("frames"), "window_agreement": evidence.get("window_agreement"),
+            "message": dep.message}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 short round, small blind-cancel window")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    rounds, seconds = (1, 1.5) if args.quick else (args.rounds, args.seconds)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        private, public = make_key(tmp / "keys")
+        v1 = make_artifact(tmp / "pub" / "v1", "1.0.0", private, size=SIZE)
+        int8 = make_artifact(tmp / "pub" / "int8", "2.0.0", private, size=SIZE, precision="int8")
+        blind = make_artifact(tmp / "pub" / "blind", "2.0.1", private, size=SIZE,
+                              onnx=mirrored_demo_onnx(tmp / "mirrored.onnx"))
+        agent = _agent(tmp, public, v1, camera_fps=200.0)
+        try:
+            cost = cost_and_agreement(agent, (int8 / "manifest.json").as_uri(), rounds, seconds)
+            compared = cost.pop("compared")
+            offline = offline_agreement(v1, int8, tmp / "offline-cache", compared)
+            cancel = time_to_cancel(agent, (blind / "manifest.json").as_uri(), 1.0 if args.quick else SHARE,
+                                    10 if args.quick else 30)
+        finally:
+            agent.stop()
+    live = cost["shadow_report"]["agreement"]
+    result = {"benchmark": "shadow", "machine": machine(), "quick": args.quick, "input": list(SIZE), "cost": cost,
+              "agreement_live": live, **offline,
+              "agreement_live_minus_offline": None if live is None or offline["agreement_offline"] is None
+              else round(live - offline["agreement_offline"], 5), "blind_candidate": cancel,
+              "goals": {"fps_ratio": ">= 0.9 and >= 1 - share - 0.02", "p99_ratio": "<= 1.10"}}
+    print(f"serving fps with a shadow at share {SHARE}: x{cost['fps_ratio']:.3f} (rounds {cost['fps_ratio_rounds']}), "
+          f"p99 x{cost['p99_ratio_median']} (rounds {cost['p99_ratio_rounds']})")
+    print(f"agreement live {live} vs offline {offline['agreement_offline']} on {offline['frames']} frames")
+    print(f"blind candidate: {cancel['state']} ({cancel['reason']}) {cancel['seconds_from_shadow_start']} s after its "
+          f"shadow started, {cancel['frames']} frames, window agreement {cancel['window_agreement']}")
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
