@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,6 +113,41 @@ def test_kill_during_deployment_then_restart(tmp_path: Path, published, point: s
     # A partial download (`<name>.partial/`) may stay for resuming; every other artifact directory is complete.
     checked = _check_complete_artifacts(tmp_path / "state" / "artifacts" / "deployed")
     assert checked >= (0 if point == "fetching" else 1)  # past fetching, v2 was stored complete
+
+
+def test_kill_during_a_shadow_then_restart_ends_it_with_its_evidence(tmp_path: Path, published) -> None:
+    """A shadow in progress when the agent dies is never left running silently: the next start ends it
+    cancelled(SHADOW_INTERRUPTED) with the numbers it had written, and the serving model is the one it was."""
+    config = write_config(tmp_path, published["public"], published["v1"])
+    pause_file = tmp_path / "paused"
+    proc = start_agent(config, pause_at="shadow_recorded", pause_file=pause_file)
+    socket_path = tmp_path / "state" / "control.sock"
+    try:
+        assert wait_for(socket_path.exists, timeout=180), f"agent did not start: {_stderr(proc)}"
+        reply = send_command(socket_path, "deploy", {"url": published["url2"], "mode": "shadow", "share": 1.0,
+                                                     "report_interval_s": 0.5})
+        assert reply["ok"], reply
+        assert wait_for(pause_file.exists, timeout=240), f"the shadow never recorded evidence: {_stderr(proc)}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    restart = start_agent(config, "--duration", "2")
+    _, err = restart.communicate(timeout=240)
+    assert restart.returncode == 0, err
+    store = StateStore(tmp_path / "state" / "state.db")
+    try:
+        deployment = store.query("SELECT state, reason, message FROM deployments")[0]
+        finished = [e for e in store.events(200) if e["type"] == "shadow/finished"]
+        active = store.model_slot("active")
+    finally:
+        store.close()
+    assert (deployment["state"], deployment["reason"]) == ("cancelled", "SHADOW_INTERRUPTED")
+    assert re.search(r"after [1-9][0-9]* frames compared", deployment["message"]), deployment["message"]
+    assert finished and finished[0]["payload"]["frames"] >= 1 and finished[0]["payload"]["outcome"] == "cancelled"
+    assert active["version"] == "1.0.0"
 
 
 def _check_complete_artifacts(deployed: Path) -> int:

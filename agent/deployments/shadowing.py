@@ -17,6 +17,7 @@ from agent.deployments.store import Deployment, DeploymentStore
 from agent.shadow.plan import ShadowArgs, ShadowPlan, resolve
 from agent.shadow.session import ShadowSession
 from agent.shadow.verdict import Verdict
+from agent.testhooks import pause_point
 from engines.errors import EdgeError
 from engines.live_agreement import live_metric
 from engines.model import ModelSource
@@ -100,9 +101,13 @@ class ShadowStage:
     def _record(self, dep: Deployment, session: ShadowSession) -> None:
         """The running evidence on the row; a database that refuses it costs nothing but that copy."""
         try:
-            self.store.record_details(dep, shadow={**(dep.details or {}).get("shadow", {}), "report": session.report()})
+            report = session.report()
+            self.store.record_details(dep, shadow={**(dep.details or {}).get("shadow", {}), "report": report})
         except Exception:
             log.exception("shadow %s: could not record its evidence; it goes on", dep.id)
+            return
+        if report["frames"]:
+            pause_point("shadow_recorded")  # crash tests: killed mid-shadow, with evidence on the row
 
     # --- operator decisions (any thread) --------------------------------------------------------------
 
