@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
@@ -23,3 +30,13 @@ def wait_for(condition: Callable[[], bool], timeout: float = 10.0, interval: flo
             return True
         time.sleep(interval)
     return condition()
+
+
+def run_quick_benchmark(name: str, out: Path, *args: str, timeout: float = 240) -> dict[str, Any]:
+    """Run `benchmarks/<name>.py --quick --out OUT` as a user would (from the repo root, no PYTHONPATH: a
+    benchmark named like a package must not shadow it) and return its JSON; the numbers are not judged."""
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(out.read_text())

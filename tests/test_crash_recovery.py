@@ -62,6 +62,24 @@ def start_agent(config: Path, *args: str, pause_at: str = "", pause_file: Path |
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+def kill_at(tmp_path: Path, config: Path, point: str, deploy_args: dict) -> None:
+    """Start the agent with `point` armed, send `deploy`, SIGKILL it once it blocks there."""
+    pause_file = tmp_path / "paused"
+    proc = start_agent(config, pause_at=point, pause_file=pause_file)
+    socket_path = tmp_path / "state" / "control.sock"
+    try:
+        assert wait_for(socket_path.exists, timeout=180), f"agent did not start: {_stderr(proc)}"
+        reply = send_command(socket_path, "deploy", deploy_args)
+        assert reply["ok"], reply
+        assert wait_for(pause_file.exists, timeout=240), f"never reached {point}: {_stderr(proc)}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
 @pytest.fixture(scope="module")
 def published(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("pub")
@@ -75,20 +93,7 @@ def published(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("point", ["fetching", "building", "validating", "activating", "activated"])
 def test_kill_during_deployment_then_restart(tmp_path: Path, published, point: str) -> None:
     config = write_config(tmp_path, published["public"], published["v1"])
-    pause_file = tmp_path / "paused"
-    proc = start_agent(config, pause_at=point, pause_file=pause_file)
-    socket_path = tmp_path / "state" / "control.sock"
-    try:
-        assert wait_for(socket_path.exists, timeout=180), f"agent did not start: {_stderr(proc)}"
-        reply = send_command(socket_path, "deploy", {"url": published["url2"]})
-        assert reply["ok"], reply
-        assert wait_for(pause_file.exists, timeout=240), f"never reached {point}: {_stderr(proc)}"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+    kill_at(tmp_path, config, point, {"url": published["url2"]})
 
     store = StateStore(tmp_path / "state" / "state.db")
     before = store.query("SELECT state FROM deployments")[0]["state"]
@@ -119,21 +124,8 @@ def test_kill_during_a_shadow_then_restart_ends_it_with_its_evidence(tmp_path: P
     """A shadow in progress when the agent dies is never left running silently: the next start ends it
     cancelled(SHADOW_INTERRUPTED) with the numbers it had written, and the serving model is the one it was."""
     config = write_config(tmp_path, published["public"], published["v1"])
-    pause_file = tmp_path / "paused"
-    proc = start_agent(config, pause_at="shadow_recorded", pause_file=pause_file)
-    socket_path = tmp_path / "state" / "control.sock"
-    try:
-        assert wait_for(socket_path.exists, timeout=180), f"agent did not start: {_stderr(proc)}"
-        reply = send_command(socket_path, "deploy", {"url": published["url2"], "mode": "shadow", "share": 1.0,
-                                                     "report_interval_s": 0.5})
-        assert reply["ok"], reply
-        assert wait_for(pause_file.exists, timeout=240), f"the shadow never recorded evidence: {_stderr(proc)}"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+    kill_at(tmp_path, config, "shadow_recorded",
+            {"url": published["url2"], "mode": "shadow", "share": 1.0, "report_interval_s": 0.5})
     restart = start_agent(config, "--duration", "2")
     _, err = restart.communicate(timeout=240)
     assert restart.returncode == 0, err

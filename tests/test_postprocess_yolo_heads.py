@@ -158,18 +158,9 @@ def test_a_pose_models_skeleton_reaches_the_video_overlay() -> None:
 
 def test_the_postprocess_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> None:
     """The benchmark cannot rot: its smoke mode decodes every family and writes its JSON (numbers not judged)."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from tests.helpers import run_quick_benchmark
 
-    repo = Path(__file__).resolve().parent.parent
-    out = tmp_path / "postprocess.json"
-    done = subprocess.run([sys.executable, str(repo / "benchmarks" / "postprocess.py"), "--quick", "--out", str(out)],
-                          cwd=repo, capture_output=True, text=True, timeout=120,
-                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    assert done.returncode == 0, done.stderr[-2000:]
-    data = json.loads(out.read_text())
+    data = run_quick_benchmark("postprocess", tmp_path / "postprocess.json", timeout=120)
     assert data["found"] == {"detect": 60, "seg_instances": 100} and set(data["cases"]) == {
         "yolo_detect_8400", "yolo_detect_crowded_700", "yolo_seg_100", "matte_composite_640x480", "image_640x480"}
     assert data["image_to_image_model_640x480"]["int8_over_fp32_p50"] > 0

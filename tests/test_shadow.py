@@ -136,18 +136,9 @@ def test_shadow_yields_under_a_p99_breach_and_an_operator_cancels(running_agent,
 
 def test_the_shadow_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> None:
     """The benchmark cannot rot: its smoke mode runs every part and writes its JSON (numbers not judged)."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from tests.helpers import run_quick_benchmark
 
-    repo = Path(__file__).resolve().parents[1]
-    out = tmp_path / "shadow.json"
-    done = subprocess.run([sys.executable, str(repo / "benchmarks" / "shadow.py"), "--quick", "--out", str(out)],
-                          cwd=repo, capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    assert done.returncode == 0, done.stderr[-2000:]
-    data = json.loads(out.read_text())
+    data = run_quick_benchmark("shadow", tmp_path / "shadow.json", timeout=300)
     assert data["cost"]["fps_ratio"] > 0 and data["frames"] > 0
     assert data["blind_candidate"]["state"] == "cancelled" and data["blind_candidate"]["reason"] == "SHADOW_AGREEMENT"
 

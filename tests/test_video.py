@@ -581,16 +581,9 @@ def test_the_index_page_plays_the_stream_in_chromium(video_agent, tmp_path: Path
 @pytest.mark.slow
 def test_the_video_benchmark_runs_in_its_quick_mode(tmp_path: Path, engine_cache: Path) -> None:
     """The benchmark cannot rot: its smoke mode runs the whole path and writes its JSON (numbers not judged)."""
-    import subprocess
-    import sys
+    from tests.helpers import run_quick_benchmark
 
-    out = tmp_path / "video.json"
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "video.py"), "--quick", "--out", str(out),
-                           "--cache-dir", str(engine_cache)],
-                          cwd=REPO, capture_output=True, text=True, timeout=240,
-                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    assert done.returncode == 0, done.stderr[-2000:]
-    data = json.loads(out.read_text())
+    data = run_quick_benchmark("video", tmp_path / "video.json", "--cache-dir", str(engine_cache))
     assert set(data["draw_encode"]) == {"640x480", "1280x720"} and set(data["viewers"]["ratio_to_none"]) == {"1", "4"}
     assert data["image_to_image"]["glass_to_glass_ms"]["p50"] > 0
 
