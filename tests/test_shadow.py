@@ -193,3 +193,13 @@ def test_shadow_start_report_and_promote_over_a_real_broker(tmp_path: Path, publ
             assert agent.stats.errors == 0 and agent.batcher.dropped == 0
         finally:
             agent.stop()
+
+
+def test_a_candidate_of_another_kind_is_refused_before_it_shadows(running_agent, published) -> None:
+    agent = running_agent()
+    url = publish(published, "raw", "2.0.0", postprocess="raw")
+    dep_id = agent.manager.request(url, channel="local", shadow=ShadowArgs())["deployment_id"]
+    assert wait_terminal(agent, dep_id, states=ENDS) == "failed"
+    dep = agent.deployments.get(dep_id)
+    assert dep.reason == "SHADOW_INCOMPARABLE" and "'raw'" in dep.message and "'db_text'" in dep.message
+    assert agent.shadow is None and agent.active.source.manifest.version == "1.0.0"

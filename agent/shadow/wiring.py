@@ -10,13 +10,19 @@ from agent.shadow.plan import ShadowPlan
 from agent.shadow.pressure import ServingPressure, yield_threshold
 from agent.shadow.session import ShadowModel, ShadowSession
 from agent.shadow.verdict import Verdict
+from engines.errors import EdgeError
 from engines.model import ModelSource
 
 
 def start(agent: Any, source: ModelSource, provisioned: Any, dep: Deployment, plan: ShadowPlan,
           on_verdict: Callable[[Verdict], None]) -> ShadowSession:
-    """A started session on `agent` (frames reach it from the next result on)."""
+    """A started session on `agent` (frames reach it from the next result on); SHADOW_INCOMPARABLE when the two
+    models' outputs are not of one kind (a detector's boxes say nothing about a classifier's classes)."""
     manifest = source.manifest
+    serving_kind = agent.active.source.manifest.postprocess.kind if agent.active is not None else None
+    if serving_kind != manifest.postprocess.kind:
+        raise EdgeError(f"a shadow compares like with like: the candidate's postprocess is {manifest.postprocess.kind!r}, "
+                        f"the serving model's {serving_kind!r}; deploy it without mode=shadow", code="SHADOW_INCOMPARABLE")
     model = ShadowModel(dep.id, source.label, manifest.postprocess.kind,
                         tuple(manifest.labels) if manifest.labels else None, manifest.gates.latency_budget_ms,
                         load=lambda: agent.loader.load_for_shadow(source, provisioned))
