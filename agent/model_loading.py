@@ -120,8 +120,12 @@ class ModelLoader:
                    options: EngineOptions) -> LoadedModel:
         runtime = load_provisioned(provisioned, source, options)
         spec = source.manifest.preprocess
-        if self.config.model.warmup_runs:
-            runtime.warmup(np.zeros((spec.height, spec.width, 3), np.uint8), self.config.model.warmup_runs)
+        try:
+            if self.config.model.warmup_runs:
+                runtime.warmup(np.zeros((spec.height, spec.width, 3), np.uint8), self.config.model.warmup_runs)
+        except BaseException:  # a model that fails its first frames must not keep its engine's memory
+            runtime.close()
+            raise
         return LoadedModel(source, runtime, provisioned, origin)
 
     def load_for_shadow(self, source: ModelSource, provisioned: ProvisionResult) -> LoadedModel:

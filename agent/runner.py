@@ -49,6 +49,7 @@ from engines.runtime import choose_backend
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 2.0
+SHADOW_STOP_S = 15.0  # a candidate still loading when the agent stops finishes its load first
 RECENT_FPS_WINDOW_S = 5.0
 RECENT_RESULTS = 5  # the run summary's `last_results`
 RESULT_META = ("file", "file_frame")  # what a frame's source said about it that its result carries
@@ -297,9 +298,6 @@ class Agent:
 
     def _on_result(self, frame: Frame, result: Any, runtime: Any) -> None:
         self._delivered.append(time.monotonic())
-        shadow = self.shadow
-        if shadow is not None:  # a share of the frames, into a one-slot mailbox: never waits
-            shadow.offer(frame.source, frame.image, frame.captured_at, result, runtime)
         adapt_wiring.on_result(self, frame, runtime)
         self.output_health.record(frame.source, result, runtime)
         if self.live_frames is not None:
@@ -312,6 +310,12 @@ class Agent:
         self._recent_results.append(self.last_result)
         if self.plane is not None:  # masks' run lengths only for the results the rate limit lets out
             self.plane.on_result(self.last_result, lambda: {**head, **result.to_dict(max_items=20)})
+        shadow = self.shadow
+        if shadow is not None:  # last: a share of the frames, into a one-slot mailbox; never waits
+            try:
+                shadow.offer(frame.source, frame.image, frame.captured_at, result, runtime)
+            except Exception:  # the shadow's fault is never the serving model's
+                log.exception("shadow: offering a frame failed")
 
     def _set_live_config(self, changes: dict[str, Any]) -> dict[str, Any]:
         return self.plane.set_config(changes) if self.plane is not None else {}
@@ -392,7 +396,8 @@ class Agent:
             self.live_frames.close()
         for thread in (self.manager, self.worker):
             if thread is not None and thread.is_alive():
-                thread.join(JOIN_TIMEOUT_S)
+                # a shadow ends on the deployment thread, which closes the candidate and records why: wait for it
+                thread.join(SHADOW_STOP_S if thread is self.manager and self.shadow is not None else JOIN_TIMEOUT_S)
                 if thread.is_alive():
                     log.error("thread %s did not stop within %.1f s", thread.name, JOIN_TIMEOUT_S)
         summary = self.summary()
@@ -416,6 +421,7 @@ class Agent:
 
     def summary(self) -> dict[str, Any]:
         """The run summary of CONTRACT.md, with `cameras` per camera and the batch size in use."""
+        shadow = self.shadow  # read once: the deployment thread detaches it when the shadow ends
         return {
             "frames": self.stats.frames,
             "fps": round(self.stats.fps(), 2),
@@ -430,7 +436,7 @@ class Agent:
             "adapt": self.adapt.status() if self.adapt is not None else None,
             "live_frames": self.live_frames.stats() if self.live_frames is not None else None,
             "video": self.video.status() if self.video is not None else None,
-            "shadow": self.shadow.report() if self.shadow is not None else None,  # a shadow deployment running
+            "shadow": shadow.report() if shadow is not None else None,  # a shadow deployment running
             "last_results": list(self._recent_results),
             "duration_s": round(time.monotonic() - self.stats.started, 2),
         }
@@ -596,6 +602,10 @@ class Agent:
                      on_verdict: Callable[[Any], None]) -> Any:
         """A shadow deployment's candidate beside the serving model (agent.shadow.wiring)."""
         return shadow_wiring.start(self, source, provisioned, dep, plan, on_verdict)
+
+    def check_shadow(self, source: ModelSource) -> None:
+        """Refuse a shadow that could compare nothing (SHADOW_INCOMPARABLE)."""
+        shadow_wiring.check_comparable(self, source)
 
     def stop_shadow(self, session: Any) -> None:
         """The shadow gets no more frames; its engine is closed."""

@@ -9,8 +9,11 @@ at 320x256 serving in FP32):
    nothing, exactly as without a shadow): the serving model's fps and glass-to-result p99 in each.
    Goals: fps ratio >= 0.9 and >= 1 - share - 0.02; p99 within 10 %.
 2. **Live = offline.** Every frame the shadow compared is recorded with the serving model's result; afterwards
-   the FP32 and INT8 engines are loaded afresh and run on those frames one by one, and the same metric is
-   pooled over them: `agreement_live` vs `agreement_offline`.
+   the FP32 and INT8 engines are loaded afresh and run on those frames one by one, and the same live metric is
+   pooled over them: `agreement_live` vs `agreement_offline`. This checks the live path (sampling, frozen copies,
+   the serving model's batched results, the threads) against a clean run; that the live metric pooled over frames
+   equals the gates' `validate.agreement` over the same frames is checked per kind in tests/test_shadow_units.py
+   (the demo's db_text gate reads probability maps, which live results do not keep).
 3. **Blind candidate.** A variant that passes its own gates but sees every frame turned by 180 degrees
    (tests/shadow_models.py) is shadowed with the default floor (window agreement 0.5) after `min_frames`:
    seconds from the shadow's start to its automatic cancel.
@@ -109,7 +112,9 @@ def cost_and_agreement(agent: Agent, url: str, rounds: int, seconds: float) -> d
         agent.shadow = session
         on.append(_round(agent, latencies, seconds))
     agent.shadow = None
+    time.sleep(1.0)  # the frame waiting in the slot, if any, is compared: then report and recording hold the same frames
     report = session.report()
+    compared = list(compared[:report["frames"]])
     agent.shadow = session
     agent.manager.request_decision("cancel", dep_id)
     wait_terminal(agent, dep_id, states=("cancelled",), timeout=60)

@@ -47,13 +47,18 @@ def frame_tally(kind: str, active: InferenceResult, candidate: InferenceResult) 
     if kind in BOX_KINDS:
         return _box_tally(active, candidate)
     if kind == "classification":
-        same = bool(active.classes and candidate.classes and active.classes[0].class_id == candidate.classes[0].class_id)
+        if not active.classes or not candidate.classes:  # under min_score: the same "nothing" agrees, as argmax would
+            same = not active.classes and not candidate.classes
+        else:
+            same = active.classes[0].class_id == candidate.classes[0].class_id
         return Tally({"top1_sum": float(same), "top1_n": 1.0})
     if kind == "segmentation":
         from engines.postprocess.segmentation import mean_iou
 
         both = active.class_map is not None and candidate.class_map is not None
-        return Tally({"mean_iou_sum": mean_iou(active.class_map, candidate.class_map) if both else 0.0, "mean_iou_n": 1.0})
+        varied = active.class_map is not None and np.unique(active.class_map[::4, ::4]).size > 1
+        return Tally({"mean_iou_sum": mean_iou(active.class_map, candidate.class_map) if both else 0.0, "mean_iou_n": 1.0,
+                      "serving_varied": float(varied)})
     return _output_tally(_outputs(active), _outputs(candidate))
 
 
@@ -111,9 +116,9 @@ def score(kind: str, tally: Tally) -> tuple[float | None, dict[str, float]]:
         return _box_score(tally)
     if kind == "classification":
         return _mean(tally, "top1"), {}
-    if kind == "segmentation":
-        return _mean(tally, "mean_iou"), {}
-    outputs = {key[4:-4]: _mean(tally, key[:-4]) for key in tally if key.startswith("out:") and key.endswith("_sum")}
+    if kind == "segmentation":  # serving_varied: frames whose serving map has two classes or more (the signal)
+        return _mean(tally, "mean_iou"), {"serving_varied_frames": int(tally.get("serving_varied", 0) + 0.5)}
+    outputs = {key[4:-2]: _mean(tally, key[:-2]) for key in tally if key.startswith("out:") and key.endswith("_n")}
     parts = {name: round(value, 5) for name, value in outputs.items() if value is not None}
     return (min(parts.values()) if parts else None), parts
 
@@ -134,8 +139,8 @@ def _box_score(tally: Tally) -> tuple[float, dict[str, float]]:
 
 
 def _mean(tally: Tally, name: str) -> float | None:
-    count = tally[f"{name}_n"]
-    return float(tally[f"{name}_sum"] / count) if count else None
+    count = tally.get(f"{name}_n", 0)
+    return float(tally.get(f"{name}_sum", 0.0) / count) if count > 0.5 else None  # counts are whole: 0.5 absorbs drift
 
 
 def frozen_copy(result: InferenceResult) -> InferenceResult:

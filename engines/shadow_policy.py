@@ -14,7 +14,7 @@ DEFAULT_SHARE = 0.1
 class PromoteWhen(BaseModel):
     """All must hold at once for an automatic promotion; without it, only an operator promotes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # commands are strict: "500" is not a number
 
     min_frames: int = Field(500, ge=1, le=10_000_000, description="Frames compared with the serving model, at least.")
     min_agreement: float = Field(0.95, ge=0, le=1, description="Agreement with the serving model over all compared "
@@ -28,7 +28,7 @@ class CancelBelow(BaseModel):
     """Floors below which the shadow ends by itself, with the numbers: a candidate this far off is not worth
     the frames it takes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     agreement: float = Field(0.5, ge=0, le=1, description="Sliding-window agreement with the serving model below "
                              "which the shadow is cancelled (SHADOW_AGREEMENT); 0 turns the floor off.")

@@ -157,7 +157,7 @@ def _session(candidate: _Candidate, share: float = 0.5, pressure: ServingPressur
     verdicts: list = []
     model = ShadowModel("dep-1", "m@2", "yolo", None, None, load=lambda: SimpleNamespace(runtime=candidate))
     session = ShadowSession(model, "m@1", resolve(ShadowArgs(share=share, report_interval_s=60), None),
-                            pressure or ServingPressure(None), lambda *a, **k: None, verdicts.append)
+                            pressure or ServingPressure(None), verdicts.append)
     session.start()
     assert wait_for(lambda: session._ready.is_set(), timeout=5)
     return session, verdicts
@@ -258,3 +258,77 @@ def test_live_agreement_equals_the_gate_metric_on_a_real_detector_we_did_not_cho
     live, parts = score("yolo", pooled(frame_tally("yolo", s[1], c[1]) for s, c in pairs))
     assert parts["serving_detections"] >= 10, "the pages must carry regions for this to mean anything"
     assert 0.3 < live < 1.0 and live == pytest.approx(offline, abs=1e-5)
+
+
+# --- the review's cases ---------------------------------------------------------------------------------------
+
+
+def test_a_collapsed_raw_output_reads_zero_in_the_window_not_nothing() -> None:
+    window = AgreementWindow("raw", size=10)
+    ones = InferenceResult("raw", tensors={"y": np.ones(8)})
+    for _ in range(20):
+        window.add(frame_tally("raw", ones, InferenceResult("raw", tensors={"y": np.zeros(8)})))
+    numbers = window.numbers()
+    assert numbers["agreement"] == 0.0 and numbers["window_agreement"] == 0.0 and numbers["window_frames"] == 10
+    plan = resolve(ShadowArgs(cancel_below=CancelBelow(min_frames=10)), None)
+    assert judge(plan, "raw", {**numbers, "health": {}}, 1.0, None).reason == "SHADOW_AGREEMENT"
+
+
+def test_classifiers_agree_on_nothing_as_the_gate_does() -> None:
+    empty = InferenceResult("classification")
+    assert score("classification", frame_tally("classification", empty, empty))[0] == 1.0
+    one = InferenceResult("classification", classes=[ClassScore(1, 0.9, None)])
+    assert score("classification", frame_tally("classification", one, empty))[0] == 0.0
+
+
+def test_each_camera_gets_its_share_however_a_batch_orders_them() -> None:
+    session, _ = _session(_Candidate(), share=0.1)
+    serving = InferenceResult("yolo")
+    for _ in range(100):
+        for camera in ("a", "b", "c", "d", "e"):  # five cameras, one batch order: a single counter took one of them
+            session.offer(camera, np.zeros((4, 4, 3), np.uint8), time.monotonic(), serving, object)
+            time.sleep(0.001)  # the candidate keeps up: every frame taken is compared
+    assert wait_for(lambda: session.report()["frames"] + session.report()["skipped"].get("busy", 0) >= 50, timeout=5)
+    report = session.report()
+    session.close()
+    assert report["offered"] == 50
+    assert set(report["cameras"]) == {"a", "b", "c", "d", "e"}
+
+
+def test_after_a_serving_swap_one_frame_is_no_verdict() -> None:
+    plan = resolve(ShadowArgs(window_frames=50, cancel_below=CancelBelow(min_frames=20),
+                              promote_when=PromoteWhen(min_frames=20, min_agreement=0.9)), None)
+    fresh = {**_numbers(500, 0.9, 0.0), "window_frames": 1}  # the window restarted: one miss is all it holds
+    assert judge(plan, "yolo", fresh, 1.0, None) is None
+    assert judge(plan, "yolo", {**_numbers(500, 0.95, 1.0), "window_frames": 1}, 1.0, None) is None
+
+
+def test_no_promotion_without_signal_in_any_kind() -> None:
+    plan = resolve(ShadowArgs(promote_when=PromoteWhen(min_frames=10, min_agreement=0.9)), None)
+    one_class = {**_numbers(100, 1.0, 1.0), "health": {"serving": {"classes": 1}}}
+    assert judge(plan, "classification", one_class, 1.0, None) is None
+    assert judge(plan, "classification", {**one_class, "health": {"serving": {"classes": 3}}}, 1.0, None) is not None
+    flat = {**_numbers(100, 1.0, 1.0), "parts": {"serving_varied_frames": 0}}
+    assert judge(plan, "segmentation", flat, 1.0, None) is None
+    assert judge(plan, "segmentation", {**flat, "parts": {"serving_varied_frames": 4}}, 1.0, None) is not None
+    constant = {**_numbers(100, 1.0, 1.0), "health": {"serving": {"output_spread": 0.0}}}
+    assert judge(plan, "raw", constant, 1.0, None) is None
+
+
+def test_command_values_merge_into_the_manifest_policy_field_by_field() -> None:
+    policy = ShadowPolicy(promote_when=PromoteWhen(min_frames=50, min_agreement=0.8),
+                          cancel_below=CancelBelow(agreement=0.4, min_frames=200))
+    plan = resolve(ShadowArgs(promote_when=PromoteWhen(max_p99_ms=20), cancel_below=CancelBelow(agreement=0.7)), policy)
+    assert (plan.promote_when.min_frames, plan.promote_when.min_agreement, plan.promote_when.max_p99_ms) == (50, 0.8, 20)
+    assert (plan.cancel_below.agreement, plan.cancel_below.min_frames) == (0.7, 200)
+
+
+def test_shadow_arguments_are_strict_like_every_command_argument() -> None:
+    from agent.commands import DeployArgs
+
+    with pytest.raises(ValueError, match="min_frames"):
+        DeployArgs.model_validate({"url": "https://m/manifest.json", "mode": "shadow", "promote_when": {"min_frames": "500"}})
+    with pytest.raises(ValueError, match="agreement"):
+        DeployArgs.model_validate({"url": "https://m/manifest.json", "mode": "shadow", "cancel_below": {"agreement": True}})
+    with pytest.raises(ValueError, match="only go with mode=shadow"):
+        DeployArgs.model_validate({"url": "https://m/manifest.json", "share": 0.5})

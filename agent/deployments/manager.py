@@ -24,7 +24,7 @@ from agent.artifacts.trust import verify_artifact
 from agent.artifacts.urlpolicy import LOCAL, Channel, UrlRefused, check_url
 from agent.deployments.config import DeploymentConfig
 from agent.deployments.shadowing import ShadowHost, ShadowStage, end_interrupted_shadow
-from agent.deployments.store import Deployment, DeploymentStore
+from agent.deployments.store import TERMINAL, Deployment, DeploymentStore
 from agent.deployments.versions import VersionMemory
 from agent.shadow.plan import ShadowArgs
 from agent.storage_reclaim import tree_size
@@ -222,7 +222,7 @@ class DeploymentManager(threading.Thread):
         for dep, code, message in pending:
             try:
                 current = self.store.get(dep.id)
-                if current is not None and current.state not in ("failed", "active", "rolled_back"):
+                if current is not None and current.state not in TERMINAL:
                     self.store.transition(dep, "failed", reason=code, message=message[:2000])
             except Exception:
                 self._unrecorded.append((dep, code, message))
@@ -269,6 +269,8 @@ class DeploymentManager(threading.Thread):
         self._step(dep, "verifying", artifact_dir=str(path))
         # fetch already verified everything; this re-hash proves the published directory, not the download
         source = verify_artifact(path, self.artifacts, check_model=False)
+        if self._options.get(dep.id, RequestOptions()).shadow is not None:
+            self.host.check_shadow(source)  # before a build that could take half an hour for nothing
         m = source.manifest
         self._step(dep, "building", model_name=m.name, model_version=m.version, sha256=source.sha256)
         provisioned = self.host.provision(source, self._progress(dep), self.stop_event)

@@ -36,6 +36,10 @@ class ShadowHost(Protocol):
         """Start the candidate beside the serving model; frames flow to it from then on."""
         ...
 
+    def check_shadow(self, source: ModelSource) -> None:
+        """Raise (with a code) when `source` cannot shadow the serving model at all."""
+        ...
+
     def stop_shadow(self, session: ShadowSession) -> None:
         """No more frames to it; its thread ends and the candidate's engine is closed."""
         ...
@@ -95,6 +99,8 @@ class ShadowStage:
             if session.verdict is not None or time.monotonic() >= next_record:
                 next_record = time.monotonic() + plan.report_interval_s
                 self._record(dep, session)
+                if session.verdict is None:  # on this thread, not the shadow's idle-priority one (it holds no lock)
+                    self.emit("shadow/report", **session.report())
         assert session.verdict is not None
         return session.verdict
 

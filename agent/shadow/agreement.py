@@ -37,7 +37,7 @@ class AgreementWindow:
 
     def numbers(self) -> dict[str, Any]:
         """frames, agreement (all frames), window_agreement and window_frames, and the metric's parts."""
-        total, window = describe(self.kind, self.total), describe(self.kind, +self._recent_sum)
+        total, window = describe(self.kind, self.total), describe(self.kind, self._recent_sum)
         return {"frames": total["frames"], "agreement": total["agreement"], "window_agreement": window["agreement"],
                 "window_frames": len(self._recent), "parts": total["parts"]}
 

@@ -52,10 +52,17 @@ class ShadowPlan:
 
 
 def resolve(args: ShadowArgs, policy: ShadowPolicy | None) -> ShadowPlan:
-    """The command's values win over the manifest's, which win over the defaults."""
+    """The command's values win over the manifest's, which win over the defaults, field by field: a command that
+    sets only `promote_when.max_p99_ms` keeps the manifest's `min_frames` (and turns automatic promotion on)."""
     policy = policy or ShadowPolicy()
     share = 1.0 / args.every if args.every is not None else (args.share if args.share is not None else policy.share)
     return ShadowPlan(share=share, every=args.every, window_frames=args.window_frames,
                       report_interval_s=args.report_interval_s,
-                      promote_when=args.promote_when if args.promote_when is not None else policy.promote_when,
-                      cancel_below=args.cancel_below if args.cancel_below is not None else policy.cancel_below)
+                      promote_when=_merged(args.promote_when, policy.promote_when, PromoteWhen),
+                      cancel_below=_merged(args.cancel_below, policy.cancel_below, CancelBelow))
+
+
+def _merged(given: Any, base: Any, default: type) -> Any:
+    if given is None:
+        return base
+    return (base or default()).model_copy(update=given.model_dump(exclude_unset=True))

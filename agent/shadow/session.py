@@ -67,16 +67,16 @@ class ShadowSession(threading.Thread):
     """Started by the deployment manager; ends with a Verdict (its own, or `finish` from outside)."""
 
     def __init__(self, model: ShadowModel, serving_label: str, plan: ShadowPlan, pressure: ServingPressure,
-                 emit: Callable[..., None], on_verdict: Callable[[Verdict], None]) -> None:
+                 on_verdict: Callable[[Verdict], None]) -> None:
         super().__init__(name="shadow", daemon=True)
         self.model, self.plan, self.pressure = model, plan, pressure
         self.serving_label = serving_label
         self.agreement = ShadowAgreement(model.kind, model.labels, plan.window_frames)
         self.candidate_ms = LatencyHistogram()
         self.verdict: Verdict | None = None
-        self._emit, self._on_verdict = emit, on_verdict
+        self._on_verdict = on_verdict
         self._counts = _Counts()
-        self._credit = 0.0
+        self._credit: dict[str, float] = {}  # per camera: a batch delivers cameras in one order, one counter would alias
         self._serving: Any = None
         self._slot: Optional[_Offer] = None
         self._cond = threading.Condition()
@@ -96,10 +96,11 @@ class ShadowSession(threading.Thread):
                 self._counts.serving_swaps += 1
                 self.agreement.restart_windows()
             self._serving = runtime
-        self._credit += self.plan.share
-        if self._credit < 1.0 - 1e-9:
+        credit = self._credit.get(camera, 1.0 - self.plan.share) + self.plan.share  # each camera's first frame counts
+        if credit < 1.0 - 1e-9:
+            self._credit[camera] = credit
             return
-        self._credit -= 1.0
+        self._credit[camera] = credit - 1.0
         self._counts.offered += 1
         reason = "loading" if not self._ready.is_set() else self.pressure.reason(now)
         if reason is not None or self._halt.is_set():
@@ -131,6 +132,9 @@ class ShadowSession(threading.Thread):
             self._cond.notify_all()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout)
+            if self.is_alive():
+                log.warning("shadow %s: its thread did not end within %.0f s (a candidate still loading?)",
+                            self.model.deployment_id, timeout)
 
     @property
     def done(self) -> bool:
@@ -157,20 +161,16 @@ class ShadowSession(threading.Thread):
                 log.exception("shadow %s: closing the candidate failed", self.model.deployment_id)
 
     def _loop(self, runtime: Any) -> None:
-        next_report = time.monotonic() + self.plan.report_interval_s
         while not self._halt.is_set():
             with self._cond:
                 if self._slot is None:
-                    self._cond.wait(min(0.2, max(0.0, next_report - time.monotonic())))
+                    self._cond.wait(0.2)
                 offer, self._slot = self._slot, None
             if offer is not None and not self._halt.is_set():
                 verdict = self._compare(runtime, offer)
                 if verdict is not None:
                     self._conclude(verdict)
                     return
-            if time.monotonic() >= next_report:
-                next_report = time.monotonic() + self.plan.report_interval_s
-                self._emit("shadow/report", **self.report())
 
     def _compare(self, runtime: Any, offer: _Offer) -> Verdict | None:
         try:

@@ -29,13 +29,13 @@ class Verdict:
 def judge(plan: ShadowPlan, kind: str, numbers: dict[str, Any], candidate_p99_ms: float | None,
           budget_ms: float | None) -> Verdict | None:
     """A cancel (first) or a promotion due on these numbers; None while the shadow should go on."""
-    return _floor(plan, kind, numbers) or _promotion(plan, numbers, candidate_p99_ms, budget_ms)
+    return _floor(plan, kind, numbers) or _promotion(plan, kind, numbers, candidate_p99_ms, budget_ms)
 
 
 def _floor(plan: ShadowPlan, kind: str, numbers: dict[str, Any]) -> Verdict | None:
     floor, frames = plan.cancel_below, numbers["frames"]
-    if frames < floor.min_frames:
-        return None
+    if frames < floor.min_frames or numbers["window_frames"] < min(floor.min_frames, plan.window_frames):
+        return None  # the window restarts on a serving-model swap: one frame after it is not a verdict
     window = numbers["window_agreement"]
     if floor.agreement > 0 and window is not None and window < floor.agreement:
         return Verdict("cancelled", "SHADOW_AGREEMENT",
@@ -54,13 +54,12 @@ def _floor(plan: ShadowPlan, kind: str, numbers: dict[str, Any]) -> Verdict | No
     return None
 
 
-def _promotion(plan: ShadowPlan, numbers: dict[str, Any], candidate_p99_ms: float | None,
+def _promotion(plan: ShadowPlan, kind: str, numbers: dict[str, Any], candidate_p99_ms: float | None,
                budget_ms: float | None) -> Verdict | None:
     rule = plan.promote_when
     if rule is None or numbers["frames"] < rule.min_frames:
         return None
-    found = (numbers.get("parts") or {}).get("serving_detections")
-    if found is not None and found < MIN_SERVING_DETECTIONS:
+    if numbers["window_frames"] < min(rule.min_frames, plan.window_frames) or not has_signal(kind, numbers):
         return None  # an empty scene agrees with everything: wait for frames with something on them
     total, window = numbers["agreement"], numbers["window_agreement"]
     if total is None or window is None or min(total, window) < rule.min_agreement:
@@ -72,6 +71,22 @@ def _promotion(plan: ShadowPlan, numbers: dict[str, Any], candidate_p99_ms: floa
     return Verdict("promoted", "PROMOTE_WHEN",
                    f"agreement {total:.3f} over {numbers['frames']} frames ({window:.3f} over the last "
                    f"{numbers['window_frames']}) >= {rule.min_agreement:g}{latency}")
+
+
+def has_signal(kind: str, numbers: dict[str, Any]) -> bool:
+    """True when the serving model's results on the compared frames can tell a good candidate from a blind one
+    (the live counterpart of the gates' GATE_NO_SIGNAL): objects found, two classes or more, a varied map or
+    output. Image outputs always carry a picture."""
+    parts, serving = numbers.get("parts") or {}, (numbers.get("health") or {}).get("serving") or {}
+    if kind in DETECTION_KINDS:
+        return parts.get("serving_detections", 0) >= MIN_SERVING_DETECTIONS
+    if kind == "classification":
+        return serving.get("classes", 0) >= 2
+    if kind == "segmentation":
+        return parts.get("serving_varied_frames", 0) >= 1
+    if kind == "raw":
+        return serving.get("output_spread", 0.0) > 0
+    return True
 
 
 def _fmt(value: float | None) -> str:

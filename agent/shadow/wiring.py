@@ -16,23 +16,29 @@ from engines.model import ModelSource
 
 def start(agent: Any, source: ModelSource, provisioned: Any, dep: Deployment, plan: ShadowPlan,
           on_verdict: Callable[[Verdict], None]) -> ShadowSession:
-    """A started session on `agent` (frames reach it from the next result on); SHADOW_INCOMPARABLE when the two
-    models' outputs are not of one kind (a detector's boxes say nothing about a classifier's classes)."""
+    """A started session on `agent` (frames reach it from the next result on)."""
+    check_comparable(agent, source)
     manifest = source.manifest
-    serving_kind = agent.active.source.manifest.postprocess.kind if agent.active is not None else None
-    if serving_kind != manifest.postprocess.kind:
-        raise EdgeError(f"a shadow compares like with like: the candidate's postprocess is {manifest.postprocess.kind!r}, "
-                        f"the serving model's {serving_kind!r}; deploy it without mode=shadow", code="SHADOW_INCOMPARABLE")
     model = ShadowModel(dep.id, source.label, manifest.postprocess.kind,
                         tuple(manifest.labels) if manifest.labels else None, manifest.gates.latency_budget_ms,
                         load=lambda: agent.loader.load_for_shadow(source, provisioned))
     serving_budget = agent.active.source.manifest.gates.latency_budget_ms if agent.active is not None else None
     pressure = ServingPressure(yield_threshold(agent.config.deployments.shadow_yield_p99_ms, serving_budget),
                                throttled=lambda: _throttled(agent), adapt_over_limit=lambda: _adapt_over_limit(agent))
-    session = ShadowSession(model, serving_label(agent), plan, pressure, agent.emit, on_verdict)
+    session = ShadowSession(model, serving_label(agent), plan, pressure, on_verdict)
     session.start()
     agent.shadow = session
     return session
+
+
+def check_comparable(agent: Any, source: ModelSource) -> None:
+    """SHADOW_INCOMPARABLE when the two models' outputs are not of one kind (a detector's boxes say nothing about
+    a classifier's classes); checked once the manifest is verified, before any engine is built."""
+    kind = source.manifest.postprocess.kind
+    serving_kind = agent.active.source.manifest.postprocess.kind if agent.active is not None else None
+    if serving_kind != kind:
+        raise EdgeError(f"a shadow compares like with like: the candidate's postprocess is {kind!r}, the serving "
+                        f"model's {serving_kind!r}; deploy it without mode=shadow", code="SHADOW_INCOMPARABLE")
 
 
 def stop(agent: Any, session: ShadowSession) -> None:
