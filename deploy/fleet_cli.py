@@ -1,5 +1,5 @@
-"""`edge-deploy send`, `edge-deploy snapshot` and `edge-deploy fleet status`: commands, camera snapshots and
-the fleet view over MQTT."""
+"""`edge-deploy send`, `edge-deploy snapshot`, `edge-deploy fleet status` and `edge-deploy fleet shadow-gate`:
+commands, camera snapshots and the fleet view over MQTT, and a shadow wave's gate over the collector's store."""
 
 from __future__ import annotations
 
@@ -15,10 +15,13 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 
+from deploy.fleet.shadow_command import shadow_gate
 from deploy.mqtt_ops import (CAMERA_NAME, OperatorError, SnapshotFailed, fetch_snapshot, fleet_status, printable,
                              render_fleet_table, send_command)
 
-fleet_app = typer.Typer(no_args_is_help=True, help="Watch the fleet over MQTT.")
+fleet_app = typer.Typer(no_args_is_help=True, help="Watch the fleet over MQTT; gate a shadow wave on the "
+                        "collector's store.")
+fleet_app.command("shadow-gate")(shadow_gate)
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
@@ -69,7 +72,8 @@ def _parse_args(pairs: list[str]) -> dict[str, Any]:
 
 def send(
     device: str = typer.Argument(..., help="Device id (its MQTT topic segment)."),
-    command: str = typer.Argument(..., help="ping, status, deploy, rollback, set_config, engines, restart_pipeline"),
+    command: str = typer.Argument(..., help="ping, status, deploy (--arg mode=shadow --arg share=0.1: a shadow), "
+                                  "promote, cancel, rollback, set_config, engines, restart_pipeline, snapshot"),
     arg: list[str] = typer.Option([], "--arg", help="Command argument key=value (repeatable)."),
     broker: str = typer.Option(..., "--broker", help="mqtt://host:1883 or mqtts://host:8883"),
     prefix: str = typer.Option("edge", "--prefix", help="Topic prefix."),
@@ -173,7 +177,8 @@ def status(
     username: Optional[str] = typer.Option(None, "--username"),
     password: Optional[str] = typer.Option(None, "--password", envvar="EDGE_DEPLOY_MQTT_PASSWORD"),
 ) -> None:
-    """A table of devices: state, model, fps, p99, power, hottest zone, last seen."""
+    """A table of devices: state, model, fps, p99, power, hottest zone, last seen, and a running shadow's model
+    and agreement."""
     try:
         rows = fleet_status(broker, prefix, wait, **_connection(ca_file, cert_file, key_file, username, password))
     except OperatorError as exc:

@@ -25,6 +25,7 @@ from agent.mqtt.config import MqttConfig
 from agent.mqtt.topics import SNAPSHOT, STATUS, TELEMETRY, Topics, fleet_filter, split_device_topic
 from agent.names import CAMERA_NAME
 from agent.video.snapshot_wire import MAX_JPEG_BYTES as SNAPSHOT_MAX_BYTES, SnapshotError, parse_snapshot
+from deploy.fleet.shadow import telemetry_shadow
 from engines.errors import EdgeError
 
 STATE_STYLES = {"online": "green", "degraded": "yellow", "updating": "cyan", "offline": "red", "stopped": "dim"}
@@ -304,7 +305,15 @@ def fleet_row(device: str, status: dict[str, Any], telemetry: dict[str, Any]) ->
         "hottest_zone": hottest[0],
         "hottest_c": hottest[1],
         "last_seen": max(seen) if seen else None,
+        "shadow": telemetry_shadow(telemetry.get("shadow")),
     }
+
+
+def _shadow_cell(shadow: dict[str, Any] | None) -> str:
+    """`model agreement` of a running shadow; blank when none runs."""
+    if not shadow:
+        return ""
+    return f"{shadow['model']} {_num(shadow['agreement'], 3)}"
 
 
 def render_fleet_table(rows: list[dict[str, Any]], now: float | None = None) -> Any:
@@ -319,14 +328,15 @@ def render_fleet_table(rows: list[dict[str, Any]], now: float | None = None) -> 
     now = time.time() if now is None else now
     table = Table(title=f"{len(rows)} device(s)")
     for name, justify in (("Device", "left"), ("State", "left"), ("Model", "left"), ("FPS", "right"),
-                          ("p99 ms", "right"), ("Power W", "right"), ("Hottest", "left"), ("Last seen", "right")):
+                          ("p99 ms", "right"), ("Power W", "right"), ("Hottest", "left"), ("Last seen", "right"),
+                          ("Shadow", "left")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for row in rows:
         state = str(row["state"])
         hottest = f"{row['hottest_zone']} {row['hottest_c']:.1f} °C" if row["hottest_zone"] else "-"
         seen = f"{max(0.0, now - row['last_seen']):.0f} s ago" if row["last_seen"] else "-"
         cells = (str(row["device"]), state, str(row["model"] or "-"), _num(row["fps"], 1), _num(row["p99_ms"], 1),
-                 _num(row["power_w"], 2), hottest, seen)
+                 _num(row["power_w"], 2), hottest, seen, _shadow_cell(row.get("shadow")))
         table.add_row(*(Text(printable(cell), style=STATE_STYLES.get(state, "") if i == 1 else "")
                         for i, cell in enumerate(cells)))
     return table

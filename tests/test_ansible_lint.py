@@ -186,6 +186,8 @@ def _status(version: str | None, state: str | None = "active", p99: float | None
          50, False, True, "deployment rolled_back: GATE_LATENCY p99 80"),
         ("not json", 50, False, False, "printed no JSON"),
         ("", 50, False, False, "gave no status"),
+        # A shadow deployment that was cancelled ended: waiting cannot make the gate pass.
+        (_status("1.0.0", state="cancelled"), 50, False, True, "deployment cancelled"),
     ],
 )
 def test_gate_filter(status: str, budget, ok: bool, final: bool, reason: str) -> None:
@@ -194,6 +196,31 @@ def test_gate_filter(status: str, budget, ok: bool, final: bool, reason: str) ->
     assert reason in verdict["reason"]
 
 
+
+
+def _shadow_status(state: str | None, version: str = "1.0.0", recent: list | None = None, **dep: object) -> str:
+    """`edge-agent status --json` of a running daemon during a shadow wave (the deployment under `live`)."""
+    live = {"deployment": None if state is None else {"deployment_id": "d1", "state": state, **dep}}
+    return json.dumps({"device_id": "cam-7", "state": "online", "model": {"name": "det", "version": version},
+                       "live": live, "recent_deployments": recent or []})
+
+
+@pytest.mark.parametrize(("status", "running", "promoted", "ended", "reason"), [
+    (_shadow_status("shadowing"), True, False, False, "shadow of det 2.0.0 running"),
+    (_shadow_status("active", "2.0.0"), False, True, False, "promoted on the device"),
+    (_shadow_status(None, "2.0.0", [{"deployment_id": "d1", "state": "active"}]), False, True, False, "promoted"),
+    (_shadow_status(None, recent=[{"deployment_id": "d1", "state": "cancelled", "reason": "SHADOW_AGREEMENT",
+                                   "message": "agreement 0.41 below 0.5"}]),
+     False, False, True, "shadow deployment cancelled: SHADOW_AGREEMENT agreement 0.41 below 0.5"),
+    (_shadow_status("failed", reason="ENGINE_BUILD_OOM"), False, False, True, "failed: ENGINE_BUILD_OOM"),
+    (_shadow_status(None), False, False, False, "no shadow of det 2.0.0 running (deployment none)"),
+    ("{", False, False, False, "printed no JSON"),
+])
+def test_shadow_filter(status: str, running: bool, promoted: bool, ended: bool, reason: str) -> None:
+    verdict = gate_filter.edge_model_shadow(status, "det", "2.0.0")
+    assert (verdict["running"], verdict["promoted"], verdict["ended"]) == (running, promoted, ended), verdict
+    assert reason in verdict["reason"]
+    assert verdict["device_id"] == ("" if status == "{" else "cam-7")
 
 
 # ---- the install path, with a stand-in wheel -------------------------------------------------------

@@ -28,12 +28,14 @@ from deploy.fleet.db import open_db
 from tests.browser import chromium, console_errors
 from tests.dashboard_fixtures import HOSTILE_ID, HOSTILE_MODEL, running_dashboard
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key
+from tests.fleet_shadow_events import BOOT, envelope, finished, report, started
 from tests.helpers import wait_for
 
 # The fleet, server and browser live for the module: threads they start while serving a test belong to them.
 pytestmark = [pytest.mark.slow, pytest.mark.allow_leaks]
 DASH = "\u2014"
 DEVICES = ("cam-01", "cam-02")
+SHADOW_DEVICE = "shadow-cam"
 
 
 def _publish_rogue(broker_url: str, prefix: str) -> None:
@@ -113,7 +115,7 @@ def live(tmp_path_factory: pytest.TempPathFactory, mqtt_broker) -> Iterator[dict
         assert wait_for(lambda: _fleet_ready(_fleet_state(db_url)), timeout=60, interval=0.5), \
             f"the store never saw the whole fleet: {_fleet_state(db_url)}"
         with running_dashboard(db_url, refresh_s=1.0) as dash, chromium(tmp / "chromium") as web:
-            yield {"dash": dash, "web": web, "agents": agents, "db_url": db_url}
+            yield {"dash": dash, "web": web, "agents": agents, "db_url": db_url, "prefix": prefix}
     finally:
         for agent in agents:
             agent.stop()
@@ -216,3 +218,68 @@ def test_a_device_that_sent_a_flood_of_events_renders_without_a_stack_overflow(l
     shown = web.execute_script("return document.querySelectorAll('#markers tbody tr').length")
     assert 100 < shown <= 501 and "only the newest" in web.find_element("id", "markers-truncated").text
     assert console_errors(web) == []
+
+
+def _publish_shadow_device(broker_url: str, prefix: str) -> None:
+    """A device running a shadow (its events as published, docs/mqtt.md) that had cancelled one before, with
+    markup in the reason it gave."""
+    now = time.time()
+    events = [(now - 120, started("dep-old", "demo-det@1.5.0")),
+              (now - 110, finished("dep-old", "demo-det@1.5.0", 80, 0.4, "cancelled", "SHADOW_AGREEMENT",
+                                   HOSTILE_MODEL)),
+              (now - 100, started("dep-new", "demo-det@2.1.0"))]
+    events += [(now - 90 + 10 * i, report("dep-new", "demo-det@2.1.0", 50 * (i + 1), 0.9 + 0.005 * i, p99=30.0 + i))
+               for i in range(8)]
+    host, port = broker_url.split("://")[1].rsplit(":", 1)
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    client.connect(host, int(port), 30)
+    client.loop_start()
+    try:
+        status = {"state": "online", "boot_id": BOOT, "model": {"name": "demo-det", "version": "2.0.0"},
+                  "since": now - 200, "ts": now}
+        messages = [("status", status)] + [("events", envelope(i + 1, ts, body)) for i, (ts, body) in enumerate(events)]
+        for leaf, body in messages:
+            client.publish(f"{prefix}/{SHADOW_DEVICE}/{leaf}", json.dumps(body), qos=1).wait_for_publish(10)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+def _stored_shadow_events(db_url: str) -> int:
+    db = open_db(db_url)
+    try:
+        return db.query("SELECT COUNT(*) AS n FROM events WHERE device_id = ? AND type LIKE 'shadow/%'",
+                        (SHADOW_DEVICE,))[0]["n"]
+    finally:
+        db.close()
+
+
+def test_the_shadow_column_and_the_device_page_shadow_panel(live, mqtt_broker) -> None:
+    """Runs last: it adds a device to the module's fleet."""
+    web, dash = live["web"], live["dash"]
+    _publish_shadow_device(mqtt_broker.url, live["prefix"])
+    assert wait_for(lambda: _stored_shadow_events(live["db_url"]) == 11, timeout=30)
+    _open(web, dash.url + "/")
+    assert wait_for(lambda: SHADOW_DEVICE in _column(web, "shadow"), timeout=20)
+    shadow = _column(web, "shadow")
+    assert shadow[SHADOW_DEVICE] == "demo-det@2.1.0 0.935" and shadow["cam-01"] == DASH and shadow[HOSTILE_ID] == DASH
+    web.execute_script("const s = document.getElementById('show'); s.value = 'shadow'; "
+                       "s.dispatchEvent(new Event('change'))")
+    assert wait_for(lambda: _row_order(web) == [SHADOW_DEVICE], timeout=10)
+    assert console_errors(web) == []
+
+    _open(web, dash.url + "/device?id=" + SHADOW_DEVICE + "&range=1h")
+    assert web.execute_script("return document.getElementById('shadow').hidden") is False
+    points = int(web.execute_script("return document.getElementById('chart-shadow-agreement').dataset.points"))
+    assert points == 16  # 8 reports, total and window agreement
+    assert int(web.execute_script("return document.getElementById('chart-shadow-latency').dataset.points")) == 16
+    facts = web.find_element("id", "shadow-facts").text
+    assert "demo-det@2.1.0" in facts and "0.935 over 400 frames" in facts and "37.0 ms" in facts
+    ended = web.find_element("css selector", "#shadow-finished tr[data-outcome='cancelled']").text
+    assert "demo-det@1.5.0" in ended and "SHADOW_AGREEMENT" in ended and HOSTILE_MODEL in ended  # text, not markup
+    assert web.execute_script("return window.__xss") is None
+    assert "shadow started demo-det@2.1.0" in web.find_element("id", "markers").text
+    assert console_errors(web) == []
+    _screenshot(web, "dashboard-shadow.png")
+    _open(web, dash.url + "/device?id=cam-02")
+    assert web.execute_script("return document.getElementById('shadow').hidden") is True

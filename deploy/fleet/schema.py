@@ -7,8 +7,9 @@ telemetry and events by day on `ts` (its unique key then has to include `ts`; a 
 same `ts`, it was stamped when the sample was produced), or makes them TimescaleDB hypertables where
 that extension is installed.
 
-Tables added after a store was first made (`snapshots`) are created by `_added_tables` on every start,
-whatever the layout: an existing PostgreSQL store never runs `create_statements` again.
+Tables and indexes added after a store was first made (`snapshots`, `events_device_type_ts`) are created by
+`_added_tables` on every start, whatever the layout: an existing PostgreSQL store never runs
+`create_statements` again.
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ SNAPSHOT_COLUMNS: tuple[tuple[str, str], ...] = (
 ADDED_TABLES = (
     ("snapshots", SNAPSHOT_COLUMNS, "PRIMARY KEY (device_id, camera)"),
 )
+# Indexes added after a store was first made, created at every start like ADDED_TABLES. Each device's newest
+# event of one type (its shadow deployment's newest report, the dashboard's shadow column, the shadow gate) is
+# then one index probe: on (device_id, ts) alone, a device that never shadowed had all its events read.
+ADDED_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS events_device_type_ts ON events (device_id, type, ts)",
+)
 INDEXES = (
     "CREATE INDEX IF NOT EXISTS telemetry_device_ts ON telemetry (device_id, ts)",
     "CREATE INDEX IF NOT EXISTS telemetry_model_ts ON telemetry (model_name, ts)",
@@ -101,8 +108,9 @@ def create_statements(dialect: str, partitioned: bool = False) -> list[str]:
 
 
 def added_statements(dialect: str) -> list[str]:
-    """CREATE TABLE IF NOT EXISTS of the tables added since the first layout (run at every start)."""
-    return [f"CREATE TABLE IF NOT EXISTS {name} ({_columns(cols, dialect)}, {key})" for name, cols, key in ADDED_TABLES]
+    """CREATE TABLE/INDEX IF NOT EXISTS of what was added since the first layout (run at every start)."""
+    tables = [f"CREATE TABLE IF NOT EXISTS {name} ({_columns(cols, dialect)}, {key})" for name, cols, key in ADDED_TABLES]
+    return tables + list(ADDED_INDEXES)
 
 
 def ensure_schema(db: FleetDB, *, timescale: str = "auto", retention_days: float = 30.0) -> str:
@@ -130,9 +138,11 @@ def ensure_schema(db: FleetDB, *, timescale: str = "auto", retention_days: float
 
 
 def _added_tables(db: FleetDB) -> None:
-    """The migration of a store made before `snapshots` existed: create what is missing (idempotent; inside
-    ensure_schema's transaction, under its advisory lock on PostgreSQL). A dashboard role granted SELECT on
-    the tables that existed then needs the grant again for the new one (docs/dashboard.md)."""
+    """The migration of a store made before `snapshots` (or an added index) existed: create what is missing
+    (idempotent; inside ensure_schema's transaction, under its advisory lock on PostgreSQL). A dashboard role
+    granted SELECT on the tables that existed then needs the grant again for the new one (docs/dashboard.md).
+    A new index on a large PostgreSQL `events` is built once, at the first start after an upgrade, and holds
+    that collector's writes while it builds."""
     for sql in added_statements(db.dialect):
         db.execute(sql)
 

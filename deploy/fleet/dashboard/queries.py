@@ -10,10 +10,13 @@ import json
 import time
 from typing import Any
 
+from deploy.fleet.dashboard import shadow_view
+
 # Deployment states after which nothing is in progress any more.
 TERMINAL_DEPLOYMENT_STATES = ("active", "failed", "rolled_back")
 # Event types drawn on the device page's time axis.
-MARKER_TYPES = ("deployment", "adapt", "throttling", "throttling_cleared", "rolled_back", "rollback", "model_loaded")
+MARKER_TYPES = ("deployment", "adapt", "throttling", "throttling_cleared", "rolled_back", "rollback", "model_loaded",
+                "shadow/started", "shadow/finished")
 MAX_POINTS = 600  # points per series on a device chart: one bucket per pixel column, about
 # Bounds on what one device can make a page read and draw, whatever it sent (a hostile or broken device
 # sent 1 M adapt events in an hour: that page took 30 s, ~1 GB and 64 MB of JSON, and stack-overflowed the
@@ -35,7 +38,7 @@ SELECT d.device_id, d.online, d.state, d.state_since, d.last_seen, d.agent_versi
        d.precision, d.backend, d.latency_budget_ms, d.module, d.deployment_state,
        t.ts, t.fps, t.p50_ms, t.p99_ms, t.power_w, t.energy_mj_per_frame, t.soc_temp_c, t.gpu_temp_c, t.throttled,
        t.model_name AS sample_model_name, t.model_version AS sample_model_version, t.precision AS sample_precision,
-       s.max_seq - s.min_seq + 1 - s.received AS lost_on_device
+       t.payload AS sample_payload, s.max_seq - s.min_seq + 1 - s.received AS lost_on_device
 FROM devices d
 LEFT JOIN telemetry t ON t.device_id = d.device_id
   AND t.ts = (SELECT MAX(l.ts) FROM telemetry l WHERE l.device_id = d.device_id AND l.ts >= ? AND l.ts <= ?)
@@ -45,10 +48,13 @@ ORDER BY d.device_id
 
 
 def fleet(db: Any, now: float | None = None) -> list[dict[str, Any]]:
-    """One row per device: its status row joined with its newest telemetry sample (of the last week)."""
+    """One row per device: its status row joined with its newest telemetry sample (of the last week), and the
+    shadow deployment running on it, if any (`shadow`: model, agreement, ...; deploy.fleet.dashboard.shadow_view)."""
     now = time.time() if now is None else now
+    since, until = now - LATEST_LOOKBACK_S, now + FUTURE_TOLERANCE_S
+    shadows = shadow_view.fleet_events(db, since, until)
     rows: dict[str, dict[str, Any]] = {}
-    for row in db.query(_FLEET, (now - LATEST_LOOKBACK_S, now + FUTURE_TOLERANCE_S)):
+    for row in db.query(_FLEET, (since, until)):
         if row["device_id"] in rows:
             continue  # two samples with the same newest ts (a second boot): one row per device is enough
         sample_model = [row.pop(k) for k in ("sample_model_name", "sample_model_version", "sample_precision")]
@@ -60,6 +66,7 @@ def fleet(db: Any, now: float | None = None) -> list[dict[str, Any]]:
         row["throttled"] = _bool(row["throttled"])
         row["deploying"] = _deploying(row.get("deployment_state"))
         row["lost_on_device"] = _lost(row["lost_on_device"])
+        row["shadow"] = shadow_view.running(shadows.get(row["device_id"], []), row["ts"], row.pop("sample_payload"))
         rows[row["device_id"]] = row
     return list(rows.values())
 
@@ -166,6 +173,10 @@ def events(db: Any, device_id: str, before: float | None = None, limit: int = EV
 
 
 def _marker_label(kind: str, payload: dict[str, Any]) -> str:
+    if kind.startswith("shadow/"):
+        what = payload.get("outcome") if kind == "shadow/finished" else "started"
+        why = f" ({payload['reason']})" if kind == "shadow/finished" and payload.get("reason") else ""
+        return f"shadow {what} {payload.get('model', '?')}{why}"
     if kind == "deployment":
         return f"deployment {payload.get('state')}" + (f" ({payload['reason']})" if payload.get("reason") else "")
     if kind == "adapt":

@@ -1,12 +1,13 @@
-"""Jinja filter ``edge_model_gate``: judges `edge-agent status --json` against a rollout's health gate."""
+"""Jinja filters ``edge_model_gate`` (judges `edge-agent status --json` against a rollout's health gate) and
+``edge_model_shadow`` (where a device's shadow deployment stands during a shadow wave)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
 
-# Deployment states after which waiting longer cannot make the gate pass.
-_TERMINAL_STATES = {"failed", "rolled_back"}
+# Deployment states after which waiting longer cannot make the gate pass (cancelled: a shadow that ended).
+_TERMINAL_STATES = {"failed", "rolled_back", "cancelled"}
 # Agent states (`status.state`) in which the model is not serving healthily.
 _NOT_SERVING = {"stopped", "never_run", "degraded", "offline"}
 
@@ -29,6 +30,59 @@ def _budget(status: Mapping, budget_ms: object) -> float | None:
     return float(value) if value is not None else None
 
 
+def _parse(status: object) -> tuple[Mapping | None, str]:
+    """The status object, or None and why (`edge-agent status --json` printed nothing usable)."""
+    if isinstance(status, str):
+        try:
+            status = json.loads(status) if status.strip() else None
+        except ValueError as exc:
+            return None, f"`edge-agent status --json` printed no JSON ({exc})"
+    if not isinstance(status, Mapping):
+        return None, "`edge-agent status --json` gave no status"
+    return status, ""
+
+
+def _deployment(status: Mapping) -> Mapping:
+    """The deployment in progress (top level or `live`), else the newest recorded one."""
+    live = status.get("live") or {}
+    current = status.get("deployment") or live.get("deployment")
+    if isinstance(current, Mapping):
+        return current
+    recent = status.get("recent_deployments") or []
+    return recent[0] if recent and isinstance(recent[0], Mapping) else {}
+
+
+def edge_model_shadow(status: object, name: str, version: str) -> dict:
+    """Returns {running, promoted, ended, reason, device_id, deployment_id} for one status reading in a shadow
+    wave. running: a shadow deployment is running (state `shadowing`). promoted: `name version` is the active
+    model (the device promoted it itself: `promote_when`). ended: the deployment was cancelled, failed or
+    rolled back; reason says why. device_id: the device's id, as its events and the collector name it."""
+    result = {"running": False, "promoted": False, "ended": False, "reason": "", "device_id": "",
+              "deployment_id": ""}
+    parsed, why = _parse(status)
+    if parsed is None:
+        result["reason"] = why
+        return result
+    deployment = _deployment(parsed)
+    state = deployment.get("state")
+    result["device_id"] = str(parsed.get("device_id") or "")
+    result["deployment_id"] = str(deployment.get("deployment_id") or "")
+    expected = f"{name} {version}"
+    if state == "shadowing":
+        result["running"] = True
+        result["reason"] = f"shadow of {expected} running"
+    elif state in _TERMINAL_STATES:
+        result["ended"] = True
+        detail = " ".join(str(deployment[k]) for k in ("reason", "message") if deployment.get(k))
+        result["reason"] = f"shadow deployment {state}" + (f": {detail}" if detail else "")
+    elif _identity(parsed.get("model")) == expected and state in (None, "active"):
+        result["promoted"] = True
+        result["reason"] = f"{expected} active (promoted on the device)"
+    else:
+        result["reason"] = f"no shadow of {expected} running (deployment {state or 'none'})"
+    return result
+
+
 def edge_model_gate(status: object, name: str, version: str, budget_ms: object = None) -> dict:
     """Returns {ok, final, reason, active, state, p99_ms, budget_ms} for one status reading.
 
@@ -39,14 +93,9 @@ def edge_model_gate(status: object, name: str, version: str, budget_ms: object =
     """
     result = {"ok": False, "final": False, "reason": "", "active": "", "state": None,
               "p99_ms": None, "budget_ms": None}
-    if isinstance(status, str):
-        try:
-            status = json.loads(status) if status.strip() else None
-        except ValueError as exc:
-            result["reason"] = f"`edge-agent status --json` printed no JSON ({exc})"
-            return result
-    if not isinstance(status, Mapping):
-        result["reason"] = "`edge-agent status --json` gave no status"
+    status, why = _parse(status)
+    if status is None:
+        result["reason"] = why
         return result
     live = status.get("live") or {}
     deployment = status.get("deployment") or live.get("deployment") or {}
@@ -87,4 +136,4 @@ class FilterModule:
     """Ansible filter plugin entry point."""
 
     def filters(self) -> dict:
-        return {"edge_model_gate": edge_model_gate}
+        return {"edge_model_gate": edge_model_gate, "edge_model_shadow": edge_model_shadow}

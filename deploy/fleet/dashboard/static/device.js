@@ -1,5 +1,6 @@
 // One device: facts, the newest snapshot of each camera, charts over time (uPlot, vendored) with deployments
-// and adapt/throttle events marked on the time axis, and the deployment history with each step's duration.
+// and adapt/throttle events marked on the time axis, a shadow deployment's agreement and candidate latency
+// over time with how each shadow ended, and the deployment history with each step's duration.
 // Refreshed from /api/device and /api/snapshots; an image is fetched again only when a newer one is stored.
 "use strict";
 
@@ -10,8 +11,16 @@ const CHARTS = [
   {id: "temperature", title: "temperature °C", series: [["soc_temp_c", "SoC", "#8b5cf6"], ["gpu_temp_c", "GPU", "#ec4899"]]},
   {id: "clocks", title: "GPU clock MHz", series: [["gpu_freq_mhz", "GPU clock", "#0ea5e9"]]},
 ];
+// Drawn from the shadow/report events of /api/device (`shadow.series`), not from telemetry.
+const SHADOW_CHARTS = [
+  {id: "shadow-agreement", title: "shadow agreement (0–1)", source: "shadow",
+   series: [["agreement", "total", "#7c3aed"], ["window_agreement", "window", "#14b8a6"]]},
+  {id: "shadow-latency", title: "shadow p99 ms", source: "shadow",
+   series: [["candidate_p99_ms", "candidate", "#ef4444"], ["active_p99_ms", "serving", "#3b82f6"]]},
+];
 const MARK_COLORS = {deployment: "#2563eb", adapt: "#16a34a", throttling: "#dc2626", throttling_cleared: "#f87171",
-                     rolled_back: "#b45309", rollback: "#b45309", model_loaded: "#64748b"};
+                     rolled_back: "#b45309", rollback: "#b45309", model_loaded: "#64748b",
+                     "shadow/started": "#7c3aed", "shadow/finished": "#7c3aed"};
 const deviceId = param("id");
 const plots = {};
 const snapshotBoxes = new Map();  // camera -> its figure, kept across refreshes so an unchanged image stays loaded
@@ -59,6 +68,10 @@ function markerPlugin(markers) {
   }]}};
 }
 
+function seriesOf(spec, data) {
+  return spec.source === "shadow" ? data.shadow.series : data.series;
+}
+
 function budgetShown(spec, data) {
   // The budget line only when it is near the data: a 5 s budget would flatten a 100 ms latency curve.
   const budget = data.device.latency_budget_ms;
@@ -68,15 +81,16 @@ function budgetShown(spec, data) {
 }
 
 function chartData(spec, data, budget) {
-  const cols = [data.series.ts, ...spec.series.map(([key]) => data.series[key])];
-  if (budget !== null) cols.push(data.series.ts.map(() => budget));
+  const series = seriesOf(spec, data);
+  const cols = [series.ts, ...spec.series.map(([key]) => series[key])];
+  if (budget !== null) cols.push(series.ts.map(() => budget));
   return cols;
 }
 
-function xRange(data) {
+function xRange(spec, data) {
   // Start where the data (or the first marker) starts when that is inside the range: a device that reported
   // for ten minutes fills the chart instead of a sliver at the right edge of the hour.
-  const first = Math.min(...[data.series.ts[0], data.markers.length ? data.markers[0].ts : undefined]
+  const first = Math.min(...[seriesOf(spec, data).ts[0], data.markers.length ? data.markers[0].ts : undefined]
     .filter((v) => !missing(v)));
   if (!Number.isFinite(first)) return [data.since, data.until];
   const pad = Math.max(1, (data.until - first) * 0.03);
@@ -84,7 +98,8 @@ function xRange(data) {
 }
 
 function countPoints(spec, data) {
-  return spec.series.reduce((n, [key]) => n + data.series[key].filter((v) => !missing(v)).length, 0);
+  const series = seriesOf(spec, data);
+  return spec.series.reduce((n, [key]) => n + series[key].filter((v) => !missing(v)).length, 0);
 }
 
 function renderChart(spec, data) {
@@ -97,12 +112,13 @@ function renderChart(spec, data) {
     return;
   }
   const budget = budgetShown(spec, data);
+  const shown = seriesOf(spec, data).ts.length;
   const series = [{}, ...spec.series.map(([, label, color]) => ({label, stroke: color, width: 2, spanGaps: false,
-                                                                  points: {show: data.series.ts.length < 80}}))];
+                                                                  points: {show: shown < 80}}))];
   if (budget !== null) series.push({label: "budget", stroke: "#94a3b8", dash: [4, 4], width: 1});
   const cols = chartData(spec, data, budget);
   const width = Math.max(320, box.clientWidth - 16);
-  const [xMin, xMax] = xRange(data);
+  const [xMin, xMax] = xRange(spec, data);
   if (plots[spec.id]) plots[spec.id].destroy();
   box.querySelector(".plot").replaceChildren();
   plots[spec.id] = new uPlot({width, height: 180, series, scales: {x: {time: true, min: xMin, max: xMax}},
@@ -110,10 +126,15 @@ function renderChart(spec, data) {
                              cols, box.querySelector(".plot"));
 }
 
+function markClass(type) {
+  if (type.startsWith("throttl")) return "throttle";
+  return type.startsWith("shadow/") ? "shadow" : type;
+}
+
 function renderMarkers(markers, truncated) {
   const rows = markers.slice().reverse().map((m) => el("tr", {}, [
     el("td", {text: fmtTime(m.ts)}),
-    el("td", {}, [el("span", {class: "mark " + (m.type.startsWith("throttl") ? "throttle" : m.type)}), m.label]),
+    el("td", {}, [el("span", {class: "mark " + markClass(m.type)}), m.label]),
   ]));
   if (truncated) {  // the server sends the newest few hundred, whatever the device sent
     rows.push(el("tr", {}, [el("td", {colspan: 2, class: "muted", id: "markers-truncated",
@@ -121,6 +142,35 @@ function renderMarkers(markers, truncated) {
   }
   document.querySelector("#markers tbody").replaceChildren(
     ...(rows.length ? rows : [el("tr", {}, [el("td", {colspan: 2, class: "muted", text: "no events in this range"})])]));
+}
+
+function shadowFacts(current) {
+  if (!current) return fact("running", "no shadow deployment running");
+  const numbers = current.state === "started" ? "started, no agreement reported yet"
+    : `${fmtNum(current.agreement, 3)} over ${fmtNum(current.frames, 0)} frames (window ${fmtNum(current.window_agreement, 3)})`;
+  return [
+    ...fact("candidate", fmtText(current.model)), ...fact("agreement", numbers),
+    ...fact("candidate p99", missing(current.candidate_p99_ms) ? DASH : `${fmtNum(current.candidate_p99_ms, 1)} ms`),
+    ...fact("frames skipped", fmtNum(current.skipped_total, 0)),
+    ...fact("as of", `${fmtTime(current.ts)} (${current.source === "telemetry" ? "telemetry" : "shadow/report"})`),
+  ];
+}
+
+function renderShadow(data) {
+  const shadow = data.shadow;
+  const box = document.getElementById("shadow");
+  box.hidden = !shadow.current && !shadow.finished.length && !shadow.series.ts.length;
+  document.getElementById("shadow-facts").replaceChildren(...shadowFacts(shadow.current));
+  for (const spec of SHADOW_CHARTS) renderChart(spec, data);
+  const rows = shadow.finished.map((f) => el("tr", {"data-outcome": f.outcome}, [
+    el("td", {text: fmtTime(f.ts)}), el("td", {text: fmtText(f.model)}),
+    el("td", {}, [el("span", {class: f.outcome === "promoted" ? "ok" : "bad", text: fmtText(f.outcome)})]),
+    el("td", {class: "num", text: fmtNum(f.frames, 0)}), el("td", {class: "num", text: fmtNum(f.agreement, 3)}),
+    el("td", {class: "num", text: fmtNum(f.candidate_p99_ms, 1)}),
+    el("td", {text: [f.reason, f.message].filter((v) => !missing(v) && v !== "").join(": ") || DASH}),
+  ]));
+  document.querySelector("#shadow-finished tbody").replaceChildren(
+    ...(rows.length ? rows : [el("tr", {}, [el("td", {colspan: 7, class: "muted", text: "no shadow has ended yet"})])]));
 }
 
 function renderDeployments(history) {
@@ -211,9 +261,13 @@ async function refreshSnapshots() {
   }
 }
 
+function chartBox(spec) {
+  return el("figure", {id: "chart-" + spec.id, class: "chart"}, [el("figcaption", {text: spec.title}), el("div", {class: "plot"})]);
+}
+
 function buildChartBoxes() {
-  document.getElementById("charts").replaceChildren(...CHARTS.map((spec) =>
-    el("figure", {id: "chart-" + spec.id, class: "chart"}, [el("figcaption", {text: spec.title}), el("div", {class: "plot"})])));
+  document.getElementById("charts").replaceChildren(...CHARTS.map(chartBox));
+  document.getElementById("shadow-charts").replaceChildren(...SHADOW_CHARTS.map(chartBox));
 }
 
 async function refresh() {
@@ -225,6 +279,7 @@ async function refresh() {
     renderFacts(data.device);
     for (const spec of CHARTS) renderChart(spec, data);
     renderMarkers(data.markers, data.markers_truncated);
+    renderShadow(data);
     renderDeployments(data.deployments);
     document.body.dataset.loaded = "true";
   } catch (err) {

@@ -19,6 +19,7 @@ const COLUMNS = [
    cell: (d) => el("span", {class: d.throttled ? "bad" : null, text: fmtBool(d.throttled)})},
   {key: "lost_on_device", label: "lost on device", num: true, sort: (d) => d.lost_on_device, cell: lostCell},
   {key: "deployment_state", label: "deployment", sort: (d) => d.deployment_state, cell: deploymentCell},
+  {key: "shadow", label: "shadow", sort: (d) => (d.shadow ? d.shadow.agreement : null), cell: shadowCell},
   {key: "ts", label: "last sample", num: true, sort: (d) => d.ts, cell: (d) => el("span", {
     title: fmtTime(d.ts), text: missing(d.ts) ? DASH : fmtAgo(d.ts) + " ago"})},
 ];
@@ -54,6 +55,16 @@ function deploymentCell(d) {
                      text: d.deploying ? `${d.deployment_state} (in progress)` : d.deployment_state});
 }
 
+// A shadow deployment running beside the serving model: the candidate and its agreement with it so far.
+function shadowCell(d) {
+  const s = d.shadow;
+  if (!s) return DASH;
+  const text = s.state === "started" ? `${s.model} (starting)` : `${s.model} ${fmtNum(s.agreement, 3)}`;
+  const title = `agreement ${fmtNum(s.agreement, 3)} over ${fmtNum(s.frames, 0)} frames, window ${fmtNum(s.window_agreement, 3)}`
+    + `, candidate p99 ${fmtNum(s.candidate_p99_ms, 1)} ms (from ${s.source === "telemetry" ? "telemetry" : "shadow events"})`;
+  return el("span", {class: "busy", title, text});
+}
+
 const view = {rows: [], sortKey: "device_id", sortDir: 1};
 
 function compare(a, b) {
@@ -74,9 +85,11 @@ function keep(d) {
   if (show === "over" && !overBudget(d)) return false;
   if (show === "deploying" && !d.deploying) return false;
   if (show === "throttled" && !d.throttled) return false;
+  if (show === "shadow" && !d.shadow) return false;
   const needle = document.getElementById("filter").value.trim().toLowerCase();
   if (!needle) return true;
-  const hay = [d.device_id, d.module, d.model_name, d.model_version, d.precision, d.state, d.deployment_state]
+  const hay = [d.device_id, d.module, d.model_name, d.model_version, d.precision, d.state, d.deployment_state,
+               d.shadow ? d.shadow.model : null]
     .filter((v) => !missing(v)).join(" ").toLowerCase();
   return hay.includes(needle);
 }
