@@ -13,7 +13,7 @@ from typing import Any
 from deploy.fleet.dashboard import shadow_view
 
 # Deployment states after which nothing is in progress any more.
-TERMINAL_DEPLOYMENT_STATES = ("active", "failed", "rolled_back")
+TERMINAL_DEPLOYMENT_STATES = ("active", "failed", "rolled_back", "cancelled")  # cancelled: a shadow that ended
 # Event types drawn on the device page's time axis.
 MARKER_TYPES = ("deployment", "adapt", "throttling", "throttling_cleared", "rolled_back", "rollback", "model_loaded",
                 "shadow/started", "shadow/finished")
