@@ -217,11 +217,8 @@ def _status(control: AgentControl, args: NoArgs) -> dict:
 
 @command("deploy", DeployArgs, "Start a deployment; replies at once, progress follows as events.", per_minute=10)
 def _deploy(control: AgentControl, args: DeployArgs) -> dict:
-    shadow = args.shadow_args()
-    if shadow is None:  # the plain call: controls that predate shadows keep working
-        return control.deploy(args.url, args.timeout_s, allow_downgrade=args.allow_downgrade, channel=args.channel)
     return control.deploy(args.url, args.timeout_s, allow_downgrade=args.allow_downgrade, channel=args.channel,
-                          shadow=shadow)
+                          shadow=args.shadow_args())
 
 
 @command("promote", ShadowDecisionArgs, "Promote the running shadow deployment: hot swap to its candidate.",

@@ -43,11 +43,36 @@ def oks(reference: Any, candidate: Any) -> float | None:
 
 def instance_agreement(pairs: Sequence[tuple[Any, Any]]) -> dict[str, float]:
     """Mean mask IoU and mean OKS over matched (reference, candidate) detections, for those that have them."""
-    masks = [mask_iou(r.mask, c.mask) for r, c in pairs if r.mask is not None and c.mask is not None]
-    points = [v for v in (oks(r, c) for r, c in pairs if r.keypoints and c.keypoints) if v is not None]
+    return instance_scores(instance_sums(pairs))
+
+
+def instance_sums(pairs: Sequence[tuple[Any, Any]]) -> dict[str, float]:
+    """The sums the means are read from (`instance_scores`), so frames can be pooled one at a time (a shadow's
+    live agreement, engines.live_agreement): pairs whose reference has a mask / keypoints, and the IoU / OKS
+    sums and counts over those the candidate has too."""
+    sums = dict.fromkeys(("mask_ref", "mask_iou_sum", "mask_iou_n", "oks_ref", "oks_sum", "oks_n"), 0.0)
+    for ref, cand in pairs:
+        if ref.mask is not None:
+            sums["mask_ref"] += 1
+            if cand.mask is not None:
+                sums["mask_iou_sum"] += mask_iou(ref.mask, cand.mask)
+                sums["mask_iou_n"] += 1
+        if ref.keypoints:
+            sums["oks_ref"] += 1
+            value = oks(ref, cand) if cand.keypoints else None
+            if value is not None:
+                sums["oks_sum"] += value
+                sums["oks_n"] += 1
+    return sums
+
+
+def instance_scores(sums: Any) -> dict[str, float]:
+    """mask_iou (0 when no candidate mask) and oks (1 when no visible keypoint) for the kinds the references have."""
     out: dict[str, float] = {}
-    if any(r.mask is not None for r, _ in pairs):
-        out["mask_iou"] = round(float(np.mean(masks)) if masks else 0.0, 5)
-    if any(r.keypoints for r, _ in pairs):
-        out["oks"] = round(float(np.mean(points)) if points else 1.0, 5)
+    if sums.get("mask_ref", 0):
+        count = sums.get("mask_iou_n", 0)
+        out["mask_iou"] = round(float(sums["mask_iou_sum"] / count) if count else 0.0, 5)
+    if sums.get("oks_ref", 0):
+        count = sums.get("oks_n", 0)
+        out["oks"] = round(float(sums["oks_sum"] / count) if count else 1.0, 5)
     return out

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from engines.instance_metrics import mask_iou, oks
+from engines.instance_metrics import instance_scores, instance_sums
 from engines.postprocess import InferenceResult
 from engines.validate import BOX_IOU, match_detections, scaled_cosine
 
@@ -68,18 +68,7 @@ def _box_tally(active: InferenceResult, candidate: InferenceResult) -> Tally:
                    "fn": len(active.detections) - len(pairs), "frames": 1.0})
     tally["ref_score"] = float(sum(r.score for r, _ in pairs))
     tally["cand_score"] = float(sum(c.score for _, c in pairs))
-    for ref, cand in pairs:  # mirrors engines.instance_metrics.instance_agreement, pooled
-        if ref.mask is not None:
-            tally["mask_ref"] += 1
-            if cand.mask is not None:
-                tally["mask_iou_sum"] += mask_iou(ref.mask, cand.mask)
-                tally["mask_iou_n"] += 1
-        if ref.keypoints:
-            tally["oks_ref"] += 1
-            value = oks(ref, cand) if cand.keypoints else None
-            if value is not None:
-                tally["oks_sum"] += value
-                tally["oks_n"] += 1
+    tally.update({key: value for key, value in instance_sums(pairs).items() if value})
     return tally
 
 
@@ -129,10 +118,7 @@ def _box_score(tally: Tally) -> tuple[float, dict[str, float]]:
     parts: dict[str, float] = {"box_f1": round(f1, 5)}
     if tally["ref_score"] > 0:
         parts["matched_score_ratio"] = round(tally["cand_score"] / tally["ref_score"], 4)
-    if tally["mask_ref"]:
-        parts["mask_iou"] = round(tally["mask_iou_sum"] / tally["mask_iou_n"], 5) if tally["mask_iou_n"] else 0.0
-    if tally["oks_ref"]:
-        parts["oks"] = round(tally["oks_sum"] / tally["oks_n"], 5) if tally["oks_n"] else 1.0
+    parts.update(instance_scores(tally))
     parts["serving_detections"] = int(tp + fn)  # the signal: few, and box F1 is decided by noise (or defined as 1)
     decisive = [value for key, value in parts.items() if key not in ("matched_score_ratio", "serving_detections")]
     return min(decisive), parts

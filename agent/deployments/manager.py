@@ -165,9 +165,7 @@ class DeploymentManager(threading.Thread):
         dep = self._current or self._watching
         if dep is None:
             return None
-        shadow = self.shadowing.status() if dep.state == "shadowing" else None
-        return {**dep.to_dict(), "progress": dict(self.progress), "watching": dep is self._watching,
-                **({"shadow": shadow} if shadow is not None else {})}
+        return {**dep.to_dict(), "progress": dict(self.progress), "watching": dep is self._watching}
 
     # --- recovery (before start) -------------------------------------------------------------
 
@@ -229,9 +227,9 @@ class DeploymentManager(threading.Thread):
 
     def _deploy(self, dep: Deployment) -> None:
         try:
-            source, provisioned = self._prepare(dep)
-            self._check_deadline(dep)
             shadow = self._options.get(dep.id, RequestOptions()).shadow
+            source, provisioned = self._prepare(dep, shadow is not None)
+            self._check_deadline(dep)
             evidence = self.shadowing.run(dep, source, provisioned, shadow, self._step) if shadow is not None else None
             if evidence is not None and evidence["outcome"] != "promoted":
                 self._cancelled(dep, evidence)
@@ -263,13 +261,13 @@ class DeploymentManager(threading.Thread):
         self._collect_engines()
         self._watch(dep)
 
-    def _prepare(self, dep: Deployment) -> tuple[ModelSource, Any]:
+    def _prepare(self, dep: Deployment, shadow: bool = False) -> tuple[ModelSource, Any]:
         self._step(dep, "fetching")
         path = self._fetch(dep, self._options.get(dep.id, RequestOptions()))
         self._step(dep, "verifying", artifact_dir=str(path))
         # fetch already verified everything; this re-hash proves the published directory, not the download
         source = verify_artifact(path, self.artifacts, check_model=False)
-        if self._options.get(dep.id, RequestOptions()).shadow is not None:
+        if shadow:
             self.host.check_shadow(source)  # before a build that could take half an hour for nothing
         m = source.manifest
         self._step(dep, "building", model_name=m.name, model_version=m.version, sha256=source.sha256)

@@ -98,22 +98,24 @@ class ShadowStage:
                 session.finish(Verdict("cancelled", "SHADOW_CANDIDATE_FAILED", "the shadow's thread ended unexpectedly"))
             if session.verdict is not None or time.monotonic() >= next_record:
                 next_record = time.monotonic() + plan.report_interval_s
-                self._record(dep, session)
+                report = self._record(dep, session)
                 if session.verdict is None:  # on this thread, not the shadow's idle-priority one (it holds no lock)
-                    self.emit("shadow/report", **session.report())
+                    self.emit("shadow/report", **report)
         assert session.verdict is not None
         return session.verdict
 
-    def _record(self, dep: Deployment, session: ShadowSession) -> None:
-        """The running evidence on the row; a database that refuses it costs nothing but that copy."""
+    def _record(self, dep: Deployment, session: ShadowSession) -> dict[str, Any]:
+        """The running evidence on the row (returned, for the report event); a database that refuses it costs
+        nothing but that copy."""
+        report = session.report()
         try:
-            report = session.report()
             self.store.record_details(dep, shadow={**(dep.details or {}).get("shadow", {}), "report": report})
         except Exception:
             log.exception("shadow %s: could not record its evidence; it goes on", dep.id)
-            return
+            return report
         if report["frames"]:
             pause_point("shadow_recorded")  # crash tests: killed mid-shadow, with evidence on the row
+        return report
 
     # --- operator decisions (any thread) --------------------------------------------------------------
 
@@ -139,11 +141,6 @@ class ShadowStage:
         """The running shadow's report, None when none runs."""
         session = self.session
         return session.report() if session is not None else None
-
-    def telemetry(self) -> dict[str, Any] | None:
-        """The compact form for telemetry samples."""
-        session = self.session
-        return session.telemetry() if session is not None and not session.done else None
 
 
 def end_interrupted_shadow(store: DeploymentStore, dep: Deployment, emit: Callable[..., None]) -> None:
