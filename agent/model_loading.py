@@ -8,18 +8,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
 from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.trust import demo_trust, deployment_trust, package_demo, verify_artifact
 from agent.config import AgentConfig
+from agent.shadow.candidate_process import CandidateProcess, start_candidate
 from agent.state import state_db_path
 from engines.backends.base import EngineOptions
 from engines.batching import planned_max_batch
 from engines.errors import EdgeError
 from engines.live_frames import DIRECTORY as LIVE_FRAMES_DIRECTORY
 from engines.model import ModelSource, load_model
-from engines.provision import ProvisionResult, load_provisioned, provision
+from engines.provision import ProvisionResult, load_provisioned, load_warm, provision
 from engines.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
@@ -118,22 +117,19 @@ class ModelLoader:
 
     def _load_warm(self, source: ModelSource, provisioned: ProvisionResult, origin: str,
                    options: EngineOptions) -> LoadedModel:
-        runtime = load_provisioned(provisioned, source, options)
-        spec = source.manifest.preprocess
-        try:
-            if self.config.model.warmup_runs:
-                runtime.warmup(np.zeros((spec.height, spec.width, 3), np.uint8), self.config.model.warmup_runs)
-        except BaseException:  # a model that fails its first frames must not keep its engine's memory
-            runtime.close()
-            raise
-        return LoadedModel(source, runtime, provisioned, origin)
+        return LoadedModel(source, load_warm(provisioned, source, options, self.config.model.warmup_runs),
+                           provisioned, origin)
 
-    def load_for_shadow(self, source: ModelSource, provisioned: ProvisionResult) -> LoadedModel:
-        """The candidate of a shadow deployment ([deployments] shadow_threads), loaded on the caller's thread (the
-        shadow's, at its lower priority: the engine's threads inherit it); warmed like any model."""
+    def load_for_shadow(self, source: ModelSource, provisioned: ProvisionResult, halt: threading.Event,
+                        process: bool | None = None) -> CandidateProcess | ModelRuntime:
+        """The candidate of a shadow deployment on [deployments] shadow_threads engine threads, warmed like any
+        model: in its own process (`process`, default `shadow_process`) or on the caller's thread (the shadow's, at
+        its lower priority: the engine's threads inherit it). `halt` set while its process loads: CandidateHalted."""
         threads = self.config.deployments.shadow_threads or self.config.model.threads
         options = EngineOptions(intra_op_threads=threads, allow_spinning=False, max_batch=built_max_batch(provisioned))
-        return self._load_warm(source, provisioned, "shadow", options)
+        if self.config.deployments.shadow_process if process is None else process:
+            return start_candidate(source, provisioned, options, self.config.model.warmup_runs, halt)
+        return self._load_warm(source, provisioned, "shadow", options).runtime
 
     def load(self, source: ModelSource, origin: str, on_progress: Progress | None = None) -> LoadedModel:
         """Provision then load."""

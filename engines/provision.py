@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from engines import calibration as calib
 from engines.backends import BACKENDS, get_backend
 from engines.backends.base import Engine, EngineOptions
@@ -148,6 +150,20 @@ def load_provisioned(result: ProvisionResult, source: ModelSource, options: Engi
             cache.close()
         raise EngineIncompatibleError(f"{exc}; quarantined, provision again to rebuild") from exc
     return ModelRuntime(source, engine)
+
+
+def load_warm(result: ProvisionResult, source: ModelSource, options: EngineOptions | None, warmup_runs: int) -> ModelRuntime:
+    """`load_provisioned`, then `warmup_runs` frames of zeros at the model's input size, so the first real frame
+    does not pay the engine's lazy initialisation; a model that fails them is closed (its memory freed)."""
+    runtime = load_provisioned(result, source, options)
+    spec = source.manifest.preprocess
+    try:
+        if warmup_runs:
+            runtime.warmup(np.zeros((spec.height, spec.width, 3), np.uint8), warmup_runs)
+    except BaseException:
+        runtime.close()
+        raise
+    return runtime
 
 
 def plan_build(source: ModelSource, backend: str = "auto", precision: str | None = None,
@@ -448,5 +464,5 @@ def _safe_sink(sink: EventSink | None) -> EventSink:
     return emit
 
 
-__all__ = ["BuildPlan", "EngineIncompatibleError", "GateError", "ProvisionResult", "load_provisioned",
+__all__ = ["BuildPlan", "EngineIncompatibleError", "GateError", "ProvisionResult", "load_provisioned", "load_warm",
            "plan_build", "provision"]

@@ -139,7 +139,8 @@ def test_the_shadow_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> None:
     from tests.helpers import run_quick_benchmark
 
     data = run_quick_benchmark("shadow", tmp_path / "shadow.json", timeout=300)
-    assert data["cost"]["fps_ratio"] > 0 and data["frames"] > 0
+    assert data["cost"]["fps_ratio"] > 0 and data["cost"]["equal_cost"]["fps_ratio"] > 0 and "frames" in data
+    assert data["cost"]["shadow_report"]["isolation"] == "process" and data["cost"]["thread_report"]["isolation"] == "thread"
     assert data["blind_candidate"]["state"] == "cancelled" and data["blind_candidate"]["reason"] == "SHADOW_AGREEMENT"
 
 

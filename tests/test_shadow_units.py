@@ -17,7 +17,7 @@ from agent.deployments.manager import DeploymentManager
 from agent.deployments.store import DeploymentStore
 from agent.shadow.agreement import AgreementWindow
 from agent.shadow.plan import ShadowArgs, resolve
-from agent.shadow.pressure import ServingPressure, yield_threshold
+from agent.shadow.pressure import ServingPressure, TimeShare, yield_threshold
 from agent.shadow.session import ShadowModel, ShadowSession
 from agent.shadow.verdict import judge
 from agent.state import StateStore
@@ -155,7 +155,7 @@ class _Candidate:
 
 def _session(candidate: _Candidate, share: float = 0.5, pressure: ServingPressure | None = None):
     verdicts: list = []
-    model = ShadowModel("dep-1", "m@2", "yolo", None, None, load=lambda: SimpleNamespace(runtime=candidate))
+    model = ShadowModel("dep-1", "m@2", "yolo", None, None, load=lambda halt: candidate)
     session = ShadowSession(model, "m@1", resolve(ShadowArgs(share=share, report_interval_s=60), None),
                             pressure or ServingPressure(None), verdicts.append)
     session.start()
@@ -332,3 +332,36 @@ def test_shadow_arguments_are_strict_like_every_command_argument() -> None:
         DeployArgs.model_validate({"url": "https://m/manifest.json", "mode": "shadow", "cancel_below": {"agreement": True}})
     with pytest.raises(ValueError, match="only go with mode=shadow"):
         DeployArgs.model_validate({"url": "https://m/manifest.json", "share": 0.5})
+
+
+def test_the_candidate_runs_at_most_its_share_of_the_time() -> None:
+    """A share is a share of frames; a candidate dearer per frame than the serving model is held to the same share
+    of the clock (the frames beyond it are skipped as `cost`)."""
+    budget = TimeShare(0.1)
+    assert budget.allows(0.0)  # a one-second burst: 0.1 s of running
+    budget.spend(0.2)  # one frame of 200 ms: 0.1 s owed
+    assert not budget.allows(0.5) and not budget.allows(1.0)  # paid back at 0.1 s a second
+    assert budget.allows(1.1) and budget.allows(1.1)  # asking again spends nothing
+    assert budget.allows(50.0) and budget._tokens == pytest.approx(0.1)  # never more than the burst
+
+
+class _SlowCandidate(_Candidate):
+    def run(self, image: np.ndarray):
+        time.sleep(0.05)
+        return super().run(image)
+
+
+def test_a_dear_candidate_is_skipped_for_cost_and_never_runs_past_its_share() -> None:
+    candidate = _SlowCandidate()
+    session, _ = _session(candidate, share=0.2)
+    began = time.monotonic()
+    _offer(session, object(), 400)  # ~2 ms apart: 80 frames in the share, 4 s of candidate work if all ran
+    assert wait_for(lambda: session._slot is None, timeout=5)
+    time.sleep(0.1)  # the frame in flight, if any, ends
+    elapsed = time.monotonic() - began
+    report = session.report()
+    session.close()
+    assert report["skipped"].get("cost", 0) > 0
+    # busy at most 0.2 of the time, plus the one-second burst, plus the frame that overdrew it (unbounded, the
+    # candidate would have run about every 5th frame of the share: ~1 s of work in ~1 s)
+    assert report["frames"] * 0.05 <= 0.2 * elapsed + 0.2 + 0.05

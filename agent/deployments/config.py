@@ -65,6 +65,12 @@ class DeploymentConfig(BaseModel):
         1, ge=0, le=64, description="Engine threads of a shadow candidate (mode=shadow): it runs beside the serving "
         "model at a lower scheduling priority, and one thread keeps it to one core. 0 = [model] threads.",
     )
+    shadow_process: bool = Field(
+        True, description="Run a shadow candidate in its own process (at SCHED_IDLE): one that crashes (a segfault "
+        "in its engine) ends the shadow, not the agent, and its Python stages never hold the serving process's "
+        "interpreter lock. false: in a thread of the agent, which saves the second process's memory (on a Jetson, "
+        "its own CUDA context: a few hundred MB).",
+    )
     shadow_yield_p99_ms: Optional[float] = Field(
         None, gt=0, description="The serving model's recent p99 (glass to result, last 3 s) at or above which a "
         "shadow skips frames (counted as skipped `budget`); unset: 0.9 x the serving model's gates.latency_budget_ms.",

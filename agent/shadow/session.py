@@ -14,39 +14,46 @@ what the frame path leaves, and its skipped frames say so.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
 from agent.pipeline.histogram import LatencyHistogram
 from agent.shadow.agreement import ShadowAgreement
+from agent.shadow.candidate_process import CandidateHalted, CandidateProcess
 from agent.shadow.plan import ShadowPlan
-from agent.shadow.pressure import ServingPressure
+from agent.shadow.priority import SHADOW_NICE, lower_priority
+from agent.shadow.pressure import ServingPressure, TimeShare
 from agent.shadow.verdict import Verdict, judge
 from engines.live_agreement import frozen_copy, live_metric
 from engines.postprocess import InferenceResult
 
 log = logging.getLogger(__name__)
 
-SHADOW_NICE = 10  # added to the thread's nice value: the frame path's threads win every contended core
+class Candidate(Protocol):
+    """What the session runs frames through: a ModelRuntime, or the candidate's own process
+    (agent.shadow.candidate_process.CandidateProcess) that answers the same two calls."""
+
+    def run(self, image: np.ndarray) -> tuple[InferenceResult, Any]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class ShadowModel:
-    """What the session runs: `load` returns an object with `runtime` (a ModelRuntime) and `runtime.close()`;
-    called on the shadow's own thread."""
+    """What the session runs: `load(halt)` returns the loaded Candidate; called on the shadow's own thread, it
+    gives up (CandidateHalted) when `halt` is set while it waits."""
 
     deployment_id: str
     label: str  # name@version
     kind: str
     labels: tuple[str, ...] | None
     budget_ms: float | None
-    load: Callable[[], Any]
+    load: Callable[[threading.Event], Candidate]
 
 
 @dataclass
@@ -72,6 +79,7 @@ class ShadowSession(threading.Thread):
         self.model, self.plan, self.pressure = model, plan, pressure
         self.serving_label = serving_label
         self.agreement = ShadowAgreement(model.kind, model.labels, plan.window_frames)
+        self.time_share = TimeShare(plan.share)
         self.candidate_ms = LatencyHistogram()
         self.verdict: Verdict | None = None
         self._on_verdict = on_verdict
@@ -83,7 +91,8 @@ class ShadowSession(threading.Thread):
         self._ready = threading.Event()
         self._halt = threading.Event()
         self._began = time.monotonic()
-        self.priority = "normal"  # how the thread was put below the frame path (lower_priority)
+        self.priority = "normal"  # how the candidate was put below the frame path (lower_priority)
+        self.isolation = "process"  # where the candidate runs: its own process, or this thread
 
     # --- the frame path (results thread) --------------------------------------------------------------
 
@@ -103,6 +112,8 @@ class ShadowSession(threading.Thread):
         self._credit[camera] = credit - 1.0
         self._counts.offered += 1
         reason = "loading" if not self._ready.is_set() else self.pressure.reason(now)
+        if reason is None and not self.time_share.allows(now):
+            reason = "cost"
         if reason is not None or self._halt.is_set():
             self._counts.skipped[reason or "stopping"] += 1
             return
@@ -146,21 +157,25 @@ class ShadowSession(threading.Thread):
     def run(self) -> None:
         self.priority = lower_priority(SHADOW_NICE)
         try:
-            loaded = self.model.load()
+            candidate = self.model.load(self._halt)
+        except CandidateHalted:
+            return
         except Exception as exc:
             log.exception("shadow %s: the candidate could not be loaded", self.model.deployment_id)
             self._conclude(Verdict("cancelled", "SHADOW_CANDIDATE_FAILED", f"the candidate could not be loaded: {exc}"))
             return
+        self.priority = getattr(candidate, "priority", self.priority)  # its process's, when it has one
+        self.isolation = "process" if isinstance(candidate, CandidateProcess) else "thread"
         self._ready.set()
         try:
-            self._loop(loaded.runtime)
+            self._loop(candidate)
         finally:
             try:
-                loaded.runtime.close()
+                candidate.close()
             except Exception:
                 log.exception("shadow %s: closing the candidate failed", self.model.deployment_id)
 
-    def _loop(self, runtime: Any) -> None:
+    def _loop(self, runtime: Candidate) -> None:
         while not self._halt.is_set():
             with self._cond:
                 if self._slot is None:
@@ -172,14 +187,18 @@ class ShadowSession(threading.Thread):
                     self._conclude(verdict)
                     return
 
-    def _compare(self, runtime: Any, offer: _Offer) -> Verdict | None:
+    def _compare(self, runtime: Candidate, offer: _Offer) -> Verdict | None:
+        started = time.perf_counter()
         try:
             result, times = runtime.run(offer.image)
+        except CandidateHalted:
+            return None  # stopped from outside while the frame was out: the verdict (if any) is the caller's
         except Exception as exc:  # the candidate fails on a live frame: the shadow ends, serving goes on
             log.warning("shadow %s: the candidate failed on a frame of %s: %s", self.model.deployment_id,
                         offer.camera, exc)
             return Verdict("cancelled", "SHADOW_CANDIDATE_FAILED",
                            f"the candidate failed on a frame of camera {offer.camera}: {type(exc).__name__}: {exc}"[:500])
+        self.time_share.spend(time.perf_counter() - started)
         self.candidate_ms.record(times.infer)
         self.agreement.add(offer.camera, offer.result, result)
         return judge(self.plan, self.model.kind, self.agreement.numbers(), self.candidate_ms.percentile(99),
@@ -203,7 +222,8 @@ class ShadowSession(threading.Thread):
                 "metric": live_metric(self.model.kind), **numbers, "share": round(self.plan.share, 6),
                 "offered": counts.offered, "skipped": dict(counts.skipped), "skipped_total": sum(counts.skipped.values()),
                 "candidate_ms": latency, "active_p99_ms": None if p99 is None else round(p99, 3),
-                "serving_swaps": counts.serving_swaps, "priority": self.priority, "elapsed_s": round(time.monotonic() - self._began, 1),
+                "serving_swaps": counts.serving_swaps, "priority": self.priority, "isolation": self.isolation,
+                "elapsed_s": round(time.monotonic() - self._began, 1),
                 "state": "loading" if not self._ready.is_set() else ("finished" if self.done else "running")}
 
     def telemetry(self) -> dict[str, Any]:
@@ -220,21 +240,3 @@ def _latency(histogram: LatencyHistogram) -> dict[str, float] | None:
         return None
     return {"mean": round(histogram.mean or 0.0, 3), "p50": round(histogram.percentile(50) or 0.0, 3),
             "p99": round(histogram.percentile(99) or 0.0, 3), "count": histogram.count}
-
-
-def lower_priority(increment: int) -> str:
-    """Put this thread below the frame path: Linux SCHED_IDLE (it runs only on a core nothing else wants), else
-    its nice value raised by `increment`; returns which. Both are per thread on Linux and inherited by threads it
-    starts (the engine's), and neither needs a privilege."""
-    tid = threading.get_native_id()
-    try:
-        os.sched_setscheduler(tid, getattr(os, "SCHED_IDLE"), os.sched_param(0))  # Linux only: AttributeError elsewhere
-        return "idle"
-    except (AttributeError, OSError):
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
-        return "nice"
-    except (AttributeError, OSError) as exc:
-        log.info("shadow: could not lower the thread's priority (%s); it runs at the frame path's", exc)
-        return "normal"

@@ -21,7 +21,7 @@ def start(agent: Any, source: ModelSource, provisioned: Any, dep: Deployment, pl
     manifest = source.manifest
     model = ShadowModel(dep.id, source.label, manifest.postprocess.kind,
                         tuple(manifest.labels) if manifest.labels else None, manifest.gates.latency_budget_ms,
-                        load=lambda: agent.loader.load_for_shadow(source, provisioned))
+                        load=lambda halt: agent.loader.load_for_shadow(source, provisioned, halt))
     serving_budget = agent.active.source.manifest.gates.latency_budget_ms if agent.active is not None else None
     pressure = ServingPressure(yield_threshold(agent.config.deployments.shadow_yield_p99_ms, serving_budget),
                                throttled=lambda: _throttled(agent), adapt_over_limit=lambda: _adapt_over_limit(agent))
