@@ -189,7 +189,7 @@ class Agent:
         self.batch_size = self._batch_size_for(active)
         log.info("%d camera(s), batch size %d (%s)", len(cameras), self.batch_size.size, self.batch_size.reason)
         self.batcher = Batcher([c.name for c in cameras], self.batch_size.size, cfg.batch.timeout_ms / 1e3)
-        self.cameras = CameraGroup(cameras, self.batcher, self.emit)
+        self.cameras = CameraGroup(cameras, self.batcher, self.emit, on_restart=self._camera_restarted)
         self.batcher.is_live = self.cameras.is_live
         self.stats = FrameStats()  # fps and duration count from the first frame the model can take
         self.worker = InferenceWorker(active.runtime, self.batcher, self.stop_event, self.stats,
@@ -199,6 +199,11 @@ class Agent:
                                       parallel_preprocess=cfg.batch.parallel_preprocess)
         self.worker.start()
         self.cameras.start()
+
+    def _camera_restarted(self, camera: str) -> None:
+        """A camera (re)opened: its frames follow no earlier ones, so a stateful model starts its state again."""
+        if self.worker is not None:
+            self.worker.runtime.reset_state(camera)
 
     def _video_service(self) -> VideoService:
         """`[video]`: the tap always (snapshots need it; it costs nothing unwatched), server and stream when set."""
@@ -217,7 +222,8 @@ class Agent:
         cameras = cfg.camera_list()
         return resolve_batch_size(cfg.batch.max_size, len(cameras), batch_curve(provisioned),
                                   source.manifest.gates.latency_budget_ms, demand_fps(cameras),
-                                  spread=batch_spread(provisioned), relative=batch_relative(provisioned))
+                                  spread=batch_spread(provisioned), relative=batch_relative(provisioned),
+                                  stateful=source.manifest.state is not None)
 
     def _tuner_for(self, loaded: LoadedModel, initial: BatchSize) -> LiveBatchTuner | None:
         """`loaded`'s live batch-size tuner (agent.pipeline.batch_tuner), None where its size is fixed."""

@@ -1,6 +1,6 @@
 """What decoding costs per frame, per family, against a straightforward NumPy reference of the same decode.
 
-    python benchmarks/postprocess.py --out out/bench-postprocess.json [--iterations 300] [--quick]
+    python benchmarks/postprocess.py --out out/bench-postprocess.json [--iterations 300] [--quick] [--case NAME ...]
 
 Cases (realistic sizes, the two variants interleaved call by call):
 - yolo detect: a v8 head (84, 8400) at 640x640, 60 anchors above conf among 8400 (goal: p99 <= 1 ms), and a
@@ -140,11 +140,17 @@ def timed(variants: dict[str, Callable[[], Any]], iterations: int) -> dict[str, 
     return {name: percentiles(t) for name, t in times.items()}
 
 
+CASES = ("yolo_detect_8400", "yolo_detect_crowded_700", "yolo_seg_100", "matte_composite_640x480", "image_640x480",
+         "image_to_image_model_640x480")
+GOALS = {"yolo_detect_8400": 1.0, "yolo_seg_100": 3.0, "matte_composite_640x480": 2.0}  # p99 ms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--quick", action="store_true", help="smoke run: a few calls, JSON written, no goals judged")
+    parser.add_argument("--case", action="append", choices=CASES, help="run only this case (repeatable; default: all)")
     args = parser.parse_args()
     iterations = 5 if args.quick else args.iterations
     rng = np.random.default_rng(0)
@@ -169,28 +175,32 @@ def main() -> None:
     found = len(detect([detect_head[None]], IDENTITY).detections)
     instances = len(seg([seg_head[None], protos[None]], IDENTITY).detections)
     assert len(reference_detect(detect_head)) == found, "the reference and ours must find the same boxes"
-    cases = {
-        "yolo_detect_8400": timed({"ours": lambda: detect([detect_head[None]], IDENTITY),
-                                   "reference": lambda: reference_detect(detect_head)}, iterations),
-        "yolo_detect_crowded_700": timed({"ours": lambda: detect([crowded[None]], IDENTITY),
-                                          "reference": lambda: reference_detect(crowded)}, max(3, iterations // 5)),
-        "yolo_seg_100": timed({"ours": lambda: seg([seg_head[None], protos[None]], IDENTITY),
-                               "reference": lambda: reference_masks(seg_head, protos)}, max(3, iterations // 5)),
-        "matte_composite_640x480": timed(
+    runs: dict[str, Callable[[], dict[str, Any]]] = {
+        "yolo_detect_8400": lambda: timed({"ours": lambda: detect([detect_head[None]], IDENTITY),
+                                           "reference": lambda: reference_detect(detect_head)}, iterations),
+        "yolo_detect_crowded_700": lambda: timed({"ours": lambda: detect([crowded[None]], IDENTITY),
+                                                  "reference": lambda: reference_detect(crowded)}, max(3, iterations // 5)),
+        "yolo_seg_100": lambda: timed({"ours": lambda: seg([seg_head[None], protos[None]], IDENTITY),
+                                       "reference": lambda: reference_masks(seg_head, protos)}, max(3, iterations // 5)),
+        "matte_composite_640x480": lambda: timed(
             {"ours": lambda: composite(frame, image([matte], framed).matte, style),
              "reference": lambda: reference_composite(matte, frame)}, iterations),
-        "image_640x480": timed({"ours": lambda: image([picture], framed),
-                                "reference": lambda: (np.clip(picture[0].transpose(1, 2, 0)[:, :, ::-1], 0, 1) * 255)
-                                .astype(np.uint8)}, iterations),
+        "image_640x480": lambda: timed({"ours": lambda: image([picture], framed),
+                                        "reference": lambda: (np.clip(picture[0].transpose(1, 2, 0)[:, :, ::-1], 0, 1) * 255)
+                                        .astype(np.uint8)}, iterations),
+        "image_to_image_model_640x480": lambda: image_model_fp32_vs_int8(max(3, iterations // 10)),
     }
-    cases["image_to_image_model_640x480"] = image_model_fp32_vs_int8(max(3, iterations // 10))
-    goals = {"yolo_detect_8400": 1.0, "yolo_seg_100": 3.0, "matte_composite_640x480": 2.0}
+    assert list(runs) == list(CASES)
+    cases = {name: run() for name, run in runs.items() if not args.case or name in args.case}
+    goals = {name: goal for name, goal in GOALS.items() if name in cases}
     out: dict[str, Any] = {"machine": machine(), "quick": args.quick, "iterations": iterations,
                            "found": {"detect": found, "seg_instances": instances}, "cases": cases}
-    model = cases.pop("image_to_image_model_640x480")
-    out["image_to_image_model_640x480"] = model
-    print(f"image-to-image model 640x480, whole frame: fp32 p50 {model['fp32']['p50']} p99 {model['fp32']['p99']} ms, "
-          f"int8 p50 {model['int8']['p50']} p99 {model['int8']['p99']} ms (int8 / fp32 {model['int8_over_fp32_p50']})")
+    model = cases.pop("image_to_image_model_640x480", None)
+    if model is not None:
+        out["image_to_image_model_640x480"] = model
+        print(f"image-to-image model 640x480, whole frame: fp32 p50 {model['fp32']['p50']} p99 {model['fp32']['p99']} "
+              f"ms, int8 p50 {model['int8']['p50']} p99 {model['int8']['p99']} ms (int8 / fp32 "
+              f"{model['int8_over_fp32_p50']})")
     for name, result in cases.items():
         ratio = result["reference"]["p50"] / max(result["ours"]["p50"], 1e-9)
         result["speedup_p50"] = round(ratio, 2)

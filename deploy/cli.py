@@ -90,6 +90,12 @@ def package(
     variant: List[str] = typer.Option([], "--variant", help="Family variant NAME:PRECISION[:WxH][:FILE], most "
                                       "accurate first, repeatable (docs/adaptive.md)."),
     variants_json: Optional[Path] = typer.Option(None, "--variants-json", help="Variants as a JSON list instead."),
+    state: List[str] = typer.Option([], "--state", help="Recurrent state INPUT=OUTPUT[:d1,d2,...]: the input is fed "
+                                    "the output of the camera's previous frame, starting from zeros of the init "
+                                    "shape (default: the input's, 1 where dynamic); repeatable "
+                                    "(docs/engines.md#state-inputs)."),
+    constant: List[str] = typer.Option([], "--constant", help="Input with a fixed value NAME=VALUE[,VALUE...] (a "
+                                       "number fills the input, a list is a rank-1 input's values), repeatable."),
 ) -> None:
     """Validate an ONNX model and write a signed artifact directory (manifest.json, .sig, files)."""
     from deploy.package import PackageOptions, package as make_package
@@ -100,7 +106,7 @@ def package(
             calibration=calibration, validation=validation, synthetic_validation=synthetic_validation, preprocess=_preprocess_options(input_size, color, mean, std, layout, resize, scale),
             postprocess=postprocess, params=list(param), labels=labels, latency_budget_ms=latency_budget_ms,
             min_accuracy=min_accuracy, min_fps=min_fps, description=description, force=force, variants=list(variant),
-            variants_json=variants_json,
+            variants_json=variants_json, state=list(state), constants=list(constant),
         )  # fmt: skip
         return make_package(opts)
 

@@ -22,8 +22,9 @@ from agent.artifacts.onnxcheck import check_loads, external_data_locations, load
 from engines.calibration import IMAGE_SUFFIXES
 from engines.errors import EdgeError
 from engines.onnx_inputs import quantization_ops, refuse_requantizing, toposort
-from engines.manifest import (BuildSpec, Gates, Manifest, ModelFile, PostprocessSpec, fixed_input_size,
+from engines.manifest import (BuildSpec, Gates, Manifest, ModelFile, PostprocessSpec, StateSpec, fixed_input_size,
                               input_size_problem, model_input_dims, sha256_file)
+from deploy.state_options import state_spec
 from engines.preprocess import PreprocessSpec
 
 CALIBRATION_DIR = "calibration"
@@ -67,6 +68,8 @@ class PackageOptions:
     force: bool = False
     variants: list[str] = field(default_factory=list)  # NAME:PRECISION[:WxH][:FILE], most accurate first
     variants_json: Path | None = None
+    state: list[str] = field(default_factory=list)  # INPUT=OUTPUT[:d1,d2,...]: recurrent state pairs
+    constants: list[str] = field(default_factory=list)  # NAME=VALUE[,VALUE...]: inputs with a fixed value
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -232,6 +235,7 @@ def build_template(opts: PackageOptions, model_file: str) -> Manifest:
                         validation=VALIDATION_DIR if opts.validation else None,
                         synthetic_frames=opts.synthetic_validation and not opts.validation),
             labels=read_labels(opts.labels) if opts.labels else None,
+            state=state_spec(opts.state, opts.constants),
         )
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
@@ -242,7 +246,7 @@ def check_preprocess_size(model: Path, manifest: Manifest) -> None:
     """The manifest's preprocess tensor must fit the model's input (dynamic dims take any size), so an
     operator learns of a mismatch here, not from a thousand devices refusing it. Only image inputs
     (rank 4) are checked: an input of another rank is not a camera model's, whatever its manifest says."""
-    name, dims = model_input_dims(model)
+    name, dims = model_input_dims(model, manifest.state)
     if len(dims) != 4:
         return
     problem = input_size_problem(dims, manifest.preprocess)
@@ -255,26 +259,32 @@ def check_preprocess_size(model: Path, manifest: Manifest) -> None:
 def check_decodes(model: Path, manifest: Manifest, validation: Path | None) -> None:
     """Run the model once with its postprocessor, on the first validation frame (or a generated one), so a
     decoder that does not fit the outputs (a seg layout on a one-output model, scores that are not
-    probabilities) is refused here with its code, not on every device's first frame."""
+    probabilities, NaN or out-of-range values: engines.postprocess.value_ranges) is refused here with its
+    code, not on every device's first frame."""
     from engines.model import load_bare_onnx
+    from engines.postprocess.value_ranges import check_value_ranges
     from engines.runtime import load_runtime
+    from engines.validate import _run as run_frame  # the gates' own run of one frame: package checks what they will
     from engines.validate import validation_frames
 
-    if len(model_input_dims(model)[1]) != 4:
+    if len(model_input_dims(model, manifest.state)[1]) != 4:
         return  # not a camera model's input (as check_preprocess_size): nothing a frame can exercise
     spec = manifest.preprocess
     frame = cv2.imread(str(validation), cv2.IMREAD_COLOR) if validation is not None else None
     where = f"the validation frame {validation.name}" if frame is not None and validation is not None else "a generated frame"
     if frame is None:
         frame = validation_frames(spec.width, spec.height, 1)[0]
-    fields = {"preprocess": spec, "postprocess": manifest.postprocess, "labels": manifest.labels}
+    fields = {"preprocess": spec, "postprocess": manifest.postprocess, "labels": manifest.labels,
+              "state": manifest.state}
     try:
         runtime = load_runtime(load_bare_onnx(model, fields), "onnxruntime")
     except EdgeError as exc:
         raise PackageError(f"{model.name} with --postprocess {manifest.postprocess.kind} does not load: {exc}",
                            code=exc.code) from exc
     try:
-        runtime.run(frame)
+        outputs, _ = run_frame(runtime, frame)
+        check_value_ranges(manifest.postprocess.kind, runtime.postprocessor, outputs,
+                           [o.name for o in runtime.engine.outputs])
     except Exception as exc:  # a decoder that crashes on the model's outputs is as unfit as one that says so
         code = exc.code if isinstance(exc, EdgeError) else "POSTPROCESS_MISMATCH"
         raise PackageError(f"--postprocess {manifest.postprocess.kind} does not fit {model.name}'s outputs on {where}: "
@@ -283,12 +293,12 @@ def check_decodes(model: Path, manifest: Manifest, validation: Path | None) -> N
         runtime.close()
 
 
-def with_model_input_size(model: Path, preprocess: dict[str, Any]) -> dict[str, Any]:
+def with_model_input_size(model: Path, preprocess: dict[str, Any], state: StateSpec | None = None) -> dict[str, Any]:
     """`preprocess` with the model's own fixed width and height when `--input-size` was not given (a fixed
     1024x1024 export must not be fed the default 640x480)."""
     if "width" in preprocess or "height" in preprocess:
         return preprocess
-    _, dims = model_input_dims(model)
+    _, dims = model_input_dims(model, state)
     fixed = fixed_input_size(dims, preprocess.get("layout", "nchw"))
     if fixed is None:
         return preprocess
@@ -358,7 +368,8 @@ def package(opts: PackageOptions) -> Manifest:
     key = load_private_key(opts.key) if opts.key else None
     with tempfile.TemporaryDirectory(prefix="edge-package-") as workdir:
         sources = _model_sources(Path(opts.model), opts.precision, opts.calibration is not None, Path(workdir))
-        opts = dataclasses.replace(opts, preprocess=with_model_input_size(Path(opts.model), opts.preprocess))
+        state = state_spec(opts.state, opts.constants)  # the frame input is the one `state` does not feed
+        opts = dataclasses.replace(opts, preprocess=with_model_input_size(Path(opts.model), opts.preprocess, state))
         template = build_template(opts, Path(opts.model).name)
         check_preprocess_size(Path(opts.model), template)
         calibration = calibration_files(opts.calibration) if opts.calibration else {}

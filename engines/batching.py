@@ -144,6 +144,15 @@ def pick_batch_size(curve: Mapping[Any, Any] | Iterable[Sequence[Any]], latency_
     return choose_batch_size(curve, latency_budget_ms, max_size, demand_fps, spread, relative).size
 
 
+STATE_BATCH_REASON = "state inputs: one frame per engine call (each camera carries its own recurrent state)"
+
+
+def state_max_batch(state: Any, max_batch: int) -> int:
+    """1 for a model whose manifest declares state inputs (STATE_BATCH_REASON), else `max_batch`: a batch would
+    need one state per slot, and the state tensors' sizes need not agree between cameras."""
+    return 1 if state is not None else max_batch
+
+
 def planned_max_batch(setting: int | str | None, cameras: int = 1) -> int:
     """The batch size an engine is built and timed for: the configured size, AUTO_MAX_BATCH for "auto",
     never more than there are cameras (a batch holds one frame per camera)."""
@@ -192,11 +201,14 @@ def leading_dim(dim: Any) -> BatchDim:
 
 
 def frame_input(model: Any) -> Any:
-    """The one graph input that is not an initializer (frame models have exactly one)."""
+    """The one graph input that is not an initializer (a model with state inputs is never batched: state_max_batch)."""
+    from engines.state_inputs import HOW_TO_DECLARE
+
     initializers = {i.name for i in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in initializers]
     if len(inputs) != 1:
-        raise ModelError(f"frame models need exactly one input, got {[i.name for i in inputs]}")
+        raise ModelError(f"frame models need exactly one input, got {[i.name for i in inputs]}; {HOW_TO_DECLARE}",
+                         code="MODEL_SHAPE_MISMATCH")
     return inputs[0]
 
 

@@ -51,6 +51,12 @@ class BuildJob:
     timing_cache: Path | None = None
     parent_pid: int = field(default_factory=os.getpid)
     timing: dict[str, Any] = field(default_factory=dict)  # engine options the batch curve is timed with
+    # the manifest's `state` (its model_dump): the verify step feeds its zeros and constants. Not in the cache
+    # key: it changes no byte of the engine (the plan checks it against the model before any build)
+    state: dict[str, Any] | None = None
+    # the manifest's build.nms (engine: a TensorRT refusing the plugin fails; auto: falls back to host NMS). Not
+    # in the cache key: both modes build the same engine when the plugin is taken
+    nms_mode: str = "auto"
 
     def to_json(self) -> bytes:
         """The job file's bytes."""
@@ -59,6 +65,7 @@ class BuildJob:
             "work_dir": str(self.work_dir), "spec": self.spec.to_dict(), "preprocess": self.preprocess,
             "label": self.label, "calibration": self.calibration, "parent_pid": self.parent_pid,
             "timing_cache": str(self.timing_cache) if self.timing_cache else None, "timing": self.timing,
+            "state": self.state, "nms_mode": self.nms_mode,
         }
         return json.dumps(data, indent=1).encode()
 
@@ -69,7 +76,7 @@ class BuildJob:
         return cls(d["backend"], Path(d["onnx_path"]), Path(d["out_path"]), Path(d["work_dir"]),
                    EngineBuildSpec.from_dict(d["spec"]), d["preprocess"], d.get("label", ""), d.get("calibration"),
                    Path(d["timing_cache"]) if d.get("timing_cache") else None, int(d.get("parent_pid", 0)),
-                   dict(d.get("timing") or {}))
+                   dict(d.get("timing") or {}), d.get("state"), d.get("nms_mode", "auto"))
 
 
 @dataclass

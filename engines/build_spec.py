@@ -63,6 +63,8 @@ class EngineBuildSpec:
     dla_core: int | None = None
     #: Largest batch the engine is built (TensorRT profile opt/max) and timed for; 1: a batch-1 engine.
     max_batch: int = 1
+    #: TensorRT only: EfficientNMS_TRT appended to the graph (engines.nms_graph.NmsSettings); {}: NMS on the host.
+    nms: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -95,6 +97,8 @@ class EngineBuildSpec:
             data["dla_core"] = self.dla_core
         if self.max_batch > 1:  # the batch profile; batch-1 engines keep the keys they had
             data["max_batch"] = self.max_batch
+        if self.nms:  # NMS in the engine: another graph, another engine; host-NMS engines keep their keys
+            data["nms"] = self.nms
         return data
 
     @classmethod
@@ -113,6 +117,7 @@ class EngineBuildSpec:
             quantization=dict(data.get("quantization", {})),
             dla_core=data.get("dla_core"),
             max_batch=int(data.get("max_batch", 1)),
+            nms=dict(data.get("nms", {})),
         )
 
 
@@ -170,6 +175,8 @@ def spec_summary(spec: EngineBuildSpec) -> str:
         text += f" dla:{spec.dla_core}"
     if spec.max_batch > 1:
         text += f" batch<={spec.max_batch}"
+    if spec.nms:
+        text += " nms=engine"
     return text
 
 

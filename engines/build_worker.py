@@ -128,7 +128,7 @@ def build_onnxruntime(job: BuildJob, emit: Emitter) -> dict[str, Any]:
     with timer("optimize"):
         _optimize(model, job.out_path, spec.providers, shapes)
     with timer("verify"):
-        _smoke_test(job.out_path, spec.providers, spec.precision)
+        _smoke_test(job.out_path, spec.providers, spec.precision, job)
     _fsync(job.out_path)
     return report
 
@@ -229,18 +229,36 @@ def _optimize(model: Path, out: Path, providers: tuple[str, ...], shapes: dict[s
         raise EngineBuildError("onnxruntime did not write the optimised model")
 
 
-def _smoke_test(path: Path, providers: tuple[str, ...], precision: str) -> None:
-    """Load the saved engine exactly as the runtime will and run it once on zeros."""
+def _smoke_test(path: Path, providers: tuple[str, ...], precision: str, job: BuildJob) -> None:
+    """Load the saved engine exactly as the runtime will and run it once on ones (not zeros: a scale input such as
+    RVM's downsample_ratio at 0 makes its Resize empty); a stateful model's other inputs get what a camera's first
+    frame gets (the state's zeros of its init_shape, the constants), so a state that must match the frame fits."""
     import numpy as np
 
     from engines.provision import load_ort_engine
 
     engine = load_ort_engine(path, providers, precision)
     try:
-        feeds = {i.name: np.zeros([d or 1 for d in i.shape], dtype=i.dtype) for i in engine.inputs}
-        engine.infer(feeds)
+        if job.state is None:
+            engine.infer({i.name: np.ones([d or 1 for d in i.shape], dtype=i.dtype) for i in engine.inputs})
+        else:
+            engine.infer(_first_frame_feeds(engine, job))
     finally:
         engine.close()
+
+
+def _first_frame_feeds(engine: Any, job: BuildJob) -> dict[str, Any]:
+    """The feeds of a camera's first frame, as the runtime's StreamStates builds them (frame of the planned shape)."""
+    import numpy as np
+
+    from engines.manifest import StateSpec
+    from engines.state_inputs import DEFAULT_STREAM, StreamStates
+
+    states = StreamStates(StateSpec.model_validate(job.state), engine.inputs, engine.outputs, job.label or "model")
+    frame = states.frame
+    shape = job.spec.input_shapes.get(frame.name) or tuple(d or 1 for d in frame.shape)
+    feeds, _ = states.feeds(DEFAULT_STREAM, np.ones(shape, dtype=frame.dtype))
+    return feeds
 
 
 class StageTimer:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AllowInfNan, BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator,
+                      model_validator)
 
 from engines.errors import ModelError
 from engines.preprocess import PreprocessSpec
@@ -73,6 +74,11 @@ class BuildSpec(BaseModel):
     device: str = Field("gpu", pattern=r"^(gpu|dla|dla:[0-9]+)$",
                         description="TensorRT: gpu; dla (DLA core 0 where the module has one, else the GPU); "
                                     "dla:N (that core or fail with ENGINE_DLA_UNAVAILABLE). GPU fallback is on.")
+    nms: Literal["host", "engine", "auto"] = Field(
+        "host", description="Where a plain yolo v5/v8 head's NMS runs: host (NumPy, the postprocessor); engine "
+        "(TensorRT's EfficientNMS_TRT appended to the graph at build time; another backend is ENGINE_NMS_UNAVAILABLE, "
+        "another head POSTPROCESS_MISMATCH); auto (engine on TensorRT, host elsewhere). A TensorRT that refuses the "
+        "plugin builds the plain graph (host NMS); the engine's sidecar says which, and why (report.nms).")
 
     @field_validator("calibration")
     @classmethod
@@ -125,6 +131,65 @@ class Variant(BaseModel):
                                        description="Least accuracy vs the family reference; below it the variant is left out.")
 
 
+class StatePair(BaseModel):
+    """A recurrent state: `input` is fed the model's `output` of the previous frame of the same camera."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: str = Field(min_length=1, description="The state input (RVM: r1i).")
+    output: str = Field(min_length=1, description="The output fed back into it at the next frame (RVM: r1o).")
+    init_shape: list[int] | None = Field(
+        None, description="Shape of the zeros it starts from at a camera's first frame (and after a reset). Unset: "
+        "the shape the model declares, 1 where a dimension is dynamic ([1, 1, 1, 1] for RVM).")
+
+    @field_validator("init_shape")
+    @classmethod
+    def _positive(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(d < 1 for d in value):
+            raise ValueError(f"init_shape {value}: every dimension must be >= 1")
+        return value
+
+
+# a constant's number: strict (`true` is no 1.0, "1" no number) and finite; its range is checked against the
+# input's dtype where the model is known (engines.state_inputs.constant_array)
+ConstantNumber = Annotated[float, Strict(), AllowInfNan(False)]
+ConstantValue = ConstantNumber | Annotated[list[ConstantNumber], Field(min_length=1)]
+
+
+class StateSpec(BaseModel):
+    """Inputs beside the frame: recurrent states fed back from outputs per camera, and fixed constants.
+
+    A model with this section runs one frame per engine call (batch 1): the state is per camera."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pairs: list[StatePair] = Field(default_factory=list, description="Recurrent states, each input fed from an "
+                                   "output of the previous frame of the same camera.")
+    constants: dict[str, ConstantValue] = Field(
+        default_factory=dict, description="Other inputs with a fixed value, e.g. `{\"downsample_ratio\": 0.25}`; "
+        "a number fills the input's shape, a list (at least one value) is its values; numbers only (not true/false), "
+        "finite and in the input's dtype's range.")
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> "StateSpec":
+        inputs = [p.input for p in self.pairs]
+        outputs = [p.output for p in self.pairs]
+        for what, names in (("input", inputs), ("output", outputs)):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"pairs: {what} {twice} named more than once")
+        both = sorted(set(inputs) & set(self.constants))
+        if both:
+            raise ValueError(f"{both}: an input is either a state pair or a constant, not both")
+        if not inputs and not self.constants:
+            raise ValueError("declares no pair and no constant: leave the section out for a one-input model")
+        return self
+
+    def declared(self) -> list[str]:
+        """Every input this section feeds (the frame input is the one it does not)."""
+        return [p.input for p in self.pairs] + list(self.constants)
+
+
 class Manifest(BaseModel):
     """The whole `manifest.json`."""
 
@@ -146,6 +211,9 @@ class Manifest(BaseModel):
     shadow: ShadowPolicy | None = Field(
         None, description="How a shadow deployment of this model is judged (docs/deployments.md#shadow-deployments); "
         "the deploy command's values win.")
+    state: StateSpec | None = Field(
+        None, description="Inputs beside the frame (recurrent state, constants: docs/engines.md#state-inputs); "
+        "None: the model has one input, the frame.")
 
     @model_validator(mode="after")
     def _variants_valid(self) -> "Manifest":
@@ -156,6 +224,23 @@ class Manifest(BaseModel):
         for v in self.variants or []:
             if v.file is not None and v.file not in listed:
                 raise ValueError(f"variants: {v.name}: file {v.file!r} must be listed in `files` (sha256 and size)")
+        return self
+
+    @model_validator(mode="after")
+    def _state_not_int8(self) -> "Manifest":
+        # the INT8 calibrator feeds the frame input alone; a stateful model's calibration is not done yet
+        if self.state is not None and "int8" in [self.build.precision, *(v.precision for v in self.variants or [])]:
+            raise ValueError("state: a model with state inputs cannot be built at int8 yet (its calibration feeds "
+                             "the frame input alone); use fp32 or fp16")
+        return self
+
+    @model_validator(mode="after")
+    def _state_not_variants(self) -> "Manifest":
+        # the variant family's adaptation runs each variant on the frame input alone (agent.adapt.family)
+        if self.state is not None and self.variants:
+            raise ValueError("state: a model with state inputs cannot declare `variants` yet (the family's "
+                             "adaptation runs each variant on the frame input alone, without its state); "
+                             "ship one model, or one artifact per variant")
         return self
 
     def to_json_bytes(self) -> bytes:
@@ -181,22 +266,14 @@ def preprocess_shape_of(spec: PreprocessSpec, batch: int = 1) -> tuple[int, ...]
     return (batch, 3, spec.height, spec.width) if spec.layout == "nchw" else (batch, spec.height, spec.width, 3)
 
 
-def model_input_dims(onnx_path: Path) -> tuple[str, list[int | None]]:
-    """The frame input's name and dims (None where dynamic: symbolic, -1 or unset); one input or ModelError."""
-    import onnx  # local: the manifest itself does not need it
+def model_input_dims(onnx_path: Path, state: StateSpec | None = None) -> tuple[str, list[int | None]]:
+    """The frame input's name and dims (None where dynamic: symbolic, -1 or unset): the one input `state` does
+    not feed, once `state` is proven to fit the model (engines.state_inputs), else ModelError."""
+    from engines.state_inputs import frame_input_of, onnx_io  # local: it needs onnx, the manifest does not
 
-    try:
-        model = onnx.load(str(onnx_path), load_external_data=False)
-    except Exception as exc:  # onnx raises DecodeError and friends
-        raise ModelError(f"{Path(onnx_path).name}: not a loadable ONNX model: {exc}", code="MODEL_LOAD_FAILED") from exc
-    initializers = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in initializers]
-    if len(inputs) != 1:
-        raise ModelError(f"{Path(onnx_path).name}: frame models need exactly one input, got {[i.name for i in inputs]}",
-                         code="MODEL_SHAPE_MISMATCH")
-    dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
-            for d in inputs[0].type.tensor_type.shape.dim]
-    return inputs[0].name, dims
+    inputs, outputs = onnx_io(onnx_path)
+    frame = frame_input_of(inputs, outputs, state, Path(onnx_path).name)
+    return frame.name, list(frame.shape)
 
 
 def fixed_input_size(dims: list[int | None], layout: str = "nchw") -> tuple[int, int] | None:
@@ -230,9 +307,10 @@ def input_size_problem(dims: list[int | None], spec: PreprocessSpec) -> str | No
     return None
 
 
-def check_input_size(onnx_path: Path, spec: PreprocessSpec, label: str = "") -> str:
-    """The frame input's name, after proving the preprocess tensor fits it (else MODEL_SHAPE_MISMATCH)."""
-    name, dims = model_input_dims(onnx_path)
+def check_input_size(onnx_path: Path, spec: PreprocessSpec, label: str = "", state: StateSpec | None = None) -> str:
+    """The frame input's name, after proving the preprocess tensor fits it (else MODEL_SHAPE_MISMATCH) and the
+    manifest's `state` fits the other inputs (else MODEL_STATE_MISMATCH)."""
+    name, dims = model_input_dims(onnx_path, state)
     problem = input_size_problem(dims, spec)
     if problem:
         raise ModelError(f"{label or Path(onnx_path).name}: input {name}: {problem}", code="MODEL_SHAPE_MISMATCH")

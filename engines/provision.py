@@ -32,9 +32,11 @@ from engines.build_spec import (DEFAULT_TRT_OPT_LEVEL, CacheKey, EngineBuildErro
 from engines.cache import CacheEntry, EngineCache
 from engines.errors import EdgeError, ModelError
 from engines.fingerprint import read_fingerprint
-from engines.batching import batch_profile
+from engines.batching import batch_profile, state_max_batch
 from engines.manifest import check_input_size, sha256_file
 from engines.model import ModelSource
+from engines.nms_graph import plan_nms
+from engines.backends.tensorrt_build import STATE_UNSUPPORTED
 from engines.runtime import ModelRuntime, load_runtime, preprocess_shape, resolve_backend
 from engines.validate import GateError, ValidationResult, min_accuracy_for, validate
 from engines.sensitivity import FALLBACK_TENSORS
@@ -67,6 +69,10 @@ class BuildPlan:
     # engine options the batch curve is timed under (threads, spinning): the ones the agent serves with, so the
     # curve describes the engine as it will run. Not part of the key: they change no byte of the engine.
     timing: dict[str, Any] = field(default_factory=dict)
+    # why NMS stays on the host although build.nms asked otherwise (auto off TensorRT): the sidecar's report.nms
+    nms: dict[str, Any] = field(default_factory=dict)
+    # why the backend is not the one asked for (auto -> onnxruntime for a model with state inputs); "" when it is
+    backend_reason: str = ""
 
 
 @dataclass
@@ -172,13 +178,17 @@ def plan_build(source: ModelSource, backend: str = "auto", precision: str | None
     """Decide backend, spec and calibration set, and compute the cache key (no building).
 
     `device`: gpu | dla | dla:N (default: the manifest's build.device); see build_spec.resolve_device."""
-    backend = resolve_backend(backend)
+    backend, backend_reason = _stateful_backend(source, backend)
     precision = precision or source.manifest.build.precision
+    _refuse_stateful_int8(source, precision)  # `--precision int8` overrides the manifest, which refused it there
     impl = get_backend(backend)
     fingerprint = read_fingerprint(fingerprint_root)
     dla_core = resolve_device(device or source.manifest.build.device, backend, fingerprint)
     device = device_part(fingerprint, backend)
     shapes = input_shapes(source)
+    max_batch = state_max_batch(source.manifest.state, max_batch)  # state is per camera: batch 1
+    post = source.manifest.postprocess
+    nms, nms_record = plan_nms(source.manifest.build.nms, backend, post.kind, post.params, source.onnx_path)
     prequantized = _prequantized(source, precision)
     cal = None if prequantized else _calibration(source, precision, calibration_dir)
     spec = EngineBuildSpec(
@@ -190,10 +200,41 @@ def plan_build(source: ModelSource, backend: str = "auto", precision: str | None
         providers=ort_build_providers(precision) if backend == "onnxruntime" else (),
         quantization=({"prequantized": prequantized} if prequantized else quant_recipe_key(backend))
         if precision == "int8" else {}, dla_core=dla_core,
-        max_batch=max_batch,
+        max_batch=max_batch, nms=nms.to_dict() if nms else {},
     )
     key = make_cache_key(source.sha256 or sha256_file(source.onnx_path), backend, impl.version(), device, spec)
-    return BuildPlan(backend, precision, spec, key, cal, hashlib.sha256(canonical_json(device)).hexdigest())
+    return BuildPlan(backend, precision, spec, key, cal, hashlib.sha256(canonical_json(device)).hexdigest(),
+                     nms=nms_record, backend_reason=backend_reason)
+
+
+def _state_dump(source: ModelSource) -> dict[str, Any] | None:
+    state = source.manifest.state
+    return state.model_dump(mode="json") if state is not None else None
+
+
+def _stateful_backend(source: ModelSource, requested: str) -> tuple[str, str]:
+    """The backend, and why it is not the one asked for: TensorRT cannot build a model with state inputs yet
+    (engines.backends.tensorrt_build.refuse_state_inputs), so `auto` takes ONNX Runtime for it and an explicit
+    tensorrt is refused here, before a build child starts."""
+    if source.manifest.state is None:
+        return resolve_backend(requested), ""
+    if requested == "tensorrt":
+        raise EngineBuildError(f"{source.label}: a model with state inputs (manifest `state`) cannot be built for "
+                               "TensorRT yet; serve it on ONNX Runtime: [model] backend = \"onnxruntime\" (or auto)",
+                               code=STATE_UNSUPPORTED)
+    backend = resolve_backend(requested)
+    if backend != "tensorrt":
+        return backend, ""
+    reason = "backend auto -> onnxruntime: TensorRT cannot build a model with state inputs yet"
+    log.warning("%s: %s", source.label, reason)
+    return "onnxruntime", reason
+
+
+def _refuse_stateful_int8(source: ModelSource, precision: str) -> None:
+    if source.manifest.state is not None and precision == "int8":
+        raise EngineBuildError(f"{source.label}: a model with state inputs cannot be built at int8 yet (its "
+                               "calibration feeds the frame input alone); use fp32 or fp16",
+                               code="ENGINE_PRECISION_UNSUPPORTED")
 
 
 def _prequantized(source: ModelSource, precision: str) -> str | None:
@@ -239,7 +280,8 @@ def ort_build_providers(precision: str) -> tuple[str, ...]:
 
 def input_shapes(source: ModelSource) -> dict[str, tuple[int, ...]]:
     """The single frame input pinned to the preprocess size (the engine is built for the camera's size)."""
-    name = check_input_size(source.onnx_path, source.manifest.preprocess, source.label)  # [-1, 3, ?, ?] fits too
+    name = check_input_size(source.onnx_path, source.manifest.preprocess, source.label,  # [-1, 3, ?, ?] fits too
+                            source.manifest.state)
     return {name: preprocess_shape(source)}
 
 
@@ -388,9 +430,11 @@ def _build(cache: EngineCache, plan: BuildPlan, source: ModelSource, builder: Bu
                    work, plan.spec, source.manifest.preprocess.model_dump(mode="json"), source.label,
                    plan.calibration.to_dict() if plan.calibration else None,
                    cache.timing_cache_path(plan.device_digest) if plan.backend == "tensorrt" else None,
-                   timing=plan.timing)
+                   timing=plan.timing, state=_state_dump(source), nms_mode=source.manifest.build.nms)
     try:
         outcome = builder.build(job, timeout_s=timeout_s, on_progress=emit, stop_event=stop_event)
+        if plan.nms:
+            outcome.report.setdefault("nms", plan.nms)
         entry = cache.put(plan.key, outcome.path, model=source.label, build_s=outcome.seconds, report=outcome.report)
     except EngineBuildError as exc:
         saved = _keep_log(cache, plan, work)

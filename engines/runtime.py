@@ -7,18 +7,20 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Hashable
 
 import numpy as np
 
 from engines.backends import BACKENDS, get_backend
 from engines.backends.base import Engine, EngineOptions
 from engines.batching import batch_free
-from engines.errors import BackendUnavailableError, BatchSizeError, ModelError
+from engines.errors import BackendUnavailableError, BatchSizeError
 from engines.manifest import preprocess_shape_of
 from engines.model import ModelSource
+from engines.nms_graph import postprocess_params
 from engines.postprocess import InferenceResult, PostprocessContext, build_postprocessor
 from engines.preprocess import Preprocessor
+from engines.state_inputs import DEFAULT_STREAM, StreamStates, frame_input_of
 
 log = logging.getLogger(__name__)
 
@@ -36,24 +38,31 @@ class ModelRuntime:
     """Owns the input buffer; `run` is the whole per-frame model path."""
 
     def __init__(self, source: ModelSource, engine: Engine) -> None:
-        if len(engine.inputs) != 1:
-            raise ModelError(f"{source.label}: frame models need exactly one input, got {len(engine.inputs)}")
+        state = source.manifest.state
+        # inputs beside the frame: fed per stream (engines.state_inputs); None: the frame is the only input
+        self.states = StreamStates(state, engine.inputs, engine.outputs, source.label) if state is not None else None
+        frame = self.states.frame if self.states else frame_input_of(engine.inputs, engine.outputs, None, source.label)
         self.source = source
         self.engine = engine
-        self.input_name = engine.inputs[0].name
+        self.input_name = frame.name
         self.preprocessor = Preprocessor(source.manifest.preprocess)
         spec = source.manifest.preprocess
         context = PostprocessContext(engine.outputs, source.manifest.labels, (spec.width, spec.height))
         spec = source.manifest.postprocess
-        self.postprocessor = build_postprocessor(spec.kind, spec.params, context)
+        # an engine with EfficientNMS_TRT inside (its sidecar says so) gives the plugin's four outputs
+        params = postprocess_params(spec.params, getattr(engine, "nms", "host"))
+        self.postprocessor = build_postprocessor(spec.kind, params, context)
         self._feeds = {self.input_name: self.preprocessor.tensor}
 
-    def run(self, image: np.ndarray) -> tuple[InferenceResult, StageTimes]:
-        """Preprocess into the shared buffer, infer, decode."""
+    def run(self, image: np.ndarray, stream: str = DEFAULT_STREAM) -> tuple[InferenceResult, StageTimes]:
+        """Preprocess into the shared buffer, infer, decode; `stream` (a camera) carries a stateful model's state."""
         t0 = time.perf_counter()
         transform = self.preprocessor(image)
         t1 = time.perf_counter()
-        outputs = self.engine.infer(self._feeds)
+        if self.states is None:
+            outputs = self.engine.infer(self._feeds)
+        else:
+            outputs = self.infer_stream(self.preprocessor.tensor, stream, image.shape)
         t2 = time.perf_counter()
         result = self.postprocessor(outputs, transform)
         t3 = time.perf_counter()
@@ -61,20 +70,38 @@ class ModelRuntime:
 
     @property
     def max_batch(self) -> int:
-        """Most frames one `infer_batch` takes (1 for an engine whose batch dimension is fixed)."""
-        return int(getattr(self.engine, "max_batch", 1))
+        """Most frames one `infer_batch` takes (1 for an engine whose batch dimension is fixed, and for a model
+        with state inputs: its state is per camera)."""
+        return 1 if self.states is not None else int(getattr(self.engine, "max_batch", 1))
 
-    def infer_batch(self, batch: np.ndarray) -> list[np.ndarray]:
+    def infer_batch(self, batch: np.ndarray, stream: str = DEFAULT_STREAM, key: Hashable = None) -> list[np.ndarray]:
         """One engine call on `[N, C, H, W]` (N <= `max_batch`), e.g. a batcher's preallocated input."""
         if batch.ndim < 1 or not 1 <= batch.shape[0] <= self.max_batch:
             raise BatchSizeError(f"{self.source.label}: a batch of {batch.shape[:1]} frames; this engine takes "
-                                 f"1..{self.max_batch}")
-        return self.engine.infer({self.input_name: batch})
+                                 f"1..{self.max_batch}" + (" (state inputs: one frame per call)" if self.states
+                                                           else ""))
+        return self.infer_stream(batch, stream, key)
+
+    def infer_stream(self, tensor: np.ndarray, stream: str = DEFAULT_STREAM, key: Hashable = None) -> list[np.ndarray]:
+        """One engine call on a preprocessed tensor; a stateful model is fed `stream`'s state, which then becomes
+        these outputs. `key` (the camera's frame size) differing from the stream's last one starts it again."""
+        if self.states is None:
+            return self.engine.infer({self.input_name: tensor})
+        feeds, token = self.states.feeds(stream, tensor, key)
+        outputs = self.engine.infer(feeds)
+        self.states.keep(token, outputs)
+        return outputs
+
+    def reset_state(self, stream: str | None = None) -> None:
+        """Start `stream` (None: all) from zeros at its next frame: a camera restarted; no-op without state."""
+        if self.states is not None:
+            self.states.reset(stream)
 
     def warmup(self, image: np.ndarray, runs: int = 3) -> None:
         """First runs pay for allocation and kernel selection; do them before real frames."""
         for _ in range(runs):
             self.run(image)
+        self.reset_state(DEFAULT_STREAM)  # warm-up frames are no camera's history
 
     def describe(self) -> dict[str, Any]:
         """The `model` object of summaries, status and telemetry."""
@@ -183,11 +210,11 @@ def load_runtime(source: ModelSource, backend: str = "auto", options: EngineOpti
 
 
 def _input_shape_for(source: ModelSource) -> dict[str, tuple[int, ...]]:
-    import onnx  # the input name is only known from the graph
+    from engines.state_inputs import onnx_io  # the input name is only known from the graph
 
-    model = onnx.load(str(source.onnx_path), load_external_data=False)
-    initializers = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in initializers]
-    if len(inputs) != 1:
-        return {}
-    return {inputs[0].name: preprocess_shape(source)}
+    state = source.manifest.state
+    declared = set(state.declared()) if state is not None else set()
+    frames = [i for i in onnx_io(source.onnx_path)[0] if i.name not in declared]
+    if len(frames) != 1:
+        return {}  # ModelRuntime names what is wrong
+    return {frames[0].name: preprocess_shape(source)}

@@ -11,6 +11,10 @@ that fits what the model outputs (chosen by its postprocessor):
 | raw              | per output: cosine x norm ratio, averaged over frames; the     |
 |                  | lowest output decides (each named in the verdict's `outputs`)  |
 
+Outputs that do not fit the decoder fail first, with POSTPROCESS_MISMATCH: NaN or infinite boxes, scores or
+pixels, values outside what the decoder reads (engines.postprocess.value_ranges), in the FP32 reference (the
+decoder does not fit the model) or only in the built engine (the build broke them, e.g. an fp16 overflow).
+
 No vacuous passes: a reference that carries no signal on the validation frames proves nothing, and
 the gate fails with GATE_NO_SIGNAL before any metric is read — a detector whose FP32 reference finds
 fewer than MIN_REFERENCE_DETECTIONS objects (or no text pixel) across the set, a classifier whose
@@ -24,6 +28,10 @@ Default minimums when the manifest sets none (`gates.min_accuracy` overrides):
 - int8 0.90: per-tensor 8-bit activations carry ~0.4 % of each tensor's range as error; well
   calibrated detectors and classifiers keep >= 90 % agreement, a collapsed one drops far below.
 Latency: warm-up runs, then timed `engine.infer` calls; p99 is compared with `gates.latency_budget_ms`.
+
+A model with state inputs (manifest `state`, engines.state_inputs) runs its validation frames in sequence on
+one stream from zeros, each frame fed the state the one before left, reference and candidate alike: as one
+camera would. The latency runs carry the state too (at its full size after the first call).
 """
 
 from __future__ import annotations
@@ -34,9 +42,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engines.errors import EdgeError
+from engines.errors import EdgeError, ModelError
 from engines.manifest import Gates
 from engines.postprocess import InferenceResult
+from engines.postprocess.value_ranges import check_value_ranges
 from engines.runtime import ModelRuntime
 
 DEFAULT_MIN_ACCURACY = {"fp32": 0.99, "fp16": 0.95, "int8": 0.90}
@@ -50,6 +59,7 @@ NO_SIGNAL_HINT = ("ship held-out frames where the FP32 model does find what it i
                   "edge-deploy package --validation DIR")
 BOX_IOU = 0.5
 VALIDATION_SEED = 2024  # calibration frames use another seed, so validation never sees them
+VALIDATION_STREAM = "validation"  # the stream a stateful model's validation frames run on, in order
 
 
 class GateError(EdgeError):
@@ -126,7 +136,8 @@ def validate(candidate: ModelRuntime, reference: ModelRuntime, frames: Sequence[
     """Measure both gates; the result says which one failed (it does not raise)."""
     kind = candidate.source.manifest.postprocess.kind
     params = candidate.source.manifest.postprocess.params
-    pairs = [(_run(reference, f), _run(candidate, f)) for f in frames]
+    pairs = _sequence(reference, candidate, frames)
+    mismatch = value_problem(kind, reference, candidate, pairs, precision)
     no_signal = signal_problem(kind, params, [r for r, _ in pairs])
     score, outputs = agreement(kind, params, pairs, [o.name for o in candidate.engine.outputs])
     latency = measure_latency(candidate, frames[0], latency_runs, warmup)
@@ -135,7 +146,9 @@ def validate(candidate: ModelRuntime, reference: ModelRuntime, frames: Sequence[
                               latency, gates.latency_budget_ms, True, frame_ms=measure_frame_cost(candidate, frames),
                               outputs=outputs, frames=frames_info)
     score_ratio = (outputs or {}).get("matched_score_ratio") if kind in ("yolo", "anchors") else None
-    if no_signal is not None:
+    if mismatch is not None:
+        result.passed, result.code, result.reason = False, "POSTPROCESS_MISMATCH", mismatch
+    elif no_signal is not None:
         result.passed, result.code = False, "GATE_NO_SIGNAL"
         result.reason = f"{no_signal}: {NO_SIGNAL_HINT}"
     elif score_ratio is not None and score_ratio < MIN_SCORE_RATIO:
@@ -159,7 +172,7 @@ Run = tuple[list[np.ndarray], InferenceResult]
 def accuracy(kind: str, params: dict[str, Any], reference: ModelRuntime, candidate: ModelRuntime,
              frames: Sequence[np.ndarray]) -> float:
     """The kind's metric over `frames`, candidate vs reference."""
-    pairs = [(_run(reference, f), _run(candidate, f)) for f in frames]
+    pairs = _sequence(reference, candidate, frames)
     return agreement(kind, params, pairs, [o.name for o in candidate.engine.outputs])[0]
 
 
@@ -188,6 +201,20 @@ def agreement(kind: str, params: dict[str, Any], pairs: Sequence[tuple[Run, Run]
         name = names[i] if i < len(names) else f"output{i}"
         per_output[name] = round(float(np.mean([scaled_cosine(r[0][i], c[0][i]) for r, c in pairs])), 5)
     return min(per_output.values()), per_output
+
+
+def value_problem(kind: str, reference: ModelRuntime, candidate: ModelRuntime, pairs: Sequence[tuple[Run, Run]],
+                  precision: str) -> str | None:
+    """Why some validation frame's outputs do not fit the decoder, the reference's first (then the decoder does
+    not fit the model; when only the engine's do not, its build broke them), or None."""
+    for side, runtime, who in ((0, reference, "the FP32 reference"), (1, candidate, f"the {precision} engine")):
+        names = [o.name for o in runtime.engine.outputs]
+        for index, pair in enumerate(pairs):
+            try:
+                check_value_ranges(kind, runtime.postprocessor, pair[side][0], names)
+            except ModelError as exc:
+                return f"{who} on validation frame {index + 1} of {len(pairs)}: {exc}"
+    return None
 
 
 def signal_problem(kind: str, params: dict[str, Any], references: Sequence[Run]) -> str | None:
@@ -224,10 +251,19 @@ def _constant(values: np.ndarray) -> bool:
     return float(values.std()) <= RAW_CONSTANT_STD * max(float(np.abs(values).mean()), 1e-30)
 
 
+def _sequence(reference: ModelRuntime, candidate: ModelRuntime, frames: Sequence[np.ndarray]) -> list[tuple[Run, Run]]:
+    """Both runtimes on the frames in order; a stateful model's run as one camera's would, on one stream from
+    zeros, each frame fed the state of the one before (reference and candidate alike)."""
+    reference.reset_state(VALIDATION_STREAM)
+    candidate.reset_state(VALIDATION_STREAM)
+    return [(_run(reference, f), _run(candidate, f)) for f in frames]
+
+
 def _run(runtime: ModelRuntime, frame: np.ndarray) -> tuple[list[np.ndarray], InferenceResult]:
     """Raw outputs and the decoded result of one frame (through the runtime's own stages)."""
     transform = runtime.preprocessor(frame)
-    outputs = [np.array(o, copy=True) for o in runtime.engine.infer({runtime.input_name: runtime.preprocessor.tensor})]
+    raw = runtime.infer_stream(runtime.preprocessor.tensor, VALIDATION_STREAM, frame.shape)
+    outputs = [np.array(o, copy=True) for o in raw]
     return outputs, runtime.postprocessor(outputs, transform)
 
 
@@ -308,13 +344,17 @@ def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
 def measure_latency(runtime: ModelRuntime, frame: np.ndarray, runs: int, warmup: int) -> dict[str, float]:
     """Warm up, then time `runs` inference calls on one preprocessed frame (ms: mean, p50, p99)."""
     runtime.preprocessor(frame)
-    feeds = {runtime.input_name: runtime.preprocessor.tensor}
+    tensor, feeds = runtime.preprocessor.tensor, {runtime.input_name: runtime.preprocessor.tensor}
+    if runtime.states is None:
+        call = lambda: runtime.engine.infer(feeds)  # noqa: E731
+    else:  # state carried from call to call, at its full size after the first, as on a camera
+        call = lambda: runtime.infer_stream(tensor, VALIDATION_STREAM, frame.shape)  # noqa: E731
     for _ in range(warmup):
-        runtime.engine.infer(feeds)
+        call()
     samples = []
     for _ in range(max(1, runs)):
         t0 = time.perf_counter()
-        runtime.engine.infer(feeds)
+        call()
         samples.append((time.perf_counter() - t0) * 1e3)
     return latency_stats(samples)
 
@@ -324,8 +364,9 @@ def measure_frame_cost(runtime: ModelRuntime, frames: Sequence[np.ndarray]) -> d
     samples = []
     for frame in frames[:FRAME_COST_FRAMES]:
         t0 = time.perf_counter()
-        runtime.run(frame)
+        runtime.run(frame, VALIDATION_STREAM)
         samples.append((time.perf_counter() - t0) * 1e3)
+    runtime.reset_state(VALIDATION_STREAM)  # the gate's frames are no camera's history
     return latency_stats(samples)
 
 

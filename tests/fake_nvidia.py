@@ -284,12 +284,22 @@ class FakeTensorRT(types.ModuleType):
 
 def fake_tensorrt(version: str = "10.3.0", *, parse_errors: tuple[tuple[str, str, str], ...] = (),
                   build_errors: tuple[str, ...] = (), input_shape: tuple[int, ...] = (-1, 3, -1, -1),
-                  cuda: FakeCudaMemory | None = None) -> FakeTensorRT:
-    """A `tensorrt` module with the API of `version`; `trt._record` collects what the code under test did."""
+                  cuda: FakeCudaMemory | None = None, plugin_library: bool = True,
+                  plugin_build_errors: tuple[str, ...] = ()) -> FakeTensorRT:
+    """A `tensorrt` module with the API of `version`; `trt._record` collects what the code under test did.
+
+    Plugins: an ONNX file holding a plugin node (EfficientNMS_TRT) parses only after `init_libnvinfer_plugins`
+    registered TensorRT's bundled plugins, and only where `plugin_library` is True (False: an install without
+    libnvinfer_plugin, or a release without that plugin); otherwise the parser refuses the node as the real one
+    does. `plugin_build_errors`: what the builder logs, failing, for a network that holds a plugin layer. A plan
+    built from such a network deserializes only after the plugins were registered in this module (as the real
+    runtime, which looks the plugin's creator up in the registry) and has the plugin's four outputs. The plugin
+    registry holds EfficientNMS_TRT's creator once registered; before 8.6 it has no `class_agnostic` field."""
     api = load_api(version)
     trt = FakeTensorRT(api)
     trt._record = record = {"network_flags": None, "set_flags": [], "cleared_flags": [], "pool": {}, "profiles": [],
-                            "opt_level": None, "timing_cache_in": None, "monitor_calls": []}
+                            "opt_level": None, "timing_cache_in": None, "monitor_calls": [], "parsed": [],
+                            "plugins_registered": False}
     for name in sorted(api.module_names() - {"__version__"}):
         setattr(trt, name, _Unmodelled(name))
     for name in (n for n in api.enums if "." not in n):
@@ -299,6 +309,14 @@ def fake_tensorrt(version: str = "10.3.0", *, parse_errors: tuple[tuple[str, str
             setattr(trt, alias, trt.DataType[member])
     _install_loggers(trt, api)
     ctx = _Ctx(api, record, trt, parse_errors, build_errors, input_shape, cuda)
+    ctx.plugin_library, ctx.plugin_build_errors = plugin_library, plugin_build_errors
+
+    def init_libnvinfer_plugins(logger: Any, namespace: str) -> bool:
+        record["plugins_registered"] = plugin_library
+        return plugin_library
+
+    trt._install("init_libnvinfer_plugins", init_libnvinfer_plugins)
+    trt._install("get_plugin_registry", lambda: _Registry(ctx))
     trt._install("Builder", lambda logger: _Builder(ctx, logger))
     trt._install("OnnxParser", lambda network, logger: _Parser(ctx, network))
     trt._install("Runtime", lambda logger: _Runtime(ctx))
@@ -377,7 +395,7 @@ class _Network(_Guarded):
 
     def __init__(self, ctx: _Ctx, flags: int) -> None:
         super().__init__(ctx.api)
-        self._ctx, self._inputs = ctx, []
+        self._ctx, self._inputs, self._plugin = ctx, [], False
 
     @property
     def num_inputs(self) -> int:
@@ -477,9 +495,12 @@ class _Builder(_Guarded):
             for step in range(3):
                 record["monitor_calls"].append(monitor.step_complete("Building engine", step))
             monitor.phase_finish("Building engine")
-        for msg in self._ctx.build_errors:
+        errors = self._ctx.build_errors + (self._ctx.plugin_build_errors if network._plugin else ())
+        for msg in errors:
             self._logger.log(self._ctx.trt.ILogger.Severity.ERROR, msg)
-        return None if self._ctx.build_errors else b"PLAN" + repr(record["set_flags"]).encode("ascii")
+        if errors:
+            return None
+        return b"PLAN" + (NMS_PLAN_MARK if network._plugin else b"") + repr(record["set_flags"]).encode("ascii")
 
 
 class _Err(_Guarded):
@@ -504,6 +525,9 @@ class _Err(_Guarded):
         return self._op
 
 
+PLUGIN_OP = b"EfficientNMS_TRT"  # the plugin node the fake parser recognises in a model file
+
+
 class _Parser(_Guarded):
     API = "OnnxParser"
 
@@ -513,7 +537,16 @@ class _Parser(_Guarded):
         self._errors = [_Err(ctx, i, *e) for i, e in enumerate(ctx.parse_errors)]
 
     def parse_from_file(self, model: str) -> bool:
+        self._ctx.record["parsed"].append(model)
         self._network._inputs.append(_Tensor(self._ctx, "x", self._ctx.input_shape))
+        path = Path(model)
+        if path.is_file() and PLUGIN_OP in path.read_bytes():
+            if self._ctx.record["plugins_registered"]:
+                self._network._plugin = True
+            else:  # onnx-tensorrt's fallback importer finds no creator in the plugin registry
+                self._errors.append(_Err(self._ctx, len(self._errors), "edge_nms/EfficientNMS_TRT", "EfficientNMS_TRT",
+                                         'Assertion failed: creator && "Plugin not found, are the plugin name, '
+                                         'version, and namespace correct?"'))
         return not self._errors
 
     @property
@@ -535,20 +568,33 @@ class _Runtime(_Guarded):
         self._ctx = ctx
 
     def deserialize_cuda_engine(self, serialized_engine: bytes) -> "_Engine | None":
-        return _Engine(self._ctx) if bytes(serialized_engine).startswith(b"PLAN") else None
+        plan = bytes(serialized_engine)
+        if not plan.startswith(b"PLAN"):
+            return None
+        plugin = plan[4:].startswith(NMS_PLAN_MARK)
+        if plugin and not self._ctx.record["plugins_registered"]:
+            return None  # "getPluginCreator could not find plugin: EfficientNMS_TRT version: 1", then no engine
+        return _Engine(self._ctx, plugin)
+
+
+# the plugin's four outputs: name -> (shape after the batch dimension, dtype name); K = 8 boxes
+NMS_OUTPUTS = {"num_detections": ((1,), "INT32"), "detection_boxes": ((8, 4), "FLOAT"),
+               "detection_scores": ((8,), "FLOAT"), "detection_classes": ((8,), "INT32")}
+NMS_PLAN_MARK = b"+EfficientNMS_TRT"
 
 
 class _Engine(_Guarded):
     API = "ICudaEngine"
 
-    def __init__(self, ctx: _Ctx) -> None:
+    def __init__(self, ctx: _Ctx, plugin: bool = False) -> None:
         super().__init__(ctx.api)
         self._ctx = ctx
+        self._outputs = dict(NMS_OUTPUTS) if plugin else {"y": (None, "FLOAT")}  # y = 2x + 1: x's shape
 
-    num_io_tensors = property(lambda self: 2)
+    num_io_tensors = property(lambda self: 1 + len(self._outputs))
 
     def get_tensor_name(self, index: int) -> str:
-        return ("x", "y")[index]
+        return ("x", *self._outputs)[index]
 
     def get_tensor_mode(self, name: str) -> Any:
         mode = self._ctx.trt.TensorIOMode
@@ -561,10 +607,10 @@ class _Engine(_Guarded):
         return [(1, 3, 4, 4), (2, 3, 4, 4), (4, 3, 4, 4)]
 
     def get_tensor_dtype(self, name: str) -> Any:
-        return self._ctx.trt.DataType.FLOAT
+        return self._ctx.trt.DataType[self._outputs[name][1] if name in self._outputs else "FLOAT"]
 
     def create_execution_context(self, *args: Any) -> "_Context":
-        return _Context(self._ctx)
+        return _Context(self._ctx, self._outputs)
 
 
 class _Context(_Guarded):
@@ -577,9 +623,10 @@ class _Context(_Guarded):
 
     API = "IExecutionContext"
 
-    def __init__(self, ctx: _Ctx) -> None:
+    def __init__(self, ctx: _Ctx, outputs: dict[str, tuple[Any, str]] | None = None) -> None:
         super().__init__(ctx.api)
         self._cuda = ctx.cuda
+        self._outputs = outputs or {"y": (None, "FLOAT")}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._addresses: dict[str, int] = {}
         self._generation = 0  # bumped by every shape change
@@ -591,7 +638,9 @@ class _Context(_Guarded):
         if self._shapes.get(name) != tuple(shape):
             self._generation += 1
             self._needs_enqueue = True
-        self._shapes[name] = self._shapes["y"] = tuple(shape)
+        self._shapes[name] = tuple(shape)
+        for out, (tail, _) in self._outputs.items():
+            self._shapes[out] = tuple(shape) if tail is None else (shape[0], *tail)
         return True
 
     def get_tensor_shape(self, name: str) -> tuple[int, ...]:
@@ -606,6 +655,8 @@ class _Context(_Guarded):
         if self._cuda.capturing and self._needs_enqueue:
             return False  # capture right after a shape change: TensorRT's deferred shape work cannot be captured
         self._needs_enqueue = False
+        if "y" not in self._outputs:  # the plugin's engine: no detections (the zeroed outputs say 0 of them)
+            return True
         count = int(np.prod(self._shapes["x"]))
         src, dst = self._addresses["x"], self._addresses["y"]
 
@@ -616,6 +667,46 @@ class _Context(_Guarded):
 
         self._cuda.enqueue(compute, self)
         return True
+
+
+class _Field(_Guarded):
+    API = "PluginField"
+
+    def __init__(self, ctx: _Ctx, name: str) -> None:
+        super().__init__(ctx.api)
+        object.__setattr__(self, "name", name)
+
+
+class _Creator(_Guarded):
+    """EfficientNMS_TRT's creator: the fields of plugin/efficientNMSPlugin (class_agnostic from 8.6)."""
+
+    API = "IPluginCreator"
+
+    def __init__(self, ctx: _Ctx) -> None:
+        super().__init__(ctx.api)
+        names = ["score_threshold", "iou_threshold", "max_output_boxes", "background_class", "score_activation",
+                 "class_agnostic", "box_coding"]
+        if tuple(int(p) for p in ctx.api.version.split(".")[:2]) < (8, 6):
+            names.remove("class_agnostic")
+        object.__setattr__(self, "field_names", [_Field(ctx, n) for n in names])
+
+
+class _Registry(_Guarded):
+    API = "IPluginRegistry"
+
+    def __init__(self, ctx: _Ctx) -> None:
+        super().__init__(ctx.api)
+        self._ctx = ctx
+
+    def _find(self, name: str, version: str) -> "_Creator | None":
+        found = self._ctx.record["plugins_registered"] and (name, version) == ("EfficientNMS_TRT", "1")
+        return _Creator(self._ctx) if found else None
+
+    def get_plugin_creator(self, type: str, version: str, plugin_namespace: str = "") -> "_Creator | None":  # noqa: A002
+        return self._find(type, version)
+
+    def get_creator(self, name: str, version: str, plugin_namespace: str = "") -> "_Creator | None":
+        return self._find(name, version)
 
 
 def import_tensorrt_backend(monkeypatch: Any, trt: Any, cuda: "FakeCudaMemory") -> types.ModuleType:

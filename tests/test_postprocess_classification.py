@@ -140,10 +140,16 @@ def test_auto_detects_distributions(values: list[float], resoftmaxed: bool) -> N
     np.testing.assert_allclose(scores, np.sort(expected), rtol=1e-6)
 
 
-def test_non_finite_output_is_an_inference_error() -> None:
-    post = build_postprocessor("classification", {}, PostprocessContext([]))
-    with pytest.raises(InferenceError, match="not finite"):
-        post([np.array([[0.1, np.nan]], np.float32)], IDENTITY)
+def test_a_non_finite_class_score_is_dropped_not_the_frame() -> None:
+    """One NaN used to refuse the whole frame; now that class is never reported and the others are scored
+    without it (`package` and the gates refuse such a model: tests/test_postprocess_value_ranges.py)."""
+    post = build_postprocessor("classification", {"top_k": 3}, PostprocessContext([]))
+    classes = post([np.array([[0.1, np.nan, 2.0]], np.float32)], IDENTITY).classes
+    assert [c.class_id for c in classes] == [2, 0]
+    np.testing.assert_allclose([c.score for c in classes], reference_softmax(np.array([2.0, 0.1])), rtol=1e-6)
+    assert post([np.array([[np.nan, np.inf]], np.float32)], IDENTITY).classes == []
+    with pytest.raises(InferenceError, match="empty"):
+        post([np.zeros((1, 0), np.float32)], IDENTITY)
 
 
 def test_top_k_on_many_classes_matches_a_full_sort() -> None:

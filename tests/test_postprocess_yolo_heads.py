@@ -219,3 +219,75 @@ def test_a_seg_mask_lines_up_with_the_frame_when_its_box_reaches_into_the_letter
     assert d.box == pytest.approx((200, 0, 600, 320)) and d.mask.shape == (320, 400)
     edge = (200 - 140) * 2  # input row 200 is frame row 120
     assert not d.mask[:edge - 2].any() and d.mask[edge + 2:].all()
+
+
+def _per_box_instance_masks(coefficients: np.ndarray, protos: np.ndarray, frame_boxes: np.ndarray, transform: Any,
+                            input_size: tuple[int, int]) -> list[np.ndarray]:
+    """engines.postprocess.yolo_heads.instance_masks as it was before its geometry was vectorised (kept verbatim
+    as the reference: the faster version must produce exactly these masks)."""
+    import cv2
+
+    m, ph, pw = protos.shape
+    protos = np.ascontiguousarray(protos, dtype=np.float32)
+    coefficients = np.ascontiguousarray(coefficients, dtype=np.float32)
+    fx, fy = pw / input_size[0], ph / input_size[1]
+    px1 = (frame_boxes[:, 0] * transform.scale_x + transform.pad_x) * fx
+    px2 = (frame_boxes[:, 2] * transform.scale_x + transform.pad_x) * fx
+    py1 = (frame_boxes[:, 1] * transform.scale_y + transform.pad_y) * fy
+    py2 = (frame_boxes[:, 3] * transform.scale_y + transform.pad_y) * fy
+    sizes = np.maximum(1, np.rint(frame_boxes[:, 2:4] - frame_boxes[:, 0:2])).astype(int)
+    masks = []
+    for i, (width, height) in enumerate(sizes):
+        x0, x1 = int(np.clip(np.floor(px1[i]), 0, pw - 1)), int(np.clip(np.ceil(px2[i]), 1, pw))
+        y0, y1 = int(np.clip(np.floor(py1[i]), 0, ph - 1)), int(np.clip(np.ceil(py2[i]), 1, ph))
+        if x1 <= x0 or y1 <= y0:
+            masks.append(np.zeros((height, width), bool))
+            continue
+        logits = np.tensordot(coefficients[i], protos[:, y0:y1, x0:x1], axes=1)
+        sx, sy = (px2[i] - px1[i]) / width, (py2[i] - py1[i]) / height
+        warp = np.array([[sx, 0, px1[i] - x0 + 0.5 * sx - 0.5], [0, sy, py1[i] - y0 + 0.5 * sy - 0.5]], np.float64)
+        sampled = cv2.warpAffine(logits, warp, (int(width), int(height)), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+                                 borderMode=cv2.BORDER_REPLICATE)
+        masks.append(sampled > 0.0)
+    return masks
+
+
+def _random_frame_boxes(rng: np.random.Generator, transform: Any, count: int) -> np.ndarray:
+    """Frame boxes as the decoder hands them over (clipped to the frame, float32, some area left): ordinary ones,
+    ones cut by the frame's edge (into the letterbox padding, for a letterboxed frame) and ones under a pixel."""
+    fw, fh = transform.frame_width, transform.frame_height
+    x1, y1 = rng.uniform(-0.3 * fw, fw, count), rng.uniform(-0.3 * fh, fh, count)
+    kind = rng.integers(0, 3, count)  # 0 ordinary, 1 tiny, 2 reaching past the far edge
+    w = np.where(kind == 1, rng.uniform(0.05, 1.5, count), rng.uniform(2, 0.7 * fw, count))
+    h = np.where(kind == 1, rng.uniform(0.05, 1.5, count), rng.uniform(2, 0.7 * fh, count))
+    w, h = np.where(kind == 2, 1.5 * fw, w), np.where(kind == 2, 1.5 * fh, h)
+    boxes = np.stack((x1, y1, x1 + w, y1 + h), axis=1).astype(np.float32)
+    np.clip(boxes[:, 0::2], 0, fw, out=boxes[:, 0::2])
+    np.clip(boxes[:, 1::2], 0, fh, out=boxes[:, 1::2])
+    return boxes[(boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_instance_masks_are_exactly_the_per_box_versions(seed: int) -> None:
+    """Random frames (letterboxed or stretched, of any aspect), prototype sizes and boxes at the edges, in the
+    padding and under a pixel: every mask equals the one the per-box version made, pixel for pixel."""
+    from engines.postprocess.yolo_heads import instance_masks
+
+    rng = np.random.default_rng(seed)
+    width, height = [(640, 640), (320, 256), (416, 416), (256, 480)][seed % 4]
+    channels = int(rng.choice([4, 32]))
+    protos = rng.normal(0, 1, (channels, height // 4, width // 4)).astype(np.float32)
+    frame = np.zeros((int(rng.integers(60, 1500)), int(rng.integers(60, 1500)), 3), np.uint8)
+    transform = Preprocessor(PreprocessSpec(width=width, height=height,
+                                            resize="letterbox" if seed % 3 else "stretch"))(frame)
+    boxes = _random_frame_boxes(rng, transform, 60)
+    coefficients = rng.normal(0, 1, (len(boxes), channels)).astype(np.float32)
+    new = instance_masks(coefficients, protos, boxes, transform, (width, height))
+    old = _per_box_instance_masks(coefficients, protos, boxes, transform, (width, height))
+    assert len(new) == len(old) == len(boxes) > 20
+    for mine, theirs in zip(new, old):
+        assert mine.dtype == theirs.dtype == bool and mine.shape == theirs.shape
+        assert np.array_equal(mine, theirs)
+    assert any(m.shape == (1, 1) for m in new) and any(0 < m.mean() < 1 for m in new)  # tiny and ragged ones ran
+    at_edges = (boxes[:, 0] == 0) | (boxes[:, 2] == transform.frame_width) | (boxes[:, 3] == transform.frame_height)
+    assert at_edges.any()

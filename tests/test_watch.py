@@ -302,3 +302,58 @@ def test_the_watch_rolls_back_a_collapsed_camera_once_its_window_is_judged() -> 
     assert verdict["reason"] == "WATCH_OUTPUT_COLLAPSE" and verdict["camera"] == "cam" and verdict["window_s"] >= 10
     off = CFG.model_copy(update={"output_collapse_ratio": 0.0})
     assert judge_cameras(Windows(cam=stats([20.0] * 30)), Cameras(names=("cam",)), off, None, {}, health=health) is None
+
+
+def segmented(ids: np.ndarray):
+    """What the segmentation postprocessor makes of a class-id map (the background, class 0, not reported)."""
+    from engines.postprocess import PostprocessContext, build_postprocessor
+    from engines.preprocess import FrameTransform
+
+    h, w = ids.shape
+    post = build_postprocessor("segmentation", {}, PostprocessContext([], ["background", "road", "car"], (w, h)))
+    return post([ids[None].astype(np.int64)], FrameTransform(1.0, 1.0, 0.0, 0.0, w, h))
+
+
+def street(rng: np.random.Generator) -> np.ndarray:
+    """A 96x128 map: background, a road over the lower third, a car somewhere on it."""
+    ids = np.zeros((96, 128), np.int64)
+    ids[64:] = 1
+    x = int(rng.integers(0, 100))
+    ids[70:90, x:x + 28] = 2
+    return ids
+
+
+def test_a_segmenter_collapsing_to_background_or_to_one_class_has_collapsed() -> None:
+    from agent.deployments.output_health import OutputHealth
+
+    rng = np.random.default_rng(0)
+    before = [segmented(street(rng)) for _ in range(40)]
+    verdicts = {}
+    for name, after in (("background", np.zeros((96, 128), np.int64)), ("one_class", np.ones((96, 128), np.int64)),
+                        ("fine", street(rng))):
+        health = OutputHealth()
+        feed(health, Model("segmentation"), "cam", before)
+        feed(health, Model("segmentation"), "cam", [segmented(after)] * 20)
+        verdicts[name] = health.collapse("cam", 0.2, 10, 30)
+    background, one_class = verdicts["background"], verdicts["one_class"]
+    assert verdicts["fine"] is None
+    assert background["statistic"] == "foreground_share" and background["value"] == 0.0
+    assert background["before"]["foreground_share"] == pytest.approx(1 / 3, abs=0.01)
+    assert background["limit"] == pytest.approx(0.2 * background["before"]["foreground_share"], abs=1e-4)
+    # every pixel a road: more of the frame is "not background" than before, but no frame has two classes
+    assert one_class["statistic"] == "varied_rate" and one_class["value"] == 0.0
+    assert one_class["after"]["foreground_share"] == 1.0 and one_class["before"]["varied_rate"] == 1.0
+    assert "outputs collapsed: varied_rate 0.0 over 20 frames" in one_class["message"]
+
+
+def test_a_segmenter_whose_previous_model_saw_little_is_not_judged_on_it() -> None:
+    from agent.deployments.output_health import OutputHealth
+
+    empty = np.zeros((96, 128), np.int64)
+    speck = empty.copy()
+    speck[0, 0] = 2  # 1 pixel in 12288: under the 1 % share, and under the 1 % a class needs to count as present
+    health = OutputHealth()
+    feed(health, Model("segmentation"), "cam", [segmented(speck)] * 40)
+    feed(health, Model("segmentation"), "cam", [segmented(empty)] * 20)
+    assert health.collapse("cam", 0.2, 10, 30) is None
+    assert health.numbers("cam") == {"frames": 20, "foreground_share": 0.0, "varied_rate": 0.0}

@@ -29,9 +29,10 @@ class DeploymentConfig(BaseModel):
     max_error_rate: float = Field(0.05, ge=0, le=1, description="Inference error rate that triggers rollback.")
     output_collapse_ratio: float = Field(
         0.2, ge=0, le=1, description="WATCH_OUTPUT_COLLAPSE when, on a camera, the new model's detection rate "
-        "(frames with at least one detection) or raw output spread falls below this x the previous model's recent "
-        "one there (which must be >= 50 % for detectors), or a classifier gives one class where the previous one "
-        "gave several; only models of the same postprocess kind are compared. 0 = off.",
+        "(frames with at least one detection), a segmenter's share of the frame not background or its rate of frames "
+        "with two classes or more, or raw output spread falls below this x the previous model's recent one there "
+        "(which must be >= 50 % for detection and varied rates, >= 1 % for the share), or a classifier gives one "
+        "class where the previous one gave several; only models of the same postprocess kind are compared. 0 = off.",
     )
     output_collapse_min_history: int = Field(
         30, ge=1, le=300, description="Frames of the previous model's history on a camera needed to judge a collapse "

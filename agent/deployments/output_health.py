@@ -9,7 +9,12 @@ the new model's output health on the same cameras with the previous model's rece
 | --- | --- | --- |
 | detections (yolo, anchors, db_text) | found at least one object | rate < `output_collapse_ratio` x the previous rate |
 | classification | top-1 class | one class on every frame where the previous model spread over several |
+| segmentation | the share of the frame not background (the reported classes' areas) and the classes covering 1 % of the map | share < `output_collapse_ratio` x the previous, or varied rate (frames with two classes or more) < `output_collapse_ratio` x the previous |
 | raw | the outputs' spread (std of the values) | spread < `output_collapse_ratio` x the previous |
+
+A segmentation model that collapses to all background loses its share; one that labels every pixel with one
+class (background or not) loses its varied frames. Each needs the previous model to have shown it: a share of at
+least MIN_FOREGROUND_SHARE, varied frames on at least half of the frames.
 
 Only like is compared with like: the same postprocess kind (and, for classification, the same labels).
 Recording is a few integer updates per frame on the results thread; nothing waits on it.
@@ -26,6 +31,10 @@ import numpy as np
 
 HISTORY_FRAMES = 300  # per camera: the previous model's most recent frames
 SPREAD_SAMPLES = 4096  # raw outputs: values sampled per frame for the spread (a 1024x1024 matte is 1 M)
+MAP_SAMPLES = 4096  # segmentation: class map pixels sampled per frame to count its classes
+MIN_CLASS_SHARE = 0.01  # of those pixels, for a class to count as present: a speck of noise is not a second class
+MIN_FOREGROUND_SHARE = 0.01  # the previous model's mean share not background below which a fall proves nothing
+DETECTION_KINDS = ("yolo", "anchors", "db_text")
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,8 @@ class FrameHealth:
     detected: bool
     top_class: Any
     spread: float | None
+    foreground: float | None = None  # segmentation: the share of the frame its reported classes cover
+    map_classes: int | None = None  # segmentation: classes covering 1 % of the (sampled) map, background included
 
     @classmethod
     def of(cls, result: Any) -> "FrameHealth":
@@ -42,8 +53,23 @@ class FrameHealth:
         spread = None
         if result.tensors:
             spread = float(np.mean([_sampled(t).std() for t in result.tensors.values()]))
+        foreground = map_classes = None
+        class_map = getattr(result, "class_map", None)
+        if class_map is not None:  # the classes are the map's areas, the background left out (its own parameter)
+            foreground = float(sum(c.score for c in result.classes))
+            map_classes = _classes_in(class_map)
         return cls(bool(result.detections), None if top is None else (top.label if top.label is not None else top.class_id),
-                   spread)
+                   spread, foreground, map_classes)
+
+
+def _classes_in(class_map: np.ndarray) -> int:
+    """Classes covering at least MIN_CLASS_SHARE of a class map, counted on about MAP_SAMPLES pixels (a bincount
+    of a whole 512x512 map per frame is not "a few integer updates")."""
+    step = max(1, int(np.sqrt(class_map.size / MAP_SAMPLES)))
+    sample = np.asarray(class_map)[::step, ::step]
+    if not sample.size:
+        return 0
+    return int(np.count_nonzero(np.bincount(sample.ravel()) >= max(1.0, MIN_CLASS_SHARE * sample.size)))
 
 
 def _sampled(tensor: Any) -> np.ndarray:
@@ -62,6 +88,8 @@ class HealthWindow:
     with_signal: int = 0  # frames with at least one detection (detectors)
     classes: Counter = field(default_factory=Counter)  # top-1 class counts (classifiers)
     spread_sum: float = 0.0  # sum of per-frame output spread (raw)
+    foreground_sum: float = 0.0  # sum of per-frame share not background (segmentation)
+    varied: int = 0  # frames whose class map has two classes or more (segmentation)
 
     def add(self, health: FrameHealth) -> None:
         """Count one frame."""
@@ -71,15 +99,21 @@ class HealthWindow:
             self.classes[health.top_class] += 1
         if health.spread is not None:
             self.spread_sum += health.spread
+        if health.foreground is not None:
+            self.foreground_sum += health.foreground
+        self.varied += (health.map_classes or 0) >= 2
 
     def numbers(self) -> dict[str, Any]:
         """The measured health, for verdicts and status."""
         out: dict[str, Any] = {"frames": self.frames}
-        if self.kind in ("yolo", "anchors", "db_text"):
+        if self.kind in DETECTION_KINDS:
             out["detection_rate"] = round(self.with_signal / self.frames, 4) if self.frames else 0.0
         elif self.kind == "classification":
             out["classes"] = len(self.classes)
             out["top_class_share"] = round(max(self.classes.values()) / self.frames, 4) if self.classes else 0.0
+        elif self.kind == "segmentation":
+            out["foreground_share"] = round(self.foreground_sum / self.frames, 4) if self.frames else 0.0
+            out["varied_rate"] = round(self.varied / self.frames, 4) if self.frames else 0.0
         else:
             out["output_spread"] = round(self.spread_sum / self.frames, 6) if self.frames else 0.0
         return out
@@ -135,21 +169,33 @@ class OutputHealth:
         if now.kind != before.kind or (now.kind == "classification" and now.labels != before.labels):
             return None  # another kind of output: nothing to compare
         new, old = now.numbers(), before.numbers()
-        if now.kind in ("yolo", "anchors", "db_text"):
-            statistic, value, limit = "detection_rate", new["detection_rate"], ratio * old["detection_rate"]
-            broken = old["detection_rate"] >= 0.5 and value < limit
-        elif now.kind == "classification":
-            statistic, value, limit = "classes", new["classes"], 2
-            broken = old["classes"] >= 2 and old["top_class_share"] <= 0.9 and new["classes"] == 1
-        else:
-            statistic, value, limit = "output_spread", new["output_spread"], ratio * old["output_spread"]
-            broken = old["output_spread"] > 0 and value < limit
-        if not broken:
+        found = _collapsed_statistic(now.kind, new, old, ratio)
+        if found is None:
             return None
+        statistic, value, limit = found
         return {"reason": "WATCH_OUTPUT_COLLAPSE", "statistic": statistic, "value": value, "limit": round(limit, 4),
                 "before": old, "after": new, "frames": now.frames,
                 "message": f"outputs collapsed: {statistic} {value} over {now.frames} frames; the previous model's "
                            f"{old.get(statistic)} over {before.frames} (limit {limit:.4g})"}
+
+
+def _collapsed_statistic(kind: str, new: dict[str, Any], old: dict[str, Any],
+                         ratio: float) -> tuple[str, float, float] | None:
+    """(statistic, value, limit) of the first of `kind`'s health signals that collapsed, or None."""
+    if kind in DETECTION_KINDS:
+        rules = [("detection_rate", ratio * old["detection_rate"], old["detection_rate"] >= 0.5)]
+    elif kind == "classification":
+        broken = old["classes"] >= 2 and old["top_class_share"] <= 0.9 and new["classes"] == 1
+        return ("classes", new["classes"], 2) if broken else None
+    elif kind == "segmentation":
+        rules = [("foreground_share", ratio * old["foreground_share"], old["foreground_share"] >= MIN_FOREGROUND_SHARE),
+                 ("varied_rate", ratio * old["varied_rate"], old["varied_rate"] >= 0.5)]
+    else:
+        rules = [("output_spread", ratio * old["output_spread"], old["output_spread"] > 0)]
+    for statistic, limit, comparable in rules:
+        if comparable and new[statistic] < limit:
+            return statistic, new[statistic], limit
+    return None
 
 
 def _kind_of(model: Any) -> tuple[str, tuple[str, ...] | None]:

@@ -96,6 +96,7 @@ class BatchRuntime:
         self.batched = self.max_size > 1 and self.capacity != 1
         self.slots = SlotPreprocessing(parallel_preprocess, self.max_size)
         self._preprocessors: dict[str, Preprocessor] = {}  # per camera: each keeps its own frame geometry
+        self._streams: list[tuple[str, tuple[int, ...]]] = []  # (camera, frame shape) per slot of the batch
         self._engine_ms = 0.0
 
     def run(self, images: Sequence[np.ndarray], cameras: Sequence[str]) -> list[FrameOutcome]:
@@ -113,6 +114,8 @@ class BatchRuntime:
         transforms, slot_ms = self.slots.run(n, lambda i: preprocessors[i](images[i], tensor[i : i + 1]))
         t1 = time.perf_counter()
         self._engine_ms = 0.0
+        if self.runtime.states is not None:  # state per camera; the frame path of other models builds nothing
+            self._streams = [(camera, image.shape) for camera, image in zip(cameras, images)]
         per_frame = self._infer(n)
         t2 = time.perf_counter()
         pre, total = (t1 - t0) * 1e3, (t2 - t1) * 1e3
@@ -144,11 +147,14 @@ class BatchRuntime:
         return self._infer_chunks(n, 1)
 
     def _infer_chunks(self, n: int, chunk: int) -> list[list[np.ndarray]]:
-        name, per_frame = self.runtime.input_name, []
+        per_frame: list[list[np.ndarray]] = []
+        name, stateful = self.runtime.input_name, self.runtime.states is not None
         for start in range(0, n, chunk):
             rows = min(chunk, n - start)
             t0 = time.perf_counter()
-            outputs = self.runtime.engine.infer({name: self.tensor[start : start + rows]})
+            rows_in = self.tensor[start : start + rows]
+            outputs = (self.runtime.infer_stream(rows_in, *self._streams[start]) if stateful
+                       else self.runtime.engine.infer({name: rows_in}))
             self._engine_ms += (time.perf_counter() - t0) * 1e3
             per_frame += [[out[i : i + 1] for out in outputs] for i in range(rows)]
         return per_frame
@@ -156,7 +162,9 @@ class BatchRuntime:
 
 def engine_capacity(runtime: ModelRuntime) -> int | None:
     """The largest batch the engine takes per call: its `max_batch` when it says, else a fixed leading
-    input dimension; None when the batch dimension is dynamic."""
+    input dimension; None when the batch dimension is dynamic. A model with state inputs: 1 (state per camera)."""
+    if getattr(runtime, "states", None) is not None:
+        return 1
     declared = getattr(runtime.engine, "max_batch", None)
     if isinstance(declared, int) and declared >= 1:
         return declared

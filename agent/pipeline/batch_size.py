@@ -78,14 +78,20 @@ def stated_fps(camera: Any) -> float | None:
 
 
 def resolve_batch_size(setting: Union[int, str], cameras: int, curve: Any, budget_ms: float | None,
-                       demand: float | None = None, spread: Any = None, relative: Any = None) -> BatchSize:
+                       demand: float | None = None, spread: Any = None, relative: Any = None,
+                       stateful: bool = False) -> BatchSize:
     """Never more than the number of cameras: a batch holds at most one frame per camera.
 
-    `demand` is the cameras' total fps (`demand_fps`), None when unknown.
+    `demand` is the cameras' total fps (`demand_fps`), None when unknown. `stateful`: the model declares state
+    inputs (manifest `state`), so it runs batch 1 whatever the setting (engines.batching.STATE_BATCH_REASON).
 
     An explicit size larger than the engine takes still works: the batch runtime splits it into calls
     the engine accepts (agent.pipeline.batch_runtime).
     """
+    if stateful:
+        from engines.batching import STATE_BATCH_REASON
+
+        return BatchSize(1, STATE_BATCH_REASON)
     if isinstance(setting, int):
         size = min(setting, cameras)
         return BatchSize(size, f"configured {setting}" + (f", capped at {cameras} cameras" if size < setting else ""))

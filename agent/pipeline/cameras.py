@@ -25,11 +25,15 @@ class CameraGroup:
     """Capture threads by camera name, each feeding its mailbox in `batcher`."""
 
     def __init__(self, configs: Sequence[Any], batcher: Batcher, on_event: Callable[..., None],
-                 source_factory: SourceFactory = create_source) -> None:
+                 source_factory: SourceFactory = create_source,
+                 on_restart: Callable[[str], None] | None = None) -> None:
         self.configs = {c.name: c for c in configs}
         self.batcher = batcher
         self.on_event = on_event
         self.source_factory = source_factory
+        # told a camera's name when its frames stop following the earlier ones (a fresh thread and source, a
+        # reopen after a loss): a stateful model starts that camera's state again (engines.state_inputs)
+        self.on_restart = on_restart
         self.threads: dict[str, CaptureThread] = {}
         self._stops: dict[str, threading.Event] = {}
         self._lock = threading.Lock()  # one start, stop or restart at a time (commands may arrive together)
@@ -68,9 +72,23 @@ class CameraGroup:
 
     def _start_one(self, name: str) -> None:
         stop = self._stops[name] = threading.Event()
-        thread = CaptureThread(self.source_factory(self.configs[name]), self.batcher.mailbox(name), stop, self.on_event)
+        thread = CaptureThread(self.source_factory(self.configs[name]), self.batcher.mailbox(name), stop, self._event)
         self.threads[name] = thread
+        self._restarted(name)
         thread.start()
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        if kind == "camera_recovered":
+            self._restarted(fields.get("camera", ""))
+        self.on_event(kind, **fields)
+
+    def _restarted(self, name: str) -> None:
+        if self.on_restart is None:
+            return
+        try:
+            self.on_restart(name)
+        except Exception:  # a listener's fault never costs the camera its frames
+            log.exception("camera %s: restart listener failed", name)
 
     def _stop_these(self, names: list[str], timeout: float) -> None:
         for name in names:

@@ -182,6 +182,9 @@ class InferenceWorker(threading.Thread):
             if self._pending is not None:
                 self.batch.close()
                 self._previous, self.batch = self.batch.runtime, self._pending
+                # a runtime swapped back in (a rollback, an adaptive variant switch) still holds the state its
+                # cameras left when it was swapped out; between two batches, so no frame of it is in flight
+                self.batch.runtime.reset_state()
                 if self._pending_size is not None and self._pending_size != self.frames.max_size:
                     self.frames.max_size = self._pending_size  # between two batches: next_batch runs on this thread
                 self.window, self.camera_windows, self.costs = FrameStats(), CameraStats(), BatchCosts()

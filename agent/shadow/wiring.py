@@ -34,6 +34,11 @@ def start(agent: Any, source: ModelSource, provisioned: Any, dep: Deployment, pl
 def check_comparable(agent: Any, source: ModelSource) -> None:
     """SHADOW_INCOMPARABLE when the two models' outputs are not of one kind (a detector's boxes say nothing about
     a classifier's classes); checked once the manifest is verified, before any engine is built."""
+    if source.manifest.state is not None:
+        raise EdgeError(f"{source.label} has state inputs (manifest `state`): a shadow is given a share of the frames, "
+                        "but a recurrent model must see every frame of its camera in order, so its shadow results "
+                        "would judge a broken sequence; deploy it without mode=shadow (its gates still run)",
+                        code="SHADOW_INCOMPARABLE")
     kind = source.manifest.postprocess.kind
     serving_kind = agent.active.source.manifest.postprocess.kind if agent.active is not None else None
     if serving_kind != kind:

@@ -180,5 +180,8 @@ def _free_dim_overrides(model_path: Path, static_shapes: dict[str, tuple[int, ..
             elif dim.dim_value > 0 and dim.dim_value != size:  # -1 or unset: dynamic, the session takes any size
                 raise ModelError(f"input {graph_input.name}: fixed dim {dim.dim_value} != requested {size}", code="MODEL_SHAPE_MISMATCH")
     # One name on two dims that must differ (PP-OCR's cls exports name both H and W "?") cannot be pinned
-    # by name: those stay free, and the session takes the preprocess size as it comes.
-    return {name: sizes.pop() for name, sizes in wanted_by.items() if len(sizes) == 1}
+    # by name: those stay free, and the session takes the preprocess size as it comes. Nor can a name that an
+    # input left unpinned shares (RVM's state inputs reuse the frame's "height"/"width" for other sizes).
+    shared = {d.dim_param for i in model.graph.input if i.name not in static_shapes
+              for d in i.type.tensor_type.shape.dim if d.dim_param}
+    return {name: sizes.pop() for name, sizes in wanted_by.items() if len(sizes) == 1 and name not in shared}

@@ -11,6 +11,11 @@ its outputs match the plain run's bit for bit; otherwise the reason is in `descr
 capture leaves a sticky "last error" in the CUDA runtime; it is read and cleared at once (as trtexec
 does), so the plain path that follows does not inherit it. TensorRT 8.5 is never captured (it fails).
 
+NMS: a plan whose sidecar says `report.nms.where = "engine"` holds EfficientNMS_TRT (engines.nms_graph);
+`TrtEngine.nms` says so (checked against the engine's outputs, inferred from them without a sidecar), and the
+runtime decodes its four outputs as the yolo layout `efficient_nms`. TensorRT's bundled plugins are registered
+(once per process) before every deserialize: without that a plan holding the plugin does not deserialize.
+
 DLA: a plan built for `dla:N` (`EngineOptions.dla_core`, else the plan's sidecar `<plan>.json`) is
 deserialized with `Runtime.DLA_core = N` (TensorRT's default is core 0); a core this TensorRT does not
 report is ENGINE_DLA_UNAVAILABLE.
@@ -42,10 +47,11 @@ import tensorrt as trt
 from engines import cuda_mem
 from engines.backends import BACKENDS
 from engines.backends.base import EngineOptions, TensorSpec
-from engines.backends.tensorrt_compat import (graph_capture_blocker, numpy_dtype, select_dla_core, shared_logger,
-                                              sidecar_dla_core)
+from engines.backends.tensorrt_compat import (graph_capture_blocker, numpy_dtype, register_plugins, select_dla_core,
+                                              shared_logger, sidecar_dla_core)
 from engines.cuda_mem import CudaError, CudaMemory, DeviceBuffer, open_cuda_memory
 from engines.errors import BatchSizeError, InferenceError, ModelError
+from engines.nms_graph import engine_nms, sidecar_nms
 
 log = logging.getLogger(__name__)
 if (_missing := cuda_mem.missing_bindings()) is not None:
@@ -94,6 +100,7 @@ class TrtEngine:
         self.max_batch = 1
         self._batch = 1
         self.dla_core: int | None = None  # from the plan's sidecar; None: the GPU
+        self.nms = "host"  # "engine" where the plan holds EfficientNMS_TRT (its sidecar's report.nms)
         self._cuda_graphs = cuda_graphs
         self._engine: Any = None
         self._context: Any = None
@@ -109,16 +116,20 @@ class TrtEngine:
     def _setup(self, plan: bytes, options: EngineOptions, cuda_graphs: bool) -> None:
         self._runtime = trt.Runtime(shared_logger(trt))  # one logger per process: see tensorrt_compat
         self.dla_core = options.dla_core if options.dla_core is not None else sidecar_dla_core(self.path)
+        sidecar = sidecar_nms(self.path)
         if self.dla_core is not None:  # a dla:N plan runs on the Runtime's core (TensorRT's default: 0)
             select_dla_core(trt, self._runtime, self.dla_core, self.path.name)
+        plugins = register_plugins(trt)  # a plan holding EfficientNMS_TRT finds its creator only after this
         self._engine = self._runtime.deserialize_cuda_engine(plan)
         if self._engine is None:
+            held = f"; it holds EfficientNMS_TRT ({plugins})" if sidecar == "engine" else ""
             raise ModelError(f"{self.path.name}: TensorRT {trt.__version__} cannot deserialize this plan (built by "
-                             "another TensorRT version or for another GPU)", code="ENGINE_INCOMPATIBLE")
+                             f"another TensorRT version or for another GPU{held})", code="ENGINE_INCOMPATIBLE")
         self._context = self._engine.create_execution_context()
         self._stream = self.cuda.create_stream()
         self._handle = self.cuda.stream_handle(self._stream)
         self._bind(options.static_shapes, options.max_batch)
+        self.nms = engine_nms(self.path, [b.name for b in self._bindings if not b.is_input])
         batched = self.max_batch > 1
         self.inputs = [b.spec(batched) for b in self._bindings if b.is_input]
         self.outputs = [b.spec(batched) for b in self._bindings if not b.is_input]
@@ -317,7 +328,7 @@ class TrtEngine:
             "cuda_memory": self.cuda_name, "cuda_graph": self._graph is not None, "cuda_graph_status": self.graph_status,
             "max_batch": self.max_batch, "cuda_graphs": {str(n): s for n, s in sorted(self.graph_statuses.items())},
             "contexts": sorted(self._contexts) or [self._batch],
-            "device": "gpu" if self.dla_core is None else f"dla:{self.dla_core}",
+            "device": "gpu" if self.dla_core is None else f"dla:{self.dla_core}", "nms": self.nms,
             "inputs": [i.to_dict() for i in self.inputs], "outputs": [o.to_dict() for o in self.outputs],
         }
 

@@ -10,6 +10,10 @@ Runs in the build child process (`build_plan`) or, for a bare `.onnx` given to t
 - DLA (`dla:N` specs): default device type, DLA core, GPU fallback, per-layer `can_run_on_DLA`;
 - builder optimisation level (8.6+); progress monitor and parser node names (9.1+: both are absent
   from 8.6's binding, see tests/data/tensorrt_api/8.6.1.json, and present in 10.x).
+With `build.nms` = engine/auto the graph gets EfficientNMS_TRT appended (engines.nms_graph) after the batch
+rewrite, the bundled plugins are registered (tensorrt_compat.register_plugins), and where the plugin cannot run
+as asked (parser or builder refusal, a creator without `class_agnostic` before 8.6) `auto` falls back to the
+plain graph (NMS on the host, the reason in the report's `nms`) and `engine` fails (ENGINE_NMS_UNAVAILABLE).
 Builds log through the process-wide logger of tensorrt_compat: TensorRT keeps only the first logger
 it is given, so a private build logger would lose the error text whenever a Runtime exists already.
 `trt` is passed in so tests can drive this logic with a recording stand-in.
@@ -22,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engines import batching
-from engines.backends.tensorrt_compat import shared_logger
+from engines.backends.tensorrt_compat import plugin_fields, register_plugins, shared_logger
 from engines.build_spec import EngineBuildError, EngineBuildSpec
 from engines.fsutil import atomic_write_bytes
 
@@ -36,9 +40,11 @@ def build_plan(job: Any, emit: Emit) -> dict[str, Any]:
     import tensorrt as trt
 
     from engines.build_worker import StageTimer, _rewrite, quantize_model, static_model, to_fp16
+    from engines.state_inputs import onnx_io
 
     report: dict[str, Any] = {"notes": [], "stages_s": {}}
     onnx_path = job.onnx_path
+    refuse_state_inputs(onnx_path.name, [i.name for i in onnx_io(onnx_path)[0]])  # before minutes of quantization
     if job.spec.precision == "int8":
         timer = StageTimer(emit, report)
         fp16_casts = strongly_typed_only(trt)  # no weak typing: the ONNX itself must say FP16
@@ -52,7 +58,7 @@ def build_plan(job: Any, emit: Emit) -> dict[str, Any]:
         report["notes"].append("fp16 via a strongly typed FP16 ONNX (this TensorRT has no FP16 builder flag)")
     onnx_path = batching.trt_batch_model(job, onnx_path, report)  # batch fixed to 1: verified rewrite
     t0 = time.monotonic()
-    plan = build_serialized(trt, onnx_path, job.spec, job.timing_cache, emit, report)
+    plan = build_with_nms(trt, onnx_path, job, emit, report)
     report["stages_s"]["tensorrt-build"] = round(time.monotonic() - t0, 3)
     atomic_write_bytes(job.out_path, plan)
     emit("verify")
@@ -62,6 +68,42 @@ def build_plan(job: Any, emit: Emit) -> dict[str, Any]:
     if runtime.deserialize_cuda_engine(plan) is None:
         raise EngineBuildError("the plan TensorRT just built does not deserialize")
     return report
+
+
+def build_with_nms(trt: Any, onnx_path: Path, job: Any, emit: Emit, report: dict[str, Any]) -> bytes:
+    """The plan, with EfficientNMS_TRT appended to the graph when the spec asks for it (`build.nms`).
+
+    After the batch rewrite, which ONNX Runtime verifies and so cannot see the plugin. Where this TensorRT cannot
+    run the plugin as asked (refused by the parser or builder, or a creator without a needed field), `auto` gets
+    the plain graph (the engine leaves NMS to the host, `report["nms"]` says why, the runtime reads it) and
+    `engine` fails with ENGINE_NMS_UNAVAILABLE and the reason."""
+    if not job.spec.nms:
+        return build_serialized(trt, onnx_path, job.spec, job.timing_cache, emit, report)
+    from engines import nms_graph
+
+    settings = nms_graph.NmsSettings.from_dict(job.spec.nms)
+    registered = register_plugins(trt)
+    version = getattr(trt, "__version__", "?")
+    fields = plugin_fields(trt, nms_graph.NMS_OP, nms_graph.PLUGIN_VERSION)
+    blocker = nms_graph.creator_blocker(settings, fields, version)
+    if blocker is None:
+        emit("nms-rewrite")
+        nms_path = nms_graph.rewrite_file(onnx_path, job.work_dir / "nms.onnx", settings)
+        try:
+            plan = build_serialized(trt, nms_path, job.spec, job.timing_cache, emit, report)
+        except EngineBuildError as exc:
+            if exc.code == "ENGINE_BUILD_OOM" or not nms_graph.plugin_refusal(str(exc)):
+                raise
+            blocker = f"TensorRT {version} refused {nms_graph.NMS_OP} ({registered}): {exc}"
+        else:
+            report["nms"] = nms_graph.engine_record(settings)
+            return plan
+    if getattr(job, "nms_mode", "auto") == "engine":
+        raise EngineBuildError(f"build.nms = \"engine\": {blocker} (use \"auto\" to fall back to host NMS)",
+                               code=nms_graph.NmsUnavailableError.code)
+    report["nms"] = {"where": "host", "reason": blocker}
+    report["notes"].append(f"NMS runs on the host: {blocker}")
+    return build_serialized(trt, onnx_path, job.spec, job.timing_cache, emit, report)
 
 
 def build_serialized(trt: Any, onnx_path: Path, spec: EngineBuildSpec, timing_cache: Path | None,
@@ -82,6 +124,7 @@ def build_serialized(trt: Any, onnx_path: Path, spec: EngineBuildSpec, timing_ca
     emit("parse")
     if not parser.parse_from_file(str(onnx_path)):
         raise EngineBuildError(f"ONNX parser: {parser_errors(parser)}")
+    refuse_state_inputs(Path(onnx_path).name, [network.get_input(i).name for i in range(network.num_inputs)])
     config = builder.create_builder_config()
     report["workspace_mb"] = set_workspace(trt, config, spec.workspace_mb)
     if spec.optimization_level is not None and hasattr(config, "builder_optimization_level"):
@@ -100,6 +143,22 @@ def build_serialized(trt: Any, onnx_path: Path, spec: EngineBuildSpec, timing_ca
         raise EngineBuildError(f"TensorRT build failed: {errors}", code=code)
     save_timing_cache(config, cache, timing_cache)
     return bytes(memoryview(plan))
+
+
+STATE_UNSUPPORTED = "ENGINE_STATE_UNSUPPORTED"
+
+
+def refuse_state_inputs(model: str, inputs: list[str]) -> None:
+    """ENGINE_STATE_UNSUPPORTED for a model with inputs beside its frame (recurrent state, constants).
+
+    Their shapes change between a camera's first frame ([1, 1, 1, 1] zeros) and the next (full size), so they
+    need optimisation profiles of their own and engine buffers that follow them; neither is derived yet.
+    ONNX Runtime serves these models."""
+    if len(inputs) > 1:
+        raise EngineBuildError(
+            f"{model} has inputs {inputs}: TensorRT builds of models with state or constant inputs beside the frame "
+            "are not supported yet (they need optimisation profiles for the state's shapes); serve it on ONNX "
+            "Runtime: [model] backend = \"onnxruntime\"", code=STATE_UNSUPPORTED)
 
 
 def make_logger(trt: Any) -> Any:

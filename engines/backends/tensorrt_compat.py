@@ -7,6 +7,9 @@
   loggers are ignored. So every Runtime and Builder here gets the same capturing logger
   (`shared_logger`), and a build reads the errors logged since it started.
 - CUDA graphs: capturing `execute_async_v3` fails on TensorRT 8.5.2, so capture starts at 8.6.
+- plugins: TensorRT's bundled plugins (EfficientNMS_TRT) are in the plugin registry only after
+  `init_libnvinfer_plugins`; a plan holding one deserializes only then, so the backend and the build both
+  call `register_plugins` (once per process) before they deserialize or parse.
 - DLA: a plan built for `dla:N` runs on the core the Runtime names (`Runtime.DLA_core`, default 0), so
   the core from the engine's sidecar is set before `deserialize_cuda_engine` (`select_dla_core`).
 Importable without TensorRT: `trt` is passed in.
@@ -35,6 +38,7 @@ NUMPY_DTYPES: dict[str, Any] = {
 _ERRORS_KEPT = 200
 _SHARED: dict[int, Any] = {}
 _SHARED_LOCK = threading.Lock()
+_PLUGINS: dict[int, tuple[Any, str]] = {}  # id(trt) -> (trt, what registering did); trt kept so its id is not reused
 
 
 def dtype_name(dtype: Any) -> str:
@@ -150,3 +154,44 @@ def _make_logger(trt: Any) -> Any:
                 print(f"[TRT {getattr(severity, 'name', level)}] {msg}", file=sys.stderr)
 
     return CapturingLogger()
+
+
+def register_plugins(trt: Any) -> str:
+    """Register TensorRT's bundled plugins (EfficientNMS_TRT among them) once per process, with the shared logger;
+    what happened, for error messages. The ONNX parser finds a plugin node's creator, and the runtime a plugin
+    layer's, only in that registry."""
+    with _SHARED_LOCK:
+        done = _PLUGINS.get(id(trt))
+    if done is not None:
+        return done[1]
+    result = _init_plugins(trt)
+    with _SHARED_LOCK:
+        _PLUGINS.setdefault(id(trt), (trt, result))
+        return _PLUGINS[id(trt)][1]
+
+
+def _init_plugins(trt: Any) -> str:
+    init = getattr(trt, "init_libnvinfer_plugins", None)
+    if init is None:
+        return "this TensorRT has no init_libnvinfer_plugins"
+    try:
+        ok = init(shared_logger(trt), "")
+    except Exception as exc:  # noqa: BLE001  (a broken plugin library must leave plugin-free engines usable)
+        return f"init_libnvinfer_plugins failed: {type(exc).__name__}: {exc}"
+    return "plugins registered" if ok is not False else "init_libnvinfer_plugins returned False"
+
+
+def plugin_fields(trt: Any, name: str, version: str) -> list[str] | None:
+    """The field names a registered plugin creator accepts; None where it is not registered or cannot be read.
+
+    `get_plugin_creator` (8.5 to 10.x) returns an IPluginCreator with `field_names`; 11 has only `get_creator`."""
+    try:
+        registry = trt.get_plugin_registry()
+        lookup = getattr(registry, "get_plugin_creator", None) or registry.get_creator
+        creator = lookup(name, version, "")
+        fields = None if creator is None else creator.field_names
+        if fields is None:
+            return None
+        return [f.name.decode() if isinstance(f.name, bytes) else str(f.name) for f in fields]
+    except (AttributeError, RuntimeError, TypeError):  # an interface without field_names: cannot tell
+        return None

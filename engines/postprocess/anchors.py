@@ -16,6 +16,10 @@ cell centre (`(x + anchor_offset) * stride`), in the head's output order. Two en
 The outputs are found by their last dimension: scores have 1 or 2 columns, boxes 4 + 2K, landmarks (RetinaFace's
 third output) 2K. NMS is the same greedy NMS as `yolo` (MediaPipe blends overlapping faces instead; the boxes
 differ by a few pixels, the detections are the same).
+
+At `package` and in the gates (engines.postprocess.value_ranges) the boxes, landmarks and decoded boxes must be
+finite on every anchor, and the scores after their sigmoid or softmax in [0, 1]; on the frame path a non-finite
+box or score is dropped with its anchor.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engines.errors import InferenceError, ModelError
 from engines.postprocess import POSTPROCESSORS
 from engines.postprocess.base import Detection, InferenceResult, PostprocessContext
+from engines.postprocess.value_ranges import RANGE_CHECKS, output_label, require
 from engines.postprocess.yolo import clip_to_frame, nms
 from engines.preprocess import FrameTransform
 
@@ -124,7 +129,8 @@ class AnchorPostprocessor:
         raw, anchors = arrays[b][keep].astype(np.float64), self.anchors[keep]
         boxes, points = self._decode(raw, anchors, arrays[l][keep].astype(np.float64) if l is not None else None)
         framed = clip_to_frame(transform.boxes_to_frame(boxes), transform) if len(boxes) else boxes
-        visible = np.isfinite(framed).all(axis=1) & (framed[:, 2] > framed[:, 0]) & (framed[:, 3] > framed[:, 1]) \
+        # finite before clipping: an ssd size whose exp overflowed is inf, and clipped it would be the whole frame
+        visible = np.isfinite(boxes).all(axis=1) & (framed[:, 2] > framed[:, 0]) & (framed[:, 3] > framed[:, 1]) \
             if len(framed) else np.zeros(0, bool)
         order = np.flatnonzero(visible)
         kept = order[nms(boxes[order], scores[keep][order], np.zeros(len(order)), p.iou_threshold, p.max_detections)] \
@@ -162,6 +168,27 @@ class AnchorPostprocessor:
                 points[:, 1::2] = anchors[:, 1:2] + source[:, 1::2] * v0 * anchors[:, 3:4]
         boxes = np.stack((cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2), axis=1)
         return boxes, points
+
+
+@RANGE_CHECKS.register("anchors")
+def _check_value_ranges(post: AnchorPostprocessor, outputs: list[np.ndarray], names: list[str]) -> None:
+    """Package and gates: every anchor's regressors, landmarks and scores must be usable, not only those above
+    conf on the one frame at hand."""
+    arrays = [np.asarray(o, np.float32).reshape(-1, np.shape(o)[-1]) for o in outputs]
+    b, s, l = post._roles([a.shape for a in arrays])
+    change = ("the head as exported gives finite values: check the export, or build at fp32 when only an fp16/int8 "
+              "engine gives them")
+    require(arrays[b], kind="anchors", output=output_label(names, b), what="box regressors", change=change)
+    if l is not None:
+        require(arrays[l], kind="anchors", output=output_label(names, l), what="landmarks", change=change)
+    require(_face_scores(arrays[s]), kind="anchors", output=output_label(names, s), within=(0.0, 1.0),
+            what="scores after sigmoid / softmax", change=change)
+    boxes, points = post._decode(arrays[b].astype(np.float64), post.anchors,
+                                 arrays[l].astype(np.float64) if l is not None else None)
+    require(boxes if points is None else np.concatenate((boxes, points), axis=1), kind="anchors",
+            output=output_label(names, b), what=f"boxes decoded with encoding {post.params.encoding}",
+            change="set postprocess.params.encoding and variances to the head's (an exp of the size regressors "
+            "overflowed)")
 
 
 def _face_scores(raw: np.ndarray) -> np.ndarray:

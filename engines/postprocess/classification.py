@@ -3,6 +3,12 @@
 `softmax="auto"` applies softmax only when the output is not already a distribution (a value outside
 [0, 1], or a sum further than `_SUM_TOLERANCE` from 1). Sigmoid multi-label heads are in [0, 1] but do
 not sum to 1, so auto would softmax them: use `softmax="never"` for those.
+
+At `package` and in the gates (engines.postprocess.value_ranges) the scores must be finite and fit the softmax
+setting: `never` takes them as probabilities, so they must lie in [0, 1]; `always` must not be given a
+distribution already (softmax over probabilities flattens them towards 1/C, and `min_score` then means
+nothing). On the frame path a non-finite class score is dropped, never reported, and the other classes are
+scored without it.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from engines.errors import InferenceError
 from engines.postprocess import POSTPROCESSORS
 from engines.postprocess.base import ClassScore, InferenceResult, PostprocessContext
+from engines.postprocess.value_ranges import RANGE_CHECKS, Seen, output_label, refuse, require
 from engines.preprocess import FrameTransform
 
 # fp16 engines round each of up to thousands of probabilities; their sum drifts by ~1e-3.
 _SUM_TOLERANCE = 1e-2
+PROBABILITY_SLACK = 2e-3  # fp16 rounds a probability just under 1 up to 1.000977 at most
 
 
 class ClassificationParams(BaseModel):
@@ -68,11 +76,20 @@ class ClassificationPostprocessor:
         self.context = context
 
     def scores(self, output: np.ndarray) -> np.ndarray:
-        """The first batch row as a flat vector of probabilities (per the softmax setting)."""
-        row = output[0] if output.ndim >= 2 else output
-        row = row.reshape(-1)  # (C, 1, 1) conv heads
-        if row.size == 0 or not np.isfinite(row).all():
-            raise InferenceError(f"classification: output of shape {list(output.shape)} is empty or not finite")
+        """The first batch row as a flat vector of probabilities (per the softmax setting); a class whose score is
+        not finite gets -inf (dropped: one bad value must not refuse the frame)."""
+        row = first_row(output)
+        if row.size == 0:
+            raise InferenceError(f"classification: output of shape {list(output.shape)} is empty")
+        finite = np.isfinite(row)
+        if finite.all():
+            return self._probabilities(row)
+        probs = np.full(row.shape, -np.inf)
+        if finite.any():
+            probs[finite] = self._probabilities(row[finite])
+        return probs
+
+    def _probabilities(self, row: np.ndarray) -> np.ndarray:
         mode = self.params.softmax
         if mode == "always" or (mode == "auto" and not is_distribution(row)):
             return softmax(row)
@@ -82,6 +99,28 @@ class ClassificationPostprocessor:
         """Top-k of the first output."""
         probs = self.scores(np.asarray(outputs[0]))
         floor = -np.inf if self.params.min_score is None else self.params.min_score
-        best = [int(i) for i in top_k(probs, self.params.top_k) if probs[i] >= floor]
+        best = [int(i) for i in top_k(probs, self.params.top_k) if probs[i] >= floor and probs[i] > -np.inf]
         classes = [ClassScore(i, float(probs[i]), self.context.label(i)) for i in best]
         return InferenceResult("classification", classes=classes)
+
+
+def first_row(output: np.ndarray) -> np.ndarray:
+    """The first batch row, flat: (N, C), (C,) and (N, C, 1, 1) conv heads alike."""
+    return (output[0] if output.ndim >= 2 else output).reshape(-1)
+
+
+@RANGE_CHECKS.register("classification")
+def _check_value_ranges(post: ClassificationPostprocessor, outputs: list[np.ndarray], names: list[str]) -> None:
+    """Package and gates: finite scores that fit the softmax setting."""
+    row, output, mode = first_row(outputs[0]), output_label(names, 0), post.params.softmax
+    require(row, kind="classification", output=output, what="class scores", change="a classifier as exported "
+            "gives finite scores: check the export, or build at fp32 when only an fp16/int8 engine gives them")
+    if mode == "never":
+        require(row, kind="classification", output=output, what="class scores, softmax never", within=(0.0, 1.0),
+                slack=PROBABILITY_SLACK, change="these are logits, not probabilities: set postprocess.params.softmax "
+                "to auto (or always)")
+    elif mode == "always" and is_distribution(row):
+        raise refuse("classification", output, "class scores, softmax always", Seen.of(row),
+                     "logits", f"these are probabilities already (they sum to {float(row.sum(dtype=np.float64)):.4g}), "
+                     "and softmax over them flattens them towards 1/C: set postprocess.params.softmax to auto "
+                     "(or never)")

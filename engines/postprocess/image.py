@@ -5,6 +5,10 @@ The result keeps the picture at the model's resolution as uint8 (BGR for images,
 cheap conversion per frame. Resizing to the frame and compositing a matte over the frame happen only when
 somebody looks (agent.video.overlay), never on the frame path. The gate compares the raw outputs by scaled
 cosine, as for `raw`.
+
+At `package` and in the gates (engines.postprocess.value_ranges) the picture must be finite and within its
+declared `range`, give or take half the range's width (an unclamped enhancement model overshoots a little; a
+0-255 picture read as 0-1 is 255 times over). On the frame path values outside the range are clipped.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from engines.errors import ModelError
 from engines.postprocess import POSTPROCESSORS
 from engines.postprocess.base import InferenceResult, PostprocessContext
+from engines.postprocess.value_ranges import RANGE_CHECKS, Seen, output_label, require
 from engines.preprocess import FrameTransform
 
 _RANGES = {"0-1": (0.0, 255.0), "0-255": (0.0, 1.0), "-1-1": (1.0, 127.5)}  # (offset, gain): u8 = (x + offset) * gain
+BOUNDS = {"0-1": (0.0, 1.0), "0-255": (0.0, 255.0), "-1-1": (-1.0, 1.0)}
+FAR = 0.5  # of the declared range's width: beyond it the output is not in that range, whatever the overshoot
 
 
 class ImageParams(BaseModel):
@@ -87,3 +94,23 @@ def _picture(tensor: np.ndarray) -> tuple[np.ndarray, bool]:
     else:
         raise ValueError(f"image output: shape {list(np.shape(tensor))} has no axis of 1 or 3 channels")
     return array.astype(np.float32, copy=False), planar
+
+
+@RANGE_CHECKS.register("image")
+def _check_value_ranges(post: ImagePostprocessor, outputs: list[np.ndarray], names: list[str]) -> None:
+    """Package and gates: a finite picture within its declared range (the narrowest range it fits is suggested)."""
+    picture, _ = _picture(outputs[post.params.output])
+    declared, seen = post.params.range, Seen.of(picture)
+    fits = sorted((name for name in BOUNDS if name != declared and _within(seen, name)),
+                  key=lambda name: BOUNDS[name][1] - BOUNDS[name][0])
+    hint = f" ({fits[0]} fits these values)" if fits else ""
+    require(picture, kind="image", output=output_label(names, post.params.output), what=f"picture, range {declared}",
+            within=BOUNDS[declared], slack=FAR * (BOUNDS[declared][1] - BOUNDS[declared][0]),
+            change=f"set postprocess.params.range to the output's{hint}; non-finite values: check the export, or "
+            "build at fp32 when only an fp16/int8 engine gives them")
+
+
+def _within(seen: Seen, name: str) -> bool:
+    low, high = BOUNDS[name]
+    slack = FAR * (high - low)
+    return seen.low is not None and seen.low >= low - slack and seen.high <= high + slack  # type: ignore[operator]

@@ -5,6 +5,11 @@ already (an export with its argmax inside), or `(1, H, W)` one sigmoid channel (
 The map keeps the model's resolution with the letterbox padding cut off, so it lines up with the frame; the
 video output scales it to the frame only when somebody looks. The gate compares class maps by mean IoU over
 the classes either map has.
+
+At `package` and in the gates (engines.postprocess.value_ranges) scores must be finite and class ids within
+0..`num_classes` - 1 (by default the labels' count; without either, what a uint16 map holds): a NaN score wins
+the argmax, an id beyond the classes is no class at all. The frame path does not look: the argmax is the
+whole cost of a frame.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engines.errors import InferenceError, ModelError
 from engines.postprocess import POSTPROCESSORS
 from engines.postprocess.base import ClassScore, InferenceResult, PostprocessContext
+from engines.postprocess.value_ranges import RANGE_CHECKS, output_label, require
 from engines.preprocess import FrameTransform
 
 
@@ -28,6 +34,9 @@ class SegmentationParams(BaseModel):
     background_class: int | None = Field(0, ge=0, description="Class left untinted in the video output and not "
                                          "reported among the classes (null: every class is).")
     top_k: int = Field(5, ge=1, le=100, description="Classes reported per frame, by the share of the frame they cover.")
+    num_classes: int | None = Field(None, ge=1, le=65536, description="Classes the model has: a class id output "
+                                    "outside 0..num_classes-1 refuses the model at package and build (null: the "
+                                    "labels' count, if any).")
 
 
 @POSTPROCESSORS.register("segmentation")
@@ -59,22 +68,49 @@ class SegmentationPostprocessor:
 
 def class_map_of(output: np.ndarray, threshold: float) -> np.ndarray:
     """One frame's output as class ids (H, W): argmax over channels, ids as given, or a thresholded channel."""
+    array, form = output_form(output)
+    if form == "ids":
+        ids = array.astype(np.int64)
+    elif form == "channel":
+        ids = (array[0] > threshold).astype(np.int64)
+    else:
+        ids = np.argmax(array, axis=0)
+    if ids.size and (ids.min() < 0 or ids.max() > 65535):
+        raise InferenceError("segmentation: class ids outside 0..65535")
+    return ids.astype(np.uint8 if ids.size == 0 or ids.max() < 256 else np.uint16)
+
+
+def output_form(output: np.ndarray) -> tuple[np.ndarray, str]:
+    """One frame's output without its batch dimensions, and what it holds: `ids` (H, W), one sigmoid `channel`
+    (1, H, W) or class `scores` (C, H, W)."""
     array = output
     while array.ndim > 2 and array.shape[0] == 1 and (array.ndim > 3 or _ids(array)):
         array = array[0]  # (1, H, W) or (1, 1, H, W) of class ids: an export with its argmax inside
     if array.ndim == 2:
         if not _ids(array):
             raise InferenceError(f"segmentation: a 2-D output must hold class ids, got {array.dtype} fractions")
-        ids = array.astype(np.int64)
-    elif array.ndim == 3 and array.shape[0] == 1:
-        ids = (array[0] > threshold).astype(np.int64)
-    elif array.ndim == 3:
-        ids = np.argmax(array, axis=0)
-    else:
-        raise InferenceError(f"segmentation: expected (C, H, W) or (H, W), got shape {list(output.shape)}")
-    if ids.size and (ids.min() < 0 or ids.max() > 65535):
-        raise InferenceError("segmentation: class ids outside 0..65535")
-    return ids.astype(np.uint8 if ids.size == 0 or ids.max() < 256 else np.uint16)
+        return array, "ids"
+    if array.ndim == 3:
+        return array, "channel" if array.shape[0] == 1 else "scores"
+    raise InferenceError(f"segmentation: expected (C, H, W) or (H, W), got shape {list(output.shape)}")
+
+
+@RANGE_CHECKS.register("segmentation")
+def _check_value_ranges(post: SegmentationPostprocessor, outputs: list[np.ndarray], names: list[str]) -> None:
+    """Package and gates: finite scores; class ids within the model's classes."""
+    array, form = output_form(outputs[post.params.output])
+    output = output_label(names, post.params.output)
+    if form != "ids":
+        require(array, kind="segmentation", output=output, what="class scores" if form == "scores" else
+                "foreground channel", change="a segmentation head as exported gives finite scores: check the export, "
+                "or build at fp32 when only an fp16/int8 engine gives them")
+        return
+    classes = post.params.num_classes or (len(post.context.labels) if post.context.labels else None)
+    source = "postprocess.params.num_classes" if post.params.num_classes else "the labels" if classes else None
+    change = (f"{classes} classes by {source}: set postprocess.params.num_classes to the model's class count (and "
+              "give a label per class)" if source else "a class map holds ids 0..65535")
+    require(array, kind="segmentation", output=output, what="class ids", within=(0, (classes or 65536) - 1),
+            change=change)
 
 
 def _ids(array: np.ndarray) -> bool:

@@ -7,6 +7,13 @@ Layouts (after the batch dimension, which must be 1):
   detector): `[tx, ty, tw, th, obj, cls...]` per anchor of each stride's grid, in order; decoded as YOLOX
   does, `cx, cy = (tx, ty) + cell) * stride`, `w, h = exp(tw, th) * stride`, then scored as v5. The grids
   come from the model input size and `strides` (default 8, 16, 32); never chosen by `auto`.
+- `gfl` (NanoDet-Plus, PP-PicoDet): per anchor point of each stride's grid (ceil(size / stride) cells a side,
+  points at `(cell + anchor_offset) * stride`; `strides` default 8, 16, 32, 64 here) sigmoid-ed class scores, no
+  objectness, and a GFL distribution box: `reg_max + 1` logits per side (l, t, r, b), the softmax's expectation
+  the distance in strides. Outputs: one (N, C + 4 (reg_max + 1)) (NanoDet-Plus), two (scores (N, C) or (C, N),
+  distances (N, 4 (reg_max + 1))), or two per stride (PP-PicoDet without NMS: every stride's scores, then their
+  distances). Decoded by engines.postprocess.gfl, then scored as v8: best class only, where PP-PicoDet's own
+  decode also keeps an anchor's second class above the threshold. Never chosen by `auto`.
 - `pose` (v8/v11-pose): (4 + C + 3K, N) `cx, cy, w, h, cls..., x_0, y_0, v_0, ...`, K = `num_keypoints`;
   keypoints land on each detection in frame pixels, v already a probability.
 - `seg` (v8/v11-seg): output 0 (4 + C + M, N) with M = `mask_channels` coefficients, output 1 the prototypes
@@ -34,20 +41,23 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engines.errors import InferenceError, ModelError
 from engines.postprocess import POSTPROCESSORS
 from engines.postprocess.base import Detection, InferenceResult, PostprocessContext
+from engines.postprocess.value_ranges import RANGE_CHECKS, output_label, require
+from engines.postprocess.gfl import GflHead
 from engines.postprocess.yolo_heads import (efficient_nms_rows, end2end_rows, instance_masks, keypoints_to_frame,
                                             split_channels)
 from engines.preprocess import FrameTransform
 
-Layout = Literal["v5", "v8", "yolox", "pose", "seg", "end2end", "efficient_nms"]
+Layout = Literal["v5", "v8", "yolox", "gfl", "pose", "seg", "end2end", "efficient_nms"]
 HEADS = ("pose", "seg")  # channels-first like v8, with keypoints or mask coefficients after the classes
 NMS_DONE = ("end2end", "efficient_nms")  # the export ran NMS already
 _TINY = np.finfo(np.float64).tiny  # union floor: two zero-area boxes get IoU 0, not NaN
 SCORE_SLACK = 2e-3  # fp16 rounds a probability just under 1 up to 1.000977 at most
+GFL_STRIDES = [8, 16, 32, 64]  # NanoDet-Plus and PP-PicoDet both add a stride-64 level
 
 
 class YoloParams(BaseModel):
@@ -55,23 +65,40 @@ class YoloParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    layout: Literal["auto", "v5", "v8", "yolox", "pose", "seg", "end2end", "efficient_nms"] = Field(
+    layout: Literal["auto", "v5", "v8", "yolox", "gfl", "pose", "seg", "end2end", "efficient_nms"] = Field(
         "auto", description="Output layout: v5 rows (N, 5+C), v8/v11 channels-first (4+C, N), yolox raw grid rows "
-        "(N, 5+C), pose (4+C+3K, N), seg (4+C+M, N) plus prototypes, end2end (N, 6) rows after NMS, efficient_nms "
-        "(TensorRT's four outputs), or auto from the shape (v5 or v8 only: set the others)."
+        "(N, 5+C), gfl distribution boxes (NanoDet-Plus, PP-PicoDet), pose (4+C+3K, N), seg (4+C+M, N) plus "
+        "prototypes, end2end (N, 6) rows after NMS, efficient_nms (TensorRT's four outputs), or auto from the shape "
+        "(v5 or v8 only: set the others)."
     )
     num_keypoints: int = Field(17, ge=1, le=512, description="pose: keypoints per object (17 for COCO persons).")
     skeleton: list[tuple[int, int]] | None = Field(None, max_length=1024, description="pose: keypoint index pairs "
                                                    "joined by a line in the video output (COCO: 16 pairs).")
     mask_channels: int = Field(32, ge=1, le=1024, description="seg: mask coefficients per box (the prototypes' depth).")
     strides: list[int] = Field([8, 16, 32], min_length=1, max_length=8,
-                               description="yolox: the head's strides, in output order (P6 models: 8, 16, 32, 64).")
+                               description="yolox, gfl: the head's strides, in output order (P6 models: 8, 16, 32, 64; "
+                               "gfl's default).")
+    reg_max: int = Field(7, ge=1, le=64, description="gfl: distance bins per box side minus one (NanoDet-Plus and "
+                         "PP-PicoDet: 7, so 32 channels per box).")
+    anchor_offset: float = Field(0.5, ge=0, le=1, description="gfl: the anchor point within its cell, in cells "
+                                 "(PP-PicoDet 0.5, NanoDet-Plus 0).")
+    gfl_scores_output: int | None = Field(None, ge=0, le=1, description="gfl with two outputs whose shapes "
+                                             "both fit the distances (classes = 4 x (reg_max + 1)): which one (0 or "
+                                             "1) holds the class scores; unset: told by the outputs' names.")
     conf_threshold: float = Field(0.25, ge=0, le=1, description="Boxes scoring below this are dropped before NMS.")
     iou_threshold: float = Field(0.45, ge=0, le=1, description="NMS suppresses a box whose IoU with a kept one exceeds this.")
     max_detections: int = Field(300, ge=1, le=100_000, description="Most boxes reported per frame.")
     max_candidates: int = Field(30_000, ge=1, description="Highest-scoring boxes passed to NMS at most.")
     class_agnostic: bool = Field(False, description="Suppress across classes (true) or only within a class (false).")
     num_classes: int | None = Field(None, ge=1, description="Expected class count: checks the shape and settles auto layout.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gfl_strides(cls, data: Any) -> Any:
+        """gfl heads have a stride-64 level: their default strides differ from yolox's."""
+        if isinstance(data, dict) and data.get("layout") == "gfl" and "strides" not in data:
+            return {**data, "strides": list(GFL_STRIDES)}
+        return data
 
 
 def resolve_layout(shape: tuple[int, int], layout: str, num_classes: int | None, extra: int = 0) -> tuple[Layout, int]:
@@ -176,15 +203,48 @@ def _scores_v5(pred: np.ndarray, conf: float) -> tuple[np.ndarray, np.ndarray, n
 
 def _check_probabilities(values: np.ndarray, what: str) -> None:
     """A YOLO head's scores are probabilities: values far outside [0, 1] mean the outputs are not one (an SSD's
-    regressors, a head without its sigmoid), and decoding them would report garbage boxes with scores like 871."""
-    finite = values[np.isfinite(values)]  # a NaN anchor is dropped later, as documented; it proves nothing here
-    if finite.size == 0:
+    regressors, a head without its sigmoid), and decoding them would report garbage boxes with scores like 871.
+    Per frame too, unlike the checks below: such an output is wrong on every frame, not one odd value."""
+    # a NaN anchor is dropped later, as documented (finite=False): it proves nothing here
+    require(values, kind="yolo", output="output 0", what=what, within=(0.0, 1.0), slack=SCORE_SLACK, finite=False,
+            error=InferenceError, change="these are not probabilities, so the output is not a YOLO head's as exported "
+            "(check postprocess.kind and postprocess.params.layout; an anchor-based face detector is `anchors`)")
+
+
+NON_FINITE_HINT = ("a YOLO head as exported gives finite values everywhere: check the export, or build at fp32 when "
+                   "only an fp16/int8 engine gives them (on the frame path such rows are dropped)")
+
+
+@RANGE_CHECKS.register("yolo")
+def _check_value_ranges(post: "YoloPostprocessor", outputs: list[np.ndarray], names: list[str]) -> None:
+    """Package and gates (engines.postprocess.value_ranges): boxes, scores and a pose or seg head's extra channels
+    must be finite on every anchor (NMS-done exports: on every row they report)."""
+    if post.params.layout in NMS_DONE:
+        boxes, scores, _ = (end2end_rows(post._prediction(outputs[0])) if post.params.layout == "end2end"
+                            else efficient_nms_rows(outputs))
+        end2end = post.params.layout == "end2end"
+        for values, what, index in ((boxes, "boxes", 0 if end2end else 1), (scores, "scores", 0 if end2end else 2)):
+            require(values, kind="yolo", output=output_label(names, index), what=what, change=NON_FINITE_HINT)
         return
-    low, high = float(finite.min()), float(finite.max())
-    if high > 1.0 + SCORE_SLACK or low < -SCORE_SLACK:
-        raise InferenceError(f"yolo: {what} range from {low:.3g} to {high:.3g}, not probabilities in [0, 1]: this "
-                             "output is not a YOLO head's as exported (check postprocess.kind and layout; an "
-                             "anchor-based face detector is `anchors`)", code="POSTPROCESS_MISMATCH")
+    if post._gfl is not None:  # scores and distance bins, wherever the head puts them (engines.postprocess.gfl)
+        try:
+            parts = post._gfl.parts(outputs)
+        except ValueError as exc:
+            raise ModelError(f"yolo gfl: {exc}", code="MODEL_SHAPE_MISMATCH") from exc
+        for index, what, values in parts:
+            require(values, kind="yolo", output=output_label(names, index), what=what, change=NON_FINITE_HINT)
+        return
+    pred, layout, extra = post._raw_head(outputs)
+    rows = pred if layout in ("v5", "yolox") else pred.T  # (N, 4 + ...) either way
+    output = output_label(names, 0)
+    require(rows[:, :4], kind="yolo", output=output, what="boxes cx, cy, w, h", change=NON_FINITE_HINT)
+    require(rows[:, 4:], kind="yolo", output=output, what="scores", change=NON_FINITE_HINT)
+    if extra is not None:
+        require(extra, kind="yolo", output=output, what="keypoints" if layout == "pose" else "mask coefficients",
+                change=NON_FINITE_HINT)
+    if layout == "seg":
+        require(post._protos(outputs), kind="yolo", output=output_label(names, 1), what="mask prototypes",
+                change=NON_FINITE_HINT)
 
 
 def _scores_v8(pred: np.ndarray, conf: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -248,14 +308,30 @@ class YoloPostprocessor:
         self.context = context
         self._layouts: dict[tuple[int, int], tuple[Layout, int]] = {}
         self._grid: tuple[np.ndarray, np.ndarray] | None = None
+        self._gfl = self._gfl_head() if params.layout == "gfl" else None
         if params.layout == "seg" and len(context.outputs) == 1:
             raise ModelError("yolo seg: the model has one output; a segmentation export has two (boxes and mask "
                              "prototypes)", code="MODEL_SHAPE_MISMATCH")
         if params.layout == "efficient_nms" and context.outputs and len(context.outputs) != 4:
             raise ModelError(f"yolo efficient_nms: the model has {len(context.outputs)} output(s), EfficientNMS_TRT "
                              "gives 4 (num_dets, boxes, scores, classes)", code="MODEL_SHAPE_MISMATCH")
-        if context.outputs and params.layout != "efficient_nms":
+        if context.outputs and params.layout not in ("efficient_nms", "gfl"):
             self._check_declared(context.outputs[0].shape)
+
+    def _gfl_head(self) -> GflHead:
+        """The gfl grid for the model input size, its declared outputs checked now rather than per frame."""
+        p, size = self.params, self.context.input_size
+        if size is None:
+            raise ModelError("yolo: layout gfl needs the model input size", code="MODEL_SHAPE_MISMATCH")
+        names = [o.name for o in self.context.outputs]
+        head = GflHead(*size, p.strides, p.reg_max, p.anchor_offset, p.num_classes, names, p.gfl_scores_output)
+        if self.context.outputs:
+            try:
+                head.plan([o.shape for o in self.context.outputs])
+            except ValueError as exc:
+                raise ModelError(f"yolo gfl: {exc}; set postprocess.params strides/reg_max/num_classes",
+                                 code="MODEL_SHAPE_MISMATCH") from exc
+        return head
 
     def _check_declared(self, shape: tuple[int | None, ...]) -> None:
         """Fail at load time, not per frame, when a static output shape cannot be a YOLO head."""
@@ -296,15 +372,15 @@ class YoloPostprocessor:
         p = self.params
         if p.layout in NMS_DONE:
             return self._after_nms(outputs, transform)
-        pred = self._prediction(outputs[0])
-        layout, classes = self._layout(pred.shape)  # type: ignore[arg-type]
-        extra = None
-        if layout in HEADS:
-            pred, extra = split_channels(pred, classes, self._extra, layout)
-        if layout == "yolox":
-            pred = decode_yolox(pred, *self._yolox_grid(pred.shape[0]))
+        if self._gfl is not None:
+            try:
+                pred, layout, extra = self._gfl.columns(outputs, p.conf_threshold), "gfl", None
+            except ValueError as exc:
+                raise InferenceError(f"yolo gfl: {exc}", code="MODEL_SHAPE_MISMATCH") from exc
+        else:
+            pred, layout, extra = self._raw_head(outputs)
         boxes, scores, class_ids, index = candidates(pred, "v5" if layout == "yolox" else
-                                                     "v8" if layout in HEADS else layout,
+                                                     "v8" if layout in HEADS or layout == "gfl" else layout,
                                                      p.conf_threshold, p.max_candidates)
         framed = clip_to_frame(transform.boxes_to_frame(boxes), transform)
         visible = (framed[:, 2] > framed[:, 0]) & (framed[:, 3] > framed[:, 1])
@@ -323,6 +399,18 @@ class YoloPostprocessor:
                 for d, mask in zip(detections, instance_masks(columns.T, protos, framed[keep], transform, size)):
                     d.mask = mask
         return InferenceResult("yolo", detections=detections)
+
+    def _raw_head(self, outputs: list[np.ndarray]) -> tuple[np.ndarray, str, np.ndarray | None]:
+        """The first output in one layout's rows or columns, a pose or seg head's extra channels split off and a
+        yolox grid decoded: what the frame path decodes and the range check reads are the same numbers."""
+        pred = self._prediction(outputs[0])
+        layout, classes = self._layout(pred.shape)  # type: ignore[arg-type]
+        extra = None
+        if layout in HEADS:
+            pred, extra = split_channels(pred, classes, self._extra, layout)
+        if layout == "yolox":
+            pred = decode_yolox(pred, *self._yolox_grid(pred.shape[0]))
+        return pred, layout, extra
 
     def _protos(self, outputs: list[np.ndarray]) -> np.ndarray:
         """The seg head's prototypes (M, h, w) from the second output."""
