@@ -27,6 +27,7 @@ from engines.model import ModelSource
 from engines.postprocess import InferenceResult
 from engines.provision import ProvisionResult
 from engines.runtime import StageTimes
+from engines.state_inputs import DEFAULT_STREAM
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +71,13 @@ class CandidateProcess:
         self.pid, self.priority = message[1]["pid"], message[1]["priority"]
         return self
 
-    def run(self, image: np.ndarray) -> tuple[InferenceResult, StageTimes]:
-        """The candidate's result on `image`, as ModelRuntime.run gives it."""
+    def run(self, image: np.ndarray, stream: str = DEFAULT_STREAM) -> tuple[InferenceResult, StageTimes]:
+        """The candidate's result on `image` (a stateful model: `stream`'s state), as ModelRuntime.run gives it."""
         frame = np.ascontiguousarray(image)
         if self._closed:
             raise CandidateHalted()
         try:
-            self._conn.send(("frame", frame.shape, frame.dtype.str))
+            self._conn.send(("frame", frame.shape, frame.dtype.str, stream))
             self._conn.send_bytes(memoryview(frame).cast("B"))
         except OSError as exc:
             raise CandidateProcessError(f"the candidate's process is gone ({self._exit()}): {exc}") from exc

@@ -9,7 +9,7 @@ The protocol, over the connected socket FD (multiprocessing.connection framing; 
 is the other end):
   agent -> worker  {"source", "provisioned", "options", "warmup_runs"}     once, first
   worker -> agent  ("ready", {"pid", "priority"}) | ("error", "Type: message")
-  agent -> worker  ("frame", shape, dtype) then the frame's bytes          per frame
+  agent -> worker  ("frame", shape, dtype, stream) then the frame's bytes  per frame (stream: the camera)
   worker -> agent  ("result", InferenceResult, StageTimes) | ("failed", "Type: message")
   agent -> worker  ("close",)                                             or the socket closing: the worker ends
 """
@@ -35,7 +35,7 @@ def _describe(exc: BaseException) -> str:
 
 
 def _frame(conn: Connection, header: tuple, buffer: bytearray) -> tuple[np.ndarray, bytearray]:
-    _, shape, dtype = header
+    _, shape, dtype, _stream = header
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if len(buffer) < size:
         buffer = bytearray(size)
@@ -68,7 +68,7 @@ def serve(conn: Connection) -> int:
                 return 0
             image, buffer = _frame(conn, header, buffer)
             try:
-                result, times = runtime.run(image)
+                result, times = runtime.run(image, header[3])
             except Exception as exc:  # the agent ends the shadow with this; the worker's job is only to say it
                 conn.send(("failed", _describe(exc)))
                 continue

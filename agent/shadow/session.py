@@ -38,7 +38,7 @@ class Candidate(Protocol):
     """What the session runs frames through: a ModelRuntime, or the candidate's own process
     (agent.shadow.candidate_process.CandidateProcess) that answers the same two calls."""
 
-    def run(self, image: np.ndarray) -> tuple[InferenceResult, Any]: ...
+    def run(self, image: np.ndarray, stream: str) -> tuple[InferenceResult, Any]: ...
 
     def close(self) -> None: ...
 
@@ -190,7 +190,7 @@ class ShadowSession(threading.Thread):
     def _compare(self, runtime: Candidate, offer: _Offer) -> Verdict | None:
         started = time.perf_counter()
         try:
-            result, times = runtime.run(offer.image)
+            result, times = runtime.run(offer.image, offer.camera)  # a stateful candidate: each camera its own
         except CandidateHalted:
             return None  # stopped from outside while the frame was out: the verdict (if any) is the caller's
         except Exception as exc:  # the candidate fails on a live frame: the shadow ends, serving goes on
