@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from engines.build_spec import ENGINE_SUFFIX, CacheKey
-from engines.errors import EdgeError
+from engines.errors import EdgeError, ModelError
 from engines.fsutil import atomic_write_bytes, fsync_dir
 from engines.manifest import sha256_file
 
@@ -370,6 +370,21 @@ class EngineCache:
 
 def _sidecar_path(path: Path) -> Path:
     return path.with_name(path.name + ".json")
+
+
+def read_sidecar(engine_path: Path, unknown: str) -> dict[str, Any] | None:
+    """The engine's sidecar (`<engine>.json`, what the cache wrote beside it); None where there is none (a plan from
+    elsewhere). One that cannot be read is ENGINE_INCOMPATIBLE saying what is then `unknown`: the cache quarantines
+    and rebuilds an engine with that code, where guessing could run it wrongly."""
+    sidecar = _sidecar_path(engine_path)
+    try:
+        data = json.loads(sidecar.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{sidecar.name}: cannot read the engine's sidecar ({exc}), so {unknown} is unknown",
+                         code="ENGINE_INCOMPATIBLE") from exc
+    return data if isinstance(data, dict) else {}
 
 
 def _fsync_file(path: Path) -> None:

@@ -32,7 +32,6 @@ runtime checks it against the engine's outputs (`engine_nms`) and picks the post
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from engines.cache import read_sidecar
 from engines.errors import EdgeError, ModelError
 
 NMS_OP, NMS_DOMAIN, PLUGIN_VERSION = "EfficientNMS_TRT", "TRT", "1"
@@ -343,15 +343,10 @@ def sidecar_nms(engine_path: Path) -> str:
 
 def _sidecar_where(engine_path: Path) -> str | None:
     """The sidecar's answer; None where there is no sidecar (a plan from elsewhere)."""
-    sidecar = engine_path.with_name(engine_path.name + ".json")
-    try:
-        data = json.loads(sidecar.read_text())
-    except FileNotFoundError:
+    data = read_sidecar(engine_path, "where it runs NMS")
+    if data is None:
         return None
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"{sidecar.name}: cannot read the engine's sidecar ({exc}), so where it runs NMS is unknown",
-                         code="ENGINE_INCOMPATIBLE") from exc
-    record = ((data.get("report") or {}).get("nms") or {}) if isinstance(data, dict) else {}
+    record = (data.get("report") or {}).get("nms") or {}
     return "engine" if isinstance(record, dict) and record.get("where") == "engine" else "host"
 
 

@@ -18,7 +18,6 @@ Importable without TensorRT: `trt` is passed in.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import sys
 import threading
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from engines.cache import read_sidecar
 from engines.errors import ModelError
 
 # TensorRT DataType member name -> numpy dtype (names as in every binding since 8.5).
@@ -77,20 +77,15 @@ def sidecar_dla_core(plan: Path) -> int | None:
     `dla.core` is read when the key parts are absent. No sidecar (a plan from elsewhere): the GPU. A
     sidecar that cannot be read is ENGINE_INCOMPATIBLE: guessing core 0 could run a dla:1 plan on the
     wrong core, and the cache quarantines and rebuilds an engine with that code."""
-    sidecar = plan.with_name(plan.name + ".json")
-    try:
-        data = json.loads(sidecar.read_text())
-    except FileNotFoundError:
+    data = read_sidecar(plan, "its DLA core")
+    if data is None:
         return None
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"{sidecar.name}: cannot read the engine's sidecar ({exc}), so its DLA core is unknown",
-                         code="ENGINE_INCOMPATIBLE") from exc
-    spec = (data.get("parts") or {}).get("spec") if isinstance(data, dict) else None
+    spec = (data.get("parts") or {}).get("spec")
     core = spec.get("dla_core") if isinstance(spec, dict) else None
-    if core is None and isinstance(data, dict):
+    if core is None:
         core = ((data.get("report") or {}).get("dla") or {}).get("core")
     if core is not None and (isinstance(core, bool) or not isinstance(core, int) or core < 0):
-        raise ModelError(f"{sidecar.name}: DLA core {core!r} is not a core number", code="ENGINE_INCOMPATIBLE")
+        raise ModelError(f"{plan.name}.json: DLA core {core!r} is not a core number", code="ENGINE_INCOMPATIBLE")
     return core
 
 
