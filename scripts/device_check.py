@@ -485,6 +485,37 @@ def _our_latency(c: Check, result: Any) -> dict[str, Any]:
         runtime.close()
 
 
+SHADOW_GOALS = {"fps_ratio": 0.9, "p99_ratio": 1.10}  # benchmarks/shadow.py's, for the default (its own process)
+
+
+def shadow_cost(data: dict[str, Any]) -> dict[str, Any]:
+    """The serving model's fps and p99 with a shadow beside it, from benchmarks/shadow.py's JSON; Failed where a goal
+    is missed (the numbers go into the report either way)."""
+    cost = data["cost"]
+    numbers = {"fps_ratio": cost["fps_ratio"], "p99_ratio": cost["p99_ratio"], "p50_ratio": cost.get("p50_ratio"),
+               "thread_p99_ratio": (cost.get("thread") or {}).get("p99_ratio"),
+               "equal_cost_p99_ratio": (cost.get("equal_cost") or {}).get("p99_ratio"),
+               "agreement_live": data.get("agreement_live"), "agreement_offline": data.get("agreement_offline"),
+               "blind_candidate_s": (data.get("blind_candidate") or {}).get("seconds_from_shadow_start")}
+    missed = [f"{k} {numbers[k]} (goal {'>=' if k == 'fps_ratio' else '<='} {goal})" for k, goal in SHADOW_GOALS.items()
+              if numbers[k] is None or (numbers[k] < goal if k == "fps_ratio" else numbers[k] > goal)]
+    if missed:
+        raise Failed("shadow at share 0.1: " + "; ".join(missed), **numbers)
+    return {**numbers, "summary": f"fps x{numbers['fps_ratio']}, p99 x{numbers['p99_ratio']} (thread "
+                                  f"x{numbers['thread_p99_ratio']}), agreement live {numbers['agreement_live']}"}
+
+
+def check_shadow_cost(c: Check) -> dict[str, Any]:
+    """benchmarks/shadow.py where the engines are TensorRT's: the candidate's kernels share the GPU with the
+    serving model's, which no CPU measurement can show."""
+    _needs_trt(c)
+    out = c.work / "shadow.json"
+    proc = _run([sys.executable, str(REPO / "benchmarks" / "shadow.py"), "--rounds", "4", "--out", str(out)], 1500)
+    if not out.is_file():
+        raise RuntimeError(f"exit {proc.returncode}, no JSON: {(proc.stderr or proc.stdout)[-800:]}")
+    return shadow_cost(json.loads(out.read_text()))
+
+
 CHECKS: tuple[tuple[str, Callable[[Check], dict[str, Any]]], ...] = (
     ("versions", check_versions), ("nvidia-driver", check_driver), ("engines-doctor", check_doctor),
     ("cuda-memory-contract", check_cuda_contract), ("nvml-telemetry", check_nvml), ("tensorrt-import", check_tensorrt),
@@ -492,7 +523,7 @@ CHECKS: tuple[tuple[str, Callable[[Check], dict[str, Any]]], ...] = (
     ("build-int8", lambda c: build_and_compare(c, "int8")), ("cuda-graph", check_cuda_graph),
     ("timing-cache", check_timing_cache), ("trtexec-latency", check_trtexec),
     ("batch-sequence", check_batch_sequence), ("precision-speedups", check_speedups),
-    ("result-stage-overlap", check_result_stage_overlap),
+    ("result-stage-overlap", check_result_stage_overlap), ("shadow-cost", check_shadow_cost),
 )
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "device-check.sh"
@@ -130,3 +131,17 @@ def test_worker_fps_runs_the_agents_worker_both_ways(tmp_path: Path) -> None:
         assert _module().worker_fps(runtime, frames, 0.5, False) > 0
     finally:
         runtime.close()
+
+
+def test_the_shadow_check_reads_the_benchmarks_json_and_fails_on_a_missed_goal() -> None:
+    """The GPU-side shadow measurement (scripts/device_check.py shadow-cost) judges benchmarks/shadow.py's JSON."""
+    module = _module()
+    data = {"cost": {"fps_ratio": 0.97, "p99_ratio": 1.06, "p50_ratio": 1.01, "thread": {"p99_ratio": 1.08},
+                     "equal_cost": {"p99_ratio": 1.07}},
+            "agreement_live": 1.0, "agreement_offline": 1.0, "blind_candidate": {"seconds_from_shadow_start": 20.5}}
+    got = module.shadow_cost(data)
+    assert got["p99_ratio"] == 1.06 and got["blind_candidate_s"] == 20.5 and "p99 x1.06" in got["summary"]
+    data["cost"]["p99_ratio"] = 1.13
+    with pytest.raises(module.Failed, match=r"p99_ratio 1.13 \(goal <= 1.1\)"):
+        module.shadow_cost(data)
+    assert "shadow-cost" in [name for name, _ in module.CHECKS]
