@@ -35,7 +35,7 @@ from engines.fingerprint import read_fingerprint
 from engines.batching import batch_profile, state_max_batch
 from engines.manifest import check_input_size, sha256_file
 from engines.model import ModelSource
-from engines.nms_graph import plan_nms
+from engines.nms_graph import NmsUnavailableError, plan_nms
 from engines.backends.tensorrt_build import STATE_UNSUPPORTED
 from engines.runtime import ModelRuntime, load_runtime, preprocess_shape, resolve_backend
 from engines.validate import GateError, ValidationResult, min_accuracy_for, validate
@@ -416,6 +416,11 @@ def _cached_or_built(cache: EngineCache, plan: BuildPlan, source: ModelSource, b
                      timeout_s: float, stop_event: threading.Event | None) -> tuple[CacheEntry, bool]:
     entry = cache.lookup(plan.key.key)
     if entry is not None:
+        nms = entry.report.get("nms") if isinstance(entry.report, dict) else None
+        if source.manifest.build.nms == "engine" and isinstance(nms, dict) and nms.get("where") == "host":
+            # built under `auto`, which fell back: the same key, but not what `engine` asks for
+            raise NmsUnavailableError(f"{source.label}: build.nms = engine, but this device's engine for it runs NMS "
+                                      f"on the host ({nms.get('reason') or 'the plugin was refused'}); use auto or host")
         emit({"type": "engine.cache.hit", "key": entry.key, "model": source.label, "backend": plan.backend})
         return entry, True
     emit({"type": "engine.cache.miss", "key": plan.key.key, "model": source.label, "backend": plan.backend,

@@ -639,3 +639,25 @@ def test_parameters_the_plugin_cannot_honour_are_refused_before_a_build(tmp_path
     settings, record = nms_graph.plan_nms("auto", "tensorrt", "yolo", {"layout": "v5", **params}, path)
     assert settings is None and record["where"] == "host" and words in record["reason"]
     assert nms_graph.settings_for(onnx.load(str(path)), "yolo", {"layout": "v5", "max_detections": 5000})
+
+
+def test_a_cached_engine_that_fell_back_to_host_nms_is_not_what_engine_mode_gets(tmp_path: Path) -> None:
+    """An engine built under `auto` whose plugin was refused is cached under the same key as `engine` would plan;
+    `engine` must not get it silently (the cache and the build stand in for a device that built it)."""
+    from types import SimpleNamespace
+
+    from engines import provision as prov
+
+    events: list = []
+    entry = SimpleNamespace(key="k1", report={"nms": {"where": "host", "reason": "TensorRT 10.3 refused EfficientNMS_TRT"}})
+    cache = SimpleNamespace(lookup=lambda key: entry)
+    plan = SimpleNamespace(key=SimpleNamespace(key="k1"), backend="tensorrt")
+
+    def source(mode: str) -> SimpleNamespace:
+        return SimpleNamespace(label="det@1", manifest=SimpleNamespace(build=SimpleNamespace(nms=mode)))
+
+    with pytest.raises(nms_graph.NmsUnavailableError, match="runs NMS on the host .*refused EfficientNMS_TRT"):
+        prov._cached_or_built(cache, plan, source("engine"), None, events.append, 10.0, None)
+    assert prov._cached_or_built(cache, plan, source("auto"), None, events.append, 10.0, None) == (entry, True)
+    entry.report = {"nms": {"where": "engine"}}
+    assert prov._cached_or_built(cache, plan, source("engine"), None, events.append, 10.0, None) == (entry, True)
