@@ -43,6 +43,7 @@ from agent.config import AgentConfig
 from agent.runner import Agent
 from agent.shadow.plan import ShadowArgs
 from agent.shadow.session import ShadowSession
+from agent.state import state_db_path
 from engines.live_agreement import frame_tally, pooled, score
 from engines.model import load_model
 from engines.runtime import load_runtime
@@ -193,12 +194,13 @@ def cost_and_agreement(agent: Agent, url: str, rounds: int, seconds: float) -> d
             "compared": compared}
 
 
-def offline_agreement(serving_artifact: Path, candidate_artifact: Path, cache: Path, compared: list) -> dict[str, Any]:
+def offline_agreement(serving_artifact: Path, candidate_artifact: Path, cache: Path, db: Path,
+                      compared: list) -> dict[str, Any]:
     """The same frames, one by one, through fresh FP32 and INT8 engines (the gate's way)."""
     from engines.provision import load_provisioned, provision
 
     candidate_source = load_model(candidate_artifact)
-    provisioned = provision(candidate_source, cache_dir=cache, db_path=cache / "bench.db", validation_samples=2,
+    provisioned = provision(candidate_source, cache_dir=cache, db_path=db, validation_samples=2,
                             latency_runs=3)
     candidate = load_provisioned(provisioned, candidate_source)
     serving = load_runtime(load_model(serving_artifact), "onnxruntime")
@@ -247,7 +249,8 @@ def main() -> None:
         try:
             cost = cost_and_agreement(agent, (int8 / "manifest.json").as_uri(), rounds, seconds)
             compared = cost.pop("compared")
-            offline = offline_agreement(v1, int8, tmp / "offline-cache", compared)
+            # the agent's engine cache: the engines are loaded afresh, not built again
+            offline = offline_agreement(v1, int8, agent.config.cache_dir, state_db_path(agent.config.state_dir), compared)
             cancel = time_to_cancel(agent, (blind / "manifest.json").as_uri(), 1.0 if args.quick else SHARE,
                                     10 if args.quick else 30)
         finally:
