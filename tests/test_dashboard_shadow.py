@@ -89,12 +89,17 @@ def test_device_page_has_the_shadow_over_time_and_how_shadows_ended(dash) -> Non
     assert pc["shadow"]["current"]["source"] == "telemetry" and pc["shadow"]["series"]["ts"] == []
 
 
+def _one_camera(url: str) -> tuple:
+    """A fresh store holding one online camera, cam-a, and the time it was made."""
+    db = open_db(url)
+    ensure_schema(db)
+    add_device(db, "cam-a", online=True)
+    return db, time.time()
+
+
 @pytest.mark.parametrize("fleet_db_url", ["sqlite"], indirect=True)
 def test_a_shadow_newer_than_the_newest_sample_or_older_decides_by_time(fleet_db_url: str) -> None:
-    db = open_db(fleet_db_url)
-    ensure_schema(db)
-    now = time.time()
-    add_device(db, "cam-a", online=True)
+    db, now = _one_camera(fleet_db_url)
     ingest(db, "cam-a", [(now - 60, started("dep-1", CANDIDATE)), (now - 50, report("dep-1", CANDIDATE, 100, 0.97))])
     add_sample(db, "cam-a", 1, now - 55, fps=5.0)  # older than the report: the report tells
     assert queries.fleet(db, now)[0]["shadow"]["agreement"] == 0.97
@@ -109,10 +114,7 @@ def test_a_shadow_newer_than_the_newest_sample_or_older_decides_by_time(fleet_db
 
 @pytest.mark.parametrize("fleet_db_url", ["sqlite"], indirect=True)
 def test_shadow_reports_that_are_not_the_contract_are_left_out(fleet_db_url: str) -> None:
-    db = open_db(fleet_db_url)
-    ensure_schema(db)
-    now = time.time()
-    add_device(db, "cam-a", online=True)
+    db, now = _one_camera(fleet_db_url)
     good = report("dep-1", CANDIDATE, 100, 0.97)
     ingest(db, "cam-a", [(now - 40, good), (now - 30, {**good, "agreement": "very"}),
                          (now - 20, {**good, "frames": -1}), (now - 10, {**good, "model": ["<b>"]})])

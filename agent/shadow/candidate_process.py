@@ -51,7 +51,7 @@ class CandidateProcess:
 
     def __init__(self, source: ModelSource, provisioned: ProvisionResult, options: EngineOptions, warmup_runs: int,
                  halt: threading.Event) -> None:
-        self.source, self._halt = source, halt
+        self._halt = halt
         self.pid: int | None = None
         self.priority = "normal"
         ours, theirs = socket.socketpair()
@@ -63,10 +63,9 @@ class CandidateProcess:
         self._conn.send({"source": source, "provisioned": provisioned, "options": options, "warmup_runs": warmup_runs})
 
     def wait_ready(self) -> "CandidateProcess":
-        """Block until the worker says it is loaded (or could not load: CandidateProcessError)."""
+        """Block until the worker says it is loaded (or could not load: CandidateProcessError; the caller closes)."""
         message = self._receive(None, "loading")
         if message[0] != "ready":
-            self.close()
             raise CandidateProcessError(f"the candidate could not be loaded in its process: {message[1]}")
         self.pid, self.priority = message[1]["pid"], message[1]["priority"]
         return self

@@ -34,15 +34,15 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
-def _frame(conn: Connection, header: tuple, buffer: bytearray) -> tuple[np.ndarray, bytearray]:
-    _, shape, dtype, _stream = header
-    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+def _frame(conn: Connection, shape: tuple[int, ...], dtype: str, buffer: bytearray) -> tuple[np.ndarray, bytearray]:
+    count = int(np.prod(shape))
+    size = count * np.dtype(dtype).itemsize
     if len(buffer) < size:
         buffer = bytearray(size)
     got = conn.recv_bytes_into(buffer)
     if got != size:
         raise ValueError(f"a frame of {got} bytes for shape {tuple(shape)} {dtype} ({size} bytes)")
-    return np.frombuffer(buffer, dtype=dtype, count=int(np.prod(shape))).reshape(shape), buffer
+    return np.frombuffer(buffer, dtype=dtype, count=count).reshape(shape), buffer
 
 
 def serve(conn: Connection) -> int:
@@ -66,9 +66,10 @@ def serve(conn: Connection) -> int:
             header = conn.recv()
             if header[0] == "close":
                 return 0
-            image, buffer = _frame(conn, header, buffer)
+            _, shape, dtype, stream = header
+            image, buffer = _frame(conn, shape, dtype, buffer)
             try:
-                result, times = runtime.run(image, header[3])
+                result, times = runtime.run(image, stream)
             except Exception as exc:  # the agent ends the shadow with this; the worker's job is only to say it
                 conn.send(("failed", _describe(exc)))
                 continue

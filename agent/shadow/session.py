@@ -1,14 +1,15 @@
-"""One shadow deployment running: the candidate on its own low-priority thread, fed a share of the frames the
-serving model just finished, compared with the serving model's results on the same frames.
+"""One shadow deployment running: the candidate in its own low-priority process (agent.shadow.candidate_process;
+or on this session's thread), fed a share of the frames the serving model just finished, compared with the
+serving model's results on the same frames.
 
 The frame path only offers: a counter decides whether this frame is in the share, the pressure check (cached)
 whether the shadow must yield, and the frame and a frozen copy of its result go into a one-slot mailbox. A frame
 that finds the slot taken replaces it (the candidate is behind: the older one is skipped as `busy`). Nothing
 on the frame path waits on the candidate, its engine, the disk or the network.
 
-The thread lowers its own scheduling priority before it loads the candidate (Linux: SCHED_IDLE on the thread, else
-a higher nice value), so the engine's threads, created by the load, inherit it: on a saturated CPU the shadow gets
-what the frame path leaves, and its skipped frames say so.
+The session's thread, and the candidate's process, lower their scheduling priority before the candidate loads
+(Linux: SCHED_IDLE, else a higher nice value), so the engine's threads, created by the load, inherit it: on a
+saturated CPU the shadow gets what the frame path leaves, and its skipped frames say so.
 """
 
 from __future__ import annotations
