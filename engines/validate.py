@@ -344,17 +344,13 @@ def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
 def measure_latency(runtime: ModelRuntime, frame: np.ndarray, runs: int, warmup: int) -> dict[str, float]:
     """Warm up, then time `runs` inference calls on one preprocessed frame (ms: mean, p50, p99)."""
     runtime.preprocessor(frame)
-    tensor, feeds = runtime.preprocessor.tensor, {runtime.input_name: runtime.preprocessor.tensor}
-    if runtime.states is None:
-        call = lambda: runtime.engine.infer(feeds)  # noqa: E731
-    else:  # state carried from call to call, at its full size after the first, as on a camera
-        call = lambda: runtime.infer_stream(tensor, VALIDATION_STREAM, frame.shape)  # noqa: E731
+    tensor = runtime.preprocessor.tensor  # a stateful model's state carried from call to call, as on a camera
     for _ in range(warmup):
-        call()
+        runtime.infer_stream(tensor, VALIDATION_STREAM, frame.shape)
     samples = []
     for _ in range(max(1, runs)):
         t0 = time.perf_counter()
-        call()
+        runtime.infer_stream(tensor, VALIDATION_STREAM, frame.shape)
         samples.append((time.perf_counter() - t0) * 1e3)
     return latency_stats(samples)
 
