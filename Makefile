@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # Other Pythons the devices run (3.10: JetPack 6, 3.12: JetPack 7); missing ones are skipped with a note.
 EXTRA_PYTHONS ?= python3.10 python3.12
 
-.PHONY: demo test test-pythons venv system-deps bench device-check clean
+.PHONY: demo test lint test-pythons venv system-deps bench device-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,9 +30,13 @@ demo: $(STAMP)
 
 # The whole suite; the skips must be exactly those tests/expected_skips.txt expects on this machine.
 # Then the interpreter-sensitive subset on each of EXTRA_PYTHONS (scripts/test_pythons.py).
-test: $(STAMP) system-deps
+test: $(STAMP) system-deps lint
 	$(PY) scripts/check_skips.py -- -q -rs $(PYTEST_ARGS)
 	$(PY) scripts/test_pythons.py $(EXTRA_PYTHONS)
+
+# The rules the tools enforce: ruff, import-linter (layers, no cycles), mypy over engines/ and agent/.
+lint: $(STAMP)
+	VENV=$(VENV) bash scripts/lint.sh
 
 # Only the subset on the extra Pythons, one cached venv each (.venv-py310, .venv-py312).
 test-pythons: $(STAMP) system-deps

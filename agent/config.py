@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -21,6 +21,7 @@ from agent.mqtt.config import MqttConfig
 from agent.paths import default_cache_dir, default_runtime_dir, default_state_dir
 from agent.pipeline.config import BatchConfig, check_cameras, default_kinds
 from agent.sources import source_config_models
+from agent.sources.base import SourceConfigBase
 from agent.sources.synthetic import SyntheticConfig
 from agent.video.config import VideoConfig
 
@@ -31,7 +32,12 @@ else:  # JetPack 6 ships Python 3.10
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 
-CameraConfig = Annotated[Union[tuple(source_config_models())], Field(discriminator="kind")]  # type: ignore[misc]
+if TYPE_CHECKING:
+    # The union is built at run time from the enabled source plugins; statically, every member is a
+    # SourceConfigBase.
+    CameraConfig: TypeAlias = SourceConfigBase
+else:
+    CameraConfig = Annotated[Union[tuple(source_config_models())], Field(discriminator="kind")]
 
 
 class Strict(BaseModel):
@@ -151,7 +157,7 @@ class AgentConfig(BaseSettings):
     log_level: LogLevel = Field("INFO", description="Log verbosity.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The model to run.")
     camera: CameraConfig = Field(default_factory=SyntheticConfig, description="Camera source; `kind` selects the type.")
-    cameras: list[CameraConfig] = Field(  # type: ignore[valid-type]
+    cameras: list[CameraConfig] = Field(
         default_factory=list, description="Several cameras ([[cameras]]), each with a unique `name`; empty: [camera]."
     )
     batch: BatchConfig = Field(default_factory=BatchConfig, description="Batching of frames from several cameras.")

@@ -143,12 +143,14 @@ class ProgressWatchdog:
         self.stop()
 
     def _run(self) -> None:
+        period = self.period_s
+        assert period is not None  # start() runs this thread only with a watchdog period
         last, stalled = self._read(), 0
-        while not self._stop.wait(self.period_s):
+        while not self._stop.wait(period):
             current = self._read()
             if current is not None and current != last:  # != tolerates a counter reset on engine swap
                 if stalled:
-                    log.info("progress resumed after %.1f s", self.period_s * stalled)
+                    log.info("progress resumed after %.1f s", period * stalled)
                 self._notifier.watchdog()
                 self.pings += 1
                 last, stalled = current, 0
@@ -157,7 +159,7 @@ class ProgressWatchdog:
             stalled += 1
             if stalled == 1 or stalled % 10 == 0:
                 log.warning("no progress for %.1f s (counter %s): withholding WATCHDOG=1",
-                            self.period_s * stalled, current)
+                            period * stalled, current)
         log.debug("watchdog thread stopped after %d pings", self.pings)
 
     def _read(self) -> int | None:

@@ -14,14 +14,13 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import sqlite_utils
 
+from agent.schema import MIGRATIONS, Migration
 from engines.errors import EdgeError
 from engines.fsutil import fsync_dir
-
-Migration = Callable[[sqlite_utils.Database], None]
 
 log = logging.getLogger(__name__)
 
@@ -32,58 +31,6 @@ BUSY_TIMEOUT_S = 10.0
 # a quarantine would be accepted); a damaged mark can only refuse a deploy, which allow_downgrade overrides.
 SALVAGE_TABLES = ("active_model", "engines", "model_versions")
 _CORRUPTION = ("malformed", "not a database", "corrupt", "SQLITE_CORRUPT", "SQLITE_NOTADB")
-
-
-def _m001_core(db: sqlite_utils.Database) -> None:
-    db.execute(
-        """CREATE TABLE runs (
-            id INTEGER PRIMARY KEY AUTOINCREMENT,
-            started_at REAL NOT NULL,
-            ended_at REAL,
-            pid INTEGER,
-            status TEXT NOT NULL DEFAULT 'running',
-            model TEXT,
-            summary TEXT)"""
-    )
-    db.execute(
-        """CREATE TABLE active_model (
-            slot TEXT PRIMARY KEY CHECK (slot IN ('active', 'previous')),
-            name TEXT NOT NULL, version TEXT NOT NULL, path TEXT NOT NULL,
-            sha256 TEXT NOT NULL, info TEXT, since REAL NOT NULL)"""
-    )
-    db.execute(
-        """CREATE TABLE events (
-            id INTEGER PRIMARY KEY AUTOINCREMENT,
-            ts REAL NOT NULL, type TEXT NOT NULL, payload TEXT NOT NULL)"""
-    )
-    db.execute("CREATE INDEX events_ts ON events(ts)")
-    db.execute("CREATE TABLE kv (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-
-
-def _m002_deployments(db: sqlite_utils.Database) -> None:
-    from agent.deployments.store import migrate_deployments  # the table belongs to that module
-
-    migrate_deployments(db)
-
-
-def _m003_planes(db: sqlite_utils.Database) -> None:
-    """MQTT outbox and counters, command replies, engine cache index (each module owns its DDL)."""
-    from agent.commands import ensure_schema as replies
-    from agent.mqtt import ensure_schema as outbox
-    from engines.cache import ensure_schema as engines
-
-    for ensure in (outbox, replies, engines):
-        ensure(db.conn)
-
-
-def _m004_model_versions(db: sqlite_utils.Database) -> None:
-    """Highest deployed version per model name (the downgrade rule; agent.deployments.versions owns it)."""
-    from agent.deployments.versions import ensure_schema
-
-    ensure_schema(db.conn)
-
-
-MIGRATIONS: list[Migration] = [_m001_core, _m002_deployments, _m003_planes, _m004_model_versions]
 
 
 class StateStoreError(EdgeError):
@@ -230,7 +177,8 @@ class StateStore:
         with self.transaction():
             self.db.execute("UPDATE runs SET status = 'crashed' WHERE status = 'running'")
             cur = self.db.execute("INSERT INTO runs (started_at, pid) VALUES (?, ?)", (time.time(), pid))
-            return int(cur.lastrowid)
+            assert cur.lastrowid is not None  # an INSERT into a rowid table always has one
+            return cur.lastrowid
 
     def finish_run(self, run_id: int, summary: dict[str, Any], status: str = "stopped") -> None:
         """Store the run summary."""
@@ -408,3 +356,26 @@ def _read_table(path: Path, table: str) -> tuple[list[str], list[tuple]]:
         conn.close()
 
 
+# Keys of the `kv` table the daemon writes and `status`, the adaptation and the control socket read.
+LIVE_KEY = "live_status"
+FAMILY_KEY = "adapt_family"  # the last built adapt family with accuracy and latency per variant
+BACKEND_KEY = "backend_choice"  # {"requested", "backend", "reason"} of the last start with backend = auto
+
+
+def validation_brief(validation: Any) -> dict[str, Any] | None:
+    """What a model's gate verdict was: metric, value, threshold and the frames it was judged on."""
+    if validation is None:
+        return None
+    frames = validation.frames or {"source": "not recorded", "count": validation.samples}
+    return {"metric": validation.metric, "value": validation.accuracy, "threshold": validation.min_accuracy,
+            "passed": validation.passed, "frames": {**frames, "sha256": str(frames.get("sha256", ""))[:12]}}
+
+
+def model_row(row: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An active_model row as status shows it (also used by the `status` command)."""
+    if row is None:
+        return None
+    return {"name": row["name"], "version": row["version"], "path": row["path"], "sha256": row["sha256"][:12],
+            "since": row["since"],
+            **{k: v for k, v in row["info"].items()
+               if k in ("backend", "precision", "latency_budget_ms", "origin", "validation")}}

@@ -2,8 +2,8 @@
 
 `pause_point("building")` does nothing unless a crash-test harness armed that point in this very
 process with `arm()`. Nothing here reads the environment, a file or the configuration, so no setting
-on a device can reach it (environment-driven test switches in production code are an anti-pattern:
-/work/shared/STYLE.md). The harness, tests/crash_agent.py, arms the points and then runs the real
+on a device can reach it (environment-driven test switches in production code are an anti-pattern: a
+setting left on in the field changes what the agent does). The harness, tests/crash_agent.py, arms the points and then runs the real
 `edge-agent` CLI in the same process; at an armed point the marker file is written (the state row is
 already persisted) and the deployment thread blocks until the harness kills the process.
 """

@@ -1,4 +1,5 @@
-"""Unexpected exceptions and the wire: generic text with a reference out, the detail in the device log.
+"""Errors as they go on the wire: validation errors by field path, unexpected exceptions as generic text with a
+reference out and the detail in the device log.
 
 An exception's text can hold file paths, SQL, host names or library internals; a reply or an event goes
 to everyone who can read the broker. So INTERNAL replies and `failed` reasons say only "internal error;
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import uuid
+
+from pydantic import ValidationError
 
 
 def new_ref() -> str:
@@ -27,3 +30,13 @@ def internal_error(logger: logging.Logger, context: str) -> str:
 def internal_text(ref: str) -> str:
     """The generic wire text for ref `ref`."""
     return f"internal error; see the device log, ref {ref}"
+
+
+def describe_errors(exc: ValidationError, prefix: str = "") -> str:
+    """Pydantic errors as 'args.timeout_s: Input should be a valid number; ...' (field path first)."""
+    parts = []
+    for err in exc.errors(include_input=False, include_url=False):
+        path = ".".join(str(p) for p in err["loc"])
+        where = f"{prefix}.{path}" if prefix and path else (path or prefix or "payload")
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)[:1000]

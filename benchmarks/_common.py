@@ -54,7 +54,10 @@ def write_json(path: Path | None, data: dict[str, Any]) -> None:
 def busy_loops(count: int = 1, cpu: int | None = None, settle_s: float = 0.0) -> Iterator[None]:
     """`count` busy-loop processes (one core each at most) for the duration of the block; pinned to `cpu` when
     given, so they take that core and no other. `settle_s`: let them reach their loop before anything is timed."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    # Each loop ends by itself when its parent goes (a benchmark killed by a timeout never reaches `finally`):
+    # an orphaned loop would take a core from everything that runs after it.
+    loop = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(count)]
     try:
         if cpu is not None:
             for proc in procs:

@@ -49,14 +49,14 @@ from agent.config import AgentConfig
 from agent.adapt.controller import AdaptController
 from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.trust import verify_artifact
-from agent.model_loading import LoadedModel
+from agent.slots import LoadedModel
 from agent.pipeline.frame_stats import FrameStats
 from agent.pipeline.mailbox import FreshestMailbox
 from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
 from agent.sources.base import Frame
 from engines.backends.base import EngineOptions
-from engines.bench import text_frames
-from engines.provision import load_provisioned, provision
+from engines.frames import text_frames
+from engines.build.provisioning import load_provisioned, provision
 
 CAMERA_FPS = 15.0
 VARIANTS = ["full:fp32", "int8:int8", "small:int8:320x224"]
@@ -74,7 +74,7 @@ def build_family(work: Path, cache: Path) -> tuple[Any, list[LoadedModel]]:
     """Package the demo detector with three variants (signed), provision and load every variant."""
     from deploy.package import PackageOptions, package
     from deploy.signing import keygen
-    from agent.demo import bundled_demo_onnx
+    from agent.artifacts.demo_model import bundled_demo_onnx
 
     key = work / "keys" / "bench.key"
     key.parent.mkdir(parents=True)

@@ -20,7 +20,7 @@ InferenceWorker with its BatchRuntime, db_text postprocessing. Batch 1 is the sa
 - `fairness_min_over_max`: slowest camera's fps / fastest camera's fps, per run (worst round)
 - a model swap in the middle of one small auto run: `frames_lost` = frames the batcher handed out
   without a result (errors included); frames replaced in their mailbox unread are drops, not losses
-- the per-size cost curve the agent's "auto" used: measured by the engine build (engines.batching.time_build:
+- the per-size cost curve the agent's "auto" used: measured by the engine build (engines.build.batch_size.time_build:
   warm, interleaved rounds, median and spread per size) into the engine sidecar, exactly as on a device; the
   engines are built through `provision` first. The small engine is built three times, in separate caches
   (three builds in three child processes): `curve_builds` holds each curve with its spread and
@@ -50,8 +50,8 @@ import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import machine, write_json
 
 from agent.config import AgentConfig
-from agent.demo import prepare_demo_model_dir
-from agent.model_loading import built_max_batch, serving_timing
+from agent.artifacts.demo_model import prepare_demo_model_dir
+from agent.daemon.model_loading import built_max_batch, serving_timing
 from agent.pipeline.batch_costs import BatchCosts
 from agent.pipeline.batch_size import (BatchSize, batch_curve, batch_relative, batch_spread, demand_fps,
                                       resolve_batch_size)
@@ -64,11 +64,15 @@ from agent.sources.synthetic import SyntheticConfig, SyntheticScene
 from engines.backends.base import EngineOptions
 from engines.batching import capacity_fps, normalize_curve, planned_max_batch
 from engines.model import load_model
-from engines.provision import load_provisioned, provision
+from engines.build.provisioning import load_provisioned, provision
 
 CAMERAS = 4
 CAMERA_FPS = 30.0
 SIZES = {"small": (320, 224), "large": (640, 480)}
+# --quick (a smoke run of seconds, no goals judged): one small input for both engines (the large workload's build
+# is then a cache hit), 0.5-s runs, one extra build for the between-builds check, a live tuner that re-decides within a run
+QUICK_SIZES = {"small": (192, 128), "large": (192, 128)}
+QUICK = {"seconds": 0.5, "rounds": 1, "builds": 2, "retune_s": 0.25}
 # workload -> the engine (model input size) it runs on; small_saturated's camera rate comes from the curve
 WORKLOADS = {"small": "small", "large": "large", "small_saturated": "small"}
 SATURATION = 2.0  # saturated cameras offer this many times the batch-1 engine's capacity
@@ -117,7 +121,7 @@ def auto_size(source: Any, provisioned: Any, camera_fps: float) -> tuple[int, st
 
 
 def live_tuner(source: Any, provisioned: Any, camera_fps: float, size: int, reason: str, retune_s: float) -> Any:
-    """The live tuner the agent would run for this engine and these cameras (agent.runner._tuner_for)."""
+    """The live tuner the agent would run for this engine and these cameras (agent.daemon.runner._tuner_for)."""
     config = AgentConfig().batch.model_copy(update={"retune_interval_s": retune_s})
     return make_tuner(config, CAMERAS, batch_curve(provisioned), batch_spread(provisioned),
                       source.manifest.gates.latency_budget_ms, demand_fps(camera_configs(camera_fps)),
@@ -293,8 +297,9 @@ def main() -> None:
                         "(the agent's default is 10 s; shorter lets it settle within a run).")
     parser.add_argument("--builds", type=int, default=3, help="Separate builds of the small engine, for the "
                         "between-builds spread of its curve (the first one runs).")
-    parser.add_argument("--quick", action="store_true", help="Short iteration run: 5 s per run, 1 round, "
-                        "fewer validation and latency runs in the engine build.")
+    parser.add_argument("--quick", action="store_true", help="Smoke run (seconds): 0.5 s per run, 1 round, one engine "
+                        "at 192x128 for both workloads, 2 builds, fewer validation and latency runs in the engine build; "
+                        "no goals judged.")
     parser.add_argument("--cache", type=Path, default=None,
                         help="Engine cache to reuse between runs (default: a fresh one: each run builds and times "
                         "its engines on this machine, as a device does on first start).")
@@ -302,12 +307,13 @@ def main() -> None:
     args = parser.parse_args()
     limit_opencv_threads(AgentConfig().pipeline.opencv_threads)  # as `edge-agent run` does
     if args.quick:
-        args.seconds, args.rounds = 5.0, 1
+        args.seconds, args.rounds, args.builds = QUICK["seconds"], QUICK["rounds"], QUICK["builds"]
+        args.retune_s = min(args.retune_s, QUICK["retune_s"])
 
     with tempfile.TemporaryDirectory() as tmp:
         cache = args.cache or Path(tmp) / "cache"
         cache.mkdir(parents=True, exist_ok=True)
-        dirs = {w: prepare_demo_model_dir(Path(tmp), *wh) for w, wh in SIZES.items()}
+        dirs = {w: prepare_demo_model_dir(Path(tmp), *wh) for w, wh in input_sizes(args).items()}
         # the agent builds for planned_max_batch("auto", 4 cameras) = 4; the picker then reads the curve
         built = {w: build_engine(d, cache, planned_max_batch("auto", CAMERAS), args.quick) for w, d in dirs.items()}
         curve_builds = [dict(curve=batch_curve(built["small"][1]), spread=batch_spread(built["small"][1]),
@@ -339,7 +345,14 @@ def main() -> None:
     result["curve_builds"] = curve_builds
     result["between_builds"] = between_builds(curve_builds)
     print_result(result)
+    if args.quick:
+        print("quick: no goals judged")
     write_json(args.out, result)
+
+
+def input_sizes(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    """Engine -> the model's input (width, height)."""
+    return QUICK_SIZES if args.quick else SIZES
 
 
 def build_result(runs: dict, sizes: dict, reasons: dict, curves: dict, limits: dict, camera_fps: dict,
@@ -367,7 +380,7 @@ def build_result(runs: dict, sizes: dict, reasons: dict, curves: dict, limits: d
         "auto_batch_size": sizes, "auto_reason": reasons,
         "cost_curve_ms_per_frame": curves,
         "cameras": CAMERAS, "camera_fps": camera_fps, "frame_size": [640, 480],
-        "model_input": {w: list(SIZES[e]) for w, e in WORKLOADS.items()},
+        "model_input": {w: list(input_sizes(args)[e]) for w, e in WORKLOADS.items()},
         "timeout_ms": AgentConfig().batch.timeout_ms,
         "seconds_per_run": args.seconds, "rounds": args.rounds, "quick": args.quick, "retune_interval_s": args.retune_s,
         "runs": runs, "machine": machine(), "goal": GOALS,

@@ -51,7 +51,8 @@ from deploy.fleet.schema import ensure_schema  # noqa: E402
 
 GOALS = {"ingest_msgs_per_s": 5000, "lag_p99_s": 2.0, "lost": 0, "duplicated": 0}
 FULL = {"devices": 1000, "backlog": 200_000, "steady_s": 60, "kill_s": 60, "naive_backlog": 20_000}
-QUICK = {"devices": 1000, "backlog": 20_000, "steady_s": 8, "kill_s": 10, "naive_backlog": 3_000}
+# a smoke run (seconds): every phase on both databases, tiny; nothing judged
+QUICK = {"devices": 100, "backlog": 1_000, "steady_s": 1, "kill_s": 1, "naive_backlog": 50}
 PREFIX, GROUP, BOOT = "bench", "bench", "bench-boot"
 PUBLISHERS = 4
 PROBE = "probe"  # device of the messages that find out whether the collectors subscribed (not counted)
@@ -447,7 +448,8 @@ def verdict(results: dict[str, Any]) -> dict[str, bool]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="JSON report file.")
-    parser.add_argument("--quick", action="store_true", help="Small backlog and short phases (a smoke run).")
+    parser.add_argument("--quick", action="store_true", help="Smoke run (seconds): 100 devices, tiny backlogs, "
+                        "1-s phases; JSON written, no goals judged (exit 0).")
     parser.add_argument("--db", default="postgresql,sqlite", help="Comma-separated: postgresql, sqlite.")
     args = parser.parse_args()
     cfg = dict(QUICK if args.quick else FULL)
@@ -460,11 +462,16 @@ def main() -> int:
               "lost": sum(r["lost"] for r in results.values()),
               "duplicated": sum(r["duplicated"] for r in results.values()),
               "vs_naive": {k: r["vs_naive"] for k, r in results.items()}}
-    report["met"] = verdict(results)
+    met = verdict(results)
+    if not args.quick:
+        report["met"] = met
     write_json(args.out, report)
     print(json.dumps({k: report[k] for k in ("ingest_msgs_per_s", "lag_p99_s", "cpu_per_1000_msgs_s", "lost",
-                                             "duplicated", "vs_naive", "met")}, indent=1))
-    return 0 if all(report["met"].values()) else 1
+                                             "duplicated", "vs_naive", "met") if k in report}, indent=1))
+    if args.quick:
+        print("quick: no goals judged")
+        return 0
+    return 0 if all(met.values()) else 1
 
 
 if __name__ == "__main__":

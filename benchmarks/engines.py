@@ -1,11 +1,15 @@
 """FP32 vs INT8 ONNX Runtime engines of the demo detector at 640x480, cold builds vs warm cache loads.
 
-    python benchmarks/engines.py [--out engines.json] [--iterations 30]
+    python benchmarks/engines.py [--out engines.json] [--iterations 30] [--quick]
 
 Everything runs in one process on this machine's CPU. Latency runs alternate FP32 and INT8 calls so
 both see the same background load (a shared CPU otherwise favours whichever ran in the quiet moment).
 Accuracy is the text-mask IoU against the FP32 ONNX model on frames with text (the validation gate's
 metric for db_text). Goals: int8_speedup >= 1.5 with int8_accuracy >= 0.9; warm_load_s <= 1.0.
+
+`--quick` is the smoke run `make test` does: the same builds and loads (INT8 calibrated on 4 text frames from a
+directory instead of 16 generated ones), 3 timed runs per engine and 2 accuracy frames; the JSON is written, no
+goal is judged.
 """
 
 from __future__ import annotations
@@ -22,29 +26,31 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.demo import prepare_demo_model_dir  # noqa: E402
-from engines.bench import text_frames  # noqa: E402
+from agent.artifacts.demo_model import prepare_demo_model_dir  # noqa: E402
+from engines.frames import text_frames  # noqa: E402
 from engines.model import ModelSource, load_model  # noqa: E402
-from engines.provision import ProvisionResult, load_provisioned, provision  # noqa: E402
+from engines.build.provisioning import ProvisionResult, load_provisioned, provision  # noqa: E402
 from engines.runtime import ModelRuntime, load_runtime  # noqa: E402
-from engines.validate import accuracy, latency_stats, validation_frames  # noqa: E402
+from engines.build.validate import accuracy, latency_stats
+from engines.frames import validation_frames  # noqa: E402
 
 WIDTH, HEIGHT = 640, 480
 
 
-def build(source: ModelSource, work: Path, precision: str) -> tuple[ProvisionResult, float]:
+def build(source: ModelSource, work: Path, precision: str,
+          calibration: Path | None = None) -> tuple[ProvisionResult, float]:
     """Cold provision (empty cache, child-process build, no gates) and its wall time."""
     t0 = time.perf_counter()
     result = provision(source, backend="onnxruntime", precision=precision, cache_dir=work / "cache",
-                       db_path=work / "state.db", validate=False)
+                       db_path=work / "state.db", validate=False, calibration_dir=calibration)
     return result, time.perf_counter() - t0
 
 
-def warm_load(source: ModelSource, work: Path, precision: str) -> tuple[float, float]:
+def warm_load(source: ModelSource, work: Path, precision: str, calibration: Path | None = None) -> tuple[float, float]:
     """Restart path: cache lookup (index + file hash) + load with optimisation off; then the first inference."""
     t0 = time.perf_counter()
     result = provision(source, backend="onnxruntime", precision=precision, cache_dir=work / "cache",
-                       db_path=work / "state.db", validate=False)
+                       db_path=work / "state.db", validate=False, calibration_dir=calibration)
     runtime = load_provisioned(result, source)
     loaded = time.perf_counter() - t0
     runtime.run(text_frames(WIDTH, HEIGHT, 1)[0])
@@ -71,12 +77,26 @@ def interleaved_latency(runtimes: dict[str, ModelRuntime], iterations: int, warm
     return {name: latency_stats(values) for name, values in samples.items()}
 
 
-def run(iterations: int, accuracy_frames: int, work: Path) -> dict[str, Any]:
-    """Build, load, time and compare; returns the JSON report."""
+def calibration_dir(work: Path, count: int) -> Path:
+    """`count` text frames as PNG images: a smaller INT8 calibration set than the 16 generated ones (--quick)."""
+    import cv2
+
+    directory = work / "calibration"
+    directory.mkdir(parents=True, exist_ok=True)
+    for i, frame in enumerate(text_frames(WIDTH, HEIGHT, count, seed=1000)):
+        cv2.imwrite(str(directory / f"frame-{i:02d}.png"), frame)
+    return directory
+
+
+def run(iterations: int, accuracy_frames: int, work: Path, calibration_frames: int = 0) -> dict[str, Any]:
+    """Build, load, time and compare; returns the JSON report. `calibration_frames` > 0: calibrate INT8 on that
+    many text frames from a directory instead of the 16 generated ones."""
     source = load_model(prepare_demo_model_dir(work / "models", WIDTH, HEIGHT))
+    cal = calibration_dir(work, calibration_frames) if calibration_frames > 0 else None
     fp32, cold_fp32 = build(source, work, "fp32")
-    int8, cold_int8 = build(source, work, "int8")
-    (warm_fp32, first_fp32), (warm_int8, first_int8) = warm_load(source, work, "fp32"), warm_load(source, work, "int8")
+    int8, cold_int8 = build(source, work, "int8", cal)
+    (warm_fp32, first_fp32), (warm_int8, first_int8) = (warm_load(source, work, "fp32"),
+                                                         warm_load(source, work, "int8", cal))
     engines = {"fp32": load_provisioned(fp32, source), "int8": load_provisioned(int8, source)}
     baseline = load_runtime(source, "onnxruntime")  # plain session on the original ONNX (online optimisation)
     try:
@@ -97,6 +117,7 @@ def run(iterations: int, accuracy_frames: int, work: Path) -> dict[str, Any]:
         "int8_speedup_vs_session": round(latency["ort_session"]["mean"] / latency["int8"]["mean"], 3),
         "fp32_accuracy": round(acc["fp32"], 4), "int8_accuracy": round(acc["int8"], 4),
         "accuracy_metric": "text-mask IoU vs the FP32 ONNX model", "accuracy_frames": accuracy_frames,
+        "calibration_frames": calibration_frames or "16 generated",
         "cold_build_s": round(cold_fp32, 3), "cold_build_int8_s": round(cold_int8, 3),
         "build_child_s": {"fp32": fp32.build_s, "int8": int8.build_s},
         "warm_load_s": round(warm_fp32, 3), "warm_load_int8_s": round(warm_int8, 3),
@@ -106,7 +127,7 @@ def run(iterations: int, accuracy_frames: int, work: Path) -> dict[str, Any]:
     }
 
 
-def render(report: dict[str, Any]) -> str:
+def render(report: dict[str, Any], judge: bool = True) -> str:
     """A plain table for the terminal."""
     lat = report["latency_ms"]
     rows = [
@@ -121,6 +142,8 @@ def render(report: dict[str, Any]) -> str:
     lines = ["  ".join(f"{c!s:>22}" if i == 0 else f"{c!s:>12}" for i, c in enumerate(row)) for row in rows]
     lines.append(f"int8 speed-up {report['int8_speedup']}x (mean), {report['int8_speedup_p50']}x (p50), "
                  f"{report['int8_speedup_vs_session']}x vs a plain session; load average {report['machine']['load_avg']}")
+    if not judge:
+        return "\n".join(lines + ["(quick run: no goals judged)"])
     goals = (report["int8_speedup"] >= 1.5 and report["int8_accuracy"] >= 0.9, report["warm_load_s"] <= 1.0)
     lines.append(f"goals: int8 >= 1.5x at IoU >= 0.9: {'met' if goals[0] else 'NOT met'}; "
                  f"warm load <= 1.0 s: {'met' if goals[1] else 'NOT met'}")
@@ -133,10 +156,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     parser.add_argument("--iterations", type=int, default=30, help="timed runs per engine")
     parser.add_argument("--accuracy-frames", type=int, default=8, help="frames with text for the mask IoU")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 3 timed runs, 2 accuracy frames, INT8 "
+                        "calibrated on 4 frames, JSON written, no goals judged")
     args = parser.parse_args()
+    if args.quick:
+        args.iterations, args.accuracy_frames = 3, 2
     with tempfile.TemporaryDirectory(prefix="engines-bench-") as tmp:
-        report = run(args.iterations, args.accuracy_frames, Path(tmp))
-    print(render(report))
+        report = run(args.iterations, args.accuracy_frames, Path(tmp), 4 if args.quick else 0)
+    report["quick"] = args.quick
+    print(render(report, judge=not args.quick))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

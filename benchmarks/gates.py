@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +34,41 @@ import cv2  # noqa: E402
 from deploy.package import PackageOptions, package  # noqa: E402
 from engines.errors import EdgeError  # noqa: E402
 from engines.model import load_bare_onnx, load_model  # noqa: E402
-from engines.provision import load_provisioned, provision  # noqa: E402
-from engines.quantize import QuantSettings, make_static_shape, quantize_int8  # noqa: E402
+from engines.build.provisioning import load_provisioned, provision  # noqa: E402
+from engines.build.graph_rewrites import make_static_shape
+from engines.build.ort_recipe import QuantSettings, quantize_int8  # noqa: E402
 from engines.runtime import ModelRuntime, load_runtime  # noqa: E402
-from engines.validate import box_agreement, box_f1  # noqa: E402
+from engines.metrics import box_agreement, box_f1  # noqa: E402
 from tests import pages  # noqa: E402
 from tests.engine_fixtures import outlier_model, source  # noqa: E402
 from tests.real_models import DOCLAYNET, DOCLAYNET_LABELS, wheel_member  # noqa: E402
 
 DOCLAYNET_PRE = {"width": 1024, "height": 1024, "color": "rgb", "mean": (0.0,) * 3, "std": (1.0,) * 3,
                  "resize": "letterbox"}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How many frames, samples and variants each case uses: the benchmark's, or --quick's smoke run."""
+
+    calibration_pages: range = range(10, 22)  # DocLayNet: calibration pages (never judged on)
+    held_out_pages: int = 5  # DocLayNet: pages 0..n-1 judged
+    validation_samples: int = 8  # the gates' frames
+    latency_runs: int = 10  # the gates' latency runs
+    demo_size: tuple[int, int] = (640, 480)  # the demo detector's input
+    ddddocr_held_out: int = 8  # ddddocr: judged frames
+    ddddocr_calibration: int = 16  # ddddocr: calibration frames
+    blank_frames: int = 4  # the FP32 model validated on blank frames
+    fallback_keeps: tuple[int, ...] = (2, 8)  # the layer fallback on DocLayNet: activations kept in float
+
+
+FULL = Scale()
+# --quick: every case, gate, refusal and fallback runs once, on two frames where it judges or calibrates (the
+# DocLayNet model's input is fixed at 1024x1024; the demo detector's is not), the layer fallback at one depth
+# -- seconds, not minutes, and no goals judged
+QUICK = Scale(calibration_pages=range(10, 12), held_out_pages=2, validation_samples=2, latency_runs=3,
+              demo_size=(320, 224), ddddocr_held_out=2, ddddocr_calibration=2, blank_frames=2, fallback_keeps=(2,))
+SCALE = FULL  # main() sets QUICK for --quick
 
 
 def interleaved(a: ModelRuntime, b: ModelRuntime, frame: Any, rounds: int, iterations: int) -> dict[str, Any]:
@@ -72,7 +98,8 @@ def interleaved(a: ModelRuntime, b: ModelRuntime, frame: Any, rounds: int, itera
 def doclaynet_artifact(work: Path, precision: str, frames: list, name: str) -> Path:
     labels = work / "labels.txt"
     labels.write_text("\n".join(DOCLAYNET_LABELS) + "\n")
-    calibration = pages.write(work / "cal", [pages.page(i) for i in range(10, 22)], "cal") if precision == "int8" else None
+    calibration = (pages.write(work / "cal", [pages.page(i) for i in SCALE.calibration_pages], "cal")
+                   if precision == "int8" else None)
     out = work / name
     package(PackageOptions(model=wheel_member(*DOCLAYNET), name="doclaynet", version="1.0.0", out=out, unsigned=True,
                            precision=precision, calibration=calibration, validation=pages.write(work / f"val-{name}", frames, "v"),
@@ -82,7 +109,8 @@ def doclaynet_artifact(work: Path, precision: str, frames: list, name: str) -> P
 
 def gate(artifact: Path, work: Path) -> tuple[Any, float]:
     """Provision (build, then the gate), then the gate alone again on the cached engine: (result, its seconds)."""
-    settings = dict(cache_dir=work / "cache", db_path=work / "state.db", validation_samples=8, latency_runs=10)
+    settings = dict(cache_dir=work / "cache", db_path=work / "state.db", validation_samples=SCALE.validation_samples,
+                    latency_runs=SCALE.latency_runs)
     result = provision(load_model(artifact), **settings)
     t0 = time.perf_counter()
     provision(load_model(artifact), revalidate=True, **settings)
@@ -90,7 +118,7 @@ def gate(artifact: Path, work: Path) -> tuple[Any, float]:
 
 
 def doclaynet_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
-    held_out = [pages.page(i) for i in range(5)]
+    held_out = [pages.page(i) for i in range(SCALE.held_out_pages)]
     fp32_art, int8_art = doclaynet_artifact(work, "fp32", held_out, "fp32"), doclaynet_artifact(work, "int8", held_out, "int8")
     fp32, fp32_gate_s = gate(fp32_art, work)
     int8, int8_gate_s = gate(int8_art, work)
@@ -123,7 +151,7 @@ def shared_scale_f1(work: Path, src: Any, frames: list) -> float:
     make_static_shape(src.onnx_path, static, {"images": [1, 3, 1024, 1024]})
     pre = Preprocessor(src.manifest.preprocess)
     cal = []
-    for i in range(10, 22):
+    for i in SCALE.calibration_pages:
         pre(pages.page(i))
         cal.append(pre.tensor.copy())
     shared = work / "doclaynet-shared.onnx"
@@ -138,20 +166,21 @@ def shared_scale_f1(work: Path, src: Any, frames: list) -> float:
 
 
 def demo_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
-    from agent.demo import prepare_demo_model_dir
+    from agent.artifacts.demo_model import prepare_demo_model_dir
 
-    src = load_model(prepare_demo_model_dir(work / "demo", 640, 480))
+    width, height = SCALE.demo_size
+    src = load_model(prepare_demo_model_dir(work / "demo", width, height))
     results = {}
     for precision in ("fp32", "int8"):
         results[precision] = provision(src, precision=precision, cache_dir=work / "cache", db_path=work / "state.db",
-                                       validation_samples=8, latency_runs=10)
+                                       validation_samples=SCALE.validation_samples, latency_runs=SCALE.latency_runs)
     rt32, rt8 = load_provisioned(results["fp32"], src), load_provisioned(results["int8"], src)
-    from engines.validate import validation_frames
+    from engines.frames import validation_frames
 
-    speed = interleaved(rt32, rt8, validation_frames(640, 480, 1)[0], rounds, iterations)
+    speed = interleaved(rt32, rt8, validation_frames(width, height, 1)[0], rounds, iterations)
     rt32.close()
     rt8.close()
-    return {"model": "rapidocr-onnxruntime==1.4.4 ch_PP-OCRv4_det_infer.onnx at 640x480",
+    return {"model": f"rapidocr-onnxruntime==1.4.4 ch_PP-OCRv4_det_infer.onnx at {width}x{height}",
             "int8_mask_iou": results["int8"].validation.accuracy, "int8_speedup": speed["speedup_median"],
             "int8_speedup_rounds": speed["speedup_rounds"], "int8_speedup_spread": speed["speedup_spread"],
             "before": {"int8_speedup": 1.68, "int8_mask_iou": 0.971}}
@@ -180,7 +209,7 @@ def refusals(work: Path) -> dict[str, Any]:
         out["no_frames"] = "PASSED (defect)"
     except EdgeError as exc:
         out["no_frames"] = exc.code
-    blank = doclaynet_artifact(work, "fp32", [pages.blank(i) for i in range(4)], "walls")
+    blank = doclaynet_artifact(work, "fp32", [pages.blank(i) for i in range(SCALE.blank_frames)], "walls")
     try:
         provision(load_model(blank), cache_dir=work / "cache", db_path=work / "state.db", validation_samples=2,
                   latency_runs=3)
@@ -195,16 +224,16 @@ def fallback_case(work: Path) -> dict[str, Any]:
     """YOLOv8n-DocLayNet with the recipe's tail rule off: what the sensitivity ranking finds by itself."""
     src = load_model(work / "fp32")
     static = work / "doclaynet-static.onnx"
-    frames = [pages.page(i) for i in range(5)]
+    frames = [pages.page(i) for i in range(SCALE.held_out_pages)]
     overrides = {"preprocess": src.manifest.preprocess, "postprocess": src.manifest.postprocess, "labels": DOCLAYNET_LABELS}
     ref = load_runtime(load_bare_onnx(static, overrides), "onnxruntime")
     cal = []
-    for i in range(10, 22):
+    for i in SCALE.calibration_pages:
         ref.preprocessor(pages.page(i))
         cal.append(ref.preprocessor.tensor.copy())
     reference = [ref.run(f)[0] for f in frames]
     out: dict[str, Any] = {}
-    for keep in (2, 8):
+    for keep in SCALE.fallback_keeps:
         path = work / f"doclaynet-fallback-{keep}.onnx"
         t0 = time.perf_counter()
         report = quantize_int8(static, path, cal, settings=QuantSettings(float_output_tails=False), keep_float=keep)
@@ -226,7 +255,7 @@ def ddddocr_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
 
     held_out = work / "dd-val"
     cal = work / "dd-cal"
-    for directory, seeds in ((held_out, range(8)), (cal, range(100, 116))):
+    for directory, seeds in ((held_out, range(SCALE.ddddocr_held_out)), (cal, range(100, 100 + SCALE.ddddocr_calibration))):
         directory.mkdir()
         for seed in seeds:
             cv2.imwrite(str(directory / f"f{seed}.png"), captcha(seed)[0])
@@ -248,7 +277,8 @@ def ddddocr_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
             "int8_matched_score_ratio": (int8.validation.outputs or {}).get("matched_score_ratio"),
             "int8_fallback": int8.validation.fallback, "int8_speedup": speed["speedup_median"],
             "int8_speedup_rounds": speed["speedup_rounds"], "fp32_ms_p50": speed["a_ms_p50"], "int8_ms_p50": speed["b_ms_p50"],
-            "gate_s_per_frame": {"fp32": round(fp32_s / 8, 3), "int8": round(int8_s / 8, 3)}}
+            "gate_s_per_frame": {"fp32": round(fp32_s / SCALE.ddddocr_held_out, 3),
+                                 "int8": round(int8_s / SCALE.ddddocr_held_out, 3)}}
 
 
 def live_sample_cost(rounds: int) -> dict[str, Any]:
@@ -281,12 +311,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--quick", action="store_true", help="2 rounds x 3 calls: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="smoke run (seconds): every case on few frames, "
+                        "2 rounds x 1 call, JSON written, no goals judged")
     args = parser.parse_args()
-    rounds, iterations = (2, 3) if args.quick else (args.rounds, args.iterations)
+    global SCALE
+    SCALE = QUICK if args.quick else FULL
+    rounds, iterations = (2, 1) if args.quick else (args.rounds, args.iterations)
     with tempfile.TemporaryDirectory(prefix="bench-gates-") as tmp:
         work = Path(tmp)
-        report = {"machine": machine(), "rounds": rounds, "iterations": iterations,
+        report = {"machine": machine(), "quick": args.quick, "rounds": rounds, "iterations": iterations,
                   "doclaynet": doclaynet_case(work, rounds, iterations), "demo": demo_case(work, rounds, iterations),
                   "refusals": refusals(work)}
         report["fallback_without_tail_rule"] = fallback_case(work)
@@ -301,13 +334,15 @@ def main() -> None:
     print(f"refused: broken INT8 -> {ref['broken_int8']}, FP32 on blank frames -> {ref['fp32_on_blank_frames']}, "
           f"no frames -> {ref['no_frames']}; broken INT8 with the layer fallback: {ref['broken_int8_with_fallback']}")
     fb, dd, live = report["fallback_without_tail_rule"], report["ddddocr"], report["live_sample"]
-    print(f"DocLayNet, tail rule off, ranking alone: " + ", ".join(
+    print("DocLayNet, tail rule off, ranking alone: " + ", ".join(
         f"{k}: F1 {v['box_f1']} ratio {v['matched_score_ratio']} ({v['quantize_with_ranking_s']} s)" for k, v in fb.items()))
     print(f"ddddocr YOLOX INT8: box F1 {dd['int8_box_f1_vs_fp32']}, ratio {dd['int8_matched_score_ratio']}, speed-up "
           f"{dd['int8_speedup']}x (rounds {dd['int8_speedup_rounds']}), gate s/frame {dd['gate_s_per_frame']}")
     print(f"live sample: offer not due {live['offer_not_due_us']} us (empty call {live['empty_call_us']} us), "
           f"due (1080p copy) {live['offer_due_1080p_copy_us']} us")
     print(f"gate s/frame: DocLayNet fp32 {d['gate_s_per_frame']['fp32']}, int8 {d['gate_s_per_frame']['int8']}")
+    if args.quick:
+        print("quick: no goals judged")
     write_json(args.out, report)
 
 

@@ -55,7 +55,7 @@ from _common import busy_loops, machine, percentiles, write_json
 
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.cameras import CameraGroup
-from agent.demo import prepare_demo_model_dir
+from agent.artifacts.demo_model import prepare_demo_model_dir
 from agent.pipeline.frame_stats import FrameStats
 from agent.sources.base import Frame
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
@@ -152,6 +152,7 @@ def worker_loop(runtime, frames: list[np.ndarray], seconds: float, overlap: bool
 CAMERA_FPS_FLOOR = 30.0  # a typical camera: "auto" never offers less
 CAMERA_OVER_BARE = 1.5  # "auto" offers this many times the bare loop's rate: the engine, not the camera, limits
 CAMERA_FPS_MAX = 1000.0  # SyntheticConfig's upper bound
+QUICK_SECONDS = 0.5  # --quick: per loop and for the warm-up (a smoke run: every loop runs, nothing is judged)
 
 
 def camera_fps_setting(value: str) -> float | str:
@@ -227,12 +228,13 @@ def main() -> None:
     parser.add_argument("--backend", default="onnxruntime",
                         help="Engine backend (onnxruntime, tensorrt, auto): on a Jetson, tensorrt measures what the "
                         "result stage buys when the engine runs on the GPU.")
-    parser.add_argument("--quick", action="store_true", help="Short iteration run: 4 s per loop, 1 round.")
+    parser.add_argument("--quick", action="store_true", help="Smoke run (seconds): every loop once for 0.5 s, 1 round; "
+                        "no goals judged.")
     parser.add_argument("--out", type=Path, default=Path("out/bench-pipeline.json"))
     args = parser.parse_args()
     limit_opencv_threads(AgentConfig().pipeline.opencv_threads)  # as `edge-agent run` does
     if args.quick:
-        args.seconds, args.rounds = 4.0, 1
+        args.seconds, args.rounds = QUICK_SECONDS, 1
 
     scene = SyntheticScene(SyntheticConfig(seed=3))
     frames = [scene.render(i * 7) for i in range(16)]
@@ -252,7 +254,7 @@ def main() -> None:
         runtime.warmup(frames[0], 3)
         warmup_bare_fps = None
         if args.camera_fps == "auto":
-            camera_fps, warmup_bare_fps = auto_camera_fps(engine, tensors, 1.0 if args.quick else 3.0)
+            camera_fps, warmup_bare_fps = auto_camera_fps(engine, tensors, QUICK_SECONDS if args.quick else 3.0)
         else:
             camera_fps = float(args.camera_fps)
         print(f"camera fps {camera_fps} ({args.camera_fps}; warm-up bare loop {warmup_bare_fps} fps)")
@@ -334,6 +336,8 @@ def main() -> None:
           f"agent_vs_bare_loaded rounds {result['agent_vs_bare_loaded_rounds']}")
     print(f"worker_vs_bare_loaded {result['worker_vs_bare_loaded']} (no camera; rounds "
           f"{result['worker_vs_bare_loaded_rounds']})")
+    if args.quick:
+        print("quick: no goals judged")
     write_json(args.out, result)
 
 

@@ -9,7 +9,7 @@ Cases (realistic sizes, the two variants interleaved call by call):
 - image matte: a 1x1x480x640 matte -> uint8 and composited over the 640x480 frame (goal: p99 <= 2 ms);
 - image-to-image: a 1x3x480x640 output -> a BGR frame; and the whole frame of an image-to-image model at
   640x480 (tests/image_models.py: preprocess, ONNX Runtime, postprocess) FP32 against its INT8 build
-  (engines.quantize on generated frames), interleaved.
+  (engines.build.ort_recipe on generated frames), interleaved.
 The references decode the way a first version would: the whole head transposed, a Python NMS loop, full-size
 masks per instance (Ultralytics' upsample-then-crop), float compositing.
 """
@@ -101,9 +101,9 @@ def image_model_fp32_vs_int8(iterations: int) -> dict[str, Any]:
     import tempfile
 
     from engines.model import load_model
-    from engines.quantize import quantize_int8
+    from engines.build.ort_recipe import quantize_int8
     from engines.runtime import load_runtime
-    from engines.validate import validation_frames
+    from engines.frames import validation_frames
     from tests.image_models import beauty_model_dir
 
     with tempfile.TemporaryDirectory(prefix="bench-i2i-") as tmp:

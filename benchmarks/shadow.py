@@ -40,7 +40,7 @@ import numpy as np
 from _common import machine, percentiles, write_json
 
 from agent.config import AgentConfig
-from agent.runner import Agent
+from agent.daemon.runner import Agent
 from agent.shadow.plan import ShadowArgs
 from agent.shadow.session import ShadowSession
 from agent.state import state_db_path
@@ -48,7 +48,7 @@ from engines.live_agreement import frame_tally, pooled, score
 from engines.model import load_model
 from engines.runtime import load_runtime
 from engines.shadow_policy import CancelBelow, PromoteWhen
-from engines.validate import _run
+from engines.build.validate import _run
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
 from tests.shadow_models import mirrored_demo_onnx
 
@@ -167,16 +167,16 @@ def cost_and_agreement(agent: Agent, url: str, rounds: int, seconds: float) -> d
     order = list(variants)
     for index in range(rounds):
         for name in order[index % len(order):] + order[:index % len(order)]:
-            agent.shadow = variants[name]
+            agent.shadow_host.session = variants[name]
             measured[name].append(_round(agent, latencies, seconds))
-    agent.shadow = None
+    agent.shadow_host.session = None
     time.sleep(1.0)  # the frame waiting in the slot, if any, is compared: then report and recording hold the same frames
     report = session.report()
     compared = list(compared[:report["frames"]])
     twin_report, equal_report = twin.report(), equal.report()
     twin.close()
     equal.close()
-    agent.shadow = session
+    agent.shadow_host.session = session
     agent.manager.request_decision("cancel", dep_id)
     wait_terminal(agent, dep_id, states=("cancelled",), timeout=60)
     process, thread = _ratios(measured["none"], measured["process"]), _ratios(measured["none"], measured["thread"])
@@ -197,7 +197,7 @@ def cost_and_agreement(agent: Agent, url: str, rounds: int, seconds: float) -> d
 def offline_agreement(serving_artifact: Path, candidate_artifact: Path, cache: Path, db: Path,
                       compared: list) -> dict[str, Any]:
     """The same frames, one by one, through fresh FP32 and INT8 engines (the gate's way)."""
-    from engines.provision import load_provisioned, provision
+    from engines.build.provisioning import load_provisioned, provision
 
     candidate_source = load_model(candidate_artifact)
     provisioned = provision(candidate_source, cache_dir=cache, db_path=db, validation_samples=2,

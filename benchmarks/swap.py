@@ -8,7 +8,14 @@ up with: any frame the swap costs shows up as a dropped frame or a long interval
 Engines are built before the timed part (the swap is measured, not the build; builds run in a child
 process and are covered by benchmarks/engines.py).
 
-Usage: python benchmarks/swap.py [--out out/bench-swap.json]
+The deployments go in as an operator sends them: `deploy` with the artifact's file:// URL over the agent's
+local control socket (what `edge-agent deploy` does), the only channel that may deploy a file:// URL.
+
+`--quick` is the smoke run `make test` does: short phases, and the "INT8" deployment is an FP32 build of the
+same model (no INT8 calibration: the swap path is the same, the INT8 build is benchmarks/engines.py's);
+the JSON is written, no goal is judged.
+
+Usage: python benchmarks/swap.py [--quick] [--out out/bench-swap.json]
 """
 
 from __future__ import annotations
@@ -24,21 +31,21 @@ import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import machine, write_json
 
 from agent.config import AgentConfig
-from agent.runner import Agent
-from engines.bench import text_frames
+from agent.control_socket import send_command
+from agent.daemon.runner import Agent
+from engines.frames import text_frames
 from engines.model import load_model
-from engines.provision import load_provisioned, provision
+from engines.build.provisioning import load_provisioned, provision
 from tests.deploy_fixtures import make_key
 
-STEADY_S = 8.0
-AFTER_S = 4.0
+PHASES = {"full": (2.0, 8.0, 4.0), "quick": (0.5, 1.5, 1.0)}  # warm-up, steady, after each swap (s)
 
 
 def package(out: Path, version: str, precision: str, key: Path) -> Path:
     """The demo detector at 640x480 as a signed artifact."""
     from agent.artifacts.builder import build_artifact
     from agent.artifacts.keys import load_private_key
-    from agent.demo import bundled_demo_onnx, demo_manifest
+    from agent.artifacts.demo_model import bundled_demo_onnx, demo_manifest
 
     onnx = bundled_demo_onnx()
     template = demo_manifest(onnx).model_copy(update={"version": version})
@@ -47,10 +54,10 @@ def package(out: Path, version: str, precision: str, key: Path) -> Path:
     return out
 
 
-def capacity_fps(artifact: Path, cache: Path, db: Path) -> float:
-    """Sequential frames per second of the FP32 engine on this machine."""
+def capacity_fps(artifact: Path, cache: Path, db: Path, gates: dict) -> float:
+    """Sequential frames per second of the FP32 engine on this machine (`gates`: the agent's [engines] gate sizes)."""
     source = load_model(artifact)
-    runtime = load_provisioned(provision(source, backend="onnxruntime", cache_dir=cache, db_path=db), source)
+    runtime = load_provisioned(provision(source, backend="onnxruntime", cache_dir=cache, db_path=db, **gates), source)
     frames = text_frames(640, 480, 4)
     runtime.warmup(frames[0], 2)
     t0 = time.perf_counter()
@@ -65,11 +72,14 @@ def intervals(stamps: list[float], start: float, end: float) -> list[float]:
     return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:]) if start <= b <= end]
 
 
-def deploy_and_time(agent: Agent, url: str, stamps: list[float]) -> dict:
-    """Deploy `url`, wait for active, and time the intervals around the swap."""
+def deploy_and_time(agent: Agent, url: str, stamps: list[float], after_s: float) -> dict:
+    """Deploy `url` over the control socket, wait for active, and time the intervals around the swap."""
     lost_before = agent.batcher.dropped + agent.stats.errors
     requested = time.monotonic()
-    dep_id = agent.manager.request(url, channel="local")["deployment_id"]  # file:// from the operator, as the CLI sends it
+    reply = send_command(agent.config.control_socket_path(), "deploy", {"url": url})  # as `edge-agent deploy` sends it
+    if not reply.get("ok"):
+        raise SystemExit(f"deploy refused: {reply.get('error')}")
+    dep_id = reply["result"]["deployment_id"]
     activating = None
     while True:
         dep = agent.deployments.get(dep_id)
@@ -81,10 +91,10 @@ def deploy_and_time(agent: Agent, url: str, stamps: list[float]) -> dict:
     if dep.state != "active":
         raise SystemExit(f"deployment failed: {dep.reason}: {dep.message}")
     active = time.monotonic()
-    time.sleep(AFTER_S)
+    time.sleep(after_s)
     swap_event = next(e["payload"]["swap"] for e in agent.store.events(50)
                       if e["type"] == "deployment" and e["payload"].get("state") == "active")
-    around = intervals(stamps, activating or requested, active + AFTER_S)
+    around = intervals(stamps, activating or requested, active + after_s)
     return {"max_interval_ms": round(max(around), 1), "intervals": len(around),
             "lost": agent.batcher.dropped + agent.stats.errors - lost_before,
             "gap_ms": swap_event.get("gap_ms"), "prepare_s": round((activating or active) - requested, 2),
@@ -93,25 +103,31 @@ def deploy_and_time(agent: Agent, url: str, stamps: list[float]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: short phases, an FP32 build in place of "
+                        "the INT8 one, JSON written, no goals judged")
     parser.add_argument("--out", type=Path, default=Path("out/bench-swap.json"))
     args = parser.parse_args()
+    warmup_s, steady_s, after_s = PHASES["quick" if args.quick else "full"]
+    v2_precision = "fp32" if args.quick else "int8"
+    gates = {"validation_samples": 2, "latency_runs": 3} if args.quick else {}  # the builds' gates: smaller when quick
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         private, public = make_key(tmp / "keys")
         v1 = package(tmp / "pub" / "v1", "1.0.0", "fp32", private)
-        v2 = package(tmp / "pub" / "v2", "2.0.0-int8", "int8", private)
+        v2 = package(tmp / "pub" / "v2", f"2.0.0-{v2_precision}", v2_precision, private)
         v3 = package(tmp / "pub" / "v3", "3.0.0", "fp32", private)
         cache, db = tmp / "cache", tmp / "state" / "state.db"
         db.parent.mkdir(parents=True)
-        fps = capacity_fps(v1, cache, db)
+        fps = capacity_fps(v1, cache, db, gates)
         print(f"loop capacity {fps:.2f} fps; camera at {fps / 2:.2f} fps")
-        print("building the INT8 engine before the timed part ...")
-        provision(load_model(v2), backend="onnxruntime", cache_dir=cache, db_path=db)
+        print(f"building the {v2_precision.upper()} engine of v2 before the timed part ...")
+        provision(load_model(v2), backend="onnxruntime", cache_dir=cache, db_path=db, **gates)
 
         config = AgentConfig(state_dir=tmp / "state", cache_dir=cache, device_id="bench",
                              model={"path": v1}, camera={"kind": "synthetic", "fps": fps / 2},
                              artifacts={"trusted_keys": [str(public)]},
-                             deployments={"watch_window_s": 0})
+                             deployments={"watch_window_s": 0}, control={"socket": tmp / "control.sock"},
+                             engines=gates)
         stamps: list[float] = []
         agent = Agent(config)
         agent.start()
@@ -125,13 +141,13 @@ def main() -> None:
 
         agent.worker.on_result = stamp
         try:
-            time.sleep(2.0)
+            time.sleep(warmup_s)
             t0 = time.monotonic()
-            time.sleep(STEADY_S)
+            time.sleep(steady_s)
             steady = statistics.median(intervals(stamps, t0, time.monotonic()))
-            overlap = deploy_and_time(agent, (v2 / "manifest.json").as_uri(), stamps)
+            overlap = deploy_and_time(agent, (v2 / "manifest.json").as_uri(), stamps, after_s)
             agent.config.deployments.swap_strategy = "stop_start"
-            stop_start = deploy_and_time(agent, (v3 / "manifest.json").as_uri(), stamps)
+            stop_start = deploy_and_time(agent, (v3 / "manifest.json").as_uri(), stamps, after_s)
         finally:
             agent.stop()
 
@@ -148,6 +164,8 @@ def main() -> None:
         "overlap": overlap,
         "stop_start": stop_start,
         "machine": machine(),
+        "quick": args.quick, "phases_s": {"warmup": warmup_s, "steady": steady_s, "after_swap": after_s},
+        "overlap_to_precision": v2_precision,
         "goal": {"frames_lost": 0, "swap_ratio": "<= 1.5 (overlap)"},
     }
     print(f"steady interval {result['steady_interval_ms']} ms; overlap swap: max interval "

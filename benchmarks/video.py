@@ -30,7 +30,7 @@ import numpy as np
 from _common import machine, percentiles, write_json
 
 from agent.config import AgentConfig
-from agent.runner import Agent
+from agent.daemon.runner import Agent
 from agent.video.encode import encode_jpeg
 from agent.video.overlay import OverlayStyle, render
 from engines.postprocess.base import Detection, InferenceResult

@@ -1,7 +1,7 @@
 """`edge-deploy`: the operator's command line (package, sign, verify, fetch; send commands, fetch camera
 snapshots, watch the fleet).
 
-Exit codes (CONTRACT.md): 0 success, 1 operation failed (`error CODE: message` on stderr), 2 usage.
+Exit codes (docs/contract.md): 0 success, 1 operation failed (`error CODE: message` on stderr), 2 usage.
 """
 
 from __future__ import annotations

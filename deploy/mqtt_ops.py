@@ -9,7 +9,6 @@ protocol, ...), so both sides validate them the same way.
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 import uuid
@@ -26,6 +25,7 @@ from agent.mqtt.topics import SNAPSHOT, STATUS, TELEMETRY, Topics, fleet_filter,
 from agent.names import CAMERA_NAME
 from agent.video.snapshot_wire import MAX_JPEG_BYTES as SNAPSHOT_MAX_BYTES, SnapshotError, parse_snapshot
 from deploy.fleet.shadow import telemetry_shadow
+from deploy.terminal import printable
 from engines.errors import EdgeError
 
 STATE_STYLES = {"online": "green", "degraded": "yellow", "updating": "cyan", "offline": "red", "stopped": "dim"}
@@ -340,15 +340,6 @@ def render_fleet_table(rows: list[dict[str, Any]], now: float | None = None) -> 
         table.add_row(*(Text(printable(cell), style=STATE_STYLES.get(state, "") if i == 1 else "")
                         for i, cell in enumerate(cells)))
     return table
-
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def printable(text: str) -> str:
-    """`text` with C0/C1 control characters shown as `\\xNN`: rich's Text passes ESC through, so a device
-    string could otherwise clear the operator's screen or retitle the terminal."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def _dict(value: Any) -> dict[str, Any]:

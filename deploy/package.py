@@ -19,11 +19,11 @@ from agent.artifacts.builder import build_artifact
 from agent.artifacts.keys import load_private_key
 from agent.artifacts.layout import check_artifact_name
 from agent.artifacts.onnxcheck import check_loads, external_data_locations, load_proto, quantized
-from engines.calibration import IMAGE_SUFFIXES
+from engines.build.calibration import IMAGE_SUFFIXES
 from engines.errors import EdgeError
 from engines.onnx_inputs import quantization_ops, refuse_requantizing, toposort
-from engines.manifest import (BuildSpec, Gates, Manifest, ModelFile, PostprocessSpec, StateSpec, fixed_input_size,
-                              input_size_problem, model_input_dims, sha256_file)
+from engines.manifest import BuildSpec, Gates, Manifest, ModelFile, PostprocessSpec, StateSpec, fixed_input_size, input_size_problem, sha256_file
+from engines.state_inputs import model_input_dims
 from deploy.state_options import state_spec
 from engines.preprocess import PreprocessSpec
 
@@ -264,8 +264,8 @@ def check_decodes(model: Path, manifest: Manifest, validation: Path | None) -> N
     from engines.model import load_bare_onnx
     from engines.postprocess.value_ranges import check_value_ranges
     from engines.runtime import load_runtime
-    from engines.validate import _run as run_frame  # the gates' own run of one frame: package checks what they will
-    from engines.validate import validation_frames
+    from engines.build.validate import _run as run_frame  # the gates' own run of one frame: package checks what they will
+    from engines.frames import validation_frames
 
     if len(model_input_dims(model, manifest.state)[1]) != 4:
         return  # not a camera model's input (as check_preprocess_size): nothing a frame can exercise

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     """Dispatch; exit codes 0 ok, 1 failed, 2 usage (as `edge-agent`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["build-worker"]:  # keep the child's start-up lean: no argparse tree, no rich
-        from engines.build_worker import main as worker_main
+        from engines.build.worker import main as worker_main
 
         return worker_main(argv[1:])
     args = _parser().parse_args(argv)
@@ -79,8 +79,8 @@ def _fingerprint(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
+    from engines.build.provisioning import provision
     from engines.model import load_model
-    from engines.provision import provision
 
     def progress(event: dict[str, Any]) -> None:
         if not args.json:
@@ -96,7 +96,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from engines.cache import EngineCache
+    from engines.build.cache import EngineCache
 
     cache = EngineCache(args.cache_dir, args.db)
     try:
@@ -114,7 +114,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from engines.cache import EngineCache
+    from engines.build.cache import EngineCache
 
     cache = EngineCache(args.cache_dir, args.db)
     try:

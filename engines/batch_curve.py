@@ -91,7 +91,7 @@ def median_error(samples: Sequence[float]) -> float:
     return float(1.253 * sigma / math.sqrt(values.size) / median)
 
 
-def sample_sizes(run: Callable[[int], None], sizes: Iterable[int], warmup: int = WARMUP_CALLS,
+def sample_sizes(run: Callable[[int], object], sizes: Iterable[int], warmup: int = WARMUP_CALLS,
                  min_rounds: int = MIN_ROUNDS, max_rounds: int = MAX_ROUNDS, max_seconds: float = MAX_SECONDS,
                  target_error: float = TARGET_ERROR, clock: Callable[[], float] = time.perf_counter
                  ) -> dict[int, list[float]]:

@@ -4,38 +4,23 @@ from __future__ import annotations
 
 import math
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import cv2
 import numpy as np
 
 from engines.backends.base import EngineOptions
-from engines.batch_curve import curve_of, sample_sizes
 from engines.batching import choose_batch_size
+from engines.batch_curve import curve_of, sample_sizes
+from engines.build.provisioning import load_provisioned, provision
 from engines.errors import ModelError
+from engines.frames import text_frames
 from engines.model import load_model
-from engines.provision import load_provisioned, provision
-from engines.runtime import ModelRuntime, load_runtime
-
+from engines.runtime import ModelRuntime, load_runtime, resolve_backend
 
 MAX_BENCH_BATCH = 64
-
-
-def text_frames(width: int, height: int, count: int = 8, seed: int = 0) -> list[np.ndarray]:
-    """Deterministic frames with text on a gradient: realistic work for detectors and classifiers alike."""
-    rng = np.random.default_rng(seed)
-    frames = []
-    for i in range(count):
-        ramp = np.linspace(150, 220, width, dtype=np.float32)[None, :, None]
-        image = np.clip(ramp + rng.normal(0, 4, (height, width, 3)), 0, 255).astype(np.uint8)
-        for line in range(4):
-            y = int(height * (line + 0.6) / 4.5)
-            cv2.putText(image, f"EDGE {seed}{i}{line} AGENT", (20 + 7 * i, y), cv2.FONT_HERSHEY_SIMPLEX,
-                        height / 480, (30, 30, 30), 2, cv2.LINE_AA)
-        frames.append(image)
-    return frames
 
 
 def _stats(samples: Sequence[float]) -> dict[str, float]:
@@ -73,7 +58,7 @@ def run_bench(
     warmup: int = 5,
     cache_dir: Path | None = None,
     db_path: Path | None = None,
-    batch_sizes: Sequence[int] | None = None,
+    batch_sizes: Sequence[int] | str | None = None,
 ) -> dict[str, Any]:
     """Latency per stage of the engine this device would run: cached, or built (and cached) first.
 
@@ -83,6 +68,11 @@ def run_bench(
     sizes = parse_batch_sizes(batch_sizes)
     max_batch = max(sizes) if sizes else 1
     t0 = time.perf_counter()
+    scratch = None
+    if (cache_dir is None or db_path is None) and resolve_backend(backend) == "tensorrt":
+        # TensorRT runs built plans only: build into a cache that lives as long as this bench
+        scratch = tempfile.TemporaryDirectory(prefix="engines-bench-")
+        cache_dir, db_path = Path(scratch.name) / "cache", Path(scratch.name) / "state.db"
     if cache_dir is None or db_path is None:
         if precision not in (None, "fp32"):
             raise ModelError(f"precision {precision!r} needs an engine cache (cache_dir and db_path)", code="USAGE")
@@ -108,6 +98,8 @@ def run_bench(
         }
     finally:
         runtime.close()
+        if scratch is not None:
+            scratch.cleanup()
 
 
 def parse_batch_sizes(sizes: Sequence[int] | str | None) -> list[int]:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from engines import cuda_mem
+from engines import cuda as cuda_mem
 from engines.backends.tensorrt_compat import NUMPY_DTYPES, dtype_name
 from engines.fingerprint import read_l4t_release, read_module
 

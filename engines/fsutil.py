@@ -40,7 +40,7 @@ def _create_temp(path: Path, mode: int | None) -> tuple[Path, int]:
     raise FileExistsError(f"could not create a temp file beside {path} ({_ATTEMPTS} names taken)")
 
 
-def _write_replace(path: Path, mode: int | None, fill: Callable[[BinaryIO], None]) -> None:
+def _write_replace(path: Path, mode: int | None, fill: Callable[[BinaryIO], object]) -> None:
     """Create a temp file exclusively, `fill` it, fsync, rename over `path`, fsync the directory."""
     path = Path(path)
     tmp, fd = _create_temp(path, mode)

@@ -1,4 +1,4 @@
-"""Agreement of two models on live frames, frame by frame, with the gates' metrics (engines.validate).
+"""Agreement of two models on live frames, frame by frame, with the gates' metrics (engines.build.validate).
 
 The gates judge a candidate against the FP32 reference on a fixed set, all frames at once. A shadow deployment
 (agent.shadow) compares a candidate with the serving model on camera frames as they come, for as long as it runs:
@@ -22,19 +22,27 @@ never asks the serving engine for anything.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
 
+from engines.metrics import BOX_IOU, match_detections, scaled_cosine
 from engines.instance_metrics import instance_scores, instance_sums
 from engines.postprocess import InferenceResult
-from engines.validate import BOX_IOU, match_detections, scaled_cosine
 
 LIVE_METRICS = {"yolo": "box_f1", "anchors": "box_f1", "db_text": "box_f1", "classification": "top1_agreement",
                 "segmentation": "mean_iou", "image": "cosine", "raw": "cosine"}
 BOX_KINDS = ("yolo", "anchors", "db_text")
 
-Tally = Counter  # str -> float: one frame's (or many frames') sums; `+` pools them
+if TYPE_CHECKING:
+    class Tally(dict[str, float]):
+        """What the checker sees of the Counter below: typeshed's Counter counts ints, these sums are floats."""
+
+        def __missing__(self, key: str) -> float: ...
+
+        def subtract(self, other: Mapping[str, float], /) -> None: ...
+else:
+    Tally = Counter  # str -> float: one frame's (or many frames') sums; `+` pools them
 
 
 def live_metric(kind: str) -> str:
@@ -55,10 +63,10 @@ def frame_tally(kind: str, active: InferenceResult, candidate: InferenceResult) 
     if kind == "segmentation":
         from engines.postprocess.segmentation import mean_iou
 
-        both = active.class_map is not None and candidate.class_map is not None
-        varied = active.class_map is not None and np.unique(active.class_map[::4, ::4]).size > 1
-        return Tally({"mean_iou_sum": mean_iou(active.class_map, candidate.class_map) if both else 0.0, "mean_iou_n": 1.0,
-                      "serving_varied": float(varied)})
+        serving_map, candidate_map = active.class_map, candidate.class_map
+        varied = serving_map is not None and np.unique(serving_map[::4, ::4]).size > 1
+        iou = mean_iou(serving_map, candidate_map) if serving_map is not None and candidate_map is not None else 0.0
+        return Tally({"mean_iou_sum": iou, "mean_iou_n": 1.0, "serving_varied": float(varied)})
     return _output_tally(_outputs(active), _outputs(candidate))
 
 

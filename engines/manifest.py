@@ -1,4 +1,4 @@
-"""The model artifact: `manifest.json` beside the model file (CONTRACT.md §Artifact).
+"""The model artifact: `manifest.json` beside the model file (docs/contract.md, "Artifact").
 
 Loading is split in two steps so signatures and remote fetching can slot in between:
 `parse_manifest` validates the bytes, `resolve_model_dir` checks the files on disk.
@@ -9,16 +9,24 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path, PurePosixPath
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import (AllowInfNan, BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from engines.errors import ModelError
 from engines.preprocess import PreprocessSpec
 from engines.shadow_policy import ShadowPolicy
 
-MANIFEST_SCHEMA = "edge-agent/model/v1"
+MANIFEST_SCHEMA: Final = "edge-agent/model/v1"
 MANIFEST_NAME = "manifest.json"
 Precision = Literal["fp32", "fp16", "int8"]
 
@@ -266,16 +274,6 @@ def preprocess_shape_of(spec: PreprocessSpec, batch: int = 1) -> tuple[int, ...]
     return (batch, 3, spec.height, spec.width) if spec.layout == "nchw" else (batch, spec.height, spec.width, 3)
 
 
-def model_input_dims(onnx_path: Path, state: StateSpec | None = None) -> tuple[str, list[int | None]]:
-    """The frame input's name and dims (None where dynamic: symbolic, -1 or unset): the one input `state` does
-    not feed, once `state` is proven to fit the model (engines.state_inputs), else ModelError."""
-    from engines.state_inputs import frame_input_of, onnx_io  # local: it needs onnx, the manifest does not
-
-    inputs, outputs = onnx_io(onnx_path)
-    frame = frame_input_of(inputs, outputs, state, Path(onnx_path).name)
-    return frame.name, list(frame.shape)
-
-
 def fixed_input_size(dims: list[int | None], layout: str = "nchw") -> tuple[int, int] | None:
     """(width, height) of an image input whose spatial dims are fixed, else None (dynamic, or not rank 4)."""
     if len(dims) != 4:
@@ -305,16 +303,6 @@ def input_size_problem(dims: list[int | None], spec: PreprocessSpec) -> str | No
                    else "set preprocess width/height/layout to match the model")
             return f"the model's input is {shown} but the preprocess makes {list(wanted)} ({what} differs); {fix}"
     return None
-
-
-def check_input_size(onnx_path: Path, spec: PreprocessSpec, label: str = "", state: StateSpec | None = None) -> str:
-    """The frame input's name, after proving the preprocess tensor fits it (else MODEL_SHAPE_MISMATCH) and the
-    manifest's `state` fits the other inputs (else MODEL_STATE_MISMATCH)."""
-    name, dims = model_input_dims(onnx_path, state)
-    problem = input_size_problem(dims, spec)
-    if problem:
-        raise ModelError(f"{label or Path(onnx_path).name}: input {name}: {problem}", code="MODEL_SHAPE_MISMATCH")
-    return name
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -40,8 +40,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from engines.cache import read_sidecar
 from engines.errors import EdgeError, ModelError
+from engines.sidecar import read_sidecar
 
 NMS_OP, NMS_DOMAIN, PLUGIN_VERSION = "EfficientNMS_TRT", "TRT", "1"
 NMS_NODE = "edge_nms/EfficientNMS_TRT"

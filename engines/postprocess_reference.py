@@ -1,7 +1,7 @@
 """Generates docs/postprocessors.md from the registered postprocessors, so every decoder's parameters are
 documented where a manifest author looks, and cannot drift from the code.
 
-`python -m engines.postprocess.reference > docs/postprocessors.md`; a test fails when the committed file is stale.
+`python -m engines.postprocess_reference > docs/postprocessors.md`; a test fails when the committed file is stale.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from engines.postprocess import POSTPROCESSORS
 
 HEADER = """# Postprocessors reference
 
-Generated from the postprocessors' parameter models by `python -m engines.postprocess.reference` — do not edit
+Generated from the postprocessors' parameter models by `python -m engines.postprocess_reference` — do not edit
 by hand.
 
 A manifest names one postprocessor (`postprocess.kind`) and its parameters (`postprocess.params`); `edge-deploy
@@ -39,7 +39,7 @@ def _module_text(module: Any) -> str:
 
 def section(name: str) -> list[str]:
     """One postprocessor: what it decodes, its gate metric, its parameters."""
-    from engines.validate import METRICS
+    from engines.metrics import METRICS
 
     cls = POSTPROCESSORS.get(name)
     module = sys.modules[cls.__module__]

@@ -8,7 +8,7 @@ replaces a multiply, a subtract, a divide and a dtype conversion.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import cv2
 import numpy as np
@@ -156,7 +156,7 @@ class Preprocessor:
 
     def _fill(self, image: np.ndarray, tensor: np.ndarray) -> None:
         # cv2.split + cv2.LUT into the tensor's own planes: about 4x faster than numpy here.
-        planes = cv2.split(image, self._planes)
+        planes: Sequence[np.ndarray] = cv2.split(image, self._planes)  # the uint8 planes of `_planes`
         nchw = self.spec.layout == "nchw"
         for c_model, c_bgr in enumerate(self._order):
             src = planes[c_bgr]

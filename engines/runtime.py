@@ -48,10 +48,10 @@ class ModelRuntime:
         self.preprocessor = Preprocessor(source.manifest.preprocess)
         spec = source.manifest.preprocess
         context = PostprocessContext(engine.outputs, source.manifest.labels, (spec.width, spec.height))
-        spec = source.manifest.postprocess
+        post = source.manifest.postprocess
         # an engine with EfficientNMS_TRT inside (its sidecar says so) gives the plugin's four outputs
-        params = postprocess_params(spec.params, getattr(engine, "nms", "host"))
-        self.postprocessor = build_postprocessor(spec.kind, params, context)
+        params = postprocess_params(post.params, getattr(engine, "nms", "host"))
+        self.postprocessor = build_postprocessor(post.kind, params, context)
         self._feeds = {self.input_name: self.preprocessor.tensor}
 
     def run(self, image: np.ndarray, stream: str = DEFAULT_STREAM) -> tuple[InferenceResult, StageTimes]:
@@ -210,7 +210,9 @@ def load_runtime(source: ModelSource, backend: str = "auto", options: EngineOpti
 
 
 def _input_shape_for(source: ModelSource) -> dict[str, tuple[int, ...]]:
-    from engines.state_inputs import onnx_io  # the input name is only known from the graph
+    from engines.state_inputs import (
+        onnx_io,  # the input name is only known from the graph
+    )
 
     state = source.manifest.state
     declared = set(state.declared()) if state is not None else set()

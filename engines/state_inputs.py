@@ -19,9 +19,10 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from engines.backends.base import TensorSpec
+from engines.tensor_spec import TensorSpec
 from engines.errors import ModelError
-from engines.manifest import StatePair, StateSpec
+from engines.manifest import StatePair, StateSpec, input_size_problem
+from engines.preprocess import PreprocessSpec
 
 STATE_MISMATCH = "MODEL_STATE_MISMATCH"  # the `state` section does not fit the model's inputs/outputs
 DEFAULT_STREAM = "default"  # the stream of callers that run one sequence (bench, package checks)
@@ -139,6 +140,8 @@ def _check_number(value: Any, dtype: np.dtype, where: str) -> None:
     to inf (1e300 into float16), a fraction cut off into an integer input."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
         raise ModelError(f"{where}: {value!r} is not a finite number", code=STATE_MISMATCH)
+    low: float  # the dtype's range: ints for an integer input
+    high: float
     if dtype.kind in "iu":
         if not float(value).is_integer():
             raise ModelError(f"{where}: {value} is not a whole number, and the input is {dtype.name}",
@@ -214,3 +217,21 @@ class StreamStates:
         with self._lock:
             current = self._streams.get(stream)
             return dict(current.state) if current is not None else None
+
+
+def model_input_dims(onnx_path: Path, state: StateSpec | None = None) -> tuple[str, list[int | None]]:
+    """The frame input's name and dims (None where dynamic: symbolic, -1 or unset): the one input `state` does
+    not feed, once `state` is proven to fit the model (engines.state_inputs), else ModelError."""
+    inputs, outputs = onnx_io(onnx_path)
+    frame = frame_input_of(inputs, outputs, state, Path(onnx_path).name)
+    return frame.name, list(frame.shape)
+
+
+def check_input_size(onnx_path: Path, spec: PreprocessSpec, label: str = "", state: StateSpec | None = None) -> str:
+    """The frame input's name, after proving the preprocess tensor fits it (else MODEL_SHAPE_MISMATCH) and the
+    manifest's `state` fits the other inputs (else MODEL_STATE_MISMATCH)."""
+    name, dims = model_input_dims(onnx_path, state)
+    problem = input_size_problem(dims, spec)
+    if problem:
+        raise ModelError(f"{label or Path(onnx_path).name}: input {name}: {problem}", code="MODEL_SHAPE_MISMATCH")
+    return name

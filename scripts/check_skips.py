@@ -41,7 +41,7 @@ def _has_module(name: str) -> bool:
 def _cuda_unreachable(implementation: str) -> bool:
     """This CUDA memory implementation does not import or reach a GPU: what the contract tests need."""
     sys.path.insert(0, str(REPO))
-    from engines import cuda_mem
+    from engines import cuda as cuda_mem
 
     return cuda_mem.availability()[implementation] is not None
 

@@ -199,7 +199,7 @@ def check_backend_contract(c: Check) -> dict[str, Any]:
 
 def _demo(c: Check) -> Any:
     if "demo" not in c.state:
-        from agent.demo import prepare_demo_model_dir
+        from agent.artifacts.demo_model import prepare_demo_model_dir
         from engines.model import load_model
 
         c.state["demo"] = load_model(prepare_demo_model_dir(c.work / "models", *DEMO_SIZE))
@@ -207,7 +207,7 @@ def _demo(c: Check) -> Any:
 
 
 def _held_out_inputs(source: Any, count: int = 4) -> list[Any]:
-    from engines.bench import text_frames
+    from engines.frames import text_frames
     from engines.preprocess import Preprocessor
 
     pre, out = Preprocessor(source.manifest.preprocess), []
@@ -233,7 +233,7 @@ def build_and_compare(c: Check, precision: str) -> dict[str, Any]:
     _needs_trt(c)
     import onnxruntime as ort
 
-    from engines.provision import load_provisioned, provision
+    from engines.build.provisioning import load_provisioned, provision
 
     source = _demo(c)
     cache = c.work / "cache"
@@ -306,7 +306,7 @@ def check_batch_sequence(c: Check) -> dict[str, Any]:
 
     from engines.backends.base import EngineOptions
     from engines.batching import choose_batch_size
-    from engines.provision import load_provisioned, provision
+    from engines.build.provisioning import load_provisioned, provision
 
     source = _demo(c)
     result = provision(source, backend="tensorrt", precision="fp16", cache_dir=c.work / "cache",
@@ -345,7 +345,7 @@ def check_speedups(c: Check) -> dict[str, Any]:
     _needs_trt(c)
     import statistics
 
-    from engines.provision import load_provisioned, provision
+    from engines.build.provisioning import load_provisioned, provision
 
     built = {p: c.state.get(f"built_{p}") for p in ("fp16", "int8")}
     if any(v is None for v in built.values()):
@@ -387,8 +387,8 @@ def check_result_stage_overlap(c: Check) -> dict[str, Any]:
     _needs_trt(c)
     import statistics
 
-    from engines.bench import text_frames
-    from engines.provision import load_provisioned
+    from engines.frames import text_frames
+    from engines.build.provisioning import load_provisioned
 
     built = c.state.get("built_fp16")
     if built is None:
@@ -473,8 +473,9 @@ def check_trtexec(c: Check) -> dict[str, Any]:
 
 
 def _our_latency(c: Check, result: Any) -> dict[str, Any]:
-    from engines.bench import text_frames, time_runtime
-    from engines.provision import load_provisioned
+    from engines.bench import time_runtime
+    from engines.frames import text_frames
+    from engines.build.provisioning import load_provisioned
 
     source = _demo(c)
     runtime = load_provisioned(result, source)

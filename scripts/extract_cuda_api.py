@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Extract the CUDA runtime API of a published cuda-python / cuda-bindings wheel, as the agent uses it.
 
-Why: engines/cuda_mem.py runs on whichever cuda-python a device has (JetPack images ship 12.x with
+Why: engines/cuda/base.py runs on whichever cuda-python a device has (JetPack images ship 12.x with
 only `from cuda import cudart`; 12.6+ adds `cuda.bindings.runtime`; 13.x removes `cuda.cudart`), and
 every call returns `(cudaError_t, *values)`. tests/fake_nvidia.py builds a stand-in runtime module
 from these tables so the product's import paths and return-value handling are tested against what

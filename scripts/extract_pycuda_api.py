@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Extract the `pycuda.driver` API of each pycuda release from its own sources (inducer/pycuda).
 
-Why: engines/cuda_mem_pycuda.py is the CUDA layer on JetPack images that only have pycuda; the
+Why: engines/cuda/pycuda_memory.py is the CUDA layer on JetPack images that only have pycuda; the
 stand-in in tests/fake_nvidia.py exposes exactly what each release defines, so the CUDA memory
 contract runs on PyCudaMemory everywhere and a name a release lacks fails a test. The table also
 records that no release has stream capture or CUDA graphs (the reason PyCudaMemory never claims them).

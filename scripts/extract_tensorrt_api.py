@@ -234,10 +234,10 @@ class Api:
 
     def _declare(self, kind: str, name: str, args: list[str], var: str | None) -> tuple[str, str]:
         if kind == "class_":
-            entry = self.classes.setdefault(name, {"cpp": args[0], "cpp_args": args[1:], "members": set()})
+            self.classes.setdefault(name, {"cpp": args[0], "cpp_args": args[1:], "members": set()})
             self.cpp_names[_bare(args[0])] = name
         else:
-            entry = self.enums.setdefault(name, {"cpp": args[0], "members": {}})
+            self.enums.setdefault(name, {"cpp": args[0], "members": {}})
         target = ("class" if kind == "class_" else "enum", name)
         if var:
             self.vars[var] = target

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from agent import testhooks
-from agent.cli import main
+from agent.cli.main import main
 
 
 def run(argv: list[str]) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from agent.artifacts.builder import build_artifact
 from agent.artifacts.keys import load_private_key
-from agent.demo import bundled_demo_onnx, demo_manifest
+from agent.artifacts.demo_model import bundled_demo_onnx, demo_manifest
 from deploy.signing import keygen
 from engines.manifest import Gates, PostprocessSpec
 from engines.preprocess import PreprocessSpec

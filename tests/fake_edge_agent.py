@@ -1,5 +1,5 @@
 """A stand-in `edge-agent` CLI for the Ansible shadow-wave tests: `status --json`, `deploy [--mode shadow]`,
-`promote`, `cancel` and `rollback`, with the flags of the real CLI (agent/cli.py), and a device's shadow
+`promote`, `cancel` and `rollback`, with the flags of the real CLI (agent/cli/main.py), and a device's shadow
 events published over MQTT (QoS 1, acknowledged by the broker before it exits) for the real collector.
 
 Why a stand-in: the playbook's shadow wave is about the fleet side (a gate over the collector's database,

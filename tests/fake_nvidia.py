@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engines.cuda_mem import CudaError, DeviceBuffer
+from engines.cuda import CudaError, DeviceBuffer
 
 class FakeCudaMemory:
     """Host memory posing as device memory; stream work runs at once, or is recorded while capturing.
@@ -36,7 +36,7 @@ class FakeCudaMemory:
     allocated and not freed (buffers, pinned arrays, streams, events, graphs), for leak checks.
 
     Capture follows the CUDA runtime (cudaStreamBeginCapture with cudaStreamCaptureModeThreadLocal, the mode
-    engines/cuda_mem.py uses; CUDA Programming Guide, "Prohibited and Unhandled Operations"): synchronizing
+    engines/cuda/base.py uses; CUDA Programming Guide, "Prohibited and Unhandled Operations"): synchronizing
     the capturing stream or allocating while capturing is an error (cudaErrorStreamCaptureUnsupported) that
     invalidates the capture, and the cudaStreamEndCapture after it fails (cudaErrorStreamCaptureInvalidated)
     with no graph."""
@@ -718,7 +718,7 @@ def import_tensorrt_backend(monkeypatch: Any, trt: Any, cuda: "FakeCudaMemory") 
     import importlib
     import sys
 
-    from engines import cuda_mem
+    from engines import cuda as cuda_mem
     from engines.backends import BACKENDS
 
     monkeypatch.setitem(sys.modules, "tensorrt", trt)

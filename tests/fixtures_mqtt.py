@@ -369,6 +369,11 @@ class FakeControl:
         self.calls.append(("snapshot", (camera, overlay, request_id)))
         return {"camera": camera or "cam0", "overlay": overlay, "request_id": request_id, "bytes": 1234}
 
+    def set_policy(self, changes: dict) -> dict:
+        """Like an agent whose model declares no variants (tests that need a policy override this)."""
+        from engines.errors import EdgeError
+        raise EdgeError("this agent has no adaptation policy", code="ADAPT_UNAVAILABLE")
+
 
 @pytest.fixture
 def plane_factory(tmp_path: Path) -> Iterator[Callable[..., Any]]:

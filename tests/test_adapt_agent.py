@@ -5,7 +5,6 @@ telemetry and the run summary show the active variant and the policy."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -15,9 +14,9 @@ from typer.testing import CliRunner
 from agent.adapt.controller import POLICY_KEY
 from agent.deployments import watch as watch_module
 from agent.telemetry import TelemetryCollector
-from agent.cli import app as agent_app
+from agent.cli.main import app as agent_app
 from agent.config import AgentConfig
-from agent.runner import Agent
+from agent.daemon.runner import Agent
 from agent.state import StateStore, state_db_path
 from deploy.cli import app as deploy_app
 from tests.deploy_fixtures import wait_terminal

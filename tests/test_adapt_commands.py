@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.commands import CommandDispatcher
-from agent.control import AgentController
+from agent.daemon.control import AgentController
 from tests.fixtures_mqtt import FakeControl
 
 

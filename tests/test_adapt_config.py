@@ -20,7 +20,7 @@ from agent.artifacts.trust import verify_artifact
 from agent.commands import CommandDispatcher
 from agent.config import AgentConfig
 from agent.config_errors import explain
-from agent.control import AgentController
+from agent.daemon.control import AgentController
 from tests.test_adapt_family import loader, make_family
 
 
@@ -102,3 +102,13 @@ def test_dark_variant_is_settable_live_so_the_brightness_rule_can_be_turned_off(
         assert family.adapt.config.policy(["full", "int8", "small"], None).dark_below is None
     finally:
         family.close()
+
+
+def test_set_policy_accepts_every_tunable_setting_and_nothing_else() -> None:
+    """The command's args and the policy's tunable fields are one list (docs/mqtt.md and docs/adaptive.md name the
+    same): `predict_up` and `predict_margin` were documented but refused as extra inputs."""
+    from agent.adapt.config import TUNABLE
+    from agent.command_args import SetPolicyArgs
+
+    assert set(SetPolicyArgs.model_fields) == set(TUNABLE)
+    assert SetPolicyArgs.model_validate({"predict_up": False, "predict_margin": 0.8}).predict_up is False

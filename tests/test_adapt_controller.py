@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from agent.adapt.config import AdaptConfig
-from agent.adapt import wiring
+from agent.daemon import adapt_host
+from agent.daemon.adapt_host import AdaptHost
 from agent.adapt.controller import FAMILY_KEY, POLICY_KEY, AdaptController
 from agent.adapt.family import members
 from agent.artifacts.config import ArtifactsConfig
@@ -212,7 +213,7 @@ def test_slow_frames_step_down_for_latency_with_the_p99_in_the_event(tmp_path: P
 
 
 def test_a_stop_that_gives_up_mid_build_leaves_no_engine_and_no_record(tmp_path: Path, monkeypatch) -> None:
-    """`wiring.stop` waits JOIN_TIMEOUT_S for the builder; here it gives up while a variant's provision
+    """`AdaptHost.stop` waits JOIN_TIMEOUT_S for the builder; here it gives up while a variant's provision
     is blocked. Released later, the builder closes the engine it loaded and writes no family record/event."""
     artifact, public = make_family(tmp_path, ["full:fp32", "int8:int8", "small:int8:16x16"])
     source = verify_artifact(artifact, ArtifactsConfig(trusted_keys=[str(public)]))
@@ -241,14 +242,15 @@ def test_a_stop_that_gives_up_mid_build_leaves_no_engine_and_no_record(tmp_path:
     controller = AdaptController(source, serving, AdaptConfig(), provision=blocking_provision, load=tracking_load,
                                  swap=lambda m: None, emit=lambda t, **f: events.append((t, f)), store=store,
                                  stop_event=stop_event, validation_samples=2)
-    controller.stop_event = stop_event
-    agent = SimpleNamespace(adapt=controller, active=serving, previous=None)
-    monkeypatch.setattr(wiring, "JOIN_TIMEOUT_S", 0.01)
+    host = AdaptHost(SimpleNamespace(active=serving, previous=None), loader=None, config=AdaptConfig(),
+                     validation_samples=2, emit=lambda t, **f: None, store=store, sample=dict)
+    host.controller, host._stop_event = controller, stop_event
+    monkeypatch.setattr(adapt_host, "JOIN_TIMEOUT_S", 0.01)
     try:
         controller.start()
         assert entered.wait(60)
-        wiring.stop(agent)  # gives up: the builder is inside the int8 provision
-        assert controller.is_alive() and agent.adapt is None
+        host.stop()  # gives up: the builder is inside the int8 provision
+        assert controller.is_alive() and host.controller is None
         release.set()
         controller.join(60)
         assert not controller.is_alive()

@@ -11,12 +11,12 @@ import pytest
 from agent.adapt.family import build_member, has_variants, members, reference_frames, reference_runtime
 from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.trust import verify_artifact
-from agent.model_loading import LoadedModel
+from agent.slots import LoadedModel
 from deploy.package import PackageError, PackageOptions, package
 from deploy.signing import keygen
 from engines.errors import ModelError
 from engines.manifest import parse_manifest
-from engines.provision import load_provisioned, provision
+from engines.build.provisioning import load_provisioned, provision
 from tests.engine_fixtures import conv_model, outlier_model
 
 

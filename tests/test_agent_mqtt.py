@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from agent.config import AgentConfig
-from agent.runner import Agent
+from agent.daemon.runner import Agent
 from deploy.cli import app as deploy_app
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
 from tests.helpers import wait_for

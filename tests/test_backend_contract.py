@@ -19,15 +19,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engines import cuda_mem
+from engines import cuda as cuda_mem
 from engines.backends import BACKENDS, get_backend
 from engines.backends.base import Engine, EngineOptions
-from engines.build_spec import EngineBuildError, EngineBuildSpec, ShapeProfile
+from engines.build.spec import EngineBuildError, EngineBuildSpec, ShapeProfile
 from engines.errors import EdgeError
-from engines.provision import load_engine_file, load_provisioned, provision
+from engines.build.provisioning import load_provisioned, provision
+from engines.engine_files import load_engine_file
 from engines.registry import import_plugins
 from tests.engine_fixtures import conv_model, source
-from engines.bench import text_frames
+from engines.frames import text_frames
 from engines.preprocess import Preprocessor
 from tests.fake_nvidia import (FakeCudaMemory, api_versions, fake_tensorrt, forget_tensorrt_backend,
                                import_tensorrt_backend, load_api)
@@ -152,7 +153,7 @@ def test_int8_engine_agrees_with_fp32(backend_name: str, tmp_path: Path) -> None
 
 # --- TensorRT build logic on the real API of each release --------------------------------------
 
-from engines.backends import tensorrt_build as tb  # noqa: E402  (needs no tensorrt import)
+from engines.build import tensorrt as tb  # noqa: E402  (needs no tensorrt import)
 
 
 OPT_LEVEL = 5  # not TensorRT's default (3): seeing it in the build proves the spec's level was applied
@@ -452,7 +453,7 @@ def test_trt_engine_errors_are_typed(fake_backend, tmp_path: Path) -> None:
 @pytest.mark.parametrize("version", api_versions())
 def test_batch_profile_is_min_one_opt_and_max_the_batch_size(fake_backend, no_gpu, tmp_path: Path, version: str) -> None:
     """plan_build for TensorRT with max_batch 4 -> the build's profile is min 1, opt = max = 4 (same H, W)."""
-    from engines.provision import plan_build
+    from engines.build.provisioning import plan_build
 
     fake_backend(FakeCudaMemory(), version)
     src = source(conv_model(tmp_path / "tiny.onnx"), size=16)
@@ -542,7 +543,7 @@ def test_trt_build_rewrites_an_export_with_batch_fixed_to_one(no_gpu, monkeypatc
     from onnx import TensorProto, helper, numpy_helper
 
     from engines.batching import batch_profile
-    from engines.build import BuildJob
+    from engines.build.job import BuildJob
 
     if fixed_reshape:  # Reshape to the constant [1, 48]: the batch cannot be freed
         shape = numpy_helper.from_array(np.array([1, 48], np.int64), "s")

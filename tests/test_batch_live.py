@@ -304,7 +304,7 @@ def test_auto_slot_preprocessing_alternates_then_keeps_the_faster_way() -> None:
 
 @pytest.fixture(scope="module")
 def demo_runtime(tmp_path_factory):
-    from agent.demo import prepare_demo_model_dir
+    from agent.artifacts.demo_model import prepare_demo_model_dir
     from engines.backends import get_backend
     from engines.backends.base import EngineOptions
     from engines.model import load_model
@@ -405,7 +405,7 @@ def test_doclaynet_runs_batch_one_with_a_spread_and_parallel_slots_find_the_same
     from engines.backends import get_backend
     from engines.backends.base import EngineOptions
     from engines.batch_curve import measure_curve
-    from engines.batching import BatchRewriteError, make_batch_dynamic
+    from engines.build.batch_size import BatchRewriteError, make_batch_dynamic
     from engines.model import load_model
     from engines.runtime import ModelRuntime
     from tests import pages

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -209,7 +208,7 @@ def test_bad_batcher_settings_are_refused() -> None:
 
 @pytest.fixture(scope="module")
 def demo_source(tmp_path_factory):
-    from agent.demo import prepare_demo_model_dir
+    from agent.artifacts.demo_model import prepare_demo_model_dir
     from engines.model import load_model
 
     return load_model(prepare_demo_model_dir(tmp_path_factory.mktemp("demo"), 160, 128))

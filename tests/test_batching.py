@@ -20,14 +20,14 @@ from onnx import TensorProto, helper, numpy_helper
 from deploy.package import PackageError, PackageOptions, package
 from deploy.signing import keygen
 from engines.backends.base import EngineOptions
-from engines.batching import (AUTO_MAX_BATCH, DEMAND_HEADROOM, BatchRewriteError, choose_batch_size,
-                              make_batch_dynamic, pick_batch_size, planned_max_batch, verify_batching)
-from engines.build_spec import EngineBuildSpec, ShapeProfile, make_cache_key
+from engines.batching import AUTO_MAX_BATCH, DEMAND_HEADROOM, choose_batch_size, pick_batch_size, planned_max_batch
+from engines.build.batch_size import BatchRewriteError, make_batch_dynamic, verify_batching
+from engines.build.spec import EngineBuildSpec, ShapeProfile, make_cache_key
 from engines.errors import EdgeError
 from engines.manifest import PostprocessSpec
 from engines.model import load_bare_onnx
 from engines.preprocess import PreprocessSpec
-from engines.provision import load_provisioned, plan_build, provision
+from engines.build.provisioning import load_provisioned, plan_build, provision
 from engines.runtime import load_runtime, split_batch
 from tests.engine_fixtures import save_graph
 
@@ -301,7 +301,7 @@ def test_real_ppocr_det_batches_at_a_small_size(tmp_path: Path) -> None:
     assert result.report["batch"]["max_batch"] == 3, result.report["batch"]
     runtime = load_provisioned(result, src, EngineOptions(max_batch=3))
     try:
-        from engines.bench import text_frames
+        from engines.frames import text_frames
 
         frames = []
         for frame in text_frames(96, 64, 3, seed=5):
@@ -332,7 +332,7 @@ def test_curve_is_in_the_sidecar_and_auto_picks_from_it(tmp_path: Path) -> None:
     from agent.pipeline.batch_size import batch_curve, batch_relative, batch_spread, resolve_batch_size
 
     src = _source(_conv_model(tmp_path / "m.onnx", "n"))
-    # timed with the options the agent serves with (agent.model_loading.serving_timing), not the build's own
+    # timed with the options the agent serves with (agent.daemon.model_loading.serving_timing), not the build's own
     result = _provision(src, tmp_path, max_batch=2, timing={"intra_op_threads": 1, "allow_spinning": False, "x": 3})
     sidecar = json.loads(result.engine_path.with_name(result.engine_path.name + ".json").read_text())
     assert sidecar["report"]["batch"]["timed_with"] == {"intra_op_threads": 1, "allow_spinning": False}

@@ -10,9 +10,9 @@ import pytest
 from rich.console import Console
 
 from agent.config import AgentConfig
-from agent.runner import Agent
+from agent.daemon.runner import Agent
 from agent.pipeline.live_view import status_line
-from agent.status import read_status, render_status
+from agent.cli.status import read_status, render_status
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
 from tests.helpers import wait_for
 
@@ -108,7 +108,7 @@ def test_per_camera_results_and_stats_with_a_failing_camera(start_agent, tmp_pat
 
 
 def test_telemetry_and_prometheus_numbers_per_camera(start_agent) -> None:
-    from agent.telemetry_loop import FramePathMeter
+    from agent.daemon.telemetry_loop import FramePathMeter
 
     agent, results, _ = start_agent([synthetic("a", 1), synthetic("b", 2)], batch={"max_size": 2, "timeout_ms": 50})
     meter = FramePathMeter(agent)
@@ -238,8 +238,8 @@ def test_auto_batch_size_follows_the_engine_swapped_in(start_agent) -> None:
         assert agent.worker.batch.max_size == 2  # slots for the largest size the live tuner may move to
         served = len(results)
         assert wait_for(lambda: len(results) >= served + 4, timeout=60), "no frames served after the swap"
-    from agent.status import render_batch_live
-    from agent.telemetry_loop import FramePathMeter
+    from agent.cli.status import render_batch_live
+    from agent.daemon.telemetry_loop import FramePathMeter
     from rich.console import Console
 
     telemetry = FramePathMeter(agent).sample()["batch"]
@@ -304,7 +304,7 @@ def test_a_restart_flood_is_coalesced_and_status_fps_is_what_was_delivered(start
     results of the last 5 s."""
     import threading
 
-    from agent.control import AgentController
+    from agent.daemon.control import AgentController
 
     agent, results, events = start_agent([synthetic("a", 1, fps=20)])
     assert wait_for(lambda: len(results) >= 5, timeout=120)

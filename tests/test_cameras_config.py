@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from agent.cli import app
+from agent.cli.main import app
 from agent.config import load_config
 from agent.pipeline.batch_size import demand_fps, resolve_batch_size
 

@@ -16,8 +16,8 @@ import pytest
 
 from agent.config import AgentConfig
 from agent.pipeline.batch_runtime import BatchRuntime
-from agent.runner import Agent
-from agent.status import read_status
+from agent.daemon.runner import Agent
+from agent.cli.status import read_status
 from deploy.package import PackageOptions, package
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
 from tests.helpers import wait_for

@@ -12,7 +12,7 @@ from agent.config import load_config
 
 from typer.testing import CliRunner
 
-from agent.cli import app
+from agent.cli.main import app
 
 CLI = [sys.executable, "-m", "agent.cli"]
 
@@ -114,11 +114,11 @@ def test_bad_environment_value_is_attributed_to_the_variable(agent_env, tmp_path
 
 
 def test_configuration_reference_is_current() -> None:
-    """docs/configuration.md is generated from the models; regenerate with `python -m agent.config_docs`."""
-    from agent.config_docs import render
+    """docs/configuration.md is generated from the models; regenerate with `python -m agent.cli.config_docs`."""
+    from agent.cli.config_docs import render
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
-    assert committed == render(), "docs/configuration.md is stale: python -m agent.config_docs > docs/configuration.md"
+    assert committed == render(), "docs/configuration.md is stale: python -m agent.cli.config_docs > docs/configuration.md"
 
 
 def test_errors_never_echo_secrets(agent_env, tmp_path: Path) -> None:

@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engines import cuda_mem
-from engines.cuda_mem import CudaError
+from engines import cuda as cuda_mem
+from engines.cuda.cuda_python import CudaPythonMemory
+from engines.cuda import CudaError
 from tests.fake_cuda_releases import (
     PycudaTable,
     cuda_api_tables,
@@ -36,10 +37,10 @@ IMPLEMENTATIONS = (*cuda_mem.IMPLEMENTATIONS, "fake", *RELEASES, *PYCUDA_RELEASE
 
 
 def _pycuda_memory(mp: pytest.MonkeyPatch, stem: str):
-    """engines.cuda_mem_pycuda imported against release `stem`'s pycuda.driver stand-in."""
+    """engines.cuda.pycuda_memory imported against release `stem`'s pycuda.driver stand-in."""
     install_pycuda(mp, stem)
-    mp.delitem(sys.modules, "engines.cuda_mem_pycuda", raising=False)
-    return importlib.import_module("engines.cuda_mem_pycuda").PyCudaMemory()
+    mp.delitem(sys.modules, "engines.cuda.pycuda_memory", raising=False)
+    return importlib.import_module("engines.cuda.pycuda_memory").PyCudaMemory()
 
 
 @pytest.fixture(scope="module", params=IMPLEMENTATIONS)
@@ -49,7 +50,7 @@ def cuda(request: pytest.FixtureRequest):
             impl = FakeCudaMemory()
         elif request.param in RELEASES:
             install_cuda_python(mp, request.param.removeprefix("stand-in-"))
-            impl = cuda_mem.CudaPythonMemory()
+            impl = CudaPythonMemory()
         elif request.param in PYCUDA_RELEASES:
             impl = _pycuda_memory(mp, request.param.removeprefix("stand-in-"))
         else:
@@ -60,7 +61,7 @@ def cuda(request: pytest.FixtureRequest):
         yield impl
         impl.close()
     if request.param in PYCUDA_RELEASES:
-        sys.modules.pop("engines.cuda_mem_pycuda", None)  # bound to the stand-in: never reuse it
+        sys.modules.pop("engines.cuda.pycuda_memory", None)  # bound to the stand-in: never reuse it
 
 
 @pytest.fixture
@@ -180,8 +181,8 @@ def test_the_tables_cover_the_import_path_change() -> None:
 
 
 def _runtime_names_used() -> set[str]:
-    """Every `self.rt.NAME` in engines/cuda_mem.py (the product's use of cuda-python)."""
-    tree = ast.parse(Path(cuda_mem.__file__).read_text())
+    """Every `self.rt.NAME` in engines/cuda/cuda_python.py (the product's use of cuda-python)."""
+    tree = ast.parse(Path(cuda_mem.__file__).with_name("cuda_python.py").read_text())
     return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
             and n.value.attr == "rt"}
 
@@ -191,7 +192,7 @@ def test_cuda_mem_calls_only_what_each_release_has_or_feature_detects(stem: str)
     api = load_cuda_api(stem)
     names = _runtime_names_used()
     assert {"cudaMalloc", "cudaMemcpyAsync", "cudaGraphLaunch"} <= names
-    guarded = {n.value for n in ast.walk(ast.parse(Path(cuda_mem.__file__).read_text()))
+    guarded = {n.value for n in ast.walk(ast.parse(Path(cuda_mem.__file__).with_name("cuda_python.py").read_text()))
                if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     known = set(api["functions"]) | set(api["enums"]) | set(api["constants"])
     missing = sorted(n for n in names - known if n not in guarded)
@@ -216,8 +217,8 @@ def test_no_pycuda_release_has_stream_capture(stem: str) -> None:
 
 
 def _pycuda_names_used() -> set[str]:
-    """Every `cuda.NAME` in engines/cuda_mem_pycuda.py (`import pycuda.driver as cuda`)."""
-    path = Path(cuda_mem.__file__).with_name("cuda_mem_pycuda.py")
+    """Every `cuda.NAME` in engines/cuda/pycuda_memory.py (`import pycuda.driver as cuda`)."""
+    path = Path(cuda_mem.__file__).with_name("pycuda_memory.py")
     tree = ast.parse(path.read_text())
     return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
             and n.value.id == "cuda"}
@@ -235,7 +236,7 @@ def test_cuda_mem_pycuda_calls_only_what_each_release_has(stem: str) -> None:
 def test_what_cuda_mem_calls_has_one_signature_in_every_release() -> None:
     """The releases the pins resolve to (12.2.1 for JetPack 6.0, 12.6.2.post1 for 6.1/6.2, 12.9 and 13.5 for the
     x86-64 and JetPack 7 extras, plus 12.4) split in two implementations: up to 12.8 the runtime module is
-    reimplemented on the driver API, from 12.9 it links a static cudart. For every name engines/cuda_mem.py
+    reimplemented on the driver API, from 12.9 it links a static cudart. For every name engines/cuda/base.py
     calls, the parameters and the documented return values are the same in all of them; the one difference
     it meets is the import path (test_the_tables_cover_the_import_path_change)."""
     stems = cuda_api_tables()

@@ -24,7 +24,8 @@ from deploy.fleet.dashboard import queries
 from deploy.fleet.dashboard.app import clean
 from deploy.fleet.dashboard.auth import AuthSettings, allowed_hosts, host_name, settings_from
 from deploy.fleet.dashboard.server import exposure_warning, parse_bind
-from deploy.fleet.db import ensure_schema, open_db
+from deploy.fleet.db import open_db
+from deploy.fleet.schema import ensure_schema
 from tests.dashboard_fixtures import (HOSTILE_ID, HOSTILE_MODEL, add_device, add_event, add_sample, fill_fleet,
                                      running_dashboard)
 from tests.fixtures_mqtt import free_port
@@ -466,7 +467,7 @@ def test_a_slow_query_holds_one_reader_and_is_stopped_at_its_time_limit(tmp_path
         t0 = time.monotonic()
         slow = asyncio.ensure_future(store.call(lambda d: d.query(endless)))
         await asyncio.sleep(0.1)
-        fast = await store.call(lambda d: d.query("SELECT COUNT(*) AS n FROM devices"))
+        await store.call(lambda d: d.query("SELECT COUNT(*) AS n FROM devices"))
         fast_s = time.monotonic() - t0
         try:
             await slow

@@ -22,7 +22,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from agent.config import AgentConfig
-from agent.runner import Agent
+from agent.daemon.runner import Agent
 from deploy.fleet.collector import Collector, CollectorConfig
 from deploy.fleet.db import open_db
 from tests.browser import chromium, console_errors

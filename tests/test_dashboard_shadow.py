@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from deploy.fleet.dashboard import queries, shadow_view
-from deploy.fleet.db import ensure_schema, open_db
+from deploy.fleet.db import open_db
+from deploy.fleet.schema import ensure_schema
 from deploy.fleet.shadow import parse_shadow
 from tests.dashboard_fixtures import add_device, add_sample, fill_fleet, running_dashboard
 from tests.fleet_shadow_events import finished, ingest, report, started

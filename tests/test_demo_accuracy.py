@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.demo import prepare_demo_model_dir
+from agent.artifacts.demo_model import prepare_demo_model_dir
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
 from engines.model import load_model
 from engines.runtime import load_runtime

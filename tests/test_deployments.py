@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent.config import AgentConfig
-from agent.runner import Agent
+from agent.daemon.runner import Agent
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
 from tests.helpers import wait_for
 

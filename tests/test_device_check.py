@@ -119,8 +119,8 @@ def test_the_batch_sequence_check_catches_a_graph_replayed_at_another_shape(monk
 
 def test_worker_fps_runs_the_agents_worker_both_ways(tmp_path: Path) -> None:
     """The overlap check's measuring loop, on ONNX Runtime here (the device check runs it on TensorRT)."""
-    from agent.demo import prepare_demo_model_dir
-    from engines.bench import text_frames
+    from agent.artifacts.demo_model import prepare_demo_model_dir
+    from engines.frames import text_frames
     from engines.model import load_model
     from engines.runtime import load_runtime
 

@@ -16,7 +16,7 @@ import pytest
 
 from agent.config import AgentConfig
 from agent.mqtt.outbox import Outbox
-from agent.runner import Agent
+from agent.daemon.runner import Agent
 from agent.storage_health import StorageHealth, disk_full
 from agent.storage_reclaim import reclaim
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key
@@ -156,3 +156,23 @@ def test_an_agent_that_cannot_open_its_store_on_a_full_disk_says_so(tmp_path: Pa
         agent.start()
     assert info.value.code == "STORAGE_FULL" and "123 bytes free" in str(info.value) and "state_dir" in str(info.value)
     agent.stop()
+
+
+@pytest.mark.parametrize("code, kept", [("ARTIFACT_FETCH_CANCELLED", True), ("ARTIFACT_FETCH_FAILED", True),
+                                        ("ARTIFACT_HASH_MISMATCH", False)])
+def test_a_cancelled_or_broken_download_keeps_its_partial_files_for_a_resume(tmp_path: Path, code: str,
+                                                                              kept: bool) -> None:
+    """docs/deployments.md: a cancelled fetch keeps `*.partial` for a resume; bytes that failed verification go.
+    (The set once held `CANCELLED`, a code nothing sends, so a cancelled download lost its partial files.)"""
+    from types import SimpleNamespace
+
+    from agent.deployments.manager import DeploymentManager
+
+    artifacts = tmp_path / "deployed"
+    _files(artifacts, {"det-2.0.0.partial/.incoming/ab.part": 1000})
+    recorded: list[tuple[str, str]] = []
+    host = SimpleNamespace(artifacts_dir=artifacts, _unrecorded=[], emit=lambda *a, **k: None,
+                           store=SimpleNamespace(transition=lambda dep, state, **kw: recorded.append((state, kw["reason"]))),
+                           _drop_failed_artifact=lambda dep: None)
+    DeploymentManager._fail(host, SimpleNamespace(id="d1"), code, "stopped")
+    assert (artifacts / "det-2.0.0.partial").exists() is kept and recorded == [("failed", code)]

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from agent.engines_cli import engines_app
-from engines.backends import tensorrt_build as tb
+from agent.cli.engines_cli import engines_app
+from engines.build import tensorrt as tb
 from engines.backends.base import EngineOptions
-from engines.build import BuildJob
-from engines.build_spec import (DlaUnavailableError, EngineBuildError, EngineBuildSpec, make_cache_key,
+from engines.build.job import BuildJob
+from engines.build.spec import (DlaUnavailableError, EngineBuildError, EngineBuildSpec, make_cache_key,
                                 parse_device, resolve_device)
-from engines.cache import EngineCache
+from engines.build.cache import EngineCache
 from engines.errors import EdgeError, ModelError
 from engines.fingerprint import DeviceFingerprint, read_dla_cores, read_fingerprint
 from tests.engine_fixtures import conv_model
@@ -302,7 +302,7 @@ def test_plan_for_a_missing_dla_core_is_refused(trt_backend, tmp_path: Path, ver
 @pytest.mark.parametrize("version", ["8.6.1", "10.3.0", "11.1.0"])
 def test_batch_timing_of_a_fresh_dla_plan_runs_on_its_core(trt_backend, tmp_path: Path, version: str) -> None:
     # The plan is timed right after the build, before the cache writes its sidecar: the spec names the core.
-    from engines import batching
+    from engines.build import batch_size
 
     cuda = FakeCudaMemory()
     trt = dla_tensorrt(version, cores=2, cuda=cuda)
@@ -311,7 +311,7 @@ def test_batch_timing_of_a_fresh_dla_plan_runs_on_its_core(trt_backend, tmp_path
     job = BuildJob("tensorrt", tmp_path / "m.onnx", tmp_path / "out.plan", tmp_path / "work", spec, {})
     job.out_path.write_bytes(b"PLAN-fake")
     report: dict[str, Any] = {"notes": []}
-    batching.time_build(job, report, lambda *a, **k: None, warmup=0, min_rounds=1, max_rounds=1)
+    batch_size.time_build(job, report, lambda *a, **k: None, warmup=0, min_rounds=1, max_rounds=1)
     assert trt._record["deserialized_on_core"] == 1 and set(report["batch"]["curve"]) >= {"1", "2"}
 
 
@@ -347,7 +347,7 @@ def test_cli_build_dla_without_dla_exits_1_with_the_code(tmp_path: Path) -> None
 
 
 def test_engines_list_shows_the_gpu_fallback(tmp_path: Path) -> None:
-    from agent.engines_cli import _paths
+    from agent.cli.engines_cli import _paths
 
     cfg = _config(tmp_path)
     cache = EngineCache(*_paths(cfg))  # the cache and state database the CLI reads

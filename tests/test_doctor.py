@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agent.cli import app
+from agent.cli.main import app
 from agent.state import StateStore, state_db_path
-from engines import cuda_mem, runtime
+from engines import runtime
+from engines import cuda as cuda_mem
 from engines.backends import BACKENDS
-from engines.cuda_mem import CudaError
+from engines.cuda import CudaError
 from engines import doctor
 from engines.doctor import run_doctor, tensorrt_readiness
 from tests.fake_cudart import fake_cudart, install_cudart

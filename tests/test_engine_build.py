@@ -15,13 +15,13 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
-from agent.demo import prepare_demo_model_dir
-from agent.engines_cli import engines_app
-from engines.bench import text_frames
-from engines.build import Builder
+from agent.artifacts.demo_model import prepare_demo_model_dir
+from agent.cli.engines_cli import engines_app
+from engines.frames import text_frames
+from engines.build.job import Builder
 from engines.errors import EdgeError
 from engines.model import load_model
-from engines.provision import load_provisioned, provision
+from engines.build.provisioning import load_provisioned, provision
 from engines.runtime import load_runtime
 from tests.engine_fixtures import board_root, conv_model, source, unsupported_op_model
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from agent.engines_cli import engines_app, pinned_from_state
+from agent.cli.engines_cli import engines_app, pinned_from_state
 from agent.state import StateStore
-from engines import calibration
-from engines.build_spec import EngineBuildSpec, device_part, make_cache_key
-from engines.cache import EngineCache
+from engines.build import calibration
+from engines.build.spec import EngineBuildSpec, device_part, make_cache_key
+from engines.build.cache import EngineCache
 from engines.errors import EdgeError
 from engines.fingerprint import read_fingerprint
 from engines.preprocess import PreprocessSpec
@@ -252,7 +252,7 @@ def test_cli_fingerprint_reads_the_given_root(tmp_path: Path) -> None:
 def test_plan_build_keys_on_the_calibration_set_the_manifest_names(tmp_path: Path) -> None:
     import cv2
 
-    from engines.provision import plan_build
+    from engines.build.provisioning import plan_build
     from tests.engine_fixtures import conv_model, source
 
     src = source(conv_model(tmp_path / "m.onnx"), size=16)

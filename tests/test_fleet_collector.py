@@ -42,7 +42,7 @@ SAMPLE_T0 = float(int(time.time()) - 3600)
 
 
 def sample(seq: int, device: str = "dev-1", **extra: Any) -> dict[str, Any]:
-    """A telemetry sample shaped like agent/telemetry_loop.py's (plus the outbox stamp)."""
+    """A telemetry sample shaped like agent/daemon/telemetry_loop.py's (plus the outbox stamp)."""
     return {"seq": seq, "boot_id": BOOT, "ts": SAMPLE_T0 + seq, "device_id": device, "fps": 29.5,
             "frames": 100 * seq, "dropped_frames": 1, "latency_ms": {"p50": 10.0, "p95": 12.0, "p99": 15.5, "max": 20.0},
             "power_mw": {"total": 7500, "VDD_IN": 7500}, "energy_mj_per_frame": 254.2,

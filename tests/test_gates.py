@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engines.build import Builder
+from engines.build.job import Builder
 from engines.errors import EdgeError
 from engines.manifest import Gates
 from engines.postprocess import Detection, InferenceResult
-from engines.provision import provision
-from engines.validate import (DEFAULT_MIN_ACCURACY, ValidationResult, box_f1, cosine, latency_stats,
-                              min_accuracy_for, text_mask_iou, top1_agreement)
+from engines.build.provisioning import provision
+from engines.build.validate import DEFAULT_MIN_ACCURACY, ValidationResult, latency_stats, min_accuracy_for
+from engines.metrics import box_f1, cosine, text_mask_iou, top1_agreement
 from tests.engine_fixtures import conv_model, outlier_model, source
 
 FAST = {"validation_samples": 2, "latency_runs": 3}
@@ -113,7 +113,7 @@ def test_latency_budget_below_measured_fails_gate_latency(tmp_path: Path) -> Non
 
 
 def test_passing_engine_records_its_verdict(tmp_path: Path) -> None:
-    from engines.cache import EngineCache
+    from engines.build.cache import EngineCache
 
     result = _provision(source(conv_model(tmp_path / "m.onnx"), size=32), tmp_path)
     assert result.validation.passed and result.validation.metric == "cosine"

@@ -19,8 +19,9 @@ from deploy.package import PackageError, PackageOptions, package
 from engines.errors import EdgeError
 from engines.model import load_model
 from engines.postprocess import Detection, InferenceResult
-from engines.provision import provision
-from engines.validate import MIN_REFERENCE_DETECTIONS, agreement, scaled_cosine, signal_problem
+from engines.build.provisioning import provision
+from engines.build.validate import MIN_REFERENCE_DETECTIONS, agreement, signal_problem
+from engines.metrics import scaled_cosine
 from tests import pages
 from tests.real_models import DOCLAYNET, DOCLAYNET_LABELS, wheel_member
 
@@ -73,7 +74,7 @@ def test_a_collapsed_small_output_fails_beside_a_large_one_that_agrees() -> None
 
 def test_box_scores_that_sink_but_stay_above_the_threshold_are_seen() -> None:
     """Same boxes, F1 1.0, but every score fell from 0.9 to 0.3: the matched score ratio shows the collapse."""
-    from engines.validate import box_agreement
+    from engines.metrics import box_agreement
 
     def frame(score: float) -> InferenceResult:
         return InferenceResult("yolo", [Detection((0.0, 0.0, 10.0, 10.0), score, class_id=0),

@@ -14,8 +14,9 @@ import pytest
 import yaml
 
 from agent.pipeline.histogram import LatencyHistogram
-from agent.telemetry_loop import PrometheusExporter
-from deploy.fleet.db import ensure_schema, open_db
+from agent.daemon.telemetry_loop import PrometheusExporter
+from deploy.fleet.db import open_db
+from deploy.fleet.schema import ensure_schema
 from tests.dashboard_fixtures import HOSTILE_ID, fill_fleet
 from tests.fixtures_mqtt import free_port
 

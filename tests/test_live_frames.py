@@ -17,13 +17,13 @@ from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.trust import verify_artifact
 from agent.config import AgentConfig
 from agent.live_frame_sampler import LiveFrameSampler
-from agent.runner import Agent
+from agent.daemon.runner import Agent
 from deploy.package import PackageOptions, package
-from engines.build import Builder
+from engines.build.job import Builder
 from engines.errors import EdgeError
 from engines.live_frames import sample_files, snapshot
 from engines.model import load_bare_onnx, load_model
-from engines.provision import provision
+from engines.build.provisioning import provision
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key
 from tests.engine_fixtures import conv_model, outlier_model
 from tests.helpers import wait_for

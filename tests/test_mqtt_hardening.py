@@ -113,7 +113,7 @@ MARKUP = {"state": "[/]pwned", "model": {"name": "[bold red]evil[/]", "version":
 def test_fleet_status_prints_device_markup_literally(mqtt_broker, collector_factory) -> None:
     prefix = f"mk{uuid.uuid4().hex[:6]}"
     operator = collector_factory(mqtt_broker.url, [f"{prefix}/#"])
-    for device, status in ((f"[blink]dev", MARKUP), ("dev-list", {"state": ["x"], "model": "[/]", "ts": True})):
+    for device, status in (("[blink]dev", MARKUP), ("dev-list", {"state": ["x"], "model": "[/]", "ts": True})):
         operator.client.publish(f"{prefix}/{device}/status", json.dumps(status), qos=1,
                                 retain=True).wait_for_publish(5)
     assert operator.wait_for(lambda m: len(m) == 2)

@@ -33,10 +33,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from engines import nms_graph
 from engines.backends import BACKENDS
-from engines.backends import tensorrt_build as tb
+from engines.build import tensorrt as tb
 from engines.backends.base import TensorSpec
-from engines.build import BuildJob
-from engines.build_spec import EngineBuildError, EngineBuildSpec
+from engines.build.job import BuildJob
+from engines.build.spec import EngineBuildError, EngineBuildSpec
 from engines.errors import EdgeError, ModelError
 from engines.manifest import PostprocessSpec
 from engines.model import ModelSource, load_bare_onnx
@@ -439,8 +439,8 @@ def fake_backend(monkeypatch: pytest.MonkeyPatch):
 
 def test_sidecar_says_where_nms_runs_and_the_trt_engine_reads_it(fake_backend, trt_build, tmp_path: Path) -> None:
     from engines.backends.base import EngineOptions
-    from engines.build_spec import CacheKey
-    from engines.cache import EngineCache
+    from engines.build.spec import CacheKey
+    from engines.build.cache import EngineCache
 
     cache = EngineCache(tmp_path / "cache", tmp_path / "state.db")
     try:
@@ -472,7 +472,7 @@ def test_sidecar_without_a_record_or_missing_means_host_and_unreadable_is_incomp
 
 
 def test_plan_build_puts_engine_nms_in_the_key_only_on_tensorrt(fake_backend, tmp_path: Path) -> None:
-    from engines.provision import plan_build
+    from engines.build.provisioning import plan_build
 
     path = v5_model(tmp_path / "v5.onnx")
     engine = plan_build(v5_source(path, nms="auto"), "tensorrt", fingerprint_root=tmp_path)
@@ -489,7 +489,7 @@ def test_plan_build_puts_engine_nms_in_the_key_only_on_tensorrt(fake_backend, tm
 
 
 def test_onnxruntime_build_with_auto_records_host_nms_in_its_sidecar(tmp_path: Path) -> None:
-    from engines.provision import provision
+    from engines.build.provisioning import provision
 
     source = v5_source(v5_model(tmp_path / "v5.onnx"), nms="auto")
     result = provision(source, backend="onnxruntime", cache_dir=tmp_path / "cache", db_path=tmp_path / "state.db",
@@ -502,7 +502,7 @@ def test_onnxruntime_build_with_auto_records_host_nms_in_its_sidecar(tmp_path: P
 
 
 def _tensorrt_skip() -> str | None:
-    from engines import cuda_mem
+    from engines import cuda as cuda_mem
 
     if "tensorrt" not in BACKENDS:
         return f"tensorrt disabled here: {BACKENDS.disabled().get('tensorrt', 'not registered')}"
@@ -517,8 +517,8 @@ def test_real_tensorrt_runs_efficient_nms_in_the_engine_with_the_host_detections
     reason = _tensorrt_skip()
     if reason:
         pytest.skip(reason)
-    from engines.provision import load_provisioned, provision
-    from engines.validate import box_iou
+    from engines.build.provisioning import load_provisioned, provision
+    from engines.metrics import box_iou
 
     source = doclaynet_source(wheel_member(*DOCLAYNET), nms="engine")
     result = provision(source, backend="tensorrt", cache_dir=tmp_path / "cache", db_path=tmp_path / "state.db",
@@ -646,7 +646,7 @@ def test_a_cached_engine_that_fell_back_to_host_nms_is_not_what_engine_mode_gets
     `engine` must not get it silently (the cache and the build stand in for a device that built it)."""
     from types import SimpleNamespace
 
-    from engines import provision as prov
+    from engines.build import provisioning as prov
 
     events: list = []
     entry = SimpleNamespace(key="k1", report={"nms": {"where": "host", "reason": "TensorRT 10.3 refused EfficientNMS_TRT"}})

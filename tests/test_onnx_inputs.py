@@ -13,11 +13,11 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, quantize_static
 
 from deploy.package import PackageError, PackageOptions, package
-from engines.build import Builder
+from engines.build.job import Builder
 from engines.errors import EdgeError
 from engines.model import load_model
 from engines.onnx_inputs import fp32_copy, has_fp16, quantization_ops, toposort
-from engines.provision import provision
+from engines.build.provisioning import provision
 from tests.engine_fixtures import conv_model, save_graph, source
 
 FAST = {"validation_samples": 2, "latency_runs": 3}

@@ -202,7 +202,7 @@ def test_demo_model_packaged_signed_and_verified(tmp_path: Path) -> None:
 
 
 def test_cli_package_demo_model(tmp_path: Path, key: KeyInfo) -> None:
-    from agent.demo import bundled_demo_onnx
+    from agent.artifacts.demo_model import bundled_demo_onnx
 
     result = runner.invoke(app, ["package", str(bundled_demo_onnx()), "--name", "demo-det", "--version", "1.0.0",
                                  "--color", "bgr", "--mean", "0.5,0.5,0.5", "--std", "0.5,0.5,0.5",

@@ -335,7 +335,7 @@ def test_our_decode_equals_rapid_layouts_picodet_postprocess(picodet: Path, cdla
 
 
 def test_the_layout_regions_it_finds_are_the_rendered_ones_with_their_labels(picodet: Path, cdla_labels: list[str]) -> None:
-    from engines.validate import box_iou
+    from engines.metrics import box_iou
 
     assert cdla_labels[:5] == ["text", "title", "figure", "figure_caption", "table"]
     runtime = _runtime(picodet, cdla_labels, 0.5)
@@ -358,7 +358,7 @@ def test_a_fp32_build_of_the_real_model_passes_its_gates(tmp_path: Path, picodet
 
     from deploy.package import PackageOptions, package
     from engines.model import load_model
-    from engines.provision import provision
+    from engines.build.provisioning import provision
 
     frames, labels = tmp_path / "val", tmp_path / "labels.json"
     frames.mkdir()

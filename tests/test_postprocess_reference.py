@@ -10,14 +10,14 @@ import pytest
 from deploy.package import PackageError, _validate_postprocess
 from engines.errors import ModelError
 from engines.postprocess import POSTPROCESSORS, PostprocessContext, build_postprocessor
-from engines.postprocess.reference import render
+from engines.postprocess_reference import render
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_committed_reference_is_current_and_names_every_parameter() -> None:
     committed = (REPO / "docs" / "postprocessors.md").read_text()
-    assert committed == render(), "stale: python -m engines.postprocess.reference > docs/postprocessors.md"
+    assert committed == render(), "stale: python -m engines.postprocess_reference > docs/postprocessors.md"
     for name in POSTPROCESSORS.names():
         assert f"## `{name}`" in committed
         for param in POSTPROCESSORS.get(name).Params.model_fields:

@@ -1,7 +1,7 @@
 """Semantic segmentation: class maps from scores, ids or one sigmoid channel, lined up with the frame, drawn,
 and gated by mean IoU.
 
-No pretrained semantic segmentation model ships in a public package we can fetch (../shared/real-models.md), so
+No pretrained semantic segmentation model ships in a public package we can fetch (tests/real_models.py lists those that do), so
 the model here is an onnx.helper colour segmenter in the family's exact layout (1x3xHxW in, 1xCxHxW class
 scores out): background everywhere, class 1 where the frame is red, class 2 where it is blue.
 """
@@ -23,7 +23,7 @@ from engines.postprocess import PostprocessContext, build_postprocessor
 from engines.postprocess.segmentation import mean_iou
 from engines.preprocess import FrameTransform, PreprocessSpec
 from engines.runtime import load_runtime
-from engines.validate import validate
+from engines.build.validate import validate
 from tests.engine_fixtures import save_graph
 
 LABELS = ["background", "red", "blue"]

@@ -25,7 +25,7 @@ from engines.model import load_bare_onnx
 from engines.postprocess.value_ranges import Seen, require
 from engines.preprocess import PreprocessSpec
 from engines.runtime import load_runtime
-from engines.validate import validate
+from engines.build.validate import validate
 from tests.test_postprocess_yolo_heads import constant_outputs
 
 SIZE = 32

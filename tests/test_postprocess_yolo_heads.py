@@ -1,7 +1,7 @@
 """YOLO pose, instance segmentation and end-to-end (NMS-done) outputs through the real frame path pieces
 (Preprocessor -> ONNX Runtime -> yolo postprocessor).
 
-No pretrained pose, segmentation or end-to-end export ships in a public package (../shared/real-models.md), so
+No pretrained pose, segmentation or end-to-end export ships in a public package (tests/real_models.py lists those that do), so
 each model here is an onnx.helper graph whose constant outputs encode known objects in the family's exact
 layout, as Ultralytics (v8/v11 `-pose`, `-seg`, YOLOv10 / `nms=True`) and TensorRT's EfficientNMS_TRT write it.
 """
@@ -179,7 +179,7 @@ def _runtime(path: Path, params: dict[str, Any]):
 def test_the_gate_judges_a_seg_heads_masks_and_a_pose_heads_keypoints_not_only_its_boxes(tmp_path: Path) -> None:
     """Same boxes, different masks (or keypoints): box F1 is 1.0, and the gate still fails the candidate."""
     from engines.manifest import Gates
-    from engines.validate import validate
+    from engines.build.validate import validate
 
     protos = np.full((1, 4, 160, 160), -1.0, np.float32)
     protos[0, 0, 40:80, 40:80] = 1.0

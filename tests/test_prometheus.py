@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import urllib.request
 
-from agent.telemetry_loop import PrometheusExporter
+from agent.daemon.telemetry_loop import PrometheusExporter
 from tests.fixtures_mqtt import free_port
 
 

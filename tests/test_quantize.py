@@ -1,4 +1,4 @@
-"""engines.quantize: static INT8 Q/DQ quantization, the exact pre-quantization rewrites, mask IoU."""
+"""engines.build.ort_recipe: static INT8 Q/DQ quantization, the exact pre-quantization rewrites, mask IoU."""
 
 from __future__ import annotations
 
@@ -12,14 +12,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from engines.errors import ModelError
-from engines.quantize import (
-    QuantSettings,
-    _qlinearconv_is_exact,
-    make_static_shape,
-    mask_iou,
-    optimize_fp32,
-    quantize_int8,
-)
+from engines.build.convtranspose_fusion import qlinearconv_is_exact
+from engines.build.graph_rewrites import make_static_shape
+from engines.build.ort_recipe import QuantSettings, optimize_fp32, quantize_int8
+from engines.metrics import mask_iou
 
 RNG = np.random.default_rng(7)
 
@@ -225,7 +221,7 @@ def test_rewrites_are_exact(tmp_path: Path) -> None:
     assert counts["affine_into_1x1_conv"] == 1
     # ORT 1.23.2 miscomputes QLinearConv with 17..31 output channels (the fused pair's 6 -> 24 conv):
     # there the pair stays two ConvTransposes (test_quantized_convtranspose_pair_matches_reference)
-    fused = _qlinearconv_is_exact(6, 24, 1, (1, 1))
+    fused = qlinearconv_is_exact(6, 24, 1, (1, 1))
     assert counts["convtranspose_pairs"] == int(fused)
     ops = [n.op_type for n in onnx.load(str(out)).graph.node]
     assert "Div" not in ops and "BatchNormalization" not in ops and ("ConvTranspose" in ops) != fused
@@ -293,7 +289,7 @@ def test_quantized_conv_with_24_outputs_matches_reference(tmp_path: Path) -> Non
     src = _save(graph, tmp_path / "c24.onnx")
     q = tmp_path / "c24.int8.onnx"
     report = quantize_int8(src, q, [x * 2 for x in _inputs(16, (1, 6, 8, 10), seed=8)])
-    assert report.rewrites["split_convs_for_ort"] == int(not _qlinearconv_is_exact(6, 24, 1, (3, 3)))
+    assert report.rewrites["split_convs_for_ort"] == int(not qlinearconv_is_exact(6, 24, 1, (3, 3)))
     for x in _inputs(2, (1, 6, 8, 10), seed=5):
         feed = {"x": x * 2}
         assert np.abs(_run(q, feed) - _reference(q, feed)).max() < 0.02

@@ -93,7 +93,7 @@ def test_items_submitted_to_a_stage_that_is_not_running_are_handled_inline() -> 
 
 @pytest.fixture(scope="module")
 def demo_source(tmp_path_factory):
-    from agent.demo import prepare_demo_model_dir
+    from agent.artifacts.demo_model import prepare_demo_model_dir
     from engines.model import load_model
 
     return load_model(prepare_demo_model_dir(tmp_path_factory.mktemp("demo"), 160, 128))

@@ -9,9 +9,9 @@ import cv2
 import numpy as np
 import pytest
 
-from agent.cli import last_frame_text
+from agent.cli.main import last_frame_text
 from agent.config import AgentConfig
-from agent.runner import Agent
+from agent.daemon.runner import Agent
 from agent.sources.file import FileConfig, FileSource
 from tests import pages
 from tests.helpers import wait_for

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from typer.main import get_command
 
-from agent.cli import app
+from agent.cli.main import app
 from deploy.cli import app as deploy_app
 
 ROLE = Path(__file__).resolve().parents[1] / "ansible" / "roles" / "edge_model"

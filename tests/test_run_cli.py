@@ -104,7 +104,7 @@ def test_bad_model_path_fails_with_exit_2(agent_env, tmp_path: Path, monkeypatch
 
 @pytest.mark.slow
 def test_bench_json_has_stage_breakdown(agent_env, tmp_path: Path) -> None:
-    from agent.demo import prepare_demo_model_dir
+    from agent.artifacts.demo_model import prepare_demo_model_dir
 
     model_dir = prepare_demo_model_dir(tmp_path / "models", 320, 240)
     result = run_cli("bench", str(model_dir), "--iterations", "3", "--warmup", "1", "--json")

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from agent.cli import app
+from agent.cli.main import app
 from agent.config import AgentConfig, load_config
 from agent.mqtt.config import MqttConfig
 from agent.mqtt.paho_setup import tls_context
@@ -212,8 +212,8 @@ def _everything_said(caplog, collector, *extra: object) -> str:
 @pytest.mark.parametrize("source", ["password", "credentials_file"])
 def test_a_running_agent_never_says_its_broker_secret(source: str, broker_factory, collector_factory,
                                                       tmp_path: Path, caplog) -> None:
-    from agent.runner import Agent
-    from agent.status import read_status
+    from agent.daemon.runner import Agent
+    from agent.cli.status import read_status
     from tests.deploy_fixtures import agent_settings, make_artifact, make_key
 
     caplog.set_level(logging.DEBUG)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent.config import AgentConfig
-from agent.runner import Agent
+from agent.daemon.runner import Agent
 from agent.shadow.plan import ShadowArgs
 from engines.shadow_policy import CancelBelow, PromoteWhen
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
@@ -102,8 +102,8 @@ def test_shadow_yields_under_a_p99_breach_and_an_operator_cancels(running_agent,
     from rich.console import Console
     from typer.testing import CliRunner
 
-    from agent.cli import app
-    from agent.status import read_status, render_status
+    from agent.cli.main import app
+    from agent.cli.status import read_status, render_status
 
     socket = tmp_path / "ctl.sock"
     agent = running_agent(deployments={"shadow_yield_p99_ms": 0.001},  # every serving frame is over this

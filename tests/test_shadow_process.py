@@ -21,7 +21,7 @@ from agent.shadow.pressure import ServingPressure
 from agent.shadow.session import ShadowModel, ShadowSession
 from engines.backends.base import EngineOptions
 from engines.postprocess import InferenceResult
-from engines.provision import load_warm, provision
+from engines.build.provisioning import load_warm, provision
 from tests.engine_fixtures import conv_model, source
 from tests.helpers import wait_for
 

@@ -25,7 +25,7 @@ from engines.live_agreement import frame_tally, frozen_copy, pooled, score
 from engines.postprocess import InferenceResult
 from engines.postprocess.base import ClassScore, Detection
 from engines.shadow_policy import CancelBelow, PromoteWhen, ShadowPolicy
-from engines.validate import agreement
+from engines.build.validate import agreement
 from tests.helpers import wait_for
 
 
@@ -236,7 +236,7 @@ def test_live_agreement_equals_the_gate_metric_on_a_real_detector_we_did_not_cho
     from engines.model import load_model
     from engines.postprocess import PostprocessContext, build_postprocessor
     from engines.runtime import load_runtime
-    from engines.validate import _run
+    from engines.build.validate import _run
     from tests import pages
     from tests.real_models import DOCLAYNET, DOCLAYNET_LABELS, wheel_member
 
@@ -324,7 +324,7 @@ def test_command_values_merge_into_the_manifest_policy_field_by_field() -> None:
 
 
 def test_shadow_arguments_are_strict_like_every_command_argument() -> None:
-    from agent.commands import DeployArgs
+    from agent.command_args import DeployArgs
 
     with pytest.raises(ValueError, match="min_frames"):
         DeployArgs.model_validate({"url": "https://m/manifest.json", "mode": "shadow", "promote_when": {"min_frames": "500"}})

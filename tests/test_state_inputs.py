@@ -23,7 +23,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from engines.errors import ModelError
-from engines.manifest import PostprocessSpec, StateSpec, model_input_dims, parse_manifest
+from engines.manifest import PostprocessSpec, StateSpec, parse_manifest
+from engines.state_inputs import model_input_dims
 from engines.model import load_bare_onnx
 from engines.preprocess import PreprocessSpec
 from engines.runtime import load_runtime
@@ -180,7 +181,7 @@ def test_a_stateful_model_takes_one_frame_per_call(rvm: Path) -> None:
 
 
 def test_the_build_plan_of_a_stateful_model_is_batch_1(rvm: Path) -> None:
-    from engines.provision import plan_build
+    from engines.build.provisioning import plan_build
 
     source = load_bare_onnx(rvm, {"preprocess": PREPROCESS, "postprocess": MATTE, "state": STATE})
     spec = plan_build(source, "onnxruntime", max_batch=4).spec
@@ -193,7 +194,7 @@ def test_the_build_plan_of_a_stateful_model_is_batch_1(rvm: Path) -> None:
 
 def test_validation_runs_the_frames_in_sequence_on_one_stream(rvm: Path) -> None:
     from engines.manifest import Gates
-    from engines.validate import VALIDATION_STREAM, _sequence, validate
+    from engines.build.validate import VALIDATION_STREAM, _sequence, validate
 
     reference, candidate = runtime_of(rvm), runtime_of(rvm)
     try:
@@ -306,9 +307,9 @@ def test_int8_is_refused_for_a_stateful_model() -> None:
 
 def test_tensorrt_refuses_a_stateful_model_before_building(rvm: Path, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from engines.backends import tensorrt_build as tb
-    from engines.build import BuildJob
-    from engines.build_spec import EngineBuildError, EngineBuildSpec
+    from engines.build import tensorrt as tb
+    from engines.build.job import BuildJob
+    from engines.build.spec import EngineBuildError, EngineBuildSpec
     from tests.fake_nvidia import fake_tensorrt
 
     trt = fake_tensorrt("10.3.0")
@@ -338,7 +339,7 @@ def test_the_agent_carries_each_cameras_own_state(tmp_path: Path) -> None:
     from agent.artifacts.builder import build_artifact
     from agent.artifacts.keys import load_private_key
     from agent.config import AgentConfig
-    from agent.runner import Agent
+    from agent.daemon.runner import Agent
     from engines.batching import STATE_BATCH_REASON
     from engines.manifest import Gates, Manifest, ModelFile
     from tests.deploy_fixtures import agent_settings, make_key
@@ -426,17 +427,18 @@ def test_variants_are_refused_with_state() -> None:
 def test_a_stateful_candidate_is_refused_as_a_shadow(rvm: Path) -> None:
     from types import SimpleNamespace
 
-    from agent.shadow.wiring import check_comparable
+    from agent.daemon.shadow_host import ShadowHost
     from engines.errors import EdgeError
 
     serving = load_bare_onnx(rvm, {"preprocess": PREPROCESS, "postprocess": MATTE, "state": STATE})
-    agent = SimpleNamespace(active=SimpleNamespace(source=serving))
+    slots = SimpleNamespace(active=SimpleNamespace(source=serving))
+    host = ShadowHost(slots, loader=None, config=None, throttled=lambda: False, adapt_over_limit=lambda: False)
     with pytest.raises(EdgeError) as info:
-        check_comparable(agent, serving)  # same kind as the serving model: refused for its state alone
+        host.check_comparable(serving)  # same kind as the serving model: refused for its state alone
     assert info.value.code == "SHADOW_INCOMPARABLE"
     assert "every frame of its camera in order" in str(info.value)
     plain = serving.manifest.model_copy(update={"state": None})
-    check_comparable(agent, SimpleNamespace(manifest=plain, label="plain"))  # the same without state shadows
+    host.check_comparable(SimpleNamespace(manifest=plain, label="plain"))  # the same without state shadows
 
 
 def frame_sized_state(path: Path) -> Path:
@@ -455,9 +457,9 @@ def frame_sized_state(path: Path) -> Path:
 
 
 def test_the_build_verify_step_feeds_the_first_frames_state(tmp_path: Path) -> None:
-    from engines.build import BuildJob
-    from engines.build_worker import build_onnxruntime
-    from engines.provision import _state_dump, plan_build
+    from engines.build.job import BuildJob
+    from engines.build.worker import build_onnxruntime
+    from engines.build.provisioning import _state_dump, plan_build
 
     state = {"pairs": [{"input": "r", "output": "ro", "init_shape": [1, 1, HEIGHT, WIDTH]}]}
     source = load_bare_onnx(frame_sized_state(tmp_path / "fs.onnx"),
@@ -481,8 +483,8 @@ def test_the_build_verify_step_feeds_the_first_frames_state(tmp_path: Path) -> N
 
 def test_auto_plans_a_stateful_model_on_onnxruntime_and_explicit_tensorrt_is_refused(
         rvm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import engines.provision as provision
-    from engines.build_spec import EngineBuildError
+    import engines.build.provisioning as provision
+    from engines.build.spec import EngineBuildError
 
     source = load_bare_onnx(rvm, {"preprocess": PREPROCESS, "postprocess": MATTE, "state": STATE})
     with pytest.raises(EngineBuildError) as info:
@@ -496,8 +498,8 @@ def test_auto_plans_a_stateful_model_on_onnxruntime_and_explicit_tensorrt_is_ref
 
 
 def test_a_precision_override_to_int8_is_refused_for_a_stateful_model(rvm: Path, tmp_path: Path) -> None:
-    from engines.build_spec import EngineBuildError
-    from engines.provision import plan_build
+    from engines.build.spec import EngineBuildError
+    from engines.build.provisioning import plan_build
 
     source = load_bare_onnx(rvm, {"preprocess": PREPROCESS, "postprocess": MATTE, "state": STATE})
     assert plan_build(source, "onnxruntime", precision="fp32", fingerprint_root=tmp_path).precision == "fp32"

@@ -20,13 +20,14 @@ from typing import Any, Iterator
 import pytest
 
 from agent.artifacts.config import ArtifactsConfig
-from agent.commands import CommandDispatcher, RateLimit
+from agent.commands import CommandDispatcher
 from agent.config import AgentConfig
 from agent.deployments.config import DeploymentConfig
 from agent.deployments.manager import DeploymentManager
 from agent.deployments.store import TERMINAL, DeploymentStore
 from agent.mqtt import MqttConfig, MqttPlane
-from agent.state import StateStore, integrity_problem, quarantine_if_corrupt
+from agent.rate_limit import RateLimit
+from agent.state import StateStore, StateStoreError, integrity_problem, quarantine_if_corrupt
 from deploy.mqtt_ops import send_command
 from engines import fsutil
 from engines.errors import EdgeError
@@ -445,7 +446,7 @@ def test_unreadable_header_starts_fresh_and_says_what_was_lost(tmp_path: Path) -
     path = tmp_path / "state.db"
     filled_store(path)
     overwrite_pages(path, "header")
-    with pytest.raises(Exception):
+    with pytest.raises(StateStoreError):
         StateStore(path)  # what the agent did before: no start, and systemd gives up after 5 tries
     store = StateStore.open_checked(path)
     try:
@@ -472,7 +473,7 @@ def test_healthy_or_locked_database_is_never_moved_aside(tmp_path: Path, write_l
 
 @pytest.mark.slow
 def test_agent_starts_on_a_corrupt_state_db_and_reports_it(tmp_path: Path, mqtt_broker, collector_factory) -> None:
-    from agent.runner import Agent
+    from agent.daemon.runner import Agent
     from tests.deploy_fixtures import agent_settings, make_artifact, make_key
 
     private, public = make_key(tmp_path / "keys")

@@ -380,8 +380,8 @@ def test_zone_names_are_stable_across_releases(raw: str, name: str) -> None:
 # a stand-in module that answers through the real library's names with values recorded on a real
 # device. The sources' own code (field mapping, units, NotSupported handling) runs unchanged.
 
-# VERBATIM copy of /work/shared/gpu-reference/nvml_h200_idle.json: pynvml (nvidia-ml-py) on one idle NVIDIA H200,
-# driver 580.159.04, recorded 2026-11-30 (see that folder's README for the calls used).
+# VERBATIM values (tests/data/gpu_reference/nvml_h200_idle.json): pynvml (nvidia-ml-py) on one idle NVIDIA H200,
+# driver 580.159.04, recorded 2026-11-30 (the file names the calls used).
 H200_IDLE = json.loads((Path(__file__).parent / "data" / "gpu_reference" / "nvml_h200_idle.json").read_text())["fields"]
 
 
@@ -510,8 +510,7 @@ def test_nvml_throttle_bits_are_decoded(import_source) -> None:
 # jtop/core/temperature.py `get_status` ({'temp': °C, 'online': temp != -256}), jtop/core/gpu.py
 # ({'type': 'integrated', 'status': {'load': %}, 'freq': {'cur': kHz}}), jtop/core/memory.py (kB; EMC
 # {'online', 'val': %, 'cur': kHz}), jtop/core/cpu.py ({'total': {'user','nice','system','idle'}})),
-# filled with the values of one VERBATIM AGX Orin 64GB tegrastats line (GDWR/jetson_exporter#14, quoted in
-# /work/shared/jetson-reference/agx-orin.md; jtop reads the same INA3221/thermal/devfreq sources):
+# filled with the values of one VERBATIM AGX Orin 64GB tegrastats line (GDWR/jetson_exporter#14 on GitHub; jtop reads the same INA3221/thermal/devfreq sources):
 # RAM 4321/62801MB SWAP 19/31400MB CPU [0%@729 x12] EMC_FREQ 0%@2133 GR3D_FREQ 0%@[0,0] CV0@-256C CPU@44.562C
 # Tboard@32C SOC2@40.093C Tdiode@33C SOC0@41.093C CV1@-256C GPU@-256C tj@44.343C SOC1@41.25C CV2@-256C
 # VDD_GPU_SOC 2340mW/2340mW VDD_CPU_CV 390mW/390mW VIN_SYS_5V0 4025mW/4025mW NC 0mW/0mW VDDQ_VDD2_1V8AO 301mW/301mW

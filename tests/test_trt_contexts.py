@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engines import cuda_mem
+from engines import cuda as cuda_mem
 from engines.backends.base import EngineOptions
-from engines.cuda_mem import CudaError
+from engines.cuda import CudaError
 from engines.errors import EdgeError
 from tests.fake_nvidia import FakeCudaMemory, api_versions, fake_tensorrt
 from tests.test_backend_contract import _plan, fake_backend  # noqa: F401  (the TrtEngine-on-stand-ins fixture)

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engines import cuda_mem
+from engines import cuda as cuda_mem
 from engines.backends.base import EngineOptions
 from engines.backends.tensorrt_compat import numpy_dtype, shared_logger
-from engines.build_spec import EngineBuildError, EngineBuildSpec
-from engines.cuda_mem import CudaError
+from engines.build.spec import EngineBuildError, EngineBuildSpec
+from engines.cuda import CudaError
 from engines.errors import ModelError
 from tests.fake_nvidia import (FakeCudaMemory, api_versions, fake_tensorrt, forget_tensorrt_backend,
                                import_tensorrt_backend, load_api)
@@ -170,12 +170,12 @@ def test_pycuda_never_claims_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> Non
     package.driver = driver
     monkeypatch.setitem(sys.modules, "pycuda", package)
     monkeypatch.setitem(sys.modules, "pycuda.driver", driver)
-    monkeypatch.delitem(sys.modules, "engines.cuda_mem_pycuda", raising=False)
-    memory = importlib.import_module("engines.cuda_mem_pycuda").PyCudaMemory()
+    monkeypatch.delitem(sys.modules, "engines.cuda.pycuda_memory", raising=False)
+    memory = importlib.import_module("engines.cuda.pycuda_memory").PyCudaMemory()
     assert memory.supports_graphs is False
     with pytest.raises(CudaError, match="no stream capture"):
         memory.begin_capture(Stream())
-    sys.modules.pop("engines.cuda_mem_pycuda", None)
+    sys.modules.pop("engines.cuda.pycuda_memory", None)
 
 
 # --- one logger per process ----------------------------------------------------------------------
@@ -198,7 +198,7 @@ def _first_logger_wins(trt: Any) -> list:
 
 def test_build_after_a_runtime_still_reports_tensorrt_errors(backend, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    from engines.backends import tensorrt_build
+    from engines.build import tensorrt as tensorrt_build
 
     cuda = FakeCudaMemory()
     trt = fake_tensorrt("10.3.0", cuda=cuda,
@@ -215,7 +215,7 @@ def test_build_after_a_runtime_still_reports_tensorrt_errors(backend, tmp_path: 
 
 
 def test_a_build_reports_only_its_own_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engines.backends import tensorrt_build
+    from engines.build import tensorrt as tensorrt_build
 
     monkeypatch.setattr(tensorrt_build, "free_device_memory", lambda: None)
     trt = fake_tensorrt("10.3.0", build_errors=("second build failed",))

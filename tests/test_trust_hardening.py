@@ -26,7 +26,7 @@ from agent.artifacts.urlpolicy import UrlRefused, check_url
 from agent.config import AgentConfig
 from agent.control_socket import send_command
 from agent.deployments.versions import VersionMemory, is_older
-from agent.runner import Agent
+from agent.daemon.runner import Agent
 from agent.state import StateStore, state_db_path
 from engines.errors import EdgeError
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
@@ -283,7 +283,7 @@ def test_older_signed_version_is_refused_unless_allow_downgrade(tmp_path: Path, 
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from agent.cli import app
+    from agent.cli.main import app
 
     agent = start_agent(_settings(tmp_path, keys))
     v2 = make_artifact(tmp_path / "pub" / "v2", "2.0.0", keys["private"])

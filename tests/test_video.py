@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from agent.config import AgentConfig
-from agent.runner import Agent
+from agent.daemon.runner import Agent
 from agent.video.config import VideoConfig
 from agent.video.encode import JpegEncoder
 from agent.video.overlay import OverlayStyle, color_of, render

@@ -14,7 +14,7 @@ from agent.deployments.floors import FpsFloor, capacity_fps, fair_shares, fps_fl
 from agent.deployments.watch import judge, judge_cameras, latency_statistic, watch_model
 from agent.pipeline.frame_stats import CameraStats, FrameStats, FrameTiming
 from engines.errors import EdgeError
-from engines.validate import ValidationResult
+from engines.build.validate import ValidationResult
 
 
 def stats(latencies: list[float], errors: int = 0, age_s: float = 10.0) -> FrameStats:
@@ -241,7 +241,7 @@ def feed(health, model, camera: str, results) -> None:
 
 
 def test_a_detector_that_finds_nothing_where_the_previous_one_found_things_has_collapsed() -> None:
-    from agent.deployments.output_health import OutputHealth
+    from agent.pipeline.output_health import OutputHealth
 
     health, old, new = OutputHealth(), Model("db_text"), Model("db_text")
     feed(health, old, "cam", [result("db_text", 4)] * 40)
@@ -257,7 +257,7 @@ def test_a_detector_that_finds_nothing_where_the_previous_one_found_things_has_c
 
 
 def test_collapse_needs_history_frames_and_a_comparable_model() -> None:
-    from agent.deployments.output_health import OutputHealth
+    from agent.pipeline.output_health import OutputHealth
 
     health = OutputHealth()
     feed(health, Model("yolo"), "cam", [result("yolo", 3)] * 10)  # too little history
@@ -274,7 +274,7 @@ def test_collapse_needs_history_frames_and_a_comparable_model() -> None:
 
 
 def test_a_classifier_stuck_on_one_class_and_a_flat_raw_output_have_collapsed() -> None:
-    from agent.deployments.output_health import OutputHealth
+    from agent.pipeline.output_health import OutputHealth
 
     labels = ["0", "180"]
     health = OutputHealth()
@@ -291,7 +291,7 @@ def test_a_classifier_stuck_on_one_class_and_a_flat_raw_output_have_collapsed() 
 
 
 def test_the_watch_rolls_back_a_collapsed_camera_once_its_window_is_judged() -> None:
-    from agent.deployments.output_health import OutputHealth
+    from agent.pipeline.output_health import OutputHealth
 
     health, new = OutputHealth(), Model("db_text")
     feed(health, Model("db_text"), "cam", [result("db_text", 2)] * 40)
@@ -324,7 +324,7 @@ def street(rng: np.random.Generator) -> np.ndarray:
 
 
 def test_a_segmenter_collapsing_to_background_or_to_one_class_has_collapsed() -> None:
-    from agent.deployments.output_health import OutputHealth
+    from agent.pipeline.output_health import OutputHealth
 
     rng = np.random.default_rng(0)
     before = [segmented(street(rng)) for _ in range(40)]
@@ -347,7 +347,7 @@ def test_a_segmenter_collapsing_to_background_or_to_one_class_has_collapsed() ->
 
 
 def test_a_segmenter_whose_previous_model_saw_little_is_not_judged_on_it() -> None:
-    from agent.deployments.output_health import OutputHealth
+    from agent.pipeline.output_health import OutputHealth
 
     empty = np.zeros((96, 128), np.int64)
     speck = empty.copy()

@@ -19,8 +19,8 @@ import pytest
 from typer.testing import CliRunner
 
 from agent.config import AgentConfig
-from agent.runner import Agent
-from agent.status import read_status
+from agent.daemon.runner import Agent
+from agent.cli.status import read_status
 from deploy.cli import app as deploy_app
 from tests.deploy_fixtures import make_artifact, make_key
 from tests.helpers import wait_for

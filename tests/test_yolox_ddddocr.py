@@ -20,9 +20,9 @@ from deploy.package import PackageOptions, package
 from engines.errors import EdgeError
 from engines.model import load_bare_onnx, load_model
 from engines.postprocess.yolo import decode_yolox, yolox_grid
-from engines.provision import provision
+from engines.build.provisioning import provision
 from engines.runtime import load_runtime
-from engines.validate import box_iou
+from engines.metrics import box_iou
 from tests.real_models import DDDDOCR, wheel_member, wheel_python
 
 SIZE = 416

@@ -21,8 +21,8 @@ from agent.adapt.config import AdaptConfig
 from agent.adapt.family import Load, Member, Provision, build_member, members, reference_frames, reference_runtime
 from agent.adapt.inputs import SlidingLatency, mean_luminance, policy_inputs
 from agent.adapt.policy import Decision, PolicyState, decide, initial_state
-from agent.commands import describe_errors
-from agent.status import FAMILY_KEY
+from agent.wire_errors import describe_errors
+from agent.state import FAMILY_KEY
 from engines.errors import EdgeError
 from engines.model import ModelSource
 
@@ -45,7 +45,6 @@ class AdaptController(threading.Thread):
         self.source, self.config = source, config
         self.members = members(source)
         self.ready: list[Member] = []
-        self.active: Member | None = None
         self.state: PolicyState | None = None
         self.latency = SlidingLatency(config.window_s)
         self.frames_by_variant: dict[str, int] = {}
@@ -64,7 +63,7 @@ class AdaptController(threading.Thread):
         if not hold:
             self._go.set()
         self._closed = False  # `close` ran: what the builder loads after it is the builder's to release
-        self._attach(serving)
+        self.active: Member = self._attach(serving)
         self._restore_policy()
 
     # --- the frame path's side (called from the inference worker: cheap, never blocks) ------------------
@@ -177,6 +176,7 @@ class AdaptController(threading.Thread):
             return
         decision = Decision(self.ready.index(self.active), self.ready.index(target), "restored")
         self._switch(decision)
+        assert self.state is not None
         self.state = dataclasses.replace(self.state, variant=decision.to_variant)
 
     def tick(self, now: float | None = None, sample: dict[str, Any] | None = None) -> Decision | None:
@@ -265,7 +265,7 @@ class AdaptController(threading.Thread):
 
     # --- internals -------------------------------------------------------------------------------------
 
-    def _attach(self, serving: Any) -> None:
+    def _attach(self, serving: Any) -> Member:
         """Find which variant the serving model is (by file, precision and input size)."""
         key = _variant_key(serving.source)
         match = next((m for m in self.members if _variant_key(m.source) == key), None)
@@ -274,7 +274,7 @@ class AdaptController(threading.Thread):
                             f"{[m.name for m in self.members]}", code="ADAPT_NO_VARIANT")
         match.loaded, match.provisioned, match.source = serving, serving.provisioned, serving.source
         serving.variant, serving.family = match.name, self.source
-        self.active = match
+        return match
 
     def _restore_policy(self) -> None:
         """set_policy changes made before a restart stay in force."""

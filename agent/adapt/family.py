@@ -2,7 +2,7 @@
 
 Each variant is the artifact's model (or another ONNX listed in the same signed artifact) at its own
 precision and input size. A variant joins the family only after its engine is cached and passes the
-usual gates (engines.provision) *and* its accuracy against the family's reference -- the first
+usual gates (engines.build.provisioning) *and* its accuracy against the family's reference -- the first
 variant at FP32 on ONNX Runtime, same frames, outputs compared in the reference's frame space -- is
 at least its threshold. A variant that fails is left out with the code and the reason.
 """
@@ -20,11 +20,13 @@ from engines.errors import EdgeError
 from engines.manifest import Variant
 from engines.model import ModelSource
 from engines.runtime import ModelRuntime, load_runtime
-from engines.validate import DEFAULT_MIN_ACCURACY, METRICS, box_f1, cosine, text_mask_iou, validation_frames
+from engines.build.validate import DEFAULT_MIN_ACCURACY
+from engines.frames import validation_frames
+from engines.metrics import METRICS, box_f1, cosine, text_mask_iou
 
 log = logging.getLogger(__name__)
 
-Provision = Callable[[ModelSource], Any]  # -> engines.provision.ProvisionResult (raises on a failed gate)
+Provision = Callable[[ModelSource], Any]  # -> engines.build.provisioning.ProvisionResult (raises on a failed gate)
 Load = Callable[[ModelSource, Any], Any]  # (source, provisioned) -> an object with `.runtime` (LoadedModel)
 
 

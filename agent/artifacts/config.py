@@ -12,7 +12,7 @@ from agent.artifacts.keys import is_inline_key
 
 
 class ArtifactsConfig(BaseModel):
-    """Trust and download settings for model artifacts (the device side of CONTRACT.md §Artifact)."""
+    """Trust and download settings for model artifacts (the device side of docs/contract.md, "Artifact")."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 

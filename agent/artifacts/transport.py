@@ -134,7 +134,7 @@ class _ReadTimeout:
     """
 
     def __init__(self, *args: object, read_timeout: float, sockets: _Sockets, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
         self._read_timeout, self._sockets = read_timeout, sockets
         self._create_connection = self._registered_connection  # http.client's hook that makes the socket
 
@@ -197,7 +197,7 @@ class _PolicyRedirect(urllib.request.HTTPRedirectHandler):
         super().__init__()
         self._config = config
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
         if urlsplit(req.full_url).scheme == "https" and urlsplit(newurl).scheme != "https":
             raise FetchError(f"{req.full_url}: refusing redirect from https to {newurl}")
         check_url(newurl, self._config, REMOTE)  # never to file://, whoever asked

@@ -248,7 +248,7 @@ def demo_trust(config: ArtifactsConfig, state_dir: Path) -> ArtifactsConfig:
 def package_demo(state_dir: Path) -> Path:
     """Package and sign the bundled demo model with the demo key into state_dir/artifacts/demo-det/1.0.0/."""
     from agent.artifacts.builder import build_artifact
-    from agent.demo import DEMO_NAME, DEMO_VERSION, bundled_demo_onnx, demo_manifest
+    from agent.artifacts.demo_model import DEMO_NAME, DEMO_VERSION, bundled_demo_onnx, demo_manifest
 
     private, public = ensure_demo_key(state_dir)
     out = Path(state_dir) / "artifacts" / DEMO_NAME / DEMO_VERSION

@@ -1,6 +1,6 @@
 """Generates docs/configuration.md from the config models, so the reference cannot drift from the code.
 
-`python -m agent.config_docs > docs/configuration.md`; a test fails when the committed file is stale.
+`python -m agent.cli.config_docs > docs/configuration.md`; a test fails when the committed file is stale.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from agent.sources import SOURCES
 
 HEADER = """# Configuration reference
 
-Generated from the config models by `python -m agent.config_docs` — do not edit by hand.
+Generated from the config models by `python -m agent.cli.config_docs` — do not edit by hand.
 
 The agent reads one TOML file (`--config PATH`; `/etc/edge-agent/agent.toml` under systemd) and then
 environment variables `EDGE_AGENT_<FIELD>`, nested with `__` (for example `EDGE_AGENT_MQTT__URL`,

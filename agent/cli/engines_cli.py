@@ -1,6 +1,6 @@
 """`edge-agent engines ...`: fingerprint, doctor, build, list and gc of the device's engine cache.
 
-Mounted by agent.cli as `app.add_typer(engines_app, name="engines")`. Paths come from the agent's
+Mounted by agent.cli.main as `app.add_typer(engines_app, name="engines")`. Paths come from the agent's
 config: `cache_dir` for engines, the state database for the index and the active/previous models
 that `gc` must keep. Exit codes as every `edge-agent` command: 0 ok, 1 failed, 2 usage/config.
 """
@@ -30,7 +30,7 @@ _CONFIG = typer.Option(None, "--config", "-c", help="TOML config file (for cache
 
 def _paths(config: Optional[Path]) -> tuple[Path, Path]:
     """(cache_dir, state database) from the agent config."""
-    from agent.cli import load_config_or_exit
+    from agent.cli.common import load_config_or_exit
     from agent.state import state_db_path
 
     cfg = load_config_or_exit(config)
@@ -128,9 +128,9 @@ def build(
 ) -> None:
     """Build (or find in the cache) this device's engine for a model, then validate it."""
     from engines.model import load_model
-    from engines.provision import provision
+    from engines.build.provisioning import provision
 
-    from engines.build_spec import parse_device
+    from engines.build.spec import parse_device
 
     if precision is not None and precision not in ("fp32", "fp16", "int8"):
         err.print(f"[red]--precision {precision!r}:[/] use fp32, fp16 or int8")
@@ -204,7 +204,7 @@ def list_engines(
     config: Optional[Path] = _CONFIG,
 ) -> None:
     """Cached engines: key parts, size, last use, validation verdict."""
-    from engines.cache import EngineCache
+    from engines.build.cache import EngineCache
 
     cache_dir, db_path = _paths(config)
     cache = EngineCache(cache_dir, db_path)
@@ -212,7 +212,7 @@ def list_engines(
         entries, quarantined = cache.entries(), cache.quarantined()
     finally:
         cache.close()
-    from agent.status import read_family, render_adapt
+    from agent.cli.status import read_family, render_adapt
 
     family = read_family(db_path)  # variants of the last model family: accuracy vs its reference, p99 here
     if as_json:
@@ -283,7 +283,7 @@ def gc(
     config: Optional[Path] = _CONFIG,
 ) -> None:
     """Evict least recently used engines beyond the budget; the active and previous models' engines stay."""
-    from engines.cache import EngineCache
+    from engines.build.cache import EngineCache
 
     cache_dir, db_path = _paths(config)
     cache = EngineCache(cache_dir, db_path)

@@ -1,78 +1,27 @@
-"""`edge-agent`: the device-side command line (CONTRACT.md). Exit codes: 0 ok, 1 failed, 2 usage/config."""
+"""`edge-agent`: the device-side command line (docs/contract.md). Exit codes: 0 ok, 1 failed, 2 usage/config."""
 
 from __future__ import annotations
 
 import json
-import logging
 import signal
-import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
-from pydantic import ValidationError
-from rich.console import Console
 from rich.markup import escape  # messages hold `[section]` names, not markup
 
+from agent.cli.common import EXIT_FAILED, EXIT_USAGE, err, load_config_or_exit, log, out, setup_logging
+from agent.cli.engines_cli import engines_app
 from agent.video.summary import video_rows
 from engines.errors import EdgeError
+
+if TYPE_CHECKING:
+    from agent.daemon.runner import Agent  # the composition root this module is part of
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Jetson Edge Agent: the on-device daemon and its tools.")
 config_app = typer.Typer(no_args_is_help=True, help="Validate configuration files.")
 app.add_typer(config_app, name="config")
-
-
-def _mount_engines() -> None:
-    from agent.engines_cli import engines_app
-
-    app.add_typer(engines_app, name="engines", help="Build, list and collect device-specific engines.")
-
-
-_mount_engines()
-
-out = Console()
-err = Console(stderr=True, soft_wrap=True)
-log = logging.getLogger("agent")
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
-
-def setup_logging(level: str) -> None:
-    """Journald severity prefixes under systemd, timestamped lines otherwise."""
-    from agent.sdnotify import configure_logging
-
-    configure_logging(level)
-
-
-def _camera_kinds() -> set[str]:
-    from agent.sources import SOURCES
-
-    return set(SOURCES.names())
-
-
-def load_config_or_exit(path: Optional[Path]) -> Any:
-    """Load the config; print every problem with its field path and line, exit 2 when invalid."""
-    from agent.config import load_config, read_toml, tomllib
-    from agent.config_errors import explain
-
-    text = None
-    try:
-        if path is not None:
-            if not path.is_file():
-                err.print(f"[red]config file not found:[/] {path}")
-                raise typer.Exit(EXIT_USAGE)
-            _, text = read_toml(path)
-        return load_config(path)
-    except tomllib.TOMLDecodeError as exc:
-        err.print(f"[red]{path}: not valid TOML:[/] {escape(str(exc))}")
-        raise typer.Exit(EXIT_USAGE) from exc
-    except ValidationError as exc:
-        problems = explain(exc, text, _camera_kinds())
-        where = str(path) if path else "configuration"
-        err.print(f"[red]{where}: {len(problems)} problem(s)[/]")
-        for problem in problems:
-            err.print(f"  {problem}", markup=False, highlight=False)
-        raise typer.Exit(EXIT_USAGE) from exc
+app.add_typer(engines_app, name="engines", help="Build, list and collect device-specific engines.")
 
 
 @config_app.command("check")
@@ -89,8 +38,8 @@ def run(
     summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Write the run summary here at exit."),
 ) -> None:
     """Run the agent: camera -> model -> results, until SIGTERM/SIGINT or --duration."""
+    from agent.daemon.runner import Agent
     from agent.pipeline.live_view import LiveView, status_line
-    from agent.runner import Agent
 
     cfg = load_config_or_exit(config)
     setup_logging(cfg.log_level)
@@ -103,7 +52,11 @@ def run(
         err.print(f"[red]cannot start ({exc.code}):[/] {escape(str(exc))}")
         raise typer.Exit(EXIT_FAILED) from exc
     with LiveView(cfg.pipeline.report_interval_s, err) as view:
-        agent.wait(duration, tick=lambda a: (view.update(a.summary()), a.persist_live()))
+        def tick(running: Agent) -> None:
+            view.update(running.summary())
+            running.persist_live()
+
+        agent.wait(duration, tick=tick)
     summary = agent.stop()
     if summary_json is not None:
         summary_json.parent.mkdir(parents=True, exist_ok=True)
@@ -112,7 +65,7 @@ def run(
     out.print(status_line(summary), highlight=False)
 
 
-def _install_stop_signals(agent: Any) -> None:
+def _install_stop_signals(agent: Agent) -> None:
     def handler(signum: int, _frame: Any) -> None:
         log.info("received %s, stopping", signal.Signals(signum).name)
         agent.stop_event.set()
@@ -202,7 +155,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Active model, last run, recent events — read from the state store, daemon running or not."""
-    from agent.status import read_status, render_status
+    from agent.cli.status import read_status, render_status
 
     cfg = load_config_or_exit(config)
     report = read_status(cfg)
@@ -224,7 +177,7 @@ def bench(
     batch: Optional[str] = typer.Option(None, "--batch", help="Batch sizes to time, e.g. 1,2,4: per-frame cost each."),
 ) -> None:
     """Latency of the engine this device would build for MODEL, per stage (preprocess, infer, postprocess)."""
-    from agent.bench import render_bench, run_bench
+    from agent.cli.bench import render_bench, run_bench
     from agent.state import state_db_path
 
     cfg = load_config_or_exit(config)
@@ -286,7 +239,7 @@ def deploy(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for the socket path)."),
 ) -> None:
     """Ask the running agent to deploy a model artifact (or to shadow it first: --mode shadow)."""
-    from agent.deploy_cli import run_deploy, shadow_args
+    from agent.cli.deploy_cli import run_deploy, shadow_args
 
     if mode not in ("swap", "shadow"):
         err.print(f"[red]--mode must be swap or shadow, not {mode!r}[/]")
@@ -304,7 +257,7 @@ def promote(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for the socket path)."),
 ) -> None:
     """Promote the running shadow deployment: its candidate becomes the serving model (hot swap)."""
-    from agent.deploy_cli import run_decision
+    from agent.cli.deploy_cli import run_decision
 
     raise typer.Exit(run_decision(load_config_or_exit(config), "promote", deployment, wait, timeout, out, err))
 
@@ -317,7 +270,7 @@ def cancel(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for the socket path)."),
 ) -> None:
     """Cancel the running shadow deployment; the serving model was never touched."""
-    from agent.deploy_cli import run_decision
+    from agent.cli.deploy_cli import run_decision
 
     raise typer.Exit(run_decision(load_config_or_exit(config), "cancel", deployment, wait, timeout, out, err))
 
@@ -328,7 +281,7 @@ def rollback(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for the socket path)."),
 ) -> None:
     """Go back to the previous active model."""
-    from agent.deploy_cli import run_rollback
+    from agent.cli.deploy_cli import run_rollback
 
     raise typer.Exit(run_rollback(load_config_or_exit(config), out, err))
 

@@ -12,11 +12,7 @@ from rich.console import Console
 from agent.config import AgentConfig
 from agent.deployments.store import DeploymentStore
 from agent.video.summary import video_rows
-from agent.state import StateStore, state_db_path
-
-LIVE_KEY = "live_status"
-FAMILY_KEY = "adapt_family"  # the last built adapt family with accuracy and latency per variant
-BACKEND_KEY = "backend_choice"  # {"requested", "backend", "reason"} of the last start with backend = auto
+from agent.state import BACKEND_KEY, FAMILY_KEY, LIVE_KEY, StateStore, model_row, state_db_path
 
 
 def read_status(config: AgentConfig) -> dict[str, Any]:
@@ -141,25 +137,6 @@ def _decodes(cam: dict[str, Any]) -> str:
     capture = cam.get("capture") or {}
     grabbed = capture.get("grabbed")
     return f", decoded {capture.get('decoded', 0)} of {grabbed} grabs" if grabbed else ""
-
-
-def validation_brief(validation: Any) -> dict[str, Any] | None:
-    """What a model's gate verdict was: metric, value, threshold and the frames it was judged on."""
-    if validation is None:
-        return None
-    frames = validation.frames or {"source": "not recorded", "count": validation.samples}
-    return {"metric": validation.metric, "value": validation.accuracy, "threshold": validation.min_accuracy,
-            "passed": validation.passed, "frames": {**frames, "sha256": str(frames.get("sha256", ""))[:12]}}
-
-
-def model_row(row: dict[str, Any] | None) -> dict[str, Any] | None:
-    """An active_model row as status shows it (also used by the `status` command)."""
-    if row is None:
-        return None
-    return {"name": row["name"], "version": row["version"], "path": row["path"], "sha256": row["sha256"][:12],
-            "since": row["since"],
-            **{k: v for k, v in row["info"].items()
-               if k in ("backend", "precision", "latency_budget_ms", "origin", "validation")}}
 
 
 def render_status(report: dict[str, Any], console: Console) -> None:

@@ -8,19 +8,25 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from agent.state import state_db_path
-from agent.status import model_row
+from agent.state import model_row
 from engines.errors import EdgeError
+
+if TYPE_CHECKING:
+    from agent.artifacts.urlpolicy import Channel
+    from agent.daemon.runner import Agent  # the composition root this module is part of
+    from agent.deployments.manager import DeploymentManager
+    from agent.shadow.plan import ShadowArgs
 
 log = logging.getLogger(__name__)
 
 
 class AgentController:
-    """Implements agent.commands.AgentControl on top of a running agent.runner.Agent."""
+    """Implements agent.commands.AgentControl on top of a running agent.daemon.runner.Agent."""
 
-    def __init__(self, agent: Any, on_set_config: Callable[[dict], dict] | None = None) -> None:
+    def __init__(self, agent: Agent, on_set_config: Callable[[dict], dict] | None = None) -> None:
         self.agent = agent
         self.on_set_config = on_set_config
 
@@ -48,34 +54,39 @@ class AgentController:
             "window_latency_ms": agent.worker.window.latency.summary() if agent.worker else {},
             "camera": summary["camera"],
             "cameras": summary["cameras"],
-            "adapt": agent.adapt.status() if getattr(agent, "adapt", None) is not None else None,
+            "adapt": adapt.status() if (adapt := agent.adapt) is not None else None,
             "storage": agent.storage.status(),
             "video": summary.get("video"),
             "ts": time.time(),
         }
 
+    def _manager(self) -> DeploymentManager:
+        manager = self.agent.manager
+        assert manager is not None  # the dispatcher (and so this control) is made after the deployment manager
+        return manager
+
     def deploy(self, url: str, timeout_s: float | None, *, allow_downgrade: bool = False,
-               channel: str = "mqtt", shadow: Any = None) -> dict:
+               channel: Channel = "mqtt", shadow: ShadowArgs | None = None) -> dict:
         """Accept a deployment (URL policy of `channel`, deadline `timeout_s`, `shadow` mode); progress follows
         as events."""
-        return self.agent.manager.request(url, timeout_s=timeout_s, allow_downgrade=allow_downgrade,
-                                          channel=channel, shadow=shadow)
+        return self._manager().request(url, timeout_s=timeout_s, allow_downgrade=allow_downgrade,
+                                     channel=channel, shadow=shadow)
 
     def promote(self, deployment_id: str | None = None) -> dict:
         """Promote the running shadow deployment (hot swap to the candidate; the watch follows)."""
-        return self.agent.manager.request_decision("promote", deployment_id)
+        return self._manager().request_decision("promote", deployment_id)
 
     def cancel(self, deployment_id: str | None = None) -> dict:
         """Cancel the running shadow deployment; the serving model was never touched."""
-        return self.agent.manager.request_decision("cancel", deployment_id)
+        return self._manager().request_decision("cancel", deployment_id)
 
     def rollback(self) -> dict:
         """Back to the previous model."""
-        return self.agent.manager.request_rollback()
+        return self._manager().request_rollback()
 
     def engines(self) -> list[dict]:
         """The engine cache index of this device."""
-        from engines.cache import EngineCache
+        from engines.build.cache import EngineCache
 
         cache = EngineCache(self.agent.config.cache_dir, state_db_path(self.agent.config.state_dir))
         try:

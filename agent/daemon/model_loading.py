@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -12,13 +11,14 @@ from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.trust import demo_trust, deployment_trust, package_demo, verify_artifact
 from agent.config import AgentConfig
 from agent.shadow.candidate_process import CandidateProcess, start_candidate
+from agent.slots import LoadedModel
 from agent.state import state_db_path
 from engines.backends.base import EngineOptions
 from engines.batching import planned_max_batch
+from engines.build.provisioning import ProvisionResult, load_warm, provision
 from engines.errors import EdgeError
 from engines.live_frames import DIRECTORY as LIVE_FRAMES_DIRECTORY
 from engines.model import ModelSource, load_model
-from engines.provision import ProvisionResult, load_provisioned, load_warm, provision
 from engines.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
@@ -33,30 +33,6 @@ def built_max_batch(provisioned: ProvisionResult) -> int:
         return max(1, int(batch["max_batch"])) if isinstance(batch, dict) else 1
     except (KeyError, TypeError, ValueError):
         return 1
-
-
-@dataclass
-class LoadedModel:
-    """A model in memory with where it came from."""
-
-    source: ModelSource
-    runtime: ModelRuntime
-    provisioned: ProvisionResult
-    origin: str
-    closed: bool = False
-    variant: str | None = None  # the family variant this is (agent.adapt), None for a single model
-    family: ModelSource | None = None  # the artifact declaring the family, when this is a variant of it
-
-    def describe(self) -> dict[str, Any]:
-        """The `model` object of status, telemetry and events."""
-        budget = self.source.manifest.gates.latency_budget_ms
-        return {**self.runtime.describe(), "engine_key": self.provisioned.key[:12], "origin": self.origin,
-                **({"latency_budget_ms": budget} if budget is not None else {}),
-                **({"variant": self.variant} if self.variant is not None else {})}
-
-    def deployment_ok(self, dep: Any) -> bool:
-        """True while this model is the one `dep` deployed."""
-        return self.source.sha256 == getattr(dep, "sha256", None)
 
 
 class ModelLoader:

@@ -1,18 +1,23 @@
-"""Wires the MQTT plane, telemetry and results into a running Agent (agent.runner)."""
+"""Wires the MQTT plane, telemetry and results into a running Agent (agent.daemon.runner)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from agent.pipeline.batcher import Batcher
 from agent.mqtt import MqttPlane
 from agent.state import state_db_path
-from agent.telemetry_loop import PrometheusExporter, TelemetryThread
+from agent.daemon.telemetry_loop import PrometheusExporter, Sink, TelemetryThread
 from engines.fingerprint import read_fingerprint
 
+if TYPE_CHECKING:
+    from agent.daemon.runner import Agent  # the composition root this module is part of
+
+# A result, or how to make its message when it is sent (masks are encoded only for results that go out).
+ResultItem = Union[dict[str, Any], Callable[[], dict[str, Any]]]
 log = logging.getLogger(__name__)
 
 LIVE_CONFIG_KEY = "live_config"
@@ -29,7 +34,7 @@ def agent_version() -> str:
 class AgentPlane:
     """MQTT plane + telemetry thread + results forwarder; started after the frame path, stopped before it."""
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: Agent) -> None:
         self.agent = agent
         cfg = agent.config
         self.stop_event = threading.Event()
@@ -41,7 +46,7 @@ class AgentPlane:
                               root=cfg.telemetry.sysfs_root)
         live = agent.store.get_kv(LIVE_CONFIG_KEY, {}) if agent.store else {}
         interval = live.get("telemetry_interval_s", cfg.mqtt.telemetry_interval_s)
-        sinks = [self.mqtt.enqueue_telemetry]
+        sinks: list[Sink] = [self.mqtt.enqueue_telemetry]
         self.prometheus = PrometheusExporter(cfg.telemetry.prometheus_port, cfg.telemetry.prometheus_bind) \
             if cfg.telemetry.prometheus_port else None
         if self.prometheus is not None:
@@ -51,10 +56,10 @@ class AgentPlane:
         if "results_rate_hz" in live:
             self.mqtt.set_results_rate(live["results_rate_hz"])
         # the newest unsent result per camera, sent in turn: a rate limit never starves a camera
-        self._results = Batcher([c.name for c in cfg.camera_list()], max_size=1, timeout_s=0.0)
+        self._results: Batcher[ResultItem] = Batcher([c.name for c in cfg.camera_list()], max_size=1, timeout_s=0.0)
         self._results_rate = float(live.get("results_rate_hz", cfg.mqtt.results_rate_hz))
         self._results_thread = threading.Thread(target=self._forward_results, name="results", daemon=True)
-        self._status = None
+        self._status: str | None = None
 
     def _meta(self) -> dict[str, Any]:
         """What this device is (retained `meta` topic); read once: it does not change while running."""

@@ -3,7 +3,6 @@ inference worker), deployments, MQTT plane and control socket — started in ord
 
 from __future__ import annotations
 
-import bisect
 import collections
 import logging
 import os
@@ -14,33 +13,41 @@ from typing import Any, Callable
 
 import psutil
 
-from agent.adapt import wiring as adapt_wiring
-from agent.commands import CommandDispatcher, RateLimit
-from agent.control import AgentController
-from agent.control_socket import ControlSocketServer
+from agent.adapt.controller import AdaptController
+from agent.commands import CommandDispatcher
 from agent.config import AgentConfig
-from agent.deployments.floors import FpsFloor, capacity_fps, fps_floors, refuse_unmeetable
+from agent.control_socket import ControlSocketServer
+from agent.daemon.adapt_host import AdaptHost
+from agent.daemon.control import AgentController
+from agent.daemon.model_loading import ModelLoader, live_frames_dir
+from agent.daemon.plane import AgentPlane
+from agent.daemon.reporting import Reporting
+from agent.daemon.shadow_host import ShadowHost
+from agent.daemon.swaps import Swaps
 from agent.deployments.manager import DeploymentManager
-from agent.deployments.output_health import OutputHealth
-from agent.deployments.store import Deployment, DeploymentStore
-from agent.deployments import watch as deployment_watch
-from agent.pipeline.batch_size import (BatchSize, batch_curve, batch_relative, batch_spread, demand_fps,
-                                      resolve_batch_size, stated_fps)
+from agent.deployments.store import DeploymentStore
+from agent.live_frame_sampler import LiveFrameSampler
+from agent.pipeline.batch_size import (
+    BatchSize,
+    batch_curve,
+    batch_relative,
+    batch_spread,
+    demand_fps,
+    resolve_batch_size,
+)
 from agent.pipeline.batch_tuner import LiveBatchTuner, make_tuner
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.cameras import CameraGroup
 from agent.pipeline.frame_stats import FrameStats
-from agent.pipeline.summary import camera_numbers, capture_totals
-from agent.plane import AgentPlane
-from agent.sdnotify import Notifier, ProgressWatchdog
-from agent.shadow import wiring as shadow_wiring
-from agent.live_frame_sampler import LiveFrameSampler
-from agent.model_loading import LoadedModel, ModelLoader, live_frames_dir
-from agent.sources.base import Frame
-from agent.state import StateStore, state_db_path
-from agent.storage_health import StorageHealth
-from agent.status import BACKEND_KEY, LIVE_KEY, validation_brief
+from agent.pipeline.output_health import OutputHealth
 from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
+from agent.rate_limit import RateLimit
+from agent.sdnotify import Notifier, ProgressWatchdog
+from agent.shadow.session import ShadowSession
+from agent.slots import LoadedModel, ModelSlots
+from agent.sources.base import Frame
+from agent.state import BACKEND_KEY, LIVE_KEY, StateStore, state_db_path, validation_brief
+from agent.storage_health import StorageHealth
 from agent.video.service import VideoService
 from engines.errors import EdgeError
 from engines.model import ModelSource
@@ -50,13 +57,12 @@ log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 2.0
 SHADOW_STOP_S = 15.0  # a candidate still loading when the agent stops finishes its load first
-RECENT_FPS_WINDOW_S = 5.0
 RECENT_RESULTS = 5  # the run summary's `last_results`
 RESULT_META = ("file", "file_frame")  # what a frame's source said about it that its result carries
 EventSink = Callable[..., None]
 
 
-class Agent:
+class Agent(Swaps, Reporting):
     """Owns the threads of one run; `start`, then `wait`, then `stop`."""
 
     def __init__(self, config: AgentConfig, on_event: EventSink | None = None) -> None:
@@ -69,10 +75,9 @@ class Agent:
         self.deployments: DeploymentStore | None = None
         self.manager: DeploymentManager | None = None
         self.loader: ModelLoader | None = None
-        self.active: LoadedModel | None = None
-        self.previous: LoadedModel | None = None
-        self.shadow: Any = None  # agent.shadow.session.ShadowSession of a shadow deployment while it runs
-        self.adapt: Any = None  # agent.adapt controller of the active model family (docs/adaptive.md)
+        self.slots = ModelSlots(self.swap_model, self._keep_previous)  # active, previous, their lock
+        self.shadow_host: ShadowHost | None = None  # a shadow deployment's candidate while it runs (agent.shadow)
+        self.adapt_host: AdaptHost | None = None  # the active family's controller (docs/adaptive.md)
         self.output_health = OutputHealth()  # per camera: what the serving model finds (the watch's collapse check)
         # state-store writes that failed (a lock, a full disk): never fatal; a full disk sheds what it can
         self.storage = StorageHealth(self.emit, on_full=self.reclaim_space)
@@ -94,8 +99,58 @@ class Agent:
         self.last_result: dict[str, Any] | None = None
         self._recent_results: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_RESULTS)
         self.state = "starting"
-        self._swap_lock = threading.Lock()
         self._last_swap: dict[str, Any] = {}
+
+    # --- the model slots (agent.slots): deployments and adaptation change them, nothing else ------
+
+    @property
+    def active(self) -> LoadedModel | None:
+        """The serving model."""
+        return self.slots.active
+
+    @active.setter
+    def active(self, loaded: LoadedModel | None) -> None:
+        self.slots.active = loaded
+
+    @property
+    def previous(self) -> LoadedModel | None:
+        """The model kept loaded for an instant rollback (None: a rollback loads it again)."""
+        return self.slots.previous
+
+    @property
+    def adapt(self) -> AdaptController | None:
+        """The active family's controller; None for a single model (or before start)."""
+        return self.adapt_host.controller if self.adapt_host is not None else None
+
+    def _adapt_do(self, action: Callable[[AdaptHost], Any]) -> None:
+        if self.adapt_host is not None:
+            action(self.adapt_host)
+
+    def _sample_telemetry(self) -> dict[str, Any]:
+        """One telemetry reading from the plane's collector (the agent's one jtop/NVML client); {} without one."""
+        collector = getattr(self.plane.telemetry if self.plane is not None else None, "collector", None)
+        return collector.sample() if collector is not None else {}
+
+    @property
+    def shadow(self) -> ShadowSession | None:
+        """The running shadow session, if any (the deployment thread detaches it when the shadow ends)."""
+        return self.shadow_host.session if self.shadow_host is not None else None
+
+    def _throttled(self) -> bool:
+        """The device throttles now (the telemetry's throttle counters moved): a shadow yields."""
+        return bool(getattr(self.plane.telemetry if self.plane is not None else None, "throttled", False))
+
+    def _adapt_over_limit(self) -> bool:
+        """The adaptive policy sees a limit broken (it is stepping the family down): a shadow yields."""
+        state = getattr(self.adapt, "state", None)
+        return getattr(state, "over_since", None) is not None
+
+    def _keep_previous(self) -> bool:
+        """May a replaced model stay loaded: configured so, overlap swaps, and memory to spare."""
+        cfg = self.config.deployments
+        if not (cfg.keep_previous_loaded and cfg.swap_strategy == "overlap"):
+            return False
+        return psutil.virtual_memory().available / 2**20 >= cfg.min_free_memory_mb
 
     # --- events -------------------------------------------------------------------------------
 
@@ -131,6 +186,9 @@ class Agent:
         self.store.set_kv(LIVE_KEY, {"ts": time.time(), "state": "starting"})
         self.deployments = DeploymentStore(self.store)
         self.loader = ModelLoader(cfg, self.stop_event)
+        self.adapt_host = AdaptHost(self.slots, self.loader, cfg.adapt, cfg.engines.validation_samples, self.emit,
+                                    self.store, self._sample_telemetry)
+        self.shadow_host = ShadowHost(self.slots, self.loader, cfg.deployments, self._throttled, self._adapt_over_limit)
         self.manager = DeploymentManager(self.deployments, self, cfg.state_dir / "artifacts" / "deployed",
                                          self.loader.artifacts, cfg.deployments, self.emit, self.stop_event)
         self.dispatcher = CommandDispatcher(AgentController(self, on_set_config=self._set_live_config),
@@ -148,7 +206,7 @@ class Agent:
         self.video = self._video_service()
         self._start_frame_path()
         self.video.start()
-        adapt_wiring.restart(self)  # a family: its other variants build in the background
+        self._adapt_do(lambda host: host.restart())  # a family: its other variants build in the background
         self.manager.start()
         self.control_server = ControlSocketServer(cfg.control_socket_path(), self.dispatcher.dispatch, cfg.control.group)
         self.control_server.start()
@@ -232,14 +290,6 @@ class Agent:
                           loaded.source.manifest.gates.latency_budget_ms, demand_fps(cameras), initial,
                           relative=batch_relative(loaded.provisioned))
 
-    def fps_floors(self, source: ModelSource, provisioned: Any) -> dict[str, FpsFloor]:
-        """Each camera's fps floor under `source`: from its own gate-measured capacity at the batch size it
-        will run at and the cameras' stated rates, or an absolute floor (agent.deployments.floors)."""
-        size = self._batch_size_of(source, provisioned).size
-        capacity = capacity_fps(provisioned.validation, batch_curve(provisioned), size)
-        rates = {camera.name: stated_fps(camera) for camera in self.config.camera_list()}
-        return fps_floors(self.config.deployments, source.manifest.gates.min_fps, capacity, rates)
-
     def swap_model(self, loaded: LoadedModel) -> None:
         """Swap `loaded` in between two batches, with the batch size re-resolved from its curve (deployments,
         rollbacks and adapt switches all come here; a 640x480 and a 320x224 variant can pick different sizes)."""
@@ -304,7 +354,8 @@ class Agent:
 
     def _on_result(self, frame: Frame, result: Any, runtime: Any) -> None:
         self._delivered.append(time.monotonic())
-        adapt_wiring.on_result(self, frame, runtime)
+        if self.adapt_host is not None:
+            self.adapt_host.on_result(frame, runtime)
         self.output_health.record(frame.source, result, runtime)
         if self.live_frames is not None:
             self.live_frames.offer(frame.source, frame.image)
@@ -338,57 +389,13 @@ class Agent:
             if deadline is not None and time.monotonic() >= deadline:
                 break
 
-    def persist_live(self) -> None:
-        """Write the live numbers where `edge-agent status` (another process) can read them."""
-        if self.store is None:
-            return
-        if self.plane is not None:
-            self.plane.health_changed(self.health())
-        summary = self.summary()
-        with self.storage.guard("live status"):
-            self._write_live(summary)
-
-    def _write_live(self, summary: dict[str, Any]) -> None:
-        assert self.store is not None
-        self.store.set_kv(LIVE_KEY, {
-            "ts": time.time(), "state": self.health(), "fps": summary["fps"], "frames": summary["frames"],
-            "dropped_frames": summary["dropped_frames"], "latency_ms": summary["latency_ms"],
-            "window_latency_ms": self.worker.window.latency.summary() if self.worker else {},
-            "errors": summary["errors"], "model": summary["model"], "cameras": summary["cameras"],
-            "batch": summary.get("batch"), "deployment": self.manager.status() if self.manager else None,
-            "adapt": summary.get("adapt"), "storage": self.storage.status(), "video": summary.get("video"),
-            "shadow": summary.get("shadow"),
-        })
-
-    def recent_fps(self, window_s: float = RECENT_FPS_WINDOW_S) -> float:
-        """Results delivered per second over the last `window_s` (what `status` reports: a whole-run average
-        hides a stall, e.g. 4.5 fps shown while a restart flood let 0.2 through)."""
-        now = time.monotonic()
-        started = self.stats.started
-        span = min(window_s, max(now - started, 1e-6))
-        times = list(self._delivered)  # a copy: the results thread appends (in time order) meanwhile
-        return round((len(times) - bisect.bisect_left(times, now - span)) / span, 2)
-
-    def health(self) -> str:
-        """online, degraded (inference failing, a camera down, state writes failing) or updating (a deployment)."""
-        if self.worker is not None and self.worker.degraded:
-            return "degraded"
-        if self.storage.degraded:
-            return "degraded"
-        if self.cameras is not None and self.cameras.any_lost():
-            return "degraded"
-        deployment = self.manager.status() if self.manager is not None else None
-        if deployment and not deployment.get("watching"):
-            return "updating"
-        return "online"
-
     def stop(self) -> dict[str, Any]:
         """Stop threads in reverse start order, close models and the store; returns the summary."""
         self.notifier.stopping("stopping")
         if self.watchdog is not None:
             self.watchdog.stop()
         self.stop_event.set()
-        adapt_wiring.halt(self)
+        self._adapt_do(lambda host: host.halt())
         if self.batcher is not None:
             self.batcher.close()
         if self.control_server is not None:
@@ -407,12 +414,11 @@ class Agent:
                 if thread.is_alive():
                     log.error("thread %s did not stop within %.1f s", thread.name, JOIN_TIMEOUT_S)
         summary = self.summary()
-        adapt_wiring.stop(self)
+        self._adapt_do(lambda host: host.stop())
         if self.plane is not None:
             self.plane.stop()
             self.plane = None
-        for loaded in {id(m): m for m in (self.active, self.previous) if m is not None}.values():
-            loaded.runtime.close()
+        self.slots.close()
         if self.dispatcher is not None:
             self.dispatcher.close()
         if self.store is not None:
@@ -425,118 +431,7 @@ class Agent:
         self.state = "stopped"
         return summary
 
-    def summary(self) -> dict[str, Any]:
-        """The run summary of CONTRACT.md, with `cameras` per camera and the batch size in use."""
-        shadow = self.shadow  # read once: the deployment thread detaches it when the shadow ends
-        return {
-            "frames": self.stats.frames,
-            "fps": round(self.stats.fps(), 2),
-            "dropped_frames": self.batcher.dropped if self.batcher is not None else 0,
-            "latency_ms": self.stats.latency.summary(),
-            "stages_ms": self.stats.stage_means(),
-            "model": self.active.describe() if self.active is not None else {},
-            "errors": self.stats.errors,
-            "camera": capture_totals(self.cameras),
-            "cameras": camera_numbers(self.worker, self.batcher, self.cameras),
-            "batch": self._batch_summary(),
-            "adapt": self.adapt.status() if self.adapt is not None else None,
-            "live_frames": self.live_frames.stats() if self.live_frames is not None else None,
-            "video": self.video.status() if self.video is not None else None,
-            "shadow": shadow.report() if shadow is not None else None,  # a shadow deployment running
-            "last_results": list(self._recent_results),
-            "duration_s": round(time.monotonic() - self.stats.started, 2),
-        }
-
-    def _batch_summary(self) -> dict[str, Any] | None:
-        """The size in use and why (the tuner's, once it has decided), batches run, the per-size stage profile,
-        how slots are preprocessed and, with `auto` live, the curve the last decision used."""
-        if self.batch_size is None:
-            return None
-        out: dict[str, Any] = {**self.batch_size.to_dict(), "batches": self.worker.batches if self.worker else 0}
-        if self.worker is not None:
-            status = self.worker.batch_status()
-            live = status.get("live")
-            if live is not None:
-                out.update(max_size=live["max_size"], reason=live["reason"])
-            out.update(status)
-        return out
-
     # --- SwapHost (called from the deployment worker) ------------------------------------------
-
-    def provision(self, source: ModelSource, on_progress: Callable[[dict], None], stop: threading.Event) -> Any:
-        """Engine for `source`: cached or built in a child process, then validated."""
-        assert self.loader is not None
-        provisioned = self.loader.provision(source, on_progress, stop)
-        refuse_unmeetable(self.fps_floors(source, provisioned))  # GATE_FPS now, not WATCH_FPS after the swap
-        return provisioned
-
-    def activate(self, source: ModelSource, provisioned: Any, dep: Deployment) -> dict[str, Any]:
-        """Swap the candidate in between two frames, by the configured strategy; returns what happened."""
-        assert self.loader is not None and self.worker is not None
-        strategy = self.config.deployments.swap_strategy
-        adapt_wiring.stop(self)  # a deployment replaces the whole family: no variant switch during the swap
-        with self._swap_lock:
-            fps_before = self.worker.window.fps()
-            fps_cameras = {name: round(w.fps(), 2) for name, w in self.worker.camera_windows.items()}
-            before = self.worker.last_result_at
-            if strategy == "overlap":
-                candidate = self.loader.load_provisioned(source, provisioned, "deployment")
-                self.swap_model(candidate)
-            else:
-                candidate = self._stop_start(source, provisioned)
-            gap_ms = self._measure_gap(before)
-            self._retire(self.active)
-            self.active = candidate
-        adapt_wiring.restart(self, hold=True)  # no variant build or switch until the watch passed (watch)
-        self._last_swap = {"strategy": strategy, "gap_ms": gap_ms, "fps_before": round(fps_before, 2),
-                           "fps_before_cameras": fps_cameras, "previous_loaded": self.previous is not None}
-        return dict(self._last_swap)
-
-    def _stop_start(self, source: ModelSource, provisioned: Any) -> LoadedModel:
-        """Free the active engine first (devices that cannot hold two), then load the candidate."""
-        assert self.loader is not None and self.worker is not None and self.active is not None
-        self.worker.pause()
-        try:
-            self.active.runtime.close()
-            try:
-                candidate = self.loader.load_provisioned(source, provisioned, "deployment")
-            except Exception:
-                restored = self.loader.reload(self.active)  # the old engine must come back
-                self.swap_model(restored)
-                self.active = restored
-                raise
-            self.swap_model(candidate)
-        finally:
-            self.worker.resume()
-        self.active.closed = True
-        return candidate
-
-    def _measure_gap(self, before: float | None, timeout: float = 30.0) -> float | None:
-        """Time from the last result of the old model to the first result of the new one."""
-        assert self.worker is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not self.stop_event.is_set():
-            first_new = self.worker.window.opened_at  # the new model's first result
-            if first_new is not None:
-                return None if before is None else round((first_new - before) * 1e3, 1)
-            time.sleep(0.005)
-        return None
-
-    def _retire(self, old: LoadedModel | None) -> None:
-        """Keep the replaced model loaded for instant rollback while memory allows."""
-        if self.previous is not None and self.previous is not old:
-            self.previous.runtime.close()
-            self.previous = None
-        if old is None or getattr(old, "closed", False):
-            self.previous = None
-            return
-        free_mb = psutil.virtual_memory().available / 2**20
-        cfg = self.config.deployments
-        if cfg.keep_previous_loaded and cfg.swap_strategy == "overlap" and free_mb >= cfg.min_free_memory_mb:
-            self.previous = old
-        else:
-            old.runtime.close()
-            self.previous = None
 
     def reclaim_space(self) -> dict[str, Any]:
         """A full disk: shed failed downloads, unused artifacts, the live-frame sample, other models' engines
@@ -566,7 +461,7 @@ class Agent:
     def collect_engines(self, pinned: set[str], budget_bytes: int | None = None) -> Any:
         """Engine cache GC, never the `pinned` models' engines: after a deployment to `[engines]
         cache_budget_mb`, on a full disk to 0. Returns the cache's GcReport."""
-        from engines.cache import EngineCache
+        from engines.build.cache import EngineCache
 
         budget = self.config.engines.cache_budget_mb * 2**20 if budget_bytes is None else budget_bytes
         cache = EngineCache(self.config.cache_dir, state_db_path(self.config.state_dir), on_event=self._engine_progress)
@@ -577,76 +472,6 @@ class Agent:
         if report.removed:
             log.info("engine cache: collected %d engine(s), %.1f MB", len(report.removed), report.freed_bytes / 2**20)
         return report
-
-    def commit_active(self, source: ModelSource, provisioned: Any, dep: Deployment, store: DeploymentStore) -> None:
-        """The new active model and the deployment's `active` state, in one transaction."""
-        assert self.store is not None and self.active is not None
-        with self.store.transaction(durable=True):
-            self._record_active(self.active, dep.id)
-            store.apply(dep, "active")
-
-    def watch(self, dep: Deployment, stop: threading.Event) -> dict[str, Any] | None:
-        """Judge the new model for the watch window; the first violation (with numbers) or None."""
-        assert self.worker is not None and self.cameras is not None
-        assert self.active is not None
-        budget = self.active.source.manifest.gates.latency_budget_ms
-        floors = self.fps_floors(self.active.source, self.active.provisioned)
-        violation = deployment_watch.watch_model(
-            self.worker, self.cameras, self.config.deployments, budget, stop, floors,
-            still_current=lambda: self.active is not None and self.active.deployment_ok(dep),
-            health=self.output_health)
-        if violation is not None:
-            violation["swap_gap_ms"] = self._last_swap.get("gap_ms")
-            return violation
-        if not stop.is_set() and self.active.deployment_ok(dep):
-            self.emit("watch_passed", deployment_id=dep.id, swap_gap_ms=self._last_swap.get("gap_ms"),
-                      **deployment_watch.watch_summary(self.worker, floors, self.output_health))
-        adapt_wiring.release(self)  # the new family builds its variants and switches only now
-        return None
-
-    def start_shadow(self, source: ModelSource, provisioned: Any, dep: Deployment, plan: Any,
-                     on_verdict: Callable[[Any], None]) -> Any:
-        """A shadow deployment's candidate beside the serving model (agent.shadow.wiring)."""
-        return shadow_wiring.start(self, source, provisioned, dep, plan, on_verdict)
-
-    def check_shadow(self, source: ModelSource) -> None:
-        """Refuse a shadow that could compare nothing (SHADOW_INCOMPARABLE)."""
-        shadow_wiring.check_comparable(self, source)
-
-    def stop_shadow(self, session: Any) -> None:
-        """The shadow gets no more frames; its engine is closed."""
-        shadow_wiring.stop(self, session)
-
-    def serving_label(self) -> str:
-        """name@version of the serving model."""
-        return shadow_wiring.serving_label(self)
-
-    def rollback(self, reason: str, numbers: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Back to the previous model: instant when it is still loaded, else loaded again from its artifact."""
-        assert self.store is not None and self.loader is not None and self.worker is not None
-        adapt_wiring.stop(self)  # back to the previous family, at the variant kept loaded for it
-        with self._swap_lock:
-            row = self.store.model_slot("previous")
-            if row is None:
-                raise EdgeError("no previous model to roll back to", code="NO_PREVIOUS_MODEL")
-            started = time.monotonic()
-            target = self.previous if self.previous is not None and self.previous.source.sha256 == row["sha256"] else None
-            if target is None:
-                target = self.loader.load_path(Path(row["path"]), row["info"].get("origin", "deployment"))
-            before = self.worker.last_result_at
-            self.swap_model(target)
-            replaced, self.active, self.previous = self.active, target, None
-            gap_ms = self._measure_gap(before)
-            if replaced is not None:
-                replaced.runtime.close()
-            self._record_active(target, row["info"].get("deployment_id"))
-        adapt_wiring.restart(self)
-        result = {"model": target.describe(), "reason": reason, "gap_ms": gap_ms,
-                  "took_ms": round((time.monotonic() - started) * 1e3, 1), **({"numbers": numbers} if numbers else {})}
-        self.emit("rollback", **result)
-        log.warning("rolled back to %s (%s)", target.source.label, reason)
-        return result
-
 
 def _status_text(type_: str, fields: dict[str, Any]) -> str:
     """One short STATUS= line for `systemctl status`."""

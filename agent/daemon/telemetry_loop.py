@@ -9,20 +9,55 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from agent.pipeline.summary import DECODE_FIELDS, batch_numbers, camera_numbers
 from agent.telemetry import collector_from_names, energy_mj_per_frame
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[dict[str, Any]], None]
+Sink = Callable[[dict[str, Any]], object]  # what a sink returns is not used
+
+if TYPE_CHECKING:
+    from agent.adapt.controller import AdaptController
+    from agent.config import AgentConfig
+    from agent.pipeline.batcher import Batcher
+    from agent.pipeline.cameras import CameraGroup
+    from agent.pipeline.frame_stats import FrameStats
+    from agent.pipeline.worker import InferenceWorker
+    from agent.shadow.session import ShadowSession
+    from agent.slots import LoadedModel
+    from agent.sources.base import Frame
+    from agent.storage_health import StorageHealth
+
+
+class FramePathView(Protocol):
+    """What telemetry reads of the running agent (agent.daemon.runner.Agent): counters and the models, never more."""
+
+    @property
+    def config(self) -> AgentConfig: ...
+    @property
+    def stats(self) -> FrameStats: ...
+    @property
+    def batcher(self) -> Batcher[Frame] | None: ...
+    @property
+    def worker(self) -> InferenceWorker | None: ...
+    @property
+    def cameras(self) -> CameraGroup | None: ...
+    @property
+    def storage(self) -> StorageHealth: ...
+    @property
+    def active(self) -> LoadedModel | None: ...
+    @property
+    def shadow(self) -> ShadowSession | None: ...
+    @property
+    def adapt(self) -> AdaptController | None: ...
 
 
 class FramePathMeter:
     """Turns the agent's cumulative counters into per-interval numbers."""
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: FramePathView) -> None:
         self.agent = agent
         self._last = (time.monotonic(), 0, 0)
         self._last_cameras: dict[str, int] = {}
@@ -46,8 +81,8 @@ class FramePathMeter:
             "latency_ms": window.latency.summary() if window is not None else {},
             "stages_ms": window.stage_means() if window is not None else {},
         }
-        storage = getattr(agent, "storage", None)
-        if storage is not None and storage.failures:  # absent until a state write has failed
+        storage = agent.storage
+        if storage.failures:  # absent until a state write has failed
             out["storage"] = storage.status()
         cameras = self._cameras(interval)
         if cameras:
@@ -57,10 +92,10 @@ class FramePathMeter:
         batch = batch_numbers(agent.worker)
         if batch is not None:
             out["batch"] = batch
-        shadow = getattr(agent, "shadow", None)
+        shadow = agent.shadow
         if shadow is not None and not shadow.done:
             out["shadow"] = shadow.telemetry()  # a shadow deployment's agreement so far (docs/deployments.md#shadow-deployments)
-        adapt = getattr(agent, "adapt", None)
+        adapt = agent.adapt
         if adapt is not None:
             out["adapt"] = adapt.telemetry()  # {enabled, pinned, variant}: the policy state, docs/adaptive.md
         return out
@@ -82,7 +117,7 @@ class FramePathMeter:
 class TelemetryThread(threading.Thread):
     """Samples every `interval_s` (changeable live) and hands each sample to the sinks."""
 
-    def __init__(self, agent: Any, interval_s: float, sinks: list[Sink], stop_event: threading.Event) -> None:
+    def __init__(self, agent: FramePathView, interval_s: float, sinks: list[Sink], stop_event: threading.Event) -> None:
         super().__init__(name="telemetry", daemon=True)
         cfg = agent.config.telemetry
         self.collector = collector_from_names(cfg.sources, cfg.sysfs_root)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeGuard
 
 from engines.errors import EdgeError
 
@@ -119,5 +119,5 @@ def refuse_unmeetable(floors: Mapping[str, FpsFloor]) -> None:
                             code="GATE_FPS")
 
 
-def _positive(value: Any) -> bool:
+def _positive(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 EventSink = Callable[..., None]
 
 
-RESUMABLE = {"ARTIFACT_FETCH_FAILED", "ARTIFACT_NO_SPACE", "INTERRUPTED", "CANCELLED"}
+RESUMABLE = {"ARTIFACT_FETCH_FAILED", "ARTIFACT_NO_SPACE", "INTERRUPTED", "ARTIFACT_FETCH_CANCELLED"}
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class BusyError(EdgeError):
 
 
 class SwapHost(ShadowHost, Protocol):
-    """What the deployment worker needs from the running agent (implemented by agent.runner.Agent)."""
+    """What the deployment worker needs from the running agent (implemented by agent.daemon.runner.Agent)."""
 
     def provision(self, source: ModelSource, on_progress: Callable[[dict], None], stop: threading.Event) -> Any:
         """Build or find the engine for `source` and validate it (raises GATE_* / ENGINE_* errors)."""
@@ -156,7 +156,8 @@ class DeploymentManager(threading.Thread):
                 log.exception("rollback failed")
                 raise EdgeError(f"rollback failed: {exc}", code="ROLLBACK_FAILED") from exc
             watched = watched or self.store.latest_active()
-            if watched is not None and self.store.get(watched.id).state == "active":
+            row = self.store.get(watched.id) if watched is not None else None
+            if watched is not None and row is not None and row.state == "active":
                 self.store.transition(watched, "rolled_back", reason="ROLLBACK_REQUESTED")
         return result
 

@@ -29,7 +29,7 @@ POLL_S = 0.25
 
 
 class ShadowHost(Protocol):
-    """What the shadow step needs from the running agent (agent.runner.Agent)."""
+    """What the shadow step needs from the running agent (agent.daemon.runner.Agent)."""
 
     def start_shadow(self, source: ModelSource, provisioned: Any, dep: Deployment, plan: ShadowPlan,
                      on_verdict: Callable[[Verdict], None]) -> ShadowSession:

@@ -8,8 +8,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import sqlite_utils
-
 from agent.state import StateStore
 from engines.errors import EdgeError
 
@@ -32,23 +30,6 @@ ALLOWED = {
     "rolled_back": set(),
     "cancelled": set(),
 }
-
-
-def migrate_deployments(db: sqlite_utils.Database) -> None:
-    """Schema migration 2: deployments and their transition log."""
-    db.execute(
-        """CREATE TABLE deployments (
-            id TEXT PRIMARY KEY, url TEXT NOT NULL, state TEXT NOT NULL,
-            reason TEXT, message TEXT, created REAL NOT NULL, updated REAL NOT NULL,
-            artifact_dir TEXT, model_name TEXT, model_version TEXT, sha256 TEXT, engine_key TEXT,
-            details TEXT NOT NULL DEFAULT '{}')"""
-    )
-    db.execute("CREATE INDEX deployments_state ON deployments(state)")
-    db.execute(
-        """CREATE TABLE deployment_transitions (
-            id INTEGER PRIMARY KEY AUTOINCREMENT, deployment_id TEXT NOT NULL,
-            state TEXT NOT NULL, ts REAL NOT NULL, info TEXT NOT NULL DEFAULT '{}')"""
-    )
 
 
 class TransitionError(EdgeError):

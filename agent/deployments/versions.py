@@ -21,8 +21,6 @@ from engines.errors import EdgeError
 
 log = logging.getLogger(__name__)
 
-SCHEMA = ("CREATE TABLE IF NOT EXISTS model_versions (name TEXT PRIMARY KEY, version TEXT NOT NULL, "
-          "deployment_id TEXT, updated REAL NOT NULL)",)
 _IDENT = r"[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*"
 _VERSION = re.compile(rf"[vV]?(?P<core>\d+(?:\.\d+)*)(?:-(?P<pre>{_IDENT}))?(?:\+{_IDENT})?")
 GRAMMAR = "MAJOR.MINOR.PATCH[-PRERELEASE][+BUILD] (SemVer 2.0; a leading v is allowed)"
@@ -38,12 +36,6 @@ class VersionError(EdgeError, ValueError):
     """A version that the downgrade rule cannot order (not SemVer)."""
 
     code = "ARTIFACT_VERSION_INVALID"
-
-
-def ensure_schema(conn: sqlite3.Connection) -> None:
-    """Create the table if missing; idempotent (the state store's migration calls it)."""
-    for statement in SCHEMA:
-        conn.execute(statement)
 
 
 def comparable(version: str) -> bool:

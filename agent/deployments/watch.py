@@ -9,7 +9,7 @@ The new model is judged on its own terms (issue 27):
 - each camera's fps floor comes from agent.deployments.floors: the model's measured capacity and the
   camera's rate, or an absolute floor from the manifest or config — never another model's fps;
 - its outputs on each camera are compared with the previous model's recent outputs there
-  (agent.deployments.output_health): a model that finds nothing where the old one found things is
+  (agent.pipeline.output_health): a model that finds nothing where the old one found things is
   rolled back with WATCH_OUTPUT_COLLAPSE, however fast it is.
 
 Every verdict carries `limit`, `value`, `statistic`, `window_s` and `frames`, the numbers it was judged on.
@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 from agent.deployments.config import DeploymentConfig
 from agent.deployments.floors import FpsFloor
-from agent.deployments.output_health import OutputHealth
+from agent.pipeline.output_health import OutputHealth
 from agent.pipeline.frame_stats import FrameStats
 
 POLL_S = 0.25

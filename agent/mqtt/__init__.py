@@ -25,13 +25,13 @@ from paho.mqtt.properties import Properties
 
 from agent.mqtt.client import CommandMessage, MqttConnection
 from agent.mqtt.config import MqttConfig
-from agent.mqtt.outbox import Outbox, ensure_schema, read_boot_id
+from agent.mqtt.outbox import Outbox, read_boot_id
 from agent.mqtt.publisher import Publisher, StatusBoard
 from agent.mqtt.topics import Topics, is_publish_topic
 from agent.wire_errors import internal_error
 
 __all__ = ["CommandWorker", "MqttConfig", "MqttConnection", "MqttPlane", "Outbox", "Publisher", "StatusBoard",
-           "Topics", "ensure_schema", "read_boot_id"]
+           "Topics", "read_boot_id"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class CommandWorker:
         """Finish the running command and stop; queued ones are left unanswered (the sender retries)."""
         self._stop.set()
         try:
-            self._queue.put_nowait(None)  # type: ignore[arg-type]  # wakes the worker at once
+            self._queue.put_nowait(None)  # wakes the worker at once
         except queue.Full:
             pass  # the worker is busy and will see the stop flag within 0.25 s
         if self._thread is not None:

@@ -340,7 +340,7 @@ class MqttConnection:
         correlation = getattr(props, "CorrelationData", None) if props is not None else None
         self._on_command(CommandMessage(self._bounded(msg.payload), response_topic, correlation, session.protocol))
 
-    def _bounded(self, payload: bytes) -> bytes:
+    def _bounded(self, payload: bytes | bytearray) -> bytes:
         """The payload, or only its first max_payload_bytes + 1 bytes when it is larger: enough for the
         dispatcher to answer PAYLOAD_TOO_LARGE, without queueing a copy of a huge message (MQTT 3.1.1
         has no Maximum Packet Size, so the broker may deliver one)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import stat
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, TypedDict
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -16,8 +16,15 @@ from agent.redact import has_userinfo, redact
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 
 # Bounds shared with the `set_config` command, so a live change obeys the same rules as the file.
-TELEMETRY_INTERVAL_BOUNDS = {"ge": 0.1, "le": 3600.0}
-RESULTS_RATE_BOUNDS = {"ge": 0.0, "le": 100.0}
+class Bounds(TypedDict):
+    """Inclusive `Field(ge=..., le=...)` limits, unpacked as `**BOUNDS` into each field that shares them."""
+
+    ge: float
+    le: float
+
+
+TELEMETRY_INTERVAL_BOUNDS: Bounds = {"ge": 0.1, "le": 3600.0}
+RESULTS_RATE_BOUNDS: Bounds = {"ge": 0.0, "le": 100.0}
 # Room in an MQTT packet besides the payload: fixed header, topic, packet id and the properties of a
 # command (Response Topic, Correlation Data). Part of the Maximum Packet Size the agent announces.
 PACKET_HEADROOM_BYTES = 8 * 1024

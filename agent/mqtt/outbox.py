@@ -23,30 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from agent.schema import ensure_outbox
+
 log = logging.getLogger(__name__)
 
-SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS mqtt_outbox (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        topic TEXT NOT NULL,
-        payload BLOB NOT NULL,
-        qos INTEGER NOT NULL DEFAULT 1,
-        retain INTEGER NOT NULL DEFAULT 0,
-        kind TEXT NOT NULL,
-        created REAL NOT NULL)""",
-    "CREATE INDEX IF NOT EXISTS mqtt_outbox_kind_id ON mqtt_outbox (kind, id)",
-    "CREATE TABLE IF NOT EXISTS mqtt_counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
-)
 STAMP_KEYS = ("seq", "boot_id", "epoch")
 TELEMETRY, EVENT = "telemetry", "event"
 DROP_COUNTERS = ("dropped_telemetry", "dropped_event", "dropped_other")
 BOOT_ID_PATH = "proc/sys/kernel/random/boot_id"
-
-
-def ensure_schema(conn: sqlite3.Connection) -> None:
-    """Create the outbox tables if missing; idempotent, so the state store's migrations may call it too."""
-    for statement in SCHEMA:
-        conn.execute(statement)
 
 
 def read_boot_id(root: Path = Path("/")) -> str:
@@ -119,8 +103,11 @@ class Outbox:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.execute("PRAGMA busy_timeout=5000")
+        self._rows: int  # the table's row count, payload bytes and last seq: set by _reload, kept in step
+        self._bytes: int
+        self._seq: int
         with self._lock:
-            ensure_schema(self._conn)
+            ensure_outbox(self._conn)
             self._reload()
 
     def enqueue(self, kind: str, topic: str, fields: dict[str, Any], *, qos: int = 1, retain: bool = False) -> int:
@@ -133,7 +120,9 @@ class Outbox:
         """Like enqueue for many payloads in one transaction (backfills, benchmarks)."""
         now = time.time()
         with self._lock:
-            seqs, rows, size = [], [], 0
+            seqs: list[int] = []
+            rows: list[tuple[str, bytes, int, int, str, float]] = []
+            size = 0
             for fields in items:
                 seqs.append(self._seq + len(seqs) + 1)
                 payload = to_json_bytes(self._stamp(fields, seqs[-1], now))
@@ -235,7 +224,7 @@ class Outbox:
         return self._conn.execute(sql, (kinds[0], limit)).fetchall()
 
     def _drop_until_under(self, victims: list[tuple[int, int]]) -> int:
-        ids = []
+        ids: list[int] = []
         for row_id, size in victims:
             if self._rows - len(ids) <= self.max_rows and self._bytes <= self.max_bytes:
                 break

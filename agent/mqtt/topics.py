@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The per-device leaves under `<prefix>/<device_id>/`; part of the contract (CONTRACT.md).
+# The per-device leaves under `<prefix>/<device_id>/`; part of the contract (docs/contract.md).
 STATUS = "status"
 META = "meta"
 TELEMETRY = "telemetry"

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Generic, Sequence, TypeVar
 
 from agent.pipeline.mailbox import FreshestMailbox
-from agent.sources.base import Frame
+
+T = TypeVar("T")  # what the mailboxes hold: camera frames on the frame path, results on the MQTT plane
 
 Clock = Callable[[], float]
 
 
-class Batcher:
+class Batcher(Generic[T]):
     """Takes batches out of per-camera mailboxes that share one wake-up condition."""
 
     def __init__(self, names: Sequence[str], max_size: int, timeout_s: float,
@@ -38,12 +39,12 @@ class Batcher:
         self.max_size = max_size
         self.timeout_s = timeout_s
         self.signal = threading.Condition()
-        self.mailboxes: dict[str, FreshestMailbox[Frame]] = {n: FreshestMailbox(self.signal, clock) for n in self.names}
+        self.mailboxes: dict[str, FreshestMailbox[T]] = {n: FreshestMailbox(self.signal, clock) for n in self.names}
         self.is_live = is_live or (lambda name: True)
         self.clock = clock
         self._start = 0  # index in `names` where the next batch starts looking
 
-    def mailbox(self, name: str) -> FreshestMailbox[Frame]:
+    def mailbox(self, name: str) -> FreshestMailbox[T]:
         """The mailbox the capture thread of camera `name` puts into."""
         return self.mailboxes[name]
 
@@ -57,7 +58,7 @@ class Batcher:
         for mailbox in self.mailboxes.values():
             mailbox.close()
 
-    def next_batch(self, stop: threading.Event, idle_s: float = 0.2) -> list[Frame]:
+    def next_batch(self, stop: threading.Event, idle_s: float = 0.2) -> list[T]:
         """Wait for a batch (full or timed out); [] after `idle_s` without any frame, or when stopping."""
         idle_deadline = self.clock() + idle_s
         with self.signal:
@@ -76,7 +77,7 @@ class Batcher:
                 self.signal.wait(wait)
         return []
 
-    def _ready(self) -> list[tuple[int, Frame, float]]:
+    def _ready(self) -> list[tuple[int, T, float]]:
         """(camera index, newest frame, when its mailbox was filled) of cameras with an unread frame."""
         out = []
         for i, name in enumerate(self.names):
@@ -89,7 +90,7 @@ class Batcher:
         live = sum(1 for name in self.names if self.is_live(name))
         return max(1, min(self.max_size, live))
 
-    def _wait_left(self, ready: list[tuple[int, Frame, float]]) -> float:
+    def _wait_left(self, ready: list[tuple[int, T, float]]) -> float:
         """Seconds to wait for more cameras; <= 0 means send now. The deadline counts from the oldest fill
         time, which a replaced frame does not move (nvstreammux: timeout since the batch's first frame)."""
         if len(ready) >= self._target():
@@ -97,7 +98,7 @@ class Batcher:
         first = min(filled_at for _, _, filled_at in ready)
         return first + self.timeout_s - self.clock()
 
-    def _take(self, ready: list[tuple[int, Frame, float]]) -> list[Frame]:
+    def _take(self, ready: list[tuple[int, T, float]]) -> list[T]:
         """Up to max_size ready cameras in rotated order; the next batch starts after the last one taken."""
         n = len(self.names)
         order = sorted(ready, key=lambda item: (item[0] - self._start) % n)[: self.max_size]

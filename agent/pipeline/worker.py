@@ -284,15 +284,17 @@ class InferenceWorker(threading.Thread):
         now = time.monotonic()
         self.last_result_at = now  # before the windows count the frames: a swap's gap reads both in that order
         window, camera_windows = inferred.windows
-        if window.opened_at is None:
+        opened_at = window.opened_at
+        if opened_at is None:
             window.open(now)  # the model's first result: the swap gap ends here
+            opened_at = now
         for frame, outcome in zip(frames, outcomes):
             latency = (now - frame.captured_at) * 1e3
             timing = FrameTiming(inferred.wait_ms, outcome.preprocess, outcome.infer, outcome.postprocess, latency)
             frame.meta["infer_ms"] = outcome.infer  # the adaptation policy predicts other variants from it
             self.stats.record(timing)
             self.cameras.of(frame.source).record(timing)
-            if frame.captured_at >= window.opened_at:
+            if frame.captured_at >= opened_at:
                 window.record(timing)
                 camera_windows.of(frame.source).record(timing)
             else:  # waited through the swap: its latency is the gap's, not the model's

@@ -7,7 +7,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from agent.deployments.output_health import FrameHealth, HealthWindow
+from agent.pipeline.output_health import FrameHealth, HealthWindow
 from engines.live_agreement import Tally, describe, frame_tally
 from engines.postprocess import InferenceResult
 

@@ -17,7 +17,6 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -25,7 +24,7 @@ from engines.backends.base import EngineOptions
 from engines.errors import EdgeError
 from engines.model import ModelSource
 from engines.postprocess import InferenceResult
-from engines.provision import ProvisionResult
+from engines.build.provisioning import ProvisionResult
 from engines.runtime import StageTimes
 from engines.state_inputs import DEFAULT_STREAM
 
@@ -77,7 +76,7 @@ class CandidateProcess:
             raise CandidateHalted()
         try:
             self._conn.send(("frame", frame.shape, frame.dtype.str, stream))
-            self._conn.send_bytes(memoryview(frame).cast("B"))
+            self._conn.send_bytes(frame.data.cast("B"))
         except OSError as exc:
             raise CandidateProcessError(f"the candidate's process is gone ({self._exit()}): {exc}") from exc
         message = self._receive(FRAME_TIMEOUT_S, "on a frame")

@@ -50,7 +50,7 @@ def serve(conn: Connection) -> int:
     priority = lower_priority()  # before the load: the engine's threads inherit it
     try:
         setup: dict[str, Any] = conn.recv()
-        from engines.provision import load_warm  # after the priority: its import starts nothing, the load does
+        from engines.build.provisioning import load_warm  # after the priority: its import starts nothing, the load does
 
         runtime = load_warm(setup["provisioned"], setup["source"], setup["options"], int(setup["warmup_runs"]))
     except EOFError:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 import cv2
 import numpy as np
@@ -78,8 +78,8 @@ class SyntheticScene:
             (tw, th), _ = cv2.getTextSize(text, font, scale, thickness)
             x = int(rng.integers(16, max(17, cfg.width - tw - 40)))
             y = int(band * i + (band + th) / 2)
-            color = tuple(int(c) for c in rng.integers(0, 70, size=3))
-            lines.append((text, font, scale, thickness, x, y, color))
+            blue, green, red = (int(c) for c in rng.integers(0, 70, size=3))
+            lines.append((text, font, scale, thickness, x, y, (blue, green, red)))
         return lines
 
     def _offset(self, index: int) -> tuple[int, int]:

@@ -102,7 +102,7 @@ class V4l2Source(LiveCaptureReads):
         cfg = self.config
         # V4L2 order matters: the pixel format decides which sizes and rates exist.
         wanted = [
-            ("fourcc", cv2.CAP_PROP_FOURCC, cv2.VideoWriter_fourcc(*cfg.fourcc) if cfg.fourcc else None),
+            ("fourcc", cv2.CAP_PROP_FOURCC, cv2.VideoWriter.fourcc(*cfg.fourcc) if cfg.fourcc else None),
             ("width", cv2.CAP_PROP_FRAME_WIDTH, cfg.width),
             ("height", cv2.CAP_PROP_FRAME_HEIGHT, cfg.height),
             ("fps", cv2.CAP_PROP_FPS, cfg.fps),

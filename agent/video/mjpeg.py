@@ -63,8 +63,8 @@ class MjpegServer:
     @property
     def url(self) -> str:
         """http://host:port of the server."""
-        host = self._httpd.server_address[0]
-        return f"http://{'[' + host + ']' if ':' in str(host) else host}:{self.port}"
+        host = str(self._httpd.server_address[0])  # a TCP socket's name: (host, port[, ...]) with a str host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
     def start(self) -> None:
         """Serve on a thread of its own."""

@@ -52,7 +52,7 @@ class OverlayStyle:
             background = (0, 177, 64)
         unpainted = params.get("background_class", 0)
         unpainted = unpainted if unpainted is None or (isinstance(unpainted, int) and unpainted >= 0) else 0
-        return cls(label, str(params.get("composite", "none")), tuple(background), skeleton, unpainted)  # type: ignore[arg-type]
+        return cls(label, str(params.get("composite", "none")), tuple(background), skeleton, unpainted)
 
 
 def _is_pair(a: Any, b: Any) -> bool:

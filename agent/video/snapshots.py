@@ -38,7 +38,7 @@ class Snapshotter:
         self.device_id, self.cameras = device_id, list(cameras)
         self.publish = publish
         self.stop_event = stop
-        self._last: dict[str, float] = {}
+        self._last: dict[tuple[str, str], float] = {}  # (camera, reason) -> when it was last taken
         self._lock = threading.Lock()
         self.taken = 0
         self.published = 0

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Sequence
 from deploy.fleet.redact import redact
 from engines.errors import EdgeError
 
-__all__ = ["FleetDB", "FleetDBError", "FleetDBUnreachable", "open_db", "ensure_schema", "to_pyformat", "TRANSIENT_ERRORS"]
+__all__ = ["FleetDB", "FleetDBError", "FleetDBUnreachable", "open_db", "to_pyformat", "TRANSIENT_ERRORS"]
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 
@@ -214,10 +214,3 @@ def open_db(url: str) -> FleetDB:
     if url.startswith(("postgresql://", "postgres://")):
         return PostgresDB(url)
     raise FleetDBError(f"unsupported database URL {redact(url)!r}: use sqlite:///PATH or postgresql://...")
-
-
-def ensure_schema(db: FleetDB, **options: Any) -> None:
-    """Create the fleet tables and indexes if missing (idempotent; see deploy.fleet.schema)."""
-    from deploy.fleet.schema import ensure_schema as _ensure
-
-    _ensure(db, **options)

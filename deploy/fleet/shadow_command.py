@@ -102,7 +102,7 @@ def _stop(code: int, message: str) -> NoReturn:
 
 
 def _printable(text: Any) -> str:
-    from deploy.mqtt_ops import printable
+    from deploy.terminal import printable
 
     return printable("" if text is None else str(text))
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from engines.backends.base import Backend
 from engines.registry import Registry, import_plugins
 
-BACKENDS: Registry[type[Backend]] = Registry("backend")
+# Backend classes; each takes its own keyword options (tensorrt: cuda_graphs), none is required.
+BACKENDS: Registry[Callable[..., Backend]] = Registry("backend")
 
 import_plugins(
     BACKENDS,

@@ -8,24 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One model input or output; dynamic dims are None in `shape` and named in `dim_names`."""
-
-    name: str
-    shape: tuple[int | None, ...]
-    dtype: str
-    dim_names: tuple[str | None, ...] = ()
-
-    @property
-    def is_dynamic(self) -> bool:
-        """True when any dimension is only known at run time."""
-        return any(d is None for d in self.shape)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly form for `bench --json` and `engines list`."""
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "dynamic": self.is_dynamic}
+from engines.tensor_spec import TensorSpec as TensorSpec  # backends describe their I/O with it
 
 
 @dataclass(frozen=True)

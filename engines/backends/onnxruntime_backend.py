@@ -83,7 +83,7 @@ class OrtEngine:
 
     def close(self) -> None:
         """Drop the session (ORT frees its arena when the last reference goes)."""
-        self.session = None  # type: ignore[assignment]
+        self.session = None
 
 
 @BACKENDS.register("onnxruntime")
@@ -152,7 +152,7 @@ def check_batch(model: str, inputs: list[TensorSpec], feeds: dict[str, np.ndarra
     """A batch larger than the engine was built for is an InferenceError naming both sizes."""
     for spec in inputs:
         value = feeds.get(spec.name)
-        if value is not None and getattr(value, "ndim", 0) and value.shape[0] > max_batch:
+        if value is not None and bool(getattr(value, "ndim", 0)) and value.shape[0] > max_batch:
             raise BatchSizeError(f"{model}: input {spec.name} has a batch of {value.shape[0]}; this engine takes "
                                  f"at most {max_batch}")
 

@@ -44,12 +44,12 @@ from typing import Any
 import numpy as np
 import tensorrt as trt
 
-from engines import cuda_mem
+from engines import cuda as cuda_mem
 from engines.backends import BACKENDS
 from engines.backends.base import EngineOptions, TensorSpec
 from engines.backends.tensorrt_compat import (graph_capture_blocker, numpy_dtype, register_plugins, select_dla_core,
                                               shared_logger, sidecar_dla_core)
-from engines.cuda_mem import CudaError, CudaMemory, DeviceBuffer, open_cuda_memory
+from engines.cuda import CudaError, CudaMemory, DeviceBuffer, open_cuda_memory
 from engines.errors import BatchSizeError, InferenceError, ModelError
 from engines.nms_graph import engine_nms, sidecar_nms
 
@@ -113,6 +113,12 @@ class TrtEngine:
             self.close()  # a half-built engine must not leak device memory or the context
             raise
 
+    def _live_cuda(self) -> CudaMemory:
+        """The CUDA memory of an engine not closed yet."""
+        if self.cuda is None:
+            raise InferenceError(f"{self.path.name}: engine is closed")
+        return self.cuda
+
     def _setup(self, plan: bytes, options: EngineOptions, cuda_graphs: bool) -> None:
         self._runtime = trt.Runtime(shared_logger(trt))  # one logger per process: see tensorrt_compat
         self.dla_core = options.dla_core if options.dla_core is not None else sidecar_dla_core(self.path)
@@ -126,8 +132,9 @@ class TrtEngine:
             raise ModelError(f"{self.path.name}: TensorRT {trt.__version__} cannot deserialize this plan (built by "
                              f"another TensorRT version or for another GPU{held})", code="ENGINE_INCOMPATIBLE")
         self._context = self._engine.create_execution_context()
-        self._stream = self.cuda.create_stream()
-        self._handle = self.cuda.stream_handle(self._stream)
+        cuda = self._live_cuda()
+        self._stream = cuda.create_stream()
+        self._handle = cuda.stream_handle(self._stream)
         self._bind(options.static_shapes, options.max_batch)
         self.nms = engine_nms(self.path, [b.name for b in self._bindings if not b.is_input])
         batched = self.max_batch > 1
@@ -164,7 +171,7 @@ class TrtEngine:
         for name in names:
             shape = tuple(self._context.get_tensor_shape(name))
             dtype = numpy_dtype(self._engine.get_tensor_dtype(name), name)  # not trt.nptype: see tensorrt_compat
-            self._bindings.append(_Binding(self.cuda, name, shape, dtype, is_input[name]))
+            self._bindings.append(_Binding(self._live_cuda(), name, shape, dtype, is_input[name]))
             self._context.set_tensor_address(name, self._bindings[-1].device.ptr)
 
     def _profile_max_batch(self, inputs: list[str], wanted: int) -> int:
@@ -219,38 +226,40 @@ class TrtEngine:
 
     def _enqueue(self) -> None:
         if self._graph is not None:
-            self.cuda.launch_graph(self._graph, self._stream)
+            self._live_cuda().launch_graph(self._graph, self._stream)
         elif not self._context.execute_async_v3(self._handle):
             raise InferenceError(f"{self.path.name}: execute_async_v3 failed (see the TensorRT log)")
 
     def _run(self) -> list[np.ndarray]:
         """Inputs are already in the pinned arrays: copy in, enqueue, copy out, wait."""
+        cuda = self._live_cuda()
         for b in self._bindings:
             if b.is_input:
-                self.cuda.copy_htod_async(b.device, b.active, self._stream)
+                cuda.copy_htod_async(b.device, b.active, self._stream)
         self._enqueue()
         outputs = [b for b in self._bindings if not b.is_input]
         for b in outputs:
-            self.cuda.copy_dtoh_async(b.active, b.device, self._stream)
-        self.cuda.synchronize(self._stream)
+            cuda.copy_dtoh_async(b.active, b.device, self._stream)
+        cuda.synchronize(self._stream)
         return [b.active.copy() for b in outputs]
 
     def _capture_graph(self) -> str:
         """Capture `execute_async_v3` into a CUDA graph; keep it only if it reproduces a plain run."""
-        if not self.cuda.supports_graphs:
-            return f"{self.cuda.name} has no stream capture"
+        cuda = self._live_cuda()
+        if not cuda.supports_graphs:
+            return f"{cuda.name} has no stream capture"
         blocker = graph_capture_blocker(trt)
         if blocker:
             return blocker
         try:
             expected = self._run()  # also the required first enqueue after shapes are set
-            self.cuda.begin_capture(self._stream)
+            cuda.begin_capture(self._stream)
             try:
                 ok = self._context.execute_async_v3(self._handle)
             finally:
-                graph = self.cuda.end_capture(self._stream)
+                graph = cuda.end_capture(self._stream)
             if not ok:
-                self.cuda.destroy_graph(graph)
+                cuda.destroy_graph(graph)
                 return "execute_async_v3 failed during capture" + self._clear_cuda_error()
             self._graph = graph
             if not all(np.array_equal(a, b) for a, b in zip(expected, self._run())):
@@ -287,7 +296,7 @@ class TrtEngine:
 
     def _destroy(self, graph: Any) -> None:
         try:
-            self.cuda.destroy_graph(graph)
+            self._live_cuda().destroy_graph(graph)
         except CudaError as exc:
             log.warning("%s: destroying CUDA graph: %s", self.path.name, exc)
 
@@ -315,7 +324,7 @@ class TrtEngine:
         """Switch the input shapes to the feeds' batch size when it changed (1..max_batch)."""
         first = next((b for b in self._bindings if b.is_input), None)
         value = feeds.get(first.name) if first is not None else None
-        n = int(value.shape[0]) if value is not None and getattr(value, "ndim", 0) else self._batch
+        n = int(value.shape[0]) if value is not None and bool(getattr(value, "ndim", 0)) else self._batch
         if not 1 <= n <= self.max_batch:
             raise BatchSizeError(f"{self.path.name}: a batch of {n}; this engine takes 1..{self.max_batch}")
         if n != self._batch:
@@ -350,7 +359,7 @@ class TrtEngine:
 
 @BACKENDS.register("tensorrt")
 class TensorRTBackend:
-    """Loads plan files; a bare `.onnx` is built in process first (slow: use engines.provision)."""
+    """Loads plan files; a bare `.onnx` is built in process first (slow: use engines.build.provisioning)."""
 
     name = "tensorrt"
 
@@ -365,17 +374,7 @@ class TensorRTBackend:
         """Deserialize a plan; an unloadable plan is ModelError code ENGINE_INCOMPATIBLE."""
         model_path = Path(model_path)
         if model_path.suffix == ".onnx":
-            plan = self._build_uncached(model_path, options)
-        else:
-            plan = model_path.read_bytes()
-        return TrtEngine(plan, model_path, options, self.cuda_graphs)
-
-    @staticmethod
-    def _build_uncached(model_path: Path, options: EngineOptions) -> bytes:
-        from engines.backends.tensorrt_build import build_serialized
-        from engines.build_spec import EngineBuildSpec
-
-        log.warning("%s: building a TensorRT engine in process without caching; "
-                    "use engines.provision to build once and reuse it", model_path.name)
-        spec = EngineBuildSpec(precision="fp32", input_shapes=dict(options.static_shapes))
-        return build_serialized(trt, model_path, spec, None, lambda stage, **kw: log.info("build %s %s", stage, kw))
+            raise ModelError(f"{model_path.name}: TensorRT runs built plans, not ONNX; build one first "
+                             "(engines.build.provision, `edge-agent engines build`), which also caches it",
+                             code="USAGE")
+        return TrtEngine(model_path.read_bytes(), model_path, options, self.cuda_graphs)

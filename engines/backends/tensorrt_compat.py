@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.cache import read_sidecar
+from engines.sidecar import read_sidecar
 from engines.errors import ModelError
 
 # TensorRT DataType member name -> numpy dtype (names as in every binding since 8.5).

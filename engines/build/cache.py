@@ -28,10 +28,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from engines.build_spec import ENGINE_SUFFIX, CacheKey
-from engines.errors import EdgeError, ModelError
+from engines.build.spec import ENGINE_SUFFIX, CacheKey
+from engines.errors import EdgeError
 from engines.fsutil import atomic_write_bytes, fsync_dir
 from engines.manifest import sha256_file
+from engines.sidecar import sidecar_path as _sidecar_path
 
 log = logging.getLogger(__name__)
 
@@ -366,25 +367,6 @@ class EngineCache:
     def _emit(self, kind: str, **fields: Any) -> None:
         if self._on_event is not None:
             self._on_event({"type": kind, **fields})
-
-
-def _sidecar_path(path: Path) -> Path:
-    return path.with_name(path.name + ".json")
-
-
-def read_sidecar(engine_path: Path, unknown: str) -> dict[str, Any] | None:
-    """The engine's sidecar (`<engine>.json`, what the cache wrote beside it); None where there is none (a plan from
-    elsewhere). One that cannot be read is ENGINE_INCOMPATIBLE saying what is then `unknown`: the cache quarantines
-    and rebuilds an engine with that code, where guessing could run it wrongly."""
-    sidecar = _sidecar_path(engine_path)
-    try:
-        data = json.loads(sidecar.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"{sidecar.name}: cannot read the engine's sidecar ({exc}), so {unknown} is unknown",
-                         code="ENGINE_INCOMPATIBLE") from exc
-    return data if isinstance(data, dict) else {}
 
 
 def _fsync_file(path: Path) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from engines.errors import EdgeError
 from engines.manifest import sha256_file
-from engines.preprocess import PreprocessSpec, Preprocessor
+from engines.preprocess import Preprocessor, PreprocessSpec
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".npy"})
 DEFAULT_MAX_IMAGES = 64
@@ -114,7 +114,7 @@ def tensors(cal: CalibrationSet, spec: PreprocessSpec) -> list[np.ndarray]:
 
 
 def _generated_frames(spec: PreprocessSpec, count: int) -> list[np.ndarray]:
-    from engines.bench import text_frames  # bench imports the runtime; keep it off the import path
+    from engines.frames import text_frames
 
     return text_frames(spec.width, spec.height, count, seed=GENERATED_SEED)
 

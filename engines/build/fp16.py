@@ -1,5 +1,5 @@
 """The one FP16 conversion every path uses: ONNX Runtime fp16 engines, TensorRT without an FP16 builder flag
-(strongly typed, TensorRT 11), and the FP16-typed INT8 Q/DQ model (engines.quantize_trt).
+(strongly typed, TensorRT 11), and the FP16-typed INT8 Q/DQ model (engines.build.trt_recipe).
 
 Float tensors and weights become FP16, graph inputs and outputs stay FP32 behind casts (the preprocessor keeps
 writing float32). Some ops stay FP32 between casts: onnxruntime's DEFAULT_OP_BLOCK_LIST, plus the reductions

@@ -23,7 +23,7 @@ from typing import IO, Any, Callable, Sequence
 
 import psutil
 
-from engines.build_spec import EngineBuildError, EngineBuildSpec
+from engines.build.spec import EngineBuildError, EngineBuildSpec
 
 log = logging.getLogger(__name__)
 

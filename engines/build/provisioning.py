@@ -3,8 +3,8 @@
     result = provision(source, cache_dir=..., db_path=...)      # hit: hash check only; miss: build + gates
     runtime = load_provisioned(result, source)                   # a ModelRuntime on the cached engine
 
-A miss builds in a child process (engines.build), stores the file (engines.cache), then runs the gates
-(engines.validate) against the FP32 ONNX Runtime reference; a failing engine stays in the cache with
+A miss builds in a child process (engines.build.job), stores the file (engines.build.cache), then runs the gates
+(engines.build.validate) against the FP32 ONNX Runtime reference; a failing engine stays in the cache with
 its verdict, and is refused with GATE_ACCURACY / GATE_LATENCY until the thresholds change.
 """
 
@@ -22,25 +22,45 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engines import calibration as calib
-from engines.backends import BACKENDS, get_backend
-from engines.backends.base import Engine, EngineOptions
-from engines.build import Builder, BuildJob
-from engines.build_spec import (DEFAULT_TRT_OPT_LEVEL, CacheKey, EngineBuildError, EngineBuildSpec, ShapeProfile,
-                                canonical_json, device_part, make_cache_key, quant_recipe_key,
-                                resolve_device)
-from engines.cache import CacheEntry, EngineCache
-from engines.errors import EdgeError, ModelError
-from engines.fingerprint import read_fingerprint
+from engines.backends import get_backend
+from engines.backends.base import EngineOptions
 from engines.batching import batch_profile, state_max_batch
-from engines.manifest import check_input_size, sha256_file
+from engines.build import calibration as calib
+from engines.build.cache import CacheEntry, EngineCache
+from engines.build.job import Builder, BuildJob
+from engines.build.sensitivity import FALLBACK_TENSORS
+from engines.build.spec import (
+    DEFAULT_TRT_OPT_LEVEL,
+    CacheKey,
+    EngineBuildError,
+    EngineBuildSpec,
+    ShapeProfile,
+    canonical_json,
+    device_part,
+    make_cache_key,
+    quant_recipe_key,
+    resolve_device,
+)
+from engines.build.tensorrt import STATE_UNSUPPORTED
+from engines.build.validate import (
+    GateError,
+    ValidationResult,
+    min_accuracy_for,
+    validate,
+)
+from engines.build.validation_set import ValidationSet, same_set, validation_set
+from engines.engine_files import EngineIncompatibleError, load_engine_file
+from engines.fingerprint import read_fingerprint
+from engines.manifest import sha256_file
 from engines.model import ModelSource
 from engines.nms_graph import NmsUnavailableError, plan_nms
-from engines.backends.tensorrt_build import STATE_UNSUPPORTED
-from engines.runtime import ModelRuntime, load_runtime, preprocess_shape, resolve_backend
-from engines.validate import GateError, ValidationResult, min_accuracy_for, validate
-from engines.sensitivity import FALLBACK_TENSORS
-from engines.validation_set import ValidationSet, same_set, validation_set
+from engines.runtime import (
+    ModelRuntime,
+    load_runtime,
+    preprocess_shape,
+    resolve_backend,
+)
+from engines.state_inputs import check_input_size
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +68,6 @@ EventSink = Callable[[dict[str, Any]], None]
 DEFAULT_FALLBACK_ROUNDS = len(FALLBACK_TENSORS)
 DEFAULT_TIMEOUT_S = 1800.0  # a large TensorRT build at optimisation level 3 on an Orin Nano: ~10-20 min
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "ROCMExecutionProvider", "DmlExecutionProvider")
-
-
-class EngineIncompatibleError(EdgeError):
-    """A cached engine does not load on this device/library; it is quarantined and rebuilt."""
-
-    code = "ENGINE_INCOMPATIBLE"
 
 
 @dataclass
@@ -113,7 +127,7 @@ def provision(source: ModelSource, *, backend: str = "auto", precision: str | No
 
     `max_batch` > 1: an engine with a batch dimension, timed at sizes 1..max_batch (engines.batching).
     `fallback_rounds`: an INT8 engine that fails its accuracy gate is rebuilt with its most sensitive layers
-    in float, up to this many times (engines.sensitivity); 0: no fallback. `live_frames_dir`: the device's sample
+    in float, up to this many times (engines.build.sensitivity); 0: no fallback. `live_frames_dir`: the device's sample
     of its camera frames (engines.live_frames); the newest `live_frames` of them join the validation frames.
     `validation_dir`: judge on these frames instead of the artifact's (a bare .onnx has none). `timing`: the
     engine options (`intra_op_threads`, `allow_spinning`) the batch curve is timed with, those the caller serves with."""
@@ -184,7 +198,7 @@ def plan_build(source: ModelSource, backend: str = "auto", precision: str | None
     impl = get_backend(backend)
     fingerprint = read_fingerprint(fingerprint_root)
     dla_core = resolve_device(device or source.manifest.build.device, backend, fingerprint)
-    device = device_part(fingerprint, backend)
+    device_info = device_part(fingerprint, backend)
     shapes = input_shapes(source)
     max_batch = state_max_batch(source.manifest.state, max_batch)  # state is per camera: batch 1
     post = source.manifest.postprocess
@@ -202,8 +216,8 @@ def plan_build(source: ModelSource, backend: str = "auto", precision: str | None
         if precision == "int8" else {}, dla_core=dla_core,
         max_batch=max_batch, nms=nms.to_dict() if nms else {},
     )
-    key = make_cache_key(source.sha256 or sha256_file(source.onnx_path), backend, impl.version(), device, spec)
-    return BuildPlan(backend, precision, spec, key, cal, hashlib.sha256(canonical_json(device)).hexdigest(),
+    key = make_cache_key(source.sha256 or sha256_file(source.onnx_path), backend, impl.version(), device_info, spec)
+    return BuildPlan(backend, precision, spec, key, cal, hashlib.sha256(canonical_json(device_info)).hexdigest(),
                      nms=nms_record, backend_reason=backend_reason)
 
 
@@ -214,7 +228,7 @@ def _state_dump(source: ModelSource) -> dict[str, Any] | None:
 
 def _stateful_backend(source: ModelSource, requested: str) -> tuple[str, str]:
     """The backend, and why it is not the one asked for: TensorRT cannot build a model with state inputs yet
-    (engines.backends.tensorrt_build.refuse_state_inputs), so `auto` takes ONNX Runtime for it and an explicit
+    (engines.build.tensorrt.refuse_state_inputs), so `auto` takes ONNX Runtime for it and an explicit
     tensorrt is refused here, before a build child starts."""
     if source.manifest.state is None:
         return resolve_backend(requested), ""
@@ -283,49 +297,6 @@ def input_shapes(source: ModelSource) -> dict[str, tuple[int, ...]]:
     name = check_input_size(source.onnx_path, source.manifest.preprocess, source.label,  # [-1, 3, ?, ?] fits too
                             source.manifest.state)
     return {name: preprocess_shape(source)}
-
-
-def load_engine_file(path: Path, backend: str, precision: str, providers: tuple[str, ...] = (),
-                     shapes: dict[str, tuple[int, ...]] | None = None, options: EngineOptions | None = None,
-                     cuda_graphs: bool = True) -> Engine:
-    """Load a cached engine; a file the backend cannot load is EngineIncompatibleError.
-
-    Other errors (no CUDA bindings, a shape the engine rejects) pass through unchanged: the engine
-    file is fine and rebuilding it would not help.
-    """
-    options = options or EngineOptions()
-    try:
-        if backend == "onnxruntime":
-            return load_ort_engine(path, providers, precision, options.intra_op_threads, options.allow_spinning,
-                                   options.max_batch)
-        impl = BACKENDS.get(backend)(cuda_graphs=cuda_graphs) if backend == "tensorrt" else get_backend(backend)
-        return impl.load(path, replace(options, precision=precision, static_shapes=dict(shapes or {})))
-    except ModelError as exc:
-        if exc.code not in ("ENGINE_INCOMPATIBLE", "MODEL_LOAD_FAILED"):
-            raise
-        raise EngineIncompatibleError(f"{path.name}: {backend} cannot load this engine: {exc}") from exc
-    except (RuntimeError, OSError) as exc:  # e.g. a truncated or unreadable plan
-        raise EngineIncompatibleError(f"{path.name}: {backend} cannot load this engine: {exc}") from exc
-
-
-def load_ort_engine(path: Path, providers: tuple[str, ...], precision: str, threads: int = 0,
-                    allow_spinning: bool = True, max_batch: int = 1) -> Engine:
-    """An ONNX Runtime engine file loads with graph optimisation off: it was optimised when built."""
-    import onnxruntime as ort
-
-    from engines.backends.onnxruntime_backend import OrtEngine
-
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    if not allow_spinning:
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if threads > 0:
-        so.intra_op_num_threads = threads
-    try:
-        session = ort.InferenceSession(str(path), sess_options=so, providers=list(providers) or ["CPUExecutionProvider"])
-    except Exception as exc:  # ORT raises its own C++ exception types
-        raise EngineIncompatibleError(f"{path.name}: onnxruntime cannot load it: {exc}") from exc
-    return OrtEngine(session, path, precision, max_batch)
 
 
 # --- steps -------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Which activations lose the most to 8-bit quantization: the INT8 layer fallback's ranking.
 
-When an INT8 engine fails its gate, the build falls back layer by layer (engines.provision): it ranks the
+When an INT8 engine fails its gate, the build falls back layer by layer (engines.build.provisioning): it ranks the
 activation tensors the recipe quantizes by the error that quantizing each one alone causes, keeps the worst
 ones in float and rebuilds. The ranking runs the prepared FP32 graph (the one the quantizer sees, so node
 names match `nodes_to_exclude`) on the calibration frames, with every candidate tensor exposed, and
@@ -58,7 +58,7 @@ def rank_tensors(model: onnx.ModelProto, feeds: Sequence[dict[str, np.ndarray]],
                  max_frames: int = MAX_FRAMES) -> list[TensorError]:
     """Candidate activations, worst first. `quantized(producer, consumers)` says whether the recipe puts Q/DQ
     on a tensor with these neighbours (only those can be kept float by excluding them). The model must have
-    unique node names and inferred shapes (engines.quantize prepares it so)."""
+    unique node names and inferred shapes (engines.build.ort_recipe prepares it so)."""
     producers = {out: node for node in model.graph.node for out in node.output}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
@@ -106,7 +106,7 @@ def channel_error(values: Sequence[np.ndarray], symmetric: bool) -> float | None
         x = a.reshape(a.shape[0], a.shape[1], -1) if a.ndim >= 2 else a.reshape(1, 1, -1)
         err = fq(x) - x
         s, n = (x.astype(np.float64) ** 2).sum(axis=(0, 2)), (err.astype(np.float64) ** 2).sum(axis=(0, 2))
-        signal, noise = (s, n) if signal is None else (signal + s, noise + n)  # type: ignore[operator]
+        signal, noise = (s, n) if signal is None else (signal + s, noise + n)
     assert signal is not None and noise is not None
     live = signal > 0
     if not live.any():

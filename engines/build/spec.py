@@ -23,7 +23,7 @@ PRECISIONS = ("fp32", "fp16", "int8")
 # Builder optimisation level 3 is TensorRT's default: the best trade of build time vs speed.
 DEFAULT_TRT_OPT_LEVEL = 3
 ENGINE_SUFFIX = {"onnxruntime": ".onnx", "tensorrt": ".plan"}
-# The ONNX Runtime CPU quantization recipe (engines.quantize.DEFAULT) and its version in the key.
+# The ONNX Runtime CPU quantization recipe (engines.build.ort_recipe.DEFAULT) and its version in the key.
 CPU_RECIPE, CPU_RECIPE_VERSION = "onnxruntime-cpu", 2  # 2: float_output_tails
 
 
@@ -226,14 +226,14 @@ def quant_settings(backend: str) -> Any:
     """The INT8 quantization recipe for a backend (part of the key: another recipe, another engine).
 
     ONNX Runtime's CPU kernels are fastest with U8 activations x S8 7-bit weights and Q/DQ around every
-    op they fuse (engines.quantize.DEFAULT). TensorRT wants symmetric INT8, per-channel weights, no
-    bias Q/DQ and Q/DQ only on the inputs of the ops it runs in INT8 (engines.quantize_trt).
+    op they fuse (engines.build.ort_recipe.DEFAULT). TensorRT wants symmetric INT8, per-channel weights, no
+    bias Q/DQ and Q/DQ only on the inputs of the ops it runs in INT8 (engines.build.trt_recipe).
     """
     if backend == "tensorrt":
-        from engines.quantize_trt import TRT_RECIPE
+        from engines.build.trt_recipe import TRT_RECIPE
 
         return TRT_RECIPE
-    from engines import quantize
+    from engines.build import ort_recipe as quantize
 
     return quantize.DEFAULT
 

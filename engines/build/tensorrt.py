@@ -6,7 +6,7 @@ Runs in the build child process (`build_plan`) or, for a bare `.onnx` given to t
 - explicit batch: the creation flag exists (and is required) before TensorRT 10, is a no-op after;
 - the FP16/INT8 builder flags (weak typing) wherever they still exist (deprecated in 10.12, removed in
   11), so an INT8 build keeps FP16 for the layers that are not quantized; strongly typed networks
-  only where the flags are gone, from an ONNX that carries FP16 itself (engines.quantize_trt);
+  only where the flags are gone, from an ONNX that carries FP16 itself (engines.build.trt_recipe);
 - DLA (`dla:N` specs): default device type, DLA core, GPU fallback, per-layer `can_run_on_DLA`;
 - builder optimisation level (8.6+); progress monitor and parser node names (9.1+: both are absent
   from 8.6's binding, see tests/data/tensorrt_api/8.6.1.json, and present in 10.x).
@@ -25,9 +25,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from engines import batching
-from engines.backends.tensorrt_compat import plugin_fields, register_plugins, shared_logger
-from engines.build_spec import EngineBuildError, EngineBuildSpec
+from engines.backends.tensorrt_compat import (
+    plugin_fields,
+    register_plugins,
+    shared_logger,
+)
+from engines.build import batch_size
+from engines.build.spec import EngineBuildError, EngineBuildSpec
 from engines.fsutil import atomic_write_bytes
 
 Emit = Callable[..., None]
@@ -39,7 +43,13 @@ def build_plan(job: Any, emit: Emit) -> dict[str, Any]:
     """Child-process entry: (INT8: Q/DQ ONNX first) -> serialized plan written to `job.out_path`."""
     import tensorrt as trt
 
-    from engines.build_worker import StageTimer, _rewrite, quantize_model, static_model, to_fp16
+    from engines.build.steps import (
+        StageTimer,
+        exact_rewrites,
+        quantize_model,
+        static_model,
+        to_fp16,
+    )
     from engines.state_inputs import onnx_io
 
     report: dict[str, Any] = {"notes": [], "stages_s": {}}
@@ -53,10 +63,10 @@ def build_plan(job: Any, emit: Emit) -> dict[str, Any]:
         emit("fp16-convert")  # no FP16 builder flag (TensorRT 11): the ONNX itself carries FP16 types
         # Fold BatchNormalization/affine constants into the convolutions first (exact): a BN variance
         # beyond FP16's range (PP-OCRv4 det: 9.8e7) would otherwise be clamped to 1e4 by the converter.
-        onnx_path = _rewrite(onnx_path, job.work_dir / "rewritten.onnx", report)
+        onnx_path = exact_rewrites(onnx_path, job.work_dir / "rewritten.onnx", report)
         onnx_path = to_fp16(onnx_path, job.work_dir / "fp16.onnx")
         report["notes"].append("fp16 via a strongly typed FP16 ONNX (this TensorRT has no FP16 builder flag)")
-    onnx_path = batching.trt_batch_model(job, onnx_path, report)  # batch fixed to 1: verified rewrite
+    onnx_path = batch_size.trt_batch_model(job, onnx_path, report)  # batch fixed to 1: verified rewrite
     t0 = time.monotonic()
     plan = build_with_nms(trt, onnx_path, job, emit, report)
     report["stages_s"]["tensorrt-build"] = round(time.monotonic() - t0, 3)
@@ -203,7 +213,7 @@ def set_workspace(trt: Any, config: Any, workspace_mb: int | None) -> int | None
 
 def free_device_memory() -> int | None:
     """Free device memory through the CUDA memory interface; None when no implementation works."""
-    from engines.cuda_mem import CudaError, open_cuda_memory
+    from engines.cuda import CudaError, open_cuda_memory
 
     try:
         cuda = open_cuda_memory()

@@ -1,6 +1,6 @@
 """INT8 Q/DQ models for TensorRT: the quantization recipe TensorRT's explicit quantization runs well.
 
-The CPU recipe (engines.quantize.DEFAULT) is tuned for ONNX Runtime's MLAS kernels: U8 activations
+The CPU recipe (engines.build.ort_recipe.DEFAULT) is tuned for ONNX Runtime's MLAS kernels: U8 activations
 with a zero point, 7-bit (`reduce_range`) weights, bias quantized to int32 and Q/DQ around every op
 ORT can fuse. TensorRT reads the same graph differently (NVIDIA "Working with Quantized Types",
 Q/DQ placement recommendations; ModelOpt's ONNX PTQ defaults for TensorRT):
@@ -39,7 +39,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from engines import fp16
+from engines.build import fp16
+from engines.build.graph_rewrites import op_type_counts, save_atomic
 from engines.errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class TrtQuantRecipe:
     calibrate_method: str = "MinMax"
     #: Opset before quantizing; 13 is the lowest with per-channel Q/DQ and parses on TensorRT 8.5+.
     opset: int = 13
-    #: The exact FP32 rewrites of engines.quantize.simplify_graph (conv affine folding etc.).
+    #: The exact FP32 rewrites of engines.build.ort_recipe.simplify_graph (conv affine folding etc.).
     simplify: bool = True
     #: Strongly typed TensorRT (no FP16 builder flag): write the non-quantized graph in FP16.
     fp16_casts: bool = False
@@ -94,7 +95,7 @@ class TrtQuantReport:
     #: Ops (by type) whose inputs carry Q/DQ in the written model.
     quantized_ops: dict[str, int] = field(default_factory=dict)
     op_counts: dict[str, int] = field(default_factory=dict)
-    #: The INT8 layer fallback's choice (engines.sensitivity), as in engines.quantize.QuantReport.
+    #: The INT8 layer fallback's choice (engines.build.sensitivity), as in engines.build.ort_recipe.QuantReport.
     kept_float: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -103,11 +104,11 @@ def quantize_int8_trt(fp32_onnx: Path, out_onnx: Path, calibration: Iterable[np.
     """Quantize `fp32_onnx` for TensorRT into `out_onnx` (replaced atomically; temp files removed).
 
     `calibration` yields preprocessed input tensors (or {input: tensor} dicts) and is consumed once.
-    `keep_float` > 0: the layer fallback, ranked for symmetric int8 (engines.sensitivity); the ops reading
+    `keep_float` > 0: the layer fallback, ranked for symmetric int8 (engines.build.sensitivity); the ops reading
     the worst `keep_float` activations get no Q/DQ and run in FP16/FP32.
     The result is checked with `check_trt_qdq`; a violation is a ModelError, never a silent engine.
     """
-    from engines import quantize as q
+    from engines.build import ort_recipe as q
 
     t0 = time.perf_counter()
     fp32_onnx, out_onnx = Path(fp32_onnx), Path(out_onnx)
@@ -140,9 +141,9 @@ def quantize_int8_trt(fp32_onnx: Path, out_onnx: Path, calibration: Iterable[np.
         problems = check_trt_qdq(qmodel, recipe.op_types, fp16=recipe.fp16_casts)
         if problems:
             raise ModelError("the TensorRT Q/DQ model breaks the recipe: " + "; ".join(problems[:5]))
-        q._save_atomic(qmodel, out_onnx)
+        save_atomic(qmodel, out_onnx)
         report = TrtQuantReport(out_onnx, recipe.key_dict(), reader.count, t2 - t1, 0.0, rewrites,
-                                quantized_ops(qmodel), q.op_type_counts(qmodel), kept)
+                                quantized_ops(qmodel), op_type_counts(qmodel), kept)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report.total_s = time.perf_counter() - t0
@@ -154,7 +155,12 @@ def quantize_int8_trt(fp32_onnx: Path, out_onnx: Path, calibration: Iterable[np.
 def _quantize_static(prepared: Path, out: Path, reader: Any, recipe: TrtQuantRecipe,
                      excluded: list[str] | None = None) -> None:
     """ONNX Runtime's static quantizer with the options that give TensorRT's placement and types."""
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import (
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
 
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                "percentile": CalibrationMethod.Percentile}
@@ -234,7 +240,7 @@ def _clamp_scales(model: onnx.ModelProto, floor: float) -> int:
 
 def to_fp16_typed(model: onnx.ModelProto) -> onnx.ModelProto:
     """FP16 everywhere a strongly typed TensorRT would otherwise compute FP32; FP32 graph I/O via casts
-    (engines.fp16, whose block list every FP16 path shares)."""
+    (engines.build.fp16, whose block list every FP16 path shares)."""
     if _opset(model) < 19:
         raise ModelError(f"FP16 Q/DQ scales need opset 19, the model has {_opset(model)}")
     _clamp_scales(model, FP16_MIN_SCALE)

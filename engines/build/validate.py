@@ -44,21 +44,26 @@ import numpy as np
 
 from engines.errors import EdgeError, ModelError
 from engines.manifest import Gates
+from engines.metrics import (
+    BOX_IOU,
+    box_agreement,
+    match_detections,
+    metric_name,
+    scaled_cosine,
+    text_mask_iou,
+    top1_agreement,
+)
 from engines.postprocess import InferenceResult
 from engines.postprocess.value_ranges import check_value_ranges
 from engines.runtime import ModelRuntime
 
 DEFAULT_MIN_ACCURACY = {"fp32": 0.99, "fp16": 0.95, "int8": 0.90}
-METRICS = {"classification": "top1_agreement", "yolo": "box_f1", "db_text": "mask_iou", "raw": "cosine", "image": "cosine",
-           "segmentation": "mean_iou", "anchors": "box_f1"}
 FRAME_COST_FRAMES = 8  # frames timed through the whole stage chain: enough for a p50, cheap for 64-frame sets
 MIN_SCORE_RATIO = 0.8  # matched boxes' mean score vs the reference's: INT8 moves scores a few percent, not 20
 MIN_REFERENCE_DETECTIONS = 3  # across the whole set: fewer, and box F1 is decided by noise (or defined as 1.0)
 RAW_CONSTANT_STD = 1e-7  # relative to the output's mean magnitude: an output this flat carries no signal
 NO_SIGNAL_HINT = ("ship held-out frames where the FP32 model does find what it is for: "
                   "edge-deploy package --validation DIR")
-BOX_IOU = 0.5
-VALIDATION_SEED = 2024  # calibration frames use another seed, so validation never sees them
 VALIDATION_STREAM = "validation"  # the stream a stateful model's validation frames run on, in order
 
 
@@ -88,7 +93,7 @@ class ValidationResult:
     outputs: dict[str, float] | None = None  # raw: each output's metric (the lowest decides); yolo: matched_score_ratio,
     # and for seg / pose heads mask_iou / oks of the matched boxes (the lowest of them and box F1 decides)
     frames: dict[str, Any] | None = None  # what it was judged on: {"source", "count", "sha256"} (part of the verdict key)
-    # INT8 layer fallback (engines.provision): {"round", "kept_float": [tensor...], "tried": [{round, accuracy,
+    # INT8 layer fallback (engines.build.provisioning): {"round", "kept_float": [tensor...], "tried": [{round, accuracy,
     # kept_float}]}; None when the engine was judged as first built
     fallback: dict[str, Any] | None = None
 
@@ -111,23 +116,9 @@ class ValidationResult:
             raise GateError(self.reason or "validation failed", code=self.code or "GATE_ACCURACY")
 
 
-def metric_name(kind: str, outputs: dict[str, Any] | None) -> str:
-    """The kind's metric, joined by the instance metrics it was taken with (`box_f1+mask_iou` for a seg head:
-    the score is the lower of the two)."""
-    extra = [k for k in ("mask_iou", "oks") if k in (outputs or {})]
-    return "+".join([METRICS.get(kind, "cosine"), *extra])
-
-
 def min_accuracy_for(precision: str, gates: Gates) -> float:
     """The manifest's threshold, else the per-precision default."""
     return gates.min_accuracy if gates.min_accuracy is not None else DEFAULT_MIN_ACCURACY[precision]
-
-
-def validation_frames(width: int, height: int, count: int = 8) -> list[np.ndarray]:
-    """Deterministic frames with text, never the calibration frames."""
-    from engines.bench import text_frames
-
-    return text_frames(width, height, count, seed=VALIDATION_SEED)
 
 
 def validate(candidate: ModelRuntime, reference: ModelRuntime, frames: Sequence[np.ndarray], *, precision: str,
@@ -195,7 +186,7 @@ def agreement(kind: str, params: dict[str, Any], pairs: Sequence[tuple[Run, Run]
     if kind == "segmentation":
         from engines.postprocess.segmentation import mean_iou
 
-        return float(np.mean([mean_iou(r[1].class_map, c[1].class_map) for r, c in pairs])), None
+        return float(np.mean([mean_iou(_class_map(r[1]), _class_map(c[1])) for r, c in pairs])), None
     per_output = {}
     for i in range(len(pairs[0][0][0])):
         name = names[i] if i < len(names) else f"output{i}"
@@ -235,9 +226,9 @@ def signal_problem(kind: str, params: dict[str, Any], references: Sequence[Run])
         if count >= 2 and len(classes) == 1:
             return f"the FP32 model gives class {classes.pop()} for every one of the {count} validation frames"
     elif kind == "segmentation":
-        found = {int(c) for _, result in references for c in np.unique(result.class_map)}
-        if len(found) < 2:
-            return f"the FP32 model labels every pixel of the {count} validation frame(s) as class {found or {'none'}}"
+        labels = {int(c) for _, result in references for c in np.unique(_class_map(result))}
+        if len(labels) < 2:
+            return f"the FP32 model labels every pixel of the {count} validation frame(s) as class {labels or {'none'}}"
     elif all(_constant(np.concatenate([outputs[i].ravel() for outputs, _ in references]))
              for i in range(len(references[0][0]))):
         return f"every output of the FP32 model is constant over the {count} validation frame(s)"
@@ -259,86 +250,18 @@ def _sequence(reference: ModelRuntime, candidate: ModelRuntime, frames: Sequence
     return [(_run(reference, f), _run(candidate, f)) for f in frames]
 
 
+def _class_map(result: InferenceResult) -> np.ndarray:
+    """A segmentation result's class map: the segmentation postprocessor makes one for every frame."""
+    assert result.class_map is not None
+    return result.class_map
+
+
 def _run(runtime: ModelRuntime, frame: np.ndarray) -> tuple[list[np.ndarray], InferenceResult]:
     """Raw outputs and the decoded result of one frame (through the runtime's own stages)."""
     transform = runtime.preprocessor(frame)
     raw = runtime.infer_stream(runtime.preprocessor.tensor, VALIDATION_STREAM, frame.shape)
     outputs = [np.array(o, copy=True) for o in raw]
     return outputs, runtime.postprocessor(outputs, transform)
-
-
-def top1_agreement(reference: np.ndarray, candidate: np.ndarray) -> float:
-    """1.0 when the arg-max class is the same, else 0.0."""
-    return float(np.argmax(reference.reshape(-1)) == np.argmax(candidate.reshape(-1)))
-
-
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    """Cosine similarity of two tensors; two zero tensors agree, one zero tensor does not."""
-    a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    na, nb = np.linalg.norm(a64), np.linalg.norm(b64)
-    if na == 0 or nb == 0:
-        return 1.0 if na == nb else 0.0
-    return float(np.dot(a64, b64) / (na * nb))
-
-
-def scaled_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    """Cosine similarity times the ratio of the smaller norm to the larger: a tensor that keeps its direction
-    but collapses in magnitude (a presence logit 42.2 -> 0.5) no longer agrees; two zero tensors do."""
-    na, nb = (float(np.linalg.norm(x.astype(np.float64).ravel())) for x in (a, b))
-    return cosine(a, b) * (min(na, nb) / max(na, nb) if na and nb else 1.0)
-
-
-def text_mask_iou(reference: np.ndarray, candidate: np.ndarray, threshold: float) -> float:
-    """IoU of the two text masks (prob > threshold); two empty masks agree."""
-    from engines.quantize import mask_iou
-
-    return float(mask_iou(reference, candidate, threshold))
-
-
-def box_f1(reference: Sequence[InferenceResult], candidate: Sequence[InferenceResult], iou: float = BOX_IOU) -> float:
-    """F1 of candidate boxes matched greedily (by score) to reference boxes of the same class."""
-    return box_agreement(reference, candidate, iou)[0]
-
-
-def box_agreement(reference: Sequence[InferenceResult], candidate: Sequence[InferenceResult],
-                  iou: float = BOX_IOU) -> tuple[float, float | None]:
-    """(box F1, matched score ratio): the F1 pooled over the set, and the candidate's mean score over the
-    reference's on the boxes both found (None when none matched). A head whose scores sink but stay above
-    the threshold keeps its F1; the ratio shows it."""
-    tp = fp = fn = 0
-    ref_scores: list[float] = []
-    cand_scores: list[float] = []
-    for ref, cand in zip(reference, candidate):
-        pairs = match_detections(ref, cand, iou)
-        tp += len(pairs)
-        fp += len(cand.detections) - len(pairs)
-        fn += len(ref.detections) - len(pairs)
-        ref_scores += [r.score for r, _ in pairs]
-        cand_scores += [c.score for _, c in pairs]
-    f1 = 1.0 if tp + fp + fn == 0 else 2 * tp / (2 * tp + fp + fn)
-    ratio = float(np.mean(cand_scores) / np.mean(ref_scores)) if ref_scores and np.mean(ref_scores) > 0 else None
-    return f1, ratio
-
-
-def match_detections(ref: InferenceResult, cand: InferenceResult, threshold: float) -> list[tuple[Any, Any]]:
-    """(reference, candidate) detection pairs, matched greedily by the candidate's score."""
-    free = list(ref.detections)
-    pairs = []
-    for det in sorted(cand.detections, key=lambda d: -d.score):
-        scores = [(box_iou(det.box, r.box), i) for i, r in enumerate(free) if r.class_id == det.class_id]
-        best = max(scores, default=(0.0, -1))
-        if best[0] >= threshold:
-            pairs.append((free.pop(best[1]), det))
-    return pairs
-
-
-def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
-    """IoU of two x1,y1,x2,y2 boxes."""
-    iw = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    ih = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = iw * ih
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
 
 
 def measure_latency(runtime: ModelRuntime, frame: np.ndarray, runs: int, warmup: int) -> dict[str, float]:

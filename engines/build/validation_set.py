@@ -2,9 +2,9 @@
 
 An artifact can carry held-out validation frames (`gates.validation`, a directory of images inside the
 artifact, hashed and signed like every file: `edge-deploy package --validation DIR`). The deterministic text
-frames of `engines.validate.validation_frames` are used only when the manifest asks for them
+frames of `engines.build.validate.validation_frames` are used only when the manifest asks for them
 (`gates.synthetic_frames`, which the demo text detector sets): on any other model they prove nothing, and the
-no-signal rule (engines.validate.signal_problem) would refuse it anyway. A device that keeps a rolling sample
+no-signal rule (engines.build.validate.signal_problem) would refuse it anyway. A device that keeps a rolling sample
 of its own camera frames (`[gates] live_frames`, engines.live_frames) judges every candidate on those too.
 With no frames at all the gate refuses: GATE_NO_VALIDATION_FRAMES.
 
@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engines import calibration as frame_sets
 from engines import live_frames
+from engines.build import calibration as frame_sets
 from engines.errors import EdgeError
 from engines.model import ModelSource
 
@@ -99,7 +99,7 @@ def _invalid(directory: str, exc: EdgeError) -> EdgeError:
 
 
 def _synthetic(width: int, height: int, samples: int) -> list[np.ndarray]:
-    from engines.validate import validation_frames  # validate imports the runtimes; this module stays light
+    from engines.frames import validation_frames
 
     return validation_frames(width, height, samples)
 
@@ -124,4 +124,6 @@ def postprocess_key(source: ModelSource) -> str:
 
 def same_set(stored: dict[str, Any] | None, current: dict[str, Any]) -> bool:
     """True when a stored verdict was judged on these frames with this decoding."""
-    return bool(stored) and all(stored.get(k) == current[k] for k in ("sha256", "postprocess"))
+    if not stored:
+        return False
+    return all(stored.get(k) == current[k] for k in ("sha256", "postprocess"))

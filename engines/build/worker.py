@@ -9,42 +9,31 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import json
 import os
 import signal
 import sys
-import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from engines import batching
-from engines.build import BuildJob
-from engines.build_spec import EngineBuildError, quant_settings
+from engines.build import batch_size
+from engines.build.job import BuildJob
+from engines.build.spec import EngineBuildError
+from engines.build.steps import (
+    Emitter,
+    StageTimer,
+    exact_rewrites,
+    quantize_model,
+    static_model,
+    to_fp16,
+)
 
 # Backend name -> "module:function" building an engine file from a job; imported only when used.
 WORKER_BUILDERS = {
-    "onnxruntime": "engines.build_worker:build_onnxruntime",
-    "tensorrt": "engines.backends.tensorrt_build:build_plan",
+    "onnxruntime": "engines.build.worker:build_onnxruntime",
+    "tensorrt": "engines.build.tensorrt:build_plan",
 }
 _PR_SET_PDEATHSIG = 1
-
-
-class Emitter:
-    """Writes one JSON object per line to the parent and flushes it at once."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self.stream = stream
-
-    def __call__(self, stage: str, **fields: Any) -> None:
-        """A progress event."""
-        self.send({"event": "progress", "stage": stage, **fields})
-
-    def send(self, event: dict[str, Any]) -> None:
-        """Any event (progress, result, error)."""
-        self.stream.write(json.dumps(event, default=str) + "\n")
-        self.stream.flush()
 
 
 def main(argv: list[str]) -> int:
@@ -57,7 +46,7 @@ def main(argv: list[str]) -> int:
     _prepare_process(job.parent_pid)
     try:
         report = _builder(job.backend)(job, emit)
-        batching.time_build(job, report, emit)  # per-frame cost at batch 1..max into the sidecar
+        batch_size.time_build(job, report, emit)  # per-frame cost at batch 1..max into the sidecar
     except EngineBuildError as exc:
         emit.send({"event": "error", "code": exc.code, "message": str(exc)})
         return 3
@@ -118,101 +107,19 @@ def build_onnxruntime(job: BuildJob, emit: Emitter) -> dict[str, Any]:
     if spec.precision == "int8":
         model = quantize_model(job, model, timer, report)
     else:
-        model = batching.early_batch(job, model)  # before the exact rewrites, which may bake in batch 1
+        model = batch_size.early_batch(job, model)  # before the exact rewrites, which may bake in batch 1
         with timer("rewrite"):
-            model = _rewrite(model, job.work_dir / "rewritten.onnx", report)
+            model = exact_rewrites(model, job.work_dir / "rewritten.onnx", report)
         if spec.precision == "fp16":
             with timer("fp16-convert"):
                 model = to_fp16(model, job.work_dir / "fp16.onnx")
-    model, shapes = batching.ort_batch_step(job, model, timer, report)  # dynamic batch, or batch 1 and why
+    model, shapes = batch_size.ort_batch_step(job, model, timer, report)  # dynamic batch, or batch 1 and why
     with timer("optimize"):
         _optimize(model, job.out_path, spec.providers, shapes)
     with timer("verify"):
         _smoke_test(job.out_path, spec.providers, spec.precision, job)
     _fsync(job.out_path)
     return report
-
-
-def static_model(job: BuildJob, timer: "StageTimer") -> Path:
-    """The ONNX with its input pinned to the build's shape (quantizer and rewrites need static shapes)."""
-    from engines import quantize
-
-    if not job.spec.input_shapes:
-        return job.onnx_path
-    with timer("static-shape"):
-        static = job.work_dir / "static.onnx"
-        quantize.make_static_shape(job.onnx_path, static, {k: list(v) for k, v in job.spec.input_shapes.items()})
-    return static
-
-
-def quantize_model(job: BuildJob, model: Path, timer: "StageTimer", report: dict[str, Any],
-                   fp16_casts: bool = False) -> Path:
-    """Calibration frames through the model's Preprocessor -> Q/DQ ONNX (explicit quantization), with the
-    backend's recipe (build_spec.quant_settings); `fp16_casts`: TensorRT without weak typing."""
-    from engines import calibration, quantize, quantize_trt
-    from engines.preprocess import PreprocessSpec
-
-    if job.spec.quantization.get("prequantized"):
-        report["notes"].append(f"already quantized ({job.spec.quantization['prequantized']}): built as it is, "
-                               "without calibration")
-        return model
-    if not job.calibration:
-        raise EngineBuildError("int8 build without a calibration set", code="ENGINE_BUILD_FAILED")
-    model = _fp32_weights(model, job.work_dir / "fp32-weights.onnx", report)
-    cal = calibration.CalibrationSet.from_dict(job.calibration)
-    with timer("calibration-frames", count=cal.count):
-        tensors = calibration.tensors(cal, PreprocessSpec.model_validate(job.preprocess))
-    report["notes"].append(cal.note)
-    report["calibration"] = {"count": cal.count, "generated": cal.generated, "digest": cal.digest}
-    out = job.work_dir / "qdq.onnx"
-    with timer("quantize", count=len(tensors)):
-        recipe = quant_settings(job.backend)
-        keep = int(job.spec.quantization.get("float_fallback", 0))  # the layer fallback's round (engines.provision)
-        if isinstance(recipe, quantize_trt.TrtQuantRecipe):
-            qreport = quantize_trt.quantize_int8_trt(model, out, tensors, recipe=replace(recipe, fp16_casts=fp16_casts),
-                                                     keep_float=keep)
-        else:
-            qreport = quantize.quantize_int8(model, out, tensors, settings=recipe, keep_float=keep)
-    report["quantization"] = _jsonable(qreport)
-    if qreport.kept_float:
-        report["notes"].append("INT8 layer fallback: kept in float " + ", ".join(
-            f"{t['tensor']} (error {t['error']:.3f})" for t in qreport.kept_float))
-    return out
-
-
-def _fp32_weights(model: Path, out: Path, report: dict[str, Any]) -> Path:
-    """An FP32 copy of a model with FP16 weights, which is what gets quantized (engines.onnx_inputs)."""
-    import onnx
-
-    from engines.onnx_inputs import fp32_copy, has_fp16
-
-    proto = onnx.load(str(model))
-    if not has_fp16(proto):
-        return model
-    converted = fp32_copy(proto)
-    onnx.save(proto, str(out))
-    report["notes"].append(f"FP16 weights: quantized from an FP32 copy ({converted} tensors and casts converted)")
-    return out
-
-
-def _rewrite(model: Path, out: Path, report: dict[str, Any]) -> Path:
-    """The quantizer's exact FP32 graph rewrites (same outputs, less work); skipped if a model resists."""
-    from engines import quantize
-    from engines.errors import ModelError
-
-    try:
-        report["rewrites"] = quantize.optimize_fp32(model, out)
-    except (ModelError, ValueError) as exc:
-        report["notes"].append(f"exact graph rewrites skipped: {exc}")
-        return model
-    return out
-
-
-def to_fp16(model: Path, out: Path) -> Path:
-    """FP16 weights and activations, FP32 inputs/outputs (engines.fp16: one block list for every path)."""
-    from engines.fp16 import to_fp16_file
-
-    return to_fp16_file(model, out)
 
 
 def _optimize(model: Path, out: Path, providers: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> None:
@@ -235,7 +142,7 @@ def _smoke_test(path: Path, providers: tuple[str, ...], precision: str, job: Bui
     frame gets (the state's zeros of its init_shape, the constants), so a state that must match the frame fits."""
     import numpy as np
 
-    from engines.provision import load_ort_engine
+    from engines.engine_files import load_ort_engine
 
     engine = load_ort_engine(path, providers, precision)
     try:
@@ -259,35 +166,6 @@ def _first_frame_feeds(engine: Any, job: BuildJob) -> dict[str, Any]:
     shape = job.spec.input_shapes.get(frame.name) or tuple(d or 1 for d in frame.shape)
     feeds, _ = states.feeds(DEFAULT_STREAM, np.ones(shape, dtype=frame.dtype))
     return feeds
-
-
-class StageTimer:
-    """`with timer("stage"):` sends a progress event and records the stage's seconds."""
-
-    def __init__(self, emit: Emitter, report: dict[str, Any]) -> None:
-        self.emit, self.report = emit, report
-        self._stage: str | None = None
-        self._fields: dict[str, Any] = {}
-
-    def __call__(self, stage: str, **fields: Any) -> "StageTimer":
-        self._stage, self._fields = stage, fields
-        return self
-
-    def __enter__(self) -> None:
-        self.emit(self._stage or "?", **self._fields)
-        self._t0 = time.monotonic()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.report["stages_s"][self._stage] = round(time.monotonic() - self._t0, 3)
-
-
-def _jsonable(value: Any) -> Any:
-    """A report object (dataclass or anything else) as plain JSON data."""
-    from dataclasses import asdict, is_dataclass
-
-    if is_dataclass(value) and not isinstance(value, type):
-        value = asdict(value)
-    return json.loads(json.dumps(value, default=str))
 
 
 def _fsync(path: Path) -> None:

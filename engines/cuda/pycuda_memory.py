@@ -1,4 +1,4 @@
-"""The CUDA memory interface (engines/cuda_mem.py) on pycuda, for JetPack images without cuda-python.
+"""The CUDA memory interface (engines/cuda/base.py) on pycuda, for JetPack images without cuda-python.
 
 pycuda's calls need a current context in the calling thread, while the agent loads engines in one
 thread and runs them in another. So the device's *primary* context (the one the CUDA runtime, and
@@ -17,7 +17,7 @@ import numpy as np
 
 import pycuda.driver as cuda  # noqa: E402  (an ImportError here disables this implementation)
 
-from engines.cuda_mem import CudaError, DeviceBuffer
+from engines.cuda.base import CudaError, DeviceBuffer
 
 
 class PyCudaMemory:

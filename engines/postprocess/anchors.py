@@ -123,11 +123,11 @@ class AnchorPostprocessor:
         """Decode, threshold, NMS; boxes and keypoints in frame pixels."""
         p = self.params
         arrays = [np.asarray(o, np.float32).reshape(-1, np.shape(o)[-1]) for o in outputs]
-        b, s, l = self._roles([a.shape for a in arrays])
+        b, s, lm = self._roles([a.shape for a in arrays])
         scores = _face_scores(arrays[s])
         keep = np.flatnonzero(scores >= p.conf_threshold)
         raw, anchors = arrays[b][keep].astype(np.float64), self.anchors[keep]
-        boxes, points = self._decode(raw, anchors, arrays[l][keep].astype(np.float64) if l is not None else None)
+        boxes, points = self._decode(raw, anchors, arrays[lm][keep].astype(np.float64) if lm is not None else None)
         framed = clip_to_frame(transform.boxes_to_frame(boxes), transform) if len(boxes) else boxes
         # finite before clipping: an ssd size whose exp overflowed is inf, and clipped it would be the whole frame
         visible = np.isfinite(boxes).all(axis=1) & (framed[:, 2] > framed[:, 0]) & (framed[:, 3] > framed[:, 1]) \
@@ -137,7 +137,8 @@ class AnchorPostprocessor:
             if len(order) else order
         detections = []
         for i in kept:
-            d = Detection(tuple(float(v) for v in framed[i]), float(scores[keep][i]), 0, self.context.label(0))
+            x1, y1, x2, y2 = (float(v) for v in framed[i])
+            d = Detection((x1, y1, x2, y2), float(scores[keep][i]), 0, self.context.label(0))
             if points is not None and points.shape[1]:
                 xy = transform.points_to_frame(points[i].reshape(-1, 2).astype(np.float32))
                 d.keypoints = [(float(x), float(y), 1.0) for x, y in xy]
@@ -175,16 +176,16 @@ def _check_value_ranges(post: AnchorPostprocessor, outputs: list[np.ndarray], na
     """Package and gates: every anchor's regressors, landmarks and scores must be usable, not only those above
     conf on the one frame at hand."""
     arrays = [np.asarray(o, np.float32).reshape(-1, np.shape(o)[-1]) for o in outputs]
-    b, s, l = post._roles([a.shape for a in arrays])
+    b, s, lm = post._roles([a.shape for a in arrays])
     change = ("the head as exported gives finite values: check the export, or build at fp32 when only an fp16/int8 "
               "engine gives them")
     require(arrays[b], kind="anchors", output=output_label(names, b), what="box regressors", change=change)
-    if l is not None:
-        require(arrays[l], kind="anchors", output=output_label(names, l), what="landmarks", change=change)
+    if lm is not None:
+        require(arrays[lm], kind="anchors", output=output_label(names, lm), what="landmarks", change=change)
     require(_face_scores(arrays[s]), kind="anchors", output=output_label(names, s), within=(0.0, 1.0),
             what="scores after sigmoid / softmax", change=change)
     boxes, points = post._decode(arrays[b].astype(np.float64), post.anchors,
-                                 arrays[l].astype(np.float64) if l is not None else None)
+                                 arrays[lm].astype(np.float64) if lm is not None else None)
     require(boxes if points is None else np.concatenate((boxes, points), axis=1), kind="anchors",
             output=output_label(names, b), what=f"boxes decoded with encoding {post.params.encoding}",
             change="set postprocess.params.encoding and variances to the head's (an exp of the size regressors "

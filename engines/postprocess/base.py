@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from engines.backends.base import TensorSpec
+from engines.tensor_spec import TensorSpec
 from engines.preprocess import FrameTransform
 
 

@@ -1,5 +1,5 @@
 """Whether a model's output values fit its decoder, checked where the model is checked: `edge-deploy package`
-(deploy.package.check_decodes, on the first validation frame) and the build's gates (engines.validate, on every
+(deploy.package.check_decodes, on the first validation frame) and the build's gates (engines.build.validate, on every
 validation frame, for the FP32 reference and for the built engine). Never per frame.
 
 A decoder that does not fit its model decodes garbage without failing: NaN scores win an argmax, regressors

@@ -372,6 +372,7 @@ class YoloPostprocessor:
         p = self.params
         if p.layout in NMS_DONE:
             return self._after_nms(outputs, transform)
+        layout: Layout
         if self._gfl is not None:
             try:
                 pred, layout, extra = self._gfl.columns(outputs, p.conf_threshold), "gfl", None
@@ -400,11 +401,11 @@ class YoloPostprocessor:
                     d.mask = mask
         return InferenceResult("yolo", detections=detections)
 
-    def _raw_head(self, outputs: list[np.ndarray]) -> tuple[np.ndarray, str, np.ndarray | None]:
+    def _raw_head(self, outputs: list[np.ndarray]) -> tuple[np.ndarray, Layout, np.ndarray | None]:
         """The first output in one layout's rows or columns, a pose or seg head's extra channels split off and a
         yolox grid decoded: what the frame path decodes and the range check reads are the same numbers."""
         pred = self._prediction(outputs[0])
-        layout, classes = self._layout(pred.shape)  # type: ignore[arg-type]
+        layout, classes = self._layout(pred.shape)
         extra = None
         if layout in HEADS:
             pred, extra = split_channels(pred, classes, self._extra, layout)

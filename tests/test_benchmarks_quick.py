@@ -1,0 +1,99 @@
+"""Benchmarks cannot rot (issue #20): every benchmarks/*.py has a `--quick` smoke mode that completes and writes
+its JSON, and `make test` runs it here.
+
+The benchmarks are found by globbing, so a new one is run (and fails until it has `--quick` and its headline
+keys are listed below). Those whose quick run is already a test elsewhere are named with that test, and the
+test checks that it still exists and still runs that benchmark, so the list cannot rot either. Numbers are not
+judged: only that the run exits 0 and its JSON parses and holds the benchmark's headline keys.
+"""
+
+from __future__ import annotations
+
+import ast
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, run_quick_benchmark
+
+BENCHMARKS = REPO / "benchmarks"
+
+# name -> the test (file::function) that already runs `run_quick_benchmark(name, ...)`
+COVERED_ELSEWHERE = {
+    "postprocess": "tests/test_postprocess_yolo_heads.py::test_the_postprocess_benchmark_runs_in_its_quick_mode",
+    "shadow": "tests/test_shadow.py::test_the_shadow_benchmark_runs_in_its_quick_mode",
+    "video": "tests/test_video.py::test_the_video_benchmark_runs_in_its_quick_mode",
+}
+
+# name -> keys its JSON must hold (the headline numbers, not their values)
+HEADLINES = {
+    "adaptive": {"benchmark", "quick", "phases_s", "adaptive_windows_within_budget", "fixed_fp32_windows_within_budget",
+                 "switches", "frames_lost"},
+    "batching": {"auto_vs_batch1_small", "auto_vs_batch1_large", "frames_lost", "verdicts", "quick"},
+    "collector": {"benchmark", "mode", "ingest_msgs_per_s", "lag_p99_s", "lost", "duplicated", "vs_naive"},
+    "dashboard": {"fleet_idle_ms", "fleet_loaded_ms", "loaded_vs_idle_p99", "hostile_page_ms", "rss_mb_max"},
+    "engines": {"int8_speedup", "int8_accuracy", "cold_build_s", "cold_build_int8_s", "warm_load_s", "latency_ms",
+                "quick"},
+    "gates": {"doclaynet", "demo", "refusals", "fallback_without_tail_rule", "ddddocr", "live_sample"},
+    "pipeline": {"bare_fps", "agent_fps", "agent_vs_bare", "agent_vs_bare_loaded", "overlap_vs_inline", "quick"},
+    "swap": {"steady_interval_ms", "swap_max_interval_ms", "swap_ratio", "frames_lost", "overlap_gap_ms",
+             "stop_start_gap_ms", "quick"},
+    "telemetry": {"drain_msgs_per_s", "lost", "duplicated", "paho_ceiling_msgs_per_s", "telemetry_cpu_overhead_pct",
+                  "quick"},
+}
+
+# more than a few seconds on a small machine (2 cores): still part of `make test`
+SLOW = {"adaptive", "batching", "collector", "dashboard", "engines", "gates", "pipeline", "swap"}
+
+# arguments after `--quick --out OUT`, for runs that would otherwise write outside tmp_path or run for minutes
+EXTRA_ARGS = {
+    # --quick alone runs 3 rounds x 3 runs x 35 s (over 5 min here); its engine cache defaults to out/ in the repo
+    "adaptive": lambda tmp: ("--rounds", "1", "--cache", str(tmp / "cache")),
+}
+
+
+def benchmark_names() -> list[str]:
+    """Every runnable benchmark: benchmarks/*.py except the helper modules (`_common.py`: a leading underscore)."""
+    return sorted(p.stem for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+
+
+def _params() -> list:
+    return [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
+            for name in benchmark_names() if name not in COVERED_ELSEWHERE]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", _params())
+def test_the_benchmark_runs_in_its_quick_mode(name: str, tmp_path: Path) -> None:
+    """`benchmarks/<name>.py --quick --out OUT` exits 0 and writes JSON with its headline keys."""
+    assert name in HEADLINES, f"benchmarks/{name}.py: list its headline JSON keys in HEADLINES"
+    extra = EXTRA_ARGS[name](tmp_path) if name in EXTRA_ARGS else ()
+    t0 = time.monotonic()
+    data = run_quick_benchmark(name, tmp_path / f"{name}.json", *extra, timeout=540)
+    print(f"benchmarks/{name}.py --quick: {time.monotonic() - t0:.1f} s")
+    assert isinstance(data, dict)
+    missing = HEADLINES[name] - set(data)
+    assert not missing, f"benchmarks/{name}.py --quick: JSON lacks {sorted(missing)}"
+
+
+@pytest.mark.parametrize("name", sorted(COVERED_ELSEWHERE))
+def test_a_benchmark_left_out_here_has_its_quick_run_tested_elsewhere(name: str) -> None:
+    """The test named in COVERED_ELSEWHERE exists and calls run_quick_benchmark on that benchmark."""
+    assert (BENCHMARKS / f"{name}.py").is_file(), f"benchmarks/{name}.py is gone: drop it from COVERED_ELSEWHERE"
+    path, function = COVERED_ELSEWHERE[name].split("::")
+    tree = ast.parse((REPO / path).read_text())
+    test = next((node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == function), None)
+    assert test is not None, f"{COVERED_ELSEWHERE[name]} does not exist: run benchmarks/{name}.py here instead"
+    calls = [node for node in ast.walk(test) if isinstance(node, ast.Call)
+             and getattr(node.func, "id", getattr(node.func, "attr", None)) == "run_quick_benchmark"]
+    assert any(call.args and isinstance(call.args[0], ast.Constant) and call.args[0].value == name for call in calls), \
+        f"{COVERED_ELSEWHERE[name]} no longer runs run_quick_benchmark({name!r}, ...)"
+
+
+def test_every_listed_benchmark_exists() -> None:
+    """No stale names: everything HEADLINES and SLOW list is a benchmark still in benchmarks/."""
+    names = set(benchmark_names())
+    listed = set(HEADLINES) | SLOW | set(EXTRA_ARGS)
+    assert listed <= names, sorted(listed - names)
+    assert not set(HEADLINES) & set(COVERED_ELSEWHERE)
