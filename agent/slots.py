@@ -78,7 +78,7 @@ class ModelSlots:
         if self.previous is not None and self.previous is not old:
             self.previous.runtime.close()
             self.previous = None
-        if old is None or getattr(old, "closed", False):
+        if old is None or old.closed:
             self.previous = None
             return
         if self._keep_previous():
@@ -98,6 +98,10 @@ class ModelSlots:
         finally:
             if replaced is not None and replaced is not target:
                 replaced.runtime.close()
+
+    def serving_label(self) -> str:
+        """name@version of the serving model ("none" before one loaded)."""
+        return self.active.source.label if self.active is not None else "none"
 
     def resident(self) -> list[LoadedModel]:
         """The loaded models, each once (active and previous may be one model after a failed swap)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import tempfile
@@ -67,22 +68,22 @@ def run_bench(
     source = load_model(model_path)
     sizes = parse_batch_sizes(batch_sizes)
     max_batch = max(sizes) if sizes else 1
-    t0 = time.perf_counter()
-    scratch = None
-    if (cache_dir is None or db_path is None) and resolve_backend(backend) == "tensorrt":
-        # TensorRT runs built plans only: build into a cache that lives as long as this bench
-        scratch = tempfile.TemporaryDirectory(prefix="engines-bench-")
-        cache_dir, db_path = Path(scratch.name) / "cache", Path(scratch.name) / "state.db"
-    if cache_dir is None or db_path is None:
-        if precision not in (None, "fp32"):
-            raise ModelError(f"precision {precision!r} needs an engine cache (cache_dir and db_path)", code="USAGE")
-        runtime, built = load_runtime(source, backend, EngineOptions(max_batch=max_batch)), None
-    else:
-        built = provision(source, backend=backend, precision=precision, cache_dir=cache_dir, db_path=db_path,
-                          validate=False, max_batch=max_batch)
-        runtime = load_provisioned(built, source, EngineOptions(max_batch=max_batch))
-    load_s = time.perf_counter() - t0
-    try:
+    with contextlib.ExitStack() as scope:  # the runtime is closed before a scratch cache is removed
+        t0 = time.perf_counter()
+        if (cache_dir is None or db_path is None) and resolve_backend(backend) == "tensorrt":
+            # TensorRT runs built plans only: build into a cache that lives as long as this bench
+            scratch = Path(scope.enter_context(tempfile.TemporaryDirectory(prefix="engines-bench-")))
+            cache_dir, db_path = scratch / "cache", scratch / "state.db"
+        if cache_dir is None or db_path is None:
+            if precision not in (None, "fp32"):
+                raise ModelError(f"precision {precision!r} needs an engine cache (cache_dir and db_path)", code="USAGE")
+            runtime, built = load_runtime(source, backend, EngineOptions(max_batch=max_batch)), None
+        else:
+            built = provision(source, backend=backend, precision=precision, cache_dir=cache_dir, db_path=db_path,
+                              validate=False, max_batch=max_batch)
+            runtime = load_provisioned(built, source, EngineOptions(max_batch=max_batch))
+        scope.callback(runtime.close)
+        load_s = time.perf_counter() - t0
         spec = source.manifest.preprocess
         frames = text_frames(spec.width, spec.height)
         report = time_runtime(runtime, frames, iterations, warmup)
@@ -96,10 +97,6 @@ def run_bench(
             "warmup": warmup,
             **report,
         }
-    finally:
-        runtime.close()
-        if scratch is not None:
-            scratch.cleanup()
 
 
 def parse_batch_sizes(sizes: Sequence[int] | str | None) -> list[int]:

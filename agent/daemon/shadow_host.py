@@ -44,7 +44,7 @@ class ShadowHost:
         serving_budget = active.source.manifest.gates.latency_budget_ms if active is not None else None
         pressure = ServingPressure(yield_threshold(self.config.shadow_yield_p99_ms, serving_budget),
                                    throttled=self.throttled, adapt_over_limit=self.adapt_over_limit)
-        session = ShadowSession(model, self.serving_label(), plan, pressure, on_verdict)
+        session = ShadowSession(model, self.slots.serving_label(), plan, pressure, on_verdict)
         session.start()
         self.session = session
         return session
@@ -69,8 +69,3 @@ class ShadowHost:
         if self.session is session:
             self.session = None
         session.close()
-
-    def serving_label(self) -> str:
-        """name@version of the serving model ("none" before one loaded)."""
-        active = self.slots.active
-        return active.source.label if active is not None else "none"

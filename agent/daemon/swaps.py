@@ -166,7 +166,7 @@ class Swaps:
 
     def serving_label(self) -> str:
         """name@version of the serving model."""
-        return self.slots.active.source.label if self.slots.active is not None else "none"
+        return self.slots.serving_label()
 
     def rollback(self, reason: str, numbers: dict[str, Any] | None = None) -> dict[str, Any]:
         """Back to the previous model: instant when it is still loaded, else loaded again from its artifact."""

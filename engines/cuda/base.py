@@ -15,7 +15,6 @@ Optional extras beyond the Protocol: `versions()`, `device_properties()`, `clear
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -23,7 +22,6 @@ import numpy as np
 
 from engines.errors import EdgeError
 
-log = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("cuda-python", "pycuda")
 
