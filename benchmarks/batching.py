@@ -69,8 +69,9 @@ from engines.build.provisioning import load_provisioned, provision
 CAMERAS = 4
 CAMERA_FPS = 30.0
 SIZES = {"small": (320, 224), "large": (640, 480)}
-# --quick (a smoke run of seconds, no goals judged): one small input for both engines (the large workload's build
-# is then a cache hit), 0.5-s runs, one extra build for the between-builds check, a live tuner that re-decides within a run
+# --quick (a smoke run of seconds, no goals judged): one small input for both engines (the large workload's
+# build is then a cache hit), 0.5-s runs, one extra build for the between-builds check, a live tuner that
+# re-decides within a run
 QUICK_SIZES = {"small": (192, 128), "large": (192, 128)}
 QUICK = {"seconds": 0.5, "rounds": 1, "builds": 2, "retune_s": 0.25}
 # workload -> the engine (model input size) it runs on; small_saturated's camera rate comes from the curve
@@ -297,9 +298,9 @@ def main() -> None:
                         "(the agent's default is 10 s; shorter lets it settle within a run).")
     parser.add_argument("--builds", type=int, default=3, help="Separate builds of the small engine, for the "
                         "between-builds spread of its curve (the first one runs).")
-    parser.add_argument("--quick", action="store_true", help="Smoke run (seconds): 0.5 s per run, 1 round, one engine "
-                        "at 192x128 for both workloads, 2 builds, fewer validation and latency runs in the engine build; "
-                        "no goals judged.")
+    parser.add_argument("--quick", action="store_true", help="Smoke run (seconds): 0.5 s per run, 1 round, "
+                        "one engine at 192x128 for both workloads, 2 builds, fewer validation and latency runs in "
+                        "the engine build; no goals judged.")
     parser.add_argument("--cache", type=Path, default=None,
                         help="Engine cache to reuse between runs (default: a fresh one: each run builds and times "
                         "its engines on this machine, as a device does on first start).")

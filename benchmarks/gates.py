@@ -255,7 +255,8 @@ def ddddocr_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
 
     held_out = work / "dd-val"
     cal = work / "dd-cal"
-    for directory, seeds in ((held_out, range(SCALE.ddddocr_held_out)), (cal, range(100, 100 + SCALE.ddddocr_calibration))):
+    for directory, seeds in ((held_out, range(SCALE.ddddocr_held_out)),
+                             (cal, range(100, 100 + SCALE.ddddocr_calibration))):
         directory.mkdir()
         for seed in seeds:
             cv2.imwrite(str(directory / f"f{seed}.png"), captcha(seed)[0])

@@ -47,10 +47,8 @@ HEADLINES = {
 SLOW = {"adaptive", "batching", "collector", "dashboard", "engines", "gates", "pipeline", "swap"}
 
 # arguments after `--quick --out OUT`, for runs that would otherwise write outside tmp_path or run for minutes
-EXTRA_ARGS = {
-    # --quick alone runs 3 rounds x 3 runs x 35 s (over 5 min here); its engine cache defaults to out/ in the repo
-    "adaptive": lambda tmp: ("--rounds", "1", "--cache", str(tmp / "cache")),
-}
+# (none now: every `--quick` keeps its work in a temporary directory and takes seconds by itself)
+EXTRA_ARGS: dict = {}
 
 
 def benchmark_names() -> list[str]:
