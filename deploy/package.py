@@ -23,7 +23,7 @@ from engines.build.calibration import IMAGE_SUFFIXES
 from engines.errors import EdgeError
 from engines.onnx_inputs import quantization_ops, refuse_requantizing, toposort
 from engines.manifest import BuildSpec, Gates, Manifest, ModelFile, PostprocessSpec, StateSpec, fixed_input_size, input_size_problem, sha256_file
-from engines.state_inputs import model_input_dims
+from engines.state_inputs import model_input_dims, onnx_io
 from deploy.state_options import state_spec
 from engines.preprocess import PreprocessSpec
 
@@ -70,6 +70,7 @@ class PackageOptions:
     variants_json: Path | None = None
     state: list[str] = field(default_factory=list)  # INPUT=OUTPUT[:d1,d2,...]: recurrent state pairs
     constants: list[str] = field(default_factory=list)  # NAME=VALUE[,VALUE...]: inputs with a fixed value
+    slimmed: Path | None = None  # a pruned copy of the model (same inputs and outputs): a candidate of precision auto
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -215,6 +216,8 @@ def _model_sources(model: Path, precision: str, has_calibration: bool, workdir: 
         raise PackageError(f"--precision {precision}: {exc}", code=exc.code) from exc
     if precision == "int8" and not has_calibration and not quantized(proto):
         raise PackageError("--precision int8 needs --calibration DIR (or an already quantized ONNX)")
+    if precision == "auto" and not has_calibration:
+        log.warning("%s: --precision auto without --calibration: the device skips its int8 candidates", name)
     return sources
 
 
@@ -359,6 +362,41 @@ def add_variants(template: Manifest, sources: dict[str, Path], opts: PackageOpti
         raise PackageError(f"invalid variants: {problems}") from exc
 
 
+def add_slimmed(template: Manifest, sources: dict[str, Path], opts: PackageOptions, workdir: Path) -> Manifest:
+    """Ship the slimmed model (`build.slimmed`, hashed and signed like the model): a candidate of precision auto,
+    so it must load and take and give exactly what the model does (the device swaps one for the other)."""
+    if opts.slimmed is None:
+        return template
+    if template.build.precision != "auto":
+        raise PackageError(f"--slimmed is a candidate of --precision auto (the device gates it and keeps it only when "
+                           f"it is faster); this artifact is {template.build.precision}")
+    slimmed = Path(opts.slimmed)
+    name = check_artifact_name(slimmed.name)
+    if name in sources:
+        raise PackageError(f"--slimmed {slimmed}: its name {name!r} clashes with another packaged file (rename it, "
+                           "e.g. model.slim.onnx)")
+    found = _model_sources(slimmed, "fp32", True, workdir)
+    check_same_io(sources[template.model.file], found[name])
+    sources.update(found)
+    return template.model_copy(update={"build": template.build.model_copy(update={"slimmed": name})})
+
+
+def check_same_io(model: Path, slimmed: Path) -> None:
+    """The slimmed model's inputs and outputs are the model's: names, element types and shapes (a dimension fixed
+    in both must agree; a dynamic one fits any)."""
+    for what, mine, theirs in zip(("inputs", "outputs"), onnx_io(model), onnx_io(slimmed)):
+        def show(specs: list[Any]) -> str:
+            return ", ".join(f"{t.name} {t.dtype} {['?' if d is None else d for d in t.shape]}" for t in specs)
+
+        same = len(mine) == len(theirs) and all(
+            a.name == b.name and a.dtype == b.dtype and len(a.shape) == len(b.shape)
+            and all(x is None or y is None or x == y for x, y in zip(a.shape, b.shape)) for a, b in zip(mine, theirs))
+        if not same:
+            raise PackageError(f"--slimmed {slimmed.name}: its {what} ({show(theirs)}) are not {model.name}'s "
+                               f"({show(mine)}): a slimmed model must keep the model's input and output names, types "
+                               "and shapes (edge-deploy slim writes such a model)", code="MODEL_SHAPE_MISMATCH")
+
+
 def package(opts: PackageOptions) -> Manifest:
     """Validate the model and options, copy the files, write manifest.json and sign it."""
     if opts.key is None and not opts.unsigned:
@@ -393,4 +431,5 @@ def _finish_package(opts: PackageOptions, template: Manifest, sources: dict[str,
             raise PackageError(f"--labels {opts.labels}: its name {name!r} clashes with another packaged file")
         sources[name] = opts.labels
     template = add_variants(template, sources, opts, workdir)
+    template = add_slimmed(template, sources, opts, workdir)
     return build_artifact(opts.out, template, sources, key, replace=opts.force)

@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     fp.set_defaults(func=_fingerprint)
     build = sub.add_parser("build", help="build (or find cached) the engine for a model")
     build.add_argument("model", type=Path)
-    build.add_argument("--precision", choices=("fp32", "fp16", "int8"))
+    build.add_argument("--precision", choices=("fp32", "fp16", "int8", "auto"))
     build.add_argument("--calibration", type=Path)
     build.add_argument("--validation", type=Path, help="held-out frames the gates judge on (a bare .onnx has none)")
     build.add_argument("--backend", default="auto")

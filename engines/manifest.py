@@ -28,7 +28,9 @@ from engines.shadow_policy import ShadowPolicy
 
 MANIFEST_SCHEMA: Final = "edge-agent/model/v1"
 MANIFEST_NAME = "manifest.json"
-Precision = Literal["fp32", "fp16", "int8"]
+# "auto": the device builds the candidates it supports, gates each and keeps the fastest that passes, never one
+# slower than FP32 (engines.build.precision_search); the engine it keeps has one of the other three
+Precision = Literal["fp32", "fp16", "int8", "auto"]
 
 
 class ArtifactPathError(ModelError):
@@ -77,8 +79,14 @@ class BuildSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    precision: Precision = Field("fp32", description="Engine precision.")
+    precision: Precision = Field(
+        "fp32", description="Engine precision: fp32, fp16, int8, or auto (the device gates each precision it supports "
+        "and keeps the fastest that passes, never one slower than FP32: docs/engines.md#precision-auto).")
     calibration: str | None = Field(None, description="Directory of calibration images inside the artifact.")
+    slimmed: str | None = Field(
+        None, description="A slimmed copy of the model (edge-deploy package --slimmed: pruned, same inputs and "
+        "outputs), listed in `files` (so hashed and signed); precision auto adds its fp32 and int8 engines to the "
+        "candidates, judged against the unpruned model.")
     device: str = Field("gpu", pattern=r"^(gpu|dla|dla:[0-9]+)$",
                         description="TensorRT: gpu; dla (DLA core 0 where the module has one, else the GPU); "
                                     "dla:N (that core or fail with ENGINE_DLA_UNAVAILABLE). GPU fallback is on.")
@@ -88,7 +96,7 @@ class BuildSpec(BaseModel):
         "another head POSTPROCESS_MISMATCH); auto (engine on TensorRT, host elsewhere). A TensorRT that refuses the "
         "plugin builds the plain graph (host NMS); the engine's sidecar says which, and why (report.nms).")
 
-    @field_validator("calibration")
+    @field_validator("calibration", "slimmed")
     @classmethod
     def _calibration_inside(cls, value: str | None) -> str | None:
         return None if value is None else safe_relative_path(value)
@@ -232,6 +240,9 @@ class Manifest(BaseModel):
         for v in self.variants or []:
             if v.file is not None and v.file not in listed:
                 raise ValueError(f"variants: {v.name}: file {v.file!r} must be listed in `files` (sha256 and size)")
+        slimmed = self.build.slimmed
+        if slimmed is not None and (slimmed not in listed or slimmed == self.model.file):
+            raise ValueError(f"build.slimmed: {slimmed!r} must be another file listed in `files` (sha256 and size)")
         return self
 
     @model_validator(mode="after")

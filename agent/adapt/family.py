@@ -52,10 +52,17 @@ class Member:
         """The variant's name."""
         return self.variant.name
 
+    @property
+    def precision(self) -> str:
+        """The engine's precision: a variant at `auto` is the one its search chose (engines.build.precision_search)
+        once provisioned; before that the declared one."""
+        chosen = getattr(self.provisioned, "precision", None)
+        return str(chosen) if chosen else self.source.manifest.build.precision
+
     def to_dict(self) -> dict[str, Any]:
         """What `status` and the `adapt_family` record show."""
-        spec, build = self.source.manifest.preprocess, self.source.manifest.build
-        out = {"index": self.index, "name": self.name, "precision": build.precision, "input": [spec.width, spec.height],
+        spec = self.source.manifest.preprocess
+        out = {"index": self.index, "name": self.name, "precision": self.precision, "input": [spec.width, spec.height],
                "file": self.source.manifest.model.file, "status": self.status, "accuracy": self.accuracy,
                "metric": self.metric, "min_accuracy": self.min_accuracy, "latency_ms": self.latency_ms}
         if self.provisioned is not None:
@@ -103,7 +110,7 @@ def family_threshold(member: Member, reference: ModelSource) -> float:
         return m.gates.min_accuracy
     same_input = (m.preprocess.width, m.preprocess.height, m.model.file) == (
         ref.preprocess.width, ref.preprocess.height, ref.model.file)
-    return DEFAULT_MIN_ACCURACY[m.build.precision] if same_input else 0.0
+    return DEFAULT_MIN_ACCURACY[member.precision] if same_input else 0.0
 
 
 def build_member(member: Member, provision: Provision, load: Load, reference: ModelRuntime,

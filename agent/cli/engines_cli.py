@@ -109,7 +109,8 @@ def _render_doctor(report: Any, note: str) -> None:
 @engines_app.command("build")
 def build(
     model: Path = typer.Argument(..., help="Model directory, manifest.json or .onnx file."),
-    precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | fp16 | int8 (default: the manifest's)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | fp16 | int8 | auto (the fastest "
+                                            "that passes its gates, never slower than fp32; default: the manifest's)."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Directory of calibration images (int8)."),
     validation: Optional[Path] = typer.Option(None, "--validation", help="Directory of held-out frames the gates judge "
                                               "on (instead of the artifact's; a bare .onnx needs it or --no-validate)."),
@@ -132,8 +133,8 @@ def build(
 
     from engines.build.spec import parse_device
 
-    if precision is not None and precision not in ("fp32", "fp16", "int8"):
-        err.print(f"[red]--precision {precision!r}:[/] use fp32, fp16 or int8")
+    if precision is not None and precision not in ("fp32", "fp16", "int8", "auto"):
+        err.print(f"[red]--precision {precision!r}:[/] use fp32, fp16, int8 or auto")
         raise typer.Exit(2)
     try:
         parse_device(device)
@@ -178,6 +179,9 @@ def _render_result(result: Any) -> None:
                   show_header=False, title_justify="left")
     table.add_row("file", str(result.engine_path))
     table.add_row("backend / precision", f"{result.backend} / {result.precision}")
+    if result.report.get("auto"):
+        for line in auto_lines(result.report["auto"]):
+            table.add_row("auto", line)
     table.add_row("build time", f"{result.build_s:.1f} s" if not result.hit else "-")
     v = result.validation
     if v is not None:
@@ -201,6 +205,8 @@ def _render_result(result: Any) -> None:
 @engines_app.command("list")
 def list_engines(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    candidates: bool = typer.Option(False, "--candidates", help="Under the table, every candidate of each precision "
+                                    "auto search: status, p50, accuracy, or why it was skipped."),
     config: Optional[Path] = _CONFIG,
 ) -> None:
     """Cached engines: key parts, size, last use, validation verdict."""
@@ -223,14 +229,40 @@ def list_engines(
     for col in ("key", "model", "backend", "precision", "device", "DLA", "size MB", "last used", "validation"):
         table.add_column(col, justify="right" if col == "size MB" else "left")
     for e in entries:
-        table.add_row(e.key[:12], e.model, f"{e.backend} {e.backend_version}", e.precision, _device(e.parts),
+        table.add_row(e.key[:12], e.model, f"{e.backend} {e.backend_version}", _precision(e), _device(e.parts),
                       _dla(e.report),
                       f"{e.size / 2**20:.1f}", time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)),
                       _verdict(e.validation))
     out.print(table)
+    for e in entries if candidates else []:
+        if isinstance(e.report.get("auto"), dict):
+            out.print(f"{e.key[:12]} {e.model}: precision auto chose {e.report['auto'].get('chosen')}")
+            for line in auto_lines(e.report["auto"]):
+                out.print(f"  {line}", highlight=False)
     if quarantined:
         out.print(f"{len(quarantined)} engine(s) in quarantine: {cache_dir / 'quarantine'}")
     render_adapt({"family": family} if family else None, out)
+
+
+def _precision(entry: Any) -> str:
+    """`int8`, or for the engine precision auto chose `auto: int8 (fp32 12.1 ms, int8 8.0 ms)`."""
+    record = entry.report.get("auto") if isinstance(entry.report, dict) else None
+    if not isinstance(record, dict):
+        return str(entry.precision)
+    from engines.build.precision_search import summary
+
+    return f"auto: {record.get('chosen', entry.precision)} ({summary(record)})"
+
+
+def auto_lines(record: dict[str, Any]) -> list[str]:
+    """One line per candidate of a precision auto search: status, p50, accuracy, or why it was skipped."""
+    lines = []
+    for c in record.get("candidates", []):
+        timed = f" p50 {c['latency_ms']['p50']:.2f} ms" if c.get("latency_ms") else ""
+        scored = f" {c['metric']} {c['accuracy']:.3f} (min {c['min_accuracy']})" if c.get("metric") else ""
+        why = f": {c.get('code') + ' ' if c.get('code') else ''}{c['reason']}" if c.get("reason") else ""
+        lines.append(f"{c['name']} {c['status']}{timed}{scored}{why}")
+    return lines
 
 
 def _device(parts: dict[str, Any]) -> str:

@@ -222,6 +222,14 @@ class EngineCache:
         if entry is not None:
             self._write_sidecar(entry)
 
+    def record_report(self, key: str, report: dict[str, Any]) -> None:
+        """Replace an engine's build report in the index and the sidecar (precision auto adds its search to it)."""
+        with self._lock:
+            self._conn.execute("UPDATE engines SET report = ? WHERE key = ?", (json.dumps(report), key))
+        entry = self.get(key)
+        if entry is not None:
+            self._write_sidecar(entry)
+
     def touch(self, key: str) -> None:
         """Mark `key` as just used (GC evicts least recently used first)."""
         with self._lock:

@@ -6,6 +6,8 @@
 A miss builds in a child process (engines.build.job), stores the file (engines.build.cache), then runs the gates
 (engines.build.validate) against the FP32 ONNX Runtime reference; a failing engine stays in the cache with
 its verdict, and is refused with GATE_ACCURACY / GATE_LATENCY until the thresholds change.
+`precision = "auto"` runs engines.build.precision_search instead: every precision this device supports, each
+through the same steps (engines.build.gating), the fastest that passes kept, never one slower than FP32.
 """
 
 from __future__ import annotations
@@ -13,9 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import shutil
 import threading
-import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -27,11 +27,14 @@ from engines.backends.base import EngineOptions
 from engines.batching import batch_profile, state_max_batch
 from engines.build import calibration as calib
 from engines.build.cache import CacheEntry, EngineCache
-from engines.build.job import Builder, BuildJob
+from engines.build.gating import BuildPlan, Step, falls_back, int8_fallback
+from engines.build.gating import cached_or_built as _cached_or_built  # noqa: F401  (tests reach it here)
+from engines.build.gating import state_dump as _state_dump  # noqa: F401  (tests import it from here)
+from engines.build.job import Builder
+from engines.build.precision_search import AUTO, search
 from engines.build.sensitivity import FALLBACK_TENSORS
 from engines.build.spec import (
     DEFAULT_TRT_OPT_LEVEL,
-    CacheKey,
     EngineBuildError,
     EngineBuildSpec,
     ShapeProfile,
@@ -42,21 +45,15 @@ from engines.build.spec import (
     resolve_device,
 )
 from engines.build.tensorrt import STATE_UNSUPPORTED
-from engines.build.validate import (
-    GateError,
-    ValidationResult,
-    min_accuracy_for,
-    validate,
-)
-from engines.build.validation_set import ValidationSet, same_set, validation_set
+from engines.build.validate import GateError, ValidationResult
+from engines.build.validation_set import validation_set
 from engines.engine_files import EngineIncompatibleError, load_engine_file
 from engines.fingerprint import read_fingerprint
 from engines.manifest import sha256_file
 from engines.model import ModelSource
-from engines.nms_graph import NmsUnavailableError, plan_nms
+from engines.nms_graph import plan_nms
 from engines.runtime import (
     ModelRuntime,
-    load_runtime,
     preprocess_shape,
     resolve_backend,
 )
@@ -68,25 +65,6 @@ EventSink = Callable[[dict[str, Any]], None]
 DEFAULT_FALLBACK_ROUNDS = len(FALLBACK_TENSORS)
 DEFAULT_TIMEOUT_S = 1800.0  # a large TensorRT build at optimisation level 3 on an Orin Nano: ~10-20 min
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "ROCMExecutionProvider", "DmlExecutionProvider")
-
-
-@dataclass
-class BuildPlan:
-    """Everything decided before a build: backend, spec, calibration set and the cache key."""
-
-    backend: str
-    precision: str
-    spec: EngineBuildSpec
-    key: CacheKey
-    calibration: calib.CalibrationSet | None
-    device_digest: str
-    # engine options the batch curve is timed under (threads, spinning): the ones the agent serves with, so the
-    # curve describes the engine as it will run. Not part of the key: they change no byte of the engine.
-    timing: dict[str, Any] = field(default_factory=dict)
-    # why NMS stays on the host although build.nms asked otherwise (auto off TensorRT): the sidecar's report.nms
-    nms: dict[str, Any] = field(default_factory=dict)
-    # why the backend is not the one asked for (auto -> onnxruntime for a model with state inputs); "" when it is
-    backend_reason: str = ""
 
 
 @dataclass
@@ -132,28 +110,54 @@ def provision(source: ModelSource, *, backend: str = "auto", precision: str | No
     `validation_dir`: judge on these frames instead of the artifact's (a bare .onnx has none). `timing`: the
     engine options (`intra_op_threads`, `allow_spinning`) the batch curve is timed with, those the caller serves with."""
     emit = _safe_sink(on_progress)
-    plan = plan_build(source, backend, precision, calibration_dir, fingerprint_root, workspace_mb, device, max_batch)
-    plan = replace(plan, timing=dict(timing or {}))
+    requested = precision or source.manifest.build.precision
+    if requested == AUTO and not validate:  # the search picks by the gates' verdicts: without them, the safe one
+        log.warning("%s: precision auto picks by the gates; with validation off it builds fp32", source.label)
+        requested = "fp32"
+    planner = functools.partial(_timed_plan, backend=backend, calibration_dir=calibration_dir,
+                                fingerprint_root=fingerprint_root, workspace_mb=workspace_mb, device=device,
+                                max_batch=max_batch, timing=dict(timing or {}))
+    plan = planner(source, requested) if requested != AUTO else None  # a plain build's plan errors come first
     # the frames first: a model that cannot be judged is refused before minutes of building (GATE_NO_VALIDATION_FRAMES)
     frames = validation_set(source, validation_samples, live_frames_dir, live_frames, validation_dir) if validate else None
     cache = EngineCache(cache_dir, db_path, on_event=emit)
-    builder = builder or Builder()
-    step = _Step(cache, source, builder, emit, timeout_s, stop_event, revalidate, frames, latency_runs)
+    step = Step(cache, source, builder or Builder(), emit, timeout_s, stop_event, revalidate, frames, latency_runs)
+    verdict: ValidationResult | None
     try:
-        with cache.build_lock(plan.key.key, timeout_s):
-            if validate:
-                entry, hit, verdict = step.judged(plan)
-                if _falls_back(plan, verdict, fallback_rounds):
-                    plan, entry, hit, verdict = _int8_fallback(step, plan, entry, hit, verdict, fallback_rounds)
-                verdict.raise_if_failed()
-            else:
-                (entry, hit), verdict = step.built(plan), None
-            cache.touch(entry.key)
+        if plan is None:
+            outcome = search(step, planner, fallback_rounds, dict(timing or {}))
+            plan, entry, hit, verdict = outcome.plan, outcome.entry, outcome.hit, outcome.verdict
+            build_s, report = outcome.build_s, {**entry.report, "auto": outcome.record}
+        else:
+            plan, entry, hit, verdict = _one(step, plan, validate, fallback_rounds)
+            build_s, report = 0.0 if hit else entry.build_s, entry.report
+        cache.touch(entry.key)
     finally:
         cache.close()
-    return ProvisionResult(entry.key, entry.path, plan.backend, plan.precision, hit, 0.0 if hit else entry.build_s,
-                           verdict, plan.spec.input_shapes, plan.spec.providers, Path(cache_dir), Path(db_path),
-                           entry.report)
+    return ProvisionResult(entry.key, entry.path, plan.backend, plan.precision, hit, build_s, verdict,
+                           plan.spec.input_shapes, plan.spec.providers, Path(cache_dir), Path(db_path), report)
+
+
+def _one(step: Step, plan: BuildPlan, validate: bool,
+         fallback_rounds: int) -> tuple[BuildPlan, CacheEntry, bool, ValidationResult | None]:
+    """One precision: the cached or built engine, judged (and walked through the INT8 fallback) unless not validating."""
+    with step.cache.build_lock(plan.key.key, step.timeout_s):
+        if not validate:
+            entry, hit = step.built(plan)
+            return plan, entry, hit, None
+        entry, hit, verdict = step.judged(plan)
+        if falls_back(plan, verdict, fallback_rounds):
+            plan, entry, hit, verdict = int8_fallback(step, plan, entry, hit, verdict, fallback_rounds)
+        verdict.raise_if_failed()
+        return plan, entry, hit, verdict
+
+
+def _timed_plan(source: ModelSource, precision: str, *, backend: str, calibration_dir: Path | None,
+                fingerprint_root: Path, workspace_mb: int | None, device: str | None, max_batch: int,
+                timing: dict[str, Any]) -> BuildPlan:
+    """`plan_build` with the serving engine options its batch curve is timed under (the search plans each candidate)."""
+    plan = plan_build(source, backend, precision, calibration_dir, fingerprint_root, workspace_mb, device, max_batch)
+    return replace(plan, timing=timing)
 
 
 def load_provisioned(result: ProvisionResult, source: ModelSource, options: EngineOptions | None = None,
@@ -194,6 +198,9 @@ def plan_build(source: ModelSource, backend: str = "auto", precision: str | None
     `device`: gpu | dla | dla:N (default: the manifest's build.device); see build_spec.resolve_device."""
     backend, backend_reason = _stateful_backend(source, backend)
     precision = precision or source.manifest.build.precision
+    if precision == AUTO:
+        raise EngineBuildError("precision auto is a search over several plans (engines.build.precision_search): "
+                               "provision() runs it; plan one precision at a time", code="USAGE")
     _refuse_stateful_int8(source, precision)  # `--precision int8` overrides the manifest, which refused it there
     impl = get_backend(backend)
     fingerprint = read_fingerprint(fingerprint_root)
@@ -220,10 +227,6 @@ def plan_build(source: ModelSource, backend: str = "auto", precision: str | None
     return BuildPlan(backend, precision, spec, key, cal, hashlib.sha256(canonical_json(device_info)).hexdigest(),
                      nms=nms_record, backend_reason=backend_reason)
 
-
-def _state_dump(source: ModelSource) -> dict[str, Any] | None:
-    state = source.manifest.state
-    return state.model_dump(mode="json") if state is not None else None
 
 
 def _stateful_backend(source: ModelSource, requested: str) -> tuple[str, str]:
@@ -299,177 +302,12 @@ def input_shapes(source: ModelSource) -> dict[str, tuple[int, ...]]:
     return {name: preprocess_shape(source)}
 
 
-# --- steps -------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Step:
-    """What every build-and-judge of one provision shares (the plain plan and each fallback round)."""
-
-    cache: EngineCache
-    source: ModelSource
-    builder: Builder
-    emit: EventSink
-    timeout_s: float
-    stop_event: threading.Event | None
-    revalidate: bool
-    frames: ValidationSet | None  # what every plan of this provision is judged on (None: not validating)
-    runs: int
-
-    def built(self, plan: BuildPlan) -> tuple[CacheEntry, bool]:
-        """The cached entry, or a fresh build."""
-        return _cached_or_built(self.cache, plan, self.source, self.builder, self.emit, self.timeout_s, self.stop_event)
-
-    def judged(self, plan: BuildPlan) -> tuple[CacheEntry, bool, ValidationResult]:
-        """The entry and its verdict; an engine that does not load is quarantined and built once more."""
-        entry, hit = self.built(plan)
-        judged_on = self.frames
-        assert judged_on is not None, "judged() without validation frames"
-        verdict = _gates(self.cache, entry, plan, self.source, self.emit, self.revalidate, judged_on, self.runs)
-        if verdict is None:
-            entry, hit = self.built(plan)
-            verdict = _gates(self.cache, entry, plan, self.source, self.emit, True, judged_on, self.runs)
-            if verdict is None:
-                raise EngineIncompatibleError(f"{self.source.label}: a freshly built engine does not load")
-        return entry, hit, verdict
-
-
-def _falls_back(plan: BuildPlan, verdict: ValidationResult, rounds: int) -> bool:
-    """Only a calibrated INT8 build that failed on accuracy: keeping layers float cannot fix latency, a
-    reference without signal, or a model that came quantized."""
-    quantization = plan.spec.quantization
-    return (rounds > 0 and not verdict.passed and verdict.code == "GATE_ACCURACY" and plan.precision == "int8"
-            and not quantization.get("prequantized") and "float_fallback" not in quantization)
-
-
-def _int8_fallback(step: _Step, plan: BuildPlan, entry: CacheEntry, hit: bool, verdict: ValidationResult,
-                   rounds: int) -> tuple[BuildPlan, CacheEntry, bool, ValidationResult]:
-    """Rebuild with the worst FALLBACK_TENSORS[r] activations in float until one passes, at most `rounds` times.
-
-    Each round is its own cache entry with its own verdict, so a restart walks the same rounds as cache
-    hits and lands on the passing one without building or judging again. The returned verdict (the passing
-    round's, else the best one's) says in `fallback` which round it was, what stayed float and what each
-    round scored; when none passes, its reason names the best score and the tensors kept float."""
-    label, first_reason = step.source.label, verdict.reason
-    rounds = min(rounds, len(FALLBACK_TENSORS))
-    tried: list[dict[str, Any]] = [{"round": 0, "accuracy": verdict.accuracy, "kept_float": []}]
-    best, best_round = (plan, entry, hit, verdict), 0
-    for number, count in enumerate(FALLBACK_TENSORS[:rounds], 1):
-        step.emit({"type": "engine.int8_fallback", "model": label, "round": number, "rounds": rounds,
-                   "keep_float": count, "metric": verdict.metric, "accuracy": best[3].accuracy,
-                   "min_accuracy": verdict.min_accuracy})
-        spec = replace(plan.spec, quantization={**plan.spec.quantization, "float_fallback": count})
-        parts = plan.key.parts
-        fallback = replace(plan, spec=spec, key=make_cache_key(parts["onnx_sha256"], plan.backend,
-                                                               parts["backend_version"], parts["device"], spec))
-        with step.cache.build_lock(fallback.key.key, step.timeout_s):
-            f_entry, f_hit, f_verdict = step.judged(fallback)
-        kept = [t["tensor"] for t in (f_entry.report.get("quantization") or {}).get("kept_float", [])]
-        tried.append({"round": number, "accuracy": f_verdict.accuracy, "kept_float": kept})
-        if f_verdict.passed or f_verdict.accuracy >= best[3].accuracy:  # a tie: the later round says more
-            best, best_round = (fallback, f_entry, f_hit, f_verdict), number
-        if f_verdict.passed or f_verdict.code != "GATE_ACCURACY":
-            break
-    plan, entry, hit, verdict = best
-    kept = tried[best_round]["kept_float"]
-    verdict.fallback = {"round": best_round, "kept_float": kept, "tried": tried}
-    if not verdict.passed and verdict.code == "GATE_ACCURACY":
-        verdict.reason = (f"INT8 fails the gate after {len(tried) - 1} layer-fallback round(s): best {verdict.metric} "
-                          f"{verdict.accuracy:.3f} (min {verdict.min_accuracy:.2f}) with {len(kept)} tensor(s) kept in "
-                          f"float ({', '.join(kept[:8]) or 'none'}{', ...' if len(kept) > 8 else ''}). "
-                          f"Without the fallback: {first_reason}")
-    step.cache.record_validation(entry.key, verdict.to_dict())
-    step.emit({"type": "engine.int8_fallback.done", "model": label, "passed": verdict.passed, **verdict.fallback})
-    return plan, entry, hit, verdict
-
-
-def _cached_or_built(cache: EngineCache, plan: BuildPlan, source: ModelSource, builder: Builder, emit: EventSink,
-                     timeout_s: float, stop_event: threading.Event | None) -> tuple[CacheEntry, bool]:
-    entry = cache.lookup(plan.key.key)
-    if entry is not None:
-        nms = entry.report.get("nms") if isinstance(entry.report, dict) else None
-        if source.manifest.build.nms == "engine" and isinstance(nms, dict) and nms.get("where") == "host":
-            # built under `auto`, which fell back: the same key, but not what `engine` asks for
-            raise NmsUnavailableError(f"{source.label}: build.nms = engine, but this device's engine for it runs NMS "
-                                      f"on the host ({nms.get('reason') or 'the plugin was refused'}); use auto or host")
-        emit({"type": "engine.cache.hit", "key": entry.key, "model": source.label, "backend": plan.backend})
-        return entry, True
-    emit({"type": "engine.cache.miss", "key": plan.key.key, "model": source.label, "backend": plan.backend,
-          "precision": plan.precision})
-    return _build(cache, plan, source, builder, emit, timeout_s, stop_event), False
-
-
-def _build(cache: EngineCache, plan: BuildPlan, source: ModelSource, builder: Builder, emit: EventSink,
-           timeout_s: float, stop_event: threading.Event | None) -> CacheEntry:
-    work = cache.cache_dir / "tmp" / f"{plan.key.short}-{uuid.uuid4().hex[:8]}"
-    job = BuildJob(plan.backend, source.onnx_path, work / f"engine{cache.engine_path('x', plan.backend).suffix}",
-                   work, plan.spec, source.manifest.preprocess.model_dump(mode="json"), source.label,
-                   plan.calibration.to_dict() if plan.calibration else None,
-                   cache.timing_cache_path(plan.device_digest) if plan.backend == "tensorrt" else None,
-                   timing=plan.timing, state=_state_dump(source), nms_mode=source.manifest.build.nms)
-    try:
-        outcome = builder.build(job, timeout_s=timeout_s, on_progress=emit, stop_event=stop_event)
-        if plan.nms:
-            outcome.report.setdefault("nms", plan.nms)
-        entry = cache.put(plan.key, outcome.path, model=source.label, build_s=outcome.seconds, report=outcome.report)
-    except EngineBuildError as exc:
-        saved = _keep_log(cache, plan, work)
-        raise EngineBuildError(f"{exc} (build log: {saved})" if saved else str(exc), code=exc.code) from exc
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    for note in outcome.report.get("notes", []):
-        log.warning("%s: %s", source.label, note)
-    emit({"type": "engine.build.done", "key": entry.key, "model": source.label, "build_s": entry.build_s,
-          "size": entry.size, "notes": outcome.report.get("notes", [])})
-    return entry
-
-
-def _gates(cache: EngineCache, entry: CacheEntry, plan: BuildPlan, source: ModelSource, emit: EventSink,
-           revalidate: bool, judged_on: ValidationSet, runs: int) -> ValidationResult | None:
-    """The stored verdict when it was judged against today's thresholds and frames, else a fresh one (None: no load)."""
-    gates = source.manifest.gates
-    threshold = min_accuracy_for(plan.precision, gates)
-    if entry.validation and not revalidate:
-        stored = ValidationResult.from_dict(entry.validation)
-        if stored.same_thresholds(threshold, gates.latency_budget_ms) and same_set(stored.frames, judged_on.info):
-            return stored
-    try:
-        engine = load_engine_file(entry.path, plan.backend, plan.precision, plan.spec.providers, plan.spec.input_shapes)
-    except EngineIncompatibleError as exc:
-        cache.quarantine(entry.key, str(exc))
-        return None
-    emit({"type": "engine.validation.started", "key": entry.key, "model": source.label})
-    candidate = ModelRuntime(source, engine)
-    reference = load_runtime(source, "onnxruntime")
-    try:
-        verdict = validate(candidate, reference, judged_on.frames(), precision=plan.precision, gates=gates,
-                           latency_runs=runs, frames_info=judged_on.info)
-    finally:
-        candidate.close()
-        reference.close()
-    cache.record_validation(entry.key, verdict.to_dict())
-    emit({"type": "engine.validation", "key": entry.key, "model": source.label, **verdict.to_dict()})
-    return verdict
-
-
 def _calibration(source: ModelSource, precision: str, directory: Path | None) -> calib.CalibrationSet | None:
     if precision != "int8":
         return None
     if directory is None and source.manifest.build.calibration:
         directory = source.root / source.manifest.build.calibration
     return calib.resolve(source.manifest.preprocess, directory)
-
-
-def _keep_log(cache: EngineCache, plan: BuildPlan, work: Path) -> Path | None:
-    """Keep the failed build's log under cache_dir/logs for the operator."""
-    src = work / "build.log"
-    if not src.is_file():
-        return None
-    logs = cache.cache_dir / "logs"
-    logs.mkdir(exist_ok=True)
-    dst = logs / f"{plan.key.short}.log"
-    shutil.copyfile(src, dst)
-    return dst
 
 
 def _safe_sink(sink: EventSink | None) -> EventSink:

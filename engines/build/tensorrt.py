@@ -141,6 +141,8 @@ def build_serialized(trt: Any, onnx_path: Path, spec: EngineBuildSpec, timing_ca
         config.builder_optimization_level = int(spec.optimization_level)
     add_profiles(builder, network, config, spec)
     report["precision_mode"] = set_precision(trt, config, spec.precision, strongly_typed)
+    if spec.quantization.get("sparse_weights"):  # precision auto's sparse int8 candidate (2:4 weights, Ampere+)
+        report["sparse_weights"] = set_sparse_weights(trt, config)
     if spec.dla_core is not None:
         report["dla"] = configure_dla(trt, builder, network, config, int(spec.dla_core))
     cache = attach_timing_cache(config, timing_cache, report)
@@ -265,6 +267,15 @@ def set_precision(trt: Any, config: Any, precision: str, strongly_typed: bool) -
     if _has_flag(trt, "FP16"):
         config.set_flag(trt.BuilderFlag.FP16)
     return "int8-flag"
+
+
+def set_sparse_weights(trt: Any, config: Any) -> bool:
+    """SPARSE_WEIGHTS: TensorRT may pick sparse tensor-core tactics for weights already 2:4 sparse (engines.slim);
+    dense weights keep dense kernels. A TensorRT without the flag cannot build this candidate."""
+    if not _has_flag(trt, "SPARSE_WEIGHTS"):
+        raise EngineBuildError("this TensorRT has no SPARSE_WEIGHTS builder flag", code="ENGINE_PRECISION_UNSUPPORTED")
+    config.set_flag(trt.BuilderFlag.SPARSE_WEIGHTS)
+    return True
 
 
 def attach_timing_cache(config: Any, path: Path | None, report: dict[str, Any]) -> Any:
