@@ -61,8 +61,12 @@ def package(
     out: Path = typer.Option(..., "-o", "--out", help="Artifact directory to create."),
     key: Optional[Path] = typer.Option(None, "--key", help="Private key to sign with (from `edge-deploy keygen`)."),
     unsigned: bool = typer.Option(False, "--unsigned", help="Write no signature (devices refuse it by default)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32, fp16 or int8."),
-    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Directory of calibration images (int8)."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, fp16, int8 or auto (the device gates each "
+                                  "precision it supports and keeps the fastest that passes: docs/engines.md)."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Directory of calibration images (int8; "
+                                               "auto: without it the device skips its int8 candidates)."),
+    slimmed: Optional[Path] = typer.Option(None, "--slimmed", help="A slimmed (pruned) copy of the model with the "
+                                           "same inputs and outputs, a candidate of --precision auto."),
     input_size: Optional[str] = typer.Option(None, "--input-size", help="Model input WIDTHxHEIGHT, e.g. 640x640."),
     color: Optional[str] = typer.Option(None, "--color", help="Channel order the model expects: rgb or bgr."),
     mean: Optional[str] = typer.Option(None, "--mean", help="Per-channel mean after scaling to 0..1: a,b,c."),
@@ -106,7 +110,7 @@ def package(
             calibration=calibration, validation=validation, synthetic_validation=synthetic_validation, preprocess=_preprocess_options(input_size, color, mean, std, layout, resize, scale),
             postprocess=postprocess, params=list(param), labels=labels, latency_budget_ms=latency_budget_ms,
             min_accuracy=min_accuracy, min_fps=min_fps, description=description, force=force, variants=list(variant),
-            variants_json=variants_json, state=list(state), constants=list(constant),
+            variants_json=variants_json, state=list(state), constants=list(constant), slimmed=slimmed,
         )  # fmt: skip
         return make_package(opts)
 
@@ -226,6 +230,9 @@ def _mount_fleet() -> None:
     from deploy.fleet.dashboard.command import dashboard
 
     app.command("dashboard")(dashboard)
+    from deploy.slim_cli import slim
+
+    app.command("slim")(slim)
 
 
 _mount_fleet()

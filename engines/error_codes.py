@@ -286,6 +286,14 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
      "Deploy again with `mode=shadow` (the engine comes from the cache)."),
     ("SHADOW_STOPPED", A, "The agent stopped during a shadow (`cancelled` reason); the serving model was never "
      "touched.", "Deploy again with `mode=shadow` (the engine comes from the cache)."),
+    ("SLIM_GOAL_NOT_MET", D, "`edge-deploy slim`: no pruning reached the goal (`--flops-ratio`, `--budget-ms`, or any "
+     "FLOP reduction) at `--target-accuracy`, or `--sparsity 2:4` dropped accuracy below it; OUT/slim-report.json "
+     "says why, and OUT/model.onnx is the largest reduction that keeps the target (the unpruned model if none).",
+     "Read the report's `reason` and per-group `sensitivity`; lower `--target-accuracy`, relax the goal, or "
+     "fine-tune the model before pruning (the search does not retrain)."),
+    ("SLIM_UNSUPPORTED", E, "`edge-deploy slim` refused the model: it has state inputs (manifest `state`), whose "
+     "accuracy depends on the frames before, which a per-frame search cannot judge.",
+     "Slim the model without its state, or ship it unslimmed."),
     ("SNAPSHOT_FAILED", D, "`edge-deploy snapshot`: the device answered `ok: false` without a code of its own.",
      "Read the message and the device log."),
     ("SNAPSHOT_INVALID", D, "`edge-deploy snapshot`: what the device sent for this request is not a valid snapshot.",
@@ -305,9 +313,9 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
      "the broker's `max_packet_size`; raise `--timeout`."),
     ("UNKNOWN_COMMAND", A, "No such command; the message lists the available ones.",
      "Use a command from docs/mqtt.md, Commands."),
-    ("USAGE", E, "A bad option to an engines command (`edge-agent bench`, `engines build`, `python -m engines`, "
-     "channel pruning): a precision, batch list, device, DLA core, `build.nms`, norm or prune ratio it does not "
-     "take (exit 2).", "Fix the option as the message says (e.g. `--batch 1,2,4`, `--device gpu`, `dla` or `dla:N`)."),
+    ("USAGE", ED, "A bad option to an engines command (`edge-agent bench`, `engines build`, `python -m engines`, "
+     "channel pruning, `edge-deploy slim`): a precision, batch list, device, DLA core, `build.nms`, norm, prune "
+     "ratio, target accuracy or slimming goal it does not take, or a missing model or `--validation` (exit 2).", "Fix the option as the message says (e.g. `--batch 1,2,4`, `--device gpu`, `dla` or `dla:N`)."),
     ("VALIDATION_FRAMES_INVALID", E, "The artifact's validation frames cannot be read.",
      "Re-package with readable images or videos: `edge-deploy package --validation DIR`."),
     ("VIDEO_ENCODER_FAILED", A, "The video stream's encoder ended `restart_max` times in a row (`video_stream_failed` "

@@ -37,6 +37,7 @@ HEADLINES = {
                 "quick"},
     "gates": {"doclaynet", "demo", "refusals", "fallback_without_tail_rule", "ddddocr", "live_sample"},
     "pipeline": {"bare_fps", "agent_fps", "agent_vs_bare", "agent_vs_bare_loaded", "overlap_vs_inline", "quick"},
+    "slim": {"benchmark", "quick", "demo", "doclaynet", "auto"},
     "swap": {"steady_interval_ms", "swap_max_interval_ms", "swap_ratio", "frames_lost", "overlap_gap_ms",
              "stop_start_gap_ms", "quick"},
     "telemetry": {"drain_msgs_per_s", "lost", "duplicated", "paho_ceiling_msgs_per_s", "telemetry_cpu_overhead_pct",
@@ -44,7 +45,7 @@ HEADLINES = {
 }
 
 # more than a few seconds on a small machine (2 cores): still part of `make test`
-SLOW = {"adaptive", "batching", "collector", "dashboard", "engines", "gates", "pipeline", "swap"}
+SLOW = {"adaptive", "batching", "collector", "dashboard", "engines", "gates", "pipeline", "slim", "swap"}
 
 # arguments after `--quick --out OUT`, for runs that would otherwise write outside tmp_path or run for minutes
 # (none now: every `--quick` keeps its work in a temporary directory and takes seconds by itself)

@@ -75,7 +75,8 @@ def assert_same_output(original: onnx.ModelProto, pruned: onnx.ModelProto) -> No
     before, after = run(original), run(pruned)
     assert [a.shape for a in after] == [b.shape for b in before]
     for a, b in zip(after, before):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+        # float32 sums in another order (fewer terms): error scales with the output's magnitude, not each value's
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(b).max())))
 
 
 def change(result, gid: str):  # noqa: ANN001, ANN201 - small lookup

@@ -250,6 +250,13 @@ def _sequence(reference: ModelRuntime, candidate: ModelRuntime, frames: Sequence
     return [(_run(reference, f), _run(candidate, f)) for f in frames]
 
 
+def runs(runtime: ModelRuntime, frames: Sequence[np.ndarray]) -> list[Run]:
+    """One runtime's runs over `frames`, in order from zeros on the validation stream: the half of a gate's
+    comparison that a search judging many candidates against one reference computes once (engines.slim)."""
+    runtime.reset_state(VALIDATION_STREAM)
+    return [_run(runtime, f) for f in frames]
+
+
 def _class_map(result: InferenceResult) -> np.ndarray:
     """A segmentation result's class map: the segmentation postprocessor makes one for every frame."""
     assert result.class_map is not None

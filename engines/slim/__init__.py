@@ -2,6 +2,9 @@
 
 Both rewrite an ONNX model before an engine is built from it, so the build, cache and gate steps see an
 ordinary model. Neither fine-tunes: a slimmed model must pass the accuracy gates like any other candidate.
+
+The search that picks per-group ratios by measured sensitivity (`engines.slim.search.slim`, `edge-deploy slim`)
+runs models and imports the gates' metric, so it is not imported here: pruning and counting stay light.
 """
 
 from __future__ import annotations
