@@ -9,26 +9,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, List, Optional
 
 import typer
 
+from deploy.cli_errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, USAGE_CODES, run_command  # noqa: F401 (re-exported)
 from engines.errors import EdgeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Jetson Edge Agent: the operator's tools.")
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-USAGE_CODES = {"PACKAGE_INVALID"}
-T = TypeVar("T")
-
-
-def _run(action: Callable[[], T]) -> T:
-    """Run a command body; a typed error becomes `error CODE: message` and exit 1 (2 for usage errors)."""
-    try:
-        return action()
-    except EdgeError as exc:
-        typer.echo(f"error {exc.code}: {exc}", err=True)
-        raise typer.Exit(EXIT_USAGE if exc.code in USAGE_CODES else EXIT_FAILED) from exc
+_run = run_command
 
 
 @app.command()
@@ -124,17 +114,9 @@ def _preprocess_options(
     input_size: str | None, color: str | None, mean: str | None, std: str | None, layout: str | None, resize: str | None,
     scale: float | None = None,
 ) -> dict[str, Any]:
-    """Only the options given, so the schema's defaults apply to the rest."""
-    from deploy.package import parse_size, parse_triplet
+    from deploy.package import preprocess_options
 
-    fields: dict[str, Any] = {"color": color, "layout": layout, "resize": resize, "scale": scale}
-    if input_size:
-        fields["width"], fields["height"] = parse_size(input_size)
-    if mean:
-        fields["mean"] = parse_triplet("--mean", mean)
-    if std:
-        fields["std"] = parse_triplet("--std", std)
-    return {k: v for k, v in fields.items() if v is not None}
+    return preprocess_options(input_size, color, mean, std, layout, resize, scale)
 
 
 @app.command()

@@ -73,6 +73,20 @@ class PackageOptions:
     slimmed: Path | None = None  # a pruned copy of the model (same inputs and outputs): a candidate of precision auto
 
 
+def preprocess_options(input_size: str | None, color: str | None, mean: str | None, std: str | None,
+                       layout: str | None, resize: str | None, scale: float | None = None) -> dict[str, Any]:
+    """The preprocess fields the command-line options give (`package`, `slim`): only those given, so the
+    schema's defaults apply to the rest."""
+    fields: dict[str, Any] = {"color": color, "layout": layout, "resize": resize, "scale": scale}
+    if input_size:
+        fields["width"], fields["height"] = parse_size(input_size)
+    if mean:
+        fields["mean"] = parse_triplet("--mean", mean)
+    if std:
+        fields["std"] = parse_triplet("--std", std)
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 def parse_size(text: str) -> tuple[int, int]:
     """`640x480` -> (640, 480)."""
     width, sep, height = text.lower().partition("x")

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, List, Optional
 
 import typer
 
-from deploy.package import PackageOptions, build_template, check_preprocess_size, parse_size, parse_triplet, \
+from deploy.package import PackageOptions, build_template, check_preprocess_size, preprocess_options, \
     with_model_input_size
+from deploy.cli_errors import USAGE_CODES as PACKAGE_USAGE_CODES, run_command
 from engines.build.validation_set import validation_set
 from engines.errors import EdgeError
 from engines.fsutil import atomic_write_bytes
@@ -25,33 +26,15 @@ from engines.slim.report import SlimReport
 from engines.slim.search import SlimOptions, slim as run_search
 from engines.slim.sensitivity import Probe
 
-EXIT_FAILED, EXIT_USAGE = 1, 2
-USAGE_CODES = {"USAGE", "PACKAGE_INVALID"}  # the search's bad options, and the package options' parse errors
+USAGE_CODES = {"USAGE", *PACKAGE_USAGE_CODES}  # the search's bad options, and the package options' parse errors
 MODEL_FILE, REPORT_FILE = "model.onnx", "slim-report.json"
 SYNTHETIC_SAMPLES = 8  # frames when an artifact asks for the generated text frames (the demo detector)
-T = TypeVar("T")
-
-
-def _run(action: Callable[[], T]) -> T:
-    """A typed error becomes `error CODE: message` and exit 1 (2 for usage errors), as in deploy/cli.py."""
-    try:
-        return action()
-    except EdgeError as exc:
-        typer.echo(f"error {exc.code}: {exc}", err=True)
-        raise typer.Exit(EXIT_USAGE if exc.code in USAGE_CODES else EXIT_FAILED) from exc
 
 
 def _preprocess(model: Path, input_size: str | None, color: str | None, mean: str | None, std: str | None,
                 layout: str | None, resize: str | None, scale: float | None) -> dict[str, Any]:
     """Only the options given (the schema's defaults for the rest), the model's fixed size when none is given."""
-    fields: dict[str, Any] = {"color": color, "layout": layout, "resize": resize, "scale": scale}
-    if input_size:
-        fields["width"], fields["height"] = parse_size(input_size)
-    if mean:
-        fields["mean"] = parse_triplet("--mean", mean)
-    if std:
-        fields["std"] = parse_triplet("--std", std)
-    return with_model_input_size(model, {k: v for k, v in fields.items() if v is not None})
+    return with_model_input_size(model, preprocess_options(input_size, color, mean, std, layout, resize, scale))
 
 
 def bare_source(model: Path, preprocess: dict[str, Any], postprocess: str, params: list[str],
@@ -168,10 +151,10 @@ def slim(
         write_outputs(out, result.model.SerializeToString(), result.report)
         return result.report
 
-    report = _run(body)
+    report = run_command(body, USAGE_CODES)
     typer.echo("\n".join(summary(report, out)))
     if not report.met:
-        _run(lambda: _not_met(report))
+        run_command(lambda: _not_met(report), USAGE_CODES)
 
 
 def _not_met(report: SlimReport) -> None:

@@ -216,16 +216,16 @@ class EngineCache:
 
     def record_validation(self, key: str, validation: dict[str, Any]) -> None:
         """Store a gate result in the index and the sidecar (shown by `engines list`)."""
-        with self._lock:
-            self._conn.execute("UPDATE engines SET validation = ? WHERE key = ?", (json.dumps(validation), key))
-        entry = self.get(key)
-        if entry is not None:
-            self._write_sidecar(entry)
+        self._update_json(key, "validation", validation)
 
     def record_report(self, key: str, report: dict[str, Any]) -> None:
         """Replace an engine's build report in the index and the sidecar (precision auto adds its search to it)."""
+        self._update_json(key, "report", report)
+
+    def _update_json(self, key: str, column: str, value: dict[str, Any]) -> None:
+        assert column in ("validation", "report"), column  # a fixed column name, never user input
         with self._lock:
-            self._conn.execute("UPDATE engines SET report = ? WHERE key = ?", (json.dumps(report), key))
+            self._conn.execute(f"UPDATE engines SET {column} = ? WHERE key = ?", (json.dumps(value), key))
         entry = self.get(key)
         if entry is not None:
             self._write_sidecar(entry)
