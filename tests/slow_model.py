@@ -9,6 +9,7 @@ the image (a raw tensor with signal), plus 0 x the loop's result so the loop is 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import cv2
@@ -58,6 +59,26 @@ def slow_on_dark_onnx(path: Path, steps_when_dark: int) -> Path:
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 3, 1, 1])],
                               initializer=[weight, state, scale, zero])
     return save_graph(graph, path)
+
+
+def steps_for_ms(directory: Path, dark_ms: float) -> int:
+    """The loop steps that make a dark frame take about `dark_ms` on this machine, timed now: a fixed step
+    count is 50 ms on one machine and 170 ms on another, and a test that needs "slow, but not starved"
+    must hold its margins on both."""
+    import onnxruntime as ort
+
+    probe_steps = 50
+    session = ort.InferenceSession(str(slow_on_dark_onnx(directory / "probe.onnx", probe_steps)),
+                                   providers=["CPUExecutionProvider"])
+    dark = {"image": np.full((1, 3, SIDE, SIDE), -1.0, np.float32)}
+    session.run(None, dark)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        session.run(None, dark)
+        times.append(time.perf_counter() - start)
+    per_step_ms = sorted(times)[len(times) // 2] * 1000.0 / probe_steps
+    return max(1, round(dark_ms / per_step_ms))
 
 
 def dark_frames(directory: Path, count: int = 4) -> Path:
