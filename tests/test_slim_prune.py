@@ -42,14 +42,15 @@ class Graph:
         b = self.const(f"{name}.b", self.rng.normal(size=c_out).astype(np.float32))
         return self.op("Conv", [x, w, b], name, pads=[k // 2] * 4, group=group)
 
-    def model(self, outputs: list[str], inputs: dict[str, list[int]] | None = None) -> onnx.ModelProto:
+    def model(self, outputs: list[str], inputs: dict[str, list[int]] | None = None,
+              opset: int = 17) -> onnx.ModelProto:
         inputs = inputs or {"x": [1, 3, 16, 16]}
         graph = helper.make_graph(
             self.nodes, "slim",
             [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs.items()],
             [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
             [numpy_helper.from_array(a, n) for n, a in self.arrays.items()])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
         model.ir_version = 8
         model = onnx.shape_inference.infer_shapes(model)  # fills in the output shapes the checker wants
         del model.graph.value_info[:]
@@ -148,7 +149,28 @@ def build_transpose(g: Graph) -> str:
     return g.conv(h, 6, 4, "c3")
 
 
-BUILDERS = {"chain": build_chain, "bn": build_bn, "residual": build_residual, "concat": build_concat,
+def build_c2f(g: Graph, opset: int = 17, sizes: str = "given") -> str:
+    """YOLOv8's C2f block: one conv's SiLU output split in two halves along channels; the second half feeds a
+    bottleneck whose residual Add ties it to the bottleneck's last conv; all three are concatenated.
+
+    `sizes`: "given" (the attribute before opset 13, input 1 from 13), "equal" (left out: equal parts) or
+    "num_outputs" (opset 18's attribute)."""
+    h = ACTIVATIONS["SiLU"](g, g.conv("x", 3, 16, "cv1"))
+    if sizes == "given" and opset < 13:
+        g.op("Split", [h], "split", outputs=2, axis=1, split=[8, 8])
+    elif sizes == "given":
+        g.op("Split", [h, g.const("split.sizes", np.array([8, 8], np.int64))], "split", outputs=2, axis=1)
+    elif sizes == "num_outputs":
+        g.op("Split", [h], "split", outputs=2, axis=-3, num_outputs=2)
+    else:
+        g.op("Split", [h], "split", outputs=2, axis=1)
+    y0, y1 = "split", "split.1"
+    m = g.conv(ACTIVATIONS["SiLU"](g, g.conv(y1, 8, 8, "m.cv1")), 8, 8, "m.cv2")
+    cat = g.op("Concat", [y0, y1, g.op("Add", [y1, m], "m.add")], "cat", axis=1)
+    return g.conv(cat, 24, 4, "cv2")
+
+
+BUILDERS = {"chain": build_chain, "c2f": build_c2f, "bn": build_bn, "residual": build_residual, "concat": build_concat,
             "depthwise": build_depthwise, "grouped": build_grouped, "se": build_se, "constants": build_constants,
             "transpose": build_transpose}
 
@@ -230,6 +252,29 @@ def test_concat_consumer_slices_follow_the_offsets() -> None:
     assert_same_output(model, result.model)
 
 
+@pytest.mark.parametrize(("opset", "sizes"), [(12, "given"), (13, "given"), (17, "equal"), (18, "num_outputs")])
+def test_a_split_conv_output_is_pruned_per_part_and_the_split_shrinks(opset: int, sizes: str) -> None:
+    """Each half of a C2f conv is its own group (the second tied to the bottleneck by the Add); the Split's
+    sizes follow the kept channels, written the way the opset reads them."""
+    g = Graph(seed=3)
+    g.model([build_c2f(g, opset, sizes)], opset=opset)  # builds the arrays; silence, then rebuild
+    g.arrays["cv1.w"][2] = 0.0  # channel 2 is in the first half: SiLU(0) = 0 and only cv2 reads it
+    g.arrays["cv1.b"][2] = 0.0
+    model = g.model(["cv2"], opset=opset)
+    groups = {grp.id: grp for grp in prunable_groups(model)}
+    assert set(groups) == {"cv1[0:8]", "cv1[8:16]", "m.cv1"}
+    assert groups["cv1[8:16]"].producers == ("cv1", "m.cv2") and "split" in groups["cv1[0:8]"].consumers
+    result = prune(model, {"cv1[0:8]": 0.125}, multiple=1)
+    assert 2 not in change(result, "cv1[0:8]").kept
+    assert_same_output(model, result.model)
+    result = prune(model, {"cv1[0:8]": 0.5, "cv1[8:16]": 0.25, "m.cv1": 0.5}, multiple=1)
+    node = next(n for n in result.model.graph.node if n.op_type == "Split")
+    written = (helper.get_attribute_value(next(a for a in node.attribute if a.name == "split")) if opset < 13
+               else numpy_helper.to_array(next(t for t in result.model.graph.initializer if t.name == node.input[1])))
+    assert list(written) == [4, 6] and not any(a.name == "num_outputs" for a in node.attribute)
+    assert_same_output(masked_reference(model, result), result.model)
+
+
 def test_depthwise_conv_is_pruned_with_its_input_and_group_updated() -> None:
     g = Graph()
     build_depthwise(g)
@@ -302,8 +347,9 @@ def _unsafe(kind: str) -> onnx.ModelProto:
         g.op("Gemm", [g.op("Flatten", [c1], "flat"), "fc.w"], "y")
     elif kind == "Reshape":
         g.op("Reshape", [c1, g.const("shape", np.array([1, 4, 2, 256], np.int64))], "y")
-    elif kind == "Split":
-        g.op("Split", [c1, g.const("split", np.array([4, 4], np.int64))], "y", outputs=2, axis=1)
+    elif kind == "Split":  # the cut at 4 falls inside c1's channels, which reach the Split through a Concat
+        cat = g.op("Concat", [c1, g.conv("x", 3, 8, "c2")], "cat", axis=1)
+        g.op("Split", [cat, g.const("split", np.array([4, 12], np.int64))], "y", outputs=2, axis=1)
         outputs = ["y", "y.1"]
     elif kind == "Slice":
         bounds = [g.const(n, np.array([v], np.int64)) for n, v in (("s", 0), ("e", 4), ("ax", 1))]

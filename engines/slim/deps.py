@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
+from engines.slim.cuts import cut_layout, find_cuts, split_axis, split_sizes
 from engines.slim.graph import ChannelSpaces, GraphIndex, Layout, attr, node_name
 
 UNARY = frozenset({
@@ -32,7 +33,7 @@ NORM_PARAMS = {"BatchNormalization": (1, 2, 3, 4), "InstanceNormalization": (1, 
 _WHY_NOT = {
     "Reshape": "reshapes the channel axis", "Flatten": "flattens channels into features",
     "Gemm": "mixes channels as fully connected features", "MatMul": "mixes channels as matrix features",
-    "Split": "splits tensors (maybe along channels)", "Slice": "slices tensors (maybe along channels)",
+    "Slice": "slices tensors (maybe along channels)",
     "Gather": "indexes tensors (maybe along channels)", "Transpose": "moves the channel axis",
     "Shape": "reads the tensor shape", "Size": "reads the tensor size",
     "Softmax": "normalises across an axis (maybe channels)", "LRN": "normalises across channels",
@@ -43,8 +44,8 @@ _WHY_NOT = {
 @dataclass(frozen=True)
 class Edit:
     """One change pruning makes: `kind` is slice (a constant along `axis`), group_slice (a grouped conv's
-    input channels, `groups` parts), set_group (a depthwise conv's group) or channel_entry (entry `axis` of
-    a shape-like constant, e.g. Resize sizes)."""
+    input channels, `groups` parts), set_group (a depthwise conv's group), channel_entry (entry `axis` of
+    a shape-like constant, e.g. Resize sizes) or split (a channel Split's sizes, `parts` before pruning)."""
 
     kind: str
     node: int
@@ -53,16 +54,19 @@ class Edit:
     axis: int = 0
     groups: int = 1
     producer: bool = False
+    parts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class Producer:
-    """A conv whose output channels start a space; its filters' norms rank that space's channels."""
+    """A conv whose output channels (or one Split part of them) start a space; its filters' norms rank that
+    space's channels. `label` names the group: the conv's name, with `[lo:hi]` for a part."""
 
     node: int
     space: int
     weight: np.ndarray
     axis: int
+    label: str
 
 
 @dataclass
@@ -84,6 +88,7 @@ class _Tracer:
         self.plan = Plan(index, ChannelSpaces())
         self.spaces = self.plan.spaces
         self.layouts: dict[str, Layout] = {}
+        self.cuts = find_cuts(index, UNARY, ELEMENTWISE)
 
     def run(self) -> Plan:
         for i, node in enumerate(self.index.nodes):
@@ -118,6 +123,8 @@ class _Tracer:
             self._resize(i, node)
         elif op == "Pad":
             self._pad(i, node)
+        elif op == "Split":
+            self._split(i, node)
         elif op in REDUCE:
             self._reduce(i, node)
         else:
@@ -166,15 +173,23 @@ class _Tracer:
 
     def _produce(self, i: int, node: onnx.NodeProto, weight: np.ndarray, axis: int, bias: str | None,
                  blocks: int = 1) -> None:
-        space = self.spaces.new(weight.shape[axis])
-        self.spaces.require_blocks(space, blocks)
-        out = Layout.of(space, weight.shape[axis], weight.ndim)
-        self.plan.producers.append(Producer(i, space, weight, axis))
+        channels, name = weight.shape[axis], node_name(node)
+        cuts = sorted(c for c in self.cuts.get(node.output[0], ()) if 0 < c < channels) if blocks == 1 else []
+        bounds = [0, *cuts, channels]
+        segments = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            space = self.spaces.new(hi - lo)
+            self.spaces.require_blocks(space, blocks)
+            label = f"{name}[{lo}:{hi}]" if cuts else name
+            part = np.take(weight, np.arange(lo, hi), axis=axis)
+            self.plan.producers.append(Producer(i, space, part, axis, label))
+            if not np.issubdtype(weight.dtype, np.floating):
+                self.spaces.block(space, name, "weights are not floating point")
+            segments.append((space, hi - lo))
+        out = Layout(tuple(segments), weight.ndim)
         self._edit("slice", i, 1, out, axis=axis, producer=True)
         if bias:
             self._edit("slice", i, 2, out, axis=0, producer=True)
-        if not np.issubdtype(weight.dtype, np.floating):
-            self.spaces.block(space, node_name(node), "weights are not floating point")
         self._set_outputs(node, out)
 
     def _conv(self, i: int, node: onnx.NodeProto) -> None:
@@ -438,3 +453,25 @@ class _Tracer:
             self._unfollowed(i, node, "reduces over the channel axis or moves it")
             return
         self._set_outputs(node, Layout(layout.segments, layout.rank if keep else layout.rank - len(normal)))
+
+    def _split(self, i: int, node: onnx.NodeProto) -> None:
+        """A channel Split whose part boundaries fall between spaces hands each output its spaces (`cuts`
+        made the convs it reads produce one space per part) and records its sizes to shrink with them."""
+        layout = self._data_only(i, node)
+        if layout is None:
+            return
+        if split_axis(node, layout.rank) != 1:
+            self._set_outputs(node, layout)
+            return
+        sizes = split_sizes(self.index, node, layout.channels)
+        if sizes is None or sum(sizes) != layout.channels or len(sizes) != len(node.output):
+            self._unfollowed(i, node, "takes split sizes that are not constants")
+            return
+        parts = cut_layout(layout, sizes)
+        if parts is None:
+            self._unfollowed(i, node, "splits channels inside a space it cannot cut")
+            return
+        self._edit("split", i, 1, layout, parts=tuple(sizes))
+        for out, part in zip(node.output, parts):
+            if out:
+                self.layouts[out] = part

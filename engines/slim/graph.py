@@ -230,7 +230,11 @@ class ConstantWriter:
         self._replaced: set[str] = set()
 
     def set_input(self, node: onnx.NodeProto, index: int, array: np.ndarray) -> str:
-        old = node.input[index]
+        """Point input `index` at a new initializer holding `array`; an optional input that was left out
+        (or empty) is added."""
+        while len(node.input) <= index:
+            node.input.append("")
+        old = node.input[index] or f"{node_name(node)}.input{index}"
         new, n = f"{old}__slim", 1
         while new in self._taken:
             n += 1

@@ -61,8 +61,10 @@ def _group_table(plan: Plan) -> tuple[dict[int, ChannelGroup], list[dict[str, st
     """Prunable groups by space root, and the producers of the others with their reasons."""
     spaces, nodes = plan.spaces, plan.index.nodes
     producers: dict[int, list[str]] = {}
+    labels: dict[int, str] = {}
     for p in plan.producers:
         producers.setdefault(spaces.find(p.space), []).append(node_name(nodes[p.node]))
+        labels.setdefault(spaces.find(p.space), p.label)
     consumers: dict[int, list[str]] = {}
     for e in plan.edits:
         if not e.producer:
@@ -78,9 +80,9 @@ def _group_table(plan: Plan) -> tuple[dict[int, ChannelGroup], list[dict[str, st
             reasons = [("", "a single channel cannot be pruned")]
         if reasons:
             why = "; ".join(f"{layer}: {reason}" if layer else reason for layer, reason in reasons)
-            left.extend({"group": names[0], "layer": n, "reason": why} for n in names)
+            left.extend({"group": labels[root], "layer": n, "reason": why} for n in names)
             continue
-        groups[root] = ChannelGroup(names[0], spaces.size(root), tuple(names),
+        groups[root] = ChannelGroup(labels[root], spaces.size(root), tuple(names),
                                     tuple(consumers.get(root, [])), spaces.blocks(root))
     return groups, left
 
@@ -168,10 +170,25 @@ def _apply_edit(array: np.ndarray, edit: Edit, index: np.ndarray) -> np.ndarray:
     return np.concatenate([np.take(rows[j], local[j], axis=1) for j in range(groups)], axis=0)
 
 
+def _resplit(node: onnx.NodeProto, edit: Edit, index: np.ndarray, writer: ConstantWriter, opset: int) -> None:
+    """Write a channel Split's sizes as the kept channels in each part, explicitly: parts that were equal
+    (no sizes given, or opset 18's `num_outputs`) need not stay equal."""
+    bounds = np.cumsum((0, *edit.parts))
+    sizes = [int(((index >= lo) & (index < hi)).sum()) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    keep = [a for a in node.attribute if a.name not in ("split", "num_outputs")]
+    del node.attribute[:]
+    node.attribute.extend(keep)
+    if opset < 13:
+        node.attribute.append(onnx.helper.make_attribute("split", sizes))
+    else:
+        writer.set_input(node, 1, np.asarray(sizes, dtype=np.int64))
+
+
 def _rewrite(plan: Plan, model: onnx.ModelProto, kept: dict[int, np.ndarray]) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     nodes = out.graph.node
+    writer = ConstantWriter(out)
     pending: dict[tuple[int, int], list[tuple[Edit, np.ndarray]]] = {}
     for edit in plan.edits:
         if not any(plan.spaces.find(s) in kept for s in edit.layout.spaces):
@@ -179,9 +196,10 @@ def _rewrite(plan: Plan, model: onnx.ModelProto, kept: dict[int, np.ndarray]) ->
         index = _indices(edit.layout, kept, plan)
         if edit.kind == "set_group":
             next(a for a in nodes[edit.node].attribute if a.name == "group").i = int(index.size)
+        elif edit.kind == "split":
+            _resplit(nodes[edit.node], edit, index, writer, plan.index.opset)
         else:
             pending.setdefault((edit.node, edit.input), []).append((edit, index))
-    writer = ConstantWriter(out)
     for (i, j), edits in pending.items():
         array = plan.index.const(plan.index.nodes[i].input[j])
         assert array is not None, "the tracer edits constants only"
