@@ -3,10 +3,10 @@ supports is built and gated, the fastest that passes is kept, never one slower t
 
 Models: the PP-OCR text direction classifier (`ch_ppocr_mobile_v2.0_cls_infer.onnx` inside rapidocr-onnxruntime
 1.4.4, a real model we did not choose), where INT8 is about twice as slow as FP32 on a CPU (QDQ around every small
-layer); the demo detector (PP-OCRv4 det, same package) at 320x320, where INT8 is more than twice as fast; and
-onnx.helper models where INT8 is broken (tests/engine_fixtures.outlier_model) or a slimmed copy is exact.
-No wall-clock thresholds: the assertions are the pick's invariants on the recorded timings, plus the pick itself
-on the two models whose gap is lopsided (2x either way)."""
+layer); the demo detector (PP-OCRv4 det, same package) at 320x320, where INT8 is faster or slower depending on the
+CPU's integer instructions; and onnx.helper models where INT8 is broken (tests/engine_fixtures.outlier_model) or a
+slimmed copy is exact. No wall-clock thresholds: the assertions are the pick's invariants on the recorded timings,
+the pick itself on the classifier (INT8 about 2x slower everywhere), and `choose` on set timings."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from agent.artifacts.demo_model import prepare_demo_model_dir
 from agent.artifacts.trust import deployment_trust, verify_artifact
 from agent.cli.engines_cli import engines_app
 from engines.build.job import Builder
-from engines.build.precision_search import TIE_MARGIN
+from engines.build.auto_candidates import Candidate
+from engines.build.precision_search import TIE_MARGIN, choose
 from engines.build.provisioning import ProvisionResult, provision
 from engines.errors import EdgeError
 from engines.frames import text_frames
@@ -141,20 +142,54 @@ def _engines_list_shows_the_candidates(result: ProvisionResult, tmp_path: Path) 
     assert "int8-sparse skipped: ONNX Runtime on CPU has no sparse kernels" in table.output
 
 
-def test_auto_picks_int8_for_the_demo_detector_where_int8_is_faster(tmp_path: Path) -> None:
+def test_auto_gates_int8_on_the_demo_detector_and_picks_by_the_timings_it_measured(tmp_path: Path) -> None:
+    """Whether INT8 beats FP32 here depends on the CPU, not on our code: 1.25-2.7x faster on the AVX-512 Xeons
+    this was first measured on, 22.8 vs 21.4 ms (slower) on an AVX2-only EPYC. So the pick is held to the
+    timings the search recorded on this machine; `choose` itself is tested on set timings below."""
     src = load_model(prepare_demo_model_dir(tmp_path / "models", 320, 320))
     calibration = tmp_path / "calibration"
     calibration.mkdir()
     for i, frame in enumerate(text_frames(320, 320, 8, seed=11)):  # not the validation seed
         cv2.imwrite(str(calibration / f"c{i}.png"), frame)
     # one engine thread each, as a camera agent serves ([model] threads): two cores shared with other work time
-    # fairer single-threaded (INT8 measured 1.25-2.7x faster here, both ways of threading)
+    # fairer single-threaded
     result = _auto(src, tmp_path, calibration_dir=calibration, timing=ONE_THREAD)
     found = _candidates(result)
-    assert result.precision == "int8" and result.validation is not None and result.validation.passed
-    assert found["int8"]["status"] == "chosen" and found["fp32"]["status"] == "passed"
-    assert found["int8"]["metric"] == "mask_iou" and found["int8"]["accuracy"] >= 0.90
+    int8, fp32 = found["int8"], found["fp32"]
+    assert int8["passed"] and int8["metric"] == "mask_iou" and int8["accuracy"] >= 0.90
+    assert result.validation is not None and result.validation.passed
+    int8_wins = int8["latency_ms"]["p50"] * (1 + TIE_MARGIN) < fp32["latency_ms"]["p50"]
+    assert result.precision == ("int8" if int8_wins else "fp32"), (int8["latency_ms"], fp32["latency_ms"])
+    assert int8["status"] == ("chosen" if int8_wins else "slower" if int8["latency_ms"]["p50"] > fp32["latency_ms"][
+        "p50"] else "passed")
     _assert_pick_invariants(result)
+
+
+def _timed(name: str, rank: int, p50: float | None, status: str = "passed") -> Candidate:
+    return Candidate(name, name.split("-")[-1], rank=rank, status=status,
+                     latency_ms={"p50": p50, "p99": p50} if p50 is not None else None)
+
+
+@pytest.mark.parametrize(("timings", "chosen", "slower"), [
+    ({"fp32": 20.0, "int8": 10.0}, "int8", []),                   # INT8 faster: it wins
+    ({"fp32": 20.0, "int8": 19.8}, "fp32", []),                   # within the tie margin: the higher precision
+    ({"fp32": 20.0, "int8": 23.0}, "fp32", ["int8"]),             # slower than FP32: never picked, marked
+    ({"fp32": 20.0, "int8": 12.0, "slim-int8": 8.0}, "slim-int8", []),
+    ({"fp32": 20.0, "int8": 12.0, "slim-fp32": 11.9}, "int8", []),  # a tie: the earlier in order (unslimmed)
+    ({"fp32": None, "int8": 12.0}, "int8", []),                   # FP32 failed its gate: the rest still compete
+])
+def test_choose_takes_the_fastest_passing_never_one_slower_than_fp32(
+        timings: dict[str, float | None], chosen: str, slower: list[str]) -> None:
+    order = ["fp32", "fp16", "int8", "int8-sparse", "slim-fp32", "slim-int8"]
+    candidates = [_timed(n, order.index(n), p50, "passed" if p50 is not None else "failed")
+                  for n, p50 in timings.items()]
+    pick = choose(candidates)
+    assert pick is not None and pick.name == chosen and pick.status == "chosen"
+    assert [c.name for c in candidates if c.status == "slower"] == slower
+
+
+def test_choose_returns_none_when_nothing_passed() -> None:
+    assert choose([_timed("fp32", 0, None, "failed"), _timed("int8", 2, None, "skipped")]) is None
 
 
 def test_auto_without_calibration_frames_skips_int8_with_the_reason(tmp_path: Path) -> None:
