@@ -143,7 +143,7 @@ def _engines_list_shows_the_candidates(result: ProvisionResult, tmp_path: Path) 
 
 
 def test_auto_gates_int8_on_the_demo_detector_and_picks_by_the_timings_it_measured(tmp_path: Path) -> None:
-    """Whether INT8 beats FP32 here depends on the CPU, not on our code: 1.25-2.7x faster on the AVX-512 Xeons
+    """Whether INT8 beats FP32 here depends on the CPU, not on our code: 1.25-2.7x faster on the Intel Xeon VMs
     this was first measured on, 22.8 vs 21.4 ms (slower) on an AVX2-only EPYC. So the pick is held to the
     timings the search recorded on this machine; `choose` itself is tested on set timings below."""
     src = load_model(prepare_demo_model_dir(tmp_path / "models", 320, 320))
