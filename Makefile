@@ -6,6 +6,8 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 DEMO_SECONDS ?= 20
 PYTEST_ARGS ?=
+# Worker processes for the tests not marked `serial` (pytest-xdist); 1 runs everything in one process.
+TEST_WORKERS ?= 2
 # Other Pythons the devices run (3.10: JetPack 6, 3.12: JetPack 7); missing ones are skipped with a note.
 EXTRA_PYTHONS ?= python3.10 python3.12
 
@@ -31,7 +33,7 @@ demo: $(STAMP)
 # The whole suite; the skips must be exactly those tests/expected_skips.txt expects on this machine.
 # Then the interpreter-sensitive subset on each of EXTRA_PYTHONS (scripts/test_pythons.py).
 test: $(STAMP) system-deps lint
-	$(PY) scripts/check_skips.py -- -q -rs $(PYTEST_ARGS)
+	$(PY) scripts/check_skips.py --workers $(TEST_WORKERS) -- -q -rs $(PYTEST_ARGS)
 	$(PY) scripts/test_pythons.py $(EXTRA_PYTHONS)
 
 # The rules the tools enforce: ruff, import-linter (layers, no cycles), mypy over engines/ and agent/.

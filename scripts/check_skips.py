@@ -7,7 +7,10 @@ skip ("no-tensorrt", "no-cuda", ...). Each condition is probed here; the tests o
 hold must skip (for a reason matching the listed pattern), and nothing else may skip. Tests that do
 not skip need no entry, so new test files need no change to the list.
 
-Usage: python scripts/check_skips.py [--expected FILE] [--label TEXT] -- [PYTEST ARGS...]
+Usage: python scripts/check_skips.py [--expected FILE] [--label TEXT] [--workers N] -- [PYTEST ARGS...]
+`--workers N` (N > 1, pytest-xdist installed): the tests not marked `serial` run in N worker processes, then the
+`serial` ones (timing-sensitive: they judge a frame rate or a watch window, which a neighbour test's load would
+skew) run alone. Without pytest-xdist, or with `-m` among the pytest args, everything runs in one process.
 Exit status: pytest's own when it failed, else 1 when the skips differ, else 0.
 """
 
@@ -16,10 +19,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import re
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_EXPECTED = REPO / "tests" / "expected_skips.txt"
@@ -187,11 +192,37 @@ def skip_reason(longrepr: object) -> str:
     return message[len("Skipped: "):] if message.startswith("Skipped: ") else message
 
 
+def _run(pytest: Any, pytest_args: list[str], recorder: SkipRecorder, workers: int) -> int:
+    """pytest's exit status over the whole suite: in one process, or the parallel part then the serial part."""
+    if workers <= 1 or not _has_module("xdist") or "-m" in pytest_args:
+        return int(pytest.main(pytest_args, plugins=[recorder]))
+
+    class XdistCollected:  # with xdist the workers collect; the controller hears of it through this hook
+        @pytest.hookimpl(optionalhook=True)
+        def pytest_xdist_node_collection_finished(self, node: object, ids: list[str]) -> None:
+            recorder.record.collected.update(ids)
+
+    # xdist puts each worker's tmp_path one level deeper (popen-gwN/); a short base keeps the unix sockets tests
+    # create under tmp_path within AF_UNIX's 108 bytes, as they are in a one-process run
+    bases = [] if any(a.startswith("--basetemp") for a in pytest_args) else [
+        Path(tempfile.mkdtemp(prefix="et")) for _ in range(2)]
+    temp = [[f"--basetemp={b}"] for b in bases] or [[], []]
+    statuses = [int(pytest.main([*pytest_args, *temp[0], "-n", str(workers), "-m", "not serial"],
+                                plugins=[recorder, XdistCollected()])),
+                int(pytest.main([*pytest_args, *temp[1], "-m", "serial"], plugins=[recorder]))]
+    failed = [s for s in statuses if s not in (0, 5)]  # 5: that part selected no test
+    if not failed:
+        for base in bases:
+            shutil.rmtree(base, ignore_errors=True)
+    return failed[0] if failed else (0 if 0 in statuses else 5)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run pytest with the recorder, then compare its skips with the expected list."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--expected", type=Path, default=DEFAULT_EXPECTED, help="the expected-skip list")
     parser.add_argument("--label", default=f"python {sys.version.split()[0]}", help="names this run in messages")
+    parser.add_argument("--workers", type=int, default=1, help="run the tests not marked serial in N processes")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="arguments for pytest (after --)")
     args = parser.parse_args(argv)
     pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
@@ -206,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     import pytest
 
     recorder = SkipRecorder()
-    status = int(pytest.main(pytest_args, plugins=[recorder]))
+    status = _run(pytest, pytest_args, recorder, args.workers)
     holds = {name: probe() for name, (probe, _) in CONDITIONS.items()}
     problems = compare(entries, holds, recorder.record)
     here = ", ".join(name for name, ok in holds.items() if ok) or "none"

@@ -42,6 +42,7 @@ def running_agent(tmp_path: Path, published):
         agent.stop()
 
 
+@pytest.mark.serial  # counts frames lost across a swap: a neighbour's load drops frames
 def test_overlap_swap_loses_no_frame_and_rollback_restores(running_agent, published) -> None:
     agent = running_agent()
     reply = agent.manager.request(published["url2"], channel="local")

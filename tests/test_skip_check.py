@@ -138,3 +138,29 @@ def test_end_to_end_a_listed_skip_passes(tmp_path: Path) -> None:
     done = _run_check(tmp_path, f"[no-jtop]\n{line}[jtop-installed]\n{line}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 skipped, all expected" in done.stdout
+
+
+def test_with_workers_the_serial_tests_run_alone_after_the_rest_and_every_skip_is_still_judged(tmp_path: Path) -> None:
+    """`--workers 2` (make test): the unmarked tests run in pytest-xdist workers, the `serial` ones afterwards in
+    this process; skips from both parts (a module skipped at collection included) reach the check."""
+    pytest.importorskip("xdist", reason="pytest-xdist is a test dependency (pip install -e .[test])")
+    (tmp_path / "conftest.py").write_text(
+        "import os\n\ndef pytest_configure(config):\n"
+        "    config.addinivalue_line('markers', 'serial: alone')\n", encoding="utf-8")
+    (tmp_path / "test_demo.py").write_text(
+        "import os, pytest\n\n"
+        "def test_in_a_worker():\n    assert os.environ.get('PYTEST_XDIST_WORKER')\n\n"
+        "@pytest.mark.serial\ndef test_alone():\n    assert not os.environ.get('PYTEST_XDIST_WORKER')\n\n"
+        "@pytest.mark.serial\ndef test_alone_needs_gpu():\n    pytest.skip('no GPU here: lspci found none')\n",
+        encoding="utf-8")
+    (tmp_path / "test_gone.py").write_text("import pytest\npytest.skip('no TensorRT here', allow_module_level=True)\n",
+                                           encoding="utf-8")
+    (tmp_path / "expected.txt").write_text("# nothing may skip\n", encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "check_skips.py"), "--expected", str(tmp_path / "expected.txt"),
+         "--workers", "2", "--", "-q", "-rs", "-p", "no:cacheprovider", "test_demo.py", "test_gone.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stdout + done.stderr  # both parts passed; the two skips are unlisted
+    assert "unexpected skip: test_demo.py::test_alone_needs_gpu: no GPU here" in done.stderr
+    assert "unexpected skip: test_gone.py: no TensorRT here" in done.stderr
+    assert done.stdout.count("1 passed") == 2 and "failed" not in done.stdout  # the worker part, then the serial one

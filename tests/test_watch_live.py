@@ -28,7 +28,7 @@ from tests.http_server import ArtifactServer
 from tests.slow_model import dark_frames, slow_on_dark_onnx, steps_for_ms
 from tests.test_classifier_deploy import _package_classifier
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # windows of live frame rates: alone (make test)
 
 DEVICE = "watch-01"
 
