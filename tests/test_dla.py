@@ -346,7 +346,8 @@ def test_cli_build_dla_without_dla_exits_1_with_the_code(tmp_path: Path) -> None
     assert bad.exit_code == 2 and "dla:N" in bad.output
 
 
-def test_engines_list_shows_the_gpu_fallback(tmp_path: Path) -> None:
+def test_engines_list_shows_the_gpu_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent.cli import engines_cli
     from agent.cli.engines_cli import _paths
 
     cfg = _config(tmp_path)
@@ -361,6 +362,9 @@ def test_engines_list_shows_the_gpu_fallback(tmp_path: Path) -> None:
     finally:
         cache.close()
     assert sidecar["report"]["dla"]["gpu_fallback_layers"] == 3
-    result = CliRunner().invoke(engines_app, ["list", "--config", str(cfg)], env={"COLUMNS": "200"})
+    # rich reads COLUMNS once, when the CLI module's console is made (whichever test imported it first): set the
+    # width of that console itself, or the cell wraps in some orders of the suite and not in others
+    monkeypatch.setattr(engines_cli.out, "_width", 200)
+    result = CliRunner().invoke(engines_app, ["list", "--config", str(cfg)])
     assert result.exit_code == 0, result.output
     assert "dla:0, 3/41 on GPU" in result.output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -159,7 +160,8 @@ def test_with_workers_the_serial_tests_run_alone_after_the_rest_and_every_skip_i
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "check_skips.py"), "--expected", str(tmp_path / "expected.txt"),
          "--workers", "2", "--", "-q", "-rs", "-p", "no:cacheprovider", "test_demo.py", "test_gone.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False, stdin=subprocess.DEVNULL)
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False, stdin=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")})  # make test runs this in a worker
     assert done.returncode == 1, done.stdout + done.stderr  # both parts passed; the two skips are unlisted
     assert "unexpected skip: test_demo.py::test_alone_needs_gpu: no GPU here" in done.stderr
     assert "unexpected skip: test_gone.py: no TensorRT here" in done.stderr
