@@ -181,7 +181,7 @@ class _Tracer:
             space = self.spaces.new(hi - lo)
             self.spaces.require_blocks(space, blocks)
             label = f"{name}[{lo}:{hi}]" if cuts else name
-            part = np.take(weight, np.arange(lo, hi), axis=axis)
+            part = np.take(weight, np.arange(lo, hi), axis=axis) if cuts else weight  # uncut: no copy
             self.plan.producers.append(Producer(i, space, part, axis, label))
             if not np.issubdtype(weight.dtype, np.floating):
                 self.spaces.block(space, name, "weights are not floating point")
