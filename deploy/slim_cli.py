@@ -17,6 +17,7 @@ import typer
 from deploy.package import PackageOptions, build_template, check_preprocess_size, preprocess_options, \
     with_model_input_size
 from deploy.cli_errors import USAGE_CODES as PACKAGE_USAGE_CODES, run_command
+from engines.build.calibration import from_directory as calibration_from_directory, tensors as calibration_tensors
 from engines.build.validation_set import validation_set
 from engines.errors import EdgeError
 from engines.fsutil import atomic_write_bytes
@@ -26,7 +27,7 @@ from engines.slim.report import SlimReport
 from engines.slim.search import SlimOptions, slim as run_search
 from engines.slim.sensitivity import Probe
 
-USAGE_CODES = {"USAGE", *PACKAGE_USAGE_CODES}  # the search's bad options, and the package options' parse errors
+USAGE_CODES = {"USAGE", "CALIBRATION_INVALID", *PACKAGE_USAGE_CODES}  # bad options, unreadable --calibration, package options
 MODEL_FILE, REPORT_FILE = "model.onnx", "slim-report.json"
 SYNTHETIC_SAMPLES = 8  # frames when an artifact asks for the generated text frames (the demo detector)
 
@@ -67,6 +68,15 @@ def _frames(source: ModelSource, directory: Path | None) -> list[Any]:
     return validation_set(source, SYNTHETIC_SAMPLES, directory=directory).frames()
 
 
+def _calibration(source: ModelSource, directory: Path, validation: Path | None) -> list[Any]:
+    """The calibration images as model-input tensors, through the model's own Preprocessor (as INT8 calibrates)."""
+    if validation is not None and directory.resolve() == validation.resolve():
+        raise EdgeError(f"--calibration and --validation are the same directory ({directory}): the fold would be "
+                        "fitted on the frames that judge it; give held-out frames to each", code="USAGE")
+    spec = source.manifest.preprocess
+    return calibration_tensors(calibration_from_directory(directory), spec)
+
+
 def _progress(probe: Probe) -> None:
     accuracy = "" if probe.accuracy is None else f" accuracy {probe.accuracy:.3f}"
     latency = "" if probe.latency_ms is None else f" {probe.latency_ms:.2f} ms"
@@ -104,6 +114,7 @@ def summary(report: SlimReport, out: Path) -> list[str]:
         lines.append(f"  sparsity  {s['pattern']}: {state} (pays only in TensorRT on Ampere+; none on ORT CPU)")
     lines.append(f"  goal      {goal}: {'met' if report.met else 'NOT met'}" + (f" ({report.reason})" if report.reason
                                                                                   else ""))
+    lines.append(f"  ranking   {report.search['criterion']}")
     lines.append(f"  search    {report.search['probes']} probes, {report.search['wall_s']:.1f} s; "
                  f"report in {out / REPORT_FILE}")
     return lines
@@ -116,6 +127,10 @@ def slim(
     validation: Optional[Path] = typer.Option(
         None, "--validation", help="Held-out validation frames (images, or videos) the search judges on; never the "
         "calibration images. Required for a bare .onnx; an artifact's own frames otherwise."),
+    calibration: Optional[Path] = typer.Option(
+        None, "--calibration", help="Calibration images (or .npy frames), never the validation frames: channels are "
+        "ranked by their activations on them and what the removed ones carried is folded into the next convs. "
+        "Without it: filter norms, channels simply removed (much less survives on most models)."),
     target_accuracy: float = typer.Option(0.9, "--target-accuracy", help="Lowest accuracy vs the unpruned model "
                                           "(the gate's metric), in (0, 1]."),
     budget_ms: Optional[float] = typer.Option(None, "--budget-ms", help="Stop at the least pruning whose median "
@@ -147,7 +162,9 @@ def slim(
     def body() -> SlimReport:
         options.check()  # before frames are read: a bad option costs nothing
         source = _source(model, given)
-        result = run_search(source, _frames(source, validation), options, _progress)
+        frames = _frames(source, validation)
+        feeds = _calibration(source, calibration, validation) if calibration is not None else None
+        result = run_search(source, frames, options, _progress, calibration=feeds)
         write_outputs(out, result.model.SerializeToString(), result.report)
         return result.report
 

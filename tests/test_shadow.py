@@ -188,7 +188,7 @@ def test_shadow_start_report_and_promote_over_a_real_broker(tmp_path: Path, publ
             assert collector.wait_for(lambda msgs: any(
                 t.endswith("/events") and json.loads(p).get("type") == "shadow/report" for t, p, _ in msgs), timeout=30)
             promoted = send("promote", "--arg", f"deployment_id={dep_id}")
-            assert promoted["ok"] and promoted["result"]["outcome"] == "promoted"
+            assert promoted["ok"] and promoted["result"]["outcome"] == "promoted", promoted
             assert wait_terminal(agent, dep_id, states=ENDS) == "active"
             assert agent.deployments.get(dep_id).details["shadow"]["reason"] == "PROMOTE_REQUESTED"
             assert collector.wait_for(lambda msgs: any(

@@ -115,7 +115,16 @@ def finish(search: Search, sensitivities: Sequence[GroupSensitivity], analysis: 
         left_alone=analysis.left_alone, sparsity=sparsity,
         search={"wall_s": round(time.perf_counter() - started, 2), "probes": search.probes,
                 "ladder": sorted(search.options.ladder), "floor": round(search.options.level_floor, 5),
-                "norm": search.options.norm, "multiple": search.options.multiple,
+                "norm": search.options.norm, "multiple": search.options.multiple, "criterion": criterion(search),
                 "candidates": [search.cache[k].summary() for k in sorted(search.cache)],
                 "allocations": len(search.plan), "chosen": choice.index})
     return SlimResult(model, report)
+
+
+def criterion(search: Search) -> str:
+    """The report's `search.criterion`: what ranked the channels, and whether the next convs took their place."""
+    if search.activations is None:
+        return (f"{search.options.norm} filter norm, channels removed (no calibration frames: give some to rank "
+                "channels by their activations and fold them into the next convs)")
+    return (f"activations on {search.activations.frames} calibration frame(s); removed channels folded into the "
+            "next convs (least squares from the kept ones)")

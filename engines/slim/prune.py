@@ -9,14 +9,15 @@ layer did not shrink rather than leaving the reader to guess.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 
 from engines.errors import EdgeError, ModelError
 from engines.slim.deps import Edit, Plan, trace
-from engines.slim.graph import ConstantWriter, Layout, node_name
+from engines.slim.graph import ConstantWriter, node_name
+from engines.slim.reconstruct import Activations, fold, importance, layout_indices, reads_channels
 
 NORMS = ("l1", "l2")
 
@@ -52,9 +53,13 @@ class GroupChange:
 
 @dataclass
 class PruneResult:
+    """`folded`: the full-size weights and biases the fold gave the convs reading removed channels, by (node index,
+    input index) in the unpruned model; empty without activations."""
+
     model: onnx.ModelProto
     groups: list[GroupChange]
     left_alone: list[dict[str, str]]
+    folded: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
 
 def _group_table(plan: Plan) -> tuple[dict[int, ChannelGroup], list[dict[str, str]]]:
@@ -146,16 +151,6 @@ def _check_args(groups: dict[int, ChannelGroup], ratios: dict[str, float], norm:
         raise EdgeError(f"prune ratios must be fractions from 0 to 1: {bad}", code="USAGE")
 
 
-def _indices(layout: Layout, kept: dict[int, np.ndarray], plan: Plan) -> np.ndarray:
-    parts, offset = [], 0
-    for space, length in layout.segments:
-        root = plan.spaces.find(space) if space is not None else None
-        local = kept.get(root) if root is not None else None
-        parts.append((local if local is not None else np.arange(length)) + offset)
-        offset += length
-    return np.concatenate(parts)
-
-
 def _apply_edit(array: np.ndarray, edit: Edit, index: np.ndarray) -> np.ndarray:
     if edit.kind == "slice":
         return np.take(array, index, axis=edit.axis)
@@ -184,7 +179,8 @@ def _resplit(node: onnx.NodeProto, edit: Edit, index: np.ndarray, writer: Consta
         writer.set_input(node, 1, np.asarray(sizes, dtype=np.int64))
 
 
-def _rewrite(plan: Plan, model: onnx.ModelProto, kept: dict[int, np.ndarray]) -> onnx.ModelProto:
+def _rewrite(plan: Plan, model: onnx.ModelProto, kept: dict[int, np.ndarray],
+             folded: dict[tuple[int, int], np.ndarray]) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     nodes = out.graph.node
@@ -193,16 +189,20 @@ def _rewrite(plan: Plan, model: onnx.ModelProto, kept: dict[int, np.ndarray]) ->
     for edit in plan.edits:
         if not any(plan.spaces.find(s) in kept for s in edit.layout.spaces):
             continue
-        index = _indices(edit.layout, kept, plan)
+        index = layout_indices(edit.layout, kept, plan)
         if edit.kind == "set_group":
             next(a for a in nodes[edit.node].attribute if a.name == "group").i = int(index.size)
         elif edit.kind == "split":
             _resplit(nodes[edit.node], edit, index, writer, plan.index.opset)
         else:
             pending.setdefault((edit.node, edit.input), []).append((edit, index))
+    for (i, j) in folded:  # a bias the fold added to a conv that is also cut: sliced as its weight
+        if (i, j) not in pending and j == 2:
+            pending[(i, j)] = [(e, index) for e, index in pending.get((i, 1), []) if e.producer]
     for (i, j), edits in pending.items():
-        array = plan.index.const(plan.index.nodes[i].input[j])
-        assert array is not None, "the tracer edits constants only"
+        given = folded[(i, j)] if (i, j) in folded else plan.index.const(plan.index.nodes[i].input[j])
+        assert given is not None, "the tracer edits constants only"
+        array = given
         for edit, index in edits:
             array = _apply_edit(array, edit, index)
         writer.set_input(nodes[i], j, array)
@@ -211,11 +211,15 @@ def _rewrite(plan: Plan, model: onnx.ModelProto, kept: dict[int, np.ndarray]) ->
     return out
 
 
-def prune(model: onnx.ModelProto, ratios: dict[str, float], norm: str = "l1", multiple: int = 8) -> PruneResult:
+def prune(model: onnx.ModelProto, ratios: dict[str, float], norm: str = "l1", multiple: int = 8,
+          activations: Activations | None = None) -> PruneResult:
     """Remove the weakest output channels of each group named in `ratios` (group id -> fraction to remove).
 
-    Graph inputs and outputs keep their shapes; groups not named are left as they are. Raises EdgeError
-    (USAGE) for unknown groups or bad arguments, ModelError where the rewritten model fails the checker."""
+    Weakest by filter norm (`norm`); with `activations` (engines.slim.reconstruct.measure on calibration frames),
+    by what the channels carry into the next convs, which then take the removed channels' least-squares estimate
+    from the kept ones (the fold). Graph inputs and outputs keep their shapes; groups not named are left as they
+    are. Raises EdgeError (USAGE) for unknown groups or bad arguments, ModelError where the rewritten model fails
+    the checker."""
     plan = trace(model)
     groups, left = _group_table(plan)
     _check_args(groups, ratios, norm, multiple)
@@ -227,23 +231,17 @@ def prune(model: onnx.ModelProto, ratios: dict[str, float], norm: str = "l1", mu
         keep = _keep_count(group.channels, float(ratio), multiple, group.blocks)
         chosen = np.arange(group.channels)
         if keep < group.channels:
-            chosen = _select(_importance(plan, root, norm), group.blocks, keep)
+            ranked = importance(plan, root, activations) if activations is not None else None
+            chosen = _select(ranked if ranked is not None else _importance(plan, root, norm), group.blocks, keep)
             kept[root] = chosen
         changes.append(GroupChange(gid, group.channels, int(chosen.size), tuple(int(c) for c in chosen)))
-    pruned = _rewrite(plan, model, kept) if kept else _copy(model)
+    folded = fold(plan, kept, activations) if activations is not None and kept else {}
+    pruned = _rewrite(plan, model, kept, folded) if kept else _copy(model)
     try:
         onnx.checker.check_model(pruned)
     except onnx.checker.ValidationError as exc:
         raise ModelError(f"pruned model fails the ONNX checker: {exc}", code="MODEL_PRUNE_FAILED") from exc
-    return PruneResult(pruned, changes, left)
-
-
-def _reads_channels(plan: Plan, edit: Edit) -> bool:
-    """Whether an edit slices where a conv reads its input channels (not a producer, not a depthwise tie)."""
-    op = plan.index.nodes[edit.node].op_type
-    if edit.producer or edit.input != 1:
-        return False
-    return edit.kind == "group_slice" or (op == "Conv" and edit.axis == 1) or (op == "ConvTranspose" and edit.axis == 0)
+    return PruneResult(pruned, changes, left, folded)
 
 
 def _zero_unread(array: np.ndarray, edit: Edit, index: np.ndarray) -> np.ndarray:
@@ -260,7 +258,8 @@ def _zero_unread(array: np.ndarray, edit: Edit, index: np.ndarray) -> np.ndarray
 
 
 def masked_reference(model: onnx.ModelProto, result: PruneResult) -> onnx.ModelProto:
-    """The unpruned model with the pruned channels zeroed where convs read them.
+    """The unpruned model with the pruned channels zeroed where convs read them (after the fold's weights and
+    biases, where the result has them).
 
     The pruned model must compute exactly this, so comparing the two separates a wrong rewrite from the
     accuracy that removing channels costs (which only fine-tuning or the gates can judge)."""
@@ -271,13 +270,17 @@ def masked_reference(model: onnx.ModelProto, result: PruneResult) -> onnx.ModelP
     out = _copy(model)
     weights: dict[int, np.ndarray] = {}
     for edit in plan.edits:
-        if _reads_channels(plan, edit) and any(plan.spaces.find(s) in kept for s in edit.layout.spaces):
-            current = weights.get(edit.node, plan.index.const(plan.index.nodes[edit.node].input[1]))
+        if reads_channels(plan, edit) and any(plan.spaces.find(s) in kept for s in edit.layout.spaces):
+            current = weights.get(edit.node, result.folded.get((edit.node, 1),
+                                                               plan.index.const(plan.index.nodes[edit.node].input[1])))
             assert current is not None, "the tracer edits constants only"
-            weights[edit.node] = _zero_unread(current, edit, _indices(edit.layout, kept, plan))
+            weights[edit.node] = _zero_unread(current, edit, layout_indices(edit.layout, kept, plan))
     writer = ConstantWriter(out)
     for i, array in weights.items():
         writer.set_input(out.graph.node[i], 1, array)
+    for (i, j), array in result.folded.items():
+        if j == 2:
+            writer.set_input(out.graph.node[i], 2, array)
     writer.finish()
     return out
 

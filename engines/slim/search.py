@@ -28,8 +28,10 @@ from engines.manifest import preprocess_shape_of
 from engines.model import ModelSource
 from engines.slim.flops import FlopsReport, count_flops
 from engines.slim.probe import Evaluation, Evaluator
+from engines.slim.deps import trace
 from engines.slim.prune import NORMS, Analysis, PruneResult, analyze, prune
 from engines.slim.finish import finish
+from engines.slim.reconstruct import Activations, measure
 from engines.slim.report import SlimResult
 from engines.slim.sensitivity import GroupSensitivity, Probe, ProgressFn, SensitivityRun, allocations, \
     measure_sensitivity
@@ -126,11 +128,12 @@ class Search:
     probes: int = 0
     base_latency: float | None = None
     cache: dict[int, Candidate] = field(default_factory=dict)
+    activations: Activations | None = None
 
     def candidate(self, k: int) -> Candidate:
         """The k-th allocation pruned (no measurement)."""
         if k not in self.cache:
-            result = prune(self.model, self.plan[k], self.options.norm, self.options.multiple)
+            result = prune(self.model, self.plan[k], self.options.norm, self.options.multiple, self.activations)
             self.cache[k] = Candidate(self.plan[k], result, count_flops(result.model, self.shapes))
         return self.cache[k]
 
@@ -229,8 +232,12 @@ def input_shapes(model: onnx.ModelProto, source: ModelSource) -> dict[str, Seque
 
 
 def slim(source: ModelSource, frames: Sequence[np.ndarray], options: SlimOptions | None = None,
-         progress: ProgressFn | None = None) -> SlimResult:
+         progress: ProgressFn | None = None, calibration: Sequence[np.ndarray] | None = None) -> SlimResult:
     """Search per-group pruning ratios (and 2:4 sparsity when asked) for `source`, judged on `frames`.
+
+    With `calibration` (preprocessed model-input tensors, never the validation frames) channels are ranked by
+    their activations and what they carried is folded into the next convs (engines.slim.reconstruct); without,
+    they are ranked by filter norm and simply removed.
 
     Raises EdgeError USAGE for bad options, SLIM_UNSUPPORTED for a stateful model, GATE_NO_SIGNAL when the
     unpruned model finds nothing on the frames. A goal not met is in the report (`met`), not raised."""
@@ -244,22 +251,24 @@ def slim(source: ModelSource, frames: Sequence[np.ndarray], options: SlimOptions
     model = onnx.load(str(source.onnx_path))
     with tempfile.TemporaryDirectory(prefix="edge-slim-") as work:
         evaluator = Evaluator(source, frames, Path(work))
-        search, sensitivities, analysis = _search(model, source, evaluator, options, progress)
+        activations = measure(model, trace(model), calibration) if calibration else None
+        search, sensitivities, analysis = _search(model, source, evaluator, options, progress, activations)
         choice = CHOOSERS[options.goal["kind"]](search) if search.plan else _nothing(analysis, search)
         return finish(search, sensitivities, analysis, choice, source.label, t0)
 
 
 def _search(model: onnx.ModelProto, source: ModelSource, evaluator: Evaluator, options: SlimOptions,
-            progress: ProgressFn | None) -> tuple[Search, list[GroupSensitivity], Analysis]:
+            progress: ProgressFn | None, activations: Activations | None
+            ) -> tuple[Search, list[GroupSensitivity], Analysis]:
     """Sensitivity of every group, then the allocations; the search object ready to choose among them."""
     analysis = analyze(model)
     shapes = input_shapes(model, source)
     base = count_flops(model, shapes)
     run = SensitivityRun(model, evaluator, shapes, base.macs, options.norm, options.multiple, options.level_floor,
-                         progress)
+                         progress, activations=activations)
     sensitivities = measure_sensitivity(run, analysis.groups, sorted(options.ladder))
     search = Search(model, evaluator, options, shapes, base, allocations(sensitivities, options.target), progress,
-                    probes=run.probes)
+                    probes=run.probes, activations=activations)
     if options.budget_ms is not None:
         search.base_latency = evaluator.latency([source.onnx_path], options.latency_runs)[0]
     return search, sensitivities, analysis

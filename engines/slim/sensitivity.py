@@ -17,6 +17,7 @@ import onnx
 from engines.slim.flops import count_flops
 from engines.slim.probe import Evaluator
 from engines.slim.prune import ChannelGroup, prune
+from engines.slim.reconstruct import Activations
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,13 @@ class SensitivityRun:
     floor: float
     progress: ProgressFn | None = None
     probes: int = 0
+    activations: Activations | None = None  # calibration statistics: rank by activations and fold (reconstruct)
 
     def group(self, group: ChannelGroup, ladder: Sequence[float]) -> GroupSensitivity:
         """Climb one group's ladder."""
         out = GroupSensitivity(group)
         for ratio in ladder:
-            result = prune(self.model, {group.id: ratio}, self.norm, self.multiple)
+            result = prune(self.model, {group.id: ratio}, self.norm, self.multiple, self.activations)
             kept = result.groups[0].after
             if kept == group.channels:
                 continue  # rounding to `multiple` keeps every channel: nothing to measure
