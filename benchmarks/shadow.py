@@ -161,7 +161,7 @@ def cost_and_agreement(agent: Agent, url: str, rounds: int, seconds: float) -> d
                   serving.source.label)
     compared = _record_compared(session)
     latencies = _Latencies(agent)
-    time.sleep(1.0)  # settle after the candidates' load and warm-up
+    time.sleep(min(1.0, seconds))  # settle after the candidates' load and warm-up
     variants = {"none": None, "process": session, "thread": twin, "equal_cost": equal}
     measured: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     order = list(variants)
@@ -237,7 +237,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 short round, small blind-cancel window")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    rounds, seconds = (1, 1.5) if args.quick else (args.rounds, args.seconds)
+    rounds, seconds = (1, 0.5) if args.quick else (args.rounds, args.seconds)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         private, public = make_key(tmp / "keys")
