@@ -7,10 +7,11 @@ Models: the PP-OCRv4 demo text detector (rapidocr-onnxruntime==1.4.4) at 640x480
 judged on rendered pages 0-3 and calibrated on pages 10-17 (tests/pages.py; never the same pages).
 For each: `engines.slim.slim` at target 0.9 (the gate's metric vs the unpruned model, on the validation frames
 only) with the calibration frames (channels ranked by activations, the removed ones folded into the next convs),
-and -- the baseline -- the same search by filter norms alone (full run); then the slimmed model quantized to INT8 through the same recipe the device uses (engines.build.ort_recipe)
-and judged against the UNPRUNED model. Latency: engine time, the unpruned FP32, slimmed FP32, slimmed INT8, dense
-INT8 and filter-norm slimmed models alternating call by call in rounds (ONNX Runtime on this CPU), each round's ratio reported with the median
-and spread.
+and -- the baseline -- the same search by filter norms alone (full run); then the slimmed model quantized to INT8
+through the same recipe the device uses (engines.build.ort_recipe) and judged against the UNPRUNED model.
+Latency: engine time, the unpruned FP32, slimmed FP32, slimmed INT8, dense INT8 and filter-norm slimmed models
+alternating call by call in rounds (ONNX Runtime on this CPU), each round's ratio reported with the median and
+spread.
 
 Goals: slimmed FP32 >= 1.25x the unpruned FP32 at accuracy >= 0.9; slimmed INT8 >= 2.0x at accuracy >= 0.9;
 `precision = "auto"` never picks a variant slower than FP32 (orientation-classifier-sized and face-detector-sized
@@ -33,6 +34,7 @@ from _common import ROOT, machine, write_json  # noqa: F401  (ROOT puts the repo
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 
+from engines.build.calibration import model_inputs  # noqa: E402
 from engines.build.graph_rewrites import make_static_shape  # noqa: E402
 from engines.build.ort_recipe import QuantSettings, quantize_int8  # noqa: E402
 from engines.manifest import preprocess_shape_of  # noqa: E402
@@ -80,29 +82,11 @@ def interleaved(evaluator: Evaluator, paths: Sequence[Path], rounds: int, iterat
 
 def int8_of(path: Path, source: ModelSource, calibration: Sequence[np.ndarray], out: Path) -> Path:
     """The slimmed model through the device's ONNX Runtime INT8 recipe (static shape, QDQ, calibrated)."""
-    from engines.preprocess import Preprocessor
-
     static = out.with_suffix(".static.onnx")
     model = onnx.load(str(path))
     name = next(i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer})
-    pre = Preprocessor(source.manifest.preprocess)
     make_static_shape(path, static, {name: list(preprocess_shape_of(source.manifest.preprocess))})
-    tensors = []
-    for frame in calibration:
-        pre(frame)
-        tensors.append(pre.tensor.copy())
-    quantize_int8(static, out, tensors, settings=QuantSettings())
-    return out
-
-
-def model_inputs(source: ModelSource, frames: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """Frames as the model's input tensors, through its own Preprocessor (as INT8 calibration makes them)."""
-    from engines.preprocess import Preprocessor
-
-    pre, out = Preprocessor(source.manifest.preprocess), []
-    for frame in frames:
-        pre(frame)
-        out.append(pre.tensor.copy())
+    quantize_int8(static, out, model_inputs(calibration, source.manifest.preprocess), settings=QuantSettings())
     return out
 
 
@@ -110,7 +94,7 @@ def searched(source: ModelSource, validation: list[np.ndarray], calibration: lis
              ladder: tuple[float, ...]) -> tuple[Any, float]:
     t0 = time.perf_counter()
     result = slim(source, validation, SlimOptions(target=TARGET, ladder=ladder, latency_runs=SCALE.latency_runs),
-                  progress=lambda *_: None, calibration=model_inputs(source, calibration) if calibration else None)
+                  progress=lambda *_: None, calibration=model_inputs(calibration, source.manifest.preprocess) if calibration else None)
     return result, time.perf_counter() - t0
 
 

@@ -27,7 +27,8 @@ from engines.slim.report import SlimReport
 from engines.slim.search import SlimOptions, slim as run_search
 from engines.slim.sensitivity import Probe
 
-USAGE_CODES = {"USAGE", "CALIBRATION_INVALID", *PACKAGE_USAGE_CODES}  # bad options, unreadable --calibration, package options
+# the search's bad options, an unreadable --calibration, and the package options' parse errors
+USAGE_CODES = {"USAGE", "CALIBRATION_INVALID", *PACKAGE_USAGE_CODES}
 MODEL_FILE, REPORT_FILE = "model.onnx", "slim-report.json"
 SYNTHETIC_SAMPLES = 8  # frames when an artifact asks for the generated text frames (the demo detector)
 

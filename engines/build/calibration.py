@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import cv2
 import numpy as np
@@ -104,10 +104,15 @@ def frames(cal: CalibrationSet, spec: PreprocessSpec) -> Iterator[np.ndarray]:
 
 
 def tensors(cal: CalibrationSet, spec: PreprocessSpec) -> list[np.ndarray]:
-    """Model-input tensors, made by exactly the Preprocessor the runtime uses on camera frames."""
+    """Model-input tensors of the set, made by exactly the Preprocessor the runtime uses on camera frames."""
+    return model_inputs(frames(cal, spec), spec)
+
+
+def model_inputs(images: Iterable[np.ndarray], spec: PreprocessSpec) -> list[np.ndarray]:
+    """BGR frames as model-input tensors, through the runtime's own Preprocessor (one copy each: it reuses its buffer)."""
     pre = Preprocessor(spec)
     out = []
-    for frame in frames(cal, spec):
+    for frame in images:
         pre(frame)
         out.append(pre.tensor.copy())
     return out

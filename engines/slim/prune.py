@@ -17,7 +17,7 @@ import onnx
 from engines.errors import EdgeError, ModelError
 from engines.slim.deps import Edit, Plan, trace
 from engines.slim.graph import ConstantWriter, node_name
-from engines.slim.reconstruct import Activations, fold, importance, layout_indices, reads_channels
+from engines.slim.reconstruct import Activations, fold, importances, layout_indices, reads_channels
 
 NORMS = ("l1", "l2")
 
@@ -226,13 +226,13 @@ def prune(model: onnx.ModelProto, ratios: dict[str, float], norm: str = "l1", mu
     by_id = {g.id: root for root, g in groups.items()}
     kept: dict[int, np.ndarray] = {}
     changes: list[GroupChange] = []
+    ranked = importances(plan, activations) if activations is not None else {}
     for gid, ratio in ratios.items():
         root, group = by_id[gid], groups[by_id[gid]]
         keep = _keep_count(group.channels, float(ratio), multiple, group.blocks)
         chosen = np.arange(group.channels)
         if keep < group.channels:
-            ranked = importance(plan, root, activations) if activations is not None else None
-            chosen = _select(ranked if ranked is not None else _importance(plan, root, norm), group.blocks, keep)
+            chosen = _select(ranked[root] if root in ranked else _importance(plan, root, norm), group.blocks, keep)
             kept[root] = chosen
         changes.append(GroupChange(gid, group.channels, int(chosen.size), tuple(int(c) for c in chosen)))
     folded = fold(plan, kept, activations) if activations is not None and kept else {}

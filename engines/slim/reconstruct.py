@@ -125,24 +125,23 @@ def _read_energy(weight: np.ndarray, edit: Edit) -> np.ndarray:
     return rows.reshape(-1)  # channel j of the conv's input is (group j // per_in, column j % per_in)
 
 
-def importance(plan: Plan, root: int, activations: Activations) -> np.ndarray | None:
-    """Per channel of a space: sqrt of the summed variance x read-weight energy over the convs reading it; None
-    when no conv with statistics reads it (the caller falls back to filter norms)."""
-    total = np.zeros(plan.spaces.size(root), dtype=np.float64)
-    found = False
+def importances(plan: Plan, activations: Activations) -> dict[int, np.ndarray]:
+    """Per space root, per channel: sqrt of the summed variance x read-weight energy over the convs reading it.
+    One pass over the convs for every group; a space no conv with statistics reads is absent (the caller falls
+    back to filter norms)."""
+    totals: dict[int, np.ndarray] = {}
     for edit in _conv_reads(plan):
         node = plan.index.nodes[edit.node]
         stats, weight = activations.tensors.get(node.input[0]), plan.index.const(node.input[1])
         if stats is None or weight is None:
             continue
-        energy, offset = _read_energy(weight, edit), 0
+        cost, offset = stats.variance * _read_energy(weight, edit), 0
         for space, length in edit.layout.segments:
-            if space is not None and plan.spaces.find(space) == root:
-                positions = np.arange(offset, offset + length)
-                total += stats.variance[positions] * energy[positions]
-                found = True
+            if space is not None:
+                root = plan.spaces.find(space)
+                totals[root] = totals.get(root, np.zeros(plan.spaces.size(root))) + cost[offset:offset + length]
             offset += length
-    return np.sqrt(total) if found else None
+    return {root: np.sqrt(total) for root, total in totals.items()}
 
 
 def fold(plan: Plan, kept: dict[int, np.ndarray], activations: Activations) -> dict[tuple[int, int], np.ndarray]:
