@@ -142,9 +142,12 @@ class DeploymentManager(threading.Thread):
         return self.shadowing.decide(outcome, deployment_id)
 
     def request_rollback(self) -> dict[str, Any]:
-        """Roll back to the previous model now, in the caller's thread (refused while a deployment runs)."""
+        """Roll back to the previous model now, in the caller's thread (refused while a deployment runs).
+
+        A deployment whose row is already terminal is not running: its thread only tidies up (drops a refused
+        artifact, then forgets it) and touches no model, so a caller that saw `failed` is not told BUSY."""
         with self._lock:
-            if self._current is not None:
+            if self._current is not None and self._current.state not in TERMINAL:
                 raise BusyError(f"deployment {self._current.id} is in progress ({self._current.state})")
         with self._rollback_lock:
             watched, self._watching = self._watching, None  # the watch loop must not roll back as well
