@@ -63,11 +63,11 @@ class Scale:
 
 
 FULL = Scale()
-# --quick: every case, gate, refusal and fallback runs once, on two frames where it judges or calibrates (the
+# --quick: every case, gate, refusal and fallback runs once, on one frame where it judges or calibrates (the
 # DocLayNet model's input is fixed at 1024x1024; the demo detector's is not), the layer fallback at one depth
 # -- seconds, not minutes, and no goals judged
-QUICK = Scale(calibration_pages=range(10, 12), held_out_pages=2, validation_samples=2, latency_runs=3,
-              demo_size=(320, 224), ddddocr_held_out=2, ddddocr_calibration=2, blank_frames=2, fallback_keeps=(2,))
+QUICK = Scale(calibration_pages=range(10, 11), held_out_pages=1, validation_samples=1, latency_runs=1,
+              demo_size=(320, 224), ddddocr_held_out=1, ddddocr_calibration=2, blank_frames=1, fallback_keeps=(2,))
 SCALE = FULL  # main() sets QUICK for --quick
 
 

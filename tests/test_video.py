@@ -227,13 +227,11 @@ def video_agent(tmp_path: Path, request, engine_cache: Path):
                       model=opts.get("model", {"warmup_runs": 1}), video=video, **opts.get("extra", {}))
     agent = Agent(cfg)
     results: dict[int, InferenceResult] = {}
-    sink = agent._on_result
 
     def record(frame, result, runtime) -> None:
         results[frame.index] = result
-        sink(frame, result, runtime)
 
-    agent._on_result = record  # type: ignore[method-assign]
+    agent.result_sinks.add("test", record)  # first: before the video tap can draw the frame
     agent.start()
     try:
         yield agent, port, results

@@ -102,8 +102,9 @@ class AdaptHost:
                 log.error("adapt controller did not stop within %.1f s", JOIN_TIMEOUT_S)
         controller.close(keep=(self.slots.active, self.slots.previous))
 
-    def on_result(self, frame: Any, runtime: Any = None) -> None:
-        """Feed one served frame, and the runtime that served it, to the controller (cheap: a deque append)."""
+    def on_result(self, frame: Any, result: Any = None, runtime: Any = None) -> None:
+        """Feed one served frame, and the runtime that served it, to the controller (cheap: a deque append); a
+        result sink (agent.daemon.result_sinks): the result itself is not needed."""
         controller = self.controller
         if controller is not None:
             controller.on_result(frame.captured_at, frame.image, runtime=runtime, infer_ms=frame.meta.get("infer_ms"))

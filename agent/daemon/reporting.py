@@ -18,6 +18,7 @@ from agent.state import LIVE_KEY
 if TYPE_CHECKING:
     from agent.daemon.adapt_host import AdaptHost
     from agent.daemon.plane import AgentPlane
+    from agent.daemon.result_sinks import ResultSinks
     from agent.daemon.shadow_host import ShadowHost
     from agent.deployments.manager import DeploymentManager
     from agent.live_frame_sampler import LiveFrameSampler
@@ -52,6 +53,7 @@ class Reporting:
     video: VideoService | None
     _delivered: collections.deque[float]
     _recent_results: collections.deque[dict[str, Any]]
+    result_sinks: ResultSinks
     active: LoadedModel | None
     adapt_host: AdaptHost | None
     shadow_host: ShadowHost | None
@@ -113,6 +115,7 @@ class Reporting:
             "stages_ms": self.stats.stage_means(),
             "model": self.active.describe() if self.active is not None else {},
             "errors": self.stats.errors,
+            "result_sink_errors": self.result_sinks.errors(),
             "camera": capture_totals(self.cameras),
             "cameras": camera_numbers(self.worker, self.batcher, self.cameras),
             "batch": self._batch_summary(),

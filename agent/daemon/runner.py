@@ -22,6 +22,7 @@ from agent.daemon.control import AgentController
 from agent.daemon.model_loading import ModelLoader, live_frames_dir
 from agent.daemon.plane import AgentPlane
 from agent.daemon.reporting import Reporting
+from agent.daemon.result_sinks import ResultSinks
 from agent.daemon.shadow_host import ShadowHost
 from agent.daemon.swaps import Swaps
 from agent.deployments.manager import DeploymentManager
@@ -96,6 +97,7 @@ class Agent(Swaps, Reporting):
         self.watchdog: ProgressWatchdog | None = None
         self.run_id: int | None = None
         self.event_sinks: list[EventSink] = [on_event] if on_event else []
+        self.result_sinks = ResultSinks()  # each result: the record, adaptation, health, video, MQTT, shadow
         self.last_result: dict[str, Any] | None = None
         self._recent_results: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_RESULTS)
         self.state = "starting"
@@ -204,6 +206,7 @@ class Agent(Swaps, Reporting):
         self.manager.recover()
         self.active = self._load_initial()
         self.video = self._video_service()
+        self._register_result_sinks()
         self._start_frame_path()
         self.video.start()
         self._adapt_do(lambda host: host.restart())  # a family: its other variants build in the background
@@ -251,7 +254,7 @@ class Agent(Swaps, Reporting):
         self.batcher.is_live = self.cameras.is_live
         self.stats = FrameStats()  # fps and duration count from the first frame the model can take
         self.worker = InferenceWorker(active.runtime, self.batcher, self.stop_event, self.stats,
-                                      self._on_result, cfg.pipeline.max_consecutive_errors,
+                                      self.result_sinks, cfg.pipeline.max_consecutive_errors,
                                       overlap_postprocess=cfg.pipeline.overlap_postprocess,
                                       tuner=self._tuner_for(active, self.batch_size),
                                       parallel_preprocess=cfg.batch.parallel_preprocess)
@@ -352,27 +355,32 @@ class Agent(Swaps, Reporting):
                 "validation": validation_brief(loaded.provisioned.validation)}
         self.store.set_active_model(m.name, m.version, str(loaded.source.root), loaded.source.sha256, info)
 
-    def _on_result(self, frame: Frame, result: Any, runtime: Any) -> None:
-        self._delivered.append(time.monotonic())
+    def _register_result_sinks(self) -> None:
+        """Every consumer of a served frame's result, in the order they get it (agent.daemon.result_sinks)."""
+        sinks, plane, live_frames, video = self.result_sinks, self.plane, self.live_frames, self.video
+        sinks.add("record", self._record_result)
         if self.adapt_host is not None:
-            self.adapt_host.on_result(frame, runtime)
-        self.output_health.record(frame.source, result, runtime)
-        if self.live_frames is not None:
-            self.live_frames.offer(frame.source, frame.image)
-        if self.video is not None:
-            self.video.offer(frame.source, frame.index, frame.image, result, frame.captured_at, runtime)
-        named = {k: frame.meta[k] for k in RESULT_META if k in frame.meta}  # a file source: which file it was
-        head = {"camera": frame.source, "frame": frame.index, **named}
-        self.last_result = {**head, **result.to_dict(max_items=20, masks=False)}  # every frame: nothing costly
+            sinks.add("adapt", self.adapt_host.on_result)
+        sinks.add("output_health", lambda frame, result, runtime: self.output_health.record(frame.source, result, runtime))
+        if live_frames is not None:
+            sinks.add("live_frames", lambda frame, result, runtime: live_frames.offer(frame.source, frame.image))
+        if video is not None:
+            sinks.add("video", lambda frame, result, runtime: video.offer(frame.source, frame.index, frame.image, result,
+                                                                          frame.captured_at, runtime))
+        if plane is not None:  # masks' run lengths only for the results the rate limit lets out
+            sinks.add("mqtt", lambda frame, result, runtime: plane.on_result(
+                self.last_result or {}, lambda: {**_result_head(frame), **result.to_dict(max_items=20)}))
+        sinks.add("shadow", self._offer_shadow)  # last: a share of the frames, into a one-slot mailbox; never waits
+
+    def _record_result(self, frame: Frame, result: Any, runtime: Any) -> None:
+        self._delivered.append(time.monotonic())
+        self.last_result = {**_result_head(frame), **result.to_dict(max_items=20, masks=False)}  # nothing costly
         self._recent_results.append(self.last_result)
-        if self.plane is not None:  # masks' run lengths only for the results the rate limit lets out
-            self.plane.on_result(self.last_result, lambda: {**head, **result.to_dict(max_items=20)})
-        shadow = self.shadow
-        if shadow is not None:  # last: a share of the frames, into a one-slot mailbox; never waits
-            try:
-                shadow.offer(frame.source, frame.image, frame.captured_at, result, runtime)
-            except Exception:  # the shadow's fault is never the serving model's
-                log.exception("shadow: offering a frame failed")
+
+    def _offer_shadow(self, frame: Frame, result: Any, runtime: Any) -> None:
+        shadow = self.shadow  # read once: the deployment thread detaches it when the shadow ends
+        if shadow is not None:
+            shadow.offer(frame.source, frame.image, frame.captured_at, result, runtime)
 
     def _set_live_config(self, changes: dict[str, Any]) -> dict[str, Any]:
         return self.plane.set_config(changes) if self.plane is not None else {}
@@ -478,3 +486,8 @@ def _status_text(type_: str, fields: dict[str, Any]) -> str:
     if type_ == "deployment":
         return f"deployment {fields.get('deployment_id')}: {fields.get('state')}"
     return f"{type_} {fields.get('camera') or fields.get('reason') or ''}".strip()
+
+
+def _result_head(frame: Frame) -> dict[str, Any]:
+    """What names a result: its camera and frame, and for a file source which file it was."""
+    return {"camera": frame.source, "frame": frame.index, **{k: frame.meta[k] for k in RESULT_META if k in frame.meta}}
