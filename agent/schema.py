@@ -51,7 +51,7 @@ def ensure_outbox(conn: sqlite3.Connection) -> None:
 
 
 def ensure_replies(conn: sqlite3.Connection) -> None:
-    """The remembered command replies (agent.reply_store.ReplyStore), if missing."""
+    """The remembered command replies (agent.control.reply_store.ReplyStore), if missing."""
     _run(conn, REPLY_SCHEMA)
 
 

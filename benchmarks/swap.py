@@ -31,7 +31,7 @@ import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import machine, write_json
 
 from agent.config import AgentConfig
-from agent.control_socket import send_command
+from agent.control.control_socket import send_command
 from agent.daemon.runner import Agent
 from engines.frames import text_frames
 from engines.model import load_model

@@ -378,7 +378,7 @@ class FakeControl:
 @pytest.fixture
 def plane_factory(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """Start MqttPlanes (real connection, real SQLite) and stop them at the end of the test."""
-    from agent.commands import CommandDispatcher
+    from agent.control.commands import CommandDispatcher
     from agent.mqtt import MqttConfig, MqttPlane
 
     planes: list[Any] = []

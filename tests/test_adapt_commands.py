@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from agent.commands import CommandDispatcher
+from agent.control.commands import CommandDispatcher
 from agent.daemon.control import AgentController
 from tests.fixtures_mqtt import FakeControl
 

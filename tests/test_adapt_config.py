@@ -17,7 +17,7 @@ from agent.adapt.controller import AdaptController
 from agent.adapt.family import members
 from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.trust import verify_artifact
-from agent.commands import CommandDispatcher
+from agent.control.commands import CommandDispatcher
 from agent.config import AgentConfig
 from agent.config_errors import explain
 from agent.daemon.control import AgentController
@@ -108,7 +108,7 @@ def test_set_policy_accepts_every_tunable_setting_and_nothing_else() -> None:
     """The command's args and the policy's tunable fields are one list (docs/mqtt.md and docs/adaptive.md name the
     same): `predict_up` and `predict_margin` were documented but refused as extra inputs."""
     from agent.adapt.config import TUNABLE
-    from agent.command_args import SetPolicyArgs
+    from agent.control.command_args import SetPolicyArgs
 
     assert set(SetPolicyArgs.model_fields) == set(TUNABLE)
     assert SetPolicyArgs.model_validate({"predict_up": False, "predict_margin": 0.8}).predict_up is False

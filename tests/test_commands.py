@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.commands import COMMANDS, CommandDispatcher
+from agent.control.commands import COMMANDS, CommandDispatcher
 from tests.fixtures_mqtt import FakeControl
 
 LIMIT = 4096
@@ -115,7 +115,7 @@ def test_edge_error_keeps_its_code(dispatcher: CommandDispatcher, control: FakeC
 def test_other_exceptions_are_internal_and_logged(dispatcher: CommandDispatcher, control: FakeControl,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     control.crash_engines = True
-    with caplog.at_level(logging.ERROR, logger="agent.commands"):
+    with caplog.at_level(logging.ERROR, logger="agent.control.commands"):
         reply = _send(dispatcher, "engines")
     assert reply["error"]["code"] == "INTERNAL" and "unreadable" not in reply["error"]["message"]
     ref = reply["error"]["message"].rsplit("ref ", 1)[1]  # the detail is in the log under the same ref
@@ -300,7 +300,7 @@ def check_reply(reply: dict, expected: tuple[Any, str]) -> None:
 
 
 def test_fuzz_dispatch(tmp_path: Path) -> None:
-    from agent.commands import COMMANDS
+    from agent.control.commands import COMMANDS
 
     # the oracle models what a command means, not how often it may come (tests/test_storage_faults.py does)
     dispatcher = CommandDispatcher(FakeControl(), tmp_path / "fuzz.db", max_payload_bytes=LIMIT,

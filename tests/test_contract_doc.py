@@ -157,12 +157,12 @@ def test_every_make_target_is_in_the_document(doc: str) -> None:
 
 
 def test_every_mqtt_command_is_in_the_document(doc: str) -> None:
-    from agent.commands import COMMANDS
+    from agent.control.commands import COMMANDS
 
     section = _section(doc, "MQTT")
     missing = [name for name in sorted(COMMANDS.names()) if f"| `{name}` |" not in section]
     assert not missing, (
-        "docs/contract.md's MQTT commands table lacks these commands of agent/commands.py; add a row "
+        "docs/contract.md's MQTT commands table lacks these commands of agent/control/commands.py; add a row "
         "| `command` | args | result | for each: " + ", ".join(missing))
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.control_socket import send_command
+from agent.control.control_socket import send_command
 from agent.state import StateStore
 from tests.deploy_fixtures import make_artifact, make_key
 from tests.helpers import wait_for

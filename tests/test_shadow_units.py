@@ -324,7 +324,7 @@ def test_command_values_merge_into_the_manifest_policy_field_by_field() -> None:
 
 
 def test_shadow_arguments_are_strict_like_every_command_argument() -> None:
-    from agent.command_args import DeployArgs
+    from agent.control.command_args import DeployArgs
 
     with pytest.raises(ValueError, match="min_frames"):
         DeployArgs.model_validate({"url": "https://m/manifest.json", "mode": "shadow", "promote_when": {"min_frames": "500"}})

@@ -20,13 +20,13 @@ from typing import Any, Iterator
 import pytest
 
 from agent.artifacts.config import ArtifactsConfig
-from agent.commands import CommandDispatcher
+from agent.control.commands import CommandDispatcher
 from agent.config import AgentConfig
 from agent.deployments.config import DeploymentConfig
 from agent.deployments.manager import DeploymentManager
 from agent.deployments.store import TERMINAL, DeploymentStore
 from agent.mqtt import MqttConfig, MqttPlane
-from agent.rate_limit import RateLimit
+from agent.control.rate_limit import RateLimit
 from agent.state import StateStore, StateStoreError, integrity_problem, quarantine_if_corrupt
 from deploy.mqtt_ops import send_command
 from engines import fsutil
@@ -342,7 +342,7 @@ def test_rate_limited_deploy_runs_once_the_window_has_room(tmp_path: Path) -> No
 def test_every_command_has_a_rate_limit_on_its_spec(tmp_path: Path) -> None:
     """Issue 19: only deploy was limited, so a restart_pipeline flood halted inference. The limit is a field of
     each command's spec, counted per command and channel; the config can override one (deploy's)."""
-    from agent.commands import COMMANDS
+    from agent.control.commands import COMMANDS
 
     specs = {name: COMMANDS.get(name) for name in COMMANDS.names()}
     assert specs and all(spec.per_minute > 0 for spec in specs.values()), specs

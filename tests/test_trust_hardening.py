@@ -24,7 +24,7 @@ from agent.artifacts.fetch import fetch_artifact
 from agent.artifacts.trust import demo_trust, deployment_trust, ensure_demo_key, verify_artifact
 from agent.artifacts.urlpolicy import UrlRefused, check_url
 from agent.config import AgentConfig
-from agent.control_socket import send_command
+from agent.control.control_socket import send_command
 from agent.deployments.versions import VersionMemory, is_older
 from agent.daemon.runner import Agent
 from agent.state import StateStore, state_db_path

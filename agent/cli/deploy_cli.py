@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape  # messages hold `[section]` names, not markup
 
 from agent.config import AgentConfig
-from agent.control_socket import send_command
+from agent.control.control_socket import send_command
 from engines.errors import EdgeError
 
 POLL_S = 0.5

@@ -1,6 +1,6 @@
 """The daemon side of commands: what `ping`, `status`, `deploy`, `rollback`, ... do in a running agent.
 
-MQTT and the local control socket both dispatch into this one object (agent.commands), so a command
+MQTT and the local control socket both dispatch into this one object (agent.control.commands), so a command
 behaves the same whichever way it arrives.
 """
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class AgentController:
-    """Implements agent.commands.AgentControl on top of a running agent.daemon.runner.Agent."""
+    """Implements agent.control.commands.AgentControl on top of a running agent.daemon.runner.Agent."""
 
     def __init__(self, agent: Agent, on_set_config: Callable[[dict], dict] | None = None) -> None:
         self.agent = agent

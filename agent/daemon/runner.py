@@ -14,9 +14,9 @@ from typing import Any, Callable
 import psutil
 
 from agent.adapt.controller import AdaptController
-from agent.commands import CommandDispatcher
+from agent.control.commands import CommandDispatcher
 from agent.config import AgentConfig
-from agent.control_socket import ControlSocketServer
+from agent.control.control_socket import ControlSocketServer
 from agent.daemon.adapt_host import AdaptHost
 from agent.daemon.control import AgentController
 from agent.daemon.model_loading import ModelLoader, live_frames_dir
@@ -42,7 +42,7 @@ from agent.pipeline.cameras import CameraGroup
 from agent.pipeline.frame_stats import FrameStats
 from agent.pipeline.output_health import OutputHealth
 from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
-from agent.rate_limit import RateLimit
+from agent.control.rate_limit import RateLimit
 from agent.sdnotify import Notifier, ProgressWatchdog
 from agent.shadow.session import ShadowSession
 from agent.slots import LoadedModel, ModelSlots

@@ -1,4 +1,4 @@
-"""The replies of executed commands by id (agent.commands), so a repeated id gets its first reply, not a second run.
+"""The replies of executed commands by id (agent.control.commands), so a repeated id gets its first reply, not a second run.
 
 A bounded window, by count and by age, in the state database; the table is declared in agent.schema
 (`ensure_replies`).

@@ -23,10 +23,10 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 
 from agent.artifacts.urlpolicy import Channel
 # the args models, RateLimit and ReplyStore stay importable from here too (agent.daemon.runner, tests)
-from agent.command_args import (ChannelledArgs, DeployArgs, NoArgs, RestartPipelineArgs, SetConfigArgs,
-                                SetPolicyArgs, ShadowDecisionArgs, SnapshotArgs, Strict)
-from agent.rate_limit import RateLimit
-from agent.reply_store import ReplyStore
+from agent.control.command_args import (ChannelledArgs, DeployArgs, NoArgs, RestartPipelineArgs, SetConfigArgs,
+                                    SetPolicyArgs, ShadowDecisionArgs, SnapshotArgs, Strict)
+from agent.control.rate_limit import RateLimit
+from agent.control.reply_store import ReplyStore
 from agent.shadow.plan import ShadowArgs
 from agent.wire_errors import describe_errors, internal_error, new_ref
 from engines.errors import EdgeError

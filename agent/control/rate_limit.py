@@ -1,4 +1,4 @@
-"""A sliding-window rate limiter (the per-command, per-channel limits of agent.commands)."""
+"""A sliding-window rate limiter (the per-command, per-channel limits of agent.control.commands)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The argument models of the commands (agent.commands registers each with its handler): strict pydantic models,
+"""The argument models of the commands (agent.control.commands registers each with its handler): strict pydantic models,
 so an unknown, missing or wrongly typed field is an INVALID_COMMAND reply naming it."""
 
 from __future__ import annotations
