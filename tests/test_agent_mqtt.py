@@ -78,6 +78,13 @@ def test_status_telemetry_and_commands_over_a_real_broker(live) -> None:
 
 def test_deploy_over_mqtt_reports_progress_as_events(live) -> None:
     agent, collector, broker = live["agent"], live["collector"], live["broker"]
+
+    def meta_serves(version: str) -> bool:
+        """The retained meta's `engine` names the serving model (it was null for a whole run before)."""
+        metas = collector.payloads("edge/cam-01/meta")
+        return bool(metas) and (metas[-1].get("engine") or {}).get("version") == version
+
+    assert collector.wait_for(lambda _msgs: meta_serves("1.0.0"), timeout=30), collector.payloads("edge/cam-01/meta")
     code, reply = send(broker, "deploy", "--arg", f"url={live['file2']}")
     assert code == 1 and reply["error"]["code"] == "ARTIFACT_URL_REFUSED"  # file:// never from a remote command
     code, reply = send(broker, "deploy", "--arg", f"url={live['url2']}")
@@ -89,8 +96,10 @@ def test_deploy_over_mqtt_reports_progress_as_events(live) -> None:
     states = [e["state"] for e in collector.payloads("edge/cam-01/events")
               if e.get("type") == "deployment" and e.get("deployment_id") == dep_id]
     assert states[:2] == ["requested", "fetching"] and states[-1] == "active"
+    assert collector.wait_for(lambda _msgs: meta_serves("2.0.0"), timeout=30)
     code, reply = send(broker, "rollback")
     assert code == 0 and reply["result"]["model"]["version"] == "1.0.0"
+    assert collector.wait_for(lambda _msgs: meta_serves("1.0.0"), timeout=30)
     code, reply = send(broker, "restart_pipeline")
     assert code == 0 and reply["result"] == {"restarted": True, "cameras": ["cam0"]}
     frames = agent.stats.frames

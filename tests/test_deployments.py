@@ -169,3 +169,40 @@ def _no_deployment_in_progress(agent: Agent) -> bool:
     """What `request` checks before refusing with BUSY (a deployment being watched does not count)."""
     status = agent.manager.status()
     return status is None or status["watching"]
+
+
+def test_an_active_deployment_is_watched_from_activation_and_a_rollback_before_its_watch_ends_it(
+        running_agent, published) -> None:
+    """Between `active` and the watch the deployment thread collects artifacts and engines (seconds on a slow
+    SD card). Before, `status` named no deployment then (`edge-agent deploy --wait` took the finished row for
+    success) and an operator's rollback there was followed by a watch of the restored model; now the deployment
+    is `watching` from activation and a rollback in that gap ends it: no watch starts."""
+    import threading
+
+    agent = running_agent()
+    in_gc, release = threading.Event(), threading.Event()
+    collect = agent.collect_engines
+
+    def held_gc(*args, **kwargs):
+        in_gc.set()
+        release.wait(60)
+        return collect(*args, **kwargs)
+
+    agent.collect_engines = held_gc  # type: ignore[method-assign]
+    watches = []
+    watch = agent.watch
+    agent.watch = lambda *args, **kwargs: watches.append(args) or watch(*args, **kwargs)  # type: ignore[method-assign]
+    dep_id = agent.manager.request(published["url2"], channel="local")["deployment_id"]
+    try:
+        assert in_gc.wait(180), "the deployment never reached its engine GC"
+        status = agent.manager.status()
+        assert status is not None and status["deployment_id"] == dep_id
+        assert status["state"] == "active" and status["watching"] is True
+        assert agent.manager.request_rollback()["model"]["version"] == "1.0.0"
+    finally:
+        release.set()
+    assert wait_for(lambda: agent.manager.status() is None, timeout=30)
+    assert agent.deployments.get(dep_id).state == "rolled_back"
+    assert agent.deployments.get(dep_id).reason == "ROLLBACK_REQUESTED"
+    assert watches == []  # the restored model was not watched under the rolled-back deployment's name
+    assert agent.active.source.manifest.version == "1.0.0"

@@ -64,7 +64,8 @@ def run_deploy(config: AgentConfig, url: str, wait: bool, timeout: float, out: C
 
 
 def follow(config: AgentConfig, dep_id: str, done_ok: set[str], timeout: float, out: Console, err: Console) -> int:
-    """Print the deployment's state changes until one of `done_ok` (0) or a bad end (1)."""
+    """Print the deployment's state changes until one of `done_ok` (0) or a bad end (1). `active` counts once the
+    watch after it is over: a model the watch rolls back ends in `rolled_back` (1), not in an early 0."""
     deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         try:
@@ -73,17 +74,19 @@ def follow(config: AgentConfig, dep_id: str, done_ok: set[str], timeout: float, 
             err.print(f"[red]lost contact with the agent ({exc.code}):[/] {escape(str(exc))}")
             return 1
         state = found.get("state") if found else None
-        if state and state != last:
-            out.print(f"  {time.strftime('%H:%M:%S')} {state}", highlight=False)
-            last = state
-        if found and state in done_ok:
+        shown = "watching" if state == "active" and found and found.get("watching") else state
+        if shown and shown != last:
+            out.print(f"  {time.strftime('%H:%M:%S')} {shown}", highlight=False)
+            last = shown
+        if found and state in done_ok and shown != "watching":
             out.print(f"[green]{state}:[/] {found.get('model_name')}@{found.get('model_version')}")
             return 0
         if found and state in DONE_BAD:
             err.print(f"[red]{state} ({found.get('reason')}):[/] {escape(str(found.get('message', '')))}")
             return 1
         time.sleep(POLL_S)
-    err.print(f"[red]timed out after {timeout:.0f} s waiting for deployment {dep_id} (last state {last}); "
+    during = " (the new model serves; its watch had not ended)" if last == "watching" else ""
+    err.print(f"[red]timed out after {timeout:.0f} s waiting for deployment {dep_id} (last state {last}){during}; "
               "it continues in the agent[/]")
     return 1
 

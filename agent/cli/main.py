@@ -220,7 +220,7 @@ def telemetry(
 @app.command()
 def deploy(
     url: str = typer.Argument(..., help="Manifest URL: https://…/manifest.json, http://… (allow_http), file:///…"),
-    wait: bool = typer.Option(False, "--wait", help="Follow progress; exit 0 when active, 1 when failed."),
+    wait: bool = typer.Option(False, "--wait", help="Follow progress; exit 0 once active and through its watch window, 1 when failed or rolled back (shadow: 0 at shadowing)."),
     timeout: float = typer.Option(3600.0, "--timeout", min=1, help="Seconds to wait with --wait."),
     allow_downgrade: bool = typer.Option(False, "--allow-downgrade",
                                          help="Accept a version older than the highest deployed (ARTIFACT_DOWNGRADE)."),
@@ -252,7 +252,7 @@ def deploy(
 @app.command()
 def promote(
     deployment: Optional[str] = typer.Option(None, "--deployment", help="The shadow's deployment id (default: the one running)."),
-    wait: bool = typer.Option(False, "--wait", help="Follow the promotion; exit 0 when the candidate is active."),
+    wait: bool = typer.Option(False, "--wait", help="Follow the promotion; exit 0 when the candidate is active and through its watch window."),
     timeout: float = typer.Option(600.0, "--timeout", min=1, help="Seconds to wait with --wait."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for the socket path)."),
 ) -> None:

@@ -38,7 +38,7 @@ class AgentPlane:
         self.agent = agent
         cfg = agent.config
         self.stop_event = threading.Event()
-        self.meta = self._meta()
+        self.meta = self._meta()  # its engine follows the serving model (model_changed)
         self.mqtt = MqttPlane(cfg.mqtt, device_id=cfg.device_id, db_path=state_db_path(cfg.state_dir),
                               dispatch=agent.dispatcher.dispatch if agent.dispatcher else None,
                               agent_version=agent_version(), meta_provider=lambda: self.meta,
@@ -62,7 +62,8 @@ class AgentPlane:
         self._status: str | None = None
 
     def _meta(self) -> dict[str, Any]:
-        """What this device is (retained `meta` topic); read once: it does not change while running."""
+        """What this device is (retained `meta` topic): the fingerprint is read once (it does not change while
+        running); `engine` is what serves now, null until the first model loads."""
         fp = read_fingerprint(self.agent.config.telemetry.sysfs_root)
         cfg = self.agent.config
         return {"device_id": cfg.device_id, "agent_version": agent_version(), "fingerprint": fp.to_dict(),
@@ -108,6 +109,13 @@ class AgentPlane:
                     # take the next camera's result only when the rate limit lets it out, so the
                     # turn moves on with each result sent, not with each one the limit would drop
                     self.stop_event.wait(1.0 / self._results_rate)
+
+    def model_changed(self, engine: dict[str, Any]) -> None:
+        """Another model serves (the start-up load, a deployment, a rollback, an adapt switch): the retained
+        `meta` names it, sent now if connected. Before, meta was made before the model loaded, so its `engine`
+        was null for the whole run and a fleet view could not tell what a device served from it."""
+        self.meta = {**self.meta, "engine": engine}
+        self.mqtt.publish_meta()
 
     def health_changed(self, state: str) -> None:
         """Retained status follows the agent's health."""

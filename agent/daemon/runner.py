@@ -205,6 +205,7 @@ class Agent(Swaps, Reporting):
             self.emit("storage_reclaimed", at="start", **self._startup_reclaimed)
         self.manager.recover()
         self.active = self._load_initial()
+        self.plane.model_changed(self.active.describe())
         self.video = self._video_service()
         self._register_result_sinks()
         self._start_frame_path()
@@ -299,6 +300,8 @@ class Agent(Swaps, Reporting):
         assert self.worker is not None
         size = self._batch_size_for(loaded)
         self.worker.swap(loaded.runtime, batch_size=size.size, tuner=self._tuner_for(loaded, size))
+        if self.plane is not None:  # the retained meta names what serves
+            self.plane.model_changed(loaded.describe())
         if self.batch_size is None or size.size != self.batch_size.size:
             log.info("batch size %d -> %d for %s (%s)", self.batch_size.size if self.batch_size else 0, size.size,
                      loaded.source.label, size.reason)

@@ -247,6 +247,9 @@ class DeploymentManager(threading.Thread):
                       swap=swap)
             log.info("deployment %s active: %s@%s (swap gap %s ms)", dep.id, dep.model_name, dep.model_version,
                      swap.get("gap_ms"))
+            # watched from here, not only once the GC below is done: `status` names it meanwhile (the CLI's
+            # --wait waits for the watch), and an operator's rollback in between leaves the watch unstarted
+            self._watching = dep
         except EdgeError as exc:
             self._fail(dep, exc.code, str(exc))
             return
@@ -389,7 +392,8 @@ class DeploymentManager(threading.Thread):
         self.emit("artifact_collected", path=str(path), reason="deployment failed", bytes=size)
 
     def _watch(self, dep: Deployment) -> None:
-        self._watching = dep
+        if self._watching is not dep:  # an operator rolled back before the watch began: nothing to watch
+            return
         try:
             violation = self.host.watch(dep, self.stop_event)
             if violation is None:
