@@ -131,3 +131,34 @@ def test_measuring_needs_frames_and_one_frame_input() -> None:
     model.graph.input.append(onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1]))
     with pytest.raises(EdgeError, match="one frame input"):
         measure(model, trace(model), feeds(model))
+
+
+@pytest.mark.parametrize("kind", ["c2f", "concat", "residual"])
+def test_measuring_in_small_byte_groups_and_pixel_blocks_gives_the_same_statistics(kind: str, monkeypatch) -> None:
+    """What bounds measure's memory (one run per group of tensors, float64 sums over blocks of pixels) changes
+    no statistic: a budget of one byte puts every tensor in a group of its own and 7-pixel blocks split every
+    tensor's pixels, against one group and whole tensors."""
+    from engines.slim import reconstruct
+
+    g = Graph(seed=5)
+    model = g.model([BUILDERS[kind](g)])
+    frames = feeds(model, 3)
+    whole = measure(model, trace(model), frames)
+    assert reconstruct._byte_groups(model, sorted(whole.tensors), {"x": frames[0].shape}, 1 << 30) == \
+        [sorted(whole.tensors)]
+    monkeypatch.setattr(reconstruct, "PIXEL_BLOCK", 7)
+    split = measure(model, trace(model), frames, max_bytes=1)
+    assert split.frames == whole.frames and set(split.tensors) == set(whole.tensors) and len(whole.tensors) >= 2
+    for name, stat in whole.tensors.items():
+        np.testing.assert_allclose(split.tensors[name].mean, stat.mean, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(split.tensors[name].cov, stat.cov, rtol=1e-9, atol=1e-12)
+
+
+def test_byte_groups_keep_the_budget_and_measure_unknown_sizes_together(monkeypatch) -> None:
+    from engines.slim import reconstruct
+
+    sizes = {"a": 40, "b": 50, "c": 30, "huge": 500, "d": 10}
+    monkeypatch.setattr(reconstruct, "_tensor_bytes", lambda model, shape: sizes)
+    groups = reconstruct._byte_groups(onnx.ModelProto(), ["a", "b", "c", "huge", "d", "x", "y"], {}, 100)
+    # a tensor over the budget is measured whole, alone; those shape inference cannot size, together and last
+    assert groups == [["a", "b"], ["huge"], ["c", "d"], ["x", "y"]]

@@ -29,6 +29,8 @@ from engines.slim.deps import Edit, Plan
 from engines.slim.graph import Layout
 
 RIDGE = 1e-3  # regularisation of the fit, relative to the tensor's mean channel variance
+MEASURE_MAX_BYTES = 512 * 2**20  # per frame: the measured tensors ONNX Runtime holds at once (one run per group)
+PIXEL_BLOCK = 1 << 16  # pixels per float64 block of a tensor's covariance sum
 
 
 @dataclass(frozen=True)
@@ -82,10 +84,15 @@ def measured_tensors(plan: Plan) -> list[str]:
     return sorted({plan.index.nodes[e.node].input[0] for e in _conv_reads(plan)} - inputs)
 
 
-def measure(model: onnx.ModelProto, plan: Plan, feeds: Sequence[np.ndarray]) -> Activations:
+def measure(model: onnx.ModelProto, plan: Plan, feeds: Sequence[np.ndarray],
+            max_bytes: int = MEASURE_MAX_BYTES) -> Activations:
     """Channel statistics of the tensors pruning reads, over `feeds` (preprocessed model-input tensors).
 
-    Raises EdgeError (USAGE) without feeds, or for a model with more than one frame input."""
+    ONNX Runtime keeps every tensor asked for as an output alive until the run ends, so the tensors are measured
+    in groups of at most `max_bytes` per frame (one run of the model per group and frame; one group for the demo
+    detector and YOLOv8n-DocLayNet at 1024x1024, about 150 MB), and each tensor's covariance is summed over
+    blocks of pixels instead of one float64 copy of the tensor. Raises EdgeError (USAGE) without feeds, or for a
+    model with more than one frame input."""
     import onnxruntime as ort
 
     if not feeds:
@@ -95,26 +102,87 @@ def measure(model: onnx.ModelProto, plan: Plan, feeds: Sequence[np.ndarray]) -> 
     if len(inputs) != 1:
         raise EdgeError(f"activation statistics need one frame input; the model has {len(inputs)}", code="USAGE")
     names = measured_tensors(plan)
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    outputs = {o.name for o in probe.graph.output}
-    probe.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in names if n not in outputs)
-    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
-    order = [o.name for o in session.get_outputs()]
-    sums: dict[str, np.ndarray] = {}
-    products: dict[str, np.ndarray] = {}
-    for feed in feeds:
-        values = dict(zip(order, session.run(None, {inputs[0]: feed})))
-        for name in names:
-            flat = np.moveaxis(values[name], 1, 0).reshape(values[name].shape[1], -1).astype(np.float64)
-            sums[name] = sums.get(name, 0.0) + flat.mean(axis=1)
-            products[name] = products.get(name, 0.0) + flat @ flat.T / flat.shape[1]
-    n = len(feeds)
-    stats = {}
-    for name in names:
-        mean = sums[name] / n
-        stats[name] = ChannelStats(mean, products[name] / n - np.outer(mean, mean))
-    return Activations(stats, n)
+    sums = {name: _Moments() for name in names}
+    for group in _byte_groups(model, names, {inputs[0]: feeds[0].shape}, max_bytes):
+        probe = onnx.ModelProto()
+        probe.CopyFrom(model)
+        del probe.graph.output[:]
+        probe.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in group)
+        session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+        order = [o.name for o in session.get_outputs()]
+        for feed in feeds:
+            for name, value in zip(order, session.run(None, {inputs[0]: feed})):
+                sums[name].add(value)
+    return Activations({name: sums[name].stats(len(feeds)) for name in names}, len(feeds))
+
+
+class _Moments:
+    """Running per-frame channel mean and second moment of one tensor, summed over blocks of pixels."""
+
+    def __init__(self) -> None:
+        self.mean: np.ndarray | float = 0.0
+        self.product: np.ndarray | float = 0.0
+
+    def add(self, value: np.ndarray) -> None:
+        channels = value.shape[1]
+        flat = np.moveaxis(value, 1, 0).reshape(channels, -1)
+        pixels = flat.shape[1]
+        total, product = np.zeros(channels), np.zeros((channels, channels))
+        for start in range(0, pixels, PIXEL_BLOCK):
+            block = flat[:, start:start + PIXEL_BLOCK].astype(np.float64)
+            total += block.sum(axis=1)
+            product += block @ block.T
+        self.mean = self.mean + total / pixels
+        self.product = self.product + product / pixels
+
+    def stats(self, frames: int) -> ChannelStats:
+        mean = np.asarray(self.mean) / frames
+        return ChannelStats(mean, np.asarray(self.product) / frames - np.outer(mean, mean))
+
+
+def _byte_groups(model: onnx.ModelProto, names: list[str], input_shape: dict[str, tuple[int, ...]],
+                 max_bytes: int) -> list[list[str]]:
+    """`names` in order, cut into groups whose tensors together hold at most `max_bytes` per frame (float32), by
+    ONNX shape inference at the frame's own input shape. One bigger than `max_bytes` is a group of its own (it is
+    measured whole); those whose size shape inference cannot tell are measured together, in one last group."""
+    sized = _tensor_bytes(model, input_shape)
+    groups: list[list[str]] = []
+    current: list[str] = []
+    unknown = [name for name in names if name not in sized]
+    used = 0
+    for name in (n for n in names if n in sized):
+        size = sized[name]
+        if size > max_bytes:
+            groups.append([name])
+            continue
+        if current and used + size > max_bytes:
+            groups.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+    return [*groups, *([current] if current else []), *([unknown] if unknown else [])]
+
+
+def _tensor_bytes(model: onnx.ModelProto, input_shape: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Bytes per frame of every intermediate tensor whose shape ONNX shape inference can tell (4 per element)."""
+    shaped = onnx.ModelProto()
+    shaped.CopyFrom(model)
+    for value in shaped.graph.input:
+        dims = input_shape.get(value.name)
+        if dims is not None:
+            del value.type.tensor_type.shape.dim[:]
+            for d in dims:
+                value.type.tensor_type.shape.dim.add().dim_value = int(d)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(shaped)
+    except Exception:  # a model shape inference cannot follow: every tensor measured on its own
+        return {}
+    sizes = {}
+    for value in inferred.graph.value_info:
+        dims = value.type.tensor_type.shape.dim
+        if dims and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
+            sizes[value.name] = 4 * int(np.prod([d.dim_value for d in dims]))
+    return sizes
 
 
 def _read_energy(weight: np.ndarray, edit: Edit) -> np.ndarray:
