@@ -37,6 +37,9 @@ class ScriptedDeployment(FakeControl):
                "reason": "WATCH_FPS" if state == "rolled_back" else None,
                "message": "fps 3.1 under the floor 20.0" if state == "rolled_back" else ""}
         current = {**row, "watching": watching} if where == "current" else None
+        if where == "watched":  # the next deployment is already requested while this one's watch runs
+            return {"state": "online", "deployment": {"deployment_id": "dep-8", "state": "requested", "watching": False},
+                    "watched_deployment": {**row, "watching": True}, "recent_deployments": [row]}
         return {"state": "online", "deployment": current, "recent_deployments": [row] if where == "recent" else []}
 
 
@@ -82,3 +85,13 @@ def test_a_timeout_during_the_watch_says_the_new_model_serves(cli) -> None:
     result = invoke("--wait", "--timeout", "1")
     assert result.exit_code == 1
     assert "last state watching" in result.output and "the new model serves" in result.output
+
+
+def test_a_next_deployment_requested_during_the_watch_does_not_end_the_wait_early(cli) -> None:
+    """While dep-7's watch runs, dep-8 is requested (the manager queues it behind the watch): `deployment` then
+    names dep-8 and dep-7's row in `recent_deployments` says active, but its watch still runs."""
+    invoke = cli(ScriptedDeployment([("active", True, "current"), ("active", True, "watched"),
+                                     ("active", True, "watched"), ("rolled_back", False, "recent")]))
+    result = invoke("--wait", "--timeout", "30")
+    assert result.exit_code == 1, result.output
+    assert "rolled_back (WATCH_FPS)" in result.output

@@ -171,17 +171,13 @@ def _no_deployment_in_progress(agent: Agent) -> bool:
     return status is None or status["watching"]
 
 
-def test_an_active_deployment_is_watched_from_activation_and_a_rollback_before_its_watch_ends_it(
-        running_agent, published) -> None:
-    """Between `active` and the watch the deployment thread collects artifacts and engines (seconds on a slow
-    SD card). Before, `status` named no deployment then (`edge-agent deploy --wait` took the finished row for
-    success) and an operator's rollback there was followed by a watch of the restored model; now the deployment
-    is `watching` from activation and a rollback in that gap ends it: no watch starts."""
+
+def _hold_at_gc(agent: Agent):
+    """Hold the deployment thread in its engine GC (between `active` and the watch); count watches started."""
     import threading
 
-    agent = running_agent()
-    in_gc, release = threading.Event(), threading.Event()
-    collect = agent.collect_engines
+    in_gc, release, watches = threading.Event(), threading.Event(), []
+    collect, watch = agent.collect_engines, agent.watch
 
     def held_gc(*args, **kwargs):
         in_gc.set()
@@ -189,15 +185,25 @@ def test_an_active_deployment_is_watched_from_activation_and_a_rollback_before_i
         return collect(*args, **kwargs)
 
     agent.collect_engines = held_gc  # type: ignore[method-assign]
-    watches = []
-    watch = agent.watch
     agent.watch = lambda *args, **kwargs: watches.append(args) or watch(*args, **kwargs)  # type: ignore[method-assign]
+    return in_gc, release, watches
+
+
+def test_an_active_deployment_is_watched_from_activation_and_a_rollback_before_its_watch_ends_it(
+        running_agent, published) -> None:
+    """Between `active` and the watch the deployment thread collects artifacts and engines (seconds on a slow
+    SD card). Before, `status` named no deployment then (`edge-agent deploy --wait` took the finished row for
+    success) and an operator's rollback there was followed by a watch of the restored model; now the deployment
+    is `watching` from activation and a rollback in that gap ends it: no watch starts."""
+    agent = running_agent()
+    in_gc, release, watches = _hold_at_gc(agent)
     dep_id = agent.manager.request(published["url2"], channel="local")["deployment_id"]
     try:
         assert in_gc.wait(180), "the deployment never reached its engine GC"
         status = agent.manager.status()
         assert status is not None and status["deployment_id"] == dep_id
         assert status["state"] == "active" and status["watching"] is True
+        assert agent.manager.watched()["deployment_id"] == dep_id
         assert agent.manager.request_rollback()["model"]["version"] == "1.0.0"
     finally:
         release.set()
@@ -206,3 +212,26 @@ def test_an_active_deployment_is_watched_from_activation_and_a_rollback_before_i
     assert agent.deployments.get(dep_id).reason == "ROLLBACK_REQUESTED"
     assert watches == []  # the restored model was not watched under the rolled-back deployment's name
     assert agent.active.source.manifest.version == "1.0.0"
+
+
+def test_a_rollback_that_fails_before_the_watch_leaves_the_new_model_watched(running_agent, published) -> None:
+    from engines.errors import EdgeError
+
+    agent = running_agent()
+    in_gc, release, watches = _hold_at_gc(agent)
+
+    def failing_rollback(*args, **kwargs):
+        raise EdgeError("the previous model's artifact is gone", code="ROLLBACK_FAILED")
+
+    agent.rollback = failing_rollback  # type: ignore[method-assign]
+    dep_id = agent.manager.request(published["url2"], channel="local")["deployment_id"]
+    try:
+        assert in_gc.wait(180), "the deployment never reached its engine GC"
+        with pytest.raises(EdgeError):
+            agent.manager.request_rollback()
+        assert agent.manager.status()["watching"] is True  # still watched: nothing was rolled back
+    finally:
+        release.set()
+    assert wait_for(lambda: agent.manager.status() is None, timeout=60)
+    assert len(watches) == 1 and agent.deployments.get(dep_id).state == "active"
+    assert agent.active.source.manifest.version == "2.0.0"

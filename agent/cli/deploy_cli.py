@@ -26,9 +26,12 @@ def _call(config: AgentConfig, command: str, args: dict[str, Any] | None = None)
 
 
 def _find(status: dict[str, Any], dep_id: str) -> dict[str, Any] | None:
-    current = status.get("deployment")
-    if current and current.get("deployment_id") == dep_id:
-        return current
+    """`dep_id` as the agent reports it: in progress, under its watch (also while a next deployment is already
+    requested), or among the recent ones (ended)."""
+    for key in ("deployment", "watched_deployment"):
+        found = status.get(key)
+        if found and found.get("deployment_id") == dep_id:
+            return found
     return next((d for d in status.get("recent_deployments", []) if d.get("deployment_id") == dep_id), None)
 
 

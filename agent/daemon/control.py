@@ -43,6 +43,7 @@ class AgentController:
             "previous_model": agent.previous.describe() if agent.previous else (
                 model_row(store.model_slot("previous")) if store else None),
             "deployment": agent.manager.status() if agent.manager else None,
+            "watched_deployment": agent.manager.watched() if agent.manager else None,  # its watch still runs
             "shadow": agent.manager.shadowing.status() if agent.manager else None,  # a shadow deployment's numbers
             "recent_deployments": recent,
             "fps": agent.recent_fps(),  # delivered over the last 5 s

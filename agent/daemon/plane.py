@@ -93,8 +93,9 @@ class AgentPlane:
         self.mqtt.enqueue_event(type_, **fields)
 
     def on_result(self, result: dict[str, Any], payload: Callable[[], dict[str, Any]] | None = None) -> None:
-        """Called on the frame path: never blocks; the newest result replaces an unsent one. `payload` makes the
-        message when it is sent (what is costly to encode, e.g. masks, is made only for results that go out)."""
+        """Called on the frame path: never blocks; the newest result replaces an unsent one of its camera
+        (`result["camera"]`). `payload` makes the message when it is sent (what is costly to encode, e.g. masks,
+        is made only for results that go out); without it `result` is the message."""
         self._results.mailbox(result["camera"]).put(payload or result)
 
     def _forward_results(self) -> None:

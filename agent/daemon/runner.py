@@ -300,8 +300,9 @@ class Agent(Swaps, Reporting):
         assert self.worker is not None
         size = self._batch_size_for(loaded)
         self.worker.swap(loaded.runtime, batch_size=size.size, tuner=self._tuner_for(loaded, size))
-        if self.plane is not None:  # the retained meta names what serves
-            self.plane.model_changed(loaded.describe())
+        plane = self.plane  # read once: stop() clears it
+        if plane is not None:  # the retained meta names what serves
+            plane.model_changed(loaded.describe())
         if self.batch_size is None or size.size != self.batch_size.size:
             log.info("batch size %d -> %d for %s (%s)", self.batch_size.size if self.batch_size else 0, size.size,
                      loaded.source.label, size.reason)
@@ -372,7 +373,7 @@ class Agent(Swaps, Reporting):
                                                                           frame.captured_at, runtime))
         if plane is not None:  # masks' run lengths only for the results the rate limit lets out
             sinks.add("mqtt", lambda frame, result, runtime: plane.on_result(
-                self.last_result or {}, lambda: {**_result_head(frame), **result.to_dict(max_items=20)}))
+                {"camera": frame.source}, lambda: {**_result_head(frame), **result.to_dict(max_items=20)}))
         sinks.add("shadow", self._offer_shadow)  # last: a share of the frames, into a one-slot mailbox; never waits
 
     def _record_result(self, frame: Frame, result: Any, runtime: Any) -> None:

@@ -154,8 +154,10 @@ class DeploymentManager(threading.Thread):
             try:
                 result = self.host.rollback("requested")
             except EdgeError:
+                self._watching = watched  # nothing was rolled back: the new model is still watched
                 raise
             except Exception as exc:
+                self._watching = watched
                 log.exception("rollback failed")
                 raise EdgeError(f"rollback failed: {exc}", code="ROLLBACK_FAILED") from exc
             watched = watched or self.store.latest_active()
@@ -170,6 +172,17 @@ class DeploymentManager(threading.Thread):
         if dep is None:
             return None
         return {**dep.to_dict(), "progress": dict(self.progress), "watching": dep is self._watching}
+
+    def watched(self) -> dict[str, Any] | None:
+        """The deployment whose watch runs now, also while the next one is already requested (which `status`
+        then names): what `edge-agent deploy --wait` follows to the watch's end."""
+        dep = self._watching
+        return {**dep.to_dict(), "watching": True} if dep is not None else None
+
+    def _unwatch(self, dep: Deployment) -> None:
+        with self._rollback_lock:
+            if self._watching is dep:
+                self._watching = None
 
     # --- recovery (before start) -------------------------------------------------------------
 
@@ -241,19 +254,22 @@ class DeploymentManager(threading.Thread):
             self._step(dep, "activating", **({"details": {"shadow": evidence}} if evidence is not None else {}))
             swap = self.host.activate(source, provisioned, dep)
             pause_point("activated")
+            # watched from the moment its row says active, not only once the GC below is done: `status` names it
+            # meanwhile (the CLI's --wait waits for the watch), and an operator's rollback in between leaves the
+            # watch unstarted
+            self._watching = dep
             self.host.commit_active(source, provisioned, dep, self.store)
             self._remember_version(dep)
             self.emit("deployment", deployment_id=dep.id, state="active", model=f"{dep.model_name}@{dep.model_version}",
                       swap=swap)
             log.info("deployment %s active: %s@%s (swap gap %s ms)", dep.id, dep.model_name, dep.model_version,
                      swap.get("gap_ms"))
-            # watched from here, not only once the GC below is done: `status` names it meanwhile (the CLI's
-            # --wait waits for the watch), and an operator's rollback in between leaves the watch unstarted
-            self._watching = dep
         except EdgeError as exc:
+            self._unwatch(dep)
             self._fail(dep, exc.code, str(exc))
             return
         except Exception:
+            self._unwatch(dep)
             self._fail(dep, "INTERNAL", internal_error(log, f"deployment {dep.id} crashed"))
             return
         finally:

@@ -90,9 +90,9 @@ def measure(model: onnx.ModelProto, plan: Plan, feeds: Sequence[np.ndarray],
 
     ONNX Runtime keeps every tensor asked for as an output alive until the run ends, so the tensors are measured
     in groups of at most `max_bytes` per frame (one run of the model per group and frame; one group for the demo
-    detector and YOLOv8n-DocLayNet at 1024x1024, about 150 MB), and each tensor's covariance is summed over
-    blocks of pixels instead of one float64 copy of the tensor. Raises EdgeError (USAGE) without feeds, or for a
-    model with more than one frame input."""
+    detector and YOLOv8n-DocLayNet at 1024x1024, 168 MB), and each tensor's covariance is summed over blocks of
+    PIXEL_BLOCK pixels (C x PIXEL_BLOCK float64 each) instead of one float64 copy of the tensor. Raises EdgeError
+    (USAGE) without feeds, or for a model with more than one frame input."""
     import onnxruntime as ort
 
     if not feeds:
@@ -103,7 +103,8 @@ def measure(model: onnx.ModelProto, plan: Plan, feeds: Sequence[np.ndarray],
         raise EdgeError(f"activation statistics need one frame input; the model has {len(inputs)}", code="USAGE")
     names = measured_tensors(plan)
     sums = {name: _Moments() for name in names}
-    for group in _byte_groups(model, names, {inputs[0]: feeds[0].shape}, max_bytes):
+    largest = max(feeds, key=lambda feed: feed.size).shape  # a dynamic-shape model's biggest frame sizes groups
+    for group in _byte_groups(model, names, {inputs[0]: largest}, max_bytes):
         probe = onnx.ModelProto()
         probe.CopyFrom(model)
         del probe.graph.output[:]
@@ -175,7 +176,7 @@ def _tensor_bytes(model: onnx.ModelProto, input_shape: dict[str, tuple[int, ...]
                 value.type.tensor_type.shape.dim.add().dim_value = int(d)
     try:
         inferred = onnx.shape_inference.infer_shapes(shaped)
-    except Exception:  # a model shape inference cannot follow: every tensor measured on its own
+    except Exception:  # a model shape inference cannot follow: its tensors are measured together, as before
         return {}
     sizes = {}
     for value in inferred.graph.value_info:
