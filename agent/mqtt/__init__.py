@@ -25,7 +25,7 @@ from paho.mqtt.properties import Properties
 
 from agent.mqtt.client import CommandMessage, MqttConnection
 from agent.mqtt.config import MqttConfig
-from agent.mqtt.outbox import Outbox, read_boot_id, to_json_bytes
+from agent.mqtt.outbox import Outbox, read_boot_id
 from agent.mqtt.publisher import Publisher, StatusBoard
 from agent.mqtt.topics import Topics, is_publish_topic
 from agent.wire_errors import internal_error
@@ -159,7 +159,6 @@ class MqttPlane:
         root: Path = Path("/"),
     ) -> None:
         self.config, self.topics = config, Topics(config.prefix, device_id)
-        self._meta_provider = meta_provider
         self.outbox = Outbox(db_path, max_rows=config.outbox_max_rows, max_bytes=config.outbox_max_bytes, root=root)
         self.board = StatusBoard(device_id, self.outbox.boot_id, agent_version, model_provider)
         self.worker = CommandWorker(dispatch, self.topics) if dispatch and config.enabled else None
@@ -214,10 +213,7 @@ class MqttPlane:
     def publish_meta(self) -> bool:
         """Send the retained `meta` again now (what the device serves changed); True if sent now. When not
         connected it goes out at the next CONNACK, as at every connect."""
-        if self._meta_provider is None or self.connection is None:
-            return False
-        payload = to_json_bytes(self._meta_provider())
-        return self.connection.publish(self.topics.meta, payload, qos=1, retain=True) is not None
+        return self.connection is not None and self.connection.publish_meta()
 
     def publish_result(self, result: dict[str, Any]) -> bool:
         """Send an inference result at QoS 0 if connected and within results_rate_hz."""

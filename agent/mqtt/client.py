@@ -128,6 +128,7 @@ class MqttConnection:
         self._status_payload, self._meta_payload, self._on_command = status_payload, meta_payload, on_command
         self._backoff = Backoff(config.reconnect_min_s, config.reconnect_max_s, rng)
         self._stop = threading.Event()
+        self._meta_lock = threading.Lock()  # a meta read earlier never goes out after a newer one
         self._thread: threading.Thread | None = None
         self._session: _Session | None = None
         self._generation = 0
@@ -178,6 +179,19 @@ class MqttConnection:
             if self._thread.is_alive():
                 log.error("MQTT connection thread did not stop within %.1f s", timeout)
         self.state = "stopped"
+
+    def publish_meta(self) -> bool:
+        """Send the retained meta again, now, if connected (what the device serves changed); True if sent."""
+        session = self._session
+        return session is not None and session.connected and self._send_meta(session.client)
+
+    def _send_meta(self, client: mqtt.Client) -> bool:
+        """Read the meta and hand it to paho as one step: at every connect and from `publish_meta`."""
+        if self._meta_payload is None:
+            return False
+        with self._meta_lock:
+            info = client.publish(self.topics.meta, to_json_bytes(self._meta_payload()), qos=1, retain=True)
+        return info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS
 
     def publish(
         self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, properties: Properties | None = None
@@ -305,8 +319,7 @@ class MqttConnection:
         client.subscribe(self.topics.cmd, qos=1)
         state = "stopped" if self._stop.is_set() else "online"  # a CONNACK that arrived while stopping
         client.publish(self.topics.status, to_json_bytes(self._status_payload(state)), qos=1, retain=True)
-        if self._meta_payload is not None:
-            client.publish(self.topics.meta, to_json_bytes(self._meta_payload()), qos=1, retain=True)
+        self._send_meta(client)
         session.announced.set()
         self._notify_session(self.session)
 
