@@ -82,12 +82,14 @@ class ModelRuntime:
                                                            else ""))
         return self.infer_stream(batch, stream, key)
 
-    def infer_stream(self, tensor: np.ndarray, stream: str = DEFAULT_STREAM, key: Hashable = None) -> list[np.ndarray]:
+    def infer_stream(self, tensor: np.ndarray, stream: str = DEFAULT_STREAM, key: Hashable = None,
+                     captured_at: float | None = None) -> list[np.ndarray]:
         """One engine call on a preprocessed tensor; a stateful model is fed `stream`'s state, which then becomes
-        these outputs. `key` (the camera's frame size) differing from the stream's last one starts it again."""
+        these outputs. `key` (the camera's frame size) differing from the stream's last one starts it again; a
+        frame `captured_at` (time.monotonic) before the stream's last reset neither reads nor writes its state."""
         if self.states is None:
             return self.engine.infer({self.input_name: tensor})
-        feeds, token = self.states.feeds(stream, tensor, key)
+        feeds, token = self.states.feeds(stream, tensor, key, captured_at)
         outputs = self.engine.infer(feeds)
         self.states.keep(token, outputs)
         return outputs

@@ -14,8 +14,9 @@ Robust Video Matting and models like it take, with each frame, their own outputs
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -170,7 +171,7 @@ class StreamStates:
     """Each stream's recurrent state and the feeds of its next frame; `reset` may come from any thread."""
 
     def __init__(self, state: StateSpec, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
-                 label: str) -> None:
+                 label: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.frame = frame_input_of(inputs, outputs, state, label)
         by_in = {i.name: i for i in inputs}
         # shared by every stream's first frame and never written: engines read their feeds, and a stream's
@@ -182,16 +183,27 @@ class StreamStates:
         self._fed_from = [(names.index(p.output), p.input) for p in state.pairs]
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
+        self._clock = clock  # the frames' own clock (Frame.captured_at is time.monotonic)
+        self._reset_at: dict[str, float] = {}  # stream -> when it was last reset
+        self._reset_all_at = float("-inf")
 
     @property
     def recurrent(self) -> bool:
         """True when some input carries state from frame to frame (constants alone carry none)."""
         return bool(self._fed_from)
 
-    def feeds(self, stream: str, tensor: np.ndarray, key: Hashable = None) -> tuple[dict[str, np.ndarray], _Stream]:
-        """The feeds of `stream`'s next frame and the token `keep` takes; a new `key` (frame size) starts it again."""
+    def feeds(self, stream: str, tensor: np.ndarray, key: Hashable = None,
+              captured_at: float | None = None) -> tuple[dict[str, np.ndarray], _Stream]:
+        """The feeds of `stream`'s next frame and the token `keep` takes; a new `key` (frame size) starts it again.
+
+        A frame captured before the stream's last reset (a camera restart: it waited in a mailbox meanwhile) runs
+        on zeros and seeds nothing: the first frame of the new capture starts from zeros, not from the old one's
+        state."""
         key = (tensor.shape, key)
         with self._lock:
+            if captured_at is not None and captured_at < max(self._reset_all_at,
+                                                             self._reset_at.get(stream, float("-inf"))):
+                return {self.frame.name: tensor, **self._constants, **self._zeros}, _Stream(key, {})
             current = self._streams.get(stream)
             if current is None or current.key != key:
                 current = self._streams[stream] = _Stream(key, dict(self._zeros))
@@ -206,11 +218,15 @@ class StreamStates:
 
     def reset(self, stream: str | None = None) -> None:
         """Start `stream` (None: every stream) from zeros at its next frame."""
+        now = self._clock()
         with self._lock:
             if stream is None:
                 self._streams.clear()
+                self._reset_at.clear()
+                self._reset_all_at = now
             else:
                 self._streams.pop(stream, None)
+                self._reset_at[stream] = now
 
     def state_of(self, stream: str) -> dict[str, np.ndarray] | None:
         """The state `stream`'s next frame is fed (None before its first frame or after a reset)."""

@@ -413,6 +413,38 @@ def test_a_runtime_swapped_back_in_starts_its_cameras_from_zeros(rvm: Path) -> N
         other.close()
 
 
+
+def test_a_frame_captured_before_its_camera_restarted_seeds_no_state(rvm: Path) -> None:
+    """A camera restart resets its state, but the frame waiting in its mailbox was captured before: it runs on
+    zeros and its state is not kept, so the restarted capture's first frame starts from zeros (before, it
+    followed the old frame's state). Through the frame path's BatchRuntime, as the worker calls it."""
+    import time
+
+    from agent.pipeline.batch_runtime import BatchRuntime
+
+    runtime = runtime_of(rvm)
+    batch = BatchRuntime(runtime, 1)
+    try:
+        for i in range(3):
+            batch.run([frame(i)], ["a"], [time.monotonic()])
+        batch.run([frame(9)], ["b"], [time.monotonic()])
+        waiting = time.monotonic()  # captured, then the camera restarts before the frame is inferred
+        runtime.reset_state("a")
+        old = batch.run([frame(3)], ["a"], [waiting])[0].result
+        assert int(old.matte.max()) == int(0.01 * 1 * 255)  # ran on zeros: it counts as a first frame
+        assert runtime.states.state_of("a") is None  # and left no state behind
+        assert count_of(runtime, "b") == {1.0}  # the other camera keeps its own
+        batch.run([frame(4)], ["a"], [time.monotonic()])
+        assert count_of(runtime, "a") == {1.0}
+        batch.run([frame(5)], ["a"], [time.monotonic()])
+        assert count_of(runtime, "a") == {2.0}
+        runtime.reset_state()  # every stream (a swap): frames from before it seed nothing either
+        batch.run([frame(6)], ["b"], [waiting])
+        assert runtime.states.state_of("b") is None
+    finally:
+        batch.close()
+        runtime.close()
+
 def test_variants_are_refused_with_state() -> None:
     raw = {"name": "rvm", "version": "1", "model": {"file": "rvm.onnx", "sha256": "0" * 64, "size": 1},
            "files": [{"file": "small.onnx", "sha256": "0" * 64, "size": 1}], "state": STATE,
@@ -541,7 +573,8 @@ def test_a_constant_out_of_its_inputs_range_is_refused(dtype: str, value: Any, w
 
 
 def test_a_plain_models_batches_build_no_stream_list(tmp_path: Path) -> None:
-    """The frame path of a model without state calls the engine as before: no per-slot (camera, shape) list."""
+    """The frame path of a model without state calls the engine as before: no per-slot (camera, shape, time)
+    list."""
     from agent.pipeline.batch_runtime import BatchRuntime
 
     path = tmp_path / "plain.onnx"
@@ -562,7 +595,7 @@ def test_a_plain_models_batches_build_no_stream_list(tmp_path: Path) -> None:
     batch = BatchRuntime(stateful, 1)
     try:
         batch.run([frame(0)], ["a"])
-        assert batch._streams == [("a", (120, 160, 3))]
+        assert batch._streams == [("a", (120, 160, 3), None)]  # (camera, frame shape, capture time)
     finally:
         batch.close()
         stateful.close()

@@ -96,15 +96,18 @@ class BatchRuntime:
         self.batched = self.max_size > 1 and self.capacity != 1
         self.slots = SlotPreprocessing(parallel_preprocess, self.max_size)
         self._preprocessors: dict[str, Preprocessor] = {}  # per camera: each keeps its own frame geometry
-        self._streams: list[tuple[str, tuple[int, ...]]] = []  # (camera, frame shape) per slot of the batch
+        self._streams: list[tuple[str, tuple[int, ...], float | None]] = []  # (camera, shape, captured) per slot
         self._engine_ms = 0.0
 
-    def run(self, images: Sequence[np.ndarray], cameras: Sequence[str]) -> list[FrameOutcome]:
+    def run(self, images: Sequence[np.ndarray], cameras: Sequence[str],
+            captured: Sequence[float | None] | None = None) -> list[FrameOutcome]:
         """Results in the order of `images` (one per camera name)."""
-        return self.infer(images, cameras).finish()
+        return self.infer(images, cameras, captured).finish()
 
-    def infer(self, images: Sequence[np.ndarray], cameras: Sequence[str]) -> InferredBatch:
-        """Preprocess into the batch tensor and run the engine; postprocessing is left to `finish`."""
+    def infer(self, images: Sequence[np.ndarray], cameras: Sequence[str],
+              captured: Sequence[float | None] | None = None) -> InferredBatch:
+        """Preprocess into the batch tensor and run the engine; postprocessing is left to `finish`. `captured`:
+        each frame's capture time, so a stateful model's frame from before its camera restarted seeds nothing."""
         n = len(images)
         if not 1 <= n <= self.max_size:
             raise ValueError(f"batch of {n} frames, this runtime takes 1..{self.max_size}")
@@ -115,7 +118,8 @@ class BatchRuntime:
         t1 = time.perf_counter()
         self._engine_ms = 0.0
         if self.runtime.states is not None:  # state per camera; the frame path of other models builds nothing
-            self._streams = [(camera, image.shape) for camera, image in zip(cameras, images)]
+            times = captured if captured is not None else [None] * len(images)
+            self._streams = [(camera, image.shape, at) for camera, image, at in zip(cameras, images, times)]
         per_frame = self._infer(n)
         t2 = time.perf_counter()
         pre, total = (t1 - t0) * 1e3, (t2 - t1) * 1e3

@@ -248,7 +248,7 @@ class InferenceWorker(threading.Thread):
             return
         inferred = _Inferred(frames, wait_ms, (self.window, self.camera_windows), self._generation, self.costs)
         try:
-            inferred.batch = batch.infer(images, [f.source for f in frames])
+            inferred.batch = batch.infer(images, [f.source for f in frames], [f.captured_at for f in frames])
         except (EdgeError, ValueError) as exc:
             inferred.error = exc
         except Exception as exc:  # never let one bad batch kill the loop
