@@ -179,10 +179,40 @@ def test_the_session_takes_its_share_on_its_own_thread_and_restarts_the_window_o
     report = session.report()
     assert report["offered"] == 20 and report["agreement"] == 1.0  # exactly half of the frames offered
     assert candidate.thread is session  # never the caller's (the results thread's)
-    _offer(session, second, 4)
+    before = session.report()["frames"]
+    _offer(session, second, 8)
     assert session.report()["serving_swaps"] == 1
+    assert wait_for(lambda: session.report()["frames"] + session.report()["skipped"].get("busy", 0) >= before + 4,
+                    timeout=5)
+    report = session.report()  # the windows restarted at the first frame of the new serving model (shadow thread)
+    assert 1 <= report["window_frames"] <= 4 < report["frames"]
     session.close()
     assert candidate.closed and not session.is_alive()
+
+
+def test_offering_never_waits_for_the_lock_the_shadow_thread_holds() -> None:
+    """The shadow thread runs at SCHED_IDLE: on a saturated CPU, an instant it holds the slot's lock can last long.
+    The results thread then skips the frame (busy) instead of waiting for it."""
+    session, _ = _session(_Candidate(), share=1.0)
+    held, release = threading.Event(), threading.Event()
+
+    def preempted_while_holding() -> None:
+        with session._cond:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=preempted_while_holding)
+    holder.start()
+    try:
+        assert held.wait(5)
+        busy = session.report()["skipped"].get("busy", 0)
+        _offer(session, object(), 3)
+        assert holder.is_alive()  # the offers returned while the lock was still held
+        assert session.report()["skipped"].get("busy", 0) == busy + 3
+    finally:
+        release.set()
+        holder.join(5)
+    session.close()
 
 
 def test_a_candidate_failing_on_a_frame_ends_the_shadow_with_its_reason() -> None:

@@ -3,7 +3,6 @@ on the results thread, from numbers the agent already keeps (no I/O)."""
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable
 
@@ -74,19 +73,23 @@ class TimeShare:
     def __init__(self, share: float, burst_s: float = 1.0) -> None:
         self.share = share
         self.capacity = share * burst_s
-        self._tokens = self.capacity
+        self._tokens = self.capacity  # written by the results thread only
         self._at: float | None = None
-        self._lock = threading.Lock()
+        # written by the shadow thread only, read by the results thread: no lock the frame path could wait on
+        # while a SCHED_IDLE thread that holds it waits for a core
+        self._spent = 0.0
+        self._spent_seen = 0.0
 
     def allows(self, now: float) -> bool:
         """Whether the candidate may take another frame now (the results thread)."""
-        with self._lock:
-            if self._at is not None:
-                self._tokens = min(self.capacity, self._tokens + self.share * (now - self._at))
-            self._at = now
-            return self._tokens > 0
+        spent = self._spent
+        self._tokens -= spent - self._spent_seen
+        self._spent_seen = spent
+        if self._at is not None:
+            self._tokens = min(self.capacity, self._tokens + self.share * (now - self._at))
+        self._at = now
+        return self._tokens > 0
 
     def spend(self, seconds: float) -> None:
         """The candidate ran a frame for `seconds` (the shadow thread); a long one is paid back before the next."""
-        with self._lock:
-            self._tokens -= seconds
+        self._spent += seconds

@@ -62,6 +62,7 @@ class _Offer:
     camera: str
     image: np.ndarray
     result: InferenceResult
+    serving: int = 0  # how many serving-model swaps the session had seen when this frame was offered
 
 
 @dataclass
@@ -87,6 +88,7 @@ class ShadowSession(threading.Thread):
         self._counts = _Counts()
         self._credit: dict[str, float] = {}  # per camera: a batch delivers cameras in one order, one counter would alias
         self._serving: Any = None
+        self._windows_serving = 0  # the swap count the agreement windows were last restarted for (shadow thread)
         self._slot: Optional[_Offer] = None
         self._cond = threading.Condition()
         self._ready = threading.Event()
@@ -102,9 +104,8 @@ class ShadowSession(threading.Thread):
         now = time.monotonic()
         self.pressure.record((now - captured_at) * 1e3, now)
         if runtime is not self._serving:
-            if self._serving is not None:  # a variant switch or another swap: compare afresh from here
-                self._counts.serving_swaps += 1
-                self.agreement.restart_windows()
+            if self._serving is not None:  # a variant switch or another swap: compare afresh from here (the
+                self._counts.serving_swaps += 1  # shadow thread restarts the windows at the first such frame)
             self._serving = runtime
         credit = self._credit.get(camera, 1.0 - self.plan.share) + self.plan.share  # each camera's first frame counts
         if credit < 1.0 - 1e-9:
@@ -118,12 +119,18 @@ class ShadowSession(threading.Thread):
         if reason is not None or self._halt.is_set():
             self._counts.skipped[reason or "stopping"] += 1
             return
-        offer = _Offer(camera, image, frozen_copy(result))
-        with self._cond:
+        # never wait for the lock: the shadow thread holds it for an instant, but at SCHED_IDLE on a saturated CPU
+        # that instant can be a long wait (a priority inversion on the frame path); this frame is skipped instead
+        if not self._cond.acquire(blocking=False):
+            self._counts.skipped["busy"] += 1
+            return
+        try:
             if self._slot is not None:
                 self._counts.skipped["busy"] += 1
-            self._slot = offer
+            self._slot = _Offer(camera, image, frozen_copy(result), self._counts.serving_swaps)
             self._cond.notify()
+        finally:
+            self._cond.release()
 
     # --- control ------------------------------------------------------------------------------------------
 
@@ -201,6 +208,9 @@ class ShadowSession(threading.Thread):
                            f"the candidate failed on a frame of camera {offer.camera}: {type(exc).__name__}: {exc}"[:500])
         self.time_share.spend(time.perf_counter() - started)
         self.candidate_ms.record(times.infer)
+        if offer.serving != self._windows_serving:  # the first frame the new serving model delivered: windows afresh
+            self.agreement.restart_windows()  # here, not on the results thread: its lock is shared with this one
+            self._windows_serving = offer.serving
         self.agreement.add(offer.camera, offer.result, result)
         return judge(self.plan, self.model.kind, self.agreement.numbers(), self.candidate_ms.percentile(99),
                      self.model.budget_ms)
