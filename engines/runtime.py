@@ -86,7 +86,8 @@ class ModelRuntime:
                      captured_at: float | None = None) -> list[np.ndarray]:
         """One engine call on a preprocessed tensor; a stateful model is fed `stream`'s state, which then becomes
         these outputs. `key` (the camera's frame size) differing from the stream's last one starts it again; a
-        frame `captured_at` (time.monotonic) before the stream's last reset neither reads nor writes its state."""
+        frame `captured_at` (time.monotonic) before its camera restarted (`reset_state(stream)`) neither reads nor
+        writes its state."""
         if self.states is None:
             return self.engine.infer({self.input_name: tensor})
         feeds, token = self.states.feeds(stream, tensor, key, captured_at)

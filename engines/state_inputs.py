@@ -184,8 +184,7 @@ class StreamStates:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._clock = clock  # the frames' own clock (Frame.captured_at is time.monotonic)
-        self._reset_at: dict[str, float] = {}  # stream -> when it was last reset
-        self._reset_all_at = float("-inf")
+        self._reset_at: dict[str, float] = {}  # stream -> when it was last cut (its camera restarted)
 
     @property
     def recurrent(self) -> bool:
@@ -196,13 +195,12 @@ class StreamStates:
               captured_at: float | None = None) -> tuple[dict[str, np.ndarray], _Stream]:
         """The feeds of `stream`'s next frame and the token `keep` takes; a new `key` (frame size) starts it again.
 
-        A frame captured before the stream's last reset (a camera restart: it waited in a mailbox meanwhile) runs
+        A frame captured before the stream was last reset by name (its camera restarted while it waited) runs
         on zeros and seeds nothing: the first frame of the new capture starts from zeros, not from the old one's
         state."""
         key = (tensor.shape, key)
         with self._lock:
-            if captured_at is not None and captured_at < max(self._reset_all_at,
-                                                             self._reset_at.get(stream, float("-inf"))):
+            if captured_at is not None and captured_at < self._reset_at.get(stream, float("-inf")):
                 return {self.frame.name: tensor, **self._constants, **self._zeros}, _Stream(key, {})
             current = self._streams.get(stream)
             if current is None or current.key != key:
@@ -217,16 +215,15 @@ class StreamStates:
             token.state = state
 
     def reset(self, stream: str | None = None) -> None:
-        """Start `stream` (None: every stream) from zeros at its next frame."""
-        now = self._clock()
+        """Start `stream` (None: every stream) from zeros at its next frame. A stream reset by name is cut there
+        (its camera restarted: a frame captured before now seeds nothing); resetting every stream (a swap: the
+        captures go on unbroken) cuts none, so the frame waiting in a mailbox still starts the new state."""
         with self._lock:
             if stream is None:
                 self._streams.clear()
-                self._reset_at.clear()
-                self._reset_all_at = now
             else:
                 self._streams.pop(stream, None)
-                self._reset_at[stream] = now
+                self._reset_at[stream] = self._clock()
 
     def state_of(self, stream: str) -> dict[str, np.ndarray] | None:
         """The state `stream`'s next frame is fed (None before its first frame or after a reset)."""

@@ -438,9 +438,11 @@ def test_a_frame_captured_before_its_camera_restarted_seeds_no_state(rvm: Path) 
         assert count_of(runtime, "a") == {1.0}
         batch.run([frame(5)], ["a"], [time.monotonic()])
         assert count_of(runtime, "a") == {2.0}
-        runtime.reset_state()  # every stream (a swap): frames from before it seed nothing either
+        runtime.reset_state()  # every stream (a swap): the captures go on unbroken, the waiting frame starts it
         batch.run([frame(6)], ["b"], [waiting])
-        assert runtime.states.state_of("b") is None
+        assert count_of(runtime, "b") == {1.0}
+        batch.run([frame(7)], ["a"], [waiting])  # but camera a's own cut still holds
+        assert runtime.states.state_of("a") is None
     finally:
         batch.close()
         runtime.close()
