@@ -447,6 +447,31 @@ def test_a_frame_captured_before_its_camera_restarted_seeds_no_state(rvm: Path) 
         batch.close()
         runtime.close()
 
+
+def test_a_camera_restart_resets_the_serving_model_and_one_about_to_be_swapped_in(rvm: Path) -> None:
+    """CameraGroup's restart callback goes to the worker, which resets both under its swap lock: a swap in the
+    same instant cannot carry the reset away with the model it replaces."""
+    from agent.pipeline.batch_runtime import BatchRuntime
+    from agent.pipeline.frame_stats import FrameStats
+    from agent.pipeline.mailbox import FreshestMailbox
+    from agent.pipeline.worker import InferenceWorker
+
+    serving, incoming = runtime_of(rvm), runtime_of(rvm)
+    worker = InferenceWorker(serving, FreshestMailbox(), threading.Event(), FrameStats(), overlap_postprocess=False)
+    pending = BatchRuntime(incoming, 1)
+    try:
+        worker.batch.run([frame(0)], ["a"])
+        pending.run([frame(1)], ["a"])
+        worker._pending = pending  # what swap() leaves for the loop's next batch boundary
+        worker.reset_state("a")
+        assert serving.states.state_of("a") is None and incoming.states.state_of("a") is None
+    finally:
+        worker._pending = None
+        pending.close()
+        worker.batch.close()
+        serving.close()
+        incoming.close()
+
 def test_variants_are_refused_with_state() -> None:
     raw = {"name": "rvm", "version": "1", "model": {"file": "rvm.onnx", "sha256": "0" * 64, "size": 1},
            "files": [{"file": "small.onnx", "sha256": "0" * 64, "size": 1}], "state": STATE,

@@ -265,7 +265,7 @@ class Agent(Swaps, Reporting):
     def _camera_restarted(self, camera: str) -> None:
         """A camera (re)opened: its frames follow no earlier ones, so a stateful model starts its state again."""
         if self.worker is not None:
-            self.worker.runtime.reset_state(camera)
+            self.worker.reset_state(camera)
 
     def _video_service(self) -> VideoService:
         """`[video]`: the tap always (snapshots need it; it costs nothing unwatched), server and stream when set."""

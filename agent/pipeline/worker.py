@@ -161,6 +161,14 @@ class InferenceWorker(threading.Thread):
             log.warning("the replaced model's last batch had no results %.0f s after the swap", timeout)
         return self._previous
 
+    def reset_state(self, camera: str) -> None:
+        """`camera` restarted: the model serving it and one about to be swapped in both start its state again
+        (under the swap's lock: a swap in this instant cannot carry the reset away with the model it replaces)."""
+        with self._lock:
+            self.batch.runtime.reset_state(camera)
+            if self._pending is not None:
+                self._pending.runtime.reset_state(camera)
+
     def pause(self, timeout: float = 10.0) -> None:
         """Stop taking frames after the current batch (stop_start swaps) and wait for its results; frames wait in
         the mailboxes. Paused, the model that ran last is idle: its engine may be closed."""
