@@ -60,3 +60,22 @@ def test_batch_size_and_the_live_curve_with_each_points_origin() -> None:
     assert 'edge_agent_batch_cost_ms_per_frame{origin="live",size="1"} 9.5' in text
     assert 'edge_agent_batch_cost_ms_per_frame{origin="live",size="2"} 7.9' in text
     assert 'origin="predicted"' not in text  # size 2 has run since: its predicted series is gone
+
+
+def test_a_running_shadow_has_its_gauges_and_an_ended_one_leaves_none() -> None:
+    shadow = {"deployment_id": "dep-3", "model": "det@2.1.0", "frames": 140, "agreement": 0.97,
+              "window_agreement": 0.95, "candidate_p99_ms": 31.5, "skipped_total": 12}
+    text = scrape({"fps": 9.0, "frames": 90, "dropped_frames": 0, "shadow": shadow})
+    assert 'edge_agent_shadow_frames{model="det@2.1.0"} 140.0' in text
+    assert 'edge_agent_shadow_agreement{model="det@2.1.0",scope="all"} 0.97' in text
+    assert 'edge_agent_shadow_agreement{model="det@2.1.0",scope="window"} 0.95' in text
+    assert 'edge_agent_shadow_candidate_p99_ms{model="det@2.1.0"} 31.5' in text
+    assert 'edge_agent_shadow_skipped_frames{model="det@2.1.0"} 12.0' in text
+    loading = scrape({"fps": 9.0, "frames": 90, "dropped_frames": 0,
+                      "shadow": {**shadow, "frames": 0, "agreement": None, "window_agreement": None,
+                                 "candidate_p99_ms": None}})
+    assert 'edge_agent_shadow_frames{model="det@2.1.0"} 0.0' in loading
+    assert "edge_agent_shadow_agreement{" not in loading and "edge_agent_shadow_candidate_p99_ms{" not in loading
+    ended = scrape({"fps": 9.0, "frames": 90, "dropped_frames": 0, "shadow": shadow},
+                   {"fps": 9.0, "frames": 95, "dropped_frames": 0})
+    assert "edge_agent_shadow_" not in "\n".join(line for line in ended.splitlines() if not line.startswith("#"))

@@ -211,6 +211,16 @@ class PrometheusExporter:
         self.batch_size = gauge("edge_agent_batch_size", "Frames per engine call in use (max_size = \"auto\" re-decides it live)")
         self.batch_cost = gauge("edge_agent_batch_cost_ms_per_frame", "Frame-path cost per frame of one batch size, "
                                 "as the last live decision saw it (origin: live, predicted or build)", ("size", "origin"))
+        # a running shadow deployment, labelled with its candidate (name@version); gone when the shadow ends
+        self.shadow_frames = gauge("edge_agent_shadow_frames", "Frames the shadow's candidate compared with the "
+                                   "serving model", ("model",))
+        self.shadow_agreement = gauge("edge_agent_shadow_agreement", "The shadow's agreement with the serving "
+                                      "model: over every compared frame (scope=all) or the sliding window",
+                                      ("model", "scope"))
+        self.shadow_p99 = gauge("edge_agent_shadow_candidate_p99_ms", "The shadow candidate's p99 inference "
+                                "latency on this device under live load", ("model",))
+        self.shadow_skipped = gauge("edge_agent_shadow_skipped_frames", "Frames of the shadow's share it did not "
+                                    "compare (busy, cost, serving pressure, throttling, loading)", ("model",))
         self.server, self.thread = prom.start_http_server(port, addr=bind, registry=self.registry)
 
     def __call__(self, sample: dict[str, Any]) -> None:
@@ -232,6 +242,7 @@ class PrometheusExporter:
             self.batch_cost.clear()  # a size's origin changes (predicted -> live), a swap drops the tuner: no stale series
             for size, cost in (batch.get("curve_ms") or {}).items():
                 self.batch_cost.labels(size, (batch.get("origin") or {}).get(size, "live")).set(cost)
+        self._shadow(sample.get("shadow"))
         for name, cam in (sample.get("cameras") or {}).items():
             self.camera_fps.labels(name).set(cam.get("fps", 0))
             self.camera_frames.labels(name).set(cam.get("frames", 0))
@@ -240,6 +251,21 @@ class PrometheusExporter:
                 self.camera_latency.labels(name, quantile).set(value)
             for stage, value in (cam.get("capture") or {}).items():
                 self.camera_capture.labels(name, stage).set(value)
+
+    def _shadow(self, shadow: dict[str, Any] | None) -> None:
+        """The shadow's gauges from telemetry's `shadow`; cleared first, so an ended shadow leaves no series."""
+        for gauge in (self.shadow_frames, self.shadow_agreement, self.shadow_p99, self.shadow_skipped):
+            gauge.clear()
+        if not shadow:
+            return
+        model = str(shadow.get("model", ""))
+        self.shadow_frames.labels(model).set(shadow.get("frames") or 0)
+        self.shadow_skipped.labels(model).set(shadow.get("skipped_total") or 0)
+        for scope, key in (("all", "agreement"), ("window", "window_agreement")):
+            if shadow.get(key) is not None:  # none compared yet: absent, never zero
+                self.shadow_agreement.labels(model, scope).set(shadow[key])
+        if shadow.get("candidate_p99_ms") is not None:
+            self.shadow_p99.labels(model).set(shadow["candidate_p99_ms"])
 
     def stop(self) -> None:
         """Close the HTTP server."""
