@@ -1,5 +1,6 @@
-"""Which listen addresses stay on this machine: one rule for the agent's video server and the fleet
-dashboard (a server off loopback needs a token), in a module that imports nothing heavy."""
+"""Listen addresses, one rule each for the agent's video server and the fleet dashboard, in a module that imports
+nothing heavy: how `host:port` is read, and which hosts stay on this machine (a server off loopback needs a
+token)."""
 
 from __future__ import annotations
 
@@ -14,3 +15,20 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def split_host_port(text: str, lowest_port: int = 0) -> tuple[str, int]:
+    """`host:port` (`[v6]:port` too) as (host, port), the port in `lowest_port`..65535 (the video server's tests
+    bind port 0); ValueError saying what is wrong, for the caller to prefix with the setting's name."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError("expected HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"port {port!r} is not a number") from None
+    if not lowest_port <= number <= 65535:
+        raise ValueError(f"port {number} is outside {lowest_port}..65535")
+    return host, number

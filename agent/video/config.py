@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from agent.addresses import is_loopback
+from agent.addresses import is_loopback, split_host_port
 from agent.names import CAMERA_NAME_PATTERN
 
 
@@ -123,14 +123,8 @@ class VideoConfig(_Strict):
 
 def host_port(listen: str) -> tuple[str, int]:
     """`host:port` (`[v6]:port` too) as (host, port); ValueError naming the problem."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"{listen!r} is not host:port")
-    host = host.strip("[]")
     try:
-        number = int(port)
-    except ValueError:
-        raise ValueError(f"{listen!r}: port {port!r} is not a number") from None
-    if not 0 <= number <= 65535:
-        raise ValueError(f"{listen!r}: port {number} is out of range")
-    return host, number
+        return split_host_port(listen)
+    except ValueError as exc:
+        shape = "HOST:PORT" in str(exc)  # no port at all, or no host
+        raise ValueError(f"{listen!r} is not host:port" if shape else f"{listen!r}: {exc}") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any
-from agent.addresses import is_loopback
+from agent.addresses import is_loopback, split_host_port
 from deploy.fleet.dashboard.auth import AuthSettings, allowed_hosts
 from deploy.fleet.redact import redact
 
@@ -15,19 +15,12 @@ DEFAULT_BIND = "127.0.0.1:8080"
 
 
 def parse_bind(bind: str) -> tuple[str, int]:
-    """`HOST:PORT` or `[IPV6]:PORT` -> (host, port); ValueError naming what is wrong."""
-    host, sep, port = bind.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"--bind {bind!r}: expected HOST:PORT, e.g. {DEFAULT_BIND}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
+    """`HOST:PORT` or `[IPV6]:PORT` -> (host, port), port 1..65535; ValueError naming what is wrong."""
     try:
-        number = int(port)
-    except ValueError:
-        raise ValueError(f"--bind {bind!r}: port {port!r} is not a number") from None
-    if not 0 < number < 65536:
-        raise ValueError(f"--bind {bind!r}: port {number} is outside 1..65535")
-    return host, number
+        return split_host_port(bind, lowest_port=1)
+    except ValueError as exc:
+        raise ValueError(f"--bind {bind!r}: {exc}" + (f", e.g. {DEFAULT_BIND}" if "HOST:PORT" in str(exc) else "")) \
+            from None
 
 
 def check_store(db_url: str) -> None:
