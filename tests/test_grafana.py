@@ -108,7 +108,9 @@ def exporter_metrics() -> dict[str, set[str]]:
     try:
         exporter({"fps": 10.0, "frames": 100, "dropped_frames": 1, "latency_ms": {"p50": 1, "p95": 2, "p99": 3, "max": 4},
                   "power_mw": {"total": 5000, "VDD_GPU": 1000}, "temp_c": {"tj": 50.0}, "throttled": True,
-                  "batch": {"max_size": 2, "curve_ms": {"1": 9.5, "2": 7.9}, "origin": {"1": "live", "2": "predicted"}}})
+                  "batch": {"max_size": 2, "curve_ms": {"1": 9.5, "2": 7.9}, "origin": {"1": "live", "2": "predicted"}},
+                  "shadow": {"model": "det@2", "frames": 50, "agreement": 0.9, "window_agreement": 0.8,
+                             "candidate_p99_ms": 20.0, "skipped_total": 3}})
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         exporter.stop()
