@@ -80,9 +80,11 @@ def test_deploy_over_mqtt_reports_progress_as_events(live) -> None:
     agent, collector, broker = live["agent"], live["collector"], live["broker"]
 
     def meta_serves(version: str) -> bool:
-        """The retained meta's `engine` names the serving model (it was null for a whole run before)."""
-        metas = collector.payloads("edge/cam-01/meta")
-        return bool(metas) and (metas[-1].get("engine") or {}).get("version") == version
+        """The retained meta's `engine` and status's `model` name the serving model (meta's was null for a whole
+        run before; status kept the old model until the health changed)."""
+        metas, statuses = collector.payloads("edge/cam-01/meta"), collector.payloads("edge/cam-01/status")
+        return bool(metas and statuses) and (metas[-1].get("engine") or {}).get("version") == version \
+            and (statuses[-1].get("model") or {}).get("version") == version
 
     assert collector.wait_for(lambda _msgs: meta_serves("1.0.0"), timeout=30), collector.payloads("edge/cam-01/meta")
     code, reply = send(broker, "deploy", "--arg", f"url={live['file2']}")

@@ -42,7 +42,7 @@ class AgentPlane:
         self.mqtt = MqttPlane(cfg.mqtt, device_id=cfg.device_id, db_path=state_db_path(cfg.state_dir),
                               dispatch=agent.dispatcher.dispatch if agent.dispatcher else None,
                               agent_version=agent_version(), meta_provider=lambda: self.meta,
-                              model_provider=lambda: agent.active.describe() if agent.active else None,
+                              model_provider=lambda: self.meta.get("engine"),  # what serves now (model_changed)
                               root=cfg.telemetry.sysfs_root)
         live = agent.store.get_kv(LIVE_CONFIG_KEY, {}) if agent.store else {}
         interval = live.get("telemetry_interval_s", cfg.mqtt.telemetry_interval_s)
@@ -114,9 +114,12 @@ class AgentPlane:
     def model_changed(self, engine: dict[str, Any]) -> None:
         """Another model serves (the start-up load, a deployment, a rollback, an adapt switch): the retained
         `meta` names it, sent now if connected. Before, meta was made before the model loaded, so its `engine`
-        was null for the whole run and a fleet view could not tell what a device served from it."""
+        was null for the whole run and a fleet view could not tell what a device served from it. The retained
+        status (its `model`) is sent again too."""
         self.meta = {**self.meta, "engine": engine}
         self.mqtt.publish_meta()
+        if self._status is not None:  # the retained status names the model too: before, it kept the old one until
+            self.mqtt.publish_status(self._status)  # the health changed
 
     def health_changed(self, state: str) -> None:
         """Retained status follows the agent's health."""

@@ -297,7 +297,8 @@ def measure_frame_cost(runtime: ModelRuntime, frames: Sequence[np.ndarray]) -> d
 
 
 def latency_stats(samples: Sequence[float]) -> dict[str, float]:
-    """mean, p50 and p99 (nearest rank) in ms, rounded to microseconds."""
+    """mean, p50 and p99 in ms, rounded to microseconds; a percentile is the sorted run nearest to q of the way
+    from the first to the last (numpy's "nearest": p50 of 1..100 is 51), not the nearest-rank definition."""
     ordered = sorted(samples)
     pick = lambda q: ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]  # noqa: E731
     return {"mean": round(float(np.mean(ordered)), 3), "p50": round(pick(0.5), 3), "p99": round(pick(0.99), 3),
