@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from engines.slim.graph import Dims, GraphIndex, attr, node_name, value_dims
+from engines.slim.graph import Dims, GraphIndex, attr, node_name, value_dims, with_input_shapes
 
 COUNTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
@@ -28,20 +28,6 @@ class FlopsReport:
     def flops(self) -> int:
         """Two operations per multiply-accumulate, the convention papers quote."""
         return 2 * self.macs
-
-
-def _with_input_shapes(model: onnx.ModelProto, shapes: dict[str, Sequence[int]]) -> onnx.ModelProto:
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    for value in out.graph.input:
-        if value.name not in shapes:
-            continue
-        dims = value.type.tensor_type.shape.dim
-        del dims[:]
-        for size in shapes[value.name]:
-            dims.add().dim_value = int(size)
-    del out.graph.value_info[:]
-    return out
 
 
 def _prod(dims: Sequence[int | None]) -> int | None:
@@ -81,7 +67,7 @@ def _layer_macs(index: GraphIndex, dims: dict[str, Dims], node: onnx.NodeProto) 
 def count_flops(model: onnx.ModelProto, input_shapes: dict[str, Sequence[int]] | None = None) -> FlopsReport:
     """MACs of a model at the given input shapes (dynamic dims otherwise leave layers `unknown`) and its
     floating-point parameter count (initializers and Constant nodes)."""
-    sized = _with_input_shapes(model, input_shapes or {})
+    sized = with_input_shapes(model, input_shapes or {})
     index = GraphIndex(sized)
     dims = value_dims(sized)
     per_layer: dict[str, int] = {}

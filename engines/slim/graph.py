@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -79,6 +79,22 @@ def value_dims(model: onnx.ModelProto) -> dict[str, Dims]:
         dims = _dims(v)
         if dims is not None:
             out[v.name] = dims
+    return out
+
+
+def with_input_shapes(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]) -> onnx.ModelProto:
+    """A copy of `model` whose inputs named in `shapes` have those fixed dims (and no stale inferred shapes), for
+    `value_dims` at one frame size."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for value in out.graph.input:
+        if value.name not in shapes:
+            continue
+        dims = value.type.tensor_type.shape.dim
+        del dims[:]
+        for size in shapes[value.name]:
+            dims.add().dim_value = int(size)
+    del out.graph.value_info[:]
     return out
 
 

@@ -26,7 +26,7 @@ import onnx
 
 from engines.errors import EdgeError
 from engines.slim.deps import Edit, Plan
-from engines.slim.graph import Layout
+from engines.slim.graph import Layout, value_dims, with_input_shapes
 
 RIDGE = 1e-3  # regularisation of the fit, relative to the tensor's mean channel variance
 MEASURE_MAX_BYTES = 512 * 2**20  # per frame: the measured tensors ONNX Runtime holds at once (one run per group)
@@ -165,25 +165,10 @@ def _byte_groups(model: onnx.ModelProto, names: list[str], input_shape: dict[str
 
 
 def _tensor_bytes(model: onnx.ModelProto, input_shape: dict[str, tuple[int, ...]]) -> dict[str, int]:
-    """Bytes per frame of every intermediate tensor whose shape ONNX shape inference can tell (4 per element)."""
-    shaped = onnx.ModelProto()
-    shaped.CopyFrom(model)
-    for value in shaped.graph.input:
-        dims = input_shape.get(value.name)
-        if dims is not None:
-            del value.type.tensor_type.shape.dim[:]
-            for d in dims:
-                value.type.tensor_type.shape.dim.add().dim_value = int(d)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(shaped)
-    except Exception:  # a model shape inference cannot follow: its tensors are measured together, as before
-        return {}
-    sizes = {}
-    for value in inferred.graph.value_info:
-        dims = value.type.tensor_type.shape.dim
-        if dims and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
-            sizes[value.name] = 4 * int(np.prod([d.dim_value for d in dims]))
-    return sizes
+    """Bytes per frame of every tensor whose shape ONNX shape inference can tell at this input shape (4 per
+    element); none where inference fails (its tensors are then measured together, as before)."""
+    dims = value_dims(with_input_shapes(model, input_shape))
+    return {name: 4 * int(np.prod(d)) for name, d in dims.items() if d and all(x is not None and x > 0 for x in d)}
 
 
 def _read_energy(weight: np.ndarray, edit: Edit) -> np.ndarray:
