@@ -17,12 +17,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class NotHostPort(ValueError):
+    """The text has no `host:` before a port at all (callers word this case their own way)."""
+
+
 def split_host_port(text: str, lowest_port: int = 0) -> tuple[str, int]:
     """`host:port` (`[v6]:port` too) as (host, port), the port in `lowest_port`..65535 (the video server's tests
-    bind port 0); ValueError saying what is wrong, for the caller to prefix with the setting's name."""
+    bind port 0); ValueError saying what is wrong (NotHostPort when it is not host:port at all), for the caller to
+    prefix with the setting's name."""
     host, sep, port = text.rpartition(":")
     if not sep or not host:
-        raise ValueError("expected HOST:PORT")
+        raise NotHostPort("expected HOST:PORT")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     try:

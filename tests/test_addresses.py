@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.addresses import is_loopback, split_host_port
+from agent.addresses import NotHostPort, is_loopback, split_host_port
 
 
 @pytest.mark.parametrize("text,lowest,expected", [
@@ -20,8 +20,9 @@ def test_host_and_port_are_read(text: str, lowest: int, expected: tuple) -> None
     ("h:70000", 0, "outside 0..65535"), ("h:0", 1, "outside 1..65535"), ("h:-1", 0, "outside 0..65535"),
 ])
 def test_a_bad_address_says_what_is_wrong(text: str, lowest: int, why: str) -> None:
-    with pytest.raises(ValueError, match=why):
+    with pytest.raises(ValueError, match=why) as raised:
         split_host_port(text, lowest)
+    assert isinstance(raised.value, NotHostPort) == (why == "expected HOST:PORT")
 
 
 def test_loopback_hosts() -> None:

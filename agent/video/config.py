@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from agent.addresses import is_loopback, split_host_port
+from agent.addresses import NotHostPort, is_loopback, split_host_port
 from agent.names import CAMERA_NAME_PATTERN
 
 
@@ -125,6 +125,7 @@ def host_port(listen: str) -> tuple[str, int]:
     """`host:port` (`[v6]:port` too) as (host, port); ValueError naming the problem."""
     try:
         return split_host_port(listen)
+    except NotHostPort:
+        raise ValueError(f"{listen!r} is not host:port") from None
     except ValueError as exc:
-        shape = "HOST:PORT" in str(exc)  # no port at all, or no host
-        raise ValueError(f"{listen!r} is not host:port" if shape else f"{listen!r}: {exc}") from None
+        raise ValueError(f"{listen!r}: {exc}") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any
-from agent.addresses import is_loopback, split_host_port
+from agent.addresses import NotHostPort, is_loopback, split_host_port
 from deploy.fleet.dashboard.auth import AuthSettings, allowed_hosts
 from deploy.fleet.redact import redact
 
@@ -18,9 +18,10 @@ def parse_bind(bind: str) -> tuple[str, int]:
     """`HOST:PORT` or `[IPV6]:PORT` -> (host, port), port 1..65535; ValueError naming what is wrong."""
     try:
         return split_host_port(bind, lowest_port=1)
+    except NotHostPort as exc:
+        raise ValueError(f"--bind {bind!r}: {exc}, e.g. {DEFAULT_BIND}") from None
     except ValueError as exc:
-        raise ValueError(f"--bind {bind!r}: {exc}" + (f", e.g. {DEFAULT_BIND}" if "HOST:PORT" in str(exc) else "")) \
-            from None
+        raise ValueError(f"--bind {bind!r}: {exc}") from None
 
 
 def check_store(db_url: str) -> None:
