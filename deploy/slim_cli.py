@@ -98,7 +98,6 @@ def _mega(value: int) -> str:
 def summary(report: SlimReport, out: Path) -> list[str]:
     """The one-screen summary printed on stdout."""
     t, lat, acc = report.totals, report.latency_ms, report.accuracy
-    pruned = sum(1 for g in report.groups if g.channels_after < g.channels_before)
     goal = report.goal["kind"] + (f" {report.goal['value']:g}" if report.goal["value"] is not None else "")
     lines = [
         f"slimmed {report.model} into {out / MODEL_FILE}",
@@ -107,7 +106,7 @@ def summary(report: SlimReport, out: Path) -> list[str]:
         f"  latency   {lat['before']:.2f} -> {lat['after']:.2f} ms (median, ONNX Runtime CPU, this machine)",
         f"  accuracy  {acc['metric']} {acc['value']:.3f} vs the unpruned model on {acc['frames']} frame(s) "
         f"(target {report.target:g})",
-        f"  groups    {pruned} of {len(report.groups)} pruned; {len(report.left_alone)} layer(s) left alone",
+        f"  groups    {report.groups_pruned} of {len(report.groups)} pruned; {len(report.left_alone)} layer(s) left alone",
     ]
     if report.sparsity is not None:
         s = report.sparsity

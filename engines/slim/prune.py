@@ -200,9 +200,8 @@ def _rewrite(plan: Plan, model: onnx.ModelProto, kept: dict[int, np.ndarray],
         if (i, j) not in pending and j == 2:
             pending[(i, j)] = [(e, index) for e, index in pending.get((i, 1), []) if e.producer]
     for (i, j), edits in pending.items():
-        given = folded[(i, j)] if (i, j) in folded else plan.index.const(plan.index.nodes[i].input[j])
-        assert given is not None, "the tracer edits constants only"
-        array = given
+        array = folded[(i, j)] if (i, j) in folded else plan.index.const(plan.index.nodes[i].input[j])
+        assert array is not None, "the tracer edits constants only"
         for edit, index in edits:
             array = _apply_edit(array, edit, index)
         writer.set_input(nodes[i], j, array)

@@ -58,6 +58,11 @@ class SlimReport:
         """Fraction of the FLOPs removed (0.3: the slimmed model does 70 % of the work)."""
         return float(self.totals.get("flops_reduction", 0.0))
 
+    @property
+    def groups_pruned(self) -> int:
+        """How many channel groups lost channels."""
+        return sum(g.channels_after < g.channels_before for g in self.groups)
+
 
 def totals(macs_before: int, macs_after: int, params_before: int, params_after: int) -> dict[str, Any]:
     """The report's `totals`, FLOPs at two per MAC."""
