@@ -47,15 +47,21 @@ class ControlSocketServer:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale(self.path)
+        # bound and listening under a name of its own first, then renamed into place: a client that sees the path
+        # can connect (between bind and listen a connect is refused, and a CLI started right after the agent
+        # would call the socket stale); one character longer, so a path near the 107-byte limit still fits
+        pending = self.path.with_name("." + self.path.name)
+        pending.unlink(missing_ok=True)  # left by a start that died here
         old_umask = os.umask(0o117)  # the socket is born 0660: no window where others can connect
         try:
-            self.server = _Server(str(self.path), _Handler)
+            self.server = _Server(str(pending), _Handler)
         finally:
             os.umask(old_umask)
         self.server.dispatch = dispatch  # type: ignore[attr-defined]
-        os.chmod(self.path, 0o660)
+        os.chmod(pending, 0o660)
         if group:
-            os.chown(self.path, -1, grp.getgrnam(group).gr_gid)
+            os.chown(pending, -1, grp.getgrnam(group).gr_gid)
+        os.replace(pending, self.path)
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="control-socket", daemon=True)
 
