@@ -166,9 +166,9 @@ def test_second_deployment_while_busy_is_refused(running_agent, published, tmp_p
 
 
 def _no_deployment_in_progress(agent: Agent) -> bool:
-    """What `request` checks before refusing with BUSY (a deployment being watched does not count)."""
+    """What `request` checks before refusing with BUSY (a deployment only being watched does not count)."""
     status = agent.manager.status()
-    return status is None or status["watching"]
+    return status is None or not status["in_progress"]
 
 
 

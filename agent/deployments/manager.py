@@ -167,11 +167,14 @@ class DeploymentManager(threading.Thread):
         return result
 
     def status(self) -> dict[str, Any] | None:
-        """The deployment in progress (or being watched), with live progress."""
+        """The deployment in progress (or being watched), with live progress. `in_progress`: it still holds the
+        deployment thread, so another request is refused BUSY (it is watched from just before it is active, so
+        both can hold for a moment)."""
         dep = self._current or self._watching
         if dep is None:
             return None
-        return {**dep.to_dict(), "progress": dict(self.progress), "watching": dep is self._watching}
+        return {**dep.to_dict(), "progress": dict(self.progress), "watching": dep is self._watching,
+                "in_progress": dep is self._current}
 
     def watched(self) -> dict[str, Any] | None:
         """The deployment whose watch runs now, also while the next one is already requested (which `status`
