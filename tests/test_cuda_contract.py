@@ -234,13 +234,13 @@ def test_cuda_mem_pycuda_calls_only_what_each_release_has(stem: str) -> None:
 
 
 def test_what_cuda_mem_calls_has_one_signature_in_every_release() -> None:
-    """The releases the pins resolve to (12.2.1 for JetPack 6.0, 12.6.2.post1 for 6.1/6.2, 12.9 and 13.5 for the
-    x86-64 and JetPack 7 extras, plus 12.4) split in two implementations: up to 12.8 the runtime module is
+    """The releases the pins resolve to (12.2.1 for JetPack 6.0, 12.6.2.post1 for 6.1/6.2, 12.9 and 13.4.4 for the
+    x86-64 and JetPack 7 extras, plus 12.4 and 13.5) split in two implementations: up to 12.8 the runtime module is
     reimplemented on the driver API, from 12.9 it links a static cudart. For every name engines/cuda/base.py
     calls, the parameters and the documented return values are the same in all of them; the one difference
     it meets is the import path (test_the_tables_cover_the_import_path_change)."""
     stems = cuda_api_tables()
-    assert {"cuda-python-12.2.1", "cuda-python-12.6.2.post1"} <= set(stems)
+    assert {"cuda-python-12.2.1", "cuda-python-12.6.2.post1", "cuda-bindings-13.4.4"} <= set(stems)
     for name in sorted(_runtime_names_used()):
         seen = {}
         for stem in stems:

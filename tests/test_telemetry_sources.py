@@ -66,8 +66,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "gpu_util": 0.0, "gpu_freq_mhz": 77, "gpu_max_freq_mhz": 922,
         "throttled": False, "throttle": {"reasons": []},
     },
-    "thor": {
-        "power_mw": {"total": 8291, "VDD_GPU": 0, "VDD_CPU_SOC_MSS": 4165, "VIN_SYS_5V0": 4126},
+    "thor": {  # VIN (the carrier INA238) is RECONSTRUCTED, invented: tests/data/boards/thor/SOURCES.md
+        "power_mw": {"total": 13818, "VIN": 13818, "VDD_GPU": 0, "VDD_CPU_SOC_MSS": 4165, "VIN_SYS_5V0": 4126},
         "temp_c": {"cpu": 34.468, "soc012": 33.781, "soc345": 34.5, "tj": 34.5},
         "emc_freq_mhz": 665, "nvpmodel": {"id": 1, "name": "120W"},
         "throttled": False,
@@ -94,8 +94,10 @@ def test_sysfs_reads_each_board(board: str) -> None:
 def test_total_is_the_input_rail_when_there_is_one() -> None:
     nano = JetsonSysfsSource(BOARDS / "nano").sample()["power_mw"]
     assert nano["total"] == nano["POM_5V_IN"] != sum(v for k, v in nano.items() if k != "total")
-    thor = JetsonSysfsSource(BOARDS / "thor").sample()["power_mw"]  # no VDD_IN: the rails add up
-    assert thor["total"] == thor["VDD_GPU"] + thor["VDD_CPU_SOC_MSS"] + thor["VIN_SYS_5V0"]
+    agx = JetsonSysfsSource(BOARDS / "agx-orin").sample()["power_mw"]  # no input rail: the rails add up
+    assert agx["total"] == sum(v for k, v in agx.items() if k != "total")
+    thor = JetsonSysfsSource(BOARDS / "thor").sample()["power_mw"]  # VIN: module plus carrier, not a sum
+    assert thor["total"] == thor["VIN"] > thor["VDD_GPU"] + thor["VDD_CPU_SOC_MSS"] + thor["VIN_SYS_5V0"]
 
 
 def test_nc_and_shunt_sum_channels_are_not_rails() -> None:
@@ -178,6 +180,45 @@ def test_legacy_iio_without_power_file_uses_volts_times_amps(tmp_path: Path) -> 
     (dev / "in_voltage2_input").write_text("5000\n")  # synthetic values for the fallback path
     (dev / "in_current2_input").write_text("41\n")
     assert JetsonSysfsSource(root).sample()["power_mw"]["POM_5V_CPU"] == 205
+
+
+# Thor's carrier-board INA238 (VIN): RECONSTRUCTED in tests/data/boards/thor (no recording exists; its
+# SOURCES.md cites jetson-stats 7.2.2 jtop/core/power.py and the kernel ina238 doc). The module's INA3221
+# rails come from the R38.4.0 tegrastats line.
+INA238_DEVICE = "sys/bus/i2c/devices/2-0044"
+INA3221_DRIVER = "sys/bus/i2c/drivers/ina3221"
+THOR_RAILS = {"VDD_GPU": 0, "VDD_CPU_SOC_MSS": 4165, "VIN_SYS_5V0": 4126}
+
+
+@pytest.mark.parametrize(("removed", "power"), [
+    ((), {"total": 13818, "VIN": 13818, **THOR_RAILS}),  # both chips: VIN is the total, not a sum
+    ((INA3221_DRIVER,), {"total": 13818, "VIN": 13818}),
+    ((INA238_DEVICE,), {"total": 8291, **THOR_RAILS}),
+    ((INA238_DEVICE, INA3221_DRIVER), None),
+], ids=["both", "ina238-only", "ina3221-only", "none"])
+def test_thor_input_power_is_the_ina238_vin(removed: tuple[str, ...], power: dict[str, int] | None,
+                                            tmp_path: Path) -> None:
+    root = copy_board("thor", tmp_path)
+    for path in removed:
+        shutil.rmtree(root / path)
+    assert JetsonSysfsSource(root).sample().get("power_mw") == power
+
+
+def test_ina238_without_power_file_uses_bus_volts_times_amps(tmp_path: Path) -> None:
+    root = copy_board("thor", tmp_path)
+    chip = root / INA238_DEVICE / "hwmon/hwmon3"
+    (chip / "in0_input").write_text("48000\n")  # the shunt drop is never the rail voltage
+    (chip / "power1_input").unlink()
+    assert JetsonSysfsSource(root).sample()["power_mw"]["VIN"] == 13818  # round(19968 mV x 692 mA / 1000)
+    (chip / "curr1_input").unlink()
+    power = JetsonSysfsSource(root).sample()["power_mw"]
+    assert "VIN" not in power and power["total"] == sum(THOR_RAILS.values())  # absent, never a 0 mW VIN
+
+
+def test_an_ina238_is_found_by_its_device_name_only(tmp_path: Path) -> None:
+    root = copy_board("thor", tmp_path)
+    (root / INA238_DEVICE / "name").write_text("ina226\n")  # another chip with the same files
+    assert "VIN" not in JetsonSysfsSource(root).sample()["power_mw"]
 
 
 def test_nvpmodel_default_when_never_changed(tmp_path: Path) -> None:

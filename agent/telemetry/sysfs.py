@@ -1,9 +1,10 @@
 """`jetson_sysfs`: Jetson sensors read straight from sysfs, for boards without the jtop service.
 
 What it reads (all paths under `root`, so tests point it at recorded trees in tests/data/boards):
-INA3221 power rails (hwmon driver on JetPack 5+, legacy iio `ina3221x` on JetPack 4), thermal
-zones and their trip points, GPU load and devfreq clocks, EMC clock, the nvpmodel mode, and the
-`soctherm_oc` over-current counters. Units follow the telemetry contract: mW, degrees C, %, MHz.
+INA3221 power rails (hwmon driver on JetPack 5+, legacy iio `ina3221x` on JetPack 4), the INA238
+that measures Thor's carrier-board input (`VIN`), thermal zones and their trip points, GPU load and
+devfreq clocks, EMC clock, the nvpmodel mode, and the `soctherm_oc` over-current counters. Units
+follow the telemetry contract: mW, degrees C, %, MHz.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from agent.telemetry.base import SOURCES, zone_name
 
 log = logging.getLogger(__name__)
 
-TOTAL_RAILS = ("VDD_IN", "POM_5V_IN")  # module input rails; the others are parts of it
+# What `total` is when present, in this order: VIN (Thor's carrier INA238, module + carrier, as jetson-stats
+# 7.2.2 `total_power` prefers it), then the module input rails; every other rail is a part of it.
+TOTAL_RAILS = ("VIN", "VDD_IN", "POM_5V_IN")
+INA238_RAIL = "VIN"  # the INA238 has no label file; jetson-stats names its one channel VIN
 THROTTLE_TRIP_TYPES = frozenset({"passive", "hot", "critical"})  # "active" only starts a fan
 GPU_BUSY_PCT = 90.0  # above this load a GPU clock under its max means something caps it
 OFFLINE_BELOW_MC = -40000  # -256000 (power-gated block), -127000 (unset trip): not temperatures
@@ -137,10 +141,12 @@ class JetsonSysfsSource:
 
 
 def read_power_rails(root: Path) -> dict[str, int]:
-    """Rail label -> mW from every INA3221 (hwmon first, legacy iio second); NC/sum channels skipped."""
+    """Rail label -> mW from every INA3221 (hwmon, then legacy iio) and INA238; NC/sum channels skipped."""
     rails: dict[str, int] = {}
     hwmon, iio = _ina_dirs(root)
-    for label, mw in [r for d in hwmon for r in _hwmon_rails(d)] + [r for d in iio for r in _iio_rails(d)]:
+    found = [r for d in hwmon for r in _hwmon_rails(d)] + [r for d in iio for r in _iio_rails(d)]
+    found += [r for d in _ina238_dirs(root) for r in _ina238_rails(d)]
+    for label, mw in found:
         key, n = label, 2
         while key in rails:  # the same label on two chips: keep both
             key, n = f"{label}_{n}", n + 1
@@ -149,7 +155,7 @@ def read_power_rails(root: Path) -> dict[str, int]:
 
 
 def power_mw(rails: dict[str, int]) -> dict[str, int] | None:
-    """Contract shape {"total", rails...}: total is VDD_IN/POM_5V_IN when present, else the sum."""
+    """Contract shape {"total", rails...}: total is VIN/VDD_IN/POM_5V_IN when present, else the sum."""
     if not rails:
         return None
     total = next((rails[r] for r in TOTAL_RAILS if r in rails), None)
@@ -160,6 +166,27 @@ def _ina_dirs(root: Path) -> tuple[list[Path], list[Path]]:
     hwmon = sorted((root / "sys/bus/i2c/drivers/ina3221").glob("*/hwmon/hwmon*"))
     iio = sorted((root / "sys/bus/i2c/drivers/ina3221x").glob("*/iio:device*"))
     return hwmon, iio
+
+
+def _ina238_dirs(root: Path) -> list[Path]:
+    """hwmon folders of the I2C devices named `ina238` (where jetson-stats 7.2.2 `jtop/core/power.py` looks)."""
+    devices = sorted((root / "sys/bus/i2c/devices").glob("*"))
+    return [h for d in devices if read_text(d / "name") == "ina238" for h in sorted(d.glob("hwmon/hwmon*"))]
+
+
+def _ina238_rails(hwmon: Path) -> list[tuple[str, int]]:
+    """power1_input is uW (kernel ina238 ABI); without it, bus in1_input mV x curr1_input mA.
+
+    in0_input is the shunt drop, not the rail's voltage, and is never used.
+    """
+    uw = read_int(hwmon / "power1_input")
+    if uw is not None:
+        return [(INA238_RAIL, round(uw / 1000))]
+    mv, ma = read_int(hwmon / "in1_input"), read_int(hwmon / "curr1_input")
+    if mv is None or ma is None:
+        log.debug("skipped INA238 %s: no power1_input and no voltage/current pair", hwmon)
+        return []
+    return [(INA238_RAIL, round(mv * ma / 1000))]
 
 
 def _hwmon_rails(hwmon: Path) -> list[tuple[str, int]]:
