@@ -147,6 +147,17 @@ def state_max_batch(state: Any, max_batch: int) -> int:
     return 1 if state is not None else max_batch
 
 
+DLA_STATIC_REASON = ("DLA runs static shapes only (NVIDIA's DLA restrictions: no dynamic dimensions, a profile's "
+                     "min, opt and max equal, runtime dimensions equal to the build's), so a dla:N engine is built "
+                     "and run at batch 1 (min = opt = max)")
+
+
+def dla_max_batch(dla_core: int | None, max_batch: int) -> int:
+    """1 for a DLA build (DLA_STATIC_REASON), else `max_batch`: a batch profile (min 1, opt = max = N) is
+    dynamic, which DLA refuses; padding every batch to N would cost the small batches N frames of work."""
+    return 1 if dla_core is not None else max_batch
+
+
 def planned_max_batch(setting: int | str | None, cameras: int = 1) -> int:
     """The batch size an engine is built and timed for: the configured size, AUTO_MAX_BATCH for "auto",
     never more than there are cameras (a batch holds one frame per camera)."""
@@ -158,7 +169,8 @@ def planned_max_batch(setting: int | str | None, cameras: int = 1) -> int:
 
 
 def batch_profile(shape: Sequence[int], max_batch: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """TensorRT optimisation profile of a frame input: min batch 1, opt = max = `max_batch`."""
+    """TensorRT optimisation profile of a frame input: min batch 1, opt = max = `max_batch`; static (min = opt = max)
+    at `max_batch` 1, which is what a DLA build gets (`dla_max_batch`)."""
     rest = tuple(int(d) for d in shape[1:])
     return (1, *rest), (max_batch, *rest), (max_batch, *rest)
 

@@ -10,6 +10,13 @@ define: tests/data/tensorrt_api/<version>.json, generated from NVIDIA/TensorRT's
 scripts/extract_tensorrt_api.py. A name outside that table raises AttributeError (so `hasattr`
 feature detection sees what the real module would); a name in the table that this fake does not
 model raises NotImplementedError, so a test never silently takes a branch the real module would not.
+
+Behaviour the headers document is modelled per version where our code depends on it: the optimization profile
+a new execution context gets and what a context without one refuses, contexts made without activation memory
+(`_Engine`, `_Context`), a build that puts a dynamic profile on DLA (`_Builder`), and captures that record
+nothing (`FakeCudaMemory(empty_capture=True)`). Subclasses change how contexts are made by overriding
+`_Engine.create_execution_context` or `_Engine._new_context` (`create_execution_context_without_device_memory`
+goes through both) and why an enqueue fails by overriding `_Context._enqueue_blocker`.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import functools
 import json
 import time
 import types
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,13 +47,17 @@ class FakeCudaMemory:
     engines/cuda/base.py uses; CUDA Programming Guide, "Prohibited and Unhandled Operations"): synchronizing
     the capturing stream or allocating while capturing is an error (cudaErrorStreamCaptureUnsupported) that
     invalidates the capture, and the cudaStreamEndCapture after it fails (cudaErrorStreamCaptureInvalidated)
-    with no graph."""
+    with no graph.
+
+    `empty_capture`: a capture records none of the work enqueued into it (an enqueue that returned True but put
+    nothing on the stream): its graph replays as a no-op, leaving the device outputs as they were."""
 
     name = "fake"
 
-    def __init__(self, supports_graphs: bool = True, corrupt_replay: bool = False) -> None:
+    def __init__(self, supports_graphs: bool = True, corrupt_replay: bool = False, empty_capture: bool = False) -> None:
         self.supports_graphs = supports_graphs
         self.corrupt_replay = corrupt_replay
+        self.empty_capture = empty_capture
         self._buffers: dict[int, Any] = {}
         self._capture: list[Callable[[], None]] | None = None
         self._invalidated = False
@@ -65,6 +77,8 @@ class FakeCudaMemory:
     def enqueue(self, op: Callable[[], None], context: Any = None) -> None:
         """Run now, or record into the graph being captured (with the enqueuing context's shape generation)."""
         if self._capture is not None:
+            if self.empty_capture:
+                return
             self._capture.append(op)
             if context is not None:
                 self._captured_contexts.append((context, context._generation))
@@ -241,6 +255,8 @@ class _Guarded:
         try:
             return object.__getattribute__(self, name)
         except AttributeError:
+            if getattr(getattr(type(self), name, None), "fget", False) is None:  # def_property(name, nullptr, setter)
+                raise AttributeError(f"unreadable attribute '{name}'") from None
             raise NotImplementedError(f"the fake {self.API} does not model {name!r}, which the real one has") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -454,7 +470,9 @@ class _Config(_Guarded):
 
     def add_optimization_profile(self, profile: _Profile) -> int:
         self._ctx.record["profiles"].append(profile._shapes)
-        return 0
+        profiles = self.__dict__.setdefault("_profiles", [])
+        profiles.append(dict(profile._shapes))
+        return len(profiles) - 1
 
     def create_timing_cache(self, serialized_timing_cache: bytes) -> _TimingCache | None:
         data = bytes(serialized_timing_cache)
@@ -496,11 +514,24 @@ class _Builder(_Guarded):
                 record["monitor_calls"].append(monitor.step_complete("Building engine", step))
             monitor.phase_finish("Building engine")
         errors = self._ctx.build_errors + (self._ctx.plugin_build_errors if network._plugin else ())
+        errors += self._dla_shape_errors(config)
         for msg in errors:
             self._logger.log(self._ctx.trt.ILogger.Severity.ERROR, msg)
         if errors:
             return None
         return b"PLAN" + (NMS_PLAN_MARK if network._plugin else b"") + repr(record["set_flags"]).encode("ascii")
+
+
+    def _dla_shape_errors(self, config: _Config) -> tuple[str, ...]:
+        """TensorRT refuses dynamic shapes on DLA: NVIDIA's DLA restrictions ("Dynamic dimensions are not
+        supported"; a profile's min, opt and max must be equal; runtime dimensions must equal the build's)."""
+        device = self._ctx.record.get("default_device_type")
+        if getattr(device, "name", None) != "DLA":
+            return ()
+        return tuple(f"{name}: DLA does not support dynamic shapes: the optimization profile's min {list(mn)}, opt "
+                     f"{list(opt)} and max {list(mx)} must be equal"
+                     for shapes in config.__dict__.get("_profiles", []) for name, (mn, opt, mx) in shapes.items()
+                     if not mn == opt == mx)
 
 
 class _Err(_Guarded):
@@ -583,15 +614,42 @@ NMS_OUTPUTS = {"num_detections": ((1,), "INT32"), "detection_boxes": ((8, 4), "F
 NMS_PLAN_MARK = b"+EfficientNMS_TRT"
 
 
+def _version(api: ApiTable) -> tuple[int, ...]:
+    return tuple(int(p) for p in api.version.split(".")[:2])
+
+
+def _runtime_error(ctx: _Ctx, msg: str) -> None:
+    """What TensorRT's runtime logs as an error (kept in `trt._record["runtime_errors"]`)."""
+    ctx.record.setdefault("runtime_errors", []).append(msg)
+
+
 class _Engine(_Guarded):
+    """The engine of a plan: y = 2x + 1 over one optimization profile (batch 1..4).
+
+    Contexts follow each release's header (NvInferRuntime.h): a new context gets optimization profile 0 on 8.5
+    only if it is the engine's first ("The first execution context created will call setOptimizationProfile(0)
+    implicitly", 8.5.2), on 8.6 only if no live context holds profile 0 ("if there are no other execution
+    contexts assigned to optimization profile 0", v8.6.1 1749-1752), otherwise -1; from 10 always 0 ("The newly
+    created execution context will be assigned optimization profile 0", v10.3.0 2613-2614). 9.x (no table here)
+    is taken as 10. Activation memory: `create_execution_context()` (STATIC) allocates the engine's
+    `device_memory_size` inside TensorRT (counted in `trt._record["static_context_bytes"]`); a context made
+    without memory (8.5-10.x `create_execution_context_without_device_memory`, 10+ USER_MANAGED) enqueues only
+    once memory of at least that size is assigned."""
+
     API = "ICudaEngine"
+    _activation_bytes = 64 << 10  # what one context needs for activations, over every shape of the profile
 
     def __init__(self, ctx: _Ctx, plugin: bool = False) -> None:
         super().__init__(ctx.api)
         self._ctx = ctx
         self._outputs = dict(NMS_OUTPUTS) if plugin else {"y": (None, "FLOAT")}  # y = 2x + 1: x's shape
+        self._created = 0
+        self._profile_holders: weakref.WeakSet[Any] = weakref.WeakSet()  # live contexts on profile 0
 
     num_io_tensors = property(lambda self: 1 + len(self._outputs))
+    num_optimization_profiles = property(lambda self: 1)
+    device_memory_size = property(lambda self: self._activation_bytes)
+    device_memory_size_v2 = property(lambda self: self._activation_bytes)
 
     def get_tensor_name(self, index: int) -> str:
         return ("x", *self._outputs)[index]
@@ -609,8 +667,49 @@ class _Engine(_Guarded):
     def get_tensor_dtype(self, name: str) -> Any:
         return self._ctx.trt.DataType[self._outputs[name][1] if name in self._outputs else "FLOAT"]
 
-    def create_execution_context(self, *args: Any) -> "_Context":
-        return _Context(self._ctx, self._outputs)
+    def create_execution_context(self, *args: Any, **kwargs: Any) -> "_Context":
+        strategies = getattr(self._ctx.trt, "ExecutionContextAllocationStrategy", None)
+        if strategies is None and (args or kwargs):  # 8.x: createExecutionContext() takes no argument
+            raise TypeError("create_execution_context(): incompatible function arguments")
+        strategy = (list(args) + list(kwargs.values()) or [None])[0]
+        user_managed = strategies is not None and strategy == strategies.USER_MANAGED
+        return self._new_context(memory=not (user_managed or self.__dict__.get("_without_memory", False)))
+
+    def create_execution_context_without_device_memory(self) -> "_Context":
+        # through create_execution_context, so a subclass that overrides that one sees every context made
+        self.__dict__["_without_memory"] = True
+        try:
+            return self.create_execution_context()
+        finally:
+            self.__dict__["_without_memory"] = False
+
+    def _new_context(self, memory: bool) -> "_Context":
+        """A context of this engine (its profile from `_initial_profile`); `memory`: TensorRT allocates its
+        activations itself. Subclasses return their own context type here."""
+        return _Context(self._ctx, self._outputs, engine=self, device_memory=memory)
+
+    def _initial_profile(self) -> int:
+        """The optimization profile TensorRT gives a context it creates now (see the class docstring)."""
+        first, self._created = self._created == 0, self._created + 1
+        version = _version(self._ctx.api)
+        if version >= (9, 0):
+            return 0
+        if version < (8, 6):
+            return 0 if first else -1
+        return 0 if not len(self._profile_holders) else -1
+
+    def _take_profile(self, context: "_Context", index: int) -> bool:
+        """setOptimizationProfileAsync: before 9, profile 0 is refused while another live context holds it."""
+        if not 0 <= index < 1:
+            _runtime_error(self._ctx, f"profile index {index} is out of range [0, 1)")
+            return False
+        holders = [c for c in self._profile_holders if c is not context]
+        if _version(self._ctx.api) < (9, 0) and holders:
+            _runtime_error(self._ctx, f"Profile {index} has been chosen by another IExecutionContext. Saw profile "
+                                      f"{index}, expected profile index in [1, 1)")
+            return False
+        self._profile_holders.add(context)
+        return True
 
 
 class _Context(_Guarded):
@@ -619,20 +718,67 @@ class _Context(_Guarded):
     shapes, then captures, and never changes a captured context's shapes): after `set_input_shape` changes
     a shape, the next enqueue must be a plain one; an enqueue under capture before it fails (False), and a
     graph captured before the change replays stale (FakeCudaMemory.launch_graph). `execute_async_v3`
-    reads the bound addresses when it is enqueued, as the real one does."""
+    reads the bound addresses when it is enqueued, as the real one does.
+
+    A context with optimization profile -1 (see _Engine) rejects every input shape and enqueue ("all calls to
+    enqueueV2()/enqueueV3()/executeV2() will fail until a valid profile index has been set", v8.6.1 2793-2797);
+    one made without device memory refuses to enqueue until `device_memory` / `set_device_memory` gave it a
+    block of at least the engine's size. `_enqueue_blocker` says why an enqueue fails (override it to add a
+    reason). Made directly (no `engine`), a context has profile 0 and its own memory."""
 
     API = "IExecutionContext"
 
-    def __init__(self, ctx: _Ctx, outputs: dict[str, tuple[Any, str]] | None = None) -> None:
+    def __init__(self, ctx: _Ctx, outputs: dict[str, tuple[Any, str]] | None = None, engine: _Engine | None = None,
+                 device_memory: bool = True) -> None:
         super().__init__(ctx.api)
+        self._fake = ctx
         self._cuda = ctx.cuda
         self._outputs = outputs or {"y": (None, "FLOAT")}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._addresses: dict[str, int] = {}
         self._generation = 0  # bumped by every shape change
         self._needs_enqueue = False  # a shape changed and no plain enqueue followed yet
+        self._engine = engine
+        self._profile = engine._initial_profile() if engine is not None else 0
+        if engine is not None and self._profile == 0:
+            engine._profile_holders.add(self)
+        needed = engine._activation_bytes if engine is not None else 0
+        self._memory: int | None = None if not device_memory else 0  # 0: TensorRT's own allocation
+        if device_memory and needed:
+            ctx.record.setdefault("static_context_bytes", []).append(needed)
+
+    active_optimization_profile = property(lambda self: self._profile)
+
+    def set_optimization_profile_async(self, profile_index: int, stream_handle: int) -> bool:
+        taken = self._engine._take_profile(self, profile_index) if self._engine is not None else profile_index == 0
+        if taken:
+            self._profile = profile_index
+        return taken
+
+    def _set_memory(self, memory: int) -> None:
+        self._memory = int(memory)
+
+    device_memory = property(None, _set_memory)  # write-only, as the binding's (def_property(..., nullptr, set))
+
+    def set_device_memory(self, memory: int, size: int) -> None:
+        needed = self._engine._activation_bytes if self._engine is not None else 0
+        if size < needed:
+            _runtime_error(self._fake, f"setDeviceMemoryV2: size {size} is smaller than the {needed} bytes needed")
+            return
+        self._memory = int(memory)
+
+    def _enqueue_blocker(self) -> str | None:
+        """Why TensorRT would refuse to enqueue this context now, or None."""
+        if self._profile < 0:
+            return "no optimization profile set (active_optimization_profile is -1)"
+        if self._memory is None:
+            return "no device memory: the context was created without it and none was assigned"
+        return None
 
     def set_input_shape(self, name: str, shape: tuple[int, ...]) -> bool:
+        if self._profile < 0:
+            _runtime_error(self._fake, f"setInputShape: {name}: the context has no optimization profile")
+            return False
         if len(shape) != 4 or tuple(shape[1:]) != (3, 4, 4):
             return False
         if self._shapes.get(name) != tuple(shape):
@@ -652,6 +798,10 @@ class _Context(_Guarded):
 
     def execute_async_v3(self, stream_handle: int) -> bool:
         assert self._cuda is not None
+        blocker = self._enqueue_blocker()
+        if blocker is not None:
+            _runtime_error(self._fake, f"enqueueV3: {blocker}")
+            return False
         if self._cuda.capturing and self._needs_enqueue:
             return False  # capture right after a shape change: TensorRT's deferred shape work cannot be captured
         self._needs_enqueue = False

@@ -469,7 +469,8 @@ def test_trt_engine_runs_batches_with_one_graph_per_size(fake_backend, tmp_path:
     cuda = FakeCudaMemory()
     module = fake_backend(cuda, version)
     engine = module.TensorRTBackend().load(_plan(tmp_path), EngineOptions(static_shapes={"x": (1, 3, 4, 4)}, max_batch=4))
-    graphs = version != "8.5.2"
+    graphs = int(version.split(".")[0]) >= 10
+    # 8.5 never captures; on 8.6 a second context gets no profile: one context, no per-size graphs
     try:
         assert engine.max_batch == 4 and engine.describe()["max_batch"] == 4
         assert engine.inputs[0].shape == (None, 3, 4, 4) and engine.outputs[0].shape == (None, 3, 4, 4)

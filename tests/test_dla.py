@@ -189,7 +189,9 @@ def test_dla_build_with_gpu_fallback(no_gpu, tmp_path: Path, version: str, preci
     record = trt._record
     assert record["default_device_type"] == trt.DeviceType.DLA and record["dla_core"] == 1
     assert "GPU_FALLBACK" in record["set_flags"]
+    shapes = report["dla"].pop("shapes")
     assert report["dla"] == {"core": 1, "cores": 2, "layers": 3, "gpu_fallback_layers": 1, "gpu_layers": ["resize"]}
+    assert shapes.startswith("static, batch 1") and "no dynamic dimensions" in shapes  # the report says why
     weak = hasattr(trt.BuilderFlag, "FP16")  # DLA needs FP16/INT8: flags where they exist, else typed ONNX
     assert ("FP16" in record["set_flags"]) == weak
     assert report["precision_mode"] == ("strongly-typed" if not weak else f"{precision}-flag")
@@ -299,20 +301,71 @@ def test_plan_for_a_missing_dla_core_is_refused(trt_backend, tmp_path: Path, ver
     assert "deserialized_on_core" not in trt._record and "runtime_dla_core" not in trt._record
 
 
-@pytest.mark.parametrize("version", ["8.6.1", "10.3.0", "11.1.0"])
-def test_batch_timing_of_a_fresh_dla_plan_runs_on_its_core(trt_backend, tmp_path: Path, version: str) -> None:
-    # The plan is timed right after the build, before the cache writes its sidecar: the spec names the core.
+# --- DLA takes static shapes only (issue 41): no batch profile, and TensorRT refuses a dynamic one ------------
+
+
+@pytest.mark.parametrize("version", ["8.6.1", "10.3.0"])
+def test_a_dla_build_gets_a_static_batch_1_profile_and_says_why(trt_backend, no_gpu, tmp_path: Path,
+                                                                version: str) -> None:
+    """`[batch] max_size` 4 on a dla:0 model: the plan is batch 1 with min = opt = max (NVIDIA's DLA restrictions:
+    no dynamic dimensions), the build report says why, and nothing times a batch curve it cannot run."""
     from engines.build import batch_size
+    from engines.build.provisioning import plan_build
+    from tests.engine_fixtures import source
 
     cuda = FakeCudaMemory()
     trt = dla_tensorrt(version, cores=2, cuda=cuda)
     trt_backend(trt, cuda)
-    spec = EngineBuildSpec(precision="fp16", input_shapes={"x": (1, 3, 4, 4)}, dla_core=1, max_batch=2)
-    job = BuildJob("tensorrt", tmp_path / "m.onnx", tmp_path / "out.plan", tmp_path / "work", spec, {})
-    job.out_path.write_bytes(b"PLAN-fake")
+    src = source(conv_model(tmp_path / "tiny.onnx"), size=16, precision="fp16")
+    plan = plan_build(src, "tensorrt", max_batch=4, device="dla:0", fingerprint_root=BOARDS / "agx-orin")
+    assert plan.spec.dla_core == 0 and plan.spec.max_batch == 1
+    assert all(p.min == p.opt == p.max and p.max[0] == 1 for p in plan.spec.profiles.values())
+    gpu = plan_build(src, "tensorrt", max_batch=4, device="gpu", fingerprint_root=BOARDS / "agx-orin")
+    assert gpu.spec.max_batch == 4  # the GPU keeps its batch profile
     report: dict[str, Any] = {"notes": []}
-    batch_size.time_build(job, report, lambda *a, **k: None, warmup=0, min_rounds=1, max_rounds=1)
-    assert trt._record["deserialized_on_core"] == 1 and set(report["batch"]["curve"]) >= {"1", "2"}
+    built = tb.build_serialized(trt, tmp_path / "m.onnx", plan.spec, None, lambda *a, **k: None, report)
+    assert built.startswith(b"PLAN") and trt._record["profiles"][-1] == {"x": ((1, 3, 16, 16),) * 3}
+    assert "no dynamic dimensions" in report["dla"]["shapes"]
+    job = BuildJob("tensorrt", tmp_path / "m.onnx", tmp_path / "out.plan", tmp_path / "work", plan.spec, {})
+    batch_size.time_build(job, report, lambda *a, **k: None)
+    assert "batch" not in report  # batch 1: no curve to time
+
+
+@pytest.mark.parametrize("version", api_versions())
+def test_tensorrt_refuses_a_dynamic_profile_on_dla(no_gpu, tmp_path: Path, version: str) -> None:
+    """The fake builder fails (logs an error, returns no plan) for a DLA config with a dynamic profile, as
+    TensorRT does; the product refuses such a spec before the builder runs, naming the reason."""
+    from engines.build.spec import ShapeProfile
+
+    dynamic = {"x": ShapeProfile((1, 3, 16, 16), (2, 3, 16, 16), (2, 3, 16, 16))}
+    spec = EngineBuildSpec(precision="fp16", input_shapes={"x": (1, 3, 16, 16)}, dla_core=0, max_batch=2,
+                           profiles=dynamic)
+    trt = dla_tensorrt(version, cores=2)
+    with pytest.raises(EngineBuildError) as info:
+        tb.build_serialized(trt, tmp_path / "m.onnx", spec, None, lambda *a, **k: None)
+    assert "dla:0 needs a static profile" in str(info.value) and "no dynamic dimensions" in str(info.value)
+    builder, logger = trt.Builder(None), _Logger()  # what TensorRT itself does with that profile on DLA
+    builder._logger = logger
+    network, config = builder.create_network(0), builder.create_builder_config()
+    config.default_device_type = trt.DeviceType.DLA
+    profile = builder.create_optimization_profile()
+    profile.set_shape("x", (1, 3, 16, 16), (2, 3, 16, 16), (2, 3, 16, 16))
+    config.add_optimization_profile(profile)
+    assert builder.build_serialized_network(network, config) is None
+    assert any("DLA does not support dynamic shapes" in msg for msg in logger.errors)
+    static = builder.create_optimization_profile()
+    static.set_shape("x", (1, 3, 16, 16), (1, 3, 16, 16), (1, 3, 16, 16))
+    config2 = builder.create_builder_config()
+    config2.add_optimization_profile(static)
+    assert builder.build_serialized_network(network, config2) is not None  # static on DLA builds
+
+
+class _Logger:
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def log(self, severity: Any, msg: str) -> None:
+        self.errors.append(msg)
 
 
 def test_unreadable_sidecar_is_an_incompatible_engine(trt_backend, tmp_path: Path) -> None:

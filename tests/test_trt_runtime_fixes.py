@@ -148,7 +148,7 @@ def test_cuda_python_clear_error_reads_and_resets_the_last_error(monkeypatch: py
     install_cudart(monkeypatch, rt)
     memory = cuda_mem.open_implementation("cuda-python")
     rt.last_error = cudaError_t.cudaErrorStreamCaptureInvalidated
-    assert memory.clear_error() == "cudaErrorStreamCaptureInvalidated"
+    assert memory.clear_error() == "cudaErrorStreamCaptureInvalidated (cuda-python)"
     assert memory.clear_error() is None
 
 

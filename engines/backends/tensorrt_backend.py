@@ -4,12 +4,22 @@
 reason ("tensorrt: disabled (No module named 'tensorrt')") and the agent runs on ONNX Runtime. The
 same happens when neither cuda-python nor pycuda is installed (TensorRT alone cannot move tensors).
 
-Per engine: one execution context, one non-blocking CUDA stream, a pinned host array and a device
-buffer per I/O tensor (addresses bound once with `set_tensor_address`). With static shapes the
-enqueue is captured into a CUDA graph after a first plain run, replayed thereafter, and kept only if
-its outputs match the plain run's bit for bit; otherwise the reason is in `describe()`. A failed
-capture leaves a sticky "last error" in the CUDA runtime; it is read and cleared at once (as trtexec
-does), so the plain path that follows does not inherit it. TensorRT 8.5 is never captured (it fails).
+Per engine: one non-blocking CUDA stream, a pinned host array and a device buffer per I/O tensor (addresses
+bound once with `set_tensor_address`), and one block of activation memory (`activation_size`: the engine's
+largest need over its profiles) that every execution context of the engine uses: contexts are created without
+memory of their own (`tensorrt_compat.context_without_memory`) and given that block. They share it safely
+because they only ever run one after another on the engine's one stream (NvInferRuntime.h: the memory is
+in use from the enqueue until the work completes; another context using it *in parallel* is undefined).
+`describe()` reports `activation_bytes` and `contexts_sharing_activation`.
+
+CUDA graphs: with static shapes the enqueue is captured into a CUDA graph after a first plain run and
+replayed thereafter, kept only if a replay into outputs first overwritten with a byte pattern reproduces the
+plain run's outputs bit for bit: a capture that recorded nothing, or replays stale work, leaves the pattern
+behind instead of passing on the plain run's leftovers. Otherwise the reason is in `describe()`. A failed
+capture leaves a "last error" in the CUDA runtime (one per runtime instance and host thread): it is read and
+cleared at once, as trtexec does, in cuda-python's own runtime (where our capture calls recorded it) and in a
+shared libcudart already loaded in the process (CudaPythonMemory.clear_error). TensorRT 8.5 is never captured
+(it fails).
 
 NMS: a plan whose sidecar says `report.nms.where = "engine"` holds EfficientNMS_TRT (engines.nms_graph);
 `TrtEngine.nms` says so (checked against the engine's outputs, inferred from them without a sidecar), and the
@@ -22,14 +32,23 @@ report is ENGINE_DLA_UNAVAILABLE.
 
 Batching: a plan built with a batch profile (min 1, opt = max = `max_size`) and loaded with
 `EngineOptions.max_batch > 1` gets buffers for the largest batch; `infer` on `[N, C, H, W]` uses the first
-N rows. With CUDA graphs on, each batch size in use gets its own execution context, created on its first
-use with its input shape set once and the shared buffers bound, and its own graph captured from that
-context. A captured graph holds the shapes its context had; TensorRT needs an enqueue after every input
-shape change, and a graph replayed after its context's shape changed computes with stale state (TensorRT
-developer guide, "CUDA Graphs"; trtexec captures once per context and never changes its shapes:
-samples/common/sampleInference.cpp at v10.3.0). So no context's shape changes after its capture. The cost
-is one context's activation memory per batch size in use (at most max_batch of them). Without graphs one
-context serves every size: its shape is set when N changes and the plain enqueue that follows is valid.
+N rows. Two context schemes (`describe()["context_scheme"]`, with the reason):
+- "per-size": with CUDA graphs on, each batch size in use gets its own execution context, created on its
+  first use with its input shape set once and the shared buffers bound, and its own graph captured from that
+  context. A captured graph holds the shapes its context had; TensorRT needs an enqueue after every input
+  shape change, and a graph replayed after its context's shape changed computes with stale state (TensorRT
+  developer guide, "CUDA Graphs"; trtexec captures once per context and never changes its shapes:
+  samples/common/sampleInference.cpp at v10.3.0). So no context's shape changes after its capture. They
+  share the one activation block, so a size costs a context's bookkeeping, not its activations.
+- "single": one context serves every size; its shape is set when N changes and the plain enqueue that
+  follows is valid; no graphs. Used without graphs (configuration, no stream capture, TensorRT 8.5), and
+  where a new context gets no optimization profile: TensorRT 8.5 gives profile 0 only to the first context,
+  8.6 only to a context while no other holds it; a second one starts at -1, rejects every shape and
+  enqueue, and cannot take profile 0 (tensorrt_compat), and our plans have one profile. This is seen, not
+  assumed from the version: the second context's `active_optimization_profile` is read when it is created
+  (at load), and a -1 switches the engine to "single" (TensorRT 10+ gives every new context profile 0).
+  (One profile per batch size at build time would give 8.6 per-size graphs too, at the cost of a build
+  per profile; plans already cached would still need this fallback.)
 
 This module imports when tensorrt and a CUDA binding import; whether they really run on this device
 (driver, GPU, memory) is `engines.doctor`'s question, which `auto` backend selection asks.
@@ -47,8 +66,9 @@ import tensorrt as trt
 from engines import cuda as cuda_mem
 from engines.backends import BACKENDS
 from engines.backends.base import EngineOptions, TensorSpec
-from engines.backends.tensorrt_compat import (graph_capture_blocker, numpy_dtype, register_plugins, select_dla_core,
-                                              shared_logger, sidecar_dla_core)
+from engines.backends.tensorrt_compat import (activation_size, assign_device_memory, context_profile,
+                                              context_without_memory, graph_capture_blocker, numpy_dtype,
+                                              register_plugins, select_dla_core, shared_logger, sidecar_dla_core)
 from engines.cuda import CudaError, CudaMemory, DeviceBuffer, open_cuda_memory
 from engines.errors import BatchSizeError, InferenceError, ModelError
 from engines.nms_graph import engine_nms, sidecar_nms
@@ -86,7 +106,7 @@ class _Binding:
 
 
 class TrtEngine:
-    """A deserialized TensorRT engine with its context, stream, buffers and optional CUDA graph."""
+    """A deserialized TensorRT engine with its contexts, stream, buffers, activation block and CUDA graphs."""
 
     backend = "tensorrt"
 
@@ -95,7 +115,8 @@ class TrtEngine:
         self._bindings: list[_Binding] = []
         self._graph: Any = None
         self._graphs: dict[int, Any] = {}  # batch size -> captured graph
-        self._contexts: dict[int, Any] = {}  # batch size -> its own execution context (batched, with CUDA graphs)
+        self._contexts: dict[int, Any] = {}  # batch size -> its own execution context (scheme "per-size")
+        self._single_reason: str | None = None  # why a batched engine runs one context, when a new one got no profile
         self.graph_statuses: dict[int, str] = {}
         self.max_batch = 1
         self._batch = 1
@@ -105,6 +126,7 @@ class TrtEngine:
         self._engine: Any = None
         self._context: Any = None
         self._stream: Any = None
+        self._activation: DeviceBuffer | None = None  # the activation memory every context of this engine uses
         self.cuda: CudaMemory | None = open_cuda_memory()
         self.cuda_name = self.cuda.name
         try:
@@ -131,8 +153,9 @@ class TrtEngine:
             held = f"; it holds EfficientNMS_TRT ({plugins})" if sidecar == "engine" else ""
             raise ModelError(f"{self.path.name}: TensorRT {trt.__version__} cannot deserialize this plan (built by "
                              f"another TensorRT version or for another GPU{held})", code="ENGINE_INCOMPATIBLE")
-        self._context = self._engine.create_execution_context()
         cuda = self._live_cuda()
+        self._activation = cuda.malloc(activation_size(self._engine))
+        self._context = self._new_context("the engine")
         self._stream = cuda.create_stream()
         self._handle = cuda.stream_handle(self._stream)
         self._bind(options.static_shapes, options.max_batch)
@@ -146,10 +169,22 @@ class TrtEngine:
             self._set_batch(1)
         self.graph_status = self._graph_for_batch()
 
+    def _new_context(self, purpose: str) -> Any:
+        """An execution context on the engine's activation block (created without memory of its own)."""
+        context = context_without_memory(trt, self._engine)
+        if context is None:  # TensorRT returns None when it cannot create the context
+            raise InferenceError(f"{self.path.name}: TensorRT {trt.__version__} gave no execution context for "
+                                 f"{purpose} (out of memory? see the TensorRT log)")
+        block = self._activation
+        assert block is not None  # allocated before the first context
+        assign_device_memory(context, block.ptr, block.nbytes)
+        return context
+
     def _per_size_contexts(self) -> bool:
-        """True when each batch size gets its own context: batched and graphs can be captured here."""
+        """True when each batch size gets its own context: batched, graphs can be captured here, and a new
+        context gets an optimization profile."""
         return (self.max_batch > 1 and self._cuda_graphs and self.cuda is not None and self.cuda.supports_graphs
-                and not graph_capture_blocker(trt))
+                and not graph_capture_blocker(trt) and self._single_reason is None)
 
     def _bind(self, static_shapes: dict[str, tuple[int, ...]], max_batch: int = 1) -> None:
         """Resolve every I/O tensor's shape (dynamic inputs from `static_shapes` or profile 0's opt); with
@@ -189,25 +224,42 @@ class TrtEngine:
     def _set_batch(self, n: int) -> None:
         """The context for a batch of `n` (its own, or the one context with its shapes set to `n`); the
         bindings then view that many rows."""
-        if self._per_size_contexts():
-            context = self._contexts.get(n)
-            if context is None:
-                context = self._engine.create_execution_context()
-                if context is None:  # TensorRT returns None when it cannot allocate the context's memory
-                    raise InferenceError(f"{self.path.name}: no execution context for a batch of {n} "
-                                         "(out of device memory?)")
-                self._shape_context(context, n)
-                for b in self._bindings:  # every size reads and writes the same buffers
-                    context.set_tensor_address(b.name, b.device.ptr)
-                self._contexts[n] = context
-        else:
-            context = self._context
-            self._shape_context(context, n)
+        context = self._context_for(n)
         for b in self._bindings:
             b.set_active(tuple(context.get_tensor_shape(b.name)))
         self._context = context
         self._batch = n
         self._graph = self._graphs.get(n)
+
+    def _context_for(self, n: int) -> Any:
+        """Scheme "per-size": the size's own context, made on its first use; "single": the one context, shaped."""
+        if not self._per_size_contexts():
+            self._shape_context(self._context, n)
+            return self._context
+        context = self._contexts.get(n)
+        if context is None:
+            context = self._new_context(f"a batch of {n}")
+            if context_profile(context) < 0:
+                return self._go_single(n)  # `context` holds nothing: it is released on return
+            self._shape_context(context, n)
+            for b in self._bindings:  # every size reads and writes the same buffers
+                context.set_tensor_address(b.name, b.device.ptr)
+            self._contexts[n] = context
+        return context
+
+    def _go_single(self, n: int) -> Any:
+        """A new context got no optimization profile (TensorRT 8.5/8.6 with profile 0 taken): from now on the
+        first context serves every batch size, shaped per batch, with plain enqueue."""
+        self._single_reason = (f"TensorRT {trt.__version__} gives a second execution context no optimization "
+                               "profile (active_optimization_profile -1: profile 0 belongs to the first, and the "
+                               "plan has no other), so one context serves every batch size with plain enqueue")
+        log.info("%s: %s", self.path.name, self._single_reason)
+        first = self._contexts.get(self.max_batch, self._context)
+        self._contexts = {}
+        self._drop_all_graphs()  # a graph of `first` would replay stale once its shape changes
+        self.graph_statuses = {}
+        self._shape_context(first, n)
+        return first
 
     def _shape_context(self, context: Any, n: int) -> None:
         for name, base in self._base_shapes.items():
@@ -218,7 +270,10 @@ class TrtEngine:
         """Capture (once) the graph of the current batch size; the status of that size."""
         n = self._batch
         if n not in self.graph_statuses:
-            status = self._capture_graph() if self._cuda_graphs else "disabled by configuration"
+            if self._single_reason is not None:
+                status = f"not captured: {self._single_reason}"
+            else:
+                status = self._capture_graph() if self._cuda_graphs else "disabled by configuration"
             self.graph_statuses[n] = status
             if self._graph is not None:
                 self._graphs[n] = self._graph
@@ -230,14 +285,18 @@ class TrtEngine:
         elif not self._context.execute_async_v3(self._handle):
             raise InferenceError(f"{self.path.name}: execute_async_v3 failed (see the TensorRT log)")
 
-    def _run(self) -> list[np.ndarray]:
-        """Inputs are already in the pinned arrays: copy in, enqueue, copy out, wait."""
+    def _run(self, poison: list[int] | None = None) -> list[np.ndarray]:
+        """Inputs are already in the pinned arrays: copy in, enqueue, copy out, wait. `poison`: one byte per
+        output that its device buffer is filled with first (graph verification)."""
         cuda = self._live_cuda()
+        outputs = [b for b in self._bindings if not b.is_input]
         for b in self._bindings:
             if b.is_input:
                 cuda.copy_htod_async(b.device, b.active, self._stream)
+        for b, byte in zip(outputs, poison or ()):
+            b.active.reshape(-1).view(np.uint8).fill(byte)
+            cuda.copy_htod_async(b.device, b.active, self._stream)
         self._enqueue()
-        outputs = [b for b in self._bindings if not b.is_input]
         for b in outputs:
             cuda.copy_dtoh_async(b.active, b.device, self._stream)
         cuda.synchronize(self._stream)
@@ -262,7 +321,7 @@ class TrtEngine:
                 cuda.destroy_graph(graph)
                 return "execute_async_v3 failed during capture" + self._clear_cuda_error()
             self._graph = graph
-            if not all(np.array_equal(a, b) for a, b in zip(expected, self._run())):
+            if not self._replay_matches(expected):
                 self._drop_graph()
                 return "graph replay differs from a plain run"
         except (CudaError, InferenceError) as exc:
@@ -270,8 +329,16 @@ class TrtEngine:
             return f"capture failed: {exc}" + self._clear_cuda_error()
         return "captured"
 
+    def _replay_matches(self, expected: list[np.ndarray]) -> bool:
+        """Replay the new graph into outputs overwritten first, and compare bit for bit with the plain run. The
+        plain run's result is still in the device outputs: a graph that computes nothing (an empty or stale
+        capture) would pass on those leftovers; it cannot pass on the pattern."""
+        replayed = self._run([_poison_byte(a) for a in expected])
+        return all(a.tobytes() == b.tobytes() for a, b in zip(expected, replayed))
+
     def _clear_cuda_error(self) -> str:
-        """Reset the runtime's sticky last error after a failed capture; text for the graph status."""
+        """Reset the last error a failed capture left in the runtimes we can reach (CudaPythonMemory.clear_error
+        says which); text for the status."""
         clear = getattr(self.cuda, "clear_error", None)
         if clear is None:
             return ""
@@ -330,19 +397,34 @@ class TrtEngine:
         if n != self._batch:
             self._set_batch(n)
 
+    def _scheme(self) -> tuple[str, str]:
+        """("per-size" | "single", why) for describe()."""
+        if self._per_size_contexts():
+            return "per-size", "a context per batch size in use, each with its own CUDA graph"
+        if self.max_batch == 1:
+            return "single", "batch 1"
+        why = self._single_reason or ("CUDA graphs are off or cannot be captured here, so nothing needs a "
+                                      "context's shape to stay fixed")
+        return "single", f"one context shaped per batch: {why}"
+
     def describe(self) -> dict[str, Any]:
-        """Engine, CUDA and graph details for status and bench."""
+        """Engine, CUDA, context and graph details for status and bench."""
+        scheme, why = self._scheme()
         return {
             "backend": self.backend, "backend_version": trt.__version__, "precision": self.precision,
             "cuda_memory": self.cuda_name, "cuda_graph": self._graph is not None, "cuda_graph_status": self.graph_status,
             "max_batch": self.max_batch, "cuda_graphs": {str(n): s for n, s in sorted(self.graph_statuses.items())},
             "contexts": sorted(self._contexts) or [self._batch],
+            "context_scheme": scheme, "context_scheme_reason": why,
+            "activation_bytes": self._activation.nbytes if self._activation is not None else 0,
+            "contexts_sharing_activation": len(self._contexts) or int(self._context is not None),
             "device": "gpu" if self.dla_core is None else f"dla:{self.dla_core}", "nms": self.nms,
             "inputs": [i.to_dict() for i in self.inputs], "outputs": [o.to_dict() for o in self.outputs],
         }
 
     def close(self) -> None:
-        """Free the graph, buffers and stream, then the context and engine (idempotent)."""
+        """Free the graphs, buffers and stream, then the contexts and engine, then their activation block
+        (idempotent)."""
         if self.cuda is None:
             return
         self._drop_all_graphs()
@@ -353,8 +435,17 @@ class TrtEngine:
             self.cuda.destroy_stream(self._stream)
         self._contexts = {}
         self._context = self._engine = self._stream = None  # contexts before the engine, as TensorRT requires
+        if self._activation is not None:  # no context is left to use it
+            self.cuda.free(self._activation)
+            self._activation = None
         self.cuda.close()
         self.cuda = None
+
+
+def _poison_byte(expected: np.ndarray) -> int:
+    """A byte that does not fill `expected` entirely, so a replay that wrote nothing cannot match it."""
+    flat = expected.reshape(-1).view(np.uint8)
+    return 0x5A if flat.size and bool(np.all(flat == 0xA5)) else 0xA5
 
 
 @BACKENDS.register("tensorrt")

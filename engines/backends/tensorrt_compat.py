@@ -12,6 +12,17 @@
   call `register_plugins` (once per process) before they deserialize or parse.
 - DLA: a plan built for `dla:N` runs on the core the Runtime names (`Runtime.DLA_core`, default 0), so
   the core from the engine's sidecar is set before `deserialize_cuda_engine` (`select_dla_core`).
+- contexts without their own activation memory (`context_without_memory`, `assign_device_memory`,
+  `activation_size`): `create_execution_context_without_device_memory` + the write-only `device_memory`
+  property on 8.5/8.6; `create_execution_context(ExecutionContextAllocationStrategy.USER_MANAGED)` +
+  `set_device_memory(ptr, size)` from 10 (the former is deprecated in 10.0 and gone in 11); the size is
+  `device_memory_size_v2` from 10.1 (`device_memory_size` before, gone in 11).
+- optimization profiles of new contexts (`context_profile`): on 8.5 only the first context gets profile 0
+  implicitly, on 8.6 a new context gets it only if no other context holds it, otherwise its profile is -1 and
+  every enqueue fails (NvInferRuntime.h at 8.5.2 lines 1589-1591 and 2506-2508, at v8.6.1 1749-1752 and
+  2793-2797); from 10 "the newly created execution context will be assigned optimization profile 0" (v10.3.0
+  2613-2614 and 3888-3889). A second context asking for profile 0 on 8.x fails ("Profile 0 has been chosen by
+  another IExecutionContext", NVIDIA/TensorRT#846).
 Importable without TensorRT: `trt` is passed in.
 """
 
@@ -68,6 +79,35 @@ def graph_capture_blocker(trt: Any) -> str | None:
         return (f"skipped: capturing execute_async_v3 into a CUDA graph fails on TensorRT {trt.__version__} "
                 "(works from 8.6); plain enqueue is used")
     return None
+
+
+def activation_size(engine: Any) -> int:
+    """Bytes of activation memory one context of `engine` needs, at most, over all profiles and shapes."""
+    if hasattr(engine, "device_memory_size_v2"):  # getDeviceMemorySizeV2, 10.1+ (the only one in 11)
+        return int(engine.device_memory_size_v2)
+    return int(engine.device_memory_size)  # getDeviceMemorySize, 8.5 to 10.x
+
+
+def context_without_memory(trt: Any, engine: Any) -> Any:
+    """An execution context whose activation memory the caller supplies (`assign_device_memory`); None where
+    TensorRT could not create one."""
+    strategies = getattr(trt, "ExecutionContextAllocationStrategy", None)  # 10.0+
+    if strategies is not None and hasattr(strategies, "USER_MANAGED"):
+        return engine.create_execution_context(strategies.USER_MANAGED)
+    return engine.create_execution_context_without_device_memory()  # 8.5, 8.6
+
+
+def assign_device_memory(context: Any, ptr: int, size: int) -> None:
+    """Give `context` the activation block at `ptr` (`size` bytes, at least `activation_size(engine)`)."""
+    if hasattr(context, "set_device_memory"):  # setDeviceMemoryV2 (10.1+): TensorRT checks the size
+        context.set_device_memory(ptr, size)
+    else:  # a write-only property on 8.5/8.6 (no getter: `hasattr(context, "device_memory")` is False there)
+        context.device_memory = ptr
+
+
+def context_profile(context: Any) -> int:
+    """The context's optimization profile; -1 where TensorRT gave it none (8.5/8.6: see the module docstring)."""
+    return int(context.active_optimization_profile)
 
 
 def sidecar_dla_core(plan: Path) -> int | None:

@@ -236,7 +236,16 @@ def time_build(job: Any, report: dict[str, Any], emit: Any, **limits: Any) -> No
             batch.setdefault("note", f"runs batch {engine.max_batch}: the built engine's batch dimension is fixed")
         measured = measure_curve(engine, sample, engine.max_batch, **limits)
         batch.update(measured.to_report())
+        _record_contexts(engine, batch)
         batch["timed_with"] = timing_options(job.timing)
         report.setdefault("stages_s", {})["batch-timing"] = round(measured.seconds, 3)
     finally:
         engine.close()
+
+
+def _record_contexts(engine: Any, batch: dict[str, Any]) -> None:
+    """How the timed engine ran its sizes (TensorRT: a context per size, or one context and why), for the report."""
+    info = engine.describe()
+    if info.get("context_scheme"):
+        batch["contexts"] = {"scheme": info["context_scheme"], "reason": info.get("context_scheme_reason"),
+                             "cuda_graphs": info.get("cuda_graphs")}

@@ -24,7 +24,7 @@ import numpy as np
 
 from engines.backends import get_backend
 from engines.backends.base import EngineOptions
-from engines.batching import batch_profile, state_max_batch
+from engines.batching import DLA_STATIC_REASON, batch_profile, dla_max_batch, state_max_batch
 from engines.build import calibration as calib
 from engines.build.cache import CacheEntry, EngineCache
 from engines.build.gating import BuildPlan, Step, falls_back, int8_fallback
@@ -208,6 +208,9 @@ def plan_build(source: ModelSource, backend: str = "auto", precision: str | None
     device_info = device_part(fingerprint, backend)
     shapes = input_shapes(source)
     max_batch = state_max_batch(source.manifest.state, max_batch)  # state is per camera: batch 1
+    if dla_core is not None and max_batch > 1:  # DLA takes no dynamic batch profile (the build report says so)
+        log.info("%s: dla:%d builds batch 1, not %d: %s", source.label, dla_core, max_batch, DLA_STATIC_REASON)
+        max_batch = dla_max_batch(dla_core, max_batch)
     post = source.manifest.postprocess
     nms, nms_record = plan_nms(source.manifest.build.nms, backend, post.kind, post.params, source.onnx_path)
     prequantized = _prequantized(source, precision)

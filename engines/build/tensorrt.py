@@ -7,7 +7,8 @@ Runs in the build child process (`build_plan`) or, for a bare `.onnx` given to t
 - the FP16/INT8 builder flags (weak typing) wherever they still exist (deprecated in 10.12, removed in
   11), so an INT8 build keeps FP16 for the layers that are not quantized; strongly typed networks
   only where the flags are gone, from an ONNX that carries FP16 itself (engines.build.trt_recipe);
-- DLA (`dla:N` specs): default device type, DLA core, GPU fallback, per-layer `can_run_on_DLA`;
+- DLA (`dla:N` specs): default device type, DLA core, GPU fallback, per-layer `can_run_on_DLA`, and static
+  shapes only (DLA refuses a dynamic profile: provisioning builds dla:N at batch 1, min = opt = max);
 - builder optimisation level (8.6+); progress monitor and parser node names (9.1+: both are absent
   from 8.6's binding, see tests/data/tensorrt_api/8.6.1.json, and present in 10.x).
 With `build.nms` = engine/auto the graph gets EfficientNMS_TRT appended (engines.nms_graph) after the batch
@@ -30,6 +31,7 @@ from engines.backends.tensorrt_compat import (
     register_plugins,
     shared_logger,
 )
+from engines.batching import DLA_STATIC_REASON
 from engines.build import batch_size
 from engines.build.spec import EngineBuildError, EngineBuildSpec
 from engines.fsutil import atomic_write_bytes
@@ -228,7 +230,8 @@ def free_device_memory() -> int | None:
 
 
 def add_profiles(builder: Any, network: Any, config: Any, spec: EngineBuildSpec) -> None:
-    """One optimisation profile covering every dynamic input (min/opt/max from the spec)."""
+    """One optimisation profile covering every dynamic input (min/opt/max from the spec); a DLA build's must be
+    static (min = opt = max), as TensorRT requires on DLA."""
     profile, used = builder.create_optimization_profile(), False
     for i in range(network.num_inputs):
         tensor = network.get_input(i)
@@ -244,6 +247,10 @@ def add_profiles(builder: Any, network: Any, config: Any, spec: EngineBuildSpec)
             ranges_t = (static, static, static)
         else:
             ranges_t = (ranges.min, ranges.opt, ranges.max)
+        if spec.dla_core is not None and not ranges_t[0] == ranges_t[1] == ranges_t[2]:
+            raise EngineBuildError(f"input {tensor.name}: dla:{spec.dla_core} needs a static profile, got min "
+                                   f"{list(ranges_t[0])}, opt {list(ranges_t[1])}, max {list(ranges_t[2])}: "
+                                   f"{DLA_STATIC_REASON}")
         profile.set_shape(tensor.name, *ranges_t)
         used = True
     if used:
@@ -341,7 +348,8 @@ _DLA_API = ("Builder.num_DLA_cores", "IBuilderConfig.default_device_type", "IBui
 
 
 def configure_dla(trt: Any, builder: Any, network: Any, config: Any, core: int) -> dict[str, Any]:
-    """Run the network on DLA core `core` with GPU fallback; returns what falls back to the GPU.
+    """Run the network on DLA core `core` with GPU fallback; returns what falls back to the GPU, and why the
+    shapes are static (`add_profiles` refused a dynamic profile before this).
 
     The core count is TensorRT's own (`Builder.num_DLA_cores`): 0 off Orin/Xavier, and expected to be 0
     on releases without DLA even on an Orin (NVIDIA: 10.7 was the last 10.x with DLA; 11.0-11.3 have none)."""
@@ -360,7 +368,7 @@ def configure_dla(trt: Any, builder: Any, network: Any, config: Any, core: int) 
     layers = [network.get_layer(i) for i in range(network.num_layers)]
     gpu = [layer.name for layer in layers if not config.can_run_on_DLA(layer)]
     return {"core": core, "cores": cores, "layers": len(layers), "gpu_fallback_layers": len(gpu),
-            "gpu_layers": gpu[:50]}
+            "gpu_layers": gpu[:50], "shapes": f"static, batch 1: {DLA_STATIC_REASON}"}
 
 
 def _has_api(trt: Any, builder: Any, config: Any, dotted: str) -> bool:

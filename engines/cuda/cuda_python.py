@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -11,6 +12,23 @@ import numpy as np
 from engines.cuda.base import CudaError, DeviceBuffer, cuda_version_text, import_cudart, version_mismatch_fix
 
 log = logging.getLogger(__name__)
+
+
+SHARED_CUDART = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0")
+
+
+def loaded_shared_cudarts() -> list[tuple[str, Any]]:
+    """The shared CUDA runtimes already loaded in this process (RTLD_NOLOAD: none is loaded by asking)."""
+    noload = getattr(os, "RTLD_NOLOAD", None)
+    if noload is None:  # not a POSIX dlopen: nothing to find this way
+        return []
+    found = []
+    for name in SHARED_CUDART:
+        try:
+            found.append((name, ctypes.CDLL(name, mode=noload | os.RTLD_LAZY)))
+        except OSError:  # not loaded (or not present)
+            continue
+    return found
 
 
 class CudaPythonMemory:
@@ -53,10 +71,26 @@ class CudaPythonMemory:
                 "sm_count": int(prop.multiProcessorCount), "total_memory": int(prop.totalGlobalMem)}
 
     def clear_error(self) -> str | None:
-        """Read and reset the runtime's last error (as trtexec does after a failed graph capture)."""
+        """Read and reset the CUDA runtime's last error after a failed graph capture, as trtexec does (its
+        `cudaGetLastError()` after `endCaptureOnError`, samples/common/sampleInference.cpp at v10.3.0); what was
+        cleared, or None.
+
+        CUDA keeps the last error per runtime instance (and host thread), and a process can hold several. The
+        one our capture calls went through is cuda-python's own: up to 12.8 a reimplementation of the runtime on
+        the driver API with its own last error, from 12.9 a statically linked cudart, a private copy either way
+        (cuda-bindings release notes). A shared `libcudart.so` that something else in the process loaded (the
+        runtime TensorRT uses where it links the shared one) is another instance: it is reset too, but only if
+        it is already loaded, never loaded here. A runtime linked statically inside libnvinfer is out of any
+        binding's reach; TensorRT reports its own failures through `execute_async_v3`'s result."""
         result = self.rt.cudaGetLastError()
         err = result[0] if isinstance(result, tuple) else result
-        return None if err == self._ok else self._error_name(err)
+        cleared = [] if err == self._ok else [f"{self._error_name(err)} (cuda-python)"]
+        for name, lib in loaded_shared_cudarts():
+            code = int(lib.cudaGetLastError())
+            if code:
+                lib.cudaGetErrorName.restype = ctypes.c_char_p
+                cleared.append(f"{(lib.cudaGetErrorName(code) or b'error %d' % code).decode()} ({name})")
+        return "; ".join(cleared) or None
 
     def _error_name(self, err: Any) -> str:
         if hasattr(self.rt, "cudaGetErrorName"):
