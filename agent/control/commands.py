@@ -5,10 +5,16 @@ Checks run in this order, and the first failure is the reply: size (PAYLOAD_TOO_
 again), command name (UNKNOWN_COMMAND), args (INVALID_COMMAND), then the handler (its EdgeError code,
 or INTERNAL). Only replies of commands that ran are remembered, so a corrected retry of a rejected
 request with the same id still runs.
+
+A reply never waits on the disk: it is remembered in memory and written to the state database behind it
+(agent.control.reply_store), and a handler still running while another process holds the database locked is
+answered BUSY and finishes on its own thread (agent.control.command_jobs). Replies on the `mqtt` channel go out
+through `wire_safe` (agent.wire_errors): no local path or exception text, the detail in the log under a ref.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -25,10 +31,12 @@ from agent.artifacts.urlpolicy import Channel
 # the args models, RateLimit and ReplyStore stay importable from here too (agent.daemon.runner, tests)
 from agent.control.command_args import (ChannelledArgs, DeployArgs, NoArgs, RestartPipelineArgs, SetConfigArgs,
                                     SetPolicyArgs, ShadowDecisionArgs, SnapshotArgs, Strict)
+from agent.control import command_jobs
 from agent.control.rate_limit import RateLimit
-from agent.control.reply_store import ReplyStore
+from agent.control.reply_store import RememberedReplies, ReplyStore
 from agent.shadow.plan import ShadowArgs
-from agent.wire_errors import describe_errors, internal_error, new_ref
+from agent.wire_errors import (describe_errors, detail_ref, internal_error, internal_text, new_ref, wire_safe,
+                               withheld_text)
 from engines.errors import EdgeError
 from engines.registry import Registry, UnknownPluginError
 
@@ -200,20 +208,34 @@ def error_reply(command_id: str | None, code: str, message: str) -> dict[str, An
     return {"id": command_id, "ok": False, "error": {"code": code, "message": message}}
 
 
+class _Constant(ValueError):
+    """NaN, Infinity or -Infinity in a payload (Python's json accepts them; JSON does not)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+    raise _Constant(name)
 
 
 class CommandDispatcher:
-    """Validates a request, runs its handler once per id, and always returns a reply object."""
+    """Validates a request, runs its handler once per id, and always returns a reply object.
+
+    `storage_check_s`: how long a handler runs before the dispatcher looks whether another process holds the
+    state database locked (then the sender is answered BUSY and the handler finishes on its own thread);
+    `max_running`: handlers running at once, past which a request is answered BUSY without running.
+    """
 
     def __init__(self, control: AgentControl, db_path: Path | str, *, max_payload_bytes: int = 64 * 1024,
                  reply_window: int = 1000, reply_max_age_s: float = 86400.0,
                  commands: Registry[CommandSpec] = COMMANDS, deploy_rate: RateLimit | None = None,
-                 busy_timeout_s: float = 5.0, limits: Mapping[str, int | RateLimit] | None = None) -> None:
+                 busy_timeout_s: float = 5.0, limits: Mapping[str, int | RateLimit] | None = None,
+                 storage_check_s: float = 0.5, max_running: int = 8) -> None:
         self.control, self.max_payload_bytes, self.commands = control, max_payload_bytes, commands
-        self.replies = ReplyStore(db_path, max_entries=reply_window, max_age_s=reply_max_age_s,
-                                  busy_timeout_s=busy_timeout_s)
+        self.replies = RememberedReplies(ReplyStore(db_path, max_entries=reply_window, max_age_s=reply_max_age_s,
+                                                    busy_timeout_s=busy_timeout_s))
         # (limit, window s) by command name, over each spec's own `per_minute`: a count per minute, or a RateLimit
         # to copy. deploy_rate is the older spelling of limits={"deploy": ...} (agent.daemon.runner passes it).
         overrides = {**(limits or {}), **({"deploy": deploy_rate} if deploy_rate is not None else {})}
@@ -222,9 +244,23 @@ class CommandDispatcher:
         self._rates: dict[tuple[str, str], RateLimit] = {}  # (command, channel): flooding MQTT never locks the socket out
         self._running: set[str] = set()
         self._running_lock = threading.Lock()
+        self.storage_check_s = storage_check_s
+        self._jobs = command_jobs.Jobs(max_running)
+        self.counters: collections.Counter[str] = collections.Counter()
 
     def dispatch(self, payload: bytes | bytearray | memoryview | str, channel: Channel = "mqtt") -> dict[str, Any]:
-        """Answer one request that arrived on `channel`; never raises (a broken handler becomes an INTERNAL reply)."""
+        """Answer one request that arrived on `channel`; never raises (a broken handler becomes an INTERNAL reply).
+        A reply for `mqtt` names no local path and quotes no exception (agent.wire_errors.wire_safe); the local
+        socket's replies keep the detail (only the agent's group can read them)."""
+        reply = self._answer(payload, channel)
+        if channel != "mqtt":
+            return reply
+        try:
+            return wire_safe(reply, "command reply")
+        except Exception:  # never reached in practice; the promise above holds even for a bug in the scrubber
+            return error_reply(reply.get("id"), "INTERNAL", internal_error(log, "command reply: wire_safe failed"))
+
+    def _answer(self, payload: bytes | bytearray | memoryview | str, channel: Channel) -> dict[str, Any]:
         raw = payload.encode("utf-8", "surrogatepass") if isinstance(payload, str) else bytes(payload)
         try:
             envelope = self._envelope(self._decode(raw))
@@ -243,10 +279,17 @@ class CommandDispatcher:
                             f"the limit is {self.max_payload_bytes} (max_payload_bytes)")
         try:
             return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-        except UnicodeDecodeError as exc:
-            raise _Rejected(None, "INVALID_JSON", f"payload is not UTF-8 text: {exc}") from None
+        except UnicodeDecodeError as exc:  # where it failed is ours to say; Python's wording stays in the log
+            ref = detail_ref(f"command payload is not UTF-8: {exc}", "INVALID_JSON reply")
+            raise _Rejected(None, "INVALID_JSON", withheld_text(
+                f"payload is not UTF-8 text (byte {exc.start})", ref)) from None
+        except _Constant as exc:
+            raise _Rejected(None, "INVALID_JSON", f"{exc.name} is not valid JSON") from None
         except (ValueError, RecursionError) as exc:
-            raise _Rejected(None, "INVALID_JSON", f"payload is not valid JSON: {exc}"[:500]) from None
+            where = (f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError)
+                     else " (nested too deeply)" if isinstance(exc, RecursionError) else "")
+            ref = detail_ref(f"command payload is not valid JSON: {type(exc).__name__}: {exc}"[:500], "INVALID_JSON reply")
+            raise _Rejected(None, "INVALID_JSON", withheld_text(f"payload is not valid JSON{where}", ref)) from None
 
     @staticmethod
     def _envelope(data: Any) -> Envelope:
@@ -263,12 +306,14 @@ class CommandDispatcher:
     def _run_once(self, envelope: Envelope) -> dict[str, Any]:
         with self._running_lock:
             if envelope.id in self._running:
-                return error_reply(envelope.id, "BUSY", f"command id {envelope.id!r} is still running")
+                return error_reply(envelope.id, "BUSY", f"command id {envelope.id!r} is still running; its reply is "
+                                   "kept: ask again with the same id")
             self._running.add(envelope.id)
+        handed_off = False
         try:
             try:
                 earlier = self.replies.get(envelope.id)
-            except sqlite3.Error as exc:  # locked past the busy timeout, I/O error: refuse this one, keep going
+            except sqlite3.Error as exc:  # the window could not be read at start and still cannot: refuse this one
                 ref = new_ref()
                 log.error("command %s (id %s) not run: reply store unavailable: %s (ref %s)", envelope.command,
                           envelope.id, exc, ref)
@@ -277,32 +322,75 @@ class CommandDispatcher:
             if earlier is not None:
                 log.info("command id %r seen before: sending its first reply again", envelope.id)
                 return earlier
-            return self._execute(envelope)
+            reply, handed_off = self._execute(envelope)
+            return reply
         finally:
-            with self._running_lock:
-                self._running.discard(envelope.id)
+            if not handed_off:
+                self._release(envelope.id)
 
-    def _execute(self, envelope: Envelope) -> dict[str, Any]:
+    def _release(self, command_id: str) -> None:
+        with self._running_lock:
+            self._running.discard(command_id)
+
+    def _execute(self, envelope: Envelope) -> tuple[dict[str, Any], bool]:
+        """The reply, and whether the handler was left running (it then remembers its reply and frees the id)."""
         try:
             spec = self.commands.get(envelope.command)
         except UnknownPluginError as exc:
-            return error_reply(envelope.id, "UNKNOWN_COMMAND", str(exc))
+            return error_reply(envelope.id, "UNKNOWN_COMMAND", str(exc)), False
         try:
             args = spec.args.model_validate(envelope.args)
         except ValidationError as exc:
-            return error_reply(envelope.id, "INVALID_COMMAND", describe_errors(exc, "args"))
+            return error_reply(envelope.id, "INVALID_COMMAND", describe_errors(exc, "args")), False
         if isinstance(args, ChannelledArgs):
             args.bind(envelope._channel, envelope.id)
         rate = self._rate(envelope, spec)
         wait_s = rate.take()
         if wait_s:  # not remembered: the same id may retry once the window has room
             return error_reply(envelope.id, "RATE_LIMITED", f"more than {rate.limit} {envelope.command} requests "
-                               f"from {envelope._channel} in {rate.window_s:g} s; retry in {math.ceil(wait_s)} s")
-        reply = self._call(envelope, spec, args)
+                               f"from {envelope._channel} in {rate.window_s:g} s; retry in {math.ceil(wait_s)} s"), False
+        return self._run_handler(envelope, spec, args, rate)
+
+    def _run_handler(self, envelope: Envelope, spec: CommandSpec, args: BaseModel,
+                     rate: RateLimit) -> tuple[dict[str, Any], bool]:
+        """Run the handler on its own thread and wait for it, unless it is still running while another process
+        holds the state database's write lock: then answer BUSY and leave it running (True)."""
+        job = self._jobs.start(lambda: self._call(envelope, spec, args), f"cmd-{envelope.command}")
+        if job is None:  # not run, not remembered: the same id may retry
+            rate.refund()
+            self.counters["refused_running"] += 1
+            return error_reply(envelope.id, "BUSY", f"{self._jobs.limit} commands are still running; the command was "
+                               "not run: retry later"), False
+        if command_jobs.wait(job, self.storage_check_s, self.replies.store.write_locked) or \
+                not job.detach(lambda reply: self._finish_later(envelope, spec, rate, reply)):  # done, or just now
+            return self._finish(envelope, spec, rate, job.reply), False
+        self.counters["left_running"] += 1
+        log.warning("command %s (id %s) still running while another process holds the state database's write "
+                    "lock: answered BUSY; its reply is kept for that id", envelope.command, envelope.id)
+        return error_reply(envelope.id, "BUSY", f"{envelope.command} is still running: another process holds the "
+                           "state database's write lock. The command goes on; its reply is kept: ask again with the "
+                           "same id for it"), True
+
+    def _finish(self, envelope: Envelope, spec: CommandSpec, rate: RateLimit,
+                reply: dict[str, Any] | None) -> dict[str, Any]:
+        if reply is None:  # the handler's thread ended by an exception past _call (its traceback is on stderr)
+            ref = new_ref()
+            log.error("command %s (id %s): its handler ended without a reply (ref %s)", envelope.command, envelope.id, ref)
+            reply = error_reply(envelope.id, "INTERNAL", internal_text(ref))
         if reply.get("error", {}).get("code") in spec.refund_on:
             rate.refund()  # e.g. deploy's token counts after the URL check: refused URLs cost the sender nothing
-        self._remember(envelope, reply)
+        self.replies.remember(envelope.id, envelope.command, reply)
         return reply
+
+    def _finish_later(self, envelope: Envelope, spec: CommandSpec, rate: RateLimit,
+                      reply: dict[str, Any] | None) -> None:
+        """A handler left running has ended: its reply is what the same id gets from now on."""
+        try:
+            reply = self._finish(envelope, spec, rate, reply)
+            log.info("command %s (id %s) finished after its BUSY reply: %s", envelope.command, envelope.id,
+                     "ok" if reply.get("ok") else reply.get("error", {}).get("code"))
+        finally:
+            self._release(envelope.id)
 
     def _rate(self, envelope: Envelope, spec: CommandSpec) -> RateLimit:
         """The limiter of this command on the request's channel (each channel has its own window)."""
@@ -311,14 +399,6 @@ class CommandDispatcher:
             if key not in self._rates:
                 self._rates[key] = RateLimit(*self.limits.get(envelope.command, (spec.per_minute, 60.0)))
             return self._rates[key]
-
-    def _remember(self, envelope: Envelope, reply: dict[str, Any]) -> None:
-        """Store the reply for repeated ids; the command already ran, so a failure here only costs idempotence."""
-        try:
-            self.replies.put(envelope.id, envelope.command, reply)
-        except sqlite3.Error as exc:
-            log.warning("reply of command %s (id %s) not remembered (%s): a retry with this id runs it again",
-                        envelope.command, envelope.id, exc)
 
     def _call(self, envelope: Envelope, spec: CommandSpec, args: BaseModel) -> dict[str, Any]:
         try:
@@ -332,8 +412,14 @@ class CommandDispatcher:
             text = internal_error(log, f"command {envelope.command} (id {envelope.id}) crashed")
             return error_reply(envelope.id, "INTERNAL", text)
 
+    def stats(self) -> dict[str, int]:
+        """Replies remembered / not remembered (agent.control.reply_store), handlers running, BUSY answers given
+        for a handler left running past a locked database or refused for too many running."""
+        return {**{f"replies_{k}": v for k, v in self.replies.stats().items()}, "running": self._jobs.running,
+                "left_running": self.counters["left_running"], "refused_running": self.counters["refused_running"]}
+
     def close(self) -> None:
-        """Close the reply store."""
+        """Write the pending replies (bounded) and close the reply store."""
         self.replies.close()
 
 

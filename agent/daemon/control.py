@@ -2,11 +2,17 @@
 
 MQTT and the local control socket both dispatch into this one object (agent.control.commands), so a command
 behaves the same whichever way it arrives.
+
+No command waits on the state database for its answer (issue 47): `status` reads the stored parts (recent
+deployments, the previous model's row) on a helper thread for at most STORED_WAIT_S and otherwise answers with the
+last values read, named in `stale`; `set_config` applies the settings live at once and writes them (and its
+`config_changed` event) behind, answering `persisted: false` when the write did not land within PERSIST_WAIT_S.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -22,6 +28,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+STORED_WAIT_S = 0.3  # how long status waits for the state store before it answers with the last values read
+PERSIST_WAIT_S = 0.3  # how long set_config waits for its write before it answers persisted: false
+PERSIST_RETRY_S = 1.0
+
 
 class AgentController:
     """Implements agent.control.commands.AgentControl on top of a running agent.daemon.runner.Agent."""
@@ -29,23 +39,26 @@ class AgentController:
     def __init__(self, agent: Agent, on_set_config: Callable[[dict], dict] | None = None) -> None:
         self.agent = agent
         self.on_set_config = on_set_config
+        self._stored = BoundedRead(self._read_stored, STORED_WAIT_S)
+        self._config = ConfigWriter(self._write_config, self._stopping)
 
     def status(self) -> dict:
         """Health, active/previous model, deployment in progress, live numbers, recent deployments."""
         agent = self.agent
         summary = agent.summary()
-        store = agent.store
-        recent = [d.to_dict() for d in agent.deployments.latest(5)] if agent.deployments else []
+        stored, fresh = self._stored.get(default={"previous_model": None, "recent_deployments": []})
+        dispatcher = getattr(agent, "dispatcher", None)
         return {
             "device_id": agent.config.device_id,
             "state": agent.health(),
             "model": summary["model"],
-            "previous_model": agent.previous.describe() if agent.previous else (
-                model_row(store.model_slot("previous")) if store else None),
+            "previous_model": agent.previous.describe() if agent.previous else stored["previous_model"],
             "deployment": agent.manager.status() if agent.manager else None,
             "watched_deployment": agent.manager.watched() if agent.manager else None,  # its watch still runs
             "shadow": agent.manager.shadowing.status() if agent.manager else None,  # a shadow deployment's numbers
-            "recent_deployments": recent,
+            "recent_deployments": stored["recent_deployments"],
+            "stale": [] if fresh else sorted(stored),  # as read before the state store stopped answering in time
+            "commands": dispatcher.stats() if dispatcher is not None else None,
             "fps": agent.recent_fps(),  # delivered over the last 5 s
             "fps_since_start": summary["fps"],
             "frames": summary["frames"],
@@ -60,6 +73,12 @@ class AgentController:
             "video": summary.get("video"),
             "ts": time.time(),
         }
+
+    def _read_stored(self) -> dict[str, Any]:
+        agent = self.agent
+        store = agent.store
+        return {"previous_model": model_row(store.model_slot("previous")) if store and not agent.previous else None,
+                "recent_deployments": [d.to_dict() for d in agent.deployments.latest(5)] if agent.deployments else []}
 
     def _manager(self) -> DeploymentManager:
         manager = self.agent.manager
@@ -96,18 +115,32 @@ class AgentController:
             cache.close()
 
     def set_config(self, changes: dict) -> dict:
-        """Whitelisted live settings (telemetry interval, results rate, log level), persisted."""
+        """Whitelisted live settings (telemetry interval, results rate, log level), applied now and persisted behind:
+        `persisted` says whether the write landed within PERSIST_WAIT_S (it goes on until it does)."""
         applied: dict[str, Any] = {}
         if "log_level" in changes:
             logging.getLogger().setLevel(changes["log_level"])
             applied["log_level"] = changes["log_level"]
         if self.on_set_config is not None:
             applied.update(self.on_set_config({k: v for k, v in changes.items() if k != "log_level"}))
-        if self.agent.store is not None:
-            stored = self.agent.store.get_kv("live_config", {})
-            self.agent.store.set_kv("live_config", {**stored, **applied})
-        self.agent.emit("config_changed", changes=applied)
-        return {"applied": applied}
+        if self.agent.store is None:
+            self.agent.emit("config_changed", changes=applied)
+            return {"applied": applied, "persisted": False}
+        return {"applied": applied, "persisted": self._config.persist(applied, PERSIST_WAIT_S)}
+
+    def _write_config(self, merged: dict[str, Any], events: list[dict[str, Any]]) -> None:
+        """On the writer thread: the live settings into the store, then one `config_changed` per request."""
+        store = self.agent.store
+        assert store is not None
+        try:
+            store.set_kv("live_config", {**store.get_kv("live_config", {}), **merged})
+        finally:
+            for changes in events:  # applied live already, whether or not the write landed
+                self.agent.emit("config_changed", changes=changes)
+
+    def _stopping(self) -> bool:
+        stop = getattr(self.agent, "stop_event", None)
+        return stop is not None and stop.is_set()
 
     def restart_pipeline(self, camera: str | None = None) -> dict:
         """Restart every camera's capture thread, or only `camera`'s (a wedged driver is the usual reason)."""
@@ -135,3 +168,103 @@ def _jsonable(entry: Any) -> dict:
     if isinstance(entry, dict):
         return entry
     raise EdgeError(f"unexpected cache entry {type(entry).__name__}", code="INTERNAL")
+
+
+class BoundedRead:
+    """A read of the state store on a helper thread, waited for at most `wait_s`: `get` gives the value and True,
+    or, when the read does not finish in time or fails, the last value read (or `default`) and False. One read
+    at a time: while one is still stuck, the next `get` joins it, and waits only what is left of its `wait_s`."""
+
+    def __init__(self, read: Callable[[], dict[str, Any]], wait_s: float) -> None:
+        self._read, self.wait_s = read, wait_s
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._done.set()
+        self._started = 0.0
+        self._last: dict[str, Any] | None = None
+        self._failed = False
+
+    def get(self, default: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """(value, fresh)."""
+        with self._lock:
+            if self._done.is_set():
+                self._done = done = threading.Event()
+                self._started = time.monotonic()
+                threading.Thread(target=self._run, args=(done,), name="status-read", daemon=True).start()
+            else:
+                done = self._done
+            left = self.wait_s - (time.monotonic() - self._started)
+        fresh = done.wait(max(0.0, left))
+        with self._lock:
+            return (self._last if self._last is not None else default), fresh and not self._failed
+
+    def _run(self, done: threading.Event) -> None:
+        try:
+            value, failed = self._read(), False
+        except Exception as exc:  # a locked or failing database: status answers with what it read before
+            log.warning("status: state store not readable (%s); answering with the last values read", exc)
+            value, failed = None, True
+        with self._lock:
+            if value is not None:
+                self._last = value
+            self._failed = failed
+            done.set()
+
+
+class ConfigWriter:
+    """Writes the live settings behind set_config, on a thread that runs while a write is pending: requests that
+    come while the database is locked are merged (the newest value of each setting wins) and written together,
+    retried every PERSIST_RETRY_S until they land or the agent stops."""
+
+    def __init__(self, write: Callable[[dict[str, Any], list[dict[str, Any]]], None],
+                 stopping: Callable[[], bool]) -> None:
+        self._write, self._stopping = write, stopping
+        self._cond = threading.Condition()
+        self._merged: dict[str, Any] = {}
+        self._events: list[dict[str, Any]] = []
+        self._wanted = self._written = 0
+        self._thread: threading.Thread | None = None
+        # the last write failed, or the one under way has taken longer than a request waits: then a request does
+        # not wait at all (it would only add its wait to every reply while the database stays locked)
+        self._failing = False
+        self._attempt_started: float | None = None
+
+    def persist(self, changes: dict[str, Any], wait_s: float) -> bool:
+        """Queue `changes`; True when they were written within `wait_s`."""
+        with self._cond:
+            self._merged.update(changes)
+            self._events.append(changes)
+            self._wanted += 1
+            mine = self._wanted
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="config-writer", daemon=True)
+                self._thread.start()
+            stuck = self._attempt_started is not None and time.monotonic() - self._attempt_started > wait_s
+            return self._cond.wait_for(lambda: self._written >= mine, 0.0 if self._failing or stuck else wait_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._written >= self._wanted:
+                    self._thread = None
+                    return
+                merged, events, target = dict(self._merged), self._events, self._wanted
+                self._events, self._attempt_started = [], time.monotonic()
+            try:
+                self._write(merged, events)
+            except Exception as exc:  # locked past the busy timeout, I/O error: keep it and try again
+                if self._stopping():
+                    log.error("live settings %s not persisted (%s): the agent is stopping", merged, exc)
+                    with self._cond:
+                        self._written, self._thread = self._wanted, None
+                    return
+                log.warning("live settings %s not persisted yet (%s): retried in %.0f s", merged, exc, PERSIST_RETRY_S)
+                with self._cond:
+                    self._failing, self._attempt_started = True, None
+                    self._cond.wait(PERSIST_RETRY_S)
+                continue
+            with self._cond:
+                self._written, self._failing, self._attempt_started = max(self._written, target), False, None
+                if self._written >= self._wanted:
+                    self._merged = {}
+                self._cond.notify_all()
