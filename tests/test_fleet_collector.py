@@ -275,13 +275,26 @@ def test_status_newest_by_device_clock_wins(fleet_db_url: str) -> None:
     try:
         ensure_schema(db)
         write_batch(db, [], [status("online", 100.0), meta], {}, 100.0)
-        write_batch(db, [], [status("offline", 90.0)], {}, 101.0)  # an older retained copy, late
+        write_batch(db, [], [status("degraded", 90.0)], {}, 101.0)  # an older retained copy, late
         row = db.query("SELECT * FROM devices WHERE device_id = ?", ("dev-1",))[0]
         assert (row["state"], bool(row["online"]), row["module"], row["latency_budget_ms"]) == \
             ("online", True, "orin-nano-8gb", 40.0)
-        write_batch(db, [], [status("offline", 110.0)], {}, 111.0)
+        write_batch(db, [], [status("degraded", 110.0)], {}, 111.0)
         row = db.query("SELECT state, online, agent_version FROM devices")[0]
-        assert (row["state"], bool(row["online"]), row["agent_version"]) == ("offline", False, "0.1.0")
+        assert (row["state"], bool(row["online"]), row["agent_version"]) == ("degraded", True, "0.1.0")
+        # The Last Will carries the stamp of its connection's start, older than that connection's statuses: it
+        # applies anyway, and keeps the newer stamp, so only a status of a later connection replaces it.
+        write_batch(db, [], [status("offline", 95.0)], {}, 112.0)
+        row = db.query("SELECT state, online, status_ts FROM devices")[0]
+        assert (row["state"], bool(row["online"]), row["status_ts"]) == ("offline", False, 110.0)
+        write_batch(db, [], [status("online", 105.0)], {}, 113.0)  # a copy from before the will: still offline
+        assert db.query("SELECT state FROM devices")[0]["state"] == "offline"
+        write_batch(db, [], [status("online", 120.0)], {}, 121.0)
+        assert db.query("SELECT state FROM devices")[0]["state"] == "online"
+        # A stamp stored unclamped (by a collector before issue 47) far in the future pins nothing.
+        db.execute("UPDATE devices SET status_ts = ?", (10_000_000_000.0,))
+        write_batch(db, [], [status("degraded", 130.0)], {}, 131.0)
+        assert db.query("SELECT state, status_ts FROM devices")[0] == {"state": "degraded", "status_ts": 130.0}
     finally:
         db.close()
 

@@ -7,8 +7,9 @@
 - Telemetry, events and snapshots come through an MQTT 5 shared subscription
   (`$share/<group>/<p>/+/telemetry`), so several collectors split one fleet's stream. Status and meta are
   retained, and a broker does not send retained messages to shared subscriptions, so every collector
-  subscribes to them directly; the upsert keeps the newest by the device's clock. MQTT 3.1.1: plain
-  subscriptions, with a warning.
+  subscribes to them directly; the upsert keeps the newest by the device's clock, clamped to the receive
+  time when it is far ahead, and a Last Will (`offline`) always applies. MQTT 3.1.1: plain subscriptions,
+  with a warning.
 - Snapshots (`<p>/+/snapshot/+`, one JPEG each, not retained) keep the newest per device and camera only,
   at most `snapshot_cameras` cameras per device and `snapshot_max_bytes` per image.
 - Memory is bounded by the MQTT 5 Receive Maximum (`inflight`): the broker sends no more unacknowledged
@@ -41,8 +42,8 @@ from agent.mqtt.paho_setup import RC_UNSUPPORTED_PROTOCOL, Backoff, refusal_code
 from agent.mqtt.topics import EVENTS, META, SNAPSHOT, STATUS, TELEMETRY, check_prefix, fleet_filter, split_device_topic
 from deploy.fleet.db import TRANSIENT_ERRORS, FleetDB, open_db
 from deploy.fleet.redact import redact
-from deploy.fleet.records import (MAX_JPEG_BYTES, DeviceUpdate, Malformed, Row, SnapshotRecord, is_snapshot_leaf,
-                                  parse_message, snapshot_payload_limit)
+from deploy.fleet.records import (FUTURE_TS_S, MAX_JPEG_BYTES, DeviceUpdate, Malformed, Row, SnapshotRecord,
+                                  is_snapshot_leaf, parse_message, snapshot_payload_limit)
 from deploy.fleet.schema import Partitions, ensure_schema, prune_sqlite
 from deploy.fleet.writer import SNAPSHOT_CAMERAS, write_batch
 
@@ -55,7 +56,6 @@ PARTITION_CHECK_S = 3600.0
 TAKEOVER_WINDOW_S = 60.0  # two session takeovers within this: two collectors share one client id
 SHORT_LIVED_S = 5.0  # a connection the broker drops younger than this counts towards the shared-id error
 RC_SESSION_TAKEN_OVER = 142  # MQTT 5 DISCONNECT reason "Session taken over"
-FUTURE_TS_S = 300.0  # device clocks this far ahead of ours are clamped to the receive time and counted (`future_ts`)
 
 
 @dataclass
@@ -696,7 +696,10 @@ class Collector:
             if snap.ts > now + FUTURE_TS_S:  # else no later snapshot of the camera would replace it for as long
                 snap.ts = snap.values["ts"] = now
                 snap.clamped = True
-        clamped = len(future) + sum(1 for snap in snapshots if snap.clamped)
+        # status and meta too: the upsert keeps the newest by device clock, so a status from 2058 would win over
+        # every later one (a will included) until 2058
+        clamped = len(future) + sum(1 for snap in snapshots if snap.clamped) + \
+            sum(1 for update in updates if update.clamp(now))
         if clamped:
             self._count("future_ts", clamped)
         self._ensure_partitions(rows)

@@ -22,6 +22,8 @@ MAX_TEXT = 256  # characters kept of a short text column (names, versions, types
 MAX_JSON_TEXT = 64 * 1024  # characters kept of status_json / meta_json
 BIGINT_MAX = 2**63 - 1
 ONLINE_STATES = ("online", "degraded", "updating")
+WILL_STATE = "offline"  # a status in this state is the Last Will: the broker's, never sent by a running agent
+FUTURE_TS_S = 300.0  # device clocks this far ahead of ours are clamped to the receive time and counted (`future_ts`)
 SNAPSHOT_META_BYTES = 16 * 1024  # what a snapshot message may carry besides its JPEG's base64
 
 
@@ -55,6 +57,24 @@ class DeviceUpdate:
     device_id: str
     ts: float | None
     values: dict[str, Any]
+
+    @property
+    def is_will(self) -> bool:
+        """The device's Last Will (`offline`): its `ts` is when the device connected, not when it vanished, so
+        no device clock can order it; the broker sends it after everything of that connection."""
+        return self.leaf == STATUS and self.values.get("state") == WILL_STATE
+
+    def clamp(self, now: float) -> bool:
+        """`ts` (and a status's `since`) far ahead of `now` set to `now`, as telemetry's are: else a device
+        whose clock ran ahead would keep its row for as long (the device's own values stay in
+        status_json/meta_json). True when something was clamped."""
+        clamped = False
+        if self.ts is not None and self.ts > now + FUTURE_TS_S:
+            self.ts, clamped = now, True
+        since = self.values.get("state_since")
+        if since is not None and since > now + FUTURE_TS_S:
+            self.values["state_since"], clamped = now, True
+        return clamped
 
 
 @dataclass

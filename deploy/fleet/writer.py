@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from deploy.fleet.db import FleetDB
-from deploy.fleet.records import STATUS, DeviceUpdate, Row, SnapshotRecord
+from deploy.fleet.records import FUTURE_TS_S, STATUS, DeviceUpdate, Row, SnapshotRecord
 from deploy.fleet.schema import EVENT_COLUMNS, SNAPSHOT_COLUMNS, TELEMETRY_COLUMNS
 
 COLUMNS = {"telemetry": [c for c, _ in TELEMETRY_COLUMNS], "events": [c for c, _ in EVENT_COLUMNS]}
@@ -62,7 +62,7 @@ def write_batch(db: FleetDB, rows: list[Row], updates: list[DeviceUpdate], stats
         _count_seqs(db, new)
         result.snapshots = _upsert_snapshots(db, snapshots, snapshot_cameras)
         heard = {row.device_id for row in new} | {snap.device_id for snap in snapshots}
-        result.devices = _touch_devices(db, new, received, heard) + _apply_updates(db, updates)
+        result.devices = _touch_devices(db, new, received, heard) + _apply_updates(db, updates, received)
         _add_stats(db, {**stats, "duplicates": stats.get("duplicates", 0) + result.duplicates,
                         **{f"inserted_{t}": n + stats.get(f"inserted_{t}", 0) for t, n in result.inserted.items()},
                         **{name: n + stats.get(name, 0) for name, n in result.snapshots.items()}})
@@ -196,17 +196,28 @@ def _deployment_state(db: FleetDB, row: Row, state: str) -> None:
                "AND (deployment_ts IS NULL OR deployment_ts <= ?)", (state, row.ts, row.device_id, row.ts))
 
 
-def _apply_updates(db: FleetDB, updates: list[DeviceUpdate]) -> int:
-    """Upsert status/meta; a copy older (by device clock) than the one stored is ignored."""
+def _apply_updates(db: FleetDB, updates: list[DeviceUpdate], received: float) -> int:
+    """Upsert status/meta. A copy older (by device clock) than the one stored is ignored, unless the stored stamp
+    is still far in the future (written before stamps were clamped: it would pin the row until then). A Last
+    Will always applies and keeps the stored stamp when that is newer: its own `ts` is from when the device
+    connected, older than every status of that connection, yet the will is the last word of that connection."""
+    greatest = "GREATEST" if db.dialect == "postgresql" else "MAX"
     for update in updates:
         stamp = "status_ts" if update.leaf == STATUS else "meta_ts"
         values = {**update.values, stamp: update.ts}
         cols = list(values)
-        sets = ", ".join(f"{c} = excluded.{c}" for c in cols)
-        db.execute(f"INSERT INTO devices (device_id, {', '.join(cols)}) VALUES ({', '.join('?' * (len(cols) + 1))}) "
-                   f"ON CONFLICT (device_id) DO UPDATE SET {sets} WHERE devices.{stamp} IS NULL "
-                   f"OR excluded.{stamp} IS NULL OR excluded.{stamp} >= devices.{stamp}",
-                   (update.device_id, *values.values()))
+        insert = (f"INSERT INTO devices (device_id, {', '.join(cols)}) VALUES ({', '.join('?' * (len(cols) + 1))}) "
+                  "ON CONFLICT (device_id) DO UPDATE SET ")
+        sets = ", ".join(f"{c} = excluded.{c}" for c in cols if c != stamp)
+        params: tuple[Any, ...] = (update.device_id, *values.values())
+        if update.is_will:
+            sql = (f"{insert}{sets}, {stamp} = {greatest}(COALESCE(devices.{stamp}, excluded.{stamp}), "
+                   f"COALESCE(excluded.{stamp}, devices.{stamp}))")
+        else:
+            sql = (f"{insert}{sets}, {stamp} = excluded.{stamp} WHERE devices.{stamp} IS NULL OR excluded.{stamp} "
+                   f"IS NULL OR excluded.{stamp} >= devices.{stamp} OR devices.{stamp} > ?")
+            params += (received + FUTURE_TS_S,)
+        db.execute(sql, params)
     return len(updates)
 
 
