@@ -332,7 +332,10 @@ def test_off_loopback_a_token_guards_every_path(video_agent) -> None:
 
 
 def test_the_token_never_reaches_the_log_and_idle_connections_are_bounded(caplog, tmp_path: Path) -> None:
-    from agent.video.mjpeg import EXTRA_CONNECTIONS, MjpegServer
+    """Connections that send no request hold a place of the head stage only (agent.video.httpd): one more than
+    it has pushes the oldest out, and none is held past the head's deadline."""
+    from agent.video.httpd import HEAD_CONNECTIONS, HEAD_TIMEOUT_S
+    from agent.video.mjpeg import MjpegServer
 
     cfg = VideoConfig(enabled=True, listen="127.0.0.1:0", max_clients=1, token="t" * 20)
     server = MjpegServer(cfg, FrameTap(), JpegEncoder(), ["cam0"], cfg.resolve_token())
@@ -346,12 +349,15 @@ def test_the_token_never_reaches_the_log_and_idle_connections_are_bounded(caplog
             conn.request("GET", "/?token=" + "t" * 20)
             assert conn.getresponse().status == 200
         assert "t" * 20 not in caplog.text and "GET / HTTP" in caplog.text
-        for _ in range(1 + EXTRA_CONNECTIONS):  # connections that never send a request take every place
-            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
-        assert wait_for(lambda: server._httpd._slots._value == 0, 10)
-        extra = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-        assert extra.recv(1) == b"", "one more is closed at once"
-        assert server._httpd.closed_over_limit == 1
+        for _ in range(HEAD_CONNECTIONS):  # connections that never send a request take every place of the stage
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=HEAD_TIMEOUT_S + 20))
+        assert wait_for(lambda: server.heads.waiting() == HEAD_CONNECTIONS, 10)
+        idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=HEAD_TIMEOUT_S + 20))
+        assert idle[0].recv(1) == b"", "one more pushes the oldest out"
+        assert wait_for(lambda: server.counters["head_evicted"] == 1, 10), server.stats()
+        assert all(s.recv(1) == b"" for s in idle[1:]), "the rest are closed at the head's deadline"
+        assert wait_for(lambda: server.counters["head_timeout"] == HEAD_CONNECTIONS, 10), server.stats()
+        assert server.heads.waiting() == 0 and server._httpd.closed_over_limit == 0
     finally:
         for s in idle:
             s.close()

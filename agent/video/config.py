@@ -78,8 +78,9 @@ class VideoConfig(_Strict):
                                     "at least 16 characters.")
     token_file: Path | None = Field(None, description="File holding the token (first line); beats `token`.")
     max_fps: float = Field(15.0, gt=0, le=60, description="Most frames per second sent to one viewer.")
-    max_clients: int = Field(4, ge=1, le=64, description="Streams served at once; more get 503. Connections beyond "
-                             "max_clients + 8 are closed as they come.")
+    max_clients: int = Field(4, ge=1, le=64, description="Streams served at once; more get 503. Other requests "
+                             "have 8 places of their own, and connections still sending their request 8 more "
+                             "(each request head within 5 s in all).")
     send_timeout_s: float = Field(2.0, gt=0, le=60, description="A viewer that takes longer than this to accept "
                                   "one frame is dropped (frames are never queued for a slow viewer).")
     quality: int = Field(80, ge=10, le=100, description="JPEG quality of the MJPEG frames and snapshots.")

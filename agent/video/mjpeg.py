@@ -4,13 +4,15 @@
 One thread per viewer, bounded by `max_clients`. A viewer is always sent the newest frame, at most
 `max_fps` (or its `?fps=`, whichever is lower); nothing is queued for it. A viewer whose socket does not take
 a frame within `send_timeout_s` is dropped. Off loopback every request needs the token (Authorization:
-Bearer, or `?token=` for players that cannot set headers).
+Bearer, or `?token=` for players that cannot set headers). Connections are limited per stage (request head,
+stream, other requests) by agent.video.httpd, so half-open connections cannot shut viewers out.
 """
 
 from __future__ import annotations
 
 import hmac
 import html
+import io
 import logging
 import re
 import select
@@ -18,13 +20,14 @@ import socket
 import threading
 import time
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import SplitResult, parse_qs, quote, urlsplit
 
 from agent.pipeline.histogram import LatencyHistogram
 from agent.video.config import VideoConfig, host_port
 from agent.video.encode import JpegEncoder
+from agent.video.httpd import EXTRA_CONNECTIONS, HEAD_CONNECTIONS, BoundedHTTPServer, HeadGate, read_head
 from agent.video.tap import FrameTap
 
 log = logging.getLogger(__name__)
@@ -32,7 +35,6 @@ log = logging.getLogger(__name__)
 BOUNDARY = "edgeagentframe"
 SEND_BUFFER_BYTES = 256 * 1024  # what the kernel may hold for one viewer: a frame or two, never a backlog
 _QUERY = re.compile(r"\?\S*")
-EXTRA_CONNECTIONS = 8  # connections beyond max_clients (stills, the index page, refusals) before new ones are closed
 
 
 class MjpegServer:
@@ -48,10 +50,12 @@ class MjpegServer:
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self.clients = 0
+        self._extra = threading.BoundedSemaphore(EXTRA_CONNECTIONS)  # requests other than streams
         self.counters: Counter[str] = Counter()
         self.glass_to_glass: dict[str, LatencyHistogram] = {name: LatencyHistogram() for name in self.cameras}
         host, port = host_port(config.listen)
-        self._httpd = _Server((host, port), _handler(self), config.max_clients + EXTRA_CONNECTIONS)
+        self._httpd = BoundedHTTPServer((host, port), _handler(self),
+                                        config.max_clients + EXTRA_CONNECTIONS + HEAD_CONNECTIONS)
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="video-http", daemon=True)
 
@@ -59,6 +63,11 @@ class MjpegServer:
     def port(self) -> int:
         """The bound port (the configured one, or the one picked for port 0)."""
         return int(self._httpd.server_address[1])
+
+    @property
+    def heads(self) -> HeadGate:
+        """The connections still sending their request head."""
+        return self._httpd.heads
 
     @property
     def url(self) -> str:
@@ -80,6 +89,7 @@ class MjpegServer:
             self._httpd.shutdown()
             self._thread.join(timeout)
         self._httpd.server_close()
+        self.heads.close_all()  # no new ones come: the half-open ones end now
 
     def admit(self) -> bool:
         """Take one of the `max_clients` places; False when all are taken."""
@@ -92,6 +102,13 @@ class MjpegServer:
     def leave(self) -> None:
         with self._lock:
             self.clients -= 1
+
+    def take_extra(self) -> bool:
+        """Take one of the places of requests other than streams; False when all are taken."""
+        return self._extra.acquire(blocking=False)
+
+    def give_extra(self) -> None:
+        self._extra.release()
 
     def authorized(self, headers: Any, query: dict[str, list[str]]) -> bool:
         """True when no token is needed or the request carries it."""
@@ -115,43 +132,10 @@ class MjpegServer:
         g2g = {name: h.summary() for name, h in self.glass_to_glass.items() if h.count}
         with self._lock:
             counters = dict(self.counters)
-        return {"listen": self.url, "clients": self.clients, **counters, "glass_to_glass_ms": g2g}
-
-
-class _Server(ThreadingHTTPServer):
-    """One thread per connection, at most `max_connections` at once: more are closed as they come, so a peer
-    that opens connections and sends nothing cannot pin threads on a small device."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 16
-
-    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self.closed_over_limit = 0
-        super().__init__(address, handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.closed_over_limit += 1
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.exception("video: request from %s failed", client_address[0] if client_address else "?")
+        heads = self.heads
+        return {"listen": self.url, "clients": self.clients, **counters, "heads_waiting": heads.waiting(),
+                "heads_evicted": heads.evicted, "closed_over_limit": self._httpd.closed_over_limit,
+                "glass_to_glass_ms": g2g}
 
 
 def _handler(server: MjpegServer) -> type:
@@ -165,14 +149,45 @@ class _VideoHandler(BaseHTTPRequestHandler):
     video: MjpegServer
     server_version = "edge-agent-video"
     protocol_version = "HTTP/1.0"  # one request per connection: a stream ends with its connection
-    timeout = 10  # a client that sends no request line in this long is closed (it holds a thread meanwhile)
+    timeout = 10  # per write of a response other than a stream (a stream has send_timeout_s)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         """Debug lines without the query string: it may hold the viewer's token."""
         log.debug("video %s: %s", self.client_address[0], _QUERY.sub("", format % args))
 
+    def handle(self) -> None:
+        """The whole request head within HEAD_TIMEOUT_S (in the head stage: agent.video.httpd), then its one
+        request; a head that is late, too large, cut or pushed out is counted and the connection closed."""
+        self.close_connection = True
+        heads = self.video.heads
+        heads.enter(self.connection)
+        head, why = read_head(self.connection)
+        if not heads.leave(self.connection):
+            head, why = None, "head_evicted"
+        if head is None:
+            self.video.count(why)
+            return
+        self.connection.settimeout(self.timeout)
+        self.rfile.close()
+        self.rfile = io.BytesIO(head)  # what handle_one_request parses: the head, read already
+        self.handle_one_request()
+
     def do_GET(self) -> None:  # noqa: N802
         url = urlsplit(self.path)
+        if url.path.endswith(".mjpg"):  # a stream: one of max_clients (admit), or 503
+            self._route(url)
+            return
+        video = self.video
+        if not video.take_extra():
+            video.count("busy")
+            self._plain(503, "too many requests at once; retry\n", {"Retry-After": "2"})
+            return
+        try:
+            self._route(url)
+        finally:
+            video.give_extra()
+
+    def _route(self, url: SplitResult) -> None:
         query = parse_qs(url.query)
         video = self.video
         if not video.authorized(self.headers, query):
