@@ -129,8 +129,9 @@ class Swaps:
             self._record_active(self.slots.active, dep.id)
             store.apply(dep, "active")
 
-    def watch(self, dep: Deployment, stop: threading.Event) -> dict[str, Any] | None:
-        """Judge the new model for the watch window; the first violation (with numbers) or None."""
+    def watch(self, dep: Deployment, stop: threading.Event, window_s: float) -> dict[str, Any] | None:
+        """Judge the new model for `window_s` (the watch window, or what a stop left of it); the first violation
+        (with numbers) or None."""
         assert self.worker is not None and self.cameras is not None
         assert self.slots.active is not None
         budget = self.slots.active.source.manifest.gates.latency_budget_ms
@@ -138,7 +139,7 @@ class Swaps:
         violation = deployment_watch.watch_model(
             self.worker, self.cameras, self.config.deployments, budget, stop, floors,
             still_current=lambda: self.slots.active is not None and self.slots.active.deployment_ok(dep),
-            health=self.output_health)
+            health=self.output_health, window_s=window_s)
         if violation is not None:
             violation["swap_gap_ms"] = self._last_swap.get("gap_ms")
             return violation

@@ -3,7 +3,8 @@
 Every transition is committed to SQLite *before* the step it announces starts, so a `kill -9` anywhere
 leaves a row that says how far it got. On start, `recover` marks such rows `failed(INTERRUPTED)`; the
 active model is whatever `active_model` says, which only changes in the same transaction that marks
-a deployment `active`.
+a deployment `active`. The row also says how much of its watch window is left, from `activating` on: a watch
+that a stop cut short is taken up again when the deployment thread starts (agent.deployments.watching).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from agent.deployments.config import DeploymentConfig
 from agent.deployments.shadowing import ShadowHost, ShadowStage, end_interrupted_shadow
 from agent.deployments.store import TERMINAL, Deployment, DeploymentStore
 from agent.deployments.versions import VersionMemory
+from agent.deployments.watch import WatchWindow
+from agent.deployments.watching import WatchHost, WatchStage
 from agent.shadow.plan import ShadowArgs
 from agent.storage_reclaim import tree_size
 from agent.testhooks import pause_point
@@ -61,7 +64,7 @@ class BusyError(EdgeError):
     code = "BUSY"
 
 
-class SwapHost(ShadowHost, Protocol):
+class SwapHost(ShadowHost, WatchHost, Protocol):
     """What the deployment worker needs from the running agent (implemented by agent.daemon.runner.Agent)."""
 
     def provision(self, source: ModelSource, on_progress: Callable[[dict], None], stop: threading.Event) -> Any:
@@ -76,14 +79,6 @@ class SwapHost(ShadowHost, Protocol):
         """Record the new active model and the `active` transition in one transaction."""
         ...
 
-    def watch(self, dep: Deployment, stop: threading.Event) -> dict[str, Any] | None:
-        """Watch the new model; return the violation (numbers) that requires rollback, or None."""
-        ...
-
-    def rollback(self, reason: str, numbers: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Swap back to the previous model and record it."""
-        ...
-
 
 class DeploymentManager(threading.Thread):
     """Runs deployments requested through `request`; `rollback` goes through the same worker."""
@@ -96,9 +91,8 @@ class DeploymentManager(threading.Thread):
         self.stop_event = stop_event
         self._queue: queue.Queue[Deployment] = queue.Queue(maxsize=4)
         self._lock = threading.Lock()
-        self._rollback_lock = threading.Lock()
         self._current: Deployment | None = None
-        self._watching: Deployment | None = None
+        self.watching = WatchStage(store, host, config, emit, stop_event)
         self._options: dict[str, RequestOptions] = {}
         self.versions = VersionMemory(store.state)
         self.versions.seed_from_active()  # an upgraded agent or a fresh database knows what is deployed
@@ -149,15 +143,16 @@ class DeploymentManager(threading.Thread):
         with self._lock:
             if self._current is not None and self._current.state not in TERMINAL:
                 raise BusyError(f"deployment {self._current.id} is in progress ({self._current.state})")
-        with self._rollback_lock:
-            watched, self._watching = self._watching, None  # the watch loop must not roll back as well
+        watching = self.watching
+        with watching.lock:
+            watched, watching.current = watching.current, None  # the watch loop must not roll back as well
             try:
                 result = self.host.rollback("requested")
             except EdgeError:
-                self._watching = watched  # nothing was rolled back: the new model is still watched
+                watching.current = watched  # nothing was rolled back: the new model is still watched
                 raise
             except Exception as exc:
-                self._watching = watched
+                watching.current = watched
                 log.exception("rollback failed")
                 raise EdgeError(f"rollback failed: {exc}", code="ROLLBACK_FAILED") from exc
             watched = watched or self.store.latest_active()
@@ -170,22 +165,21 @@ class DeploymentManager(threading.Thread):
         """The deployment in progress (or being watched), with live progress. `in_progress`: it still holds the
         deployment thread, so another request is refused BUSY (it is watched from just before it is active, so
         both can hold for a moment)."""
-        dep = self._current or self._watching
+        dep = self._current or self.watching.current
         if dep is None:
             return None
-        return {**dep.to_dict(), "progress": dict(self.progress), "watching": dep is self._watching,
+        return {**dep.to_dict(), "progress": dict(self.progress), "watching": dep is self.watching.current,
                 "in_progress": dep is self._current}
 
     def watched(self) -> dict[str, Any] | None:
         """The deployment whose watch runs now, also while the next one is already requested (which `status`
         then names): what `edge-agent deploy --wait` follows to the watch's end."""
-        dep = self._watching
+        dep = self.watching.current
         return {**dep.to_dict(), "watching": True} if dep is not None else None
 
-    def _unwatch(self, dep: Deployment) -> None:
-        with self._rollback_lock:
-            if self._watching is dep:
-                self._watching = None
+    def resume_watch(self) -> None:
+        """Take up the watch that a stop cut short (`run` does, first): see agent.deployments.watching."""
+        self.watching.resume()
 
     # --- recovery (before start) -------------------------------------------------------------
 
@@ -208,8 +202,13 @@ class DeploymentManager(threading.Thread):
     # --- the worker ----------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Take one request at a time until stopped; no error in one deployment ends the worker."""
+        """Take one request at a time until stopped; no error in one deployment ends the worker. First, the watch
+        that a stop cut short goes on (the agent starts this thread once the frame path runs)."""
         self._housekeeping()
+        try:
+            self.resume_watch()
+        except Exception:  # e.g. sqlite3.Error reading the row: the worker still takes requests
+            log.exception("resuming an interrupted watch failed")
         while not self.stop_event.is_set():
             try:
                 item = self._queue.get(timeout=0.2)
@@ -254,13 +253,15 @@ class DeploymentManager(threading.Thread):
             if evidence is not None and evidence["outcome"] != "promoted":
                 self._cancelled(dep, evidence)
                 return
-            self._step(dep, "activating", **({"details": {"shadow": evidence}} if evidence is not None else {}))
+            # the row says from now on how much of the watch is left: a stop before its end leaves it to the next start
+            self._step(dep, "activating", details={**({"shadow": evidence} if evidence is not None else {}),
+                                                   **WatchWindow.opening(self.config.watch_window_s).details()})
             swap = self.host.activate(source, provisioned, dep)
             pause_point("activated")
             # watched from the moment its row says active, not only once the GC below is done: `status` names it
             # meanwhile (the CLI's --wait waits for the watch), and an operator's rollback in between leaves the
             # watch unstarted
-            self._watching = dep
+            self.watching.current = dep
             self.host.commit_active(source, provisioned, dep, self.store)
             self._remember_version(dep)
             self.emit("deployment", deployment_id=dep.id, state="active", model=f"{dep.model_name}@{dep.model_version}",
@@ -268,11 +269,11 @@ class DeploymentManager(threading.Thread):
             log.info("deployment %s active: %s@%s (swap gap %s ms)", dep.id, dep.model_name, dep.model_version,
                      swap.get("gap_ms"))
         except EdgeError as exc:
-            self._unwatch(dep)
+            self.watching.unwatch(dep)
             self._fail(dep, exc.code, str(exc))
             return
         except Exception:
-            self._unwatch(dep)
+            self.watching.unwatch(dep)
             self._fail(dep, "INTERNAL", internal_error(log, f"deployment {dep.id} crashed"))
             return
         finally:
@@ -285,7 +286,7 @@ class DeploymentManager(threading.Thread):
         except Exception:
             log.exception("artifact GC failed")
         self._collect_engines()
-        self._watch(dep)
+        self.watching.run(dep)
 
     def _prepare(self, dep: Deployment, shadow: bool = False) -> tuple[ModelSource, Any]:
         self._step(dep, "fetching")
@@ -409,26 +410,6 @@ class DeploymentManager(threading.Thread):
             log.exception("could not remove the artifact of failed deployment %s", dep.id)
             return
         self.emit("artifact_collected", path=str(path), reason="deployment failed", bytes=size)
-
-    def _watch(self, dep: Deployment) -> None:
-        if self._watching is not dep:  # an operator rolled back before the watch began: nothing to watch
-            return
-        try:
-            violation = self.host.watch(dep, self.stop_event)
-            if violation is None:
-                return
-            with self._rollback_lock:
-                if self._watching is not dep:  # an operator rolled back meanwhile
-                    return
-                result = self.host.rollback("watch", violation)
-                self.store.transition(dep, "rolled_back", reason=violation.get("reason", "WATCH"),
-                                      message=violation.get("message"), details={"watch": violation})
-            self.emit("rolled_back", deployment_id=dep.id, **violation, restored=result.get("model"))
-        except EdgeError as exc:
-            log.error("watch/rollback of %s failed: %s", dep.id, exc)
-        finally:
-            if self._watching is dep:
-                self._watching = None
 
     def _collect_engines(self) -> None:
         """Keep the engine cache within its budget (LRU), never touching the active or previous engine."""

@@ -13,12 +13,16 @@ The new model is judged on its own terms (issue 27):
   rolled back with WATCH_OUTPUT_COLLAPSE, however fast it is.
 
 Every verdict carries `limit`, `value`, `statistic`, `window_s` and `frames`, the numbers it was judged on.
+
+A stop does not end a watch (issue 47): the deployment's row says how much of its window is left
+(`WatchWindow`, in `details.watch_window`), and the next start watches the model for what is left.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from agent.deployments.config import DeploymentConfig
@@ -137,12 +141,15 @@ def _starved(window: FrameStats | None, model_window: FrameStats, config: Deploy
 
 def watch_model(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms: float | None,
                 stop: threading.Event, floors: Mapping[str, FpsFloor],
-                still_current: Callable[[], bool], health: OutputHealth | None = None) -> dict[str, Any] | None:
-    """Poll until the window ends, the model is replaced, or a limit is broken on any camera; the window's
-    last poll is at its deadline, so a model judged only late in the window is still judged."""
-    deadline = time.monotonic() + config.watch_window_s
-    if config.watch_min_s > config.watch_window_s:  # a short window is judged at its end
-        config = config.model_copy(update={"watch_min_s": config.watch_window_s})
+                still_current: Callable[[], bool], health: OutputHealth | None = None,
+                window_s: float | None = None) -> dict[str, Any] | None:
+    """Poll until the window (`window_s`, else `watch_window_s`; a resumed watch has what was left) ends, the
+    model is replaced, or a limit is broken on any camera; the window's last poll is at its deadline, so a
+    model judged only late in the window is still judged."""
+    window = config.watch_window_s if window_s is None else window_s
+    deadline = time.monotonic() + window
+    if config.watch_min_s > window:  # a short window is judged at its end
+        config = config.model_copy(update={"watch_min_s": window})
     while still_current():
         last = time.monotonic() >= deadline
         violation = judge_cameras(worker, cameras, config, budget_ms, floors, health=health)
@@ -169,3 +176,57 @@ def watch_summary(worker: Any, floors: Mapping[str, FpsFloor], health: OutputHea
                          **({"outputs": health.numbers(name)} if health is not None else {})}
     return {"window_s": round(window_age(worker.window, now), 2), "excluded_frames": worker.window.excluded,
             "cameras": cameras}
+
+
+WINDOW_KEY = "watch_window"  # the key of WatchWindow in a deployment's details
+
+
+@dataclass(frozen=True)
+class WatchWindow:
+    """How much of a deployment's watch is left, in its row from activation on: `pending` while the model has
+    not been judged for its whole window (a stop cut it short, or it has not begun)."""
+
+    window_s: float
+    remaining_s: float
+    pending: bool = True
+    resumed: int = 0  # times a start took it up again
+
+    @classmethod
+    def opening(cls, window_s: float) -> "WatchWindow":
+        """The record written with `activating`: all of the window left."""
+        return cls(window_s, window_s)
+
+    @classmethod
+    def of(cls, details: Mapping[str, Any] | None) -> "WatchWindow | None":
+        """The record in `details` (None: a deployment from before the record); ValueError when it is not one."""
+        raw = (details or {}).get(WINDOW_KEY)
+        if raw is None:
+            return None
+        try:
+            window, left = float(raw["window_s"]), float(raw["remaining_s"])
+            pending, resumed = raw["pending"], int(raw.get("resumed", 0))
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ValueError(f"watch_window {str(raw)[:200]!r} is not a watch record ({exc})") from None
+        if not (0 <= left <= window and isinstance(pending, bool)):
+            raise ValueError(f"watch_window {str(raw)[:200]!r} is out of range")
+        return cls(window, left, pending, resumed)
+
+    def details(self) -> dict[str, Any]:
+        """For the row's details."""
+        return {WINDOW_KEY: {"window_s": self.window_s, "remaining_s": round(self.remaining_s, 3),
+                             "pending": self.pending, "resumed": self.resumed}}
+
+    def cut_short(self, watched_s: float) -> "WatchWindow":
+        """What is left after a watch of `watched_s` that a stop ended."""
+        return WatchWindow(self.window_s, max(0.0, self.remaining_s - watched_s), True, self.resumed)
+
+    def ended(self) -> "WatchWindow":
+        """Judged to its end (passed, rolled back, or its model was replaced)."""
+        return WatchWindow(self.window_s, 0.0, False, self.resumed)
+
+    def resuming(self, min_s: float) -> tuple["WatchWindow", float]:
+        """(the record of the resumed watch, its window): what was left, but at least `min_s` (the judging
+        minimum, `watch_min_s`, at most the whole window): the new process's model is judged on its own
+        results, and a second left would judge nothing."""
+        window = max(self.remaining_s, min(min_s, self.window_s))
+        return WatchWindow(self.window_s, window, True, self.resumed + 1), window
