@@ -76,6 +76,7 @@ def is_inline_key(entry: str) -> bool:
 def parse_public_key(data: bytes, source: str) -> Ed25519PublicKey:
     """Read a public key from one-line base64, PEM (SubjectPublicKeyInfo) or OpenSSH `ssh-ed25519`."""
     text = data.strip()
+    key: object  # each loader returns its own union of key types (they change between cryptography releases)
     try:
         if text.startswith(b"-----BEGIN"):
             key = serialization.load_pem_public_key(text)
