@@ -8,7 +8,7 @@ import tempfile
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import cv2
 import numpy as np
@@ -273,15 +273,15 @@ def check_preprocess_size(model: Path, manifest: Manifest) -> None:
                            f"--layout {spec.layout})", code="MODEL_SHAPE_MISMATCH")
 
 
-def check_decodes(model: Path, manifest: Manifest, validation: Path | None) -> None:
+def check_decodes(model: Path, manifest: Manifest, validation: Path | None, more: Sequence[Path] = ()) -> None:
     """Run the model once with its postprocessor, on the first validation frame (or a generated one), so a
-    decoder that does not fit the outputs (a seg layout on a one-output model, scores that are not
-    probabilities, NaN or out-of-range values: engines.postprocess.value_ranges) is refused here with its
-    code, not on every device's first frame."""
+    decoder that does not fit the outputs (shapes it does not read: MODEL_SHAPE_MISMATCH, declared when the
+    runtime loads, given when the frame runs; scores that are not probabilities, NaN or out-of-range values:
+    engines.postprocess.value_ranges) is refused here with its code, not on every device's first frame. A check
+    across the set (a 0-255 picture that stays within 0..1) that refuses the first frame runs the `more`
+    validation frames too, one at a time, until one of them settles it: a dark first frame proves nothing."""
     from engines.model import load_bare_onnx
-    from engines.postprocess.value_ranges import check_value_ranges
     from engines.runtime import load_runtime
-    from engines.build.validate import _run as run_frame  # the gates' own run of one frame: package checks what they will
     from engines.frames import validation_frames
 
     if len(model_input_dims(model, manifest.state)[1]) != 4:
@@ -299,15 +299,37 @@ def check_decodes(model: Path, manifest: Manifest, validation: Path | None) -> N
         raise PackageError(f"{model.name} with --postprocess {manifest.postprocess.kind} does not load: {exc}",
                            code=exc.code) from exc
     try:
-        outputs, _ = run_frame(runtime, frame)
-        check_value_ranges(manifest.postprocess.kind, runtime.postprocessor, outputs,
-                           [o.name for o in runtime.engine.outputs])
+        _check_frames(runtime, manifest.postprocess.kind, frame, more)
     except Exception as exc:  # a decoder that crashes on the model's outputs is as unfit as one that says so
         code = exc.code if isinstance(exc, EdgeError) else "POSTPROCESS_MISMATCH"
         raise PackageError(f"--postprocess {manifest.postprocess.kind} does not fit {model.name}'s outputs on {where}: "
                            f"{exc}", code=code) from exc
     finally:
         runtime.close()
+
+
+def _check_frames(runtime: Any, kind: str, frame: np.ndarray, more: Sequence[Path]) -> None:
+    """The shape and value checks on `frame`, then the set checks on it and, while they refuse, on `more` frames."""
+    from engines.build.validate import _run as run_frame  # the gates' own run of one frame: package checks what they will
+    from engines.errors import ModelError
+    from engines.postprocess.value_ranges import check_value_ranges, check_value_set
+
+    names = [o.name for o in runtime.engine.outputs]
+    outputs, _ = run_frame(runtime, frame)
+    check_value_ranges(kind, runtime.postprocessor, outputs, names)
+    seen = [outputs]
+    pending = list(more)
+    while True:
+        try:
+            check_value_set(kind, runtime.postprocessor, seen, names)
+            return
+        except ModelError:
+            picture = None
+            while pending and picture is None:
+                picture = cv2.imread(str(pending.pop(0)), cv2.IMREAD_COLOR)
+            if picture is None:
+                raise
+            seen.append(run_frame(runtime, picture)[0])
 
 
 def with_model_input_size(model: Path, preprocess: dict[str, Any], state: StateSpec | None = None) -> dict[str, Any]:
@@ -428,8 +450,8 @@ def package(opts: PackageOptions) -> Manifest:
         sources.update(calibration)
         if opts.validation:
             sources.update(validation_files(Path(opts.validation), calibration, Path(workdir)))
-        check_decodes(sources[Path(opts.model).name], template,
-                      next((path for name, path in sorted(sources.items()) if name.startswith(f"{VALIDATION_DIR}/")), None))
+        held_out = [path for name, path in sorted(sources.items()) if name.startswith(f"{VALIDATION_DIR}/")]
+        check_decodes(sources[Path(opts.model).name], template, held_out[0] if held_out else None, held_out[1:])
         if not opts.validation and not opts.synthetic_validation:
             log.warning("%s@%s ships no validation frames: a device refuses to gate it (GATE_NO_VALIDATION_FRAMES) "
                         "unless it keeps live camera frames ([gates] live_frames); pass --validation DIR (or "

@@ -6,6 +6,7 @@ documented where a manifest author looks, and cannot drift from the code.
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
@@ -21,6 +22,13 @@ A manifest names one postprocessor (`postprocess.kind`) and its parameters (`pos
 package --postprocess KIND --param key=value` writes both. Unknown parameters are refused with the list of the
 valid ones, at `package` and when the engine is built. The gate compares a candidate engine with its FP32
 reference by the kind's metric.
+
+Every postprocessor states the output shapes it reads ("Reads", below) and refuses anything else with
+MODEL_SHAPE_MISMATCH, naming the shapes and the parameter that would fit: on the shapes the model declares when
+it is packaged, built and loaded, and on the shapes it gives on the validation frames at `package` and in the
+gates. A layout `auto` that cannot decide is refused, never guessed. The examples under each are shapes it reads
+(with the parameters, labels and input size they need); tests/test_decoder_fit.py feeds each postprocessor every
+other one's examples, and their channels-first / channels-last twins, and expects a refusal.
 """
 
 
@@ -43,15 +51,39 @@ def section(name: str) -> list[str]:
 
     cls = POSTPROCESSORS.get(name)
     module = sys.modules[cls.__module__]
-    lines = [f"## `{name}`", "", _doc(cls), "", _module_text(module), "",
-             f"Gate metric: `{METRICS.get(name, 'cosine')}`" + (
-                 " (with `+mask_iou` / `+oks` for masks and keypoints: engines/instance_metrics.py)."
-                 if name in ("yolo", "anchors") else "."), ""]
+    lines = [f"## `{name}`", "", _doc(cls), "", _module_text(module), "", f"Reads: {cls.READS}", ""]
+    lines += _examples(cls) + [f"Gate metric: `{METRICS.get(name, 'cosine')}`" + (
+        " (with `+mask_iou` / `+oks` for masks and keypoints: engines/instance_metrics.py)."
+        if name in ("yolo", "anchors") else "."), ""]
     if cls.Params.model_fields:
         lines += param_rows(cls.Params)
     else:
         lines.append("No parameters.")
     return lines + [""]
+
+
+def _examples(cls: Any) -> list[str]:
+    """The shapes a postprocessor reads, as a list (none for `raw`, which reads any)."""
+    if not cls.EXAMPLES:
+        return []
+    lines = ["Shapes it reads, for example:", ""]
+    for example in cls.EXAMPLES:
+        shapes = ", ".join("(" + ", ".join("?" if d is None else str(d) for d in shape) + ")" for shape in example.shapes)
+        params = ", ".join(f"{k}={json.dumps(v)}" for k, v in example.params.items())
+        labels = f", {len(example.labels)} labels" if example.labels else ""
+        width, height = example.input_size
+        lines.append(f"- {example.what}: {shapes} at {width}x{height}{labels}" + (f" (`{params}`)" if params else ""))
+    return lines + [""]
+
+
+CONVERTING_TEXT = """Models that ship as `.tflite` (MediaPipe, TensorFlow Lite hubs) must become ONNX first. `tflite2onnx` has
+no converter for `HARD_SWISH` (MobileNetV3 backbones) nor for any custom operator, such as MediaPipe's
+`Convolution2DTransposeBias` (the selfie segmenter's decoder), and stops on either. `python -m tf2onnx.convert
+--tflite model.tflite --opset 17 --output model.onnx` converts `HARD_SWISH` (ONNX's `HardSwish` needs opset 14 or
+later: at 13 ONNX Runtime cannot load the result), but leaves `Convolution2DTransposeBias` as a node ONNX Runtime
+cannot run (onnx/tensorflow-onnx issue 2389): replace it with a `ConvTranspose` carrying the bias before
+packaging, or convert the TensorFlow SavedModel, where it is an ordinary transposed convolution, when you have
+it. TFLite models are channels last: their maps and pictures come out (1, H, W, C), read with `layout="nhwc"`."""
 
 
 PREPROCESS_TEXT = """Every frame is turned into the model's input tensor by the manifest's `preprocess` (`edge-deploy package`
@@ -67,6 +99,7 @@ def render() -> str:
     from engines.preprocess import PreprocessSpec
 
     lines = [HEADER, "## The preprocess (`preprocess`)", "", PREPROCESS_TEXT, ""] + param_rows(PreprocessSpec) + [""]
+    lines += ["## Converting TFLite models", "", CONVERTING_TEXT, ""]
     for name in POSTPROCESSORS.names():
         lines += section(name)
     return "\n".join(lines).rstrip() + "\n"

@@ -112,21 +112,15 @@ def test_outputs_that_do_not_fit_the_anchors_fail_when_built() -> None:
 
 @pytest.mark.slow
 def test_blazeface_through_the_yolo_decoder_is_refused_not_decoded_into_garbage() -> None:
-    """Issue #21: `--postprocess yolo` on this model gave 19 boxes with scores up to 871."""
-    from engines.errors import InferenceError
-
-    photo = cv2.imread(str(wheel_member(*ASTRONAUT)), cv2.IMREAD_COLOR)
+    """Issue #21: `--postprocess yolo` on this model gave 19 boxes with scores up to 871. Issue #44: its two outputs
+    (boxes and scores) are refused when the runtime is built, before any frame: yolo's auto reads one."""
     source = load_bare_onnx(blazeface_onnx(), {
         "preprocess": PreprocessSpec(width=128, height=128, color="rgb", mean=(0.5,) * 3, std=(0.5,) * 3),
         "postprocess": PostprocessSpec(kind="yolo", params={})})
-    runtime = load_runtime(source, "onnxruntime")
-    try:
-        with pytest.raises(InferenceError) as refused:
-            runtime.run(photo)
-    finally:
-        runtime.close()
-    assert refused.value.code == "POSTPROCESS_MISMATCH" and "not probabilities" in str(refused.value)
-    assert "`anchors`" in str(refused.value)
+    with pytest.raises(ModelError) as refused:
+        load_runtime(source, "onnxruntime").close()
+    assert refused.value.code == "MODEL_SHAPE_MISMATCH" and "[1, 896, 16], [1, 896, 1]" in str(refused.value)
+    assert "2 output(s), layout auto reads 1" in str(refused.value) and "`anchors`" in str(refused.value)
 
 
 @pytest.mark.slow
@@ -141,6 +135,7 @@ def test_package_refuses_a_decoder_that_does_not_fit_and_signs_the_one_that_does
                   preprocess={"color": "rgb", "mean": (0.5,) * 3, "std": (0.5,) * 3})
     with pytest.raises(PackageError) as wrong:
         package(PackageOptions(out=tmp_path / "yolo", postprocess="yolo", **common))
-    assert wrong.value.code == "POSTPROCESS_MISMATCH" and "on the validation frame astronaut.png" in str(wrong.value)
+    assert wrong.value.code == "MODEL_SHAPE_MISMATCH" and "with --postprocess yolo does not load" in str(wrong.value)
+    assert "2 output(s), layout auto reads 1" in str(wrong.value)
     manifest = package(PackageOptions(out=tmp_path / "anchors", postprocess="anchors", **common))
     assert manifest.postprocess.kind == "anchors" and (manifest.preprocess.width, manifest.preprocess.height) == (128, 128)

@@ -18,7 +18,9 @@ decoder does not fit the model) or only in the built engine (the build broke the
 No vacuous passes: a reference that carries no signal on the validation frames proves nothing, and
 the gate fails with GATE_NO_SIGNAL before any metric is read — a detector whose FP32 reference finds
 fewer than MIN_REFERENCE_DETECTIONS objects (or no text pixel) across the set, a classifier whose
-reference gives one class for every frame, a raw model whose every output is constant.
+reference gives one class for every frame, a segmenter whose reference labels each frame with one class
+everywhere, an image model whose picture (a matte) is one constant value over the set, a raw model whose every
+output is constant.
 
 Default minimums when the manifest sets none (`gates.min_accuracy` overrides):
 - fp32 0.99: the engine differs from the reference only by kernel choice and summation order (~1e-6
@@ -54,7 +56,7 @@ from engines.metrics import (
     top1_agreement,
 )
 from engines.postprocess import InferenceResult
-from engines.postprocess.value_ranges import check_value_ranges
+from engines.postprocess.value_ranges import check_value_ranges, check_value_set
 from engines.runtime import ModelRuntime
 
 DEFAULT_MIN_ACCURACY = {"fp32": 0.99, "fp16": 0.95, "int8": 0.90}
@@ -205,6 +207,10 @@ def value_problem(kind: str, reference: ModelRuntime, candidate: ModelRuntime, p
                 check_value_ranges(kind, runtime.postprocessor, pair[side][0], names)
             except ModelError as exc:
                 return f"{who} on validation frame {index + 1} of {len(pairs)}: {exc}"
+        try:
+            check_value_set(kind, runtime.postprocessor, [pair[side][0] for pair in pairs], names)
+        except ModelError as exc:
+            return f"{who} on the {len(pairs)} validation frame(s): {exc}"
     return None
 
 
@@ -226,9 +232,16 @@ def signal_problem(kind: str, params: dict[str, Any], references: Sequence[Run])
         if count >= 2 and len(classes) == 1:
             return f"the FP32 model gives class {classes.pop()} for every one of the {count} validation frames"
     elif kind == "segmentation":
-        labels = {int(c) for _, result in references for c in np.unique(_class_map(result))}
-        if len(labels) < 2:
-            return f"the FP32 model labels every pixel of the {count} validation frame(s) as class {labels or {'none'}}"
+        per_frame = [np.unique(_class_map(result)) for _, result in references]
+        if all(len(labels) < 2 for labels in per_frame):
+            labels = sorted({int(c) for frame in per_frame for c in frame})
+            return (f"the FP32 model labels every pixel of each of the {count} validation frame(s) with one class "
+                    f"(class {', '.join(map(str, labels)) or 'none'})")
+    elif kind == "image":  # the picture alone: a matting model's side outputs, or its state, may well vary
+        index = int(params.get("output", 0))
+        if _constant(np.concatenate([outputs[index].ravel() for outputs, _ in references])):
+            return (f"the FP32 model's picture (output {index}) is one constant value over the {count} validation "
+                    "frame(s): a matte that finds nobody, or a picture that ignores the frame")
     elif all(_constant(np.concatenate([outputs[i].ravel() for outputs, _ in references]))
              for i in range(len(references[0][0]))):
         return f"every output of the FP32 model is constant over the {count} validation frame(s)"
@@ -264,10 +277,13 @@ def _class_map(result: InferenceResult) -> np.ndarray:
 
 
 def _run(runtime: ModelRuntime, frame: np.ndarray) -> tuple[list[np.ndarray], InferenceResult]:
-    """Raw outputs and the decoded result of one frame (through the runtime's own stages)."""
+    """Raw outputs and the decoded result of one frame (through the runtime's own stages). The outputs' shapes must
+    be what the decoder reads before it decodes them (ModelError MODEL_SHAPE_MISMATCH): a dynamic dimension is
+    only known now, and a decoder fed the wrong layout decodes garbage without failing."""
     transform = runtime.preprocessor(frame)
     raw = runtime.infer_stream(runtime.preprocessor.tensor, VALIDATION_STREAM, frame.shape)
     outputs = [np.array(o, copy=True) for o in raw]
+    runtime.postprocessor.check_outputs([o.shape for o in outputs], observed=True)
     return outputs, runtime.postprocessor(outputs, transform)
 
 

@@ -9,10 +9,12 @@ from pydantic import ValidationError
 from engines.errors import ModelError
 from engines.postprocess.base import (
     ClassScore,
+    Decoder,
     Detection,
     InferenceResult,
     PostprocessContext,
     Postprocessor,
+    ShapeExample,
 )
 from engines.registry import Registry, import_plugins
 
@@ -27,7 +29,9 @@ import_plugins(
 
 
 def build_postprocessor(kind: str, params: dict[str, Any], context: PostprocessContext) -> Postprocessor:
-    """Validate `params` against the plugin's model and build it; errors name the parameter."""
+    """Validate `params` against the plugin's model and build it; errors name the parameter. The model's declared
+    output shapes must be what the decoder reads (Decoder.check_outputs: MODEL_SHAPE_MISMATCH): every package,
+    build and load builds its postprocessor here."""
     try:
         cls = POSTPROCESSORS.get(kind)
     except LookupError as exc:
@@ -36,7 +40,10 @@ def build_postprocessor(kind: str, params: dict[str, Any], context: PostprocessC
         parsed = cls.Params.model_validate(params)
     except ValidationError as exc:
         raise ModelError(describe_param_errors(kind, exc, "postprocess.params."), code="MODEL_INVALID") from exc
-    return cls(parsed, context)
+    postprocessor = cls(parsed, context)
+    if context.outputs:
+        postprocessor.check_outputs([o.shape for o in context.outputs])
+    return postprocessor
 
 
 def describe_param_errors(kind: str, exc: ValidationError, prefix: str) -> str:
@@ -56,10 +63,12 @@ def describe_param_errors(kind: str, exc: ValidationError, prefix: str) -> str:
 __all__ = [
     "POSTPROCESSORS",
     "ClassScore",
+    "Decoder",
     "Detection",
     "InferenceResult",
     "PostprocessContext",
     "Postprocessor",
+    "ShapeExample",
     "build_postprocessor",
     "describe_param_errors",
 ]

@@ -14,7 +14,8 @@ cell centre (`(x + anchor_offset) * stride`), in the head's output order. Two en
   (background, face) softmax pairs or one logit.
 
 The outputs are found by their last dimension: scores have 1 or 2 columns, boxes 4 + 2K, landmarks (RetinaFace's
-third output) 2K. NMS is the same greedy NMS as `yolo` (MediaPipe blends overlapping faces instead; the boxes
+third output) 2K; each has one row per generated anchor, and an output with none of these roles (an extra output,
+a YOLO head, a map) refuses the model. NMS is the same greedy NMS as `yolo` (MediaPipe blends overlapping faces instead; the boxes
 differ by a few pixels, the detections are the same).
 
 At `package` and in the gates (engines.postprocess.value_ranges) the boxes, landmarks and decoded boxes must be
@@ -31,7 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engines.errors import InferenceError, ModelError
 from engines.postprocess import POSTPROCESSORS
-from engines.postprocess.base import Detection, InferenceResult, PostprocessContext
+from engines.postprocess.base import Decoder, Detection, InferenceResult, PostprocessContext, ShapeExample
+from engines.postprocess.shapes import Shape, batchless, show
 from engines.postprocess.value_ranges import RANGE_CHECKS, output_label, require
 from engines.postprocess.yolo import clip_to_frame, nms
 from engines.preprocess import FrameTransform
@@ -80,11 +82,23 @@ def generate_anchors(width: int, height: int, params: AnchorParams) -> np.ndarra
     return np.concatenate(out).astype(np.float64)
 
 
+RETINAFACE = {"encoding": "ssd", "strides": [8, 16, 32], "min_sizes": [[16, 32], [64, 128], [256, 512]],
+              "num_keypoints": 5}
+
+
 @POSTPROCESSORS.register("anchors")
-class AnchorPostprocessor:
+class AnchorPostprocessor(Decoder):
     """Boxes (and landmarks) relative to generated anchors + scores -> NMS -> frame boxes with keypoints."""
 
+    KIND = "anchors"
     Params = AnchorParams
+    READS = ("Two outputs (boxes, scores) or three (boxes, scores, landmarks), in any order, each (1, N, k) or (N, k) "
+             "with N the anchors generated from `strides`, `anchors_per_cell` (ssd: `min_sizes`) and the input size: "
+             "scores k = 1 (a logit) or 2 (background, face); boxes k = 4 or 4 + 2 x `num_keypoints`; landmarks "
+             "k = 2 x `num_keypoints` (RetinaFace's third output). An output with none of these roles is refused.")
+    EXAMPLES = (ShapeExample(((1, 896, 16), (1, 896, 1)), input_size=(128, 128), what="BlazeFace front"),
+                ShapeExample(((1, 16800, 4), (1, 16800, 2), (1, 16800, 10)), RETINAFACE, (640, 640),
+                             what="RetinaFace"))
 
     def __init__(self, params: AnchorParams, context: PostprocessContext) -> None:
         self.params = params
@@ -92,38 +106,58 @@ class AnchorPostprocessor:
         if context.input_size is None:
             raise ModelError("anchors: the model input size is needed to generate anchors", code="MODEL_SHAPE_MISMATCH")
         self.anchors = generate_anchors(*context.input_size, params)
-        if context.outputs:
-            self._roles([o.shape for o in context.outputs], declared=True)
 
-    def _roles(self, shapes: list[tuple], declared: bool = False) -> tuple[int, int, int | None]:
-        """(boxes, scores, landmarks) output indices, from each output's last dimension and anchor count."""
+    def shape_problem(self, shapes: list[Shape]) -> str | None:
+        """Two or three outputs of one row per anchor, each with a role."""
+        if len(shapes) not in (2, 3):
+            return (f"anchors reads 2 outputs (boxes, scores) or 3 (boxes, scores, landmarks), the model has "
+                    f"{len(shapes)}")
+        tables = []
+        for i, shape in enumerate(shapes):
+            table = batchless(shape, 2)
+            if table is None:
+                return f"output {i} {show(shape)} is not (1, N, k) or (N, k)"
+            tables.append(table)
+        try:
+            self._roles(tables)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def _roles(self, shapes: list[Shape]) -> tuple[int, int, int | None]:
+        """(boxes, scores, landmarks) output indices, from each output's last dimension and anchor count; ValueError
+        when an output has no role or the rows are not the anchors."""
         k = self.params.num_keypoints
         boxes = scores = landmarks = None
         for i, shape in enumerate(shapes):
             last, count = shape[-1], (shape[-2] if len(shape) >= 2 else None)
             if count not in (None, len(self.anchors)):
-                raise self._error(f"output {i} {list(shape)} has {count} rows, the anchors are {len(self.anchors)} "
-                                  f"(strides {self.params.strides}, input {self.context.input_size})", declared)
+                raise ValueError(f"output {i} {show(shape)} has {count} rows, the anchors are {len(self.anchors)} "
+                                 f"(strides {self.params.strides}, input {self.context.input_size}): set "
+                                 "postprocess.params strides and anchors_per_cell (ssd: min_sizes)")
             if last in (1, 2) and scores is None:
                 scores = i
             elif last is not None and last >= 4 and boxes is None and (last == 4 or last == 4 + 2 * k):
                 boxes = i
             elif last == 2 * k and k and landmarks is None:
                 landmarks = i
+            elif last is not None:
+                raise ValueError(f"output {i} {show(shape)} is none of boxes ({4} or 4 + 2 x {k} keypoints = "
+                                 f"{4 + 2 * k} columns), scores (1 or 2) or landmarks ({2 * k}): set "
+                                 "postprocess.params.num_keypoints, or this is not an anchor head")
         if boxes is None or scores is None:
-            raise self._error(f"outputs {[list(s) for s in shapes]}: need a boxes output (N, 4 or 4 + 2 x "
-                              f"{k} keypoints) and a scores output (N, 1 or 2)", declared)
+            raise ValueError(f"outputs {[show(s) for s in shapes]}: need a boxes output (N, 4 or 4 + 2 x {k} "
+                             "keypoints) and a scores output (N, 1 or 2)")
         return boxes, scores, landmarks
-
-    @staticmethod
-    def _error(message: str, declared: bool) -> Exception:
-        return ModelError(f"anchors: {message}", code="MODEL_SHAPE_MISMATCH") if declared else InferenceError(f"anchors: {message}")
 
     def __call__(self, outputs: list[np.ndarray], transform: FrameTransform) -> InferenceResult:
         """Decode, threshold, NMS; boxes and keypoints in frame pixels."""
         p = self.params
         arrays = [np.asarray(o, np.float32).reshape(-1, np.shape(o)[-1]) for o in outputs]
-        b, s, lm = self._roles([a.shape for a in arrays])
+        try:
+            b, s, lm = self._roles([a.shape for a in arrays])
+        except ValueError as exc:
+            raise InferenceError(f"anchors: {exc}") from exc
         scores = _face_scores(arrays[s])
         keep = np.flatnonzero(scores >= p.conf_threshold)
         raw, anchors = arrays[b][keep].astype(np.float64), self.anchors[keep]

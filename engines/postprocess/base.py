@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from engines.errors import ModelError
+from engines.postprocess.shapes import Shape, show_all
 from engines.tensor_spec import TensorSpec
 from engines.preprocess import FrameTransform
 
@@ -122,6 +124,50 @@ class Postprocessor(Protocol):
     def __call__(self, outputs: list[np.ndarray], transform: FrameTransform) -> InferenceResult:
         """Decode one frame's outputs."""
         ...
+
+    def check_outputs(self, shapes: Sequence[Sequence[int | None]], observed: bool = False) -> None:
+        """Refuse outputs the decoder does not read (ModelError MODEL_SHAPE_MISMATCH)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ShapeExample:
+    """Outputs a decoder reads, with the parameters, labels and model input size it reads them with: listed in
+    docs/postprocessors.md, and fed to every other decoder by tests/test_decoder_fit.py, which must refuse them."""
+
+    shapes: tuple[Shape, ...]
+    params: dict[str, Any] = field(default_factory=dict)
+    input_size: tuple[int, int] = (64, 64)
+    labels: tuple[str, ...] | None = None
+    what: str = ""
+
+
+class Decoder:
+    """Base of every registered postprocessor: its output contract.
+
+    `READS` says in words which outputs it reads (how many, their rank, which axis is what); `shape_problem` checks
+    a model's output shapes against it and says why they do not fit, naming the parameter that would make them
+    fit. `check_outputs` runs it where a model is checked: on the declared shapes whenever a postprocessor is built
+    for a model (package, build, load: engines.postprocess.build_postprocessor), and on the shapes the model gives
+    at package and in the gates (engines.postprocess.value_ranges.check_value_ranges)."""
+
+    KIND: ClassVar[str]
+    Params: ClassVar[type[BaseModel]]
+    READS: ClassVar[str]
+    EXAMPLES: ClassVar[tuple[ShapeExample, ...]] = ()
+    READS_ANY: ClassVar[bool] = False  # `raw`: hands any outputs on, so it refuses none
+
+    def shape_problem(self, shapes: list[Shape]) -> str | None:
+        """Why outputs of these shapes (None: a dynamic dimension) are not what this decoder reads, or None."""
+        raise NotImplementedError
+
+    def check_outputs(self, shapes: Sequence[Sequence[int | None]], observed: bool = False) -> None:
+        """ModelError MODEL_SHAPE_MISMATCH naming the shapes, what the decoder reads and what to change."""
+        problem = self.shape_problem([tuple(s) for s in shapes])
+        if problem is not None:
+            verb = "gives" if observed else "declares"
+            raise ModelError(f"{self.KIND}: the model {verb} outputs {show_all(shapes)}: {problem} (what {self.KIND} "
+                             "reads: docs/postprocessors.md)", code="MODEL_SHAPE_MISMATCH")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engines.errors import InferenceError
 from engines.postprocess import POSTPROCESSORS
-from engines.postprocess.base import ClassScore, InferenceResult, PostprocessContext
+from engines.postprocess.base import ClassScore, Decoder, InferenceResult, PostprocessContext, ShapeExample
+from engines.postprocess.shapes import Shape, show
 from engines.postprocess.value_ranges import RANGE_CHECKS, Seen, output_label, refuse, require
 from engines.preprocess import FrameTransform
 
@@ -66,14 +67,36 @@ def top_k(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 @POSTPROCESSORS.register("classification")
-class ClassificationPostprocessor:
+class ClassificationPostprocessor(Decoder):
     """One frame's class scores -> sorted `ClassScore`s."""
 
+    KIND = "classification"
     Params = ClassificationParams
+    READS = ("One output: the class scores (1, C), (C,) or a convolutional head's (1, C, 1, 1), C >= 2, batch 1. "
+             "A model with more outputs, a per-pixel map (1, C, H, W) or rows of boxes (1, N, K) is refused.")
+    EXAMPLES = (ShapeExample(((1, 1000),), input_size=(224, 224), what="ImageNet logits"),
+                ShapeExample(((1, 2),), input_size=(192, 48), what="PP-OCR text direction"),
+                ShapeExample(((1, 10, 1, 1),), input_size=(64, 64), what="a convolutional head"))
 
     def __init__(self, params: ClassificationParams, context: PostprocessContext) -> None:
         self.params = params
         self.context = context
+
+    def shape_problem(self, shapes: list[Shape]) -> str | None:
+        """One output of scores, batch 1; its class axis the only one longer than 1."""
+        if len(shapes) != 1:
+            return (f"classification reads one output (the class scores), the model has {len(shapes)}: use raw, "
+                    "or export the scores alone")
+        shape = shapes[0]
+        spatial = shape[2:] if len(shape) == 4 else ()
+        if len(shape) not in (1, 2, 4) or (len(shape) > 1 and shape[0] not in (1, None)) or \
+                any(d not in (1, None) for d in spatial):
+            return (f"output {show(shape)} is not class scores (1, C), (C,) or (1, C, 1, 1)" + _elsewhere(shape))
+        classes = shape[0] if len(shape) == 1 else shape[1]
+        if classes is not None and classes < 2:
+            return (f"output {show(shape)} holds one score, and the top-1 of one class is always class 0: use raw, "
+                    "or export a score per class")
+        return None
 
     def scores(self, output: np.ndarray) -> np.ndarray:
         """The first batch row as a flat vector of probabilities (per the softmax setting); a class whose score is
@@ -102,6 +125,17 @@ class ClassificationPostprocessor:
         best = [int(i) for i in top_k(probs, self.params.top_k) if probs[i] >= floor and probs[i] > -np.inf]
         classes = [ClassScore(i, float(probs[i]), self.context.label(i)) for i in best]
         return InferenceResult("classification", classes=classes)
+
+
+def _elsewhere(shape: Shape) -> str:
+    """Which family such a shape belongs to, when it is plainly another's."""
+    if len(shape) == 4:
+        return ": a per-pixel map is segmentation's, image's or db_text's"
+    if len(shape) == 3:
+        return ": rows or columns of boxes are yolo's or anchors'"
+    if len(shape) == 2:
+        return f": a batch of {shape[0]} (the batch must be 1)"
+    return ""
 
 
 def first_row(output: np.ndarray) -> np.ndarray:

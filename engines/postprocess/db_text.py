@@ -2,6 +2,10 @@
 
 Unclipping uses the closed form for a rectangle (offset d = area * ratio / perimeter on every side)
 instead of a polygon-clipping library: DB boxes are min-area rectangles, so the result is the same.
+
+At `package` and in the gates (engines.postprocess.value_ranges) the map must be finite probabilities in [0, 1]:
+`thresh` and `box_thresh` are probabilities, and a map of logits (an export without the head's sigmoid) would
+be thresholded as if it were one.
 """
 
 from __future__ import annotations
@@ -11,8 +15,12 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from engines.postprocess import POSTPROCESSORS
-from engines.postprocess.base import Detection, InferenceResult, PostprocessContext
+from engines.postprocess.base import Decoder, Detection, InferenceResult, PostprocessContext, ShapeExample
+from engines.postprocess.shapes import Shape, map_problem, show
+from engines.postprocess.value_ranges import RANGE_CHECKS, output_label, require
 from engines.preprocess import FrameTransform
+
+PROBABILITY_SLACK = 2e-3  # fp16 rounds a probability just under 1 up to 1.000977 at most
 
 
 class DbTextParams(BaseModel):
@@ -29,15 +37,33 @@ class DbTextParams(BaseModel):
 
 
 @POSTPROCESSORS.register("db_text")
-class DbTextPostprocessor:
+class DbTextPostprocessor(Decoder):
     """Probability map (N,1,H,W) -> rotated text boxes with their axis-aligned bounds."""
 
+    KIND = "db_text"
     Params = DbTextParams
+    READS = ("One output: the text probability map (1, 1, H, W), (1, H, W) or (H, W), values 0..1, H x W at the "
+             "model input's aspect (the input size, or a stride of it). More outputs, or more than one channel, "
+             "are refused.")
+    EXAMPLES = (ShapeExample(((1, 1, 640, 480),), input_size=(480, 640), what="PP-OCRv4 detector"),
+                ShapeExample(((1, 1, None, None),), input_size=(160, 128), what="dynamic input"))
 
     def __init__(self, params: DbTextParams, context: PostprocessContext) -> None:
         self.params = params
+        self.context = context
         self._kernel = np.ones((2, 2), np.uint8)
         self._mask: np.ndarray | None = None
+
+    def shape_problem(self, shapes: list[Shape]) -> str | None:
+        """One single-channel map at the input's aspect."""
+        if len(shapes) != 1:
+            return f"db_text reads one output (the probability map), the model has {len(shapes)}"
+        shape = shapes[0]
+        plane = _plane(shape)
+        if plane is None:
+            return f"output {show(shape)} is not one probability map (1, 1, H, W), (1, H, W) or (H, W)"
+        problem = map_problem(plane[0], plane[1], self.context.input_size)
+        return None if problem is None else f"output {show(shape)}: {problem}"
 
     def text_mask(self, prob: np.ndarray) -> np.ndarray:
         """Binary mask (uint8 0/1) of pixels above `thresh`, reusing one buffer."""
@@ -79,6 +105,23 @@ class DbTextPostprocessor:
         x2, y2 = points.max(axis=0)
         polygon = [(float(x), float(y)) for x, y in points]
         return Detection((float(x1), float(y1), float(x2), float(y2)), score, polygon=polygon)
+
+
+def _plane(shape: Shape) -> Shape | None:
+    """(H, W) of a (1, 1, H, W), (1, H, W) or (H, W) map; None for anything else."""
+    for rank in (4, 3, 2):
+        if len(shape) == rank and all(d in (1, None) for d in shape[:rank - 2]):
+            return shape[-2:]
+    return None
+
+
+@RANGE_CHECKS.register("db_text")
+def _check_value_ranges(post: DbTextPostprocessor, outputs: list[np.ndarray], names: list[str]) -> None:
+    """Package and gates: a finite probability map in [0, 1]."""
+    require(outputs[0], kind="db_text", output=output_label(names, 0), what="text probability map", within=(0.0, 1.0),
+            slack=PROBABILITY_SLACK, change="the DB head ends in a sigmoid: export it with the sigmoid (thresh and "
+            "box_thresh are probabilities); non-finite values: check the export, or build at fp32 when only an "
+            "fp16/int8 engine gives them")
 
 
 def _mean_score(prob: np.ndarray, box: np.ndarray) -> float:

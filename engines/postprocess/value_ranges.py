@@ -10,7 +10,14 @@ such value refuses it with POSTPROCESS_MISMATCH and a message that names the out
 parameter to change.
 
 Each family registers its check in `RANGE_CHECKS` under its postprocess kind; every check goes through
-`require` (or `refuse`), so the rule and the wording are one.
+`require` (or `refuse`), so the rule and the wording are one. Before any value is read, the shapes the model gave
+must be what the decoder reads (Decoder.check_outputs, MODEL_SHAPE_MISMATCH): the declared shapes were checked when
+the postprocessor was built, but a dynamic dimension is only known here.
+
+Some mismatches show only across the set: an `image` declared 0-255 whose values never leave 0..1 is a 0-1 picture
+(served, it would be nearly black), but one dark frame of a real 0-255 picture may stay within 0..1 too. Such
+two-sided checks register in `SET_CHECKS` and see every validation frame's outputs at once (package: the frame it
+runs; the gates: all of them).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from engines.registry import Registry
 CODE = "POSTPROCESS_MISMATCH"
 Check = Callable[[Any, list[np.ndarray], list[str]], None]  # (postprocessor, outputs of one frame, output names)
 RANGE_CHECKS: Registry[Check] = Registry("output range check")
+SetCheck = Callable[[Any, list[list[np.ndarray]], list[str]], None]  # (postprocessor, each frame's outputs, names)
+SET_CHECKS: Registry[SetCheck] = Registry("validation set check")
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,17 @@ def output_label(names: Sequence[str], index: int) -> str:
 
 
 def check_value_ranges(kind: str, postprocessor: Any, outputs: Sequence[np.ndarray], names: Sequence[str]) -> None:
-    """Run `kind`'s check on one frame's raw outputs (ModelError POSTPROCESS_MISMATCH); kinds without one
-    (`raw`, `db_text`) take any values."""
+    """Check the shapes one frame's raw outputs have (ModelError MODEL_SHAPE_MISMATCH), then run `kind`'s value check
+    on them (ModelError POSTPROCESS_MISMATCH); kinds without one (`raw`) take any values."""
+    arrays = [np.asarray(o) for o in outputs]
+    postprocessor.check_outputs([a.shape for a in arrays], observed=True)
     if kind in RANGE_CHECKS:
-        RANGE_CHECKS.get(kind)(postprocessor, [np.asarray(o) for o in outputs], list(names))
+        RANGE_CHECKS.get(kind)(postprocessor, arrays, list(names))
+
+
+def check_value_set(kind: str, postprocessor: Any, frames: Sequence[Sequence[np.ndarray]],
+                    names: Sequence[str]) -> None:
+    """Run `kind`'s check across every validation frame's raw outputs (after check_value_ranges passed on each);
+    kinds without one take any set."""
+    if kind in SET_CHECKS and frames:
+        SET_CHECKS.get(kind)(postprocessor, [[np.asarray(o) for o in outputs] for outputs in frames], list(names))

@@ -23,12 +23,16 @@ Layouts (after the batch dimension, which must be 1):
   only: ONNX Runtime cannot run the plugin, so such an ONNX cannot be packaged or gated here yet.
 These four are set explicitly, never chosen by `auto` (engines.postprocess.yolo_heads decodes them).
 
-`layout="auto"` reads the output shape (A, B). With `num_classes` set, the layout whose class count
-matches wins (v8: A == 4+C, v5: B == 5+C); if neither matches it is an error, and if both match
-(only when B == A+1) the shape rule below breaks the tie. Without `num_classes`: A < B means v8
-(real heads have thousands of anchors and at most a few hundred channels), otherwise v5; A == B is v5.
-A layout that would leave no class columns is never chosen. The rule is wrong for tiny outputs with
-fewer boxes than channels (hand-made test models): set `layout` or `num_classes` there.
+`layout="auto"` reads one output of shape (A, B). With `num_classes` set (else, for auto only, the labels'
+count), the layout whose class count matches wins (v8: A == 4+C, v5: B == 5+C); if neither matches it is an
+error, and if both match (only when B == A+1) the shape rule below breaks the tie. Without a class count:
+A < B means v8 (real heads have thousands of anchors and at most a few hundred channels), otherwise v5; A == B
+is v5. A layout that would leave no class columns, or a single box (a classifier's (1, C)), is never chosen.
+The rule is wrong for tiny outputs with fewer boxes than channels (hand-made test models): set `layout` or
+`num_classes` there. Auto never guesses: a model with more than one output (split heads, prototypes) is refused
+with the layouts that read it, and v5 rows numbering one per grid cell of strides 8, 16, 32 (or up to 64) at the
+input size (a YOLOv5 head has three per cell) are a raw YOLOX grid or a decoded YOLOX export, refused until
+`layout` says which.
 
 Boxes are `cx, cy, w, h` in model-input pixels. Each box keeps its best class only (single-label,
 as Ultralytics' default). NMS runs in model-input space, greedy by score (ties: output order); a box
@@ -45,17 +49,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engines.errors import InferenceError, ModelError
 from engines.postprocess import POSTPROCESSORS
-from engines.postprocess.base import Detection, InferenceResult, PostprocessContext
+from engines.postprocess.base import Decoder, Detection, InferenceResult, PostprocessContext, ShapeExample
+from engines.postprocess.shapes import Shape, batchless, show
 from engines.postprocess.value_ranges import RANGE_CHECKS, output_label, require
 from engines.postprocess.gfl import GflHead
+from engines.postprocess.nms import nms
 from engines.postprocess.yolo_heads import (efficient_nms_rows, end2end_rows, instance_masks, keypoints_to_frame,
                                             split_channels)
+from engines.postprocess.yolo_shapes import (count_problem, efficient_nms_problem, one_per_cell_problem,
+                                             protos_problem, yolox_rows_problem)
 from engines.preprocess import FrameTransform
 
 Layout = Literal["v5", "v8", "yolox", "gfl", "pose", "seg", "end2end", "efficient_nms"]
 HEADS = ("pose", "seg")  # channels-first like v8, with keypoints or mask coefficients after the classes
 NMS_DONE = ("end2end", "efficient_nms")  # the export ran NMS already
-_TINY = np.finfo(np.float64).tiny  # union floor: two zero-area boxes get IoU 0, not NaN
 SCORE_SLACK = 2e-3  # fp16 rounds a probability just under 1 up to 1.000977 at most
 GFL_STRIDES = [8, 16, 32, 64]  # NanoDet-Plus and PP-PicoDet both add a stride-64 level
 
@@ -129,66 +136,6 @@ def xywh_to_xyxy(xywh: np.ndarray) -> np.ndarray:
     xywh = xywh.astype(np.float64, copy=False)
     half = xywh[:, 2:4] / 2
     return np.concatenate([xywh[:, 0:2] - half, xywh[:, 0:2] + half], axis=1)
-
-
-def nms(
-    boxes: np.ndarray,
-    scores: np.ndarray,
-    class_ids: np.ndarray,
-    iou_threshold: float,
-    max_detections: int,
-    class_agnostic: bool = False,
-) -> np.ndarray:
-    """Indices kept by greedy NMS, best first; numpy so ties and thresholds behave as documented."""
-    order = np.argsort(-scores, kind="stable")
-    x1, y1, x2, y2 = (np.ascontiguousarray(boxes[order, k], dtype=np.float64) for k in range(4))
-    classes = np.zeros(len(order)) if class_agnostic else class_ids[order]
-    if len(order) <= MATRIX_NMS_MAX:
-        return _nms_matrix(order, x1, y1, x2, y2, classes, iou_threshold, max_detections)
-    # One contiguous array per column, compacted each round: ~2x faster than gathering rows of boxes.
-    cols = [x1, y1, x2, y2, (x2 - x1) * (y2 - y1), classes, order]
-    keep: list[int] = []
-    while cols[-1].size and len(keep) < max_detections:
-        keep.append(int(cols[-1][0]))
-        survivors = ~_suppressed_by_first(cols, iou_threshold)
-        cols = [c[1:][survivors] for c in cols]
-    return np.asarray(keep, dtype=np.intp)
-
-
-MATRIX_NMS_MAX = 256  # candidates up to which every pair's IoU is computed at once: the matrix is O(n^2) however
-# few boxes survive, and measured on this CPU it loses to the compaction above ~200 (400: 4 vs 2.3 ms)
-
-
-def _nms_matrix(order: np.ndarray, x1: np.ndarray, y1: np.ndarray, x2: np.ndarray, y2: np.ndarray,
-                classes: np.ndarray, iou_threshold: float, max_detections: int) -> np.ndarray:
-    """The same greedy NMS over a precomputed pairwise IoU matrix: for the usual few hundred candidates one
-    vectorised pass beats a compaction per kept box (60 kept of 89: 1.0 -> 0.2 ms)."""
-    cols = (x1, y1, x2, y2, (x2 - x1) * (y2 - y1), classes)
-    suppresses = _suppresses([c[:, None] for c in cols], [c[None, :] for c in cols], iou_threshold)
-    removed = np.zeros(len(order), bool)
-    keep: list[int] = []
-    for i in range(len(order)):
-        if removed[i]:
-            continue
-        keep.append(int(order[i]))
-        if len(keep) >= max_detections:
-            break
-        removed |= suppresses[i]
-    return np.asarray(keep, dtype=np.intp)
-
-
-def _suppressed_by_first(cols: list[np.ndarray], iou_threshold: float) -> np.ndarray:
-    """Which boxes after the first it suppresses."""
-    return _suppresses([c[0] for c in cols[:6]], [c[1:] for c in cols[:6]], iou_threshold)
-
-
-def _suppresses(a: list[Any], b: list[Any], iou_threshold: float) -> np.ndarray:
-    """Where a box of `a` suppresses one of `b` (columns x1, y1, x2, y2, area, class, broadcast against each
-    other): same class and IoU > threshold (0 for empty unions). The one rule of both NMS paths."""
-    ax1, ay1, ax2, ay2, a_area, a_cls = a
-    bx1, by1, bx2, by2, b_area, b_cls = b
-    inter = np.maximum(np.minimum(ax2, bx2) - np.maximum(ax1, bx1), 0) * np.maximum(np.minimum(ay2, by2) - np.maximum(ay1, by1), 0)
-    return (inter / np.maximum(a_area + b_area - inter, _TINY) > iou_threshold) & (a_cls == b_cls)
 
 
 def _scores_v5(pred: np.ndarray, conf: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -298,10 +245,31 @@ def clip_to_frame(boxes: np.ndarray, transform: FrameTransform) -> np.ndarray:
 
 
 @POSTPROCESSORS.register("yolo")
-class YoloPostprocessor:
+class YoloPostprocessor(Decoder):
     """Ultralytics-style detection output -> class-aware (or agnostic) NMS -> frame boxes."""
 
+    KIND = "yolo"
     Params = YoloParams
+    READS = ("By `layout`, and nothing beside it: v5 and yolox one output (1, N, 5 + C) (yolox: N the grid's cells at "
+             "the input size and `strides`); v8 one (1, 4 + C, N); pose one (1, 4 + C + 3K, N); end2end one (1, N, 6); "
+             "seg two, (1, 4 + C + M, N) then the prototypes (1, M, H/4, W/4); efficient_nms four, num_dets (1, 1), "
+             "boxes (1, K, 4), scores (1, K), classes (1, K); gfl one, two, or two per stride (engines/postprocess/"
+             "gfl.py). The batch dimension may be absent. auto reads one output as v5 or v8 only, and refuses what it "
+             "cannot decide.")
+    EXAMPLES = (ShapeExample(((1, 84, 8400),), {"num_classes": 80}, (640, 640), what="YOLOv8 COCO"),
+                ShapeExample(((1, 15, 21504),), {}, (1024, 1024), tuple(f"c{i}" for i in range(11)),
+                             what="YOLOv8 DocLayNet, 11 labels"),
+                ShapeExample(((1, 25200, 85),), {"layout": "v5", "num_classes": 80}, (640, 640), what="YOLOv5 COCO"),
+                ShapeExample(((1, 3549, 6),), {"layout": "yolox"}, (416, 416), what="ddddocr's YOLOX grid"),
+                ShapeExample(((1, 56, 8400),), {"layout": "pose", "num_classes": 1}, (640, 640), what="v8-pose"),
+                ShapeExample(((1, 300, 6),), {"layout": "end2end"}, (640, 640), what="YOLOv10"),
+                ShapeExample(((1, 116, 8400), (1, 32, 160, 160)), {"layout": "seg", "num_classes": 80}, (640, 640),
+                             what="v8-seg"),
+                ShapeExample(((1, 1), (1, 100, 4), (1, 100), (1, 100)), {"layout": "efficient_nms"}, (640, 640),
+                             what="EfficientNMS_TRT"),
+                ShapeExample(((1, 1600, 10), (1, 400, 10), (1, 100, 10), (1, 25, 10), (1, 1600, 32), (1, 400, 32),
+                              (1, 100, 32), (1, 25, 32)), {"layout": "gfl", "num_classes": 10}, (320, 320),
+                             what="PP-PicoDet without NMS"))
 
     def __init__(self, params: YoloParams, context: PostprocessContext) -> None:
         self.params = params
@@ -309,46 +277,93 @@ class YoloPostprocessor:
         self._layouts: dict[tuple[int, int], tuple[Layout, int]] = {}
         self._grid: tuple[np.ndarray, np.ndarray] | None = None
         self._gfl = self._gfl_head() if params.layout == "gfl" else None
-        if params.layout == "seg" and len(context.outputs) == 1:
-            raise ModelError("yolo seg: the model has one output; a segmentation export has two (boxes and mask "
-                             "prototypes)", code="MODEL_SHAPE_MISMATCH")
-        if params.layout == "efficient_nms" and context.outputs and len(context.outputs) != 4:
-            raise ModelError(f"yolo efficient_nms: the model has {len(context.outputs)} output(s), EfficientNMS_TRT "
-                             "gives 4 (num_dets, boxes, scores, classes)", code="MODEL_SHAPE_MISMATCH")
-        if context.outputs and params.layout not in ("efficient_nms", "gfl"):
-            self._check_declared(context.outputs[0].shape)
 
     def _gfl_head(self) -> GflHead:
-        """The gfl grid for the model input size, its declared outputs checked now rather than per frame."""
+        """The gfl grid for the model input size (its outputs are checked by shape_problem)."""
         p, size = self.params, self.context.input_size
         if size is None:
             raise ModelError("yolo: layout gfl needs the model input size", code="MODEL_SHAPE_MISMATCH")
         names = [o.name for o in self.context.outputs]
-        head = GflHead(*size, p.strides, p.reg_max, p.anchor_offset, p.num_classes, names, p.gfl_scores_output)
-        if self.context.outputs:
-            try:
-                head.plan([o.shape for o in self.context.outputs])
-            except ValueError as exc:
-                raise ModelError(f"yolo gfl: {exc}; set postprocess.params strides/reg_max/num_classes",
-                                 code="MODEL_SHAPE_MISMATCH") from exc
-        return head
+        return GflHead(*size, p.strides, p.reg_max, p.anchor_offset, p.num_classes, names, p.gfl_scores_output)
 
-    def _check_declared(self, shape: tuple[int | None, ...]) -> None:
-        """Fail at load time, not per frame, when a static output shape cannot be a YOLO head."""
-        if len(shape) not in (2, 3) or (len(shape) == 3 and shape[0] not in (1, None)):
-            raise ModelError(f"yolo: output shape {list(shape)} is not (1, A, B) or (A, B)", code="MODEL_SHAPE_MISMATCH")
-        a, b = shape[-2:]
+    def shape_problem(self, shapes: list[Shape]) -> str | None:
+        """The outputs `layout` reads, and no others; with auto, also the layouts that would read them."""
+        problem = self._problem(shapes)
+        if problem is None or self.params.layout != "auto" or len(shapes) == 1:
+            return problem  # a single output's problem names its own fix
+        fitting = self._fitting_layouts(shapes)
+        if fitting:
+            return f"{problem}; layout {' or '.join(fitting)} reads them"
+        return (f"{problem}, and none of yolo's layouts reads them (boxes and scores per generated anchor, as a face "
+                "detector's, are `anchors`)")
+
+    def _problem(self, shapes: list[Shape]) -> str | None:
+        p = self.params
+        if self._gfl is not None:
+            try:
+                self._gfl.plan(shapes)
+            except ValueError as exc:
+                return f"{exc}; set postprocess.params strides/reg_max/num_classes"
+            return None
+        counted = count_problem(p.layout, len(shapes))
+        if counted is not None:
+            return counted
+        if p.layout == "efficient_nms":
+            return efficient_nms_problem(shapes)
+        head = batchless(shapes[0], 2)
+        if head is None:
+            return f"output 0 {show(shapes[0])} is not (1, A, B) or (A, B)"
+        a, b = head
         if a is not None and b is not None:
             try:
-                self._layouts[(a, b)] = resolve_layout((a, b), self.params.layout, self.params.num_classes, self._extra)
+                self._resolve((a, b))
             except ValueError as exc:
-                raise ModelError(f"yolo: {exc}; set postprocess.params.layout/num_classes", code="MODEL_SHAPE_MISMATCH") from exc
+                return str(exc) if "postprocess.params" in str(exc) else f"{exc}; set postprocess.params.layout/num_classes"
+        if p.layout == "seg":
+            return protos_problem(shapes[1], p.mask_channels, self.context.input_size)
+        return None
+
+    def _fitting_layouts(self, shapes: list[Shape]) -> list[str]:
+        """The layouts of several outputs whose shapes these are, each with its own default parameters."""
+        fitting = []
+        for layout in ("gfl", "seg", "efficient_nms"):
+            try:
+                trial = YoloPostprocessor(YoloParams.model_validate({"layout": layout}), self.context)
+            except ModelError:
+                continue
+            if trial._problem(shapes) is None:
+                fitting.append(f"\"{layout}\"")
+        return fitting
+
+    def _resolve(self, shape: tuple[int, int]) -> tuple[Layout, int]:
+        """(layout, class count) of a batch-less head shape; ValueError says why it is not a head this layout reads.
+        Auto takes the labels' count for `num_classes` when that is unset."""
+        p, labels = self.params, self.context.labels
+        from_labels = p.num_classes is None and p.layout == "auto" and bool(labels)
+        classes = len(labels) if from_labels and labels else p.num_classes
+        try:
+            layout, found = resolve_layout(shape, p.layout, classes, self._extra)
+        except ValueError as exc:
+            raise ValueError(f"{exc}" + (f" (C = the {classes} labels; set num_classes if they are not one per class)"
+                                         if from_labels else "")) from exc
+        boxes = shape[0] if layout in ("v5", "yolox", "end2end") else shape[1]
+        if p.layout == "auto" and boxes < 2:
+            raise ValueError(f"output {list(shape)} read as {layout} holds {boxes} box: a head has one per anchor (scores "
+                             "of one frame, (1, C), are a classifier's: postprocess kind classification)")
+        if layout == "yolox":
+            problem = yolox_rows_problem(shape[0], self.context.input_size, p.strides)
+        else:
+            problem = one_per_cell_problem(shape, self.context.input_size) if p.layout == "auto" and layout == "v5" \
+                else None
+        if problem is not None:
+            raise ValueError(problem)
+        return layout, found
 
     def _layout(self, shape: tuple[int, int]) -> tuple[Layout, int]:
         """Layout for a runtime shape, resolved once per distinct shape (dynamic outputs)."""
         if shape not in self._layouts:
             try:
-                self._layouts[shape] = resolve_layout(shape, self.params.layout, self.params.num_classes, self._extra)
+                self._layouts[shape] = self._resolve(shape)
             except ValueError as exc:
                 raise InferenceError(f"yolo: {exc}") from exc
         return self._layouts[shape]
