@@ -311,6 +311,15 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("TIMEOUT", AD, "No answer in time: `edge-deploy send`/`snapshot` got no reply or no image from the device, or a "
      "local command none from the agent.", "Check the device is online (`edge-deploy fleet status`); for snapshots, "
      "the broker's `max_packet_size`; raise `--timeout`."),
+    ("TRACKING_LINE_ZERO_LENGTH", A, "A tracking line (`[tracking]`, docs/tracking.md) has "
+     "both ends at the same point, so it has no direction to cross.", "Give the line two distinct points."),
+    ("TRACKING_OUTSIDE_FRAME", A, "A zone or line point lies outside the frame: normalized coordinates outside 0..1, "
+     "a negative pixel, or a pixel past the camera's width or height (at run time that shape alone is switched off "
+     "and a `tracking_problem` event says so).", "Use coordinates inside the frame, or `coords = \"normalized\"`."),
+    ("TRACKING_ZONE_DEGENERATE", A, "A tracking zone has fewer than three distinct corners, a repeated corner, or "
+     "all its corners on one line: it encloses no area.", "Give at least three corners that enclose an area."),
+    ("TRACKING_ZONE_SELF_INTERSECTING", A, "Two edges of a tracking zone cross or touch, so inside and outside are "
+     "not defined.", "List the corners in order around the zone (clockwise or counter-clockwise)."),
     ("UNKNOWN_COMMAND", A, "No such command; the message lists the available ones.",
      "Use a command from docs/mqtt.md, Commands."),
     ("USAGE", ED, "A bad option to an engines command (`edge-agent bench`, `engines build`, `python -m engines`, "

@@ -44,9 +44,9 @@ VERSION_DESELECT = [
     "tests/test_engine_build.py::test_demo_int8_build_from_generated_frames_passes_the_gate",
     "tests/test_quantize.py::test_demo_detector_int8_mask_iou",
 ]
-# Only the Ansible and browser tests need these (not in VERSION_TESTS); ansible-lint is the slowest part
+# Only the Ansible, browser and tracking-benchmark tests need these (not in VERSION_TESTS); ansible-lint is the slowest part
 # of the test extra to install.
-NOT_NEEDED = {"ansible-core", "ansible-lint", "selenium"}
+NOT_NEEDED = {"ansible-core", "ansible-lint", "selenium", "motmetrics", "trackers"}
 PROBE = "import sys, venv, ensurepip; print('py%d%d' % sys.version_info[:2])"
 
 

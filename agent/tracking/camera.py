@@ -1,0 +1,203 @@
+"""One camera's tracking state: its tracker, zones, lines, id epoch and frame clock.
+
+It belongs to the camera, not to the model that serves it: a hot swap of the detector, or an adaptation switch to
+another variant, calls `configure` at most (new parameters, same tracks and ids), while a camera restart calls
+`reset`, which ends every track, starts the ids again at 1 in a new epoch and says so (`tracks_reset`). A change of
+frame size mid-stream is a camera restart too. `update` and `reset` come from different threads (results thread,
+capture or control thread): one lock, never held for long, orders them.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from agent.tracking.config import CameraTrackingConfig, TrackerParams
+from agent.tracking.errors import TrackingConfigError
+from agent.tracking.tracker import CONFIRMED, ByteTracker, Detections, Step, TrackRecord
+from agent.tracking.types import TRACKING_PROBLEM, TRACKS_RESET, TrackedResult, TrackEvent, TrackView
+from agent.tracking.zones import LineMonitor, Observed, ZoneMonitor
+from engines.postprocess.base import Detection
+
+DetectionLike = Detection | Mapping[str, Any]  # a postprocessor's Detection, or its to_dict() form
+DROP_FACTOR = 3.0  # a gap this many usual intervals long is a drop, kept out of the interval's average
+
+
+def _fields(item: DetectionLike) -> tuple[Sequence[float], float, int | None, str | None]:
+    if isinstance(item, Detection):
+        return item.box, item.score, item.class_id, item.label
+    return item["box"], item["score"], item.get("class_id"), item.get("label")
+
+
+def detections_of(items: Sequence[DetectionLike]) -> tuple[Detections, np.ndarray]:
+    """Arrays of the usable detections (finite boxes with width and height), and their indices among `items`."""
+    if not items:
+        return Detections.empty(), np.zeros(0, dtype=np.int64)
+    rows = [_fields(item) for item in items]
+    boxes = np.array([r[0] for r in rows], dtype=np.float64).reshape(-1, 4)
+    scores = np.array([r[1] for r in rows], dtype=np.float64)
+    usable = np.isfinite(boxes).all(axis=1) & np.isfinite(scores) & (boxes[:, 2] > boxes[:, 0]) & \
+        (boxes[:, 3] > boxes[:, 1])
+    index = np.flatnonzero(usable)
+    kept = [rows[i] for i in index.tolist()]
+    keys = [r[3] if r[3] is not None else r[2] for r in kept]
+    return Detections(boxes[index], scores[index], keys, [r[2] for r in kept], [r[3] for r in kept]), index
+
+
+class CameraTracking:
+    """Tracks, zones and lines of one camera; see the module docstring for who calls what."""
+
+    def __init__(self, camera: str, params: TrackerParams, config: CameraTrackingConfig | None = None) -> None:
+        self.camera = camera
+        self._config = config or CameraTrackingConfig(camera=camera)
+        self._lock = threading.Lock()
+        self._tracker = ByteTracker(params)
+        self.epoch = 1
+        self._frame_size: tuple[int, int] | None = None
+        self._zones: list[ZoneMonitor] = []
+        self._lines: list[LineMonitor] = []
+        self._last_ts: float | None = None
+        self._interval: float | None = None
+        self._frames = 0  # frames since the last reset
+
+    @property
+    def params(self) -> TrackerParams:
+        """The parameters in force."""
+        return self._tracker.params
+
+    def configure(self, params: TrackerParams) -> None:
+        """New parameters (another model took over); tracks and ids stay."""
+        with self._lock:
+            self._tracker.params = params
+
+    def update(self, detections: Sequence[DetectionLike], frame_ts: float,
+               frame_size: tuple[int, int]) -> TrackedResult:
+        """Track one frame: `detections` in frame pixels, `frame_ts` in seconds (any monotonic clock), `frame_size`
+        (width, height)."""
+        with self._lock:
+            events: list[TrackEvent] = []
+            if self._frame_size is not None and frame_size != self._frame_size:
+                events += self._reset("frame_size_changed", frame_ts)
+            if frame_size != self._frame_size:
+                events += self._bind(frame_size)
+            dets, index = detections_of(detections)
+            step = self._tracker.step(dets, self._advance(frame_ts))
+            events += self._observe(step, frame_ts)
+            self._frames += 1
+            return self._result(step, dets, frame_ts, events, index, len(detections))
+
+    def reset(self, reason: str, ts: float | None = None) -> list[TrackEvent]:
+        """End every track (the camera restarted): zone_leave for visits in progress and one tracks_reset; nothing
+        when no frame was tracked since the last reset (a camera's first start)."""
+        with self._lock:
+            return self._reset(reason, ts)
+
+    def counts(self) -> dict[str, Any]:
+        """Counts per zone and line, per class (they outlive resets: they are the camera's, over its run)."""
+        with self._lock:
+            return {"track_epoch": self.epoch, "zones": {z.config.name: z.counts() for z in self._zones},
+                    "lines": {ln.config.name: ln.counts() for ln in self._lines}}
+
+    def _reset(self, reason: str, ts: float | None = None) -> list[TrackEvent]:
+        if self._frames == 0 and not self._tracker.tracks:
+            return []
+        ended = self._tracker.end_all()
+        when = ts if ts is not None else (self._last_ts or 0.0)
+        events = [zone.end(track_id, when, self.epoch, "reset")
+                  for zone in self._zones for track_id in list(zone.inside)]
+        for line in self._lines:
+            line.sides.clear()
+        self.epoch += 1
+        self._frames = 0
+        self._last_ts = self._interval = None
+        confirmed = sum(1 for t in ended if t.track_id is not None)
+        return [*events, TrackEvent(TRACKS_RESET, self.camera, self.epoch, reason=reason, ended_tracks=confirmed)]
+
+    def _bind(self, size: tuple[int, int]) -> list[TrackEvent]:
+        """Zones and lines in pixels of this frame size; one that does not fit is off, with a tracking_problem."""
+        self._frame_size = size
+        old_zones = {z.config.name: z for z in self._zones}
+        old_lines = {ln.config.name: ln for ln in self._lines}
+        self._zones, self._lines, problems = [], [], []
+        for zone_config in self._config.zones:
+            try:
+                zone = ZoneMonitor(zone_config, zone_config.pixels(zone_config.polygon, size), self.camera)
+            except TrackingConfigError as exc:
+                problems.append(self._problem(exc))
+                continue
+            if zone_config.name in old_zones:  # counts are the camera's run; keep them across a resize
+                old = old_zones[zone_config.name]
+                zone.entered, zone.left, zone.dwelled = old.entered, old.left, old.dwelled
+            self._zones.append(zone)
+        for line_config in self._config.lines:
+            try:
+                line = LineMonitor(line_config, line_config.pixels(line_config.points, size), self.camera)
+            except TrackingConfigError as exc:
+                problems.append(self._problem(exc))
+                continue
+            if line_config.name in old_lines:
+                line.crossed = old_lines[line_config.name].crossed
+            self._lines.append(line)
+        return problems
+
+    def _problem(self, exc: TrackingConfigError) -> TrackEvent:
+        return TrackEvent(TRACKING_PROBLEM, self.camera, self.epoch, code=exc.code, message=exc.detail)
+
+    def _advance(self, ts: float) -> float:
+        """Frames elapsed since the last update, in the camera's usual interval (1 when it is not known yet)."""
+        last, self._last_ts = self._last_ts, ts
+        if last is None or not math.isfinite(ts) or ts <= last:
+            return 1.0
+        gap = ts - last
+        if self._interval is None:
+            self._interval = gap
+        dt = gap / self._interval
+        if dt < DROP_FACTOR:
+            self._interval = 0.9 * self._interval + 0.1 * gap
+        return min(dt, float(self._tracker.params.max_age + 1))
+
+    def _observe(self, step: Step, ts: float) -> list[TrackEvent]:
+        events: list[TrackEvent] = []
+        for track in step.ended:
+            if track.track_id is None:
+                continue
+            for zone in self._zones:
+                if track.track_id in zone.inside:
+                    events.append(zone.end(track.track_id, ts, self.epoch, "track_ended"))
+            for line in self._lines:
+                line.end(track.track_id)
+        for track, box in zip(step.tracks, step.boxes):
+            if track.detection >= 0:  # the trail holds where it was seen, from its first box on
+                track.trail.append((float(box[0] + box[2]) / 2, float(box[1] + box[3]) / 2))
+        rows = [k for k, t in enumerate(step.tracks) if t.state == CONFIRMED and t.detection >= 0]
+        if not (self._zones or self._lines):
+            return events
+        tracks = [step.tracks[k] for k in rows]
+        seen = Observed([int(t.track_id or 0) for t in tracks], [t.class_id for t in tracks],
+                        [t.label for t in tracks], step.boxes[rows])
+        for zone in self._zones:
+            events += zone.observe(seen, ts, self.epoch)
+        for line in self._lines:
+            events += line.observe(seen, self.epoch)
+        return events
+
+    def _result(self, step: Step, dets: Detections, ts: float, events: list[TrackEvent], index: np.ndarray,
+                count: int) -> TrackedResult:
+        ids: list[int | None] = [None] * count
+        boxes = step.boxes.copy()
+        for row, track in enumerate(step.tracks):
+            if track.detection >= 0:
+                boxes[row] = dets.boxes[track.detection]  # what the detector saw; the filter's box only coasts
+                if track.track_id is not None:
+                    ids[int(index[track.detection])] = track.track_id
+        views = [_view(track, box) for track, box in zip(step.tracks, boxes.tolist())]
+        return TrackedResult(self.camera, self.epoch, ts, views, events, ids, self._tracker.params.coast_frames,
+                             self._frame_size)
+
+
+def _view(track: TrackRecord, box: list[float]) -> TrackView:
+    return TrackView(track.track_id, track.state, (box[0], box[1], box[2], box[3]), track.score, track.class_id,
+                     track.label, track.age, track.hits, track.misses, tuple(track.trail))

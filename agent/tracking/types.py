@@ -1,0 +1,105 @@
+"""What tracking hands on: a frame's tracks, its events, and the ids given to its detections. Plain values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ZONE_ENTER, ZONE_LEAVE, DWELL, LINE_CROSS = "zone_enter", "zone_leave", "dwell", "line_cross"
+TRACKS_RESET, TRACKING_PROBLEM = "tracks_reset", "tracking_problem"
+EVENT_TYPES = (ZONE_ENTER, ZONE_LEAVE, DWELL, LINE_CROSS, TRACKS_RESET, TRACKING_PROBLEM)
+EDGE_PX = 2.0  # a lost track whose predicted box comes this close to the frame's edge is not reported
+
+
+@dataclass(frozen=True)
+class TrackView:
+    """One track as reported for a frame."""
+
+    track_id: int | None  # None while tentative
+    state: str  # tentative, confirmed (matched this frame), lost (box predicted)
+    box: tuple[float, float, float, float]
+    score: float
+    class_id: int | None
+    label: str | None
+    age: int  # frames since the track started
+    hits: int  # frames it was matched in
+    misses: int  # frames since its last match
+    trail: tuple[tuple[float, float], ...] = ()  # observed box centres, oldest first
+
+    def to_dict(self, trail: bool = False) -> dict[str, Any]:
+        """Compact JSON form (the result message's `tracks`)."""
+        out: dict[str, Any] = {"id": self.track_id, "state": self.state, "box": [round(v, 1) for v in self.box],
+                               "score": round(self.score, 4), "age": self.age, "hits": self.hits}
+        if self.misses:
+            out["misses"] = self.misses
+        if self.class_id is not None:
+            out["class_id"] = self.class_id
+        if self.label is not None:
+            out["label"] = self.label
+        if trail:
+            out["trail"] = [[round(x, 1), round(y, 1)] for x, y in self.trail]
+        return out
+
+
+@dataclass(frozen=True)
+class TrackEvent:
+    """A zone, line or reset event of one camera; `fields()` is what goes with the event's type on the wire."""
+
+    type: str
+    camera: str
+    epoch: int
+    track_id: int | None = None
+    name: str | None = None  # the zone or line
+    class_name: str | None = None
+    direction: str | None = None  # line_cross: "in" or "out"
+    dwell_s: float | None = None  # dwell and zone_leave: time inside
+    reason: str | None = None  # zone_leave ("left", "track_ended", "reset"), tracks_reset
+    code: str | None = None  # tracking_problem
+    message: str | None = None  # tracking_problem
+    ended_tracks: int | None = None  # tracks_reset
+
+    def fields(self) -> dict[str, Any]:
+        """The event's fields (those set), `type` left out. `track_epoch`, not `epoch`: an event's envelope already
+        has an `epoch` (its outbox stream's, docs/mqtt.md)."""
+        out: dict[str, Any] = {"camera": self.camera, "track_epoch": self.epoch}
+        for key in ("track_id", "class_name", "direction", "reason", "code", "message", "ended_tracks"):
+            value = getattr(self, key)
+            if value is not None:
+                out["class" if key == "class_name" else key] = value
+        if self.name is not None:
+            out["line" if self.type == LINE_CROSS else "zone"] = self.name
+        if self.dwell_s is not None:
+            out["dwell_s"] = round(self.dwell_s, 2)
+        return out
+
+
+@dataclass
+class TrackedResult:
+    """One frame of one camera after tracking."""
+
+    camera: str
+    epoch: int  # counts the camera's resets: ids are unique within an epoch
+    ts: float
+    tracks: list[TrackView] = field(default_factory=list)
+    events: list[TrackEvent] = field(default_factory=list)
+    detection_ids: list[int | None] = field(default_factory=list)  # per input detection, in order
+    coast_frames: int = 0
+    frame_size: tuple[int, int] | None = None  # width, height
+
+    def reported(self) -> list[TrackView]:
+        """The tracks a consumer sees: confirmed ones, and lost ones for coast_frames after their last match while
+        their predicted box is clear of the frame's edges (a box cut by the edge is an object leaving: the detector
+        clipped it, so its prediction lags behind the object and would be a false box)."""
+        return [t for t in self.tracks if t.state == "confirmed"
+                or (t.state == "lost" and t.misses <= self.coast_frames and self._clear_of_edges(t.box))]
+
+    def _clear_of_edges(self, box: tuple[float, float, float, float]) -> bool:
+        if self.frame_size is None:
+            return True
+        width, height = self.frame_size
+        return box[0] > EDGE_PX and box[1] > EDGE_PX and box[2] < width - EDGE_PX and box[3] < height - EDGE_PX
+
+    def to_dict(self, trail: bool = False) -> dict[str, Any]:
+        """The `tracking` object of a result message."""
+        return {"track_epoch": self.epoch, "tracks": [t.to_dict(trail) for t in self.reported()],
+                "events": [{"type": e.type, **e.fields()} for e in self.events]}
