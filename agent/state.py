@@ -7,6 +7,7 @@ is refused rather than guessed at.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import sqlite_utils
 
@@ -25,6 +26,7 @@ from engines.fsutil import fsync_dir
 log = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_S = 10.0
+QUICK_BUSY_TIMEOUT_S = 1.0  # a write that can wait for later (agent.storage_health.defer) waits this long for a lock
 # Rows worth carrying over from a corrupt database: active_model and engines are verified again before use
 # (the artifact by its signature and hashes, the engine by its file sha256), so a damaged value cannot do
 # harm; model_versions is the downgrade rule's memory (without it the first replay of an old version after
@@ -48,6 +50,7 @@ class StateStore:
 
     def __init__(self, path: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
         self.path = Path(path)
+        self.busy_timeout_s = busy_timeout_s
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.recovered: dict[str, Any] | None = None  # set by open_checked when a corrupt file was moved aside
         try:
@@ -160,6 +163,26 @@ class StateStore:
         except sqlite3.Error:
             log.exception("%s: could not restore synchronous=NORMAL", self.path)
 
+    @contextlib.contextmanager
+    def busy_timeout(self, seconds: float) -> Iterator[None]:
+        """Statements inside wait at most `seconds` for another process's write lock, then the usual timeout
+        again. The store's lock is held throughout, so no other thread's statement runs with the short wait."""
+        with self._lock:
+            self.db.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+            try:
+                yield
+            finally:
+                self.db.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+
+    def quick(self, write: Callable[[], Any], seconds: float = QUICK_BUSY_TIMEOUT_S) -> Callable[[], None]:
+        """`write` made to wait at most `seconds` for another process's lock (for a write kept and retried later
+        when it fails: waiting the full busy timeout would only hold up the thread that made it)."""
+        def attempt() -> None:
+            with self.busy_timeout(seconds):
+                write()
+
+        return attempt
+
     def execute(self, sql: str, params: tuple | dict = ()) -> sqlite3.Cursor:
         """One statement under the store's lock."""
         with self._lock:
@@ -253,10 +276,14 @@ class StateStore:
         self.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (key, json.dumps(value)))
 
     def close(self) -> None:
-        """Checkpoint the WAL and close."""
+        """Checkpoint the WAL and close. A checkpoint that cannot run (a full disk, another process's lock) is
+        logged, not raised: the WAL keeps the rows and the next open reads them, so a stop never fails on it."""
         with self._lock:
             try:
                 self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.Error as exc:
+                log.warning("%s: WAL not checkpointed at close (%s); its rows stay in %s-wal", self.path, exc,
+                            self.path.name)
             finally:
                 self.db.conn.close()
 

@@ -138,24 +138,63 @@ def test_a_start_on_a_nearly_full_disk_sheds_what_needs_no_database(tmp_path: Pa
     assert (deployed / "other").is_dir()
 
 
-def test_an_agent_that_cannot_open_its_store_on_a_full_disk_says_so(tmp_path: Path, monkeypatch) -> None:
+def test_an_agent_that_cannot_open_its_store_on_a_full_disk_waits_says_so_and_starts(tmp_path: Path, monkeypatch,
+                                                                                       caplog) -> None:
+    """Issue 47: it used to exit with STORAGE_FULL (a restart loop under systemd). Now it waits with backoff,
+    the log naming STORAGE_FULL, the directory and the bytes free, and starts once the store opens."""
     import agent.storage_reclaim as sr
-    from agent.state import StateStore
-    from engines.errors import EdgeError
+    from agent.state import StateStore, StateStoreError
 
     private, public = make_key(tmp_path / "keys")
     v1 = make_artifact(tmp_path / "pub" / "v1", "1.0.0", private)
     monkeypatch.setattr(sr, "free_bytes", lambda path: 123)
+    backoff = sr.Backoff
+    monkeypatch.setattr(sr, "Backoff", lambda: backoff(0.01, 0.05))
+    real_open, tries = StateStore.open_checked, []
 
-    def no_room(cls, path, **kwargs):  # type: ignore[no-untyped-def]  what SQLite says on a full tmpfs
-        raise EdgeError(f"{path}: cannot open state database: disk I/O error", code="STATE_STORE")
+    def no_room_twice(cls, path, **kwargs):  # type: ignore[no-untyped-def]  what SQLite says on a full tmpfs
+        tries.append(path)
+        if len(tries) <= 2:
+            raise StateStoreError(f"{path}: cannot open state database") from sqlite3.OperationalError("disk I/O error")
+        return real_open(path, **kwargs)
 
-    monkeypatch.setattr(StateStore, "open_checked", classmethod(no_room))
+    monkeypatch.setattr(StateStore, "open_checked", classmethod(no_room_twice))
     agent = Agent(AgentConfig(**agent_settings(tmp_path, public, v1)))
-    with pytest.raises(EdgeError) as info:
+    try:
         agent.start()
-    assert info.value.code == "STORAGE_FULL" and "123 bytes free" in str(info.value) and "state_dir" in str(info.value)
-    agent.stop()
+        assert len(tries) == 3 and agent.state == "running" and agent.active is not None
+        waits = [r.getMessage() for r in caplog.records if "the agent waits and tries again" in r.getMessage()]
+        assert len(waits) == 2 and waits[0].startswith("STORAGE_FULL") and "123 bytes free" in waits[0], waits
+        assert "state_dir" in waits[0] and str(tmp_path) in waits[0]
+    finally:
+        agent.stop()
+
+
+def test_a_stop_while_waiting_for_the_store_ends_the_start_cleanly(tmp_path: Path, monkeypatch) -> None:
+    """SIGTERM while the store cannot open: start returns, stop ends cleanly (the CLI exits 0), nothing leaks."""
+    import threading
+
+    import agent.storage_reclaim as sr
+    from agent.state import StateStore, StateStoreError
+
+    private, public = make_key(tmp_path / "keys")
+    v1 = make_artifact(tmp_path / "pub" / "v1", "1.0.0", private)
+    waiting, backoff = threading.Event(), sr.Backoff
+    monkeypatch.setattr(sr, "Backoff", lambda: (waiting.set(), backoff(30.0, 30.0))[1])
+
+    def locked(cls, path, **kwargs):  # type: ignore[no-untyped-def]
+        raise StateStoreError(f"{path}: cannot open state database") from sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(StateStore, "open_checked", classmethod(locked))
+    agent = Agent(AgentConfig(**agent_settings(tmp_path, public, v1)))
+    starter = threading.Thread(target=agent.start)
+    starter.start()
+    assert waiting.wait(30)
+    agent.stop_event.set()  # what the SIGTERM handler does
+    starter.join(10)
+    assert not starter.is_alive() and agent.store is None and agent.active is None
+    summary = agent.stop()
+    assert summary["frames"] == 0 and agent.state == "stopped"
 
 
 @pytest.mark.parametrize("code, kept", [("ARTIFACT_FETCH_CANCELLED", True), ("ARTIFACT_FETCH_FAILED", True),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sqlite3
 import threading
 from pathlib import Path
@@ -112,4 +113,42 @@ def test_begin_that_cannot_get_the_write_lock_leaves_the_store_usable(tmp_path: 
     assert store.get_kv("half") is None and not store.db.conn.in_transaction
     store.add_event("kept", {})
     assert store.events(1)[0]["type"] == "kept"
+    store.close()
+
+
+def test_a_close_whose_checkpoint_cannot_run_still_closes_and_keeps_the_rows(tmp_path: Path, caplog) -> None:
+    """Issue 47: SIGTERM on a full disk ended in a traceback from the checkpoint at close. A checkpoint that cannot
+    run (here: a statement still reading on the same connection, SQLite's "database table is locked") is logged;
+    the connection closes and the rows stay in the WAL for the next open."""
+    path = tmp_path / "state.db"
+    store = StateStore(path, busy_timeout_s=0.05)  # the checkpoint waits the busy timeout before it gives up
+    for i in range(50):
+        store.add_event("tick", {"i": i})
+    reading = store.db.conn.execute("SELECT * FROM events")
+    reading.fetchone()
+    store.close()
+    assert "WAL not checkpointed at close" in caplog.text
+    with pytest.raises(sqlite3.ProgrammingError):
+        store.db.conn.execute("SELECT 1")
+    del reading  # SQLite closes a connection for good once its last statement is finalized
+    gc.collect()
+    again = StateStore(path)
+    assert len(again.events(100)) == 50
+    again.close()
+
+
+def test_a_quick_write_waits_briefly_for_a_lock_and_the_usual_wait_comes_back(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = StateStore(path, busy_timeout_s=3.0)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            store.quick(lambda: store.set_kv("a", 1), 0.05)()
+        assert store.db.execute("PRAGMA busy_timeout").fetchone()[0] == 3000
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    store.quick(lambda: store.set_kv("a", 1))()
+    assert store.get_kv("a") == 1
     store.close()

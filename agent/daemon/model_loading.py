@@ -1,8 +1,15 @@
-"""From a model on disk to a warmed-up ModelRuntime, always through the engine cache and its gates."""
+"""From a model on disk to a warmed-up ModelRuntime, always through the engine cache and its gates.
+
+The cache's index is a table in state.db. When that cannot be written (another process holds the lock, the
+disk is full) the index would stop a cached engine from loading though nothing is wrong with the engine, so the
+loader provisions against an index in memory instead (FILE_INDEX): the cache re-indexes each engine from the
+sidecar beside its file (sha256 checked, the gate's verdict kept), as it does after a state.db was rebuilt.
+"""
 
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -13,6 +20,7 @@ from agent.config import AgentConfig
 from agent.shadow.candidate_process import CandidateProcess, start_candidate
 from agent.slots import LoadedModel
 from agent.state import state_db_path
+from agent.storage_health import storage_error
 from engines.backends.base import EngineOptions
 from engines.batching import planned_max_batch
 from engines.build.provisioning import ProvisionResult, load_warm, provision
@@ -24,6 +32,7 @@ from engines.runtime import ModelRuntime
 log = logging.getLogger(__name__)
 
 Progress = Callable[[dict], None]
+FILE_INDEX = Path(":memory:")  # an engine index read from the cache's sidecars, kept in memory, never written
 
 
 def built_max_batch(provisioned: ProvisionResult) -> int:
@@ -38,9 +47,12 @@ def built_max_batch(provisioned: ProvisionResult) -> int:
 class ModelLoader:
     """Resolves, verifies, provisions and warms models with the agent's settings."""
 
-    def __init__(self, config: AgentConfig, stop_event: threading.Event) -> None:
+    def __init__(self, config: AgentConfig, stop_event: threading.Event,
+                 index_writable: Callable[[], bool] | None = None) -> None:
         self.config = config
         self.stop_event = stop_event
+        # False while state writes are known to fail: the engine index in state.db is not even tried then
+        self.index_writable = index_writable or (lambda: True)
         if config.model.path is None:  # demo mode: the key exists before deployment trust is derived
             self.demo_artifacts()
         # What deployments (and the deployment manager) trust: the configured keys only, and never the
@@ -69,9 +81,23 @@ class ModelLoader:
 
     def provision(self, source: ModelSource, on_progress: Progress | None = None,
                   stop: threading.Event | None = None) -> ProvisionResult:
-        """Cached engine or a fresh build + validation (child process; the caller's loop keeps serving)."""
+        """Cached engine or a fresh build + validation (child process; the caller's loop keeps serving). When the
+        index in state.db cannot be written, against FILE_INDEX (module docstring)."""
+        problem = "the state store takes no writes now"
+        if self.index_writable():
+            try:
+                return self._provision(source, state_db_path(self.config.state_dir), on_progress, stop)
+            except (sqlite3.Error, OSError) as exc:
+                if not storage_error(exc):
+                    raise
+                problem = f"the engine index cannot be written ({exc})"
+        log.warning("%s: %s; provisioning from the cache's files", source.label, problem)
+        return self._provision(source, FILE_INDEX, on_progress, stop)
+
+    def _provision(self, source: ModelSource, db_path: Path, on_progress: Progress | None,
+                   stop: threading.Event | None) -> ProvisionResult:
         return provision(source, backend=self.config.model.backend, cache_dir=self.config.cache_dir,
-                         db_path=state_db_path(self.config.state_dir), on_progress=on_progress,
+                         db_path=db_path, on_progress=on_progress,
                          timeout_s=self.config.deployments.build_timeout_s, stop_event=stop or self.stop_event,
                          workspace_mb=self.config.engines.workspace_mb,
                          validation_samples=self.config.engines.validation_samples,

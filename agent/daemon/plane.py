@@ -51,6 +51,7 @@ class AgentPlane:
             if cfg.telemetry.prometheus_port else None
         if self.prometheus is not None:
             sinks.append(self.prometheus)
+        agent.storage.report_outbox(self.mqtt.publisher.unstored)  # what the outbox could not take, in `storage`
         self.telemetry = TelemetryThread(agent, interval, sinks, self.stop_event)
         self.telemetry.on_throttle = self._throttle_event
         if "results_rate_hz" in live:
@@ -89,7 +90,8 @@ class AgentPlane:
     # --- hooks the agent calls ---------------------------------------------------------------
 
     def on_event(self, type_: str, **fields: Any) -> None:
-        """Every agent event goes to the outbox (QoS 1, survives outages)."""
+        """Every agent event goes to the outbox (QoS 1, survives outages); when the outbox cannot be written, to
+        memory for a direct publish (agent.mqtt.publisher)."""
         self.mqtt.enqueue_event(type_, **fields)
 
     def on_result(self, result: dict[str, Any], payload: Callable[[], dict[str, Any]] | None = None) -> None:

@@ -8,7 +8,6 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import psutil
@@ -47,8 +46,9 @@ from agent.sdnotify import Notifier, ProgressWatchdog
 from agent.shadow.session import ShadowSession
 from agent.slots import LoadedModel, ModelSlots
 from agent.sources.base import Frame
-from agent.state import BACKEND_KEY, LIVE_KEY, StateStore, state_db_path, validation_brief
-from agent.storage_health import StorageHealth
+from agent.state import BACKEND_KEY, LIVE_KEY, QUICK_BUSY_TIMEOUT_S, StateStore, state_db_path, validation_brief
+from agent.storage_health import StartWaits, StorageHealth
+from agent.storage_reclaim import collect_engines, free_bytes, open_state_store, reclaim_running
 from agent.video.service import VideoService
 from engines.errors import EdgeError
 from engines.model import ModelSource
@@ -80,11 +80,13 @@ class Agent(Swaps, Reporting):
         self.shadow_host: ShadowHost | None = None  # a shadow deployment's candidate while it runs (agent.shadow)
         self.adapt_host: AdaptHost | None = None  # the active family's controller (docs/adaptive.md)
         self.output_health = OutputHealth()  # per camera: what the serving model finds (the watch's collapse check)
-        # state-store writes that failed (a lock, a full disk): never fatal; a full disk sheds what it can
-        self.storage = StorageHealth(self.emit, on_full=self.reclaim_space)
+        # state-store writes that fail (a lock, a full disk) are never fatal: they wait; a full disk is shed from
+        self.storage = StorageHealth(self.emit, self.reclaim_space, lambda: free_bytes(config.state_dir),
+                                     str(config.state_dir))
         self.live_frames: LiveFrameSampler | None = None  # [gates] live_frames: recent camera frames for the gates
         self.video: VideoService | None = None  # [video]: MJPEG, stream, snapshots (agent.video)
         self._startup_reclaimed: dict[str, Any] | None = None  # what a nearly full disk cost at start
+        self._late_deployments: threading.Thread | None = None  # makes the deployment manager the store refused
         self._restart_lock = threading.Lock()
         self._delivered: collections.deque[float] = collections.deque(maxlen=8192)  # when results were delivered
         self._last_restart: dict[str | None, float] = {}  # camera (None: all) -> when its last restart ended
@@ -94,6 +96,7 @@ class Agent(Swaps, Reporting):
         self.plane: AgentPlane | None = None
         self.control_server: ControlSocketServer | None = None
         self.notifier = Notifier()
+        self.waits = StartWaits(self.storage, self.stop_event, self.notifier)  # a store it cannot use yet
         self.watchdog: ProgressWatchdog | None = None
         self.run_id: int | None = None
         self.event_sinks: list[EventSink] = [on_event] if on_event else []
@@ -157,10 +160,11 @@ class Agent(Swaps, Reporting):
     # --- events -------------------------------------------------------------------------------
 
     def emit(self, type_: str, **fields: Any) -> None:
-        """Record an event in the state store and hand it to every sink (MQTT plane, socket followers)."""
-        if self.store is not None:
+        """Record an event in the state store (now or later) and hand it to every sink (MQTT, socket followers)."""
+        store = self.store
+        if store is not None:
             try:
-                self.store.add_event(type_, fields)
+                self.storage.defer(f"event {type_}", store.quick(lambda: store.add_event(type_, fields)), event=True)
             except Exception:
                 log.exception("could not store event %s", type_)
         if type_ in ("deployment", "rollback", "rolled_back", "camera_lost", "camera_recovered"):
@@ -174,7 +178,8 @@ class Agent(Swaps, Reporting):
     # --- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Open state, recover deployments, load the model, start worker, camera and deployer."""
+        """Open state, recover deployments, load the model, start worker, camera and deployer. No storage fault ends
+        it (agent.storage_health): writes wait, reads are waited for, a stop meanwhile returns early."""
         cfg = self.config
         limit_opencv_threads(cfg.pipeline.opencv_threads)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
@@ -183,65 +188,78 @@ class Agent(Swaps, Reporting):
             self.live_frames = LiveFrameSampler(sample_dir, cfg.gates.live_frames, int(cfg.gates.live_frames_max_mb * 2**20),
                                                 cfg.gates.live_frames_interval_s)
             self.live_frames.start()
-        self.store = self._open_store()
-        self.run_id = self.store.start_run(os.getpid())
-        self.store.set_kv(LIVE_KEY, {"ts": time.time(), "state": "starting"})
-        self.deployments = DeploymentStore(self.store)
-        self.loader = ModelLoader(cfg, self.stop_event)
-        self.adapt_host = AdaptHost(self.slots, self.loader, cfg.adapt, cfg.engines.validation_samples, self.emit,
-                                    self.store, self._sample_telemetry)
-        self.shadow_host = ShadowHost(self.slots, self.loader, cfg.deployments, self._throttled, self._adapt_over_limit)
-        self.manager = DeploymentManager(self.deployments, self, cfg.state_dir / "artifacts" / "deployed",
-                                         self.loader.artifacts, cfg.deployments, self.emit, self.stop_event)
-        self.dispatcher = CommandDispatcher(AgentController(self, on_set_config=self._set_live_config),
-                                            state_db_path(cfg.state_dir), max_payload_bytes=cfg.mqtt.max_payload_bytes,
-                                            deploy_rate=RateLimit(cfg.deployments.max_requests_per_minute, 60.0))
-        self.plane = AgentPlane(self)  # before the model loads, so start-up events reach the outbox
+        self.store, shed = open_state_store(cfg.state_dir, sample_dir, self.stop_event, self.waits.say)
+        self._startup_reclaimed = shed.to_dict() if shed is not None else None
+        if self.store is None:
+            return  # stopped while waiting for the state store
+        dispatcher = self._make_parts(self.store)
+        self.plane = AgentPlane(self)  # before the first write, so start-up events (a failed write's too) reach MQTT
         self.event_sinks.append(self.plane.on_event)
         self.plane.start()
+        self._record_start()
         if self.store.recovered:  # into the outbox now, on the broker at the next connect
             self.emit("state_db_quarantined", **self.store.recovered)
         if self._startup_reclaimed:
             self.emit("storage_reclaimed", at="start", **self._startup_reclaimed)
-        self.manager.recover()
-        self.active = self._load_initial()
-        self.plane.model_changed(self.active.describe())
+        # the deployment manager writes to the store when made: one the store refuses now is made once it takes writes
+        deployments_ready = self.storage.attempt("deployment manager", self._make_deployments)
+        if not self.waits.until_done("the first model", self._load_initial) or self.active is None:
+            return
+        active = self.active
+        self.plane.model_changed(active.describe())
         self.video = self._video_service()
         self._register_result_sinks()
         self._start_frame_path()
         self.video.start()
         self._adapt_do(lambda host: host.restart())  # a family: its other variants build in the background
-        self.manager.start()
-        self.control_server = ControlSocketServer(cfg.control_socket_path(), self.dispatcher.dispatch, cfg.control.group)
+        if deployments_ready and self.manager is not None:
+            self.manager.start()
+        else:  # made and started once the store takes writes; frames are served meanwhile
+            self._late_deployments = threading.Thread(target=self._deployments_later, name="deploy-wait", daemon=True)
+            self._late_deployments.start()
+        self.control_server = ControlSocketServer(cfg.control_socket_path(), dispatcher.dispatch, cfg.control.group)
         self.control_server.start()
         self.state = "running"
         self.watchdog = ProgressWatchdog(self.notifier, lambda: self.worker.heartbeat if self.worker else 0)
         self.watchdog.start()
-        self.notifier.ready(f"serving {self.active.source.label}")
+        self.notifier.ready(f"serving {active.source.label}")
         self.persist_live()
 
-    def _open_store(self) -> StateStore:
-        """The state store (a corrupt file is moved aside). On a nearly full disk, what needs no database is
-        shed first (agent.storage_reclaim.reclaim_before_start); when the store still cannot open, the error
-        says the disk is full and how much is free, not just "disk I/O error"."""
-        from agent.storage_reclaim import MIN_FREE_BYTES, free_bytes, reclaim_before_start
+    def _make_parts(self, store: StateStore) -> CommandDispatcher:
+        """Deployment records, loader, adaptation, shadow and the command dispatcher (returned) over `store`."""
+        cfg = self.config
+        self.deployments = DeploymentStore(store)
+        self.loader = ModelLoader(cfg, self.stop_event, index_writable=lambda: not self.storage.degraded)
+        self.adapt_host = AdaptHost(self.slots, self.loader, cfg.adapt, cfg.engines.validation_samples, self.emit,
+                                    store, self._sample_telemetry)
+        self.shadow_host = ShadowHost(self.slots, self.loader, cfg.deployments, self._throttled, self._adapt_over_limit)
+        self.dispatcher = CommandDispatcher(AgentController(self, on_set_config=self._set_live_config),
+                                            state_db_path(cfg.state_dir), max_payload_bytes=cfg.mqtt.max_payload_bytes,
+                                            deploy_rate=RateLimit(cfg.deployments.max_requests_per_minute, 60.0))
+        return self.dispatcher
 
-        cfg, path = self.config, state_db_path(self.config.state_dir)
-        shed = reclaim_before_start(cfg.state_dir, live_frames_dir(cfg), path)
-        if shed is not None:
-            log.warning("starting on a nearly full disk: freed %.1f MB (%s)", shed.total_bytes / 2**20, shed.bytes)
-        try:
-            store = StateStore.open_checked(path)
-        except EdgeError as exc:
-            free = free_bytes(cfg.state_dir)
-            if free >= MIN_FREE_BYTES:
-                raise
-            raise EdgeError(f"cannot open the state database: the disk holding {cfg.state_dir} is full ({free} bytes "
-                            f"free{', after freeing ' + str(shed.total_bytes) + ' bytes' if shed else ''}); free space "
-                            "there, or set state_dir on another disk", code="STORAGE_FULL") from exc
-        if shed is not None and shed.total_bytes:
-            self._startup_reclaimed = shed.to_dict()
-        return store
+    def _make_deployments(self) -> None:
+        """The deployment manager (it writes its version memory) and the recovery of interrupted deployments."""
+        store, cfg, deployed = self.store, self.config, self.config.state_dir / "artifacts" / "deployed"
+        assert store is not None and self.deployments is not None and self.loader is not None
+        with store.busy_timeout(QUICK_BUSY_TIMEOUT_S):  # a lock is waited out around this call, not in it
+            self.manager = self.manager or DeploymentManager(self.deployments, self, deployed, self.loader.artifacts,
+                                                             cfg.deployments, self.emit, self.stop_event)
+            self.manager.recover()
+
+    def _deployments_later(self) -> None:
+        """The deployment manager the store refused at start, once it takes writes (a request before is refused)."""
+        if self.waits.until_done("the deployment manager", self._make_deployments) and not self.stop_event.is_set():
+            assert self.manager is not None
+            self.manager.start()
+
+    def _record_start(self) -> None:
+        """The run's row and the first live status: now, or when the store takes them (agent.storage_health)."""
+        store = self.store
+        assert store is not None
+        self.storage.defer("run record", store.quick(lambda: setattr(self, "run_id", store.start_run(os.getpid()))))
+        self.storage.defer("live status", store.quick(lambda: store.set_kv(LIVE_KEY, {"ts": time.time(),
+                                                                                     "state": "starting"})))
 
     def _start_frame_path(self) -> None:
         """Cameras -> batcher -> worker, sized by `[batch]` and what the loaded engine measured."""
@@ -332,19 +350,21 @@ class Agent(Swaps, Reporting):
         self.emit("pipeline_restarted", cameras=restarted)
         return {"restarted": True, "cameras": restarted}
 
-    def _load_initial(self) -> LoadedModel:
+    def _load_initial(self) -> None:
+        """The model to serve first (the active one when it still verifies); its records may wait for the store."""
         assert self.loader is not None and self.store is not None
-        source, origin = self.loader.initial_source(self.store.model_slot("active"), self.emit)
+        store = self.store
+        source, origin = self.loader.initial_source(store.model_slot("active"), self.emit)
         choice = choose_backend("auto").to_dict() if self.config.model.backend == "auto" else None
-        self.store.set_kv(BACKEND_KEY, choice)  # which backend `auto` runs and why not TensorRT, for `status`
+        self.storage.defer("backend choice", store.quick(lambda: store.set_kv(BACKEND_KEY, choice)))  # for `status`
         if choice:
             self.emit("backend_selected", **choice)
         loaded = self.loader.load(source, origin, on_progress=self._engine_progress)
-        self._record_active(loaded)
+        self.storage.defer("active model", store.quick(lambda: self._record_active(loaded)))
         self.emit("model_loaded", model=loaded.describe(), origin=origin)
         log.info("model %s loaded on %s (%s, cache %s)", source.label, loaded.describe()["backend"],
                  loaded.describe()["precision"], "hit" if loaded.provisioned.hit else "miss")
-        return loaded
+        self.active = loaded
 
     def _engine_progress(self, event: dict[str, Any]) -> None:
         """Engine cache/build/validation progress of the start-up model, as `engine` events."""
@@ -407,6 +427,8 @@ class Agent(Swaps, Reporting):
         if self.watchdog is not None:
             self.watchdog.stop()
         self.stop_event.set()
+        if self._late_deployments is not None:  # first: it may start the manager, joined below
+            self._late_deployments.join(QUICK_BUSY_TIMEOUT_S + JOIN_TIMEOUT_S)
         self._adapt_do(lambda host: host.halt())
         if self.batcher is not None:
             self.batcher.close()
@@ -434,6 +456,7 @@ class Agent(Swaps, Reporting):
         if self.dispatcher is not None:
             self.dispatcher.close()
         if self.store is not None:
+            self.storage.close(flush=True)  # what waited for the store: one last try, the log names what is lost
             with self.storage.guard("run summary"):
                 if self.run_id is not None:
                     self.store.finish_run(self.run_id, summary)
@@ -448,42 +471,20 @@ class Agent(Swaps, Reporting):
     def reclaim_space(self) -> dict[str, Any]:
         """A full disk: shed failed downloads, unused artifacts, the live-frame sample, other models' engines
         and the oldest half of the outbox's telemetry (agent.storage_reclaim); a `storage_reclaimed` event."""
-        from agent.storage_reclaim import reclaim
-
-        cfg = self.config
-        slots = self.store.serving_models() if self.store is not None else None
-        keep = {Path(row["path"]) for row in slots} if slots is not None else None
-        pinned = {row["sha256"] for row in slots or []}
-
-        def engines(out: Any) -> None:
-            report = self.collect_engines(pinned, budget_bytes=0)
-            out.add("engines", len(report.removed), report.freed_bytes)
-
-        def outbox(out: Any) -> None:
-            if self.plane is not None:
-                out.add("outbox_telemetry", *self.plane.mqtt.outbox.shed_telemetry(0.5))
-
-        steps = [("engines", engines)] if pinned else []  # unknown active model: no engine is safe to drop
-        result = reclaim(cfg.state_dir / "artifacts" / "deployed", keep, live_frames_dir(cfg),
-                         [*steps, ("outbox_telemetry", outbox)])
-        log.warning("disk full: freed %.1f MB (%s)", result.total_bytes / 2**20, result.bytes)
+        result = reclaim_running(self.config.state_dir / "artifacts" / "deployed", live_frames_dir(self.config),
+                                 self.store.serving_models() if self.store is not None else None,
+                                 lambda pinned: self.collect_engines(pinned, 0),
+                                 self.plane.mqtt.outbox if self.plane is not None else None)
         self.emit("storage_reclaimed", **result.to_dict())
         return result.to_dict()
 
     def collect_engines(self, pinned: set[str], budget_bytes: int | None = None) -> Any:
         """Engine cache GC, never the `pinned` models' engines: after a deployment to `[engines]
         cache_budget_mb`, on a full disk to 0. Returns the cache's GcReport."""
-        from engines.build.cache import EngineCache
-
         budget = self.config.engines.cache_budget_mb * 2**20 if budget_bytes is None else budget_bytes
-        cache = EngineCache(self.config.cache_dir, state_db_path(self.config.state_dir), on_event=self._engine_progress)
-        try:
-            report = cache.gc(budget, pinned)
-        finally:
-            cache.close()
-        if report.removed:
-            log.info("engine cache: collected %d engine(s), %.1f MB", len(report.removed), report.freed_bytes / 2**20)
-        return report
+        return collect_engines(self.config.cache_dir, state_db_path(self.config.state_dir), pinned, budget,
+                               self._engine_progress)
+
 
 def _status_text(type_: str, fields: dict[str, Any]) -> str:
     """One short STATUS= line for `systemctl status`."""

@@ -7,10 +7,17 @@ again under the same kernel boot; its new epoch makes that a new stream at the c
 duplicates it would drop. A store from before epochs keeps epoch 0, sent as no `epoch` at all, so its
 stream continues unchanged. Over the caps, the oldest telemetry goes first, events last;
 every drop is counted (persisted) and logged.
+
+When the outbox itself cannot be written (state.db locked by another process, the disk full), events go to
+`MemoryEvents` instead: a small in-memory queue the publisher sends from directly while the broker is up. They
+cannot take the stored `seq` (nothing can advance it), so they are a stream of their own: `"volatile": true`,
+this process's own `epoch`, `seq` from 1. A full queue drops its oldest event, counted.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import logging
 import math
@@ -21,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from agent.schema import ensure_outbox
 
@@ -31,6 +38,8 @@ STAMP_KEYS = ("seq", "boot_id", "epoch")
 TELEMETRY, EVENT = "telemetry", "event"
 DROP_COUNTERS = ("dropped_telemetry", "dropped_event", "dropped_other")
 BOOT_ID_PATH = "proc/sys/kernel/random/boot_id"
+MEMORY_EVENTS = 256  # events held in memory while the outbox cannot be written
+BUSY_TIMEOUT_MS = 5000  # how long a write waits for another connection's lock
 
 
 def read_boot_id(root: Path = Path("/")) -> str:
@@ -102,24 +111,28 @@ class Outbox:
         self._conn = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.execute("PRAGMA busy_timeout=5000")
+        self._conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         self._rows: int  # the table's row count, payload bytes and last seq: set by _reload, kept in step
         self._bytes: int
         self._seq: int
         with self._lock:
             ensure_outbox(self._conn)
             self._reload()
+            self.epoch = self._epoch()
 
-    def enqueue(self, kind: str, topic: str, fields: dict[str, Any], *, qos: int = 1, retain: bool = False) -> int:
-        """Stamp `fields` with seq/boot_id/ts, store it, enforce the caps; returns the seq."""
-        return self.enqueue_many(kind, topic, [fields], qos=qos, retain=retain)[0]
+    def enqueue(self, kind: str, topic: str, fields: dict[str, Any], *, qos: int = 1, retain: bool = False,
+                wait_s: float | None = None) -> int:
+        """Stamp `fields` with seq/boot_id/ts, store it, enforce the caps; returns the seq. `wait_s`: how long to
+        wait for another process's write lock this time (default: the connection's 5 s)."""
+        return self.enqueue_many(kind, topic, [fields], qos=qos, retain=retain, wait_s=wait_s)[0]
 
     def enqueue_many(
-        self, kind: str, topic: str, items: Iterable[dict[str, Any]], *, qos: int = 1, retain: bool = False
+        self, kind: str, topic: str, items: Iterable[dict[str, Any]], *, qos: int = 1, retain: bool = False,
+        wait_s: float | None = None,
     ) -> list[int]:
         """Like enqueue for many payloads in one transaction (backfills, benchmarks)."""
         now = time.time()
-        with self._lock:
+        with self._lock, self._busy_timeout(wait_s):
             seqs: list[int] = []
             rows: list[tuple[str, bytes, int, int, str, float]] = []
             size = 0
@@ -145,12 +158,23 @@ class Outbox:
                 raise
             return seqs
 
+    @contextlib.contextmanager
+    def _busy_timeout(self, wait_s: float | None) -> Iterator[None]:
+        """The connection's busy timeout set to `wait_s` inside (lock held), BUSY_TIMEOUT_MS again after."""
+        if wait_s is None:
+            yield
+            return
+        self._conn.execute(f"PRAGMA busy_timeout={int(wait_s * 1000)}")
+        try:
+            yield
+        finally:
+            self._conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+
     def _reload(self) -> None:
         self._rows, self._bytes = self._conn.execute(
             "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM mqtt_outbox"
         ).fetchone()
         self._seq = self._counter("seq")
-        self.epoch = self._epoch()
         self.last_id = self._conn.execute("SELECT COALESCE(MAX(id), 0) FROM mqtt_outbox").fetchone()[0]
         self._dropped = {name: self._counter(name) for name in DROP_COUNTERS}
 
@@ -160,19 +184,16 @@ class Outbox:
         rows = self._conn.execute("SELECT value FROM mqtt_counters WHERE name = 'epoch'").fetchall()
         if rows:
             return int(rows[0][0])
-        epoch = 0 if self._seq > 0 else 1 + secrets.randbelow(2**31 - 1)
-        self._conn.execute("INSERT OR IGNORE INTO mqtt_counters (name, value) VALUES ('epoch', ?)", (epoch,))
+        epoch = 0 if self._seq > 0 else new_epoch()
+        try:
+            self._conn.execute("INSERT OR IGNORE INTO mqtt_counters (name, value) VALUES ('epoch', ?)", (epoch,))
+        except sqlite3.OperationalError as exc:  # locked or a full disk: this process stamps it, the next makes its own
+            log.warning("outbox: epoch %d not stored (%s); rows stamped in this process carry it", epoch, exc)
+            return epoch
         return int(self._conn.execute("SELECT value FROM mqtt_counters WHERE name = 'epoch'").fetchone()[0])
 
     def _stamp(self, fields: dict[str, Any], seq: int, now: float) -> dict[str, Any]:
-        clash = [key for key in STAMP_KEYS if key in fields]
-        if clash:
-            raise ValueError(f"fields {clash} are stamped by the outbox; do not pass them")
-        stamped: dict[str, Any] = {"seq": seq, "boot_id": self.boot_id, "ts": fields.get("ts", now)}
-        if self.epoch:
-            stamped["epoch"] = self.epoch
-        stamped.update(fields)
-        return stamped
+        return stamp(fields, seq, self.boot_id, self.epoch, now)
 
     def _evict(self) -> None:
         """Drop oldest telemetry, then other kinds, then events, until under both caps (lock held)."""
@@ -298,6 +319,72 @@ class Outbox:
 
     def _transaction(self) -> "_Transaction":
         return _Transaction(self._conn)
+
+
+class MemoryEvents:
+    """Events the outbox could not store, waiting in memory for a direct publish (module docstring): at most
+    `capacity`, the oldest dropped first and counted (`dropped`); `held` counts every event ever put here."""
+
+    def __init__(self, boot_id: str, capacity: int = MEMORY_EVENTS, avoid_epoch: int = 0) -> None:
+        self.boot_id, self.capacity = boot_id, capacity
+        self.epoch = new_epoch()
+        while self.epoch == avoid_epoch:
+            self.epoch = new_epoch()
+        self._lock = threading.Lock()
+        self._queue: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._seq = 0
+        self.held = self.dropped = 0
+
+    def put(self, topic: str, fields: dict[str, Any]) -> int:
+        """Stamp `fields` (this stream's seq, boot_id, epoch, ts, `volatile`) and keep it; returns its seq."""
+        with self._lock:
+            self._seq += 1
+            self.held += 1
+            body = stamp(fields, self._seq, self.boot_id, self.epoch, time.time())
+            self._queue.append((topic, to_json_bytes({**body, "volatile": True})))
+            self._drop_over_capacity()
+            return self._seq
+
+    def take(self) -> tuple[str, bytes] | None:
+        """The oldest waiting (topic, payload), removed; None when empty."""
+        with self._lock:
+            return self._queue.popleft() if self._queue else None
+
+    def put_back(self, items: list[tuple[str, bytes]]) -> None:
+        """Return unsent or unacknowledged messages to the front, in their order (a lost connection)."""
+        with self._lock:
+            self._queue.extendleft(reversed(items))
+            self._drop_over_capacity()
+
+    def _drop_over_capacity(self) -> None:
+        dropped = 0
+        while len(self._queue) > self.capacity:
+            self._queue.popleft()
+            dropped += 1
+        if dropped:
+            self.dropped += dropped
+            log.warning("events held in memory (the outbox cannot be written) over %d: dropped the oldest %d "
+                        "(total %d)", self.capacity, dropped, self.dropped)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
+def new_epoch() -> int:
+    """A random positive stream id (31 bits)."""
+    return 1 + secrets.randbelow(2**31 - 1)
+
+
+def stamp(fields: dict[str, Any], seq: int, boot_id: str, epoch: int, now: float) -> dict[str, Any]:
+    """`fields` with seq, boot_id, ts (kept when given) and epoch (left out when 0) first."""
+    clash = [key for key in STAMP_KEYS if key in fields]
+    if clash:
+        raise ValueError(f"fields {clash} are stamped by the outbox; do not pass them")
+    stamped: dict[str, Any] = {"seq": seq, "boot_id": boot_id, "ts": fields.get("ts", now)}
+    if epoch:
+        stamped["epoch"] = epoch
+    stamped.update(fields)
+    return stamped
 
 
 class _Transaction:

@@ -5,6 +5,11 @@ connection, rows are split at the connection's start into *backlog* (created bef
 `"replayed": true`) and *live* rows. Each lane is sent in outbox order (= seq order); live rows may
 overtake the backlog (they get at least half of the in-flight window), so a fresh sample is never stuck
 behind a 100k-row backlog. A collector orders by (boot_id, seq) and drops duplicates by seq.
+
+An outbox that cannot be written (state.db locked past its busy timeout, a full disk) must not silence the
+device: events then go to `MemoryEvents` and are published directly while connected (QoS 1, put back when a
+connection ends before their PUBACK), telemetry is dropped and counted (`telemetry_unstored`), and the outbox
+is tried again after 1, 2, 4 ... 30 s (`outbox_write_errors` counts the failures).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 from typing import Any, Callable, Deque, Optional
 
 from agent.mqtt.client import MqttConnection, SessionInfo
-from agent.mqtt.outbox import EVENT, TELEMETRY, Outbox, OutboxRow, to_json_bytes
+from agent.mqtt.outbox import EVENT, MEMORY_EVENTS, TELEMETRY, MemoryEvents, Outbox, OutboxRow, to_json_bytes
 from agent.mqtt.topics import STATES, Topics
 
 log = logging.getLogger(__name__)
@@ -25,6 +30,8 @@ log = logging.getLogger(__name__)
 REPLAYED_SUFFIX = b',"replayed":true}'
 FETCH_ROWS = 500
 FLUSH_ROWS, FLUSH_AGE_S = 500, 0.2
+OUTBOX_RETRY_MIN_S, OUTBOX_RETRY_MAX_S = 1.0, 30.0  # an unwritable outbox is tried again after these
+OUTBOX_PROBE_S = 0.5  # how long such a try waits for another process's lock (the first failure waited the full 5 s)
 
 
 def mark_replayed(payload: bytes) -> bytes:
@@ -72,7 +79,8 @@ class Publisher:
     """Feeds telemetry and events into the outbox and drains it to the broker in its own thread."""
 
     def __init__(self, outbox: Outbox, connection: MqttConnection | None, topics: Topics, board: StatusBoard,
-                 *, results_rate_hz: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 *, results_rate_hz: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 memory_events: int = MEMORY_EVENTS) -> None:
         self.outbox, self.topics, self.board, self._conn, self._clock = outbox, topics, board, connection, clock
         self._results_interval = _interval(results_rate_hz)
         self._last_result = float("-inf")
@@ -80,23 +88,60 @@ class Publisher:
         self._thread: threading.Thread | None = None
         self._acks: Deque[tuple[int, int, int]] = collections.deque()
         self.counters = collections.Counter()  # type: ignore[var-annotated]
+        self.memory = MemoryEvents(outbox.boot_id, memory_events, avoid_epoch=outbox.epoch)
+        self._memory_inflight: dict[int, tuple[str, bytes]] = {}  # mid -> message, this connection's
+        self._outbox_retry_at: float | None = None  # while the outbox cannot be written: when to try it again
+        self._outbox_backoff = OUTBOX_RETRY_MIN_S
+        self._store_lock = threading.Lock()  # one outbox write at a time here: a failure is seen by the next one
+        self._acked: list[int] = []  # acknowledged row ids to delete (kept across connections until deleted)
         self._reset_session(None)
         if connection is not None:
             connection.add_listener(on_session=self._on_session, on_ack=self._on_ack)
 
     # -- producer API (any thread) ------------------------------------------------------------------
     def enqueue_telemetry(self, sample: dict[str, Any]) -> int:
-        """Buffer one telemetry sample (stamped with seq/boot_id/ts/device_id); returns its seq."""
-        seq = self.outbox.enqueue(TELEMETRY, self.topics.telemetry, {"device_id": self.topics.device_id, **sample})
+        """Buffer one telemetry sample (stamped with seq/boot_id/ts/device_id); returns its seq, 0 when the
+        outbox cannot be written (the sample is dropped, counted as `telemetry_unstored`)."""
+        seq = self._store(TELEMETRY, self.topics.telemetry, {"device_id": self.topics.device_id, **sample})
+        if seq is None:
+            self.counters["telemetry_unstored"] += 1
+            return 0
         self._wake.set()
         return seq
 
     def enqueue_event(self, type: str, **fields: Any) -> int:  # noqa: A002 - `type` is the wire name
-        """Buffer one event (`{"seq","boot_id","ts","type",...}`); returns its seq."""
-        seq = self.outbox.enqueue(EVENT, self.topics.events,
-                                  {"type": type, "device_id": self.topics.device_id, **fields})
+        """Buffer one event (`{"seq","boot_id","ts","type",...}`); returns its seq. When the outbox cannot be
+        written it waits in memory for a direct publish instead (its seq is then the memory stream's)."""
+        body = {"type": type, "device_id": self.topics.device_id, **fields}
+        seq = self._store(EVENT, self.topics.events, body)
+        if seq is None:
+            seq = self.memory.put(self.topics.events, body)
         self._wake.set()
         return seq
+
+    def _store(self, kind: str, topic: str, body: dict[str, Any]) -> int | None:
+        """Into the outbox; None when it cannot be written now (or failed recently and waits for its next try).
+        Attempts are serialised, so while one waits for a lock the others see its failure instead of waiting too."""
+        with self._store_lock:
+            retry_at = self._outbox_retry_at
+            failing = retry_at is not None
+            if retry_at is not None and self._clock() < retry_at:
+                return None
+            try:
+                seq = self.outbox.enqueue(kind, topic, body, wait_s=OUTBOX_PROBE_S if failing else None)
+            except sqlite3.Error as exc:
+                self.counters["outbox_write_errors"] += 1
+                if not failing:
+                    log.error("the MQTT outbox cannot be written (%s): events wait in memory (at most %d) and go to "
+                              "the broker directly; telemetry is dropped (counted) until it can", exc,
+                              self.memory.capacity)
+                self._outbox_retry_at = self._clock() + self._outbox_backoff
+                self._outbox_backoff = min(OUTBOX_RETRY_MAX_S, self._outbox_backoff * 2)
+                return None
+            if failing:
+                log.warning("the MQTT outbox takes writes again (%d failed)", self.counters["outbox_write_errors"])
+                self._outbox_retry_at, self._outbox_backoff = None, OUTBOX_RETRY_MIN_S
+            return seq
 
     def publish_status(self, state: str, **fields: Any) -> bool:
         """Set the retained status; sent now if connected, else at the next CONNACK. True if sent now."""
@@ -127,8 +172,20 @@ class Publisher:
         self._results_interval = _interval(hz)
 
     def stats(self) -> dict[str, Any]:
-        """Outbox size and drops plus delivery counters, for status and metrics."""
-        return {**self.outbox.stats(), **self.counters, "inflight": len(self._inflight)}
+        """Outbox size and drops plus delivery counters (those of the events held in memory too), for status and
+        metrics."""
+        return {**self.outbox.stats(), **self.counters, **self.unstored(), "inflight": len(self._inflight)}
+
+    def unstored(self) -> dict[str, int]:
+        """What the outbox could not take: events held in memory now and in all, sent (acknowledged) from there and
+        dropped; telemetry dropped; failed outbox writes. Only the non-zero ones; reads no database (safe while it
+        is locked)."""
+        counts = {"events_in_memory": len(self.memory), "events_held_in_memory": self.memory.held,
+                  "events_sent_from_memory": self.counters["events_sent_from_memory"],
+                  "events_dropped_from_memory": self.memory.dropped,
+                  "telemetry_unstored": self.counters["telemetry_unstored"],
+                  "outbox_write_errors": self.counters["outbox_write_errors"]}
+        return {key: value for key, value in counts.items() if value}
 
     # -- drain thread -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -179,13 +236,16 @@ class Publisher:
             self._reset_session(info)
             if info is None:
                 return
+        self._send_memory()  # first: it needs no database, which may be what fails below
         self._flush_acked(force=not self._inflight)
         self._fill()
 
     def _reset_session(self, info: SessionInfo | None) -> None:
         self._gen = info.generation if info else None
         self._inflight: dict[int, int] = {}
-        self._acked: list[int] = []
+        if self._memory_inflight:  # sent on the connection that ended, never acknowledged: again on the next
+            self.memory.put_back(list(self._memory_inflight.values()))
+            self._memory_inflight.clear()
         self._acked_since = self._clock()
         self._live: Deque[OutboxRow] = collections.deque()
         self._backlog: Deque[OutboxRow] = collections.deque()
@@ -202,6 +262,8 @@ class Publisher:
             generation, mid, reason = self._acks.popleft()
             row_id = self._inflight.pop(mid, None) if generation == self._gen else None
             if row_id is None:
+                if generation == self._gen and self._memory_inflight.pop(mid, None) is not None:
+                    self.counters["events_sent_from_memory"] += 1
                 continue  # status, meta, replies, or a previous connection's message
             if reason >= 0x80:
                 self.counters["rejected"] += 1
@@ -211,11 +273,30 @@ class Publisher:
             self._acked.append(row_id)
 
     def _flush_acked(self, force: bool = False) -> None:
+        """Delete acknowledged rows; when the database refuses (locked, a full disk) they stay listed for the next
+        flush, and a connection that starts meanwhile may send them again (a duplicate `seq`, never a loss)."""
         if not self._acked:
             return
         if force or len(self._acked) >= FLUSH_ROWS or self._clock() - self._acked_since >= FLUSH_AGE_S:
-            self.outbox.delete(self._acked)
+            try:
+                self.outbox.delete(self._acked)
+            except sqlite3.Error as exc:
+                self.counters["db_errors"] += 1
+                log.debug("outbox: %d acknowledged rows not deleted yet (%s)", len(self._acked), exc)
+                return
             self._acked, self._acked_since = [], self._clock()
+
+    def _send_memory(self) -> None:
+        """Publish the events held in memory (QoS 1, in order) while the window has room."""
+        while len(self.memory) and len(self._memory_inflight) < max(1, self._window // 2):
+            item = self.memory.take()
+            if item is None:
+                return
+            handle = self._conn.publish(item[0], item[1], qos=1) if self._conn is not None else None
+            if handle is None or handle[0] != self._gen:
+                self.memory.put_back([item])
+                return
+            self._memory_inflight[handle[1]] = item
 
     def _fill(self) -> None:
         budget = self._window - len(self._inflight)
@@ -262,8 +343,8 @@ class Publisher:
         return True
 
     def drained(self) -> bool:
-        """True when nothing is buffered or in flight (tests, shutdown, benchmarks)."""
-        return len(self.outbox) == 0 and not self._inflight
+        """True when nothing is buffered or in flight (tests, shutdown, benchmarks), in the outbox or in memory."""
+        return len(self.outbox) == 0 and not self._inflight and not len(self.memory) and not self._memory_inflight
 
 
 def _interval(hz: float) -> float | None:
