@@ -97,7 +97,9 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
      "fixed to 1, a size its profile or session refuses).", "Nothing: the batcher runs those frames one per call. "
      "Logged for a size within the engine's `max_batch`: report it with the log line."),
     ("BUSY", EA, "The device is busy: the command queue (64) is full, the same command id is still running, another "
-     "deployment is in progress (a shadow blocks `rollback`), or another process builds the same engine.",
+     "deployment is in progress (a shadow blocks `rollback`), another process builds the same engine, a command "
+     "still waits for a state database another process holds locked (its reply is kept for the same id), or the "
+     "deployment manager is still starting.",
      "Retry later; to roll back during a shadow, `cancel` it first."),
     ("CALIBRATION_INVALID", E, "The calibration directory is missing, empty or holds an unreadable image.",
      "Fix the directory; `.npy` files must be BGR uint8 HxWx3 or NxHxWx3."),
@@ -121,7 +123,8 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("ENGINE_BUILD_CANCELLED", E, "The engine build stopped because the agent was stopping.",
      "Nothing: the next start builds again."),
     ("ENGINE_BUILD_FAILED", E, "The builder reported an error or the build process crashed; the message names the "
-     "ONNX node or the signal, and the build log's path.", "ONNX parse errors: re-export with a supported opset or "
+     "ONNX node or the signal (on the wire, the detail and the build log's path are in the device log under the "
+     "message's ref).", "ONNX parse errors: re-export with a supported opset or "
      "fold the op; a crash: read `cache_dir/logs/<key>.log`, retry once, then report it with the log."),
     ("ENGINE_BUILD_OOM", E, "Not enough memory for the build: too little free before it started, its memory ceiling "
      "exceeded, or the OOM killer ended it.", "Stop other workloads, lower `workspace_mb`, use a smaller input, or "
@@ -300,11 +303,12 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
      "Check the device's agent version; report it with the message."),
     ("STATE_STORE", A, "The state database (`state_dir/state.db`) cannot be opened, or its schema is newer than this "
      "agent.", "Check the disk and the file's owner; upgrade the agent, or move the state directory aside."),
-    ("STORAGE_DEGRADED", A, "A periodic write to the state store failed (locked, I/O error, disk full) and was "
-     "skipped; health turns `degraded` (`storage_degraded` event).", "Free space under `state_dir` (`edge-agent "
+    ("STORAGE_DEGRADED", A, "A write to the state store failed (locked, I/O error, disk full); records and events "
+     "wait in order and are retried with backoff; health turns `degraded` (`storage_degraded` event).", "Free space under `state_dir` (`edge-agent "
      "engines gc`); look for another process holding `state.db`."),
-    ("STORAGE_FULL", A, "The agent cannot start: the disk holding `state_dir` is full even after shedding what it "
-     "could (directory and bytes free in the message).", "Free space on that disk, or move `state_dir` to another."),
+    ("STORAGE_FULL", A, "The disk holding `state_dir` is full even after shedding what it could: the store cannot "
+     "be opened (the agent waits and retries; the log names the directory and bytes free) or written (`storage_full` "
+     "event with `free_bytes`); it serves from the cached engine while its records wait.", "Free space on that disk, or move `state_dir` to another."),
     ("SWAP_TIMEOUT", A, "A model swap (deployment, rollback, adapt switch) timed out waiting for the inference loop "
      "to reach a batch boundary or drain; it is withdrawn and the old model keeps serving.", "Retry; if it repeats, "
      "read the device log for a stuck batch or camera."),
@@ -335,7 +339,8 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("VIDEO_UNAVAILABLE", A, "Video cannot serve this: no frame within `snapshot_wait_s`, snapshots off, no broker "
      "connection, a picture over `snapshot_max_bytes`, or the MJPEG server cannot listen.", "Check the camera "
      "delivers frames (`status`), the broker connection and `[video]` (`snapshots`, `listen`)."),
-    ("WATCH", A, "The watch rolled a new deployment back without naming a `WATCH_*` reason (fallback).",
+    ("WATCH", A, "The watch rolled a new deployment back without naming a `WATCH_*` reason (fallback), or could "
+     "not judge it: a watch cut short by a stop whose record cannot be read, or a watch that failed.",
      "Read `details.watch` in `edge-agent status --json`."),
     ("WATCH_ERROR_RATE", A, "Rolled back by the watch: the inference error rate exceeded `[deployments] "
      "max_error_rate` (default 5 %).", "Read `details.watch` and the device log for the failing calls."),

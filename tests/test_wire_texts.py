@@ -232,8 +232,6 @@ def test_engine_build_failure_and_bad_json_replies_carry_code_and_ref_and_the_lo
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="events are published by agent/mqtt/publisher.py (another owner): "
-                   "Publisher.enqueue_event must pass its fields through agent.wire_errors.wire_safe (issue 47 item 6)")
 def test_engine_build_failure_event_carries_code_and_ref(failed_build) -> None:
     root, agent = failed_build["root"], failed_build["agent"]
     assert not [e for e in failed_build["events"] if leaks(e, root)]

@@ -82,7 +82,9 @@ class AgentController:
 
     def _manager(self) -> DeploymentManager:
         manager = self.agent.manager
-        assert manager is not None  # the dispatcher (and so this control) is made after the deployment manager
+        if manager is None:  # still waiting for the state store to take writes at start (docs/deployments.md)
+            raise EdgeError("the deployment manager is starting: it waits for the state database to take writes; "
+                            "ask again shortly", code="BUSY")
         return manager
 
     def deploy(self, url: str, timeout_s: float | None, *, allow_downgrade: bool = False,

@@ -112,7 +112,13 @@ class VersionMemory:
             log.warning("downgrade rule: cannot read the active models to seed it: %s", exc)
             return
         for row in rows:
-            self.record(row["name"], row["version"])
+            highest = self.highest(row["name"])  # read first: a mark already there needs no write lock
+            if highest is not None and comparable(highest) and not is_older(highest, row["version"]):
+                continue
+            try:
+                self.record(row["name"], row["version"])
+            except sqlite3.Error as exc:  # another process holds the write lock, or the disk is full
+                log.warning("downgrade rule: cannot seed %s@%s now: %s", row["name"], row["version"], exc)
 
 
 def _waiver_hint(refused: str) -> str:

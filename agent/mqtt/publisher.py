@@ -24,6 +24,7 @@ from typing import Any, Callable, Deque, Optional
 from agent.mqtt.client import MqttConnection, SessionInfo
 from agent.mqtt.outbox import EVENT, MEMORY_EVENTS, TELEMETRY, MemoryEvents, Outbox, OutboxRow, to_json_bytes
 from agent.mqtt.topics import STATES, Topics
+from agent.wire_errors import wire_safe
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,8 @@ class Publisher:
     def enqueue_event(self, type: str, **fields: Any) -> int:  # noqa: A002 - `type` is the wire name
         """Buffer one event (`{"seq","boot_id","ts","type",...}`); returns its seq. When the outbox cannot be
         written it waits in memory for a direct publish instead (its seq is then the memory stream's)."""
-        body = {"type": type, "device_id": self.topics.device_id, **fields}
+        # the device log keeps an exception's text or a local path; the wire gets its readable start and a ref
+        body = wire_safe({"type": type, "device_id": self.topics.device_id, **fields}, f"event {type}")
         seq = self._store(EVENT, self.topics.events, body)
         if seq is None:
             seq = self.memory.put(self.topics.events, body)
