@@ -90,9 +90,12 @@ def package(
                                     "(docs/engines.md#state-inputs)."),
     constant: List[str] = typer.Option([], "--constant", help="Input with a fixed value NAME=VALUE[,VALUE...] (a "
                                        "number fills the input, a list is a rank-1 input's values), repeatable."),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="Show third-party warnings (ONNX Runtime's log, "
+                                 "Python warnings) as they come; by default they are quieted and counted."),
 ) -> None:
     """Validate an ONNX model and write a signed artifact directory (manifest.json, .sig, files)."""
     from deploy.package import PackageOptions, package as make_package
+    from deploy.quiet import third_party_quieted
 
     def body() -> Any:
         opts = PackageOptions(
@@ -102,9 +105,17 @@ def package(
             min_accuracy=min_accuracy, min_fps=min_fps, description=description, force=force, variants=list(variant),
             variants_json=variants_json, state=list(state), constants=list(constant), slimmed=slimmed,
         )  # fmt: skip
-        return make_package(opts)
+        with third_party_quieted(verbose) as noise:
+            quieted.append(noise)  # counted as the package runs; read after it
+            return make_package(opts)
 
-    manifest = _run(body)
+    quieted: list[Any] = []
+    try:
+        manifest = _run(body)
+    finally:  # on a refusal too: the count says there was more to see
+        line = quieted[0].summary() if quieted else None
+        if line:
+            typer.echo(line, err=True)
     files = 1 + len(manifest.files)
     signed = "signed" if key else "UNSIGNED"
     typer.echo(f"packaged {manifest.name}@{manifest.version} into {out}: {files} file(s), {signed}")

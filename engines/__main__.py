@@ -96,20 +96,19 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from engines.build.cache import EngineCache
+    from engines.build.cache_listing import list_cache
 
-    cache = EngineCache(args.cache_dir, args.db)
-    try:
-        entries = cache.entries()
-    finally:
-        cache.close()
+    listing = list_cache(args.cache_dir, args.db)  # the index the cache records, else --db (read-only)
     if args.json:
-        print(json.dumps([e.to_dict() for e in entries], indent=2))
+        print(json.dumps([e.to_dict() for e in listing.entries], indent=2))
         return 0
-    for e in entries:
+    for e in listing.entries:
         verdict = (e.validation or {}).get("passed")
-        print(f"{e.key[:16]} {e.model:24} {e.backend:12} {e.precision:5} {e.size / 2**20:8.1f} MB  "
+        users = ", ".join(m["model"] for m in e.models) or e.model
+        print(f"{e.key[:16]} {users:24} {e.backend:12} {e.precision:5} {e.size / 2**20:8.1f} MB  "
               f"validation={'-' if verdict is None else ('pass' if verdict else 'FAIL')}")
+    for note in listing.notes:
+        print(f"note: {note}")
     return 0
 
 

@@ -47,7 +47,9 @@ class ModelRuntime:
         self.input_name = frame.name
         self.preprocessor = Preprocessor(source.manifest.preprocess)
         spec = source.manifest.preprocess
-        context = PostprocessContext(engine.outputs, source.manifest.labels, (spec.width, spec.height))
+        # the outputs fed back as state are the runtime's: the decoder is built on, and handed, the others
+        fed_back = tuple(p.output for p in state.pairs) if state is not None else ()
+        context = PostprocessContext(engine.outputs, source.manifest.labels, (spec.width, spec.height), fed_back)
         post = source.manifest.postprocess
         # an engine with EfficientNMS_TRT inside (its sidecar says so) gives the plugin's four outputs
         params = postprocess_params(post.params, getattr(engine, "nms", "host"))

@@ -34,7 +34,7 @@ def test_an_unknown_parameter_lists_the_valid_ones_at_build_and_at_package() -> 
         _validate_postprocess("classification", {"thresh": 0.3})
     with pytest.raises(PackageError, match=r"--param top_k: Input should be"):
         _validate_postprocess("classification", {"top_k": "many"})
-    with pytest.raises(PackageError, match=r"raw has no such parameter \(valid: none"):
+    with pytest.raises(PackageError, match=r"raw has no such parameter \(valid: values, max_values, max_summary_elements"):
         _validate_postprocess("raw", {"x": 1})
 
 

@@ -2,7 +2,9 @@
 
 Mounted by agent.cli.main as `app.add_typer(engines_app, name="engines")`. Paths come from the agent's
 config: `cache_dir` for engines, the state database for the index and the active/previous models
-that `gc` must keep. Exit codes as every `edge-agent` command: 0 ok, 1 failed, 2 usage/config.
+that `gc` must keep. `list` and `gc` read the index the cache records as its own (engines.build.cache_index), so a
+cache named alone (EDGE_AGENT_CACHE_DIR) is listed and collected with its agent's index, not the default state
+directory's. Exit codes as every `edge-agent` command: 0 ok, 1 failed, 2 usage/config.
 """
 
 from __future__ import annotations
@@ -209,39 +211,53 @@ def list_engines(
                                     "auto search: status, p50, accuracy, or why it was skipped."),
     config: Optional[Path] = _CONFIG,
 ) -> None:
-    """Cached engines: key parts, size, last use, validation verdict."""
-    from engines.build.cache import EngineCache
+    """Cached engines: key parts, the artifacts that use each, size, last use, validation verdict."""
+    from engines.build.cache_listing import list_cache
 
     cache_dir, db_path = _paths(config)
-    cache = EngineCache(cache_dir, db_path)
-    try:
-        entries, quarantined = cache.entries(), cache.quarantined()
-    finally:
-        cache.close()
-    from agent.cli.status import read_family, render_adapt
+    listing = list_cache(cache_dir, db_path)  # the index this cache records, read-only
+    from agent.cli.status import render_adapt
 
-    family = read_family(db_path)  # variants of the last model family: accuracy vs its reference, p99 here
+    family = _family(listing.index)  # variants of the last model family: accuracy vs its reference, p99 here
     if as_json:
-        out.print_json(json.dumps({"engines": [e.to_dict() for e in entries],
-                                   "quarantined": [str(p) for p in quarantined], "family": family}))
+        out.print_json(json.dumps({**listing.to_dict(), "family": family}))
         return
-    table = Table(title=f"engine cache {cache_dir}", title_justify="left")
-    for col in ("key", "model", "backend", "precision", "device", "DLA", "size MB", "last used", "validation"):
-        table.add_column(col, justify="right" if col == "size MB" else "left")
-    for e in entries:
-        table.add_row(e.key[:12], e.model, f"{e.backend} {e.backend_version}", _precision(e), _device(e.parts),
-                      _dla(e.report),
-                      f"{e.size / 2**20:.1f}", time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)),
-                      _verdict(e.validation))
+    table = Table(title=f"engine cache {cache_dir} (index {listing.index})", title_justify="left")
+    for col in ("key", "models", "backend", "precision", "device", "DLA", "size MB", "last used", "validation"):
+        table.add_column(col, justify="right" if col == "size MB" else "left", overflow="fold")
+    for e in listing.entries:
+        used = "-" if e.key in listing.unindexed else time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
+        table.add_row(e.key[:12], escape(models_cell(e)), f"{e.backend} {e.backend_version}", _precision(e),
+                      _device(e.parts), _dla(e.report), f"{e.size / 2**20:.1f}", used, escape(_verdict(e)))
     out.print(table)
-    for e in entries if candidates else []:
+    for e in listing.entries if candidates else []:
         if isinstance(e.report.get("auto"), dict):
             out.print(f"{e.key[:12]} {e.model}: precision auto chose {e.report['auto'].get('chosen')}")
             for line in auto_lines(e.report["auto"]):
                 out.print(f"  {line}", highlight=False)
-    if quarantined:
-        out.print(f"{len(quarantined)} engine(s) in quarantine: {cache_dir / 'quarantine'}")
+    for note in listing.notes:
+        out.print(f"note: {note}", highlight=False, markup=False)
+    if listing.quarantined:
+        out.print(f"{len(listing.quarantined)} engine(s) in quarantine: {cache_dir / 'quarantine'}")
     render_adapt({"family": family} if family else None, out)
+
+
+def _family(db_path: Path) -> dict[str, Any] | None:
+    """The model family the index's state database records; None when it cannot be read (another user's)."""
+    from agent.cli.status import read_family
+
+    try:
+        return read_family(db_path)
+    except (sqlite3.Error, OSError) as exc:
+        err.print(f"model family not shown: {db_path} cannot be read ({exc})", highlight=False, markup=False)
+        return None
+
+
+def models_cell(entry: Any) -> str:
+    """Every artifact that used the engine, first use first (`a@1.0, b@2.0`); the one it was built for when the
+    index kept no users (an engine from before they were recorded)."""
+    names = [m["model"] for m in entry.models if m.get("model")]
+    return ", ".join(names) or entry.model or "-"
 
 
 def _precision(entry: Any) -> str:
@@ -280,10 +296,12 @@ def _dla(report: dict[str, Any]) -> str:
     return f"dla:{dla['core']}, {dla['gpu_fallback_layers']}/{dla['layers']} on GPU"
 
 
-def _verdict(validation: dict[str, Any] | None) -> str:
+def _verdict(entry: Any) -> str:
+    validation = entry.validation
     if not validation:
         return "-"
-    judged = f" on {_frames(validation)}"
+    judged_for = entry.judged_for()
+    judged = (f" for {judged_for}" if judged_for and len(entry.models) > 1 else "") + f" on {_frames(validation)}"
     if validation.get("fallback"):
         judged += f"; int8 fallback: {len(validation['fallback'].get('kept_float', []))} tensor(s) in float"
     if validation.get("passed"):
@@ -317,7 +335,10 @@ def gc(
     """Evict least recently used engines beyond the budget; the active and previous models' engines stay."""
     from engines.build.cache import EngineCache
 
-    cache_dir, db_path = _paths(config)
+    from engines.build.cache_index import index_for
+
+    cache_dir, configured = _paths(config)
+    db_path = index_for(cache_dir, configured).db_path  # the index (and the active models) of this cache's agent
     cache = EngineCache(cache_dir, db_path)
     try:
         report = cache.gc(int(budget_mb * 2**20), pinned_from_state(db_path), purge_quarantine)

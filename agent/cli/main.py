@@ -36,14 +36,21 @@ def run(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (default: embedded defaults)."),
     duration: Optional[float] = typer.Option(None, "--duration", min=0.1, help="Stop cleanly after this many seconds."),
     summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Write the run summary here at exit."),
+    save_outputs: Optional[Path] = typer.Option(
+        None, "--save-outputs", help="At exit, save the last frame's output tensors (a `raw` model's) to this .npz; "
+        "the run summary's `last_outputs` names it and summarizes each output."),
 ) -> None:
     """Run the agent: camera -> model -> results, until SIGTERM/SIGINT or --duration."""
+    from agent.daemon.last_outputs import LastOutputs
     from agent.daemon.runner import Agent
     from agent.pipeline.live_view import LiveView, status_line
 
     cfg = load_config_or_exit(config)
     setup_logging(cfg.log_level)
     agent = Agent(cfg)
+    last_outputs = LastOutputs() if save_outputs is not None else None
+    if last_outputs is not None:
+        agent.result_sinks.add("last_outputs", last_outputs)  # a reference per result: nothing is copied
     _install_stop_signals(agent)
     try:
         agent.start()
@@ -58,6 +65,8 @@ def run(
 
         agent.wait(duration, tick=tick)
     summary = agent.stop()
+    if last_outputs is not None and save_outputs is not None:
+        summary["last_outputs"] = last_outputs.save(save_outputs)
     if summary_json is not None:
         summary_json.parent.mkdir(parents=True, exist_ok=True)
         summary_json.write_text(json.dumps(summary, indent=2) + "\n")
@@ -91,9 +100,20 @@ def _print_summary(summary: dict[str, Any], last_result: dict[str, Any] | None) 
     rows += video_rows(summary.get("video"))
     if last_result:
         rows.append(("last frame", last_frame_text(last_result)))
+    if summary.get("last_outputs"):
+        saved = summary["last_outputs"]
+        rows.append(("last outputs", f"saved to {saved['path']}" if saved.get("path") else saved.get("reason", "-")))
     for key, value in rows:
         table.add_row(key, value)
     out.print(table)
+
+
+def _output_text(name: str, output: dict[str, Any]) -> str:
+    """`logits [1, 10] max 7.1 at [0, 3]` (a raw output's summary)."""
+    text = f"{name} {output.get('shape')}"
+    if output.get("argmax") is not None:
+        text += f" max {output.get('max')} at {output['argmax']}"
+    return text
 
 
 def last_frame_text(result: dict[str, Any]) -> str:
@@ -113,7 +133,9 @@ def last_frame_text(result: dict[str, Any]) -> str:
     for name in ("image", "matte"):
         if result.get(name):
             parts.append(f"{name} {'x'.join(str(v) for v in result[name]['shape'])}, mean {result[name]['mean']}")
-    if not parts and result.get("tensors"):
+    if not parts and result.get("outputs"):  # raw with values summary/tensors: what each output held
+        parts.append("outputs " + ", ".join(_output_text(k, v) for k, v in result["outputs"].items()))
+    elif not parts and result.get("tensors"):
         parts.append("outputs " + ", ".join(f"{k} {v}" for k, v in result["tensors"].items()))
     return f"{where}: " + ("; ".join(parts) or "nothing")
 

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from engines.build.cache_index import record_index
 from engines.build.spec import ENGINE_SUFFIX, CacheKey
 from engines.errors import EdgeError
 from engines.fsutil import atomic_write_bytes, fsync_dir
@@ -59,6 +60,14 @@ CREATE TABLE IF NOT EXISTS engines (
 );
 CREATE INDEX IF NOT EXISTS engines_last_used ON engines(last_used);
 CREATE INDEX IF NOT EXISTS engines_onnx ON engines(onnx_sha256);
+CREATE TABLE IF NOT EXISTS engine_models (
+    key TEXT NOT NULL,
+    model TEXT NOT NULL,
+    first_used REAL NOT NULL,
+    last_used REAL NOT NULL,
+    judged_at REAL,
+    PRIMARY KEY (key, model)
+);
 """
 
 
@@ -88,6 +97,9 @@ class CacheEntry:
     last_used: float
     report: dict[str, Any] = field(default_factory=dict)
     validation: dict[str, Any] | None = None
+    # every artifact (`name@version`) that used the engine, first use first: {model, first_used, last_used, judged_at}
+    # (judged_at: when the stored verdict was judged for it). `model` above is the one it was built for.
+    models: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form for `engines list --json`."""
@@ -101,6 +113,30 @@ class CacheEntry:
         data["file"] = self.path.name
         del data["path"], data["last_used"]
         return data
+
+    def judged_for(self) -> str | None:
+        """The artifact the stored verdict was judged for (the last one judged), when recorded."""
+        judged = [m for m in self.models if m.get("judged_at")]
+        return max(judged, key=lambda m: m["judged_at"])["model"] if judged else None
+
+
+def entry_from_row(row: dict[str, Any], engines_dir: Path, models: list[dict[str, Any]] | None = None) -> CacheEntry:
+    """An index row (column name -> value) as an entry of the cache whose engines live in `engines_dir`."""
+    return CacheEntry(
+        row["key"], engines_dir / row["file"], row["file_sha256"], row["size"], row["onnx_sha256"],
+        row["model"], row["backend"], row["backend_version"], row["precision"], json.loads(row["parts"]),
+        row["build_s"], row["created_at"], row["last_used"], json.loads(row["report"] or "{}"),
+        json.loads(row["validation"]) if row["validation"] else None, list(models or []),
+    )
+
+
+def entry_from_sidecar(data: dict[str, Any], engines_dir: Path, last_used: float) -> CacheEntry:
+    """A sidecar's content as an entry (KeyError/ValueError/TypeError when it lacks what an entry needs)."""
+    return CacheEntry(str(data["key"]), engines_dir / data["file"], data["file_sha256"], int(data["size"]),
+                      data["onnx_sha256"], data.get("model", ""), data["backend"], data["backend_version"],
+                      data["precision"], dict(data["parts"]), float(data.get("build_s", 0.0)),
+                      float(data.get("created_at", last_used)), last_used, dict(data.get("report") or {}),
+                      data.get("validation"), [dict(m) for m in data.get("models") or []])
 
 
 @dataclass
@@ -120,21 +156,27 @@ class GcReport:
 
 
 class EngineCache:
-    """Index + files of built engines for one cache directory and one state database."""
+    """Index + files of built engines for one cache directory and one state database.
 
-    def __init__(self, cache_dir: Path, db_path: Path, on_event: EventSink | None = None) -> None:
+    `model`: the artifact (`name@version`) this handle works for; each engine it finds, builds, judges or touches
+    records that artifact as one of its users (CacheEntry.models), so `engines list` names every one."""
+
+    def __init__(self, cache_dir: Path, db_path: Path, on_event: EventSink | None = None,
+                 model: str | None = None) -> None:
         self.cache_dir = Path(cache_dir)
         self.engines_dir = self.cache_dir / "engines"
         self.quarantine_dir = self.cache_dir / "quarantine"
         for sub in (self.engines_dir, self.quarantine_dir, self.cache_dir / "timing", self.cache_dir / "locks"):
             sub.mkdir(parents=True, exist_ok=True)
         self._on_event = on_event
+        self.model = model
         self._lock = threading.RLock()
         Path(db_path).parent.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(str(db_path), timeout=10, isolation_level=None, check_same_thread=False)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
         ensure_schema(self._conn)
+        record_index(self.cache_dir, Path(db_path))  # readers of this cache find this index (engines.build.cache_index)
 
     # --- paths -------------------------------------------------------------------------------
 
@@ -172,7 +214,8 @@ class EngineCache:
         with self._lock:
             row = self._conn.execute("SELECT * FROM engines WHERE key = ?", (key,)).fetchone()
             names = [d[0] for d in self._conn.execute("SELECT * FROM engines LIMIT 0").description]
-        return self._entry(dict(zip(names, row))) if row else None
+            models = read_models(self._conn, key) if row else {}
+        return entry_from_row(dict(zip(names, row)), self.engines_dir, models.get(key)) if row else None
 
     def entries(self) -> list[CacheEntry]:
         """Every indexed engine, most recently used first."""
@@ -180,7 +223,8 @@ class EngineCache:
             cursor = self._conn.execute("SELECT * FROM engines ORDER BY last_used DESC")
             names = [d[0] for d in cursor.description]
             rows = cursor.fetchall()
-        return [self._entry(dict(zip(names, row))) for row in rows]
+            models = read_models(self._conn)
+        return [entry_from_row(dict(zip(names, row)), self.engines_dir, models.get(row[0])) for row in rows]
 
     def lookup(self, key: str) -> CacheEntry | None:
         """The verified entry for `key`; a missing or altered file is dropped or quarantined first."""
@@ -195,7 +239,7 @@ class EngineCache:
         if actual != entry.file_sha256 or entry.path.stat().st_size != entry.size:
             self.quarantine(key, f"file sha256 {actual[:12]} != index {entry.file_sha256[:12]} (corrupt engine file)")
             return None
-        return entry
+        return self._used(entry, self.model)
 
     def put(self, cache_key: CacheKey, built: Path, *, model: str, build_s: float,
             report: dict[str, Any] | None = None) -> CacheEntry:
@@ -208,14 +252,18 @@ class EngineCache:
         now = time.time()
         entry = CacheEntry(cache_key.key, final, sha256_file(final), final.stat().st_size, parts["onnx_sha256"],
                            model, parts["backend"], parts["backend_version"], parts["spec"]["precision"],
-                           parts, round(build_s, 3), now, now, dict(report or {}))
+                           parts, round(build_s, 3), now, now, dict(report or {}),
+                           models=[{"model": model, "first_used": now, "last_used": now, "judged_at": None}])
         self._write_sidecar(entry)
         self._index(entry, "REPLACE")
         self._emit("engine.cache.stored", key=entry.key, size=entry.size, build_s=entry.build_s)
         return entry
 
     def record_validation(self, key: str, validation: dict[str, Any]) -> None:
-        """Store a gate result in the index and the sidecar (shown by `engines list`)."""
+        """Store a gate result in the index and the sidecar (shown by `engines list`, with the artifact it was
+        judged for: this handle's `model`)."""
+        if self.model:
+            self._note_use(key, self.model, judged=True)
         self._update_json(key, "validation", validation)
 
     def record_report(self, key: str, report: dict[str, Any]) -> None:
@@ -231,9 +279,11 @@ class EngineCache:
             self._write_sidecar(entry)
 
     def touch(self, key: str) -> None:
-        """Mark `key` as just used (GC evicts least recently used first)."""
+        """Mark `key` as just used (GC evicts least recently used first), by this handle's `model`."""
         with self._lock:
             self._conn.execute("UPDATE engines SET last_used = ? WHERE key = ?", (time.time(), key))
+        if self.model:
+            self._note_use(key, self.model)
 
     def quarantine(self, key: str, reason: str) -> Path | None:
         """Move an engine and its sidecar aside with the reason; drop it from the index."""
@@ -291,16 +341,38 @@ class EngineCache:
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _entry(self, row: dict[str, Any]) -> CacheEntry:
-        return CacheEntry(
-            row["key"], self.engines_dir / row["file"], row["file_sha256"], row["size"], row["onnx_sha256"],
-            row["model"], row["backend"], row["backend_version"], row["precision"], json.loads(row["parts"]),
-            row["build_s"], row["created_at"], row["last_used"], json.loads(row["report"] or "{}"),
-            json.loads(row["validation"]) if row["validation"] else None,
-        )
+    def _used(self, entry: CacheEntry, model: str | None) -> CacheEntry:
+        """`entry` once `model` is recorded as one of its users (a new user rewrites the sidecar)."""
+        if model and self._note_use(entry.key, model):
+            return self.get(entry.key) or entry
+        return entry
+
+    def _note_use(self, key: str, model: str, judged: bool = False) -> bool:
+        """Record that `model` used (or, `judged`, was judged on) engine `key`; True when that is news to the
+        sidecar (a new user, a new verdict), which is then rewritten."""
+        now = time.time()
+        with self._lock:
+            known = self._conn.execute("SELECT 1 FROM engine_models WHERE key = ? AND model = ?",
+                                       (key, model)).fetchone()
+            self._conn.execute(
+                "INSERT INTO engine_models (key, model, first_used, last_used, judged_at) VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT (key, model) DO UPDATE SET last_used = excluded.last_used,"
+                " judged_at = COALESCE(excluded.judged_at, engine_models.judged_at)",
+                (key, model, now, now, now if judged else None))
+        news = known is None or judged
+        if news and not judged:  # record_validation rewrites the sidecar itself, with the verdict
+            entry = self.get(key)
+            try:
+                if entry is not None:
+                    self._write_sidecar(entry)
+            except OSError as exc:  # a full disk must not stop a cached engine from loading: the index has the user
+                log.warning("engine %s: user %s not written to its sidecar: %s", key[:16], model, exc)
+        return news
 
     def _index(self, entry: CacheEntry, conflict: str) -> None:
         """Write `entry`'s index row; `conflict` is REPLACE (a fresh build) or IGNORE (re-indexing a sidecar)."""
+        if conflict == "REPLACE":
+            self._index_models(entry)
         with self._lock:
             self._conn.execute(
                 f"INSERT OR {conflict} INTO engines (key, file, file_sha256, size, onnx_sha256, model, backend,"
@@ -312,12 +384,23 @@ class EngineCache:
                  json.dumps(entry.validation) if entry.validation else None),
             )
 
+    def _index_models(self, entry: CacheEntry) -> None:
+        """The users a sidecar names, into the index (re-indexing keeps who used the engine)."""
+        with self._lock:
+            for m in entry.models:
+                if isinstance(m, dict) and m.get("model"):
+                    now = float(m.get("last_used") or entry.last_used)
+                    self._conn.execute("INSERT OR IGNORE INTO engine_models (key, model, first_used, last_used,"
+                                       " judged_at) VALUES (?, ?, ?, ?, ?)", (entry.key, str(m["model"]),
+                                       float(m.get("first_used") or now), now, m.get("judged_at")))
+
     def _write_sidecar(self, entry: CacheEntry) -> None:
         atomic_write_bytes(_sidecar_path(entry.path), json.dumps(entry.sidecar(), indent=2, sort_keys=True).encode() + b"\n")
 
     def _delete_row(self, key: str) -> None:
         with self._lock:
             self._conn.execute("DELETE FROM engines WHERE key = ?", (key,))
+            self._conn.execute("DELETE FROM engine_models WHERE key = ?", (key,))
 
     def _remove(self, entry: CacheEntry) -> None:
         self._delete_row(entry.key)
@@ -340,16 +423,12 @@ class EngineCache:
                 return None
             if path.stat().st_size != data["size"] or sha256_file(path) != data["file_sha256"]:
                 return None
-            now = time.time()
-            entry = CacheEntry(key, path, data["file_sha256"], int(data["size"]), data["onnx_sha256"],
-                               data.get("model", ""), data["backend"], data["backend_version"], data["precision"],
-                               dict(data["parts"]), float(data.get("build_s", 0.0)),
-                               float(data.get("created_at", now)), now, dict(data.get("report") or {}),
-                               data.get("validation"))
+            entry = entry_from_sidecar(data, self.engines_dir, time.time())
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("engine %s: sidecar %s unusable (%s); not re-indexed", key[:16], sidecar.name, exc)
             return None
         self._index(entry, "IGNORE")
+        self._index_models(entry)
         self._emit("engine.cache.reindexed", key=key, path=str(path))
         return entry
 
@@ -375,6 +454,21 @@ class EngineCache:
     def _emit(self, kind: str, **fields: Any) -> None:
         if self._on_event is not None:
             self._on_event({"type": kind, **fields})
+
+
+def read_models(conn: sqlite3.Connection, key: str | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Engine key -> its users (engine_models), first use first; {} for an index without the table (a read-only
+    copy of a state database from before it)."""
+    query = "SELECT key, model, first_used, last_used, judged_at FROM engine_models"
+    try:
+        rows = conn.execute(query + (" WHERE key = ?" if key else "") + " ORDER BY first_used, model",
+                            (key,) if key else ()).fetchall()
+    except sqlite3.OperationalError:
+        return {}
+    out: dict[str, list[dict[str, Any]]] = {}
+    for k, model, first, last, judged in rows:
+        out.setdefault(k, []).append({"model": model, "first_used": first, "last_used": last, "judged_at": judged})
+    return out
 
 
 def _fsync_file(path: Path) -> None:

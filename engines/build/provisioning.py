@@ -120,7 +120,7 @@ def provision(source: ModelSource, *, backend: str = "auto", precision: str | No
     plan = planner(source, requested) if requested != AUTO else None  # a plain build's plan errors come first
     # the frames first: a model that cannot be judged is refused before minutes of building (GATE_NO_VALIDATION_FRAMES)
     frames = validation_set(source, validation_samples, live_frames_dir, live_frames, validation_dir) if validate else None
-    cache = EngineCache(cache_dir, db_path, on_event=emit)
+    cache = EngineCache(cache_dir, db_path, on_event=emit, model=source.label)  # `engines list` names each user
     step = Step(cache, source, builder or Builder(), emit, timeout_s, stop_event, revalidate, frames, latency_runs)
     verdict: ValidationResult | None
     try:

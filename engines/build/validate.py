@@ -131,8 +131,10 @@ def validate(candidate: ModelRuntime, reference: ModelRuntime, frames: Sequence[
     params = candidate.source.manifest.postprocess.params
     pairs = _sequence(reference, candidate, frames)
     mismatch = value_problem(kind, reference, candidate, pairs, precision)
-    no_signal = signal_problem(kind, params, [r for r, _ in pairs])
-    score, outputs = agreement(kind, params, pairs, [o.name for o in candidate.engine.outputs])
+    served = [((reference.postprocessor.served(r[0]), r[1]), (candidate.postprocessor.served(c[0]), c[1]))
+              for r, c in pairs]  # what the decoder reads: a stateful model's state outputs are not judged
+    no_signal = signal_problem(kind, params, [r for r, _ in served])
+    score, outputs = agreement(kind, params, served, candidate.postprocessor.served([o.name for o in candidate.engine.outputs]))
     latency = measure_latency(candidate, frames[0], latency_runs, warmup)
     threshold = min_accuracy_for(precision, gates)
     result = ValidationResult(precision, metric_name(kind, outputs), round(score, 5), threshold, len(frames),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 
@@ -14,6 +14,7 @@ from engines.postprocess.base import (
     InferenceResult,
     PostprocessContext,
     Postprocessor,
+    ServedOutputs,
     ShapeExample,
 )
 from engines.registry import Registry, import_plugins
@@ -31,7 +32,8 @@ import_plugins(
 def build_postprocessor(kind: str, params: dict[str, Any], context: PostprocessContext) -> Postprocessor:
     """Validate `params` against the plugin's model and build it; errors name the parameter. The model's declared
     output shapes must be what the decoder reads (Decoder.check_outputs: MODEL_SHAPE_MISMATCH): every package,
-    build and load builds its postprocessor here."""
+    build and load builds its postprocessor here. The context's state outputs (fed back by the runtime) are left out of
+    both: the decoder is built on, checked against and handed the other outputs only (ServedOutputs)."""
     try:
         cls = POSTPROCESSORS.get(kind)
     except LookupError as exc:
@@ -40,9 +42,12 @@ def build_postprocessor(kind: str, params: dict[str, Any], context: PostprocessC
         parsed = cls.Params.model_validate(params)
     except ValidationError as exc:
         raise ModelError(describe_param_errors(kind, exc, "postprocess.params."), code="MODEL_INVALID") from exc
-    postprocessor = cls(parsed, context)
-    if context.outputs:
-        postprocessor.check_outputs([o.shape for o in context.outputs])
+    served = context.served()  # state outputs are the runtime's: the decoder never sees them
+    postprocessor = cls(parsed, served)
+    if served.outputs:
+        postprocessor.check_outputs([o.shape for o in served.outputs])
+    if context.state_outputs:
+        return cast(Postprocessor, ServedOutputs(postprocessor, context.state_indices()))
     return postprocessor
 
 
@@ -68,6 +73,7 @@ __all__ = [
     "InferenceResult",
     "PostprocessContext",
     "Postprocessor",
+    "ServedOutputs",
     "ShapeExample",
     "build_postprocessor",
     "describe_param_errors",

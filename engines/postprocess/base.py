@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np
@@ -96,9 +96,13 @@ class InferenceResult:
     image: np.ndarray | None = None
     matte: np.ndarray | None = None
     class_map: np.ndarray | None = None  # semantic segmentation: a class id per pixel (the padding cut off)
+    # `raw` with `values` summary/tensors: per output its shape, dtype, min/max/mean, argmax and, when small, values
+    # (engines.postprocess.raw), made once per frame and sent as they are
+    summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self, max_items: int = 100, masks: bool = True) -> dict[str, Any]:
-        """JSON-friendly summary; raw tensors are reported by shape only (`masks`: see Detection.to_dict)."""
+        """JSON-friendly summary; raw tensors by shape, and by `outputs` when the decoder summarized them (`masks`:
+        see Detection.to_dict)."""
         out: dict[str, Any] = {"kind": self.kind}
         if self.detections:
             out["detections"] = [d.to_dict(masks) for d in self.detections[:max_items]]
@@ -106,6 +110,8 @@ class InferenceResult:
             out["classes"] = [{"class_id": c.class_id, "score": round(c.score, 4), "label": c.label} for c in self.classes]
         if self.tensors:
             out["tensors"] = {k: list(v.shape) for k, v in self.tensors.items()}
+        if self.summaries:
+            out["outputs"] = self.summaries
         if self.class_map is not None:  # the map itself is too large for a message: its shape; `classes` has the areas
             out["class_map"] = {"shape": list(self.class_map.shape)}
         for name in ("image", "matte"):
@@ -127,6 +133,10 @@ class Postprocessor(Protocol):
 
     def check_outputs(self, shapes: Sequence[Sequence[int | None]], observed: bool = False) -> None:
         """Refuse outputs the decoder does not read (ModelError MODEL_SHAPE_MISMATCH)."""
+        ...
+
+    def served(self, values: Sequence[Any]) -> list[Any]:
+        """Of one value per model output, those of the outputs the decoder reads (not the state outputs)."""
         ...
 
 
@@ -161,6 +171,15 @@ class Decoder:
         """Why outputs of these shapes (None: a dynamic dimension) are not what this decoder reads, or None."""
         raise NotImplementedError
 
+    @property
+    def decoder(self) -> "Decoder":
+        """Itself (ServedOutputs, which wraps a decoder, answers with the one it wraps)."""
+        return self
+
+    def served(self, values: Sequence[Any]) -> list[Any]:
+        """The values of the outputs this decoder reads: every output (ServedOutputs leaves out state outputs)."""
+        return list(values)
+
     def check_outputs(self, shapes: Sequence[Sequence[int | None]], observed: bool = False) -> None:
         """ModelError MODEL_SHAPE_MISMATCH naming the shapes, what the decoder reads and what to change."""
         problem = self.shape_problem([tuple(s) for s in shapes])
@@ -177,9 +196,47 @@ class PostprocessContext:
     outputs: list[TensorSpec]
     labels: list[str] | None = None
     input_size: tuple[int, int] | None = None  # (width, height) of the model input: decoders of grid heads need it
+    # outputs the runtime feeds back as the next frame's state (manifest `state`, engines.state_inputs): the runtime's,
+    # never the decoder's, so build_postprocessor hides them from it (ServedOutputs)
+    state_outputs: tuple[str, ...] = ()
 
     def label(self, class_id: int) -> str | None:
         """Class name for an id, when labels were given."""
         if self.labels and 0 <= class_id < len(self.labels):
             return self.labels[class_id]
         return None
+
+    def state_indices(self) -> frozenset[int]:
+        """Positions of the state outputs among `outputs`."""
+        return frozenset(i for i, o in enumerate(self.outputs) if o.name in self.state_outputs)
+
+    def served(self) -> "PostprocessContext":
+        """This context as the decoder sees it: without the state outputs."""
+        return replace(self, outputs=[o for o in self.outputs if o.name not in self.state_outputs], state_outputs=())
+
+
+class ServedOutputs:
+    """A decoder of a model with state outputs, handed the other outputs only, in their order: its output contract,
+    its value checks and its decoding never see a state tensor (an index parameter such as `image`'s `output`
+    counts the served outputs; state outputs come last in RVM and recurrent exports, where the two agree)."""
+
+    def __init__(self, decoder: Any, state: frozenset[int]) -> None:
+        self.decoder = decoder
+        self._state = state
+
+    def served(self, values: Sequence[Any]) -> list[Any]:
+        """`values` (one per model output) without those of the state outputs."""
+        return [v for i, v in enumerate(values) if i not in self._state]
+
+    def __call__(self, outputs: list[np.ndarray], transform: FrameTransform) -> InferenceResult:
+        """Decode the served outputs of one frame."""
+        return self.decoder(self.served(outputs), transform)
+
+    def check_outputs(self, shapes: Sequence[Sequence[int | None]], observed: bool = False) -> None:
+        """The decoder's contract on the served outputs' shapes."""
+        self.decoder.check_outputs(self.served(shapes), observed)
+
+    def __getattr__(self, name: str) -> Any:  # params and the rest: the decoder's own
+        if name in ("decoder", "_state"):  # not set yet (a copy or unpickling): never recurse into the lookup
+            raise AttributeError(name)
+        return getattr(self.decoder, name)

@@ -102,8 +102,8 @@ def check_value_ranges(kind: str, postprocessor: Any, outputs: Sequence[np.ndarr
     on them (ModelError POSTPROCESS_MISMATCH); kinds without one (`raw`) take any values."""
     arrays = [np.asarray(o) for o in outputs]
     postprocessor.check_outputs([a.shape for a in arrays], observed=True)
-    if kind in RANGE_CHECKS:
-        RANGE_CHECKS.get(kind)(postprocessor, arrays, list(names))
+    if kind in RANGE_CHECKS:  # on the outputs the decoder reads (a stateful model's state outputs are not)
+        RANGE_CHECKS.get(kind)(postprocessor.decoder, postprocessor.served(arrays), postprocessor.served(list(names)))
 
 
 def check_value_set(kind: str, postprocessor: Any, frames: Sequence[Sequence[np.ndarray]],
@@ -111,4 +111,5 @@ def check_value_set(kind: str, postprocessor: Any, frames: Sequence[Sequence[np.
     """Run `kind`'s check across every validation frame's raw outputs (after check_value_ranges passed on each);
     kinds without one take any set."""
     if kind in SET_CHECKS and frames:
-        SET_CHECKS.get(kind)(postprocessor, [[np.asarray(o) for o in outputs] for outputs in frames], list(names))
+        SET_CHECKS.get(kind)(postprocessor.decoder, [postprocessor.served([np.asarray(o) for o in outputs])
+                                                     for outputs in frames], postprocessor.served(list(names)))
