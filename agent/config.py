@@ -23,6 +23,8 @@ from agent.pipeline.config import BatchConfig, check_cameras, default_kinds
 from agent.sources import source_config_models
 from agent.sources.base import SourceConfigBase
 from agent.sources.synthetic import SyntheticConfig
+from agent.tracking.config import TrackingConfig
+from agent.tracking.errors import OutsideFrame
 from agent.video.config import VideoConfig
 
 if sys.version_info >= (3, 11):
@@ -171,6 +173,8 @@ class AgentConfig(BaseSettings):
     gates: GatesConfig = Field(default_factory=GatesConfig, description="Frames the gates judge on (live camera frames).")
     adapt: AdaptConfig = Field(default_factory=AdaptConfig, description="Switching between model variants (docs/adaptive.md).")
     video: VideoConfig = Field(default_factory=VideoConfig, description="Video out: MJPEG, an H.264 stream, snapshots (docs/video.md).")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="A tracker after the detection stage, "
+                                     "per camera and model, with zones and lines (docs/tracking.md); off by default.")
 
     def control_socket_path(self) -> Path:
         """Where the control socket lives."""
@@ -192,6 +196,23 @@ class AgentConfig(BaseSettings):
     @model_validator(mode="after")
     def _cameras_consistent(self) -> "AgentConfig":
         check_cameras(self.camera, self.cameras, "camera" in self.model_fields_set)
+        return self
+
+    @model_validator(mode="after")
+    def _tracking_fits_the_cameras(self) -> "AgentConfig":
+        """[tracking] names only cameras this agent has; pixel shapes fit a camera whose size the config states
+        (others are checked at their first frame); `[mqtt] results = "tracks"` has something tracked."""
+        cameras = self.camera_list()
+        self.tracking.check_cameras([c.name for c in cameras])
+        for camera in cameras:  # a synthetic camera's size is exact (a V4L2 size is only asked for)
+            if isinstance(camera, SyntheticConfig):
+                try:
+                    self.tracking.camera(camera.name).check_frame((camera.width, camera.height))
+                except OutsideFrame as exc:
+                    raise OutsideFrame(f"tracking, camera {camera.name!r}: {exc.detail}") from None
+        if self.mqtt.results == "tracks" and not any(self.tracking.may_track(c.name) for c in cameras):
+            raise ValueError('mqtt.results = "tracks" sends results when tracks change, but no camera is tracked: '
+                             'set [tracking] enabled = true (docs/tracking.md), or results = "frames"')
         return self
 
     @model_validator(mode="after")

@@ -317,6 +317,10 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
      "the broker's `max_packet_size`; raise `--timeout`."),
     ("TRACKING_LINE_ZERO_LENGTH", A, "A tracking line (`[tracking]`, docs/tracking.md) has "
      "both ends at the same point, so it has no direction to cross.", "Give the line two distinct points."),
+    ("TRACKING_OFF", A, "`set_zones` for a camera that is not tracked (or on an agent that tracks none), or zones "
+     "set live in an earlier run for a camera no longer tracked (a `tracking_problem` event at start; the config's "
+     "zones apply).", "Turn tracking on for the camera (`[tracking] enabled`, or its `[[tracking.cameras]]` "
+     "`tracker.enabled = true`; docs/tracking.md) and restart the agent."),
     ("TRACKING_OUTSIDE_FRAME", A, "A zone or line point lies outside the frame: normalized coordinates outside 0..1, "
      "a negative pixel, or a pixel past the camera's width or height (at run time that shape alone is switched off "
      "and a `tracking_problem` event says so).", "Use coordinates inside the frame, or `coords = \"normalized\"`."),

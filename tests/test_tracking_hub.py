@@ -163,4 +163,5 @@ def test_tracking_starts_only_when_needed_and_stops_its_thread() -> None:
     assert [t for t, _ in emitted] == [LINE_CROSS, TRACKS_RESET]
     assert tracking.summary() == {"cameras": {"cam0": {"track_epoch": 2, "zones": {},
                                                        "lines": {"door": {"in": {}, "out": {"person": 1}}}}},
-                                  "events_dropped": 0, "events_failed": 0}
+                                  "events": {"line_cross": 1, "tracks_reset": 1}, "events_dropped": 0,
+                                  "events_failed": 0}

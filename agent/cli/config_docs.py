@@ -36,8 +36,8 @@ def section(model: type[BaseModel], prefix: str, env_prefix: str) -> list[str]:
     subsections: list[tuple[str, type[BaseModel], str]] = []
     for name, field in model.model_fields.items():
         key = field.alias or name
-        if name in ("camera", "cameras"):
-            continue  # a union on `kind`: documented per kind below
+        if not prefix and name in ("camera", "cameras"):
+            continue  # the top level's: a union on `kind`, documented per kind below
         sub = _is_section(field.annotation)
         env = f"`{env_prefix}{name.upper()}`"
         if sub is not None:

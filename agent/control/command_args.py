@@ -11,6 +11,7 @@ from agent.artifacts.urlpolicy import Channel
 from agent.mqtt.config import RESULTS_RATE_BOUNDS, TELEMETRY_INTERVAL_BOUNDS
 from agent.shadow.plan import ShadowArgs
 from agent.sources.base import CAMERA_NAME_PATTERN
+from agent.tracking.config import LineConfig, ZoneConfig
 from engines.shadow_policy import CancelBelow, PromoteWhen
 
 
@@ -146,3 +147,23 @@ class SnapshotArgs(ChannelledArgs):
     camera: Optional[str] = Field(default=None, pattern=CAMERA_NAME_PATTERN,
                                   description="The camera (its name in the config); omitted: the first camera.")
     overlay: bool = Field(default=True, description="Draw the results on the picture.")
+
+
+class SetZonesArgs(Strict):
+    """set_zones: a camera's tracking zones and/or lines, replaced live, checked like the config's (a self-intersecting
+    zone, a line of zero length, a point outside the frame are refused with their TRACKING_* code), persisted in
+    the state store and applied again at the next start (docs/tracking.md)."""
+
+    camera: str = Field(pattern=CAMERA_NAME_PATTERN, description="The camera (its name in the config).")
+    zones: Optional[list[ZoneConfig]] = Field(default=None, description="All its zones ([]: none); omitted: unchanged.")
+    lines: Optional[list[LineConfig]] = Field(default=None, description="All its lines ([]: none); omitted: unchanged.")
+    revert: bool = Field(default=False, description="Back to the config file's zones and lines (given alone).")
+
+    @model_validator(mode="after")
+    def _something(self) -> "SetZonesArgs":
+        given = self.zones is not None or self.lines is not None
+        if self.revert and given:
+            raise ValueError("revert goes alone: it restores the config file's zones and lines")
+        if not self.revert and not given:
+            raise ValueError("give zones, lines (or both), or revert = true")
+        return self

@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 from agent.artifacts.urlpolicy import Channel
 # the args models, RateLimit and ReplyStore stay importable from here too (agent.daemon.runner, tests)
 from agent.control.command_args import (ChannelledArgs, DeployArgs, NoArgs, RestartPipelineArgs, SetConfigArgs,
-                                    SetPolicyArgs, ShadowDecisionArgs, SnapshotArgs, Strict)
+                                    SetPolicyArgs, SetZonesArgs, ShadowDecisionArgs, SnapshotArgs, Strict)
 from agent.control import command_jobs
 from agent.control.rate_limit import RateLimit
 from agent.control.reply_store import RememberedReplies, ReplyStore
@@ -47,6 +47,8 @@ MAX_ID_CHARS = 128
 REFUSED_CODES = frozenset({"INVALID_COMMAND"})
 # deploy's refusals of the URL itself (policy, shape): no deployment was created, no rate token is used.
 URL_CHECK_CODES = REFUSED_CODES | {"ARTIFACT_URL_REFUSED"}
+# set_zones' refusals of the shapes or the camera: nothing was changed, no rate token is used.
+ZONE_CHECK_CODES = REFUSED_CODES | {"TRACKING_OFF", "TRACKING_OUTSIDE_FRAME"}
 
 
 class AgentControl(Protocol):
@@ -94,6 +96,11 @@ class AgentControl(Protocol):
     def set_policy(self, changes: dict) -> dict:
         """Apply the adaptation policy's settings given (exactly those) live and persist them; an agent that runs
         no adaptation policy raises EdgeError with code ADAPT_UNAVAILABLE."""
+        ...
+
+    def set_zones(self, args: SetZonesArgs) -> dict:
+        """Replace a camera's tracking zones and/or lines live (or revert to the config's) and persist them; a camera
+        not tracked raises EdgeError TRACKING_OFF, a shape beyond its frame TRACKING_OUTSIDE_FRAME."""
         ...
 
 
@@ -179,6 +186,12 @@ def _set_policy(control: AgentControl, args: SetPolicyArgs) -> dict:
     return control.set_policy(args.model_dump(include=args.model_fields_set))
 
 
+@command("set_zones", SetZonesArgs, "Replace a camera's tracking zones and/or lines live (checked, persisted); "
+         "revert: the config's again.", per_minute=30, refund_on=ZONE_CHECK_CODES)
+def _set_zones(control: AgentControl, args: SetZonesArgs) -> dict:
+    return control.set_zones(args)
+
+
 @command("engines", NoArgs, "List the engines in this device's cache.", per_minute=120)
 def _engines(control: AgentControl, args: NoArgs) -> dict:
     return {"engines": control.engines()}
@@ -196,6 +209,16 @@ def _restart_pipeline(control: AgentControl, args: RestartPipelineArgs) -> dict:
          per_minute=30)
 def _snapshot(control: AgentControl, args: SnapshotArgs) -> dict:
     return control.snapshot(args.camera, args.overlay, args.request_id)
+
+
+def rule_code(exc: ValidationError) -> str:
+    """The code of a refused args model: the first rule that names one (a ValueError with a `code`, e.g. a zone's
+    TRACKING_ZONE_SELF_INTERSECTING), else INVALID_COMMAND."""
+    for item in exc.errors():
+        code = getattr((item.get("ctx") or {}).get("error"), "code", None)
+        if isinstance(code, str) and code.isupper():
+            return code
+    return "INVALID_COMMAND"
 
 
 def ok_reply(command_id: str | None, result: Any) -> dict[str, Any]:
@@ -341,7 +364,7 @@ class CommandDispatcher:
         try:
             args = spec.args.model_validate(envelope.args)
         except ValidationError as exc:
-            return error_reply(envelope.id, "INVALID_COMMAND", describe_errors(exc, "args")), False
+            return error_reply(envelope.id, rule_code(exc), describe_errors(exc, "args")), False
         if isinstance(args, ChannelledArgs):
             args.bind(envelope._channel, envelope.id)
         rate = self._rate(envelope, spec)

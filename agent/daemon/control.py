@@ -6,7 +6,8 @@ behaves the same whichever way it arrives.
 No command waits on the state database for its answer (issue 47): `status` reads the stored parts (recent
 deployments, the previous model's row) on a helper thread for at most STORED_WAIT_S and otherwise answers with the
 last values read, named in `stale`; `set_config` applies the settings live at once and writes them (and its
-`config_changed` event) behind, answering `persisted: false` when the write did not land within PERSIST_WAIT_S.
+`config_changed` event) behind, answering `persisted: false` when the write did not land within PERSIST_WAIT_S;
+`set_zones` does the same with a camera's tracking zones and lines (its `zones_changed` event behind the write).
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from agent.daemon.tracking_host import LIVE_SHAPES_KEY
 from agent.state import state_db_path
 from agent.state import model_row
+from agent.tracking.types import ZONES_CHANGED
 from engines.errors import EdgeError
 
 if TYPE_CHECKING:
     from agent.artifacts.urlpolicy import Channel
+    from agent.control.command_args import SetZonesArgs
     from agent.daemon.runner import Agent  # the composition root this module is part of
     from agent.deployments.manager import DeploymentManager
     from agent.shadow.plan import ShadowArgs
@@ -41,6 +45,7 @@ class AgentController:
         self.on_set_config = on_set_config
         self._stored = BoundedRead(self._read_stored, STORED_WAIT_S)
         self._config = ConfigWriter(self._write_config, self._stopping)
+        self._zones = ConfigWriter(self._write_zones, self._stopping)  # per camera, the newest request wins
 
     def status(self) -> dict:
         """Health, active/previous model, deployment in progress, live numbers, recent deployments."""
@@ -71,6 +76,7 @@ class AgentController:
             "adapt": adapt.status() if (adapt := agent.adapt) is not None else None,
             "storage": agent.storage.status(),
             "video": summary.get("video"),
+            "tracking": summary.get("tracking"),  # per camera: epoch, tracks, counts, zones and lines in force
             "ts": time.time(),
         }
 
@@ -139,6 +145,29 @@ class AgentController:
         finally:
             for changes in events:  # applied live already, whether or not the write landed
                 self.agent.emit("config_changed", changes=changes)
+
+    def set_zones(self, args: SetZonesArgs) -> dict:
+        """A camera's tracking zones and/or lines, live at once and persisted behind (like set_config): `persisted`
+        says whether the write landed within PERSIST_WAIT_S; a `zones_changed` event follows the write."""
+        reply, entry = self.agent.tracking.set_zones(args.camera, args.zones, args.lines, args.revert)
+        if self.agent.store is None:
+            self.agent.emit(ZONES_CHANGED, **reply)
+            return {**reply, "persisted": False}
+        return {**reply, "persisted": self._zones.persist({args.camera: {"entry": entry, "reply": reply}},
+                                                          PERSIST_WAIT_S)}
+
+    def _write_zones(self, merged: dict[str, Any], events: list[dict[str, Any]]) -> None:
+        """On the writer thread: each camera's newest zones into the store (None: back to the config's), then one
+        `zones_changed` per request."""
+        store = self.agent.store
+        assert store is not None
+        try:
+            stored = {**(store.get_kv(LIVE_SHAPES_KEY, {}) or {}), **{k: v["entry"] for k, v in merged.items()}}
+            store.set_kv(LIVE_SHAPES_KEY, {camera: entry for camera, entry in stored.items() if entry is not None})
+        finally:
+            for request in events:  # applied live already, whether or not the write landed
+                for change in request.values():
+                    self.agent.emit(ZONES_CHANGED, **change["reply"])
 
     def _stopping(self) -> bool:
         stop = getattr(self.agent, "stop_event", None)

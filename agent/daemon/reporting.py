@@ -12,6 +12,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from agent.daemon.tracking_host import IDLE, TrackingHost
 from agent.pipeline.summary import camera_numbers, capture_totals
 from agent.state import LIVE_KEY
 
@@ -57,6 +58,7 @@ class Reporting:
     active: LoadedModel | None
     adapt_host: AdaptHost | None
     shadow_host: ShadowHost | None
+    tracking: TrackingHost = IDLE  # [tracking] (agent.daemon.tracking_host): idle until the start, and while off
     emit: Callable[..., None]
 
     def persist_live(self) -> None:
@@ -78,7 +80,7 @@ class Reporting:
             "errors": summary["errors"], "model": summary["model"], "cameras": summary["cameras"],
             "batch": summary.get("batch"), "deployment": self.manager.status() if self.manager else None,
             "adapt": summary.get("adapt"), "storage": self.storage.status(), "video": summary.get("video"),
-            "shadow": summary.get("shadow"),
+            "shadow": summary.get("shadow"), "tracking": summary.get("tracking"),
         })
 
     def recent_fps(self, window_s: float = RECENT_FPS_WINDOW_S) -> float:
@@ -123,6 +125,7 @@ class Reporting:
             "live_frames": self.live_frames.stats() if self.live_frames is not None else None,
             "video": self.video.status() if self.video is not None else None,
             "shadow": shadow.report() if shadow is not None else None,  # a shadow deployment running
+            "tracking": self.tracking.status(),  # None while off; per camera counts, zones (docs/tracking.md)
             "last_results": list(self._recent_results),
             "duration_s": round(time.monotonic() - self.stats.started, 2),
         }

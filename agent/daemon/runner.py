@@ -195,6 +195,7 @@ class Agent(Swaps, Reporting):
         dispatcher = self._make_parts(self.store)
         self.plane = AgentPlane(self)  # before the first write, so start-up events (a failed write's too) reach MQTT
         self.event_sinks.append(self.plane.on_event)
+        self.tracking = self.tracking.start(cfg, self.store, self.emit, self.result_sinks)  # [tracking]: sink first
         self.plane.start()
         self._record_start()
         if self.store.recovered:  # into the outbox now, on the broker at the next connect
@@ -284,6 +285,7 @@ class Agent(Swaps, Reporting):
         """A camera (re)opened: its frames follow no earlier ones, so a stateful model starts its state again."""
         if self.worker is not None:
             self.worker.reset_state(camera)
+        self.tracking.camera_restarted(camera)  # its track ids start again, and a tracks_reset event says so
 
     def _video_service(self) -> VideoService:
         """`[video]`: the tap always (snapshots need it; it costs nothing unwatched), server and stream when set."""
@@ -389,11 +391,10 @@ class Agent(Swaps, Reporting):
         if live_frames is not None:
             sinks.add("live_frames", lambda frame, result, runtime: live_frames.offer(frame.source, frame.image))
         if video is not None:
-            sinks.add("video", lambda frame, result, runtime: video.offer(frame.source, frame.index, frame.image, result,
-                                                                          frame.captured_at, runtime))
+            sinks.add("video", lambda frame, result, runtime: video.offer(  # with the frame's tracks
+                frame.source, frame.index, frame.image, result, frame.captured_at, runtime, self.tracking.of(frame)))
         if plane is not None:  # masks' run lengths only for the results the rate limit lets out
-            sinks.add("mqtt", lambda frame, result, runtime: plane.on_result(
-                {"camera": frame.source}, lambda: {**_result_head(frame), **result.to_dict(max_items=20)}))
+            sinks.add("mqtt", self.tracking.results_sink(plane.on_result, _result_head))  # with track ids
         sinks.add("shadow", self._offer_shadow)  # last: a share of the frames, into a one-slot mailbox; never waits
 
     def _record_result(self, frame: Frame, result: Any, runtime: Any) -> None:
@@ -447,6 +448,7 @@ class Agent(Swaps, Reporting):
                 thread.join(SHADOW_STOP_S if thread is self.manager and self.shadow is not None else JOIN_TIMEOUT_S)
                 if thread.is_alive():
                     log.error("thread %s did not stop within %.1f s", thread.name, JOIN_TIMEOUT_S)
+        self.tracking.stop()  # no more results: its last events reach the outbox before the plane stops
         summary = self.summary()
         self._adapt_do(lambda host: host.stop())
         if self.plane is not None:

@@ -21,6 +21,7 @@ Sink = Callable[[dict[str, Any]], object]  # what a sink returns is not used
 if TYPE_CHECKING:
     from agent.adapt.controller import AdaptController
     from agent.config import AgentConfig
+    from agent.daemon.tracking_host import TrackingHost
     from agent.pipeline.batcher import Batcher
     from agent.pipeline.cameras import CameraGroup
     from agent.pipeline.frame_stats import FrameStats
@@ -52,6 +53,8 @@ class FramePathView(Protocol):
     def shadow(self) -> ShadowSession | None: ...
     @property
     def adapt(self) -> AdaptController | None: ...
+    @property
+    def tracking(self) -> TrackingHost: ...
 
 
 class FramePathMeter:
@@ -98,6 +101,9 @@ class FramePathMeter:
         adapt = agent.adapt
         if adapt is not None:
             out["adapt"] = adapt.telemetry()  # {enabled, pinned, variant}: the policy state, docs/adaptive.md
+        tracking = agent.tracking.telemetry()
+        if tracking is not None:  # per camera: epoch, tracks now, zone and line counts per class; events per type
+            out["tracking"] = tracking
         return out
 
     def _cameras(self, interval: float) -> dict[str, dict[str, Any]]:
@@ -221,6 +227,7 @@ class PrometheusExporter:
                                 "latency on this device under live load", ("model",))
         self.shadow_skipped = gauge("edge_agent_shadow_skipped_frames", "Frames of the shadow's share it did not "
                                     "compare (busy, cost, serving pressure, throttling, loading)", ("model",))
+        self.tracking = TrackingGauges(gauge)
         self.server, self.thread = prom.start_http_server(port, addr=bind, registry=self.registry)
 
     def __call__(self, sample: dict[str, Any]) -> None:
@@ -243,6 +250,7 @@ class PrometheusExporter:
             for size, cost in (batch.get("curve_ms") or {}).items():
                 self.batch_cost.labels(size, (batch.get("origin") or {}).get(size, "live")).set(cost)
         self._shadow(sample.get("shadow"))
+        self.tracking.update(sample.get("tracking"))
         for name, cam in (sample.get("cameras") or {}).items():
             self.camera_fps.labels(name).set(cam.get("fps", 0))
             self.camera_frames.labels(name).set(cam.get("frames", 0))
@@ -271,3 +279,43 @@ class PrometheusExporter:
         """Close the HTTP server."""
         self.server.shutdown()
         self.server.server_close()
+
+
+class TrackingGauges:
+    """Tracking's counts (telemetry's `tracking`, docs/tracking.md) as gauges: cleared and set again from each sample,
+    so a zone removed live leaves no series behind. Counts since the start, like `edge_agent_frames`."""
+
+    def __init__(self, gauge: Callable[..., Any]) -> None:
+        self.zone = gauge("edge_agent_tracking_zone_objects", "Objects per zone and class since start by what they "
+                          "did (entered, left, dwelled past dwell_s), and inside now (count=inside)",
+                          ("camera", "zone", "class", "count"))
+        self.line = gauge("edge_agent_tracking_line_crossings", "Line crossings per line, direction and class since "
+                          "start", ("camera", "line", "class", "direction"))
+        self.tracks = gauge("edge_agent_tracking_tracks", "Tracks reported on the camera's last frame", ("camera",))
+        self.epoch = gauge("edge_agent_tracking_epoch", "The camera's track epoch (one more at each restart: ids "
+                           "start again)", ("camera",))
+        self.events = gauge("edge_agent_tracking_events", "Tracking events since start, per type", ("type",))
+        self.lost = gauge("edge_agent_tracking_events_lost", "Tracking events not emitted: dropped (the event queue "
+                          "was full) or failed (the event store refused them)", ("why",))
+
+    def update(self, tracking: dict[str, Any] | None) -> None:
+        """Set every series from telemetry's `tracking` (absent: tracking is off, no series)."""
+        for gauge in (self.zone, self.line, self.tracks, self.epoch, self.events, self.lost):
+            gauge.clear()
+        if not tracking:
+            return
+        for why in ("dropped", "failed"):
+            self.lost.labels(why).set(tracking.get(f"events_{why}", 0))
+        for kind, value in (tracking.get("events") or {}).items():
+            self.events.labels(kind).set(value)
+        for camera, numbers in (tracking.get("cameras") or {}).items():
+            self.tracks.labels(camera).set(numbers.get("tracks", 0))
+            self.epoch.labels(camera).set(numbers.get("track_epoch", 1))
+            for zone, counts in (numbers.get("zones") or {}).items():
+                for count, per_class in counts.items():
+                    for name, value in per_class.items():
+                        self.zone.labels(camera, zone, name, count).set(value)
+            for line, directions in (numbers.get("lines") or {}).items():
+                for direction, per_class in directions.items():
+                    for name, value in per_class.items():
+                        self.line.labels(camera, line, name, direction).set(value)

@@ -95,6 +95,13 @@ class MqttConfig(BaseModel):
         default=1.0, **RESULTS_RATE_BOUNDS,
         description="Most inference results per second sent at QoS 0 (never buffered); 0 = off.",
     )
+    results: Literal["frames", "tracks"] = Field(
+        default="frames",
+        description="Which results go out: every frame's (within results_rate_hz), or with \"tracks\" only frames "
+        "whose tracks changed (a track confirmed, lost, found again or ended, a new track epoch, a zone or line "
+        "event); frames that are not tracked still go out as with \"frames\". \"tracks\" needs [tracking] "
+        "(docs/tracking.md).",
+    )
 
     @model_validator(mode="before")
     @classmethod

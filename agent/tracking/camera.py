@@ -4,7 +4,8 @@ It belongs to the camera, not to the model that serves it: a hot swap of the det
 another variant, calls `configure` at most (new parameters, same tracks and ids), while a camera restart calls
 `reset`, which ends every track, starts the ids again at 1 in a new epoch and says so (`tracks_reset`). A change of
 frame size mid-stream is a camera restart too. `update` and `reset` come from different threads (results thread,
-capture or control thread): one lock, never held for long, orders them.
+capture or control thread): one lock, never held for long, orders them. `set_shapes` (the `set_zones` command)
+replaces the zones and lines live: an unchanged one keeps its visits, a changed or removed one ends them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import numpy as np
 from agent.tracking.config import CameraTrackingConfig, TrackerParams
 from agent.tracking.errors import TrackingConfigError
 from agent.tracking.tracker import CONFIRMED, ByteTracker, Detections, Step, TrackRecord
-from agent.tracking.types import TRACKING_PROBLEM, TRACKS_RESET, TrackedResult, TrackEvent, TrackView
+from agent.tracking.types import (TRACKING_PROBLEM, TRACKS_RESET, ZONE_CHANGED_REASON, ShapeView, TrackedResult,
+                                  TrackEvent, TrackView)
 from agent.tracking.zones import LineMonitor, Observed, ZoneMonitor
 from engines.postprocess.base import Detection
 
@@ -62,6 +64,31 @@ class CameraTracking:
         self._last_ts: float | None = None
         self._interval: float | None = None
         self._frames = 0  # frames since the last reset
+        self._signature: tuple = ()  # the last frame's epoch and reported (id, state) pairs: did anything change
+        self._shapes: tuple[ShapeView, ...] = ()  # zones and lines with their counts, rebuilt when a count moves
+        self.reported = 0  # tracks reported in the last frame
+
+    @property
+    def frame_size(self) -> tuple[int, int] | None:
+        """(width, height) of the frames tracked, None before the first."""
+        return self._frame_size
+
+    @property
+    def shapes_config(self) -> CameraTrackingConfig:
+        """The zones and lines in force (the config's, or the last `set_shapes`)."""
+        return self._config
+
+    def set_shapes(self, config: CameraTrackingConfig) -> list[TrackEvent]:
+        """New zones and lines, at once: OutsideFrame (nothing changed) when a pixel shape does not fit the frame
+        size seen so far. A shape whose name and definition stay keeps its visits and sides; a changed or removed
+        zone ends its visits (zone_leave, reason `zone_changed`); counts stay by name (they are the camera's run)."""
+        with self._lock:
+            if self._frame_size is not None:
+                config.check_frame(self._frame_size)
+            self._config = config
+            if self._frame_size is None:
+                return []  # bound at the first frame
+            return self._bind(self._frame_size, self._last_ts or 0.0)
 
     @property
     def params(self) -> TrackerParams:
@@ -82,7 +109,7 @@ class CameraTracking:
             if self._frame_size is not None and frame_size != self._frame_size:
                 events += self._reset("frame_size_changed", frame_ts)
             if frame_size != self._frame_size:
-                events += self._bind(frame_size)
+                events += self._bind(frame_size, frame_ts)
             dets, index = detections_of(detections)
             step = self._tracker.step(dets, self._advance(frame_ts))
             events += self._observe(step, frame_ts)
@@ -113,35 +140,60 @@ class CameraTracking:
         self.epoch += 1
         self._frames = 0
         self._last_ts = self._interval = None
+        self._shapes = self._shape_views()  # nobody inside any more
         confirmed = sum(1 for t in ended if t.track_id is not None)
         return [*events, TrackEvent(TRACKS_RESET, self.camera, self.epoch, reason=reason, ended_tracks=confirmed)]
 
-    def _bind(self, size: tuple[int, int]) -> list[TrackEvent]:
-        """Zones and lines in pixels of this frame size; one that does not fit is off, with a tracking_problem."""
+    def _bind(self, size: tuple[int, int], ts: float) -> list[TrackEvent]:
+        """Zones and lines in pixels of this frame size; one that does not fit is off, with a tracking_problem.
+        Counts carry over by name; visits and sides only where the shape and the size stay (else they end)."""
+        same_size = size == self._frame_size
         self._frame_size = size
         old_zones = {z.config.name: z for z in self._zones}
         old_lines = {ln.config.name: ln for ln in self._lines}
-        self._zones, self._lines, problems = [], [], []
+        self._zones, self._lines, events = [], [], []
         for zone_config in self._config.zones:
             try:
                 zone = ZoneMonitor(zone_config, zone_config.pixels(zone_config.polygon, size), self.camera)
             except TrackingConfigError as exc:
-                problems.append(self._problem(exc))
+                events.append(self._problem(exc))
                 continue
-            if zone_config.name in old_zones:  # counts are the camera's run; keep them across a resize
-                old = old_zones[zone_config.name]
+            old = old_zones.pop(zone_config.name, None)
+            if old is not None:  # counts are the camera's run; keep them across a resize or a live change
                 zone.entered, zone.left, zone.dwelled = old.entered, old.left, old.dwelled
+                if same_size and old.config == zone_config:
+                    zone.inside = old.inside
+                else:
+                    events += self._end_visits(old, ts)
             self._zones.append(zone)
+        for old in old_zones.values():  # removed (or now refused): its visits end
+            events += self._end_visits(old, ts)
         for line_config in self._config.lines:
             try:
                 line = LineMonitor(line_config, line_config.pixels(line_config.points, size), self.camera)
             except TrackingConfigError as exc:
-                problems.append(self._problem(exc))
+                events.append(self._problem(exc))
                 continue
             if line_config.name in old_lines:
-                line.crossed = old_lines[line_config.name].crossed
+                previous = old_lines[line_config.name]
+                line.crossed = previous.crossed
+                if same_size and previous.config == line_config:
+                    line.sides = previous.sides
             self._lines.append(line)
-        return problems
+        self._shapes = self._shape_views()
+        return events
+
+    def _end_visits(self, zone: ZoneMonitor, ts: float) -> list[TrackEvent]:
+        return [zone.end(track_id, ts, self.epoch, ZONE_CHANGED_REASON) for track_id in list(zone.inside)]
+
+    def _shape_views(self) -> tuple[ShapeView, ...]:
+        """The zones and lines as the overlay draws them, with their counts now."""
+        zones = [ShapeView("zone", z.config.name, tuple(map(tuple, z.polygon.tolist())),
+                           f"{len(z.inside)} inside, {sum(z.entered.values())} entered") for z in self._zones]
+        lines = [ShapeView("line", ln.config.name, (ln.a, ln.b),
+                           f"in {sum(ln.crossed['in'].values())}, out {sum(ln.crossed['out'].values())}")
+                 for ln in self._lines]
+        return (*zones, *lines)
 
     def _problem(self, exc: TrackingConfigError) -> TrackEvent:
         return TrackEvent(TRACKING_PROBLEM, self.camera, self.epoch, code=exc.code, message=exc.detail)
@@ -194,8 +246,16 @@ class CameraTracking:
                 if track.track_id is not None:
                     ids[int(index[track.detection])] = track.track_id
         views = [_view(track, box) for track, box in zip(step.tracks, boxes.tolist())]
-        return TrackedResult(self.camera, self.epoch, ts, views, events, ids, self._tracker.params.coast_frames,
-                             self._frame_size)
+        result = TrackedResult(self.camera, self.epoch, ts, views, events, ids, self._tracker.params.coast_frames,
+                               self._frame_size)
+        reported = result.reported()
+        signature = (self.epoch, sorted((t.track_id or 0, t.state) for t in reported))
+        result.changed = bool(events) or signature != self._signature
+        self._signature, self.reported = signature, len(reported)
+        if events:  # a count moved (or a shape was switched off)
+            self._shapes = self._shape_views()
+        result.shapes = self._shapes
+        return result
 
 
 def _view(track: TrackRecord, box: list[float]) -> TrackView:

@@ -17,6 +17,8 @@ from agent.tracking.errors import DegenerateZone, OutsideFrame, SelfIntersecting
 from agent.tracking.geometry import Point, on_one_line, self_intersection
 
 NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+MAX_CORNERS = 256  # a zone's corners: the simple-polygon check is quadratic, and a command is checked on arrival
+MAX_SHAPES = 64  # zones, and lines, per camera
 Coords = Literal["pixels", "normalized"]
 Anchor = Literal["center", "bottom_center"]
 
@@ -125,8 +127,9 @@ class _Shape(BaseModel):
 class ZoneConfig(_Shape):
     """A polygon; events when a track's anchor enters it, leaves it, or stays longer than dwell_s."""
 
-    polygon: list[tuple[float, float]] = Field(description="Corners in order, at least three: [[x, y], ...]; the "
-                                               "edges may not cross (a simple polygon).")
+    polygon: list[tuple[float, float]] = Field(max_length=MAX_CORNERS, description="Corners in order, at least "
+                                               "three and at most 256: [[x, y], ...]; the edges may not cross (a "
+                                               "simple polygon).")
     dwell_s: float | None = Field(None, gt=0, le=86_400, description="A `dwell` event, once per visit, when a track "
                                   "has been inside this long; unset: no dwell events.")
 
@@ -173,8 +176,10 @@ class CameraTrackingConfig(BaseModel):
     camera: str = Field(pattern=CAMERA_NAME_PATTERN, description="The camera's name ([[cameras]] name).")
     tracker: TrackerOverrides = Field(default_factory=TrackerOverrides, description="This camera's parameters "
                                       "(and `enabled`), over [tracking.tracker] and the model's.")
-    zones: list[ZoneConfig] = Field(default_factory=list, description="Polygons: zone_enter, zone_leave, dwell.")
-    lines: list[LineConfig] = Field(default_factory=list, description="Directed lines: line_cross in/out.")
+    zones: list[ZoneConfig] = Field(default_factory=list, max_length=MAX_SHAPES, description="Polygons (at most 64): "
+                                    "zone_enter, zone_leave, dwell.")
+    lines: list[LineConfig] = Field(default_factory=list, max_length=MAX_SHAPES, description="Directed lines (at most "
+                                    "64): line_cross in/out.")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "CameraTrackingConfig":

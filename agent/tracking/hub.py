@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 from agent.tracking.camera import CameraTracking
-from agent.tracking.config import TrackingConfig
+from agent.tracking.config import CameraTrackingConfig, TrackingConfig
 from agent.tracking.types import TrackedResult, TrackEvent
 
 if TYPE_CHECKING:
@@ -57,6 +57,8 @@ class TrackingHub:
                          for name in cameras if config.may_track(name)}
         self._on_events = on_events
         self._serving: dict[str, tuple[object, bool]] = {}  # camera -> (runtime, tracked with it)
+        self._counted: Counter[str] = Counter()  # events handed on, per type (telemetry, Prometheus)
+        self._count_lock = threading.Lock()  # events come from the results, capture and command threads
 
     @property
     def cameras(self) -> list[str]:
@@ -75,8 +77,19 @@ class TrackingHub:
         height, width = frame.image.shape[:2]
         tracked = tracking.update(result.detections, frame.captured_at, (width, height))
         frame.meta[META_KEY] = tracked
-        if tracked.events and self._on_events is not None:
-            self._on_events(tracked.events)
+        if tracked.events:
+            self._hand_on(tracked.events)
+
+    def _hand_on(self, events: list[TrackEvent]) -> None:
+        with self._count_lock:
+            self._counted.update(event.type for event in events)
+        if self._on_events is not None:
+            self._on_events(events)
+
+    def event_counts(self) -> dict[str, int]:
+        """Events handed on since the start, per type."""
+        with self._count_lock:
+            return dict(self._counted)
 
     def _tracked_with(self, tracking: CameraTracking, runtime: object) -> bool:
         """Whether this runtime's results are tracked on this camera; the parameters follow a model change."""
@@ -94,8 +107,16 @@ class TrackingHub:
         """The camera restarted: end its tracks (events handed on as well as returned); [] for an untracked one."""
         tracking = self._cameras.get(camera)
         events = tracking.reset(reason) if tracking is not None else []
-        if events and self._on_events is not None:
-            self._on_events(events)
+        if events:
+            self._hand_on(events)
+        return events
+
+    def set_shapes(self, camera: str, config: CameraTrackingConfig) -> list[TrackEvent]:
+        """Replace a tracked camera's zones and lines now (KeyError: not tracked; OutsideFrame: a pixel shape
+        beyond the frames seen, nothing changed); the events of the visits it ended are handed on and returned."""
+        events = self._cameras[camera].set_shapes(config)
+        if events:
+            self._hand_on(events)
         return events
 
     def counts(self) -> dict[str, Any]:
@@ -215,9 +236,13 @@ class Tracking:
         """A camera (re)opened: its tracks end and its ids start again (said by a tracks_reset event)."""
         self.hub.reset(camera, "camera_restarted")
 
+    def set_shapes(self, camera: str, config: CameraTrackingConfig) -> list[TrackEvent]:
+        """A camera's zones and lines, live (TrackingHub.set_shapes)."""
+        return self.hub.set_shapes(camera, config)
+
     def summary(self) -> dict[str, Any]:
-        """For the run summary and `status`: counts per camera, and events dropped or failed."""
-        return {"cameras": self.hub.counts(), "events_dropped": self.events.dropped,
+        """For the run summary and `status`: counts per camera, events per type, and events dropped or failed."""
+        return {"cameras": self.hub.counts(), "events": self.hub.event_counts(), "events_dropped": self.events.dropped,
                 "events_failed": self.events.failed}
 
     def stop(self, timeout: float = 2.0) -> None:

@@ -7,7 +7,9 @@ from typing import Any
 
 ZONE_ENTER, ZONE_LEAVE, DWELL, LINE_CROSS = "zone_enter", "zone_leave", "dwell", "line_cross"
 TRACKS_RESET, TRACKING_PROBLEM = "tracks_reset", "tracking_problem"
-EVENT_TYPES = (ZONE_ENTER, ZONE_LEAVE, DWELL, LINE_CROSS, TRACKS_RESET, TRACKING_PROBLEM)
+ZONES_CHANGED = "zones_changed"  # the `set_zones` command replaced a camera's zones and lines (agent.daemon.control)
+EVENT_TYPES = (ZONE_ENTER, ZONE_LEAVE, DWELL, LINE_CROSS, TRACKS_RESET, TRACKING_PROBLEM, ZONES_CHANGED)
+ZONE_CHANGED_REASON = "zone_changed"  # zone_leave: the zone was changed or removed live (`set_zones`)
 EDGE_PX = 2.0  # a lost track whose predicted box comes this close to the frame's edge is not reported
 
 
@@ -73,6 +75,16 @@ class TrackEvent:
         return out
 
 
+@dataclass(frozen=True)
+class ShapeView:
+    """A zone or line as drawn: its corners (a zone) or ends (a line) in frame pixels, and its counts as text."""
+
+    kind: str  # "zone" or "line"
+    name: str
+    points: tuple[tuple[float, float], ...]
+    counts: str  # e.g. "2 inside, 7 entered" or "in 4, out 1"
+
+
 @dataclass
 class TrackedResult:
     """One frame of one camera after tracking."""
@@ -85,6 +97,10 @@ class TrackedResult:
     detection_ids: list[int | None] = field(default_factory=list)  # per input detection, in order
     coast_frames: int = 0
     frame_size: tuple[int, int] | None = None  # width, height
+    # the reported tracks (ids and states) or the epoch differ from the camera's previous frame, or there are events:
+    # what `[mqtt] results = "tracks"` sends
+    changed: bool = True
+    shapes: tuple[ShapeView, ...] = ()  # the camera's zones and lines with their counts (the video overlay)
 
     def reported(self) -> list[TrackView]:
         """The tracks a consumer sees: confirmed ones, and lost ones for coast_frames after their last match while

@@ -50,7 +50,7 @@ class JpegEncoder:
     def picture(self, shot: Shot, overlay: bool, max_width: int | None = None) -> np.ndarray:
         """The BGR picture to show for `shot`, scaled down to `max_width` (default: the configured one)."""
         start = time.perf_counter()
-        picture = render(shot.image, shot.result, shot.style, overlay, caption=shot.camera)
+        picture = render(shot.image, shot.result, shot.style, overlay, caption=shot.camera, tracking=shot.tracking)
         with self._guard:
             self.draws += 1
         self.draw_ms.record((time.perf_counter() - start) * 1e3)

@@ -1,5 +1,6 @@
 """Results drawn on the frame they came from: boxes with labels and scores, text polygons, masks, keypoints
-and skeletons, classification top-k, and for image-output models the output picture (or a matte composite).
+and skeletons, classification top-k, and for image-output models the output picture (or a matte composite); on a
+tracked camera also its zones and lines with their counts, and each track's id and trail (agent.tracking).
 
 Runs only for frames somebody will see (a viewer, a stream, a snapshot), on the video threads, never on
 the frame path. The input frame is never written to: the camera's array may still be read by others.
@@ -15,12 +16,15 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 
+from agent.tracking.types import ShapeView, TrackedResult, TrackView
 from engines.postprocess.base import Detection, InferenceResult
 
 _PALETTE = [(56, 56, 255), (151, 157, 255), (31, 112, 255), (29, 178, 255), (49, 210, 207), (10, 249, 72),
             (23, 204, 146), (134, 219, 61), (52, 147, 26), (187, 212, 0), (168, 153, 44), (255, 194, 0),
             (147, 69, 52), (255, 115, 100), (236, 24, 0), (255, 56, 132), (133, 0, 82), (255, 56, 203)]
 _FONT = cv2.FONT_HERSHEY_SIMPLEX
+ZONE_COLOR = (0, 200, 255)  # BGR: amber zones
+LINE_COLOR = (255, 0, 255)  # BGR: magenta lines, an arrow on the `in` side
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,8 @@ def color_of(class_id: int | None) -> tuple[int, int, int]:
 
 
 def render(frame: np.ndarray, result: InferenceResult | None, style: OverlayStyle = OverlayStyle(),
-           overlay: bool = True, caption: str = "") -> np.ndarray:
-    """A new BGR uint8 image: the picture to show for `frame` and its `result`.
+           overlay: bool = True, caption: str = "", tracking: TrackedResult | None = None) -> np.ndarray:
+    """A new BGR uint8 image: the picture to show for `frame` and its `result` (and its `tracking`).
 
     Image-output models show their output (resized to the frame); a matte shows its composite. With
     `overlay` false the frame (or the output picture) is returned without any drawing.
@@ -79,6 +83,9 @@ def render(frame: np.ndarray, result: InferenceResult | None, style: OverlayStyl
     if not overlay or result is None:
         return canvas
     thickness = max(1, round(max(canvas.shape[:2]) / 500))
+    if tracking is not None:  # under the results: a box stays readable over a zone's edge
+        for shape in tracking.shapes:
+            _draw_shape(canvas, shape, thickness)
     if result.class_map is not None:
         _draw_class_map(canvas, result.class_map, style.background_class)
     for detection in result.detections:
@@ -87,10 +94,58 @@ def render(frame: np.ndarray, result: InferenceResult | None, style: OverlayStyl
     if result.classes:
         lines = [f"{c.label or c.class_id}: {c.score:.2f}" for c in result.classes[:5]]
         _text_block(canvas, lines, (8, 8 + _line_height(canvas)), (255, 255, 255))
-    head = " | ".join(part for part in (caption, style.label, _count(result)) if part)
+    if tracking is not None:
+        for track in tracking.reported():
+            _draw_track(canvas, track, thickness)
+    head = " | ".join(part for part in (caption, style.label, _count(result), _tracks(tracking)) if part)
     if head:
         _label(canvas, head, (4, canvas.shape[0] - 6), (40, 40, 40), thickness)
     return canvas
+
+
+def _tracks(tracking: TrackedResult | None) -> str:
+    if tracking is None:
+        return ""
+    return f"{sum(1 for t in tracking.reported() if t.state == 'confirmed')} tracked (epoch {tracking.epoch})"
+
+
+def _draw_shape(canvas: np.ndarray, shape: ShapeView, thickness: int) -> None:
+    """A zone's outline or a line with an arrow on its `in` side, labelled with its name and counts."""
+    points = np.array(shape.points, np.float32)
+    if not np.isfinite(points).all():
+        return
+    corners = points.round().astype(np.int32)
+    color = ZONE_COLOR if shape.kind == "zone" else LINE_COLOR
+    if shape.kind == "zone":
+        cv2.polylines(canvas, [corners.reshape(-1, 1, 2)], True, color, thickness + 1, cv2.LINE_AA)
+        anchor = corners[np.argmin(corners[:, 1])]  # the top corner: the label sits above the zone
+    else:
+        (x1, y1), (x2, y2) = points[0], points[1]
+        cv2.line(canvas, tuple(map(int, corners[0])), tuple(map(int, corners[1])), color, thickness + 1, cv2.LINE_AA)
+        length = max(float(np.hypot(x2 - x1, y2 - y1)), 1e-6)
+        mid = ((x1 + x2) / 2, (y1 + y2) / 2)
+        reach = _line_height(canvas)  # the `in` side is the walker's right: (-dy, dx) in image coordinates
+        tip = (mid[0] - (y2 - y1) / length * reach, mid[1] + (x2 - x1) / length * reach)
+        cv2.arrowedLine(canvas, (int(mid[0]), int(mid[1])), (int(tip[0]), int(tip[1])), color, thickness, cv2.LINE_AA,
+                        tipLength=0.4)
+        anchor = np.array([int(mid[0]), int(mid[1])])
+    _label(canvas, f"{shape.name}: {shape.counts}", (int(anchor[0]), max(int(anchor[1]) - 4, _line_height(canvas))),
+           color, thickness)
+
+
+def _draw_track(canvas: np.ndarray, track: TrackView, thickness: int) -> None:
+    """A track's trail (where it was seen) and its id under its box; a lost track's predicted box, thin."""
+    if track.track_id is None or not _finite(*track.box):
+        return
+    color = color_of(track.track_id)
+    trail = np.array(track.trail, np.float32)
+    if len(trail) >= 2 and np.isfinite(trail).all():
+        cv2.polylines(canvas, [trail.round().astype(np.int32).reshape(-1, 1, 2)], False, color, thickness + 1,
+                      cv2.LINE_AA)
+    x1, y1, x2, y2 = (int(round(v)) for v in track.box)
+    if track.state == "lost":  # the detector missed it: where the filter predicts it
+        cv2.rectangle(canvas, (x1, y1), (x2, y2), color, 1, cv2.LINE_AA)
+    _label(canvas, f"#{track.track_id}", (x1, min(y2 + _line_height(canvas), canvas.shape[0] - 2)), color, thickness)
 
 
 def _count(result: InferenceResult) -> str:

@@ -9,6 +9,7 @@ import logging
 import threading
 from typing import Any, Callable
 
+from agent.tracking.types import TrackedResult
 from agent.video.config import VideoConfig
 from agent.video.encode import JpegEncoder
 from agent.video.mjpeg import MjpegServer
@@ -73,9 +74,11 @@ class VideoService:
                 self.stream.kill(grace_s=0)
                 self.stream.join(5)
 
-    def offer(self, camera: str, frame_index: int, image: Any, result: Any, captured_at: float, runtime: Any) -> None:
-        """The results path's call, for every frame: nothing happens unless `camera` is watched."""
-        self.tap.offer(camera, frame_index, image, result, captured_at, runtime)
+    def offer(self, camera: str, frame_index: int, image: Any, result: Any, captured_at: float, runtime: Any,
+              tracking: TrackedResult | None = None) -> None:
+        """The results path's call, for every frame: nothing happens unless `camera` is watched. `tracking`: the
+        frame's TrackedResult (agent.tracking.tracked_of), drawn with the result."""
+        self.tap.offer(camera, frame_index, image, result, captured_at, runtime, tracking)
 
     def snapshot(self, camera: str | None, overlay: bool, request_id: str | None) -> dict[str, Any]:
         """The `snapshot` command: take one, publish it, reply with what was sent and where."""

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from agent.tracking.types import TrackedResult
 from agent.video.overlay import OverlayStyle
 from engines.postprocess.base import InferenceResult
 
@@ -34,6 +35,7 @@ class Shot:
     captured_at: float  # time.monotonic() at capture: the glass-to-glass clock starts here
     captured_wall: float  # the same instant on the wall clock (snapshots carry it)
     style: OverlayStyle = field(default_factory=OverlayStyle)
+    tracking: TrackedResult | None = None  # the frame's tracks, zones and lines (agent.tracking), when tracked
 
 
 class FrameTap:
@@ -50,7 +52,7 @@ class FrameTap:
         self.skipped = 0  # frames nobody watched: nothing was done for them
 
     def offer(self, camera: str, frame_index: int, image: np.ndarray, result: InferenceResult | None,
-              captured_at: float, runtime: Any = None) -> None:
+              captured_at: float, runtime: Any = None, tracking: TrackedResult | None = None) -> None:
         """Called for every delivered frame; does nothing unless `camera` is watched."""
         if not self._watchers.get(camera):
             self.skipped += 1
@@ -61,7 +63,8 @@ class FrameTap:
             if not self._watchers.get(camera):  # the last watcher left meanwhile: keep nothing
                 return
             self._seq += 1
-            self._latest[camera] = Shot(camera, self._seq, frame_index, image, result, captured_at, wall, style)
+            self._latest[camera] = Shot(camera, self._seq, frame_index, image, result, captured_at, wall, style,
+                                        tracking)
             self.kept += 1
             self._cond(camera).notify_all()
 

@@ -27,7 +27,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from agent.names import CAMERA_NAME
-from deploy.fleet.dashboard import queries, shadow_view
+from deploy.fleet.dashboard import queries, shadow_view, tracking_view
 from deploy.fleet.db import TRANSIENT_ERRORS, open_db
 from deploy.fleet.dashboard.auth import LOOPBACK_NAMES, AuthMiddleware, AuthSettings, HostAllowList
 
@@ -193,7 +193,8 @@ def _device_data(db: Any, device_id: str, since: float, until: float) -> dict[st
     shadow = shadow_view.device_view(db, device_id, since, until + queries.FUTURE_TOLERANCE_S, queries.LATEST_LOOKBACK_S)
     return {"device": dev, "since": since, "until": until, "series": queries.series(db, device_id, since, until),
             "markers": marks, "markers_truncated": truncated, "deployments": queries.deployments(db, device_id),
-            "shadow": shadow}
+            "shadow": shadow,
+            "tracking": tracking_view.device_view(db, device_id, since, until + queries.FUTURE_TOLERANCE_S)}
 
 
 def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: float = 5.0,

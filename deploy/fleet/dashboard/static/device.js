@@ -1,6 +1,7 @@
 // One device: facts, the newest snapshot of each camera, charts over time (uPlot, vendored) with deployments
 // and adapt/throttle events marked on the time axis, a shadow deployment's agreement and candidate latency
-// over time with how each shadow ended, and the deployment history with each step's duration.
+// over time with how each shadow ended, tracking's zone and line counts and events, and the deployment history with
+// each step's duration.
 // Refreshed from /api/device and /api/snapshots; an image is fetched again only when a newer one is stored.
 "use strict";
 
@@ -173,6 +174,50 @@ function renderShadow(data) {
     ...(rows.length ? rows : [el("tr", {}, [el("td", {colspan: 7, class: "muted", text: "no shadow has ended yet"})])]));
 }
 
+function trackingDetail(e) {
+  if (e.type === "line_cross") return e.direction;
+  if (e.type === "dwell" || e.type === "zone_leave") {
+    return [missing(e.dwell_s) ? null : `${fmtNum(e.dwell_s, 1)} s inside`, e.reason].filter((v) => !missing(v)).join(", ");
+  }
+  if (e.type === "tracks_reset") return `epoch ${fmtText(e.track_epoch)}: ${fmtText(e.reason)}, ${fmtText(e.ended_tracks)} ended`;
+  if (e.type === "tracking_problem") return `${fmtText(e.code)}: ${fmtText(e.message)}`;
+  if (e.type === "zones_changed") return `zones and lines set (${fmtText(e.source)})`;
+  return "";
+}
+
+function renderTracking(tracking) {
+  // Zone, line and reset events of the range (newest first) and the newest sample's counts (docs/tracking.md).
+  const box = document.getElementById("tracking");
+  box.hidden = !tracking.events.length && !tracking.counts;
+  const counts = [];
+  for (const [camera, numbers] of Object.entries(tracking.counts || {})) {
+    for (const [zone, c] of Object.entries(numbers.zones)) {
+      counts.push(el("tr", {"data-shape": zone}, [el("td", {text: camera}), el("td", {text: `zone ${zone}`}),
+        ...[c.entered, c.left, c.inside, c.dwelled].map((v) => el("td", {class: "num", text: fmtNum(v, 0)}))]));
+    }
+    for (const [line, c] of Object.entries(numbers.lines)) {
+      counts.push(el("tr", {"data-shape": line}, [el("td", {text: camera}), el("td", {text: `line ${line}`}),
+        ...[c.in, c.out, null, null].map((v) => el("td", {class: "num", text: fmtNum(v, 0)}))]));
+    }
+  }
+  document.querySelector("#tracking-counts tbody").replaceChildren(...(counts.length ? counts
+    : [el("tr", {}, [el("td", {colspan: 6, class: "muted", text: "no counts reported"})])]));
+  document.getElementById("tracking-asof").textContent = missing(tracking.counts_ts) ? ""
+    : `counts since the device's start, as of ${fmtTime(tracking.counts_ts)}`;
+  const rows = tracking.events.map((e) => el("tr", {"data-type": e.type}, [
+    el("td", {text: fmtTime(e.ts)}), el("td", {text: e.type.replace("_", " ")}), el("td", {text: fmtText(e.camera)}),
+    el("td", {text: fmtText(e.zone || e.line)}), el("td", {text: fmtText(e["class"])}),
+    el("td", {class: "num", text: missing(e.track_id) ? DASH : `${e.track_id} (${fmtText(e.track_epoch)})`}),
+    el("td", {text: trackingDetail(e) || DASH}),
+  ]));
+  if (tracking.truncated) {
+    rows.push(el("tr", {}, [el("td", {colspan: 7, class: "muted", id: "tracking-truncated",
+                                      text: `only the newest ${tracking.events.length} tracking events of this range are shown`})]));
+  }
+  document.querySelector("#tracking-events tbody").replaceChildren(...(rows.length ? rows
+    : [el("tr", {}, [el("td", {colspan: 7, class: "muted", text: "no tracking events in this range"})])]));
+}
+
 function renderDeployments(history) {
   const box = document.getElementById("deployments");
   if (!history.length) { box.replaceChildren(el("p", {class: "muted", text: "no deployments recorded"})); return; }
@@ -280,6 +325,7 @@ async function refresh() {
     for (const spec of CHARTS) renderChart(spec, data);
     renderMarkers(data.markers, data.markers_truncated);
     renderShadow(data);
+    renderTracking(data.tracking);
     renderDeployments(data.deployments);
     document.body.dataset.loaded = "true";
   } catch (err) {
