@@ -2,7 +2,9 @@
 
 The device checks themselves need NVIDIA hardware; here: the report is written (path printed last)
 and names why TensorRT checks are skipped, trtexec's summary is parsed from a real run's output,
-and the output comparison computes what it says.
+and the output comparison computes what it says; a check that cannot import what it needs says which
+package and how to install it, a program's stderr stays in the report, and NVML on a Jetson without it
+is a skip with the reason. The whole check against the stand-ins: tests/test_device_simulate.py.
 """
 
 from __future__ import annotations
@@ -21,24 +23,18 @@ SCRIPT = REPO / "scripts" / "device-check.sh"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("device_check", REPO / "scripts" / "device_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if "device_check" not in sys.modules:  # registered first: its dataclasses look their module up there
+        spec = importlib.util.spec_from_file_location("device_check", REPO / "scripts" / "device_check.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["device_check"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["device_check"]
 
 
-# VERBATIM trtexec performance summary from a Jetson run (NobuoTsukamoto/tensorrt-examples, README of the
-# deeplab-edgetpu example, 2021-12-02).
-TRTEXEC_SUMMARY = """\
-[12/02/2021-19:58:58] [I] === Performance summary ===
-[12/02/2021-19:58:58] [I] Throughput: 9.85818 qps
-[12/02/2021-19:58:58] [I] Latency: min = 100.036 ms, max = 104.225 ms, mean = 101.425 ms, median = 101.092 ms, percentile(99%) = 104.225 ms
-[12/02/2021-19:58:58] [I] End-to-End Host Latency: min = 100.049 ms, max = 104.233 ms, mean = 101.438 ms, median = 101.105 ms, percentile(99%) = 104.233 ms
-[12/02/2021-19:58:58] [I] Enqueue Time: min = 57.1197 ms, max = 61.1654 ms, mean = 58.9862 ms, median = 58.2306 ms, percentile(99%) = 61.1654 ms
-[12/02/2021-19:58:58] [I] H2D Latency: min = 0.307251 ms, max = 0.312866 ms, mean = 0.310417 ms, median = 0.310425 ms, percentile(99%) = 0.312866 ms
-[12/02/2021-19:58:58] [I] GPU Compute Time: min = 99.6099 ms, max = 103.805 ms, mean = 101.003 ms, median = 100.67 ms, percentile(99%) = 103.805 ms
-[12/02/2021-19:58:58] [I] D2H Latency: min = 0.110596 ms, max = 0.114624 ms, mean = 0.112055 ms, median = 0.111938 ms, percentile(99%) = 0.114624 ms
-"""
+# VERBATIM trtexec performance summary from a Jetson run (its source is named in the file; the simulated trtexec,
+# tests/simulate/bin/trtexec, prints the same lines).
+_SUMMARY_FILE = REPO / "tests" / "simulate" / "trtexec_summary.txt"
+TRTEXEC_SUMMARY = "".join(line for line in _SUMMARY_FILE.read_text().splitlines(True) if not line.startswith("#"))
 
 
 def test_trtexec_summary_is_parsed_from_a_real_run() -> None:
@@ -75,7 +71,7 @@ def test_the_script_writes_one_report_and_prints_its_path_last(tmp_path: Path) -
     assert report_path.parent == tmp_path and report_path.is_file(), proc.stdout + proc.stderr
     report = json.loads(report_path.read_text())
     checks = {c["name"]: c for c in report["checks"]}
-    assert list(checks) == only
+    assert list(checks) == only and "simulated" not in report  # no stand-in here: a report of this machine
     assert checks["versions"]["ok"] is True and checks["versions"]["found"]["python"] == sys.version.split()[0]
     assert checks["tensorrt-import"]["ok"] is has_trt
     if has_trt:
@@ -145,3 +141,117 @@ def test_the_shadow_check_reads_the_benchmarks_json_and_fails_on_a_missed_goal()
     with pytest.raises(module.Failed, match=r"p99_ratio 1.13 \(goal <= 1.1\)"):
         module.shadow_cost(data)
     assert "shadow-cost" in [name for name, _ in module.CHECKS]
+
+
+def test_a_quick_shadow_run_reports_a_missed_goal_without_failing() -> None:
+    """--quick (one short round) cannot judge a timing goal: the miss is listed, the check does not fail."""
+    data = {"cost": {"fps_ratio": 0.5, "p99_ratio": 1.5}, "agreement_live": 1.0}
+    got = _module().shadow_cost(data, judge=False)
+    assert got["goals_missed"] == ["fps_ratio 0.5 (goal >= 0.9)", "p99_ratio 1.5 (goal <= 1.1)"]
+    assert got["goals_judged"].startswith("no: a --quick run")
+
+
+# --- what the device check needs, and what it keeps of the programs it runs --------------------
+
+
+def test_a_suite_whose_runner_is_missing_says_how_to_install_it(tmp_path: Path) -> None:
+    """The issue's case: a Python without pytest said `[FAIL] pytest exit 1; failed: []`. Here pytest is made
+    unimportable in the device check's interpreter (as in a venv installed without the device extra)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['pytest'] = None  # not installed\n")
+    proc = subprocess.run(["bash", str(SCRIPT), "--out", str(tmp_path / "out"), "--only", "cuda-memory-contract"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**_clean_env(), "PYTHONPATH": f"{site}:{REPO}"})
+    report = json.loads(Path(proc.stdout.strip().splitlines()[-1]).read_text())
+    check = report["checks"][0]
+    assert check["ok"] is False and proc.returncode == 1
+    assert check["error"].startswith("pytest is not installed in ") and "pip install -e '.[device]'" in check["error"]
+    assert "[FAIL] cuda-memory-contract: pytest is not installed" in proc.stdout
+
+
+def test_a_missing_module_in_a_programs_output_names_its_package() -> None:
+    hint = _module().missing_module_hint
+    assert hint("E   ModuleNotFoundError: No module named 'hypothesis'\n").startswith("hypothesis is not installed")
+    assert hint("No module named 'rapidocr_onnxruntime'").startswith("rapidocr-onnxruntime is not installed")
+    assert hint("No module named 'engines.errors'; 'engines' is not a package") is None  # a shadowed package
+    assert hint("all fine") is None
+
+
+def test_a_failing_pytest_run_keeps_its_stderr_and_says_why(tmp_path: Path) -> None:
+    """pytest exits 4 with its reason on stderr only; the report used to keep stdout alone."""
+    dc = _module()
+    check = dc.Check(tmp_path, limits=dc.QUICK)
+    check.run("suite", lambda c: dc.pytest_suite(c, "suite", ["tests/no_such_test_file.py"], lambda n: True))
+    entry = check.results[-1]
+    assert entry["ok"] is False and entry["exit"] == 4
+    assert "file or directory not found: tests/no_such_test_file.py" in entry["stderr_tail"]
+    assert entry["error"] == "pytest exit 4; no test failed: ERROR: file or directory not found: tests/no_such_test_file.py"
+
+
+def test_the_install_check_names_what_is_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    dc = _module()
+    assert "pytest>=8" in dc.device_requirements() and any(r.startswith("hypothesis") for r in dc.device_requirements())
+    monkeypatch.setattr(dc, "device_requirements", lambda: ["pytest>=8", "no-such-package-for-the-device>=1"])
+    check = dc.Check(tmp_path)
+    check.run("install", dc.check_install)
+    entry = check.results[-1]
+    assert entry["ok"] is False and entry["missing"] == ["no-such-package-for-the-device"]
+    assert "pip install -e '.[device]'" in entry["error"] and "pytest" in entry["found"]
+
+
+def _clean_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DEVICE_CHECK_SIMULATE")}
+
+
+# --- NVML: a Jetson without it is a skip with the reason (what `engines doctor` says too) ---------
+
+
+BOARDS = REPO / "tests" / "data" / "boards"
+
+
+@pytest.fixture
+def nvml_as(monkeypatch: pytest.MonkeyPatch):
+    """Import agent.telemetry.nvml_source against the simulated pynvml of a mode (tests/simulate/nvml.py)."""
+    from agent.telemetry.base import SOURCES
+    from tests.simulate.nvml import simulated_pynvml
+
+    def install(mode: str) -> None:
+        monkeypatch.setitem(sys.modules, "pynvml", simulated_pynvml(mode))
+        monkeypatch.setattr(SOURCES, "_plugins", {k: v for k, v in SOURCES._plugins.items() if k != "nvml"})
+        monkeypatch.setattr(SOURCES, "_disabled", dict(SOURCES._disabled))
+        monkeypatch.delitem(sys.modules, "agent.telemetry.nvml_source", raising=False)
+
+    yield install
+    sys.modules.pop("agent.telemetry.nvml_source", None)
+
+
+@pytest.mark.parametrize("mode,reason", [
+    ("absent", "NVML is not available on this Jetson: NVML cannot start (NVML Shared Library Not Found)"),
+    ("not-supported", "NVML starts but answers NotSupported for every field on this Jetson's iGPU"),
+])
+def test_nvml_on_a_jetson_without_it_is_skipped_with_the_reason(nvml_as, tmp_path: Path, mode: str, reason: str) -> None:
+    """jetson-stats 7.x installs nvidia-ml-py, so pynvml imports on a Jetson: JetPack 6 has no libnvidia-ml, an
+    Orin on JetPack 7 answers NotSupported. Neither is a failure there."""
+    nvml_as(mode)
+    dc = _module()
+    check = dc.Check(tmp_path, root=BOARDS / "agx-orin")
+    check.run("nvml-telemetry", dc.check_nvml)
+    entry = check.results[-1]
+    assert entry["ok"] is None and entry["skipped"].startswith(reason)
+    assert entry["skipped"].endswith("Jetson telemetry uses jtop/sysfs, as `engines doctor` says")
+
+
+def test_nvml_without_a_driver_still_fails_off_jetson_and_passes_with_one(nvml_as, tmp_path: Path) -> None:
+    dc = _module()
+    dgpu = REPO / "tests" / "simulate" / "roots" / "h200-driver580"
+    nvml_as("absent")
+    check = dc.Check(tmp_path, root=dgpu)
+    check.run("nvml-telemetry", dc.check_nvml)
+    assert check.results[-1]["ok"] is False and "NVML Shared Library Not Found" in check.results[-1]["error"]
+    nvml_as("h200")
+    check.run("nvml-telemetry", dc.check_nvml)
+    entry = check.results[-1]
+    assert entry["ok"] is True and entry["sample"]["power_mw"] == {"GPU": 82095}  # the recorded idle H200
