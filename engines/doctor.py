@@ -347,6 +347,11 @@ def check_nvml(root: Path) -> Check:
         return Check("nvml", False, f"{type(exc).__name__}: {exc}", fix)
     try:
         driver = pynvml.nvmlSystemGetDriverVersion()
+    except Exception as exc:  # NVMLError: a Jetson's NVML (JetPack 7) answers NotSupported
+        if read_l4t_release(root) is not None:
+            return Check("nvml", True, f"initialises but answers {type(exc).__name__}: {exc}; Jetson telemetry "
+                                       "uses jtop/sysfs")
+        return Check("nvml", False, f"{type(exc).__name__}: {exc}", "`nvidia-smi` must work; reinstall the driver")
     finally:
         pynvml.nvmlShutdown()
     return Check("nvml", True, f"NVML driver {driver.decode() if isinstance(driver, bytes) else driver}")

@@ -84,6 +84,29 @@ def test_nvml_absent_off_jetson_names_the_extra_and_does_not_decide_usability(tm
     assert _check(run_doctor(BOARDS / "agx-orin"), "nvml").ok
 
 
+def test_nvml_that_initialises_but_answers_not_supported_is_expected_on_a_jetson(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """jetson-stats 7 brings nvidia-ml-py into a Jetson's venv; JetPack 7's NVML initialises, then answers
+    NotSupported (stands in for that library: nvmlInit works, every query raises NVMLError)."""
+    import types
+
+    class NVMLError(Exception):
+        pass
+
+    fake = types.ModuleType("pynvml")
+    fake.nvmlInit, fake.nvmlShutdown = (lambda: None), (lambda: None)
+
+    def not_supported() -> str:
+        raise NVMLError("Not Supported")
+
+    fake.nvmlSystemGetDriverVersion = not_supported
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    on_jetson = doctor.check_nvml(BOARDS / "agx-orin")
+    assert on_jetson.ok and "NVMLError" in on_jetson.found and "jtop/sysfs" in on_jetson.found
+    off_jetson = doctor.check_nvml(tmp_path)
+    assert not off_jetson.ok and "Not Supported" in off_jetson.found
+
+
 def test_cli_json_contract_and_exit_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EDGE_AGENT_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("EDGE_AGENT_CACHE_DIR", str(tmp_path / "cache"))
