@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -40,3 +41,22 @@ def run_quick_benchmark(name: str, out: Path, *args: str, timeout: float = 240) 
                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(out.read_text())
+
+
+class WriteLock:
+    """Another connection holding a SQLite file's write lock (`BEGIN IMMEDIATE`, or `EXCLUSIVE`, which also keeps
+    readers of a rollback-journal file out) until `release()`: stands in for a backup or an operator's `sqlite3`."""
+
+    def __init__(self, mode: str = "IMMEDIATE") -> None:
+        self.mode, self._held = mode, []  # type: list[sqlite3.Connection]
+
+    def hold(self, path: Path) -> None:
+        conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        conn.execute(f"BEGIN {self.mode}")
+        self._held.append(conn)
+
+    def release(self) -> None:
+        while self._held:
+            conn = self._held.pop()
+            conn.execute("ROLLBACK")
+            conn.close()

@@ -20,30 +20,16 @@ from agent.control.commands import CommandDispatcher
 from agent.control.reply_store import ReplyStore
 from agent.daemon.control import BoundedRead, ConfigWriter
 from tests.fixtures_mqtt import FakeControl
-from tests.helpers import wait_for
+from tests.helpers import WriteLock, wait_for
 
 FAST_S = 1.0  # the bound on a reply while the database is locked
 
 
 @pytest.fixture
 def lock() -> Iterator[Any]:
-    held: list[sqlite3.Connection] = []
-
-    class Lock:
-        def hold(self, path: Path) -> None:
-            conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-            conn.execute("BEGIN EXCLUSIVE")
-            held.append(conn)
-
-        def release(self) -> None:
-            while held:
-                conn = held.pop()
-                conn.execute("ROLLBACK")
-                conn.close()
-
-    holder = Lock()
-    yield holder
-    holder.release()
+    held = WriteLock('EXCLUSIVE')
+    yield held
+    held.release()
 
 
 def _send(dispatcher: CommandDispatcher, command: str, cid: str, args: dict | None = None) -> tuple[float, dict]:

@@ -33,7 +33,7 @@ from engines import fsutil
 from engines.errors import EdgeError
 from engines.fsutil import atomic_copy, atomic_write_bytes
 from tests.fixtures_mqtt import FakeControl
-from tests.helpers import wait_for
+from tests.helpers import WriteLock, wait_for
 
 SHORT = 0.05  # busy timeout in tests: a locked database fails at once instead of after 10 s
 
@@ -43,23 +43,9 @@ SHORT = 0.05  # busy timeout in tests: a locked database fails at once instead o
 @pytest.fixture
 def write_lock() -> Iterator[Any]:
     """`hold(path)`: another connection takes the write lock (BEGIN IMMEDIATE) until `release()`."""
-    held: list[sqlite3.Connection] = []
-
-    class Lock:
-        def hold(self, path: Path) -> None:
-            conn = sqlite3.connect(str(path), isolation_level=None)
-            conn.execute("BEGIN IMMEDIATE")
-            held.append(conn)
-
-        def release(self) -> None:
-            while held:
-                conn = held.pop()
-                conn.execute("ROLLBACK")
-                conn.close()
-
-    lock = Lock()
-    yield lock
-    lock.release()
+    held = WriteLock('IMMEDIATE')
+    yield held
+    held.release()
 
 
 def overwrite_pages(path: Path, table: str, pages: int = 1) -> None:
@@ -492,7 +478,9 @@ def test_agent_starts_on_a_corrupt_state_db_and_reports_it(tmp_path: Path, mqtt_
     finally:
         agent.stop()
     event = next(e for e in collector.payloads("edge/sf-agent/events") if e["type"] == "state_db_quarantined")
-    assert event["path"] == str(db) and Path(event["quarantined"]).exists()
+    # no local path on the wire (issue 47): the event keeps a ref to the device log, the file is kept on disk
+    assert str(db.parent) not in json.dumps(event) and "see the device log, ref" in event["quarantined"]
+    assert list(db.parent.glob(f"{db.name}.corrupt-*"))
     assert "not a database" in event["problem"]
 
 
