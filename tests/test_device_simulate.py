@@ -45,6 +45,9 @@ def device_python() -> Path:
 def simulate(python: Path, release: str, out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     """Run the simulated device check; its process and the report whose path it printed last (named simulated-*)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DEVICE_CHECK_SIMULATE")}
+    scratch = out / "tmp"  # the check's work dirs (models, engines, state) go under pytest's tmp, not /tmp
+    scratch.mkdir(parents=True, exist_ok=True)
+    env["TMPDIR"] = str(scratch)
     proc = subprocess.run(["bash", str(SCRIPT), "--simulate", release, "--out", str(out), *args], capture_output=True,
                           text=True, timeout=1500, env={**env, "PYTHON": str(python)}, stdin=subprocess.DEVNULL)
     lines = proc.stdout.strip().splitlines()
