@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,7 +19,8 @@ from typing import Any, Callable
 from engines.build import calibration as calib
 from engines.build.cache import CacheEntry, EngineCache
 from engines.build.job import Builder, BuildJob
-from engines.build.sensitivity import FALLBACK_TENSORS
+from engines.build.fallback_search import FallbackSearch, better
+from engines.build.int8_hint import refusal_hint
 from engines.build.spec import CacheKey, EngineBuildError, EngineBuildSpec, make_cache_key
 from engines.build.validate import ValidationResult, min_accuracy_for, validate
 from engines.build.validation_set import ValidationSet, same_set
@@ -110,40 +112,59 @@ def falls_back(plan: BuildPlan, verdict: ValidationResult, rounds: int) -> bool:
 
 def int8_fallback(step: Step, plan: BuildPlan, entry: CacheEntry, hit: bool, verdict: ValidationResult,
                    rounds: int) -> tuple[BuildPlan, CacheEntry, bool, ValidationResult]:
-    """Rebuild with the worst FALLBACK_TENSORS[r] activations in float until one passes, at most `rounds` times.
+    """Rebuild with the worst FALLBACK_TENSORS[r] activations in float, at most `rounds` times, in the order of
+    engines.build.fallback_search: the largest set first (failing on accuracy, nothing smaller can pass), then the
+    smaller ones until one passes.
 
     Each round is its own cache entry with its own verdict, so a restart walks the same rounds as cache
     hits and lands on the passing one without building or judging again. The returned verdict (the passing
     round's, else the best one's) says in `fallback` which round it was, what stayed float and what each
     round scored; when none passes, its reason names the best score and the tensors kept float."""
     label, first_reason = step.source.label, verdict.reason
-    rounds = min(rounds, len(FALLBACK_TENSORS))
-    tried: list[dict[str, Any]] = [{"round": 0, "accuracy": verdict.accuracy, "kept_float": []}]
+    search = FallbackSearch(rounds)
+    stats = (entry.report.get("quantization") or {}).get("stats") or {}
+    tried: list[dict[str, Any]] = [{"round": 0, "accuracy": verdict.accuracy, "kept_float": [],
+                                    **_round_cost(None, hit, stats)}]
     best, best_round = (plan, entry, hit, verdict), 0
-    for number, count in enumerate(FALLBACK_TENSORS[:rounds], 1):
-        step.emit({"type": "engine.int8_fallback", "model": label, "round": number, "rounds": rounds,
+    while (count := search.next_size()) is not None:
+        number = search.number
+        step.emit({"type": "engine.int8_fallback", "model": label, "round": number, "rounds": search.rounds,
                    "keep_float": count, "metric": verdict.metric, "accuracy": best[3].accuracy,
                    "min_accuracy": verdict.min_accuracy})
         fallback = rekeyed(plan, replace(plan.spec, quantization={**plan.spec.quantization, "float_fallback": count}))
+        started = time.monotonic()
         with step.cache.build_lock(fallback.key.key, step.timeout_s):
             f_entry, f_hit, f_verdict = step.judged(fallback)
-        kept = [t["tensor"] for t in (f_entry.report.get("quantization") or {}).get("kept_float", [])]
-        tried.append({"round": number, "accuracy": f_verdict.accuracy, "kept_float": kept})
-        if f_verdict.passed or f_verdict.accuracy >= best[3].accuracy:  # a tie: the later round says more
+        quantization = f_entry.report.get("quantization") or {}
+        kept = [t["tensor"] for t in quantization.get("kept_float", [])]
+        tried.append({"round": number, "accuracy": f_verdict.accuracy, "kept_float": kept, **_round_cost(
+            time.monotonic() - started, f_hit, quantization.get("stats") or {})})
+        log.info("%s: INT8 fallback round %d (%d tensor(s) float): %s %.3f in %.1f s, reused %s", label, number,
+                 count, f_verdict.metric, f_verdict.accuracy, tried[-1]["seconds"],
+                 "the cached engine" if f_hit else ", ".join(tried[-1]["reused"]) or "nothing")
+        if better(f_verdict, best[3]):
             best, best_round = (fallback, f_entry, f_hit, f_verdict), number
-        if f_verdict.passed or f_verdict.code != "GATE_ACCURACY":
-            break
+        search.judged(f_verdict, len(kept))
     plan, entry, hit, verdict = best
     kept = tried[best_round]["kept_float"]
     verdict.fallback = {"round": best_round, "kept_float": kept, "tried": tried}
     if not verdict.passed and verdict.code == "GATE_ACCURACY":
+        bound = "; fewer tensors in float cannot do better, so no smaller set was built" \
+            if len(tried) == 2 and search.rounds > 1 else ""
         verdict.reason = (f"INT8 fails the gate after {len(tried) - 1} layer-fallback round(s): best {verdict.metric} "
                           f"{verdict.accuracy:.3f} (min {verdict.min_accuracy:.2f}) with {len(kept)} tensor(s) kept in "
-                          f"float ({', '.join(kept[:8]) or 'none'}{', ...' if len(kept) > 8 else ''}). "
-                          f"Without the fallback: {first_reason}")
+                          f"float ({', '.join(kept[:8]) or 'none'}{', ...' if len(kept) > 8 else ''}){bound}. "
+                          f"{refusal_hint(first_reason, tried, entry.report, step.source.onnx_path)}")
     step.cache.record_validation(entry.key, verdict.to_dict())
     step.emit({"type": "engine.int8_fallback.done", "model": label, "passed": verdict.passed, **verdict.fallback})
     return plan, entry, hit, verdict
+
+
+def _round_cost(seconds: float | None, hit: bool, stats: dict[str, Any]) -> dict[str, Any]:
+    """A fallback round's time (build and gate; None for round 0, timed by its caller) and what its build
+    reused (engines.build.calibration_stats)."""
+    return {"seconds": None if seconds is None else round(seconds, 2), "hit": hit, "reused": list(stats.get("reused", [])),
+            "calibration_passes": stats.get("calibration_passes"), "ranking_passes": stats.get("ranking_passes")}
 
 
 def cached_or_built(cache: EngineCache, plan: BuildPlan, source: ModelSource, builder: Builder, emit: EventSink,
@@ -169,7 +190,8 @@ def _build(cache: EngineCache, plan: BuildPlan, source: ModelSource, builder: Bu
                    work, plan.spec, source.manifest.preprocess.model_dump(mode="json"), source.label,
                    plan.calibration.to_dict() if plan.calibration else None,
                    cache.timing_cache_path(plan.device_digest) if plan.backend == "tensorrt" else None,
-                   timing=plan.timing, state=state_dump(source), nms_mode=source.manifest.build.nms)
+                   timing=plan.timing, state=state_dump(source), nms_mode=source.manifest.build.nms,
+                   stats_dir=cache.cache_dir / "quant-stats" if plan.precision == "int8" else None)
     try:
         outcome = builder.build(job, timeout_s=timeout_s, on_progress=emit, stop_event=stop_event)
         if plan.nms:

@@ -57,6 +57,9 @@ class BuildJob:
     # the manifest's build.nms (engine: a TensorRT refusing the plugin fails; auto: falls back to host NMS). Not
     # in the cache key: both modes build the same engine when the plugin is taken
     nms_mode: str = "auto"
+    # where INT8 builds keep the calibration ranges and sensitivity ranking that the layer fallback's rounds share
+    # (engines.build.calibration_stats); None: nothing kept. Not in the cache key: a reused range is the same range
+    stats_dir: Path | None = None
 
     def to_json(self) -> bytes:
         """The job file's bytes."""
@@ -66,6 +69,7 @@ class BuildJob:
             "label": self.label, "calibration": self.calibration, "parent_pid": self.parent_pid,
             "timing_cache": str(self.timing_cache) if self.timing_cache else None, "timing": self.timing,
             "state": self.state, "nms_mode": self.nms_mode,
+            "stats_dir": str(self.stats_dir) if self.stats_dir else None,
         }
         return json.dumps(data, indent=1).encode()
 
@@ -76,7 +80,8 @@ class BuildJob:
         return cls(d["backend"], Path(d["onnx_path"]), Path(d["out_path"]), Path(d["work_dir"]),
                    EngineBuildSpec.from_dict(d["spec"]), d["preprocess"], d.get("label", ""), d.get("calibration"),
                    Path(d["timing_cache"]) if d.get("timing_cache") else None, int(d.get("parent_pid", 0)),
-                   dict(d.get("timing") or {}), d.get("state"), d.get("nms_mode", "auto"))
+                   dict(d.get("timing") or {}), d.get("state"), d.get("nms_mode", "auto"),
+                   Path(d["stats_dir"]) if d.get("stats_dir") else None)
 
 
 @dataclass

@@ -18,7 +18,10 @@ Pipeline (what `quantize_int8` does, in a temp dir next to the output):
      in float between DQ and Q.
 3. `onnxruntime.quantization.quantize_static` with `settings` (QDQ, U8 activations, S8 per-channel
    7-bit weights, MinMax calibration). Before it, a conv whose shape the installed ORT's QLinearConv
-   miscomputes (ORT 1.23.2: 17..31 output channels) is split in two (`_split_convs_for_ort`).
+   miscomputes (ORT 1.23.2: 17..31 output channels) is split in two (`_split_convs_for_ort`). The
+   calibration ranges (and, for the layer fallback, the sensitivity ranking) are computed once per prepared
+   graph and calibration set and handed to the quantizer; with a `StatsStore`, the next fallback round of the
+   same build reuses them (engines.build.calibration_stats).
 4. The result is checked, fsynced and moved over `out_onnx` with os.replace.
 
 Give the model a static input shape first (`make_static_shape`): the ConvTranspose rewrite needs it
@@ -34,12 +37,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Union
 
 import numpy as np
 import onnx
 from onnx import helper
 
+from engines.build import calibration_stats
+from engines.build.calibration_stats import StatsReport, StatsStore
 from engines.build.convtranspose_fusion import qlinearconv_is_exact
 from engines.build.graph_rewrites import (
     Graph,
@@ -57,6 +62,9 @@ from engines.build.graph_rewrites import (
 from engines.errors import ModelError
 
 log = logging.getLogger(__name__)
+
+#: Calibration items (tensors, or {input name: tensor} dicts), or a callable that makes them when needed.
+Calibration = Union[Iterable[Any], Callable[[], Iterable[Any]]]
 
 __all__ = [
     "DEFAULT",
@@ -143,6 +151,9 @@ class QuantReport:
     #: The INT8 layer fallback's choice (engines.build.sensitivity): the tensors kept in float, worst first,
     #: with their quantization error and the nodes excluded for them. Empty without a fallback.
     kept_float: list[dict[str, Any]] = field(default_factory=list)
+    #: What the calibration and the ranking cost, and what came from an earlier round
+    #: (engines.build.calibration_stats.StatsReport).
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 # -------------------------------------------------------------------------------------- model helpers
@@ -315,17 +326,17 @@ def _name_nodes(model: onnx.ModelProto) -> None:
             taken.add(name)
 
 
-def _fallback_nodes(model: onnx.ModelProto, calibration: list[Any], inputs: list[onnx.ValueInfoProto], count: int, *,
-                    symmetric: bool, quantized: Any) -> tuple[list[Any], list[str]]:
-    """The layer fallback's `count` worst tensors on the first calibration frames, and the nodes that keep
-    them float (engines.build.sensitivity; the prepared graph, so names match nodes_to_exclude)."""
+def _feeds(calibration: Calibration, inputs: list[onnx.ValueInfoProto]) -> list[dict[str, np.ndarray]]:
+    """The calibration items as checked feeds ({input name: tensor}); `calibration` may be a callable that makes
+    them, called here (only a round that must calibrate or rank needs the frames)."""
+    reader = _Reader(calibration() if callable(calibration) else calibration, inputs)
+    return list(iter(reader.get_next, None))
+
+
+def _chosen(ranking: list[Any], count: int) -> tuple[list[Any], list[str]]:
+    """The layer fallback's `count` worst tensors of `ranking` and the nodes that keep them float, logged."""
     from engines.build import sensitivity
 
-    reader = _Reader(calibration[:sensitivity.MAX_FRAMES], inputs)
-    feeds = []
-    while (feed := reader.get_next()) is not None:
-        feeds.append(feed)
-    ranking = sensitivity.rank_tensors(model, feeds, symmetric=symmetric, quantized=quantized)
     chosen, nodes = sensitivity.keep_float(ranking, count)
     log.info("INT8 layer fallback: %d tensor(s) kept in float: %s", len(chosen),
              ", ".join(f"{t.tensor} ({t.error:.3f})" for t in chosen))
@@ -359,10 +370,9 @@ def _op_types_to_quantize(settings: QuantSettings) -> list[str]:
 class _QuantPlan:
     """What `quantize_int8` needs of the prepared graph, once it is saved, to quantize and report on it."""
 
-    #: Graph inputs that are not initializers: what each calibration item must feed.
-    inputs: list[onnx.ValueInfoProto]
-    #: The caller's calibration items, as a list once the layer fallback has read some of them.
-    calibration: Iterable[np.ndarray]
+    #: The calibration's ranges (ONNX Runtime's TensorsData) and what was computed or reused for them.
+    ranges: Any
+    stats: StatsReport
     #: Op types handed to quantize_static, and the nodes it must leave in float.
     ops: list[str]
     excluded: list[str]
@@ -372,11 +382,12 @@ class _QuantPlan:
     kept: list[dict[str, Any]]
 
 
-def _write_prepared(fp32_onnx: Path, prepared: Path, calibration: Iterable[np.ndarray], settings: QuantSettings,
-                    keep_float: int) -> _QuantPlan:
-    """Rewrite `fp32_onnx` for the quantizer (`_prepare`, then the conv split this ORT needs and node names),
-    choose what stays float, and save it as `prepared`. The model is not returned: quantize_static reads
-    its own copy from disk, and a detector's graph need not sit in memory twice."""
+def _write_prepared(fp32_onnx: Path, prepared: Path, calibration: Calibration, settings: QuantSettings,
+                    keep_float: int, stats: StatsStore | None, work: Path) -> _QuantPlan:
+    """Rewrite `fp32_onnx` for the quantizer (`_prepare`, then the conv split this ORT needs and node names), save it
+    as `prepared`, get its calibration ranges (and, for the layer fallback, the ranking) from `stats` or by
+    computing them, and choose what stays float. The model is not returned: quantize_static reads its own copy
+    from disk, and a detector's graph need not sit in memory twice."""
     model, rewrites = _prepare(fp32_onnx, settings.opset, settings.simplify)
     inits = {t.name for t in model.graph.initializer}
     inputs = [vi for vi in model.graph.input if vi.name not in inits]
@@ -385,27 +396,33 @@ def _write_prepared(fp32_onnx: Path, prepared: Path, calibration: Iterable[np.nd
         rewrites["split_convs_for_ort"] = len(_split_convs_for_ort(model))
     _name_nodes(model)
     tails = set(mixed_output_tails(model)) if settings.float_output_tails else set()
-    kept: list[dict[str, Any]] = []
+    nodes, float_ops = [(n.name, n.op_type) for n in model.graph.node], _float_op_types(model, ops)
+    onnx.save(model, str(prepared))
+    del model  # the calibrator loads its own copy; the ranking, when there is one, reads the saved graph back
+    ranking = None
     if keep_float > 0:
-        calibration = list(calibration)  # the fallback ranks on the first frames; the quantizer reads them all
-        chosen, fallback = _fallback_nodes(model, calibration, inputs, keep_float, symmetric=False,
-                                           quantized=lambda p, cs: any(n.op_type in ops for n in [p, *cs] if n))
+        ranking = calibration_stats.RankingSpec(
+            symmetric=False, quantized=lambda p, cs: any(n.op_type in ops for n in [p, *cs] if n),
+            tag="onnxruntime-cpu:asymmetric-uint8:" + ",".join(ops))
+    calibrator = calibration_stats.CalibratorSpec.of(ops, settings.calibrate_method, dict(settings.extra_options))
+    shared = calibration_stats.shared(prepared, lambda: _feeds(calibration, inputs), calibrator, store=stats,
+                                      ranking=ranking, work=work)
+    kept: list[dict[str, Any]] = []
+    if shared.ranking is not None:
+        chosen, fallback = _chosen(shared.ranking, keep_float)
         tails |= set(fallback)
         kept = [t.to_dict() for t in chosen]
-    excluded = _excluded_nodes(model, settings, tails)
-    float_ops = _float_op_types(model, ops)
-    onnx.save(model, str(prepared))
-    return _QuantPlan(inputs=inputs, calibration=calibration, ops=ops, excluded=excluded, rewrites=rewrites,
-                      float_ops=float_ops, kept=kept)
+    return _QuantPlan(ranges=shared.ranges, stats=shared.report, ops=ops, excluded=_excluded_nodes(nodes, settings, tails),
+                      rewrites=rewrites, float_ops=float_ops, kept=kept)
 
 
-def _excluded_nodes(model: onnx.ModelProto, settings: QuantSettings, tails: set[str]) -> list[str]:
-    """Names of the nodes quantize_static must leave in float: `settings.exclude_nodes` and
-    `settings.exclude_op_types`, and `tails`. Warns about excluded names the graph lacks: they name nodes
-    of the prepared graph, which the rewrites rename or remove."""
-    excluded = [n.name for n in model.graph.node
-                if n.name in settings.exclude_nodes or n.op_type in settings.exclude_op_types or n.name in tails]
-    missing = set(settings.exclude_nodes) - {n.name for n in model.graph.node}
+def _excluded_nodes(nodes: list[tuple[str, str]], settings: QuantSettings, tails: set[str]) -> list[str]:
+    """Names of the nodes (name, op type, in graph order) quantize_static must leave in float:
+    `settings.exclude_nodes` and `settings.exclude_op_types`, and `tails`. Warns about excluded names the graph
+    lacks: they name nodes of the prepared graph, which the rewrites rename or remove."""
+    excluded = [name for name, op in nodes
+                if name in settings.exclude_nodes or op in settings.exclude_op_types or name in tails]
+    missing = set(settings.exclude_nodes) - {name for name, _ in nodes}
     if missing:
         log.warning("exclude_nodes not in the prepared graph: %s", sorted(missing))
     return excluded
@@ -422,8 +439,7 @@ def _float_op_types(model: onnx.ModelProto, ops: list[str]) -> dict[str, int]:
 
 
 def _quantize_static_options(settings: QuantSettings, plan: _QuantPlan) -> dict[str, Any]:
-    """quantize_static's keyword arguments for `settings` and the prepared graph. Call it after the
-    calibration reader exists, so a bad calibration is reported before a bad setting."""
+    """quantize_static's keyword arguments (but the calibration) for `settings` and the prepared graph."""
     return dict(per_channel=settings.per_channel, reduce_range=settings.reduce_range,
                 nodes_to_exclude=plan.excluded, op_types_to_quantize=plan.ops,
                 extra_options=dict(settings.extra_options), **_ort_enums(settings))
@@ -440,41 +456,42 @@ def _checked_op_counts(quantized: Path) -> dict[str, int]:
 def quantize_int8(
     fp32_onnx: Path,
     out_onnx: Path,
-    calibration: Iterable[np.ndarray] | list[np.ndarray],
+    calibration: Calibration,
     *,
     settings: QuantSettings = DEFAULT,
     keep_float: int = 0,
+    stats: StatsStore | None = None,
 ) -> QuantReport:
     """Quantize `fp32_onnx` to a static INT8 ONNX model at `out_onnx`.
 
     `calibration` yields preprocessed input tensors (e.g. 1x3xHxW float32) for a single-input model,
-    or {input name: tensor} dicts. It is consumed once. Temp files live in a temp dir next to
-    `out_onnx` and are removed; `out_onnx` is replaced atomically, so readers never see a partial file.
+    or {input name: tensor} dicts, or is a callable returning them (called only when the frames are needed).
+    It is consumed once. Temp files live in a temp dir next to `out_onnx` and are removed; `out_onnx` is
+    replaced atomically, so readers never see a partial file.
     `keep_float` > 0: the layer fallback, which leaves the `keep_float` activations with the largest
     quantization error (engines.build.sensitivity, ranked on the calibration frames) in float.
+    `stats`: where the calibration ranges and the ranking are kept between builds of the same graph and frames
+    (engines.build.calibration_stats): a later fallback round reuses them instead of running the frames again.
     """
-    from onnxruntime.quantization import quantize_static
-
     t0 = time.perf_counter()
     fp32_onnx, out_onnx = Path(fp32_onnx), Path(out_onnx)
     out_onnx.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_onnx.name}.", suffix=".quant", dir=out_onnx.parent))
     try:
         prepared, quantized = tmp / "prepared.onnx", tmp / "quantized.onnx"
-        plan = _write_prepared(fp32_onnx, prepared, calibration, settings, keep_float)
+        plan = _write_prepared(fp32_onnx, prepared, calibration, settings, keep_float, stats, tmp)
         t1 = time.perf_counter()
-        reader = _Reader(plan.calibration, plan.inputs)
-        quantize_static(str(prepared), str(quantized), reader, **_quantize_static_options(settings, plan))
+        calibration_stats.quantize_static_on(prepared, quantized, plan.ranges, **_quantize_static_options(settings, plan))
         t2 = time.perf_counter()
         op_counts = _checked_op_counts(quantized)
         move_atomic(quantized, out_onnx)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     t3 = time.perf_counter()
-    report = QuantReport(out_onnx=out_onnx, settings=settings, calibration_samples=reader.count,
+    report = QuantReport(out_onnx=out_onnx, settings=settings, calibration_samples=plan.stats.samples,
                          prepare_s=t1 - t0, quantize_s=t2 - t1, total_s=t3 - t0, excluded_nodes=plan.excluded,
                          float_op_types=plan.float_ops, rewrites=plan.rewrites, op_counts=op_counts,
-                         kept_float=plan.kept)
-    log.info("quantized %s -> %s in %.1fs (%d calibration samples)", fp32_onnx, out_onnx, report.total_s,
-             reader.count)
+                         kept_float=plan.kept, stats=plan.stats.to_dict())
+    log.info("quantized %s -> %s in %.1fs (%d calibration samples; %s)", fp32_onnx, out_onnx, report.total_s,
+             plan.stats.samples, ", ".join(plan.stats.reused) + " reused" if plan.stats.reused else "nothing reused")
     return report

@@ -29,9 +29,12 @@ def static_model(job: BuildJob, timer: "StageTimer") -> Path:
 def quantize_model(job: BuildJob, model: Path, timer: "StageTimer", report: dict[str, Any],
                    fp16_casts: bool = False) -> Path:
     """Calibration frames through the model's Preprocessor -> Q/DQ ONNX (explicit quantization), with the
-    backend's recipe (build_spec.quant_settings); `fp16_casts`: TensorRT without weak typing."""
+    backend's recipe (build_spec.quant_settings); `fp16_casts`: TensorRT without weak typing. With the job's
+    `stats_dir`, a layer-fallback round reuses the ranges and ranking of an earlier round of the same build
+    (engines.build.calibration_stats) and then never makes the calibration frames at all."""
     from engines.build import calibration
     from engines.build import ort_recipe as quantize
+    from engines.build.calibration_stats import StatsStore
     from engines.build import trt_recipe as quantize_trt
     from engines.preprocess import PreprocessSpec
 
@@ -43,20 +46,28 @@ def quantize_model(job: BuildJob, model: Path, timer: "StageTimer", report: dict
         raise EngineBuildError("int8 build without a calibration set", code="ENGINE_BUILD_FAILED")
     model = fp32_weights(model, job.work_dir / "fp32-weights.onnx", report)
     cal = calibration.CalibrationSet.from_dict(job.calibration)
-    with timer("calibration-frames", count=cal.count):
-        tensors = calibration.tensors(cal, PreprocessSpec.model_validate(job.preprocess))
+    spec = PreprocessSpec.model_validate(job.preprocess)
     report["notes"].append(cal.note)
     report["calibration"] = {"count": cal.count, "generated": cal.generated, "digest": cal.digest}
+
+    def frames() -> list[Any]:  # only a round that must calibrate or rank runs the frames through the Preprocessor
+        timer.emit("calibration-frames", count=cal.count)
+        t0 = time.monotonic()
+        tensors = calibration.tensors(cal, spec)
+        report["stages_s"]["calibration-frames"] = round(time.monotonic() - t0, 3)
+        return tensors
+
+    stats = StatsStore(job.stats_dir, cal.digest) if job.stats_dir else None
     out = job.work_dir / "qdq.onnx"
-    with timer("quantize", count=len(tensors)):
+    with timer("quantize", count=cal.count):
         recipe = quant_settings(job.backend)
-        keep = int(job.spec.quantization.get("float_fallback", 0))  # the layer fallback's round (engines.build.provisioning)
+        keep = int(job.spec.quantization.get("float_fallback", 0))  # the layer fallback's round (engines.build.gating)
         qreport: quantize_trt.TrtQuantReport | quantize.QuantReport
         if isinstance(recipe, quantize_trt.TrtQuantRecipe):
-            qreport = quantize_trt.quantize_int8_trt(model, out, tensors, recipe=replace(recipe, fp16_casts=fp16_casts),
-                                                     keep_float=keep)
+            qreport = quantize_trt.quantize_int8_trt(model, out, frames, recipe=replace(recipe, fp16_casts=fp16_casts),
+                                                     keep_float=keep, stats=stats)
         else:
-            qreport = quantize.quantize_int8(model, out, tensors, settings=recipe, keep_float=keep)
+            qreport = quantize.quantize_int8(model, out, frames, settings=recipe, keep_float=keep, stats=stats)
     report["quantization"] = jsonable(qreport)
     if qreport.kept_float:
         report["notes"].append("INT8 layer fallback: kept in float " + ", ".join(

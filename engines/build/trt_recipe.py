@@ -33,7 +33,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 import onnx
@@ -42,6 +42,10 @@ from onnx import numpy_helper
 from engines.build import fp16
 from engines.build.graph_rewrites import op_type_counts, save_atomic
 from engines.errors import ModelError
+
+if TYPE_CHECKING:
+    from engines.build.calibration_stats import Shared, StatsStore
+    from engines.build.ort_recipe import Calibration
 
 log = logging.getLogger(__name__)
 
@@ -97,42 +101,32 @@ class TrtQuantReport:
     op_counts: dict[str, int] = field(default_factory=dict)
     #: The INT8 layer fallback's choice (engines.build.sensitivity), as in engines.build.ort_recipe.QuantReport.
     kept_float: list[dict[str, Any]] = field(default_factory=list)
+    #: What the calibration and the ranking cost, and what came from an earlier round (as in QuantReport).
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
-def quantize_int8_trt(fp32_onnx: Path, out_onnx: Path, calibration: Iterable[np.ndarray] | list[np.ndarray], *,
-                      recipe: TrtQuantRecipe = TRT_RECIPE, keep_float: int = 0) -> TrtQuantReport:
+def quantize_int8_trt(fp32_onnx: Path, out_onnx: Path, calibration: "Calibration", *,
+                      recipe: TrtQuantRecipe = TRT_RECIPE, keep_float: int = 0,
+                      stats: "StatsStore | None" = None) -> TrtQuantReport:
     """Quantize `fp32_onnx` for TensorRT into `out_onnx` (replaced atomically; temp files removed).
 
-    `calibration` yields preprocessed input tensors (or {input: tensor} dicts) and is consumed once.
+    `calibration` yields preprocessed input tensors (or {input: tensor} dicts), or is a callable returning them
+    (called only when the frames are needed), and is consumed once.
     `keep_float` > 0: the layer fallback, ranked for symmetric int8 (engines.build.sensitivity); the ops reading
-    the worst `keep_float` activations get no Q/DQ and run in FP16/FP32.
+    the worst `keep_float` activations get no Q/DQ and run in FP16/FP32. `stats`: where the calibration ranges and
+    the ranking are kept for the next fallback round (engines.build.calibration_stats).
     The result is checked with `check_trt_qdq`; a violation is a ModelError, never a silent engine.
     """
-    from engines.build import ort_recipe as q
-
     t0 = time.perf_counter()
     fp32_onnx, out_onnx = Path(fp32_onnx), Path(out_onnx)
     out_onnx.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_onnx.name}.", suffix=".trtquant", dir=out_onnx.parent))
     try:
-        opset = recipe.fp16_opset if recipe.fp16_casts else recipe.opset
-        model, rewrites = q._prepare(fp32_onnx, opset, recipe.simplify)
-        inits = {t.name for t in model.graph.initializer}
-        inputs = [vi for vi in model.graph.input if vi.name not in inits]
-        excluded: list[str] = []
-        kept: list[dict[str, Any]] = []
-        if keep_float > 0:
-            q._name_nodes(model)
-            calibration = list(calibration)
-            chosen, excluded = q._fallback_nodes(model, calibration, inputs, keep_float, symmetric=True,
-                                                 quantized=lambda _p, cs: any(c.op_type in recipe.op_types for c in cs))
-            kept = [t.to_dict() for t in chosen]
-        reader = q._Reader(calibration, inputs)
         prepared, quantized = tmp / "prepared.onnx", tmp / "quantized.onnx"
-        onnx.save(model, str(prepared))
-        del model
+        rewrites, inputs = _write_prepared(fp32_onnx, prepared, recipe)
+        shared, excluded, kept = _shared_stats(prepared, calibration, inputs, recipe, keep_float, stats, tmp)
         t1 = time.perf_counter()
-        _quantize_static(prepared, quantized, reader, recipe, excluded)
+        _quantize_static(prepared, quantized, shared.ranges, recipe, excluded)
         t2 = time.perf_counter()
         qmodel = onnx.load(str(quantized))
         _unshare_qdq(qmodel, set(recipe.op_types))
@@ -142,43 +136,74 @@ def quantize_int8_trt(fp32_onnx: Path, out_onnx: Path, calibration: Iterable[np.
         if problems:
             raise ModelError("the TensorRT Q/DQ model breaks the recipe: " + "; ".join(problems[:5]))
         save_atomic(qmodel, out_onnx)
-        report = TrtQuantReport(out_onnx, recipe.key_dict(), reader.count, t2 - t1, 0.0, rewrites,
-                                quantized_ops(qmodel), op_type_counts(qmodel), kept)
+        report = TrtQuantReport(out_onnx, recipe.key_dict(), shared.report.samples, t2 - t1, 0.0, rewrites,
+                                quantized_ops(qmodel), op_type_counts(qmodel), kept, shared.report.to_dict())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report.total_s = time.perf_counter() - t0
     log.info("TensorRT Q/DQ %s -> %s in %.1fs (%d calibration samples)", fp32_onnx, out_onnx, report.total_s,
-             reader.count)
+             report.calibration_samples)
     return report
 
 
-def _quantize_static(prepared: Path, out: Path, reader: Any, recipe: TrtQuantRecipe,
-                     excluded: list[str] | None = None) -> None:
-    """ONNX Runtime's static quantizer with the options that give TensorRT's placement and types."""
-    from onnxruntime.quantization import (
-        CalibrationMethod,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
+def _write_prepared(fp32_onnx: Path, prepared: Path, recipe: TrtQuantRecipe) -> tuple[dict[str, int], list[Any]]:
+    """The prepared graph (exact rewrites, opset, unique node names) saved at `prepared`; its rewrites and the
+    graph inputs calibration feeds. Nodes are always named, so every fallback round prepares the same bytes."""
+    from engines.build import ort_recipe as q
 
-    methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
-               "percentile": CalibrationMethod.Percentile}
-    try:
-        method = methods[recipe.calibrate_method.lower()]
-    except KeyError:
-        raise ValueError(f"unsupported calibrate_method {recipe.calibrate_method!r}") from None
-    quantize_static(
-        str(prepared), str(out), reader, quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
+    opset = recipe.fp16_opset if recipe.fp16_casts else recipe.opset
+    model, rewrites = q._prepare(fp32_onnx, opset, recipe.simplify)
+    inits = {t.name for t in model.graph.initializer}
+    inputs = [vi for vi in model.graph.input if vi.name not in inits]
+    q._name_nodes(model)
+    onnx.save(model, str(prepared))
+    return rewrites, inputs
+
+
+def _shared_stats(prepared: Path, calibration: "Calibration", inputs: list[Any], recipe: TrtQuantRecipe,
+                  keep_float: int, stats: "StatsStore | None", work: Path
+                  ) -> tuple["Shared", list[str], list[dict[str, Any]]]:
+    """The calibration ranges and, for the layer fallback, the nodes left without Q/DQ and the tensors kept float."""
+    from engines.build import calibration_stats
+    from engines.build import ort_recipe as q
+
+    ranking = None
+    if keep_float > 0:
+        ops = set(recipe.op_types)
+        ranking = calibration_stats.RankingSpec(symmetric=True, quantized=lambda _p, cs: any(c.op_type in ops for c in cs),
+                                                tag="tensorrt-qdq:symmetric-int8:" + ",".join(sorted(ops)))
+    calibrator = calibration_stats.CalibratorSpec.of(recipe.op_types, recipe.calibrate_method, _EXTRA_OPTIONS)
+    shared = calibration_stats.shared(prepared, lambda: q._feeds(calibration, inputs), calibrator, store=stats,
+                                      ranking=ranking, work=work)
+    if shared.ranking is None:
+        return shared, [], []
+    chosen, excluded = q._chosen(shared.ranking, keep_float)
+    return shared, excluded, [t.to_dict() for t in chosen]
+
+
+#: quantize_static's extra options for TensorRT's placement and types.
+_EXTRA_OPTIONS: dict[str, Any] = {
+    "ActivationSymmetric": True, "WeightSymmetric": True,  # zero point 0 everywhere
+    "QuantizeBias": False,  # TensorRT fuses the float bias into the INT8 kernel
+    "AddQDQPairToWeight": True,  # float weight -> Q -> DQ, as TensorRT's parser expects
+    "QDQKeepRemovableActivations": True,  # keep Relu/Clip: exact, and TensorRT fuses them
+}
+
+
+def _quantize_static(prepared: Path, out: Path, ranges: Any, recipe: TrtQuantRecipe,
+                     excluded: list[str] | None = None) -> None:
+    """ONNX Runtime's static quantizer, on the calibration's `ranges`, with the options that give TensorRT's
+    placement and types."""
+    from onnxruntime.quantization import QuantFormat, QuantType
+
+    from engines.build import calibration_stats
+
+    method = calibration_stats.CalibratorSpec.of(recipe.op_types, recipe.calibrate_method, {}).ort_method()
+    calibration_stats.quantize_static_on(
+        prepared, out, ranges, quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
         weight_type=QuantType.QInt8, per_channel=True, reduce_range=False, calibrate_method=method,
         op_types_to_quantize=list(recipe.op_types), nodes_to_exclude=list(excluded or []),
-        extra_options={
-            "ActivationSymmetric": True, "WeightSymmetric": True,  # zero point 0 everywhere
-            "QuantizeBias": False,  # TensorRT fuses the float bias into the INT8 kernel
-            "AddQDQPairToWeight": True,  # float weight -> Q -> DQ, as TensorRT's parser expects
-            "OpTypesToExcludeOutputQuantization": list(recipe.op_types),  # Q/DQ on inputs only
-            "QDQKeepRemovableActivations": True,  # keep Relu/Clip: exact, and TensorRT fuses them
-        },
+        extra_options={**_EXTRA_OPTIONS, "OpTypesToExcludeOutputQuantization": list(recipe.op_types)},  # inputs only
     )
 
 
