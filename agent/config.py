@@ -100,7 +100,8 @@ class EnginesConfig(Strict):
     latency_runs: int = Field(20, ge=3, le=10000, description="Timed runs of the latency gate (after warm-up).")
     int8_fallback_rounds: int = Field(
         3, ge=0, le=3, description="An INT8 engine that fails its accuracy gate is rebuilt with its most "
-        "quantization-sensitive activations in float (2, then 8, then 32 of them), up to this many rounds; "
+        "quantization-sensitive activations in float (the worst 32 first: when even that fails, the search stops; when "
+        "it passes, 2 then 8 are tried for a faster engine), up to this many rounds; "
         "0: no fallback (the first failure is final).",
     )
     workspace_mb: int | None = Field(None, ge=16, description="TensorRT builder memory pool; default: from free memory.")
