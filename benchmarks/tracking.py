@@ -15,7 +15,13 @@
    / dwelled per class must equal the script's.
 3. Cost. Microseconds per frame of CameraTracking.update at N objects (with and without zones and lines), and of
    the library's update; off (the default config) registers no sink at all, and a camera whose model is not
-   tracked costs one dictionary look-up.
+   tracked costs one dictionary look-up. The goal's figure, `cost_goal`: tracker + zones at 50 objects (the
+   scripted scene's zone and line), the median over several repeats of the median per frame, with the repeats'
+   spread, judged against 500 us per frame.
+4. Agent fps. The real agent (agent.daemon.runner.Agent on the bundled detector and a synthetic camera paced
+   faster than the model serves it, so the pipeline is the limit) with tracking off and on (a zone and a line),
+   in interleaved rounds in one process: frames per second on / off per pair of rounds, median and spread,
+   goal >= 0.97 (`agent_fps_ratio`).
 Every figure is "no data" (null) when it could not be measured (no frames, the library or motmetrics missing).
 """
 
@@ -42,7 +48,11 @@ NO_DATA = {"accuracy.ours": "no frame with ground truth was scored (or motmetric
            "accuracy.library": "the `trackers` library or motmetrics is not installed "
                                  "(pip install trackers motmetrics)",
            "vs_library.mota_points": "no library score to compare with",
-           "cost_us_per_frame": "no frame was timed"}
+           "cost_us_per_frame": "no frame was timed",
+           "cost_goal.us_per_frame": "no frame was timed",
+           "agent_fps_ratio.ratio": "the agent produced no frame in a round (or could not start)"}
+COST_GOAL_US = 500.0
+FPS_RATIO_GOAL = 0.97
 Box = tuple[float, float, float, float]
 
 
@@ -338,6 +348,95 @@ def cost(objects: Sequence[int], frames: int, params: TrackerParams) -> dict[str
     return out
 
 
+def _spread(values: Sequence[float]) -> dict[str, float] | None:
+    return None if not values else {"min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def cost_goal(frames: int, repeats: int, params: TrackerParams, objects: int = 50) -> dict[str, Any]:
+    """Tracker + zones (the script's zone and line) at `objects`: per repeat the median µs per frame after a warm-up
+    (a fresh camera each time), then the median over the repeats and their spread, against COST_GOAL_US."""
+    warmup = min(10, frames // 4)
+    scene = generate(100 + objects, frames, objects)
+    config = scripted_config()
+    medians = []
+    for _ in range(repeats):
+        camera = CameraTracking("cam0", params, config.camera("cam0"))
+        p50 = _p50(_time_frames(scene, lambda k, f: camera.update(f.dets, k / FPS, SIZE)), warmup)
+        if p50 is not None:
+            medians.append(p50)
+    us = round(statistics.median(medians), 1) if medians else None
+    return {"objects": objects, "zones": 1, "lines": 1, "frames": frames, "repeats": repeats,
+            "us_per_frame": us, "spread_us": _spread(medians), "goal_us": COST_GOAL_US,
+            "cost_goal_met": None if us is None else us <= COST_GOAL_US}
+
+
+AGENT_CAMERA = {"kind": "synthetic", "width": 320, "height": 256, "fps": 1000}  # faster than the model: it limits
+
+
+def _agent_tracking(camera: dict[str, Any]) -> dict[str, Any]:
+    """[tracking] on for cam0 with a zone and a line over the synthetic camera's right half (as the agent test)."""
+    width, height = camera["width"], camera["height"]
+    x = width // 2
+    return {"enabled": True, "cameras": [{
+        "camera": "cam0", "lines": [{"name": "post", "points": [[x, 0], [x, height - 1]]}],
+        "zones": [{"name": "east", "polygon": [[x, 1], [width - 2, 1], [width - 2, height - 2], [x, height - 2]]}]}]}
+
+
+def agent_round(tracking: bool, seconds: float, workdir: Path, start_timeout: float = 60.0) -> float | None:
+    """Frames per second of one agent run, counted after its first processed frame; None when none came."""
+    from agent.config import AgentConfig
+    from agent.daemon.runner import Agent
+
+    cfg = AgentConfig(state_dir=workdir / ("state-on" if tracking else "state-off"), cache_dir=workdir / "engines",
+                      device_id="bench-tracking", camera=AGENT_CAMERA, model={"warmup_runs": 1},
+                      tracking=_agent_tracking(AGENT_CAMERA) if tracking else {"enabled": False})
+    agent = Agent(cfg)
+    try:
+        agent.start()
+        deadline = time.monotonic() + start_timeout
+        while agent.stats.frames == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        f0, t0 = agent.stats.frames, time.monotonic()
+        if f0 == 0:
+            return None
+        time.sleep(seconds)
+        frames, elapsed = agent.stats.frames - f0, time.monotonic() - t0
+    finally:
+        agent.stop()
+    return frames / elapsed if frames > 0 else None
+
+
+def agent_fps_ratio(rounds: int, seconds: float, workdir: Path | None = None) -> dict[str, Any]:
+    """Tracking off and on in interleaved rounds (off, on, on, off, ...: neither always goes first), one process;
+    the ratio on / off per pair, its median and spread. "no data" (None) when a round produced nothing or the agent
+    could not start."""
+    import tempfile
+
+    off: list[float] = []
+    on: list[float] = []
+    ratios: list[float] = []
+    error = None
+    with tempfile.TemporaryDirectory(prefix="bench-tracking-") as tmp:
+        root = workdir or Path(tmp)
+        try:
+            for k in range(rounds):
+                order = (False, True) if k % 2 == 0 else (True, False)
+                fps = {tracking: agent_round(tracking, seconds, root) for tracking in order}
+                if fps[False] is not None:
+                    off.append(fps[False])
+                if fps[True] is not None:
+                    on.append(fps[True])
+                if fps[False] and fps[True] is not None:
+                    ratios.append(fps[True] / fps[False])
+        except Exception as exc:  # noqa: BLE001 - a benchmark reports what it could not measure
+            error = f"{type(exc).__name__}: {exc}"
+    ratio = round(statistics.median(ratios), 4) if ratios else None
+    return {"rounds": rounds, "seconds_per_round": seconds, "camera": AGENT_CAMERA,
+            "fps_off": [round(v, 2) for v in off], "fps_on": [round(v, 2) for v in on],
+            "ratio": ratio, "spread": _spread(ratios), "goal": FPS_RATIO_GOAL,
+            "goal_met": None if ratio is None else ratio >= FPS_RATIO_GOAL, "error": error}
+
+
 def off_cost(frames: int) -> dict[str, Any]:
     """The default config registers no sink; a tracked camera whose model is switched off costs one look-up."""
     default_hub = build_tracking(TrackingConfig(), ["cam0"])
@@ -364,7 +463,8 @@ def off_cost(frames: int) -> dict[str, Any]:
 
 
 def summarize(acc: dict[str, Any], counts: dict[str, Any], costs: dict[str, Any], off: dict[str, Any],
-              quick: bool, sweep: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              quick: bool, sweep: list[dict[str, Any]] | None = None, goal_cost: dict[str, Any] | None = None,
+              fps_ratio: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON: headline figures, goals, and the reason for each figure that is "no data"."""
     ours, bare, lib = acc.get("ours"), acc.get("ours_no_coast"), acc.get("library")
 
@@ -380,9 +480,14 @@ def summarize(acc: dict[str, Any], counts: dict[str, Any], costs: dict[str, Any]
              "idf1_ge_0.85": None if ours is None else ours["idf1"] >= 0.85,
              "within_2_points_of_library": None if None in compared else all(v >= -2 for v in compared),
              "counts_exact": counts["exact"], "off_costs_nothing": not off["default_registers_sink"]}
+    goal_cost = goal_cost or {"us_per_frame": None, "spread_us": None, "goal_us": COST_GOAL_US,
+                              "cost_goal_met": None}
+    fps_ratio = fps_ratio or {"ratio": None, "spread": None, "goal": FPS_RATIO_GOAL, "goal_met": None}
+    goals["cost_goal_met"] = goal_cost["cost_goal_met"]
+    goals["agent_fps_ratio_ge_0.97"] = fps_ratio["goal_met"]
     result = {"benchmark": "tracking", "quick": quick, "machine": machine(), "accuracy": acc, "vs_library": vs,
-              "by_miss_rate": sweep, "counts": counts, "cost_us_per_frame": costs or None, "off": off,
-              "goals": goals}
+              "by_miss_rate": sweep, "counts": counts, "cost_us_per_frame": costs or None, "cost_goal": goal_cost,
+              "cost_goal_met": goal_cost["cost_goal_met"], "agent_fps_ratio": fps_ratio, "off": off, "goals": goals}
     result["no_data"] = no_data_reasons(result, NO_DATA)
     return result
 
@@ -409,6 +514,16 @@ def report(result: dict[str, Any]) -> None:
         print(f"{n:>4} objects: ours {shown(row['ours'], '.0f')} us/frame, with zones+lines "
               f"{shown(row['ours_zones_lines'], '.0f')}, library {shown(row['library'], '.0f')} "
               f"(library/ours {shown(ratio, '.2f')})")
+    goal = result["cost_goal"]
+    spread = goal["spread_us"] or {}
+    print(f"tracker + zones at {goal.get('objects', 50)} objects (1 zone, 1 line): "
+          f"{shown(goal['us_per_frame'], '.0f')} us/frame (repeats {shown(spread.get('min'), '.0f')}.."
+          f"{shown(spread.get('max'), '.0f')}), goal <= {goal['goal_us']:.0f}: {shown(goal['cost_goal_met'])}")
+    fps = result["agent_fps_ratio"]
+    spread = fps["spread"] or {}
+    print(f"agent fps tracking on / off: {shown(fps['ratio'], '.3f')} (pairs {shown(spread.get('min'), '.3f')}.."
+          f"{shown(spread.get('max'), '.3f')}; off {fps.get('fps_off')}, on {fps.get('fps_on')}), "
+          f"goal >= {fps['goal']}: {shown(fps['goal_met'])}")
     off = result["off"]
     print(f"off by default: sink registered {off['default_registers_sink']}; a model not tracked: "
           f"{shown(off['model_off_us_per_frame'], '.2f')} us/frame")
@@ -420,6 +535,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out/bench-tracking.json"))
     parser.add_argument("--seeds", type=positive_int, default=3, help="sequences per accuracy figure (full run)")
     parser.add_argument("--frames", type=positive_int, default=600, help="frames per sequence (full run)")
+    parser.add_argument("--rounds", type=positive_int, default=None,
+                        help="agent fps: pairs of rounds, tracking off and on (default 2 quick, 6 full)")
+    parser.add_argument("--round-s", type=float, default=None,
+                        help="agent fps: seconds per round (default 4 quick, 15 full)")
     args = parser.parse_args()
     params = TrackerParams()
     seeds, frames, objects = (1, 200, 10) if args.quick else (args.seeds, args.frames, 15)
@@ -427,7 +546,9 @@ def main() -> None:
     sweep = None if args.quick else [accuracy(seeds, frames, objects, miss, params) for miss in (0.0, 0.2, 0.3)]
     counts = scripted_counts()
     costs = cost((10, 50) if args.quick else (10, 50, 100), 60 if args.quick else 300, params)
-    result = summarize(acc, counts, costs, off_cost(200), args.quick, sweep)
+    goal_cost = cost_goal(60 if args.quick else 300, 3 if args.quick else 9, params)
+    fps_ratio = agent_fps_ratio(args.rounds or (2 if args.quick else 6), args.round_s or (4.0 if args.quick else 15.0))
+    result = summarize(acc, counts, costs, off_cost(200), args.quick, sweep, goal_cost, fps_ratio)
     report(result)
     write_json(args.out, result)
 

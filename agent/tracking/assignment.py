@@ -70,22 +70,28 @@ def hungarian(cost: np.ndarray) -> np.ndarray:
 
 def _groups(rows: np.ndarray, cols: np.ndarray) -> list[tuple[list[int], list[int]]]:
     """Connected groups of the bipartite graph whose edges are (rows[k], cols[k])."""
-    parent: dict[tuple[str, int], tuple[str, int]] = {}
+    if len(rows) == 0:
+        return []
+    offset = int(rows.max()) + 1  # node ids: a row r is r, a column c is offset + c
+    parent: dict[int, int] = {}
 
-    def find(node: tuple[str, int]) -> tuple[str, int]:
+    def find(node: int) -> int:
         while parent.setdefault(node, node) != node:
             parent[node] = parent[parent[node]]
             node = parent[node]
         return node
 
-    for r, c in zip(rows.tolist(), cols.tolist()):
-        a, b = find(("r", r)), find(("c", c))
+    for r, c in zip(rows.tolist(), (cols + offset).tolist()):
+        a, b = find(r), find(c)
         if a != b:
             parent[a] = b
-    groups: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+    groups: dict[int, tuple[list[int], list[int]]] = {}
     for node in list(parent):
         members = groups.setdefault(find(node), ([], []))
-        (members[0] if node[0] == "r" else members[1]).append(node[1])
+        if node < offset:
+            members[0].append(node)
+        else:
+            members[1].append(node - offset)
     return [(sorted(r), sorted(c)) for r, c in groups.values()]
 
 

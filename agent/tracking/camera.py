@@ -29,6 +29,8 @@ DROP_FACTOR = 3.0  # a gap this many usual intervals long is a drop, kept out of
 
 
 def _fields(item: DetectionLike) -> tuple[Sequence[float], float, int | None, str | None]:
+    if type(item) is dict:  # the common case first (a result's to_dict() form); a subclass takes the long way
+        return item["box"], item["score"], item.get("class_id"), item.get("label")
     if isinstance(item, Detection):
         return item.box, item.score, item.class_id, item.label
     return item["box"], item["score"], item.get("class_id"), item.get("label")
@@ -38,15 +40,23 @@ def detections_of(items: Sequence[DetectionLike]) -> tuple[Detections, np.ndarra
     """Arrays of the usable detections (finite boxes with width and height), and their indices among `items`."""
     if not items:
         return Detections.empty(), np.zeros(0, dtype=np.int64)
-    rows = [_fields(item) for item in items]
-    boxes = np.array([r[0] for r in rows], dtype=np.float64).reshape(-1, 4)
-    scores = np.array([r[1] for r in rows], dtype=np.float64)
+    rows = list(map(_fields, items))
+    boxes_in, scores_in, ids_in, labels_in = zip(*rows)
+    boxes = np.array(boxes_in, dtype=np.float64).reshape(-1, 4)
+    scores = np.array(scores_in, dtype=np.float64)
     usable = np.isfinite(boxes).all(axis=1) & np.isfinite(scores) & (boxes[:, 2] > boxes[:, 0]) & \
         (boxes[:, 3] > boxes[:, 1])
-    index = np.flatnonzero(usable)
-    kept = [rows[i] for i in index.tolist()]
-    keys = [r[3] if r[3] is not None else r[2] for r in kept]
-    return Detections(boxes[index], scores[index], keys, [r[2] for r in kept], [r[3] for r in kept]), index
+    if usable.all():  # the usual case: no row to leave out
+        index = np.arange(len(rows))
+        class_ids, labels = list(ids_in), list(labels_in)
+        boxes_kept, scores_kept = boxes, scores
+    else:
+        index = np.flatnonzero(usable)
+        picked = index.tolist()
+        class_ids, labels = [ids_in[i] for i in picked], [labels_in[i] for i in picked]
+        boxes_kept, scores_kept = boxes[index], scores[index]
+    keys = [label if label is not None else class_id for class_id, label in zip(class_ids, labels)]
+    return Detections(boxes_kept, scores_kept, keys, class_ids, labels), index
 
 
 class CameraTracking:
@@ -221,12 +231,16 @@ class CameraTracking:
                     events.append(zone.end(track.track_id, ts, self.epoch, "track_ended"))
             for line in self._lines:
                 line.end(track.track_id)
-        for track, box in zip(step.tracks, step.boxes):
+        boxes = step.boxes
+        centres = np.empty((len(boxes), 2))
+        centres[:, 0] = (boxes[:, 0] + boxes[:, 2]) / 2
+        centres[:, 1] = (boxes[:, 1] + boxes[:, 3]) / 2
+        for track, centre in zip(step.tracks, centres.tolist()):
             if track.detection >= 0:  # the trail holds where it was seen, from its first box on
-                track.trail.append((float(box[0] + box[2]) / 2, float(box[1] + box[3]) / 2))
-        rows = [k for k, t in enumerate(step.tracks) if t.state == CONFIRMED and t.detection >= 0]
+                track.add_point((centre[0], centre[1]))
         if not (self._zones or self._lines):
             return events
+        rows = [k for k, t in enumerate(step.tracks) if t.state == CONFIRMED and t.detection >= 0]
         tracks = [step.tracks[k] for k in rows]
         seen = Observed([int(t.track_id or 0) for t in tracks], [t.class_id for t in tracks],
                         [t.label for t in tracks], step.boxes[rows])
@@ -240,12 +254,16 @@ class CameraTracking:
                 count: int) -> TrackedResult:
         ids: list[int | None] = [None] * count
         boxes = step.boxes.copy()
-        for row, track in enumerate(step.tracks):
-            if track.detection >= 0:
-                boxes[row] = dets.boxes[track.detection]  # what the detector saw; the filter's box only coasts
-                if track.track_id is not None:
-                    ids[int(index[track.detection])] = track.track_id
-        views = [_view(track, box) for track, box in zip(step.tracks, boxes.tolist())]
+        seen = [(row, track.detection) for row, track in enumerate(step.tracks) if track.detection >= 0]
+        if seen:
+            rows, cols = np.array(seen, dtype=np.int64).T
+            boxes[rows] = dets.boxes[cols]  # what the detector saw; the filter's box only coasts
+            where = index[cols].tolist()
+            for k, row in enumerate(rows.tolist()):
+                track_id = step.tracks[row].track_id
+                if track_id is not None:
+                    ids[where[k]] = track_id
+        views = [_view(track, box) for track, box in zip(step.tracks, map(tuple, boxes.tolist()))]
         result = TrackedResult(self.camera, self.epoch, ts, views, events, ids, self._tracker.params.coast_frames,
                                self._frame_size)
         reported = result.reported()
@@ -258,6 +276,6 @@ class CameraTracking:
         return result
 
 
-def _view(track: TrackRecord, box: list[float]) -> TrackView:
-    return TrackView(track.track_id, track.state, (box[0], box[1], box[2], box[3]), track.score, track.class_id,
-                     track.label, track.age, track.hits, track.misses, tuple(track.trail))
+def _view(track: TrackRecord, box: tuple[float, float, float, float]) -> TrackView:
+    return TrackView.of(track.track_id, track.state, box, track.score, track.class_id, track.label, track.age,
+                        track.hits, track.misses, track.trail_view)

@@ -78,18 +78,40 @@ def _folds_back(a: Point, b: Point, c: Point, d: Point) -> bool:
     return (b[0] - a[0]) * (d[0] - c[0]) + (b[1] - a[1]) * (d[1] - c[1]) < 0
 
 
+class PolygonEdges:
+    """A polygon's ((K, 2) corners) edges, worked out once: the even-odd test and the distance to the nearest edge
+    for many points at once (a zone asks both every frame)."""
+
+    def __init__(self, polygon: np.ndarray) -> None:
+        polygon = np.asarray(polygon, dtype=np.float64)
+        self.x1, self.y1 = polygon[:, 0].copy(), polygon[:, 1].copy()
+        self.x2, self.y2 = np.roll(self.x1, -1), np.roll(self.y1, -1)
+        self.dx, self.dy = self.x2 - self.x1, self.y2 - self.y1
+        self.length2 = np.maximum(self.dx ** 2 + self.dy ** 2, EPS)
+
+    def contains(self, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+        """Even-odd rule: a bool per point."""
+        if len(xs) == 0:
+            return np.zeros(0, dtype=bool)
+        px, py = xs[:, None], ys[:, None]
+        straddles = (self.y1 > py) != (self.y2 > py)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            x_at = self.x1 + (py - self.y1) * self.dx / self.dy
+        hits = straddles & (px < x_at)
+        return np.count_nonzero(hits, axis=1) % 2 == 1
+
+    def distances(self, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+        """Distance of each point to the nearest edge, inside or out."""
+        if len(xs) == 0:
+            return np.zeros(0)
+        px, py = xs[:, None] - self.x1, ys[:, None] - self.y1
+        t = np.clip((px * self.dx + py * self.dy) / self.length2, 0.0, 1.0)
+        return np.hypot(px - t * self.dx, py - t * self.dy).min(axis=1)
+
+
 def points_in_polygon(xs: np.ndarray, ys: np.ndarray, polygon: np.ndarray) -> np.ndarray:
     """Even-odd rule for many points against one polygon ((K, 2) corners): a bool per point."""
-    if len(xs) == 0:
-        return np.zeros(0, dtype=bool)
-    x1, y1 = polygon[:, 0], polygon[:, 1]
-    x2, y2 = np.roll(x1, -1), np.roll(y1, -1)
-    px, py = xs[:, None], ys[:, None]
-    straddles = (y1 > py) != (y2 > py)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        x_at = x1 + (py - y1) * (x2 - x1) / (y2 - y1)
-    hits = straddles & (px < x_at)
-    return np.count_nonzero(hits, axis=1) % 2 == 1
+    return PolygonEdges(polygon).contains(xs, ys)
 
 
 def signed_distances(xs: np.ndarray, ys: np.ndarray, a: Point, b: Point) -> np.ndarray:
@@ -115,12 +137,4 @@ def crossing_on_segment(p: Point, q: Point, a: Point, b: Point) -> bool:
 
 def distances_to_polygon(xs: np.ndarray, ys: np.ndarray, polygon: np.ndarray) -> np.ndarray:
     """Distance of each point to the nearest edge of a polygon ((K, 2) corners), inside or out."""
-    if len(xs) == 0:
-        return np.zeros(0)
-    a = polygon
-    b = np.roll(polygon, -1, axis=0)
-    d = b - a
-    length2 = np.maximum((d ** 2).sum(axis=1), EPS)
-    px, py = xs[:, None] - a[None, :, 0], ys[:, None] - a[None, :, 1]
-    t = np.clip((px * d[None, :, 0] + py * d[None, :, 1]) / length2[None, :], 0.0, 1.0)
-    return np.hypot(px - t * d[None, :, 0], py - t * d[None, :, 1]).min(axis=1)
+    return PolygonEdges(polygon).distances(xs, ys)

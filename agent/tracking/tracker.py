@@ -44,6 +44,12 @@ class TrackRecord:
     misses: int = 0  # frames since its last match
     detection: int = -1  # index of this frame's detection it took, -1 for none
     trail: deque = field(default_factory=deque)
+    trail_view: tuple = ()  # tuple(trail), rebuilt only when the trail grows (views share it between frames)
+
+    def add_point(self, point: tuple[float, float]) -> None:
+        """Append an observed centre to the trail (and refresh its tuple)."""
+        self.trail.append(point)
+        self.trail_view = tuple(self.trail)
 
 
 @dataclass
@@ -78,7 +84,7 @@ class ByteTracker:
         self.params = params
         self._tracks: list[TrackRecord] = []
         self._mean = np.zeros((0, 8))
-        self._cov = np.zeros((0, 8, 8))
+        self._cov = np.zeros((0, 3, 4))
         self._next_id = 1
 
     @property
@@ -100,11 +106,15 @@ class ByteTracker:
         low = np.flatnonzero((scores >= p.low_score) & (scores < p.high_score))
         states = [t.state for t in self._tracks]
         pool = [i for i, s in enumerate(states) if s != TENTATIVE]
-        first, pool_left, high_left = self._match(pool, high, predicted, dets, p.match_iou, p.fuse_score)
-        second, _, _ = self._match([pool[i] for i in pool_left], low, predicted, dets, p.low_match_iou, False)
         tentative = [i for i, s in enumerate(states) if s == TENTATIVE]
+        # every track against every detection, once: each stage takes its rows and columns out of these
+        iou = iou_matrix(predicted, dets.boxes) if len(states) and len(scores) else None
+        if iou is not None and p.class_aware:
+            iou = np.where(self._same_class([t.class_key for t in self._tracks], dets.class_keys), iou, 0.0)
+        first, pool_left, high_left = self._match(pool, high, iou, dets, p.match_iou, p.fuse_score)
+        second, _, _ = self._match([pool[i] for i in pool_left], low, iou, dets, p.low_match_iou, False)
         free_high = high[high_left]
-        third, _, unclaimed = self._match(tentative, free_high, predicted, dets, p.tentative_match_iou, p.fuse_score)
+        third, _, unclaimed = self._match(tentative, free_high, iou, dets, p.tentative_match_iou, p.fuse_score)
         self._correct(first + second + third, dets)
         ended = self._age_unmatched()
         self._start(free_high[unclaimed], dets)
@@ -120,17 +130,15 @@ class ByteTracker:
         self._mean[lost, 7] = 0.0  # a lost box keeps its size (ByteTrack)
         self._mean, self._cov = kalman.predict(self._mean, self._cov, dt)
 
-    def _match(self, rows: Sequence[int], cols: np.ndarray, predicted: np.ndarray, dets: Detections,
+    def _match(self, rows: Sequence[int], cols: np.ndarray, iou: np.ndarray | None, dets: Detections,
                threshold: float, fuse: bool) -> tuple[list[tuple[int, int]], list[int], list[int]]:
-        """Matches (track row, detection index), and the positions in `rows` and `cols` left unmatched."""
-        if len(rows) == 0 or len(cols) == 0:
+        """Matches (track row, detection index), and the positions in `rows` and `cols` left unmatched. `iou`: every
+        track's predicted box against every detection (zero across classes when class_aware)."""
+        if len(rows) == 0 or len(cols) == 0 or iou is None:
             return [], list(range(len(rows))), list(range(len(cols)))
-        similarity = iou_matrix(predicted[list(rows)], dets.boxes[cols])
+        similarity = iou[np.asarray(rows)[:, None], cols]
         if fuse:
             similarity = similarity * dets.scores[cols][None, :]
-        if self.params.class_aware:
-            similarity = np.where(self._same_class([self._tracks[r].class_key for r in rows],
-                                                   [dets.class_keys[c] for c in cols]), similarity, 0.0)
         weights = np.where(similarity >= threshold, similarity - threshold + 1e-9, 0.0)
         pairs, rows_left, cols_left = assign(weights)
         return [(rows[r], int(cols[c])) for r, c in pairs], rows_left, cols_left
@@ -145,8 +153,7 @@ class ByteTracker:
     def _correct(self, pairs: list[tuple[int, int]], dets: Detections) -> None:
         if not pairs:
             return
-        rows = np.array([r for r, _ in pairs])
-        cols = np.array([c for _, c in pairs])
+        rows, cols = np.array(pairs, dtype=np.int64).T
         measured = kalman.boxes_to_xyah(dets.boxes[cols])
         self._mean[rows], self._cov[rows] = kalman.update(self._mean[rows], self._cov[rows], measured)
         for row, col in pairs:
@@ -205,6 +212,6 @@ class ByteTracker:
     def end_all(self) -> list[TrackRecord]:
         """Drop every track (a camera reset); ids start again at 1. Returns the tracks that were live."""
         ended, self._tracks = self._tracks, []
-        self._mean, self._cov = np.zeros((0, 8)), np.zeros((0, 8, 8))
+        self._mean, self._cov = np.zeros((0, 8)), np.zeros((0, 3, 4))
         self._next_id = 1
         return ended

@@ -28,6 +28,17 @@ class TrackView:
     misses: int  # frames since its last match
     trail: tuple[tuple[float, float], ...] = ()  # observed box centres, oldest first
 
+    @classmethod
+    def of(cls, track_id: int | None, state: str, box: tuple[float, float, float, float], score: float,
+           class_id: int | None, label: str | None, age: int, hits: int, misses: int,
+           trail: tuple[tuple[float, float], ...] = ()) -> "TrackView":
+        """The same as the constructor, without a frozen dataclass's per-field `object.__setattr__` (a camera builds
+        one view per track per frame)."""
+        view = object.__new__(cls)
+        view.__dict__.update(track_id=track_id, state=state, box=box, score=score, class_id=class_id, label=label,
+                             age=age, hits=hits, misses=misses, trail=trail)
+        return view
+
     def to_dict(self, trail: bool = False) -> dict[str, Any]:
         """Compact JSON form (the result message's `tracks`)."""
         out: dict[str, Any] = {"id": self.track_id, "state": self.state, "box": [round(v, 1) for v in self.box],

@@ -14,8 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from agent.tracking.config import LineConfig, ZoneConfig, _Shape
-from agent.tracking.geometry import (Point, crossing_on_segment, distances_to_polygon, points_in_polygon,
-                                     signed_distances)
+from agent.tracking.geometry import Point, PolygonEdges, crossing_on_segment, signed_distances
 from agent.tracking.types import DWELL, LINE_CROSS, ZONE_ENTER, ZONE_LEAVE, TrackEvent
 
 
@@ -71,6 +70,7 @@ class ZoneMonitor:
     def __init__(self, config: ZoneConfig, polygon: Sequence[Point], camera: str) -> None:
         self.config = config
         self.polygon = np.asarray(polygon, dtype=np.float64)
+        self._edges = PolygonEdges(self.polygon)
         self.camera = camera
         self.inside: dict[int, _Visit] = {}
         self.entered: dict[str, int] = {}
@@ -81,12 +81,13 @@ class ZoneMonitor:
         """Enter and leave events of the tracks seen, then dwell events of every visit (seen or not)."""
         events: list[TrackEvent] = []
         xs, ys = anchor_points(seen.boxes, self.config.anchor)
-        within = points_in_polygon(xs, ys, self.polygon)
-        clear = distances_to_polygon(xs, ys, self.polygon) >= _margins(seen.boxes, self.config.hysteresis)
-        for k, track_id in enumerate(seen.ids):
-            if not clear[k]:
-                continue  # on the edge, within the dead band: inside or out as before
-            visit = self.inside.get(track_id)
+        within = self._edges.contains(xs, ys)
+        clear = self._edges.distances(xs, ys) >= _margins(seen.boxes, self.config.hysteresis)
+        inside = self.inside
+        for k in np.flatnonzero(clear & (within != np.array([i in inside for i in seen.ids], dtype=bool))).tolist():
+            # (on the edge, within the dead band: inside or out as before; and only a change of side matters)
+            track_id = seen.ids[k]
+            visit = inside.get(track_id)
             if within[k] and visit is None and _accepts(self.config, seen.class_ids[k], seen.labels[k]):
                 name = class_name(seen.class_ids[k], seen.labels[k])
                 self.inside[track_id] = _Visit(ts, name)
@@ -144,11 +145,14 @@ class LineMonitor:
         xs, ys = anchor_points(seen.boxes, self.config.anchor)
         distances = signed_distances(xs, ys, self.a, self.b)
         margins = np.maximum(_margins(seen.boxes, self.config.hysteresis), 1e-9)
-        for k, track_id in enumerate(seen.ids):
-            if abs(distances[k]) < margins[k]:
-                continue  # on the line, within the dead band: the side is what it was
-            side = 1 if distances[k] > 0 else -1
-            point = (float(xs[k]), float(ys[k]))
+        clear = ~(np.abs(distances) < margins)  # within the dead band on the line, the side is what it was
+        if not clear.any():
+            return events
+        xs_list, ys_list, positive = xs.tolist(), ys.tolist(), (distances > 0).tolist()
+        for k in np.flatnonzero(clear).tolist():
+            track_id = seen.ids[k]
+            side = 1 if positive[k] else -1
+            point = (xs_list[k], ys_list[k])
             before = self.sides.get(track_id)
             self.sides[track_id] = (side, point)
             if before is None or before[0] == side or not crossing_on_segment(before[1], point, self.a, self.b):
