@@ -490,29 +490,10 @@ def _noise(w: int, h: int, seed: int) -> Any:
 
 
 def _deep_outliers(path: Path, stages: int) -> Path:
-    """`stages` pairs of convs that spread channel 0 by 1e4 and back: INT8 zeroes the small channels of every
-    spread tensor, and more of them than the fallback's largest set (32) can stay float."""
-    import numpy as np
-    from onnx import TensorProto, helper, numpy_helper
+    """`stages` pairs of convs that spread channel 0 by 1e4 and back (tests.engine_fixtures.deep_outliers_model)."""
+    from tests.engine_fixtures import deep_outliers_model
 
-    from tests.engine_fixtures import save_graph
-
-    up = np.diag([1e4, 1.0, 1.0]).astype(np.float32).reshape(3, 3, 1, 1)
-    down = np.diag([1e-4, 1.0, 1.0]).astype(np.float32).reshape(3, 3, 1, 1)
-    total = np.zeros((1, 3, 1, 1), np.float32)
-    total[0, 1] = total[0, 2] = 1.0
-    nodes, name = [], "x"
-    for i in range(stages):
-        nodes += [helper.make_node("Conv", [name, "up"], [f"spread{i}"], name=f"spread{i}"),
-                  helper.make_node("Conv", [f"spread{i}", "down"], [f"back{i}"], name=f"back{i}")]
-        name = f"back{i}"
-    nodes.append(helper.make_node("Conv", [name, "sum"], ["y"], name="sum"))
-    inits = [numpy_helper.from_array(up, "up"), numpy_helper.from_array(down, "down"),
-             numpy_helper.from_array(total, "sum")]
-    graph = helper.make_graph(nodes, "deep_outliers",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, "h", "w"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1, "h", "w"])], inits)
-    return save_graph(graph, path)
+    return deep_outliers_model(path, stages)
 
 
 # ----------------------------------------------------------------------------------------------- main

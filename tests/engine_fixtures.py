@@ -31,6 +31,27 @@ def save_graph(graph: onnx.GraphProto, path: Path, opset: int = 13, check: bool 
     return _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), path, check)
 
 
+def deep_outliers_model(path: Path, stages: int, name: str = "deep_outliers") -> Path:
+    """`stages` outlier pairs in a row (spread channel 0 by 1e4, then back): every pair's spread tensor loses
+    channels 1 and 2 to INT8, so each must stay float for the output to survive -- more stages than the layer
+    fallback's largest round (32) can never all stay float. The INT8 fallback's tests and benchmark share it."""
+    up = np.diag([1e4, 1.0, 1.0]).astype(np.float32).reshape(3, 3, 1, 1)
+    down = np.diag([1e-4, 1.0, 1.0]).astype(np.float32).reshape(3, 3, 1, 1)
+    total = np.zeros((1, 3, 1, 1), np.float32)
+    total[0, 1] = total[0, 2] = 1.0
+    nodes, last = [], "x"
+    for i in range(stages):
+        nodes += [helper.make_node("Conv", [last, "up"], [f"spread{i}"], name=f"spread{i}"),
+                  helper.make_node("Conv", [f"spread{i}", "down"], [f"back{i}"], name=f"back{i}")]
+        last = f"back{i}"
+    nodes.append(helper.make_node("Conv", [last, "sum"], ["y"], name="sum"))
+    inits = [numpy_helper.from_array(up, "up"), numpy_helper.from_array(down, "down"),
+             numpy_helper.from_array(total, "sum")]
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, "h", "w"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1, "h", "w"])], inits)
+    return save_graph(graph, path)
+
+
 def conv_model(path: Path, channels: int = 4, dynamic: bool = True, seed: int = 0) -> Path:
     """x (N,3,H,W) -> 1x1 Conv -> Relu -> y: fast to build, exact in fp32, well-behaved in int8."""
     rng = np.random.default_rng(seed)

@@ -15,7 +15,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from engines.build.job import Builder
 from engines.build.cache import EngineCache
@@ -29,7 +28,7 @@ from engines.runtime import load_runtime
 from engines.build.sensitivity import channel_error, keep_float, rank_tensors
 from engines.metrics import box_agreement
 from tests import pages
-from tests.engine_fixtures import outlier_model, save_graph, source
+from tests.engine_fixtures import deep_outliers_model, outlier_model, source
 from tests.real_models import DOCLAYNET, DOCLAYNET_LABELS, wheel_member
 
 FAST = dict(backend="onnxruntime", precision="int8", validation_samples=3, latency_runs=3)
@@ -40,22 +39,8 @@ def _provision(src, tmp: Path, **kwargs):
 
 
 def _deep_outliers(path: Path, stages: int) -> Path:
-    """`stages` outlier pairs in a row (spread 1e4 on channel 0, then back): every pair's spread tensor loses
-    channels 1 and 2 to INT8, so more than the fallback's largest round (32) can never all stay float."""
-    up = np.diag([1e4, 1.0, 1.0]).astype(np.float32).reshape(3, 3, 1, 1)
-    down = np.diag([1e-4, 1.0, 1.0]).astype(np.float32).reshape(3, 3, 1, 1)
-    total = np.zeros((1, 3, 1, 1), np.float32)
-    total[0, 1] = total[0, 2] = 1.0
-    nodes, name = [], "x"
-    for i in range(stages):
-        nodes += [helper.make_node("Conv", [name, "up"], [f"spread{i}"], name=f"spread{i}"),
-                  helper.make_node("Conv", [f"spread{i}", "down"], [f"back{i}"], name=f"back{i}")]
-        name = f"back{i}"
-    nodes.append(helper.make_node("Conv", [name, "sum"], ["y"], name="sum"))
-    inits = [numpy_helper.from_array(up, "up"), numpy_helper.from_array(down, "down"), numpy_helper.from_array(total, "sum")]
-    graph = helper.make_graph(nodes, "deep_outliers", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, "h", "w"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1, "h", "w"])], inits)
-    return save_graph(graph, path)
+    """tests.engine_fixtures.deep_outliers_model."""
+    return deep_outliers_model(path, stages)
 
 
 def test_channel_error_sees_what_a_whole_tensor_snr_hides() -> None:

@@ -26,7 +26,7 @@ from engines.build.graph_rewrites import make_static_shape
 from engines.build.provisioning import provision
 from engines.errors import EdgeError
 from engines.build.cache import EngineCache
-from tests.engine_fixtures import outlier_model, save_graph, source
+from tests.engine_fixtures import deep_outliers_model, outlier_model, save_graph, source
 
 
 def _frames(shape: tuple[int, ...], count: int = 6) -> list[np.ndarray]:
@@ -181,22 +181,8 @@ def test_the_tensorrt_recipe_reuses_them_too(tmp_path: Path, monkeypatch: pytest
 
 
 def _stages(path: Path, stages: int) -> Path:
-    """`stages` outlier pairs (spread channel 0 by 1e4, then back): every spread tensor must stay float to pass."""
-    up = np.diag([1e4, 1.0, 1.0]).astype(np.float32).reshape(3, 3, 1, 1)
-    down = np.diag([1e-4, 1.0, 1.0]).astype(np.float32).reshape(3, 3, 1, 1)
-    total = np.zeros((1, 3, 1, 1), np.float32)
-    total[0, 1] = total[0, 2] = 1.0
-    nodes, name = [], "x"
-    for i in range(stages):
-        nodes += [helper.make_node("Conv", [name, "up"], [f"spread{i}"], name=f"spread{i}"),
-                  helper.make_node("Conv", [f"spread{i}", "down"], [f"back{i}"], name=f"back{i}")]
-        name = f"back{i}"
-    nodes.append(helper.make_node("Conv", [name, "sum"], ["y"], name="sum"))
-    inits = [numpy_helper.from_array(up, "up"), numpy_helper.from_array(down, "down"),
-             numpy_helper.from_array(total, "sum")]
-    graph = helper.make_graph(nodes, "stages", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, "h", "w"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1, "h", "w"])], inits)
-    return save_graph(graph, path)
+    """tests.engine_fixtures.deep_outliers_model."""
+    return deep_outliers_model(path, stages, "stages")
 
 
 def test_a_provision_calibrates_once_for_all_its_fallback_rounds_and_logs_each_round(
