@@ -11,24 +11,80 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
-    """p50/p95/p99/max/mean of a list of milliseconds."""
+NO_DATA = "no data"
+PERCENTILE_KEYS = ("p50", "p95", "p99", "max", "mean")
+
+
+def percentiles(samples_ms: Sequence[float]) -> dict[str, float | None]:
+    """p50/p95/p99/max/mean of a list of milliseconds; every key null for an empty sample (no data, never 0)."""
     ordered = sorted(samples_ms)
     if not ordered:
-        return {}
+        return dict.fromkeys(PERCENTILE_KEYS)
 
     def pick(q: float) -> float:
         return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
     return {"p50": round(pick(50), 2), "p95": round(pick(95), 2), "p99": round(pick(99), 2),
             "max": round(ordered[-1], 2), "mean": round(statistics.fmean(ordered), 2)}
+
+
+def median(values: Iterable[float | None], digits: int | None = None) -> float | None:
+    """The median of the values that were measured (None ones left out); None when there are none."""
+    measured = [v for v in values if v is not None]
+    if not measured:
+        return None
+    middle = statistics.median(measured)
+    return middle if digits is None else round(middle, digits)
+
+
+def extreme(values: Iterable[float | None], pick: Callable[..., float] = max) -> float | None:
+    """max (or `pick`: min) of the values that were measured; None when there are none."""
+    return pick((v for v in values if v is not None), default=None)
+
+
+def ratio(numerator: float | None, denominator: float | None, digits: int = 3) -> float | None:
+    """numerator / denominator, rounded (digits 0: a whole number); None (no data) when either is missing or the
+    denominator is not > 0."""
+    if numerator is None or denominator is None or not denominator > 0:
+        return None
+    return round(numerator / denominator, digits) if digits else round(numerator / denominator)
+
+
+def shown(value: Any, spec: str = "") -> str:
+    """A number for a printed line: formatted with `spec`, or "no data" when it was not measured."""
+    return NO_DATA if value is None else format(value, spec)
+
+
+def no_data_reasons(result: dict[str, Any], reasons: dict[str, str]) -> dict[str, str]:
+    """For the JSON's `no_data`: each headline (a dotted path into `result`) that came out null, with the reason
+    the benchmark gives for it. Empty when everything was measured."""
+    def value(path: str) -> Any:
+        node: Any = result
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    return {path: why for path, why in reasons.items() if value(path) is None}
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts of rounds, iterations, rows: at least 1 (0 would leave a sample empty)."""
+    import argparse
+
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return number
 
 
 def machine() -> dict[str, Any]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -42,7 +41,7 @@ import _common  # noqa: F401  (puts the repo on sys.path)
 import cv2
 import numpy as np
 import psutil
-from _common import ROOT, busy_loops, machine, write_json
+from _common import ROOT, busy_loops, extreme, machine, median, no_data_reasons, positive_int, ratio, shown, write_json
 
 from agent.adapt.config import AdaptConfig
 from agent.config import AgentConfig
@@ -73,6 +72,16 @@ GOALS = {"adaptive_windows_within_budget": (">=", 0.95), "adaptive_top_variant_s
 HOG_MIN_EFFECT = 1.15  # the hog must raise FP32's p99 at least this much for the runs to show anything
 MAX_LOAD = 2.0  # `uptime` 1-min load above this: the machine is not idle, the numbers are not the goals'
 SWITCH_SPAN_S = 1.0  # gaps between results within this of a switch count as "around" it
+# A calibration run lasts its seconds *and* until FP32 delivered this many results after the first 3 (a busy
+# machine delivers fewer per second), or EVIDENCE_DEADLINE_S more: then no window is "no data", not a crash.
+CALIBRATION_RESULTS = 5
+EVIDENCE_DEADLINE_S = 30.0
+NO_DATA = {"latency_budget_ms": "FP32 finished no 1-s window in calibration (idle or under the hog): no budget, "
+                                "so the three runs were not made",
+           "adaptive_windows_within_budget": "no run (no budget) or no 1-s window in the runs",
+           "fixed_fp32_windows_within_budget": "no run (no budget) or no 1-s window in the runs",
+           "adaptive_top_variant_share": "no run (no budget) or no frame served",
+           "switches": "no run (no budget)", "frames_lost": "no run (no budget)"}
 
 
 def build_family(work: Path, cache: Path, variants: list[str] = VARIANTS,
@@ -210,9 +219,9 @@ def summarize(run: Run, raw: dict[str, Any], total_s: float, budget: float, top:
     wins = windows(run.records, raw["start"], total_s, budget)
     served = [v for _, _, v in run.records]
     lost = raw["produced"] - len(served) - raw["dropped"] - raw["unread"]
-    return {"windows_within_budget": round(sum(w["ok"] for w in wins) / len(wins), 3),
-            "top_variant_share": round(served.count(top) / len(served), 3) if served else 0.0,
-            "top_variant_time_share": round(sum(w["variant"] == top for w in wins) / len(wins), 3),
+    return {"windows_within_budget": ratio(sum(w["ok"] for w in wins), len(wins)),
+            "top_variant_share": ratio(served.count(top), len(served)),
+            "top_variant_time_share": ratio(sum(w["variant"] == top for w in wins), len(wins)),
             "frames": len(served), "frames_produced": raw["produced"], "frames_dropped": raw["dropped"],
             "frames_lost": lost, "errors": raw["errors"], "switches": len(raw["switches"]),
             **switch_gaps([t for t, _, _ in run.records], raw["swaps"], raw["switches"], raw["start"]),
@@ -225,21 +234,22 @@ def switch_gaps(done: list[float], swaps: list[tuple[float, float]], switches: l
     """The median gap between two results, and per switch the largest gap within SWITCH_SPAN_S of its swap."""
     done = sorted(done)
     pairs = list(zip(done, done[1:]))
-    median = statistics.median(b - a for a, b in pairs) if pairs else None
+    middle = median(b - a for a, b in pairs)
     around = []
     for (began, returned), record in zip(swaps, switches):
         near = [b - a for a, b in pairs if b >= began - SWITCH_SPAN_S and a <= returned + SWITCH_SPAN_S]
-        gap = max(near) if near else None
+        gap = extreme(near)
         around.append({"t": round(began - start, 2), "from": record["from"], "to": record["to"],
                        "max_gap_ms": round(gap * 1e3, 1) if gap is not None else None,
-                       "vs_median": round(gap / median, 2) if gap is not None and median else None})
-    return {"median_gap_ms": round(median * 1e3, 1) if median is not None else None, "switch_gaps": around}
+                       "vs_median": ratio(gap, middle, 2)})
+    return {"median_gap_ms": round(middle * 1e3, 1) if middle is not None else None, "switch_gaps": around}
 
 
 def judge_goals(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each goal with the value measured and whether it passed."""
     check = {">=": lambda v, g: v >= g, "<=": lambda v, g: v <= g, "==": lambda v, g: v == g}
-    return {name: {"goal": f"{op} {goal}", "value": report[name], "pass": bool(check[op](report[name], goal))}
+    return {name: {"goal": f"{op} {goal}", "value": report[name],  # no data passes no goal
+                   "pass": report[name] is not None and bool(check[op](report[name], goal))}
             for name, (op, goal) in GOALS.items()}
 
 
@@ -262,12 +272,16 @@ def fp32_windows(loaded: list[LoadedModel], family: Any, seconds: float, hog_pro
         cam.start()
         start = time.monotonic()
         time.sleep(seconds)
+        deadline = time.monotonic() + EVIDENCE_DEADLINE_S
+        while len(run.records) < 3 + CALIBRATION_RESULTS and time.monotonic() < deadline:
+            time.sleep(0.1)
+        elapsed = time.monotonic() - start
         run.stop.set()
         run.mailbox.close()
         run.worker.join(5)
         cam.join(5)
     records = run.records[3:]  # first frames pay for warm caches
-    return [w["p99"] for w in windows(records, start, seconds, math.inf) if w["p99"] is not None]
+    return [w["p99"] for w in windows(records, start, elapsed, math.inf) if w["p99"] is not None]
 
 
 def calibrate(loaded: list[LoadedModel], family: Any, seconds: float, factor: float, hog_procs: int) -> dict[str, Any]:
@@ -276,9 +290,18 @@ def calibrate(loaded: list[LoadedModel], family: Any, seconds: float, factor: fl
     the hog -- where the hog barely slows FP32, a budget it cannot break would make every goal pass without a
     single switch (no evidence). Windows, not one p99 over the run: the goals count windows, and on a VM the
     idle p99 itself wanders (22 to 40 ms for FP32 here within minutes), so its worst window is the idle bar."""
-    idle = fp32_windows(loaded, family, seconds)
-    hogged = fp32_windows(loaded, family, seconds, hog_procs)
-    idle_p99, idle_worst, hog_median = statistics.median(idle), max(idle), statistics.median(hogged)
+    return budget_from(fp32_windows(loaded, family, seconds), fp32_windows(loaded, family, seconds, hog_procs), factor)
+
+
+def budget_from(idle: list[float], hogged: list[float], factor: float) -> dict[str, Any]:
+    """calibrate's numbers from FP32's idle and hogged window p99s; no budget (None) when either list is empty."""
+    idle_p99, idle_worst, hog_median = median(idle), extreme(idle), median(hogged)
+    if idle_p99 is None or idle_worst is None or hog_median is None:
+        print(f"no data: FP32 finished {len(idle)} idle and {len(hogged)} hogged 1-s windows in calibration: "
+              "no latency budget", flush=True)
+        return {"fp32_idle_p99_ms": idle_p99, "fp32_idle_worst_window_p99_ms": idle_worst,
+                "fp32_hog_p99_ms": hog_median, "latency_budget_ms": None, "budget_rule": None, "hog_effect": None,
+                "hog_too_weak": None}
     by_factor, midpoint = round(idle_worst * factor, 1), round((idle_worst + hog_median) / 2, 1)
     weak = hog_median < idle_worst * HOG_MIN_EFFECT
     budget = by_factor if weak else min(by_factor, midpoint)  # a weak hog: no cap (it would sit below idle)
@@ -288,7 +311,7 @@ def calibrate(loaded: list[LoadedModel], family: Any, seconds: float, factor: fl
               "in its worst idle window: the hog barely loads this machine and the runs show little", flush=True)
     return {"fp32_idle_p99_ms": round(idle_p99, 1), "fp32_idle_worst_window_p99_ms": round(idle_worst, 1),
             "fp32_hog_p99_ms": round(hog_median, 1), "latency_budget_ms": budget, "budget_rule": rule,
-            "hog_effect": round(hog_median / idle_p99, 3), "hog_too_weak": weak}
+            "hog_effect": ratio(hog_median, idle_p99), "hog_too_weak": weak}
 
 
 def plot(path: Path, results: dict[str, dict], budget: float, total_s: float, names: list[str]) -> None:
@@ -337,8 +360,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run (seconds): 0.5/1/0.5 s phases instead of "
                         "30/30/30, one round, a family at 320x224 (small: 256x224), the engine cache in a temporary "
                         "directory; JSON written, no goals judged")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds of the three runs, order rotated (default 3; "
-                        "--quick: 1)")
+    parser.add_argument("--rounds", type=positive_int, default=None,
+                        help="rounds of the three runs, order rotated (default 3; --quick: 1)")
     parser.add_argument("--budget-factor", type=float, default=1.5,
                         help="budget = factor x FP32's worst idle 1-s window p99, capped at the midpoint of that and "
                         "its median window under the hog")
@@ -365,23 +388,28 @@ def main() -> None:
         calibration = calibrate(loaded, family, QUICK["calibrate_s"] if args.quick else 20.0, args.budget_factor,
                                 args.hog_procs)
         budget = calibration["latency_budget_ms"]
-        print(f"fp32 p99 idle {calibration['fp32_idle_p99_ms']} ms, under the hog {calibration['fp32_hog_p99_ms']} ms "
-              f"-> budget {budget} ms ({calibration['budget_rule']})", flush=True)
+        print(f"fp32 p99 idle {shown(calibration['fp32_idle_p99_ms'])} ms, under the hog "
+              f"{shown(calibration['fp32_hog_p99_ms'])} ms -> budget {shown(budget)} ms ({calibration['budget_rule']})",
+              flush=True)
         modes = ["fixed_fp32", "fixed_cheapest", "adaptive"]
         rounds: list[dict[str, dict]] = []
-        for r in range(args.rounds):
+        for r in range(args.rounds if budget is not None else 0):  # no budget: nothing to run the policy against
             results = {}
             for mode in modes[r % 3:] + modes[:r % 3]:
                 print(f"round {r + 1}: {mode} ({total:.0f} s) ...", flush=True)
                 run = Run(mode, family, loaded, budget, args.hog_procs, policy)
                 results[mode] = summarize(run, run.execute(phases), total, budget, loaded[0].variant)
-                print(f"  within budget {results[mode]['windows_within_budget']}, top share "
-                      f"{results[mode]['top_variant_share']}, switches {results[mode]['switches']}", flush=True)
+                print(f"  within budget {shown(results[mode]['windows_within_budget'])}, top share "
+                      f"{shown(results[mode]['top_variant_share'])}, switches {results[mode]['switches']}", flush=True)
             rounds.append(results)
         for m in loaded:
             m.runtime.close()
     load_after, warn_after = load_warning("after the runs")
-    mean = lambda mode, key: round(sum(r[mode][key] for r in rounds) / len(rounds), 3)  # noqa: E731
+
+    def mean(mode: str, key: str) -> float | None:
+        values = [r[mode][key] for r in rounds if r[mode][key] is not None]
+        return ratio(sum(values), len(values))
+
     report = {
         "benchmark": "adaptive", "quick": args.quick, "phases_s": phases, "camera_fps": CAMERA_FPS,
         "variants": variants, "policy": policy, "hog_procs": args.hog_procs, **calibration,
@@ -390,13 +418,14 @@ def main() -> None:
         "fixed_cheapest_windows_within_budget": mean("fixed_cheapest", "windows_within_budget"),
         "adaptive_top_variant_share": mean("adaptive", "top_variant_share"),
         "adaptive_top_variant_time_share": mean("adaptive", "top_variant_time_share"),
-        "switches": max(r["adaptive"]["switches"] for r in rounds),
-        "frames_lost": sum(r[m]["frames_lost"] for r in rounds for m in modes),
+        "switches": extreme(r["adaptive"]["switches"] for r in rounds),
+        "frames_lost": sum(r[m]["frames_lost"] for r in rounds for m in modes) if rounds else None,
         "median_gap_ms": mean("adaptive", "median_gap_ms") if all(r["adaptive"]["median_gap_ms"] for r in rounds) else None,
-        "max_switch_gap_ms": max((g["max_gap_ms"] or 0 for r in rounds for g in r["adaptive"]["switch_gaps"]), default=None),
+        "max_switch_gap_ms": extreme(g["max_gap_ms"] for r in rounds for g in r["adaptive"]["switch_gaps"]),
         "load_before": load_before, "load_after": load_after,
         "load_warnings": [w for w in (warn_before, warn_after) if w], "machine": machine(), "rounds": rounds,
     }
+    report["no_data"] = no_data_reasons(report, NO_DATA)
     goals = judge_goals(report)
     if not args.quick:  # seconds-long runs say nothing about the goals
         report["goals"] = goals
@@ -404,9 +433,12 @@ def main() -> None:
     write_json(args.out, report)
     default_plot = (Path(tempfile.gettempdir()) / "bench-adaptive-quick.png" if args.quick
                     else ROOT / "out" / "bench-adaptive.png")
-    plot(args.plot or (args.out.with_suffix(".png") if args.out else default_plot),
-         rounds[-1], budget, total, [m.variant for m in loaded])
+    if rounds:
+        plot(args.plot or (args.out.with_suffix(".png") if args.out else default_plot),
+             rounds[-1], budget, total, [m.variant for m in loaded])
     print({k: v for k, v in report.items() if k not in ("rounds", "machine", "goals")})
+    for key, why in report["no_data"].items():
+        print(f"no data: {key}: {why}")
     if args.quick:
         print("quick: no goals judged")
         return

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import machine, write_json
+from _common import extreme, machine, no_data_reasons, positive_int, ratio, shown, write_json
 
 from agent.config import AgentConfig
 from agent.artifacts.demo_model import prepare_demo_model_dir
@@ -80,6 +80,10 @@ SATURATION = 2.0  # saturated cameras offer this many times the batch-1 engine's
 BATCHING_GOAL = 1.25
 CEILING_FOR_GOAL = 1.3  # the robust curve's ceiling from which BATCHING_GOAL applies; below it, 90 % of its gain
 SHARE_OF_CEILING = 0.9
+NO_DATA = {"auto_vs_batch1_small": "the batch-1 runs of the small workload delivered no frame",
+           "auto_vs_batch1_small_saturated": "the batch-1 runs of the saturated workload delivered no frame",
+           "auto_vs_batch1_large": "the batch-1 runs of the large workload delivered no frame",
+           "frames_lost": "no run with a swap"}
 PROMISE_GOAL = 0.9  # delivered ratio / the ratio the build curve promises for the size auto ran
 SERVED = 0.95  # auto serving this share of the cameras' offered rate has nothing left to gain
 GOALS = {"auto_vs_batch1_small": f">= {BATCHING_GOAL} where the robust curve's ceiling is >= {CEILING_FOR_GOAL}, "
@@ -198,7 +202,7 @@ def _run_report(worker: InferenceWorker, stats: FrameStats, batcher: Batcher, el
     report = {
         "max_size": max_size, "seconds": round(elapsed, 2), "frames": stats.frames, "batches": worker.batches,
         "fps": round(stats.frames / elapsed, 3), "camera_fps": per_camera,
-        "fairness_min_over_max": round(min(rates) / max(rates), 3) if max(rates) > 0 else 0.0,
+        "fairness_min_over_max": ratio(min(rates), max(rates)),  # None: no camera delivered a frame (no data)
         "glass_to_result_ms": stats.latency.summary(), "stages_ms": stats.stage_means(),
         "dropped_frames": batcher.dropped,
         "errors": stats.errors, "frames_lost": delivered - stats.frames, "camera_events": len(events),
@@ -228,8 +232,8 @@ def rounds_of(runtimes: dict[str, Any], sizes: dict[str, int], camera_fps: dict[
                 runs[f"{workload}_{mode}"].append(report)
                 print(f"round {round_no + 1} {workload:15s} {mode:6s} (batch {report['start_size']}->"
                       f"{report['end_size']}): {report['fps']:7.2f} fps  "
-                      f"p99 {report['glass_to_result_ms'].get('p99', 0):7.1f} ms  "
-                      f"fairness {report['fairness_min_over_max']:.2f}  lost {report['frames_lost']}")
+                      f"p99 {shown(report['glass_to_result_ms'].get('p99'), '7.1f')} ms  "
+                      f"fairness {shown(report['fairness_min_over_max'], '.2f')}  lost {report['frames_lost']}")
     return runs
 
 
@@ -242,7 +246,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], workload: str) -> dict[str,
         out[mode] = {"fps": round(frames / seconds, 3) if seconds else 0.0, "max_size": reports[0]["max_size"],
                      "p99_glass_to_result_ms": [r["glass_to_result_ms"].get("p99") for r in reports],
                      "p50_glass_to_result_ms": [r["glass_to_result_ms"].get("p50") for r in reports],
-                     "fairness_min_over_max": min(r["fairness_min_over_max"] for r in reports),
+                     "fairness_min_over_max": extreme((r["fairness_min_over_max"] for r in reports), min),
                      "dropped_frames": sum(r["dropped_frames"] for r in reports),
                      "frames_lost": sum(r["frames_lost"] for r in reports)}
     out["auto_vs_batch1"] = round(out["auto"]["fps"] / out["batch1"]["fps"], 3) if out["batch1"]["fps"] else None
@@ -293,7 +297,7 @@ def between_builds(builds: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=15.0, help="Seconds per run.")
-    parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds.")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="Interleaved rounds.")
     parser.add_argument("--retune-s", type=float, default=2.0, help="The live tuner's interval in the auto runs "
                         "(the agent's default is 10 s; shorter lets it settle within a run).")
     parser.add_argument("--builds", type=int, default=3, help="Separate builds of the small engine, for the "
@@ -345,6 +349,7 @@ def main() -> None:
     result = build_result(runs, sizes, reasons, curves, limits, camera_fps, args)
     result["curve_builds"] = curve_builds
     result["between_builds"] = between_builds(curve_builds)
+    result["no_data"] = no_data_reasons(result, NO_DATA)
     print_result(result)
     if args.quick:
         print("quick: no goals judged")
@@ -364,7 +369,7 @@ def build_result(runs: dict, sizes: dict, reasons: dict, curves: dict, limits: d
         summary.update(limits[workload])
         summary["promised"] = promised(summary, curves[workload])
     swap_runs = [r for r in runs["small_auto"] if "swap" in r]
-    fairness = {w: min(s["auto"]["fairness_min_over_max"], s["batch1"]["fairness_min_over_max"])
+    fairness = {w: extreme((s["auto"]["fairness_min_over_max"], s["batch1"]["fairness_min_over_max"]), min)
                 for w, s in summaries.items()}
     frames_lost = swap_runs[0]["frames_lost"] if swap_runs else None
     return {
@@ -436,7 +441,8 @@ def verdicts(summaries: dict[str, Any], fairness: dict[str, float], frames_lost:
         "auto_vs_batch1_small": _batching_verdict(summaries["small"]),
         "auto_vs_batch1_small_saturated": _batching_verdict(summaries["small_saturated"]),
         "auto_vs_batch1_large": large_verdict,
-        "fairness_min_over_max": ("met" if min(fairness.values()) >= 0.9 else "missed") + f" ({fairness})",
+        "fairness_min_over_max": ("no data" if None in fairness.values() else
+                                  "met" if min(fairness.values()) >= 0.9 else "missed") + f" ({fairness})",
         "delivered_over_promised": {w: _promise_verdict(summaries[w]) for w in ("small", "small_saturated")},
         "frames_lost": "no swap run" if frames_lost is None else ("met" if frames_lost == 0 else "missed")
         + f" ({frames_lost})",
@@ -450,7 +456,7 @@ def print_result(result: dict[str, Any]) -> None:
         for mode in ("auto", "batch1"):
             r = result[workload][mode]
             p99 = "/".join(f"{v:.0f}" for v in r["p99_glass_to_result_ms"] if v is not None)
-            print(f"{workload + ' ' + mode:22s} {r['fps']:8.2f} {p99:>18s} {r['fairness_min_over_max']:9.2f}")
+            print(f"{workload + ' ' + mode:22s} {r['fps']:8.2f} {p99:>18s} {shown(r['fairness_min_over_max'], '9.2f')}")
     print(f"auto_vs_batch1_small {result['auto_vs_batch1_small']}  auto_vs_batch1_small_saturated "
           f"{result['auto_vs_batch1_small_saturated']} (batch {result['auto_batch_size_small_saturated']})  "
           f"auto_vs_batch1_large {result['auto_vs_batch1_large']}  frames_lost {result['frames_lost']}")
@@ -465,6 +471,8 @@ def print_result(result: dict[str, Any]) -> None:
                 print(f"    {mode} batch {size}: {row}")
     if result.get("between_builds"):
         print(f"small curve over {len(result['curve_builds'])} builds: {result['between_builds']}")
+    for key, why in result.get("no_data", {}).items():
+        print(f"no data: {key}: {why}")
 
 
 if __name__ == "__main__":

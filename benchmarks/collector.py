@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import paho.mqtt.client as mqtt  # noqa: E402
 import psutil  # noqa: E402
 
-from benchmarks._common import ROOT, percentiles, write_json  # noqa: E402
+from benchmarks._common import ROOT, no_data_reasons, percentiles, ratio, write_json  # noqa: E402
 from deploy.fleet.db import open_db  # noqa: E402
 from tests.fixtures_mqtt import fleet_broker_settings  # noqa: E402
 from deploy.fleet.schema import ensure_schema  # noqa: E402
@@ -56,6 +56,8 @@ QUICK = {"devices": 100, "backlog": 1_000, "steady_s": 1, "kill_s": 1, "naive_ba
 PREFIX, GROUP, BOOT = "bench", "bench", "bench-boot"
 PUBLISHERS = 4
 PROBE = "probe"  # device of the messages that find out whether the collectors subscribed (not counted)
+NO_DATA = {"lag_p99_s.sqlite": "no telemetry row stored in the steady phase's window",
+           "lag_p99_s.postgresql": "no telemetry row stored in the steady phase's window"}
 
 
 def start_mosquitto(workdir: Path) -> tuple[subprocess.Popen, str]:
@@ -276,7 +278,7 @@ def lag_p99(db_url: str, since: float, until: float) -> dict[str, float]:
                                                   (since, until))]
     finally:
         db.close()
-    return {k: round(v / 1000, 3) for k, v in percentiles(lags).items()}
+    return {k: ratio(v, 1000) for k, v in percentiles(lags).items()}  # null for every key when no row (no data)
 
 
 def stats(db_url: str) -> dict[str, float]:
@@ -298,7 +300,7 @@ def run_collectors(db_url: str, cfg: dict[str, Any], workdir: Path) -> dict[str,
         collectors.start_all()
         drain_s = wait_rows(db_url, base + cfg["backlog"], 600)
         burst = {"backlog": cfg["backlog"], "drain_s": round(drain_s, 2),
-                 "ingest_msgs_per_s": round(cfg["backlog"] / drain_s)}
+                 "ingest_msgs_per_s": ratio(cfg["backlog"], drain_s, 0)}
         steady = steady_phase(fleet, collectors, db_url, cfg["steady_s"])
         kill = kill_phase(fleet, collectors, db_url, cfg["kill_s"])
         collectors.stop()
@@ -320,7 +322,7 @@ def steady_phase(fleet: Fleet, collectors: Collectors, db_url: str, seconds: flo
     rate = sent / (t1 - t0)
     return {"seconds": round(t1 - t0, 1), "msgs_per_s": round(rate), "lag_s": lag_p99(db_url, t0, t1),
             "cpu_s_per_s": round(cpu / (t1 - t0), 3),
-            "cpu_per_1000_msgs_s": round(cpu / (t1 - t0) / (rate / 1000), 3)}
+            "cpu_per_1000_msgs_s": ratio(cpu * 1000, sent)}  # None: nothing sent in the phase (no data)
 
 
 def kill_phase(fleet: Fleet, collectors: Collectors, db_url: str, seconds: float) -> dict[str, Any]:
@@ -429,7 +431,8 @@ def bench_one(kind: str, cfg: dict[str, Any]) -> dict[str, Any]:
         result = run_collectors(new_db(), cfg, workdir)
         print(f"[{kind}] naive collector: backlog of {cfg['naive_backlog']}", flush=True)
         result["naive"] = run_naive(new_db(), cfg["naive_backlog"], workdir, cfg["devices"])
-        result["vs_naive"] = round(result["burst"]["ingest_msgs_per_s"] / max(result["naive"]["ingest_msgs_per_s"], 1), 1)
+        naive = max(result["naive"]["ingest_msgs_per_s"], 1)
+        result["vs_naive"] = ratio(result["burst"]["ingest_msgs_per_s"], naive, 1)
         print(f"[{kind}] {json.dumps({k: result[k] for k in ('burst', 'steady', 'lost', 'duplicated', 'vs_naive')})}",
               flush=True)
         return result
@@ -438,8 +441,9 @@ def bench_one(kind: str, cfg: dict[str, Any]) -> dict[str, Any]:
 def verdict(results: dict[str, Any]) -> dict[str, bool]:
     out = {}
     for kind, r in results.items():
-        out[f"{kind}_ingest"] = r["burst"]["ingest_msgs_per_s"] >= GOALS["ingest_msgs_per_s"]
-        out[f"{kind}_lag"] = r["steady"]["lag_s"].get("p99", 1e9) <= GOALS["lag_p99_s"]
+        ingest, lag = r["burst"]["ingest_msgs_per_s"], r["steady"]["lag_s"]["p99"]  # None (no data) meets no goal
+        out[f"{kind}_ingest"] = ingest is not None and ingest >= GOALS["ingest_msgs_per_s"]
+        out[f"{kind}_lag"] = lag is not None and lag <= GOALS["lag_p99_s"]
         out[f"{kind}_lost"] = r["lost"] == 0
         out[f"{kind}_duplicated"] = r["duplicated"] == 0
     return out
@@ -457,17 +461,18 @@ def main() -> int:
     report = {"benchmark": "collector", "mode": "quick" if args.quick else "full", "config": cfg,
               "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "goals": GOALS,
               "results": results, "ingest_msgs_per_s": {k: r["burst"]["ingest_msgs_per_s"] for k, r in results.items()},
-              "lag_p99_s": {k: r["steady"]["lag_s"].get("p99") for k, r in results.items()},
+              "lag_p99_s": {k: r["steady"]["lag_s"]["p99"] for k, r in results.items()},
               "cpu_per_1000_msgs_s": {k: r["steady"]["cpu_per_1000_msgs_s"] for k, r in results.items()},
               "lost": sum(r["lost"] for r in results.values()),
               "duplicated": sum(r["duplicated"] for r in results.values()),
               "vs_naive": {k: r["vs_naive"] for k, r in results.items()}}
+    report["no_data"] = no_data_reasons(report, {k: v for k, v in NO_DATA.items() if k.split(".")[1] in results})
     met = verdict(results)
     if not args.quick:
         report["met"] = met
     write_json(args.out, report)
     print(json.dumps({k: report[k] for k in ("ingest_msgs_per_s", "lag_p99_s", "cpu_per_1000_msgs_s", "lost",
-                                             "duplicated", "vs_naive", "met") if k in report}, indent=1))
+                                             "duplicated", "vs_naive", "met", "no_data") if k in report}, indent=1))
     if args.quick:
         print("quick: no goals judged")
         return 0

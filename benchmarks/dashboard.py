@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, machine, percentiles, write_json  # noqa: F401  (ROOT puts the repository on sys.path)
+from _common import ROOT  # noqa: F401  (ROOT puts the repository on sys.path)
+from _common import extreme, machine, median, no_data_reasons, percentiles, positive_int, ratio, shown, write_json
 
 import psutil  # noqa: E402
 
@@ -37,6 +37,10 @@ from deploy.fleet.db import open_db  # noqa: E402
 from deploy.fleet.schema import ensure_schema  # noqa: E402
 
 GOALS = {"fleet_p99_loaded_s": 0.5, "rss_mb": 200}
+NO_DATA = {"fleet_idle_ms.p99": "no /api/fleet request finished in an idle phase",
+           "fleet_loaded_ms.p99": "no /api/fleet request finished under the hostile page's load",
+           "loaded_vs_idle_p99": "no round with both an idle and a loaded /api/fleet request",
+           "hostile_page_ms.p50": "no hostile page request finished", "rss_mb_max": "no RSS sample"}
 
 
 def fill(url: str, events: int, now: float) -> None:
@@ -84,7 +88,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--quick", action="store_true", help="100k events, 4 s, 2 rounds")
     args = parser.parse_args()
     events, seconds, rounds = (100_000, 4.0, 2) if args.quick else (args.events, args.seconds, args.rounds)
@@ -110,18 +114,19 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
     report.update({"machine": machine(), "events": events, "fill_s": round(fill_s, 1), "goals": GOALS})
-    print(f"/api/fleet p99: idle {report['fleet_idle_ms']['p99']} ms, under the hostile page's load "
-          f"{report['fleet_loaded_ms']['p99']} ms (ratio {report['loaded_vs_idle_p99']}, rounds "
-          f"{report['loaded_vs_idle_p99_rounds']}); hostile page {report['hostile_page_ms']['p50']} ms p50, "
-          f"{report['hostile_page_bytes']} bytes; dashboard RSS max {report['rss_mb_max']} MB")
+    report["no_data"] = no_data_reasons(report, NO_DATA)
+    print(f"/api/fleet p99: idle {shown(report['fleet_idle_ms']['p99'])} ms, under the hostile page's load "
+          f"{shown(report['fleet_loaded_ms']['p99'])} ms (ratio {shown(report['loaded_vs_idle_p99'])}, rounds "
+          f"{report['loaded_vs_idle_p99_rounds']}); hostile page {shown(report['hostile_page_ms']['p50'])} ms p50, "
+          f"{report['hostile_page_bytes']} bytes; dashboard RSS max {shown(report['rss_mb_max'])} MB")
+    for key, why in report["no_data"].items():
+        print(f"no data: {key}: {why}")
     write_json(args.out, report)
 
 
 def measure(base: str, seconds: float, rounds: int, proc: psutil.Process) -> dict[str, Any]:
-    idle_all: list[float] = []
-    loaded_all: list[float] = []
+    phases: list[tuple[list[float], list[float]]] = []  # (idle, loaded) /api/fleet ms per round
     hostile: list[float] = []
-    ratios: list[float] = []
     sizes: list[int] = []
     rss: list[float] = []
     for _ in range(rounds):
@@ -142,14 +147,26 @@ def measure(base: str, seconds: float, rounds: int, proc: psutil.Process) -> dic
         stop.set()
         for t in threads:
             t.join(120)
-        idle_all += idle
-        loaded_all += loaded
-        ratios.append(round(percentiles(loaded)["p99"] / max(percentiles(idle)["p99"], 1e-6), 2))
+        phases.append((idle, loaded))
+    return summarize(phases, hostile, sizes, rss)
+
+
+def summarize(phases: list[tuple[list[float], list[float]]], hostile: list[float], sizes: list[int],
+              rss: list[float]) -> dict[str, Any]:
+    """The report from each round's (idle, loaded) /api/fleet times, the hostile page's times and sizes and the RSS
+    samples; a number with nothing under it is null (no data)."""
+    idle_all = [ms for idle, _ in phases for ms in idle]
+    loaded_all = [ms for _, loaded in phases for ms in loaded]
+    ratios = []
+    for idle, loaded in phases:
+        idle_p99 = percentiles(idle)["p99"]
+        ratios.append(ratio(percentiles(loaded)["p99"], None if idle_p99 is None else max(idle_p99, 1e-6), 2))
+    rss_max = extreme(rss)
     return {"fleet_idle_ms": percentiles(idle_all), "fleet_loaded_ms": percentiles(loaded_all),
-            "loaded_vs_idle_p99": round(statistics.median(ratios), 2), "loaded_vs_idle_p99_rounds": ratios,
-            "hostile_page_ms": percentiles(hostile), "hostile_page_bytes": max(sizes, default=0),
-            "rss_mb_max": round(max(rss, default=0.0), 1),
-            "fleet_p99_loaded_s": round(percentiles(loaded_all)["p99"] / 1e3, 3)}
+            "loaded_vs_idle_p99": median(ratios, 2), "loaded_vs_idle_p99_rounds": ratios,
+            "hostile_page_ms": percentiles(hostile), "hostile_page_bytes": extreme(sizes),
+            "rss_mb_max": None if rss_max is None else round(rss_max, 1),
+            "fleet_p99_loaded_s": ratio(percentiles(loaded_all)["p99"], 1e3)}
 
 
 def timed(url: str, seconds: float, rss: list[float], proc: psutil.Process) -> list[float]:

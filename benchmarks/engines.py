@@ -33,6 +33,7 @@ from engines.build.provisioning import ProvisionResult, load_provisioned, provis
 from engines.runtime import ModelRuntime, load_runtime  # noqa: E402
 from engines.build.validate import accuracy, latency_stats
 from engines.frames import validation_frames  # noqa: E402
+from benchmarks._common import positive_int, ratio  # noqa: E402
 
 WIDTH, HEIGHT = 640, 480
 
@@ -112,9 +113,9 @@ def run(iterations: int, accuracy_frames: int, work: Path, calibration_frames: i
         "fp32_ms": latency["fp32"]["mean"], "int8_ms": latency["int8"]["mean"],
         "fp32_p99_ms": latency["fp32"]["p99"], "int8_p99_ms": latency["int8"]["p99"],
         "ort_session_ms": latency["ort_session"]["mean"],
-        "int8_speedup": round(latency["fp32"]["mean"] / latency["int8"]["mean"], 3),
-        "int8_speedup_p50": round(latency["fp32"]["p50"] / latency["int8"]["p50"], 3),
-        "int8_speedup_vs_session": round(latency["ort_session"]["mean"] / latency["int8"]["mean"], 3),
+        "int8_speedup": ratio(latency["fp32"]["mean"], latency["int8"]["mean"]),
+        "int8_speedup_p50": ratio(latency["fp32"]["p50"], latency["int8"]["p50"]),
+        "int8_speedup_vs_session": ratio(latency["ort_session"]["mean"], latency["int8"]["mean"]),
         "fp32_accuracy": round(acc["fp32"], 4), "int8_accuracy": round(acc["int8"], 4),
         "accuracy_metric": "text-mask IoU vs the FP32 ONNX model", "accuracy_frames": accuracy_frames,
         "calibration_frames": calibration_frames or "16 generated",
@@ -144,7 +145,7 @@ def render(report: dict[str, Any], judge: bool = True) -> str:
                  f"{report['int8_speedup_vs_session']}x vs a plain session; load average {report['machine']['load_avg']}")
     if not judge:
         return "\n".join(lines + ["(quick run: no goals judged)"])
-    goals = (report["int8_speedup"] >= 1.5 and report["int8_accuracy"] >= 0.9, report["warm_load_s"] <= 1.0)
+    goals = ((report["int8_speedup"] or 0) >= 1.5 and report["int8_accuracy"] >= 0.9, report["warm_load_s"] <= 1.0)
     lines.append(f"goals: int8 >= 1.5x at IoU >= 0.9: {'met' if goals[0] else 'NOT met'}; "
                  f"warm load <= 1.0 s: {'met' if goals[1] else 'NOT met'}")
     return "\n".join(lines)
@@ -154,8 +155,8 @@ def main() -> int:
     """Run the benchmark, print the table, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the JSON report here")
-    parser.add_argument("--iterations", type=int, default=30, help="timed runs per engine")
-    parser.add_argument("--accuracy-frames", type=int, default=8, help="frames with text for the mask IoU")
+    parser.add_argument("--iterations", type=positive_int, default=30, help="timed runs per engine")
+    parser.add_argument("--accuracy-frames", type=positive_int, default=8, help="frames with text for the mask IoU")
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 timed runs, 2 accuracy frames, INT8 "
                         "calibrated on 4 frames, JSON written, no goals judged")
     args = parser.parse_args()

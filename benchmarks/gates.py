@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, machine, write_json  # noqa: F401  (ROOT puts the repository on sys.path)
+from _common import ROOT, machine, positive_int, write_json  # noqa: F401  (ROOT puts the repository on sys.path)
 
 import cv2  # noqa: E402
 
@@ -310,8 +310,8 @@ def live_sample_cost(rounds: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--iterations", type=positive_int, default=10)
     parser.add_argument("--quick", action="store_true", help="smoke run (seconds): every case on few frames, "
                         "2 rounds x 1 call, JSON written, no goals judged")
     args = parser.parse_args()

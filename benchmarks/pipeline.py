@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -51,7 +50,7 @@ import _common  # noqa: F401  (puts the repo on sys.path)
 import cv2
 import numpy as np
 import onnxruntime as ort
-from _common import busy_loops, machine, percentiles, write_json
+from _common import busy_loops, machine, median, no_data_reasons, percentiles, positive_int, ratio, shown, write_json
 
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.cameras import CameraGroup
@@ -153,6 +152,9 @@ CAMERA_FPS_FLOOR = 30.0  # a typical camera: "auto" never offers less
 CAMERA_OVER_BARE = 1.5  # "auto" offers this many times the bare loop's rate: the engine, not the camera, limits
 CAMERA_FPS_MAX = 1000.0  # SyntheticConfig's upper bound
 QUICK_SECONDS = 0.5  # --quick: per loop and for the warm-up (a smoke run: every loop runs, nothing is judged)
+NO_DATA = {key: f"a loop it divides by did no frame in its time ({what})" for key, what in (
+    ("agent_vs_bare", "bare"), ("overlap_vs_inline", "inline"), ("agent_vs_naive", "naive"),
+    ("agent_vs_naive_p99", "naive latencies or agent processing latencies"), ("agent_vs_bare_loaded", "bare, loaded"))}
 
 
 def camera_fps_setting(value: str) -> float | str:
@@ -221,7 +223,7 @@ def interleaved(names, rounds, label, run) -> tuple[dict, list, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=15.0, help="Seconds per loop per round.")
-    parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds.")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="Interleaved rounds.")
     parser.add_argument("--camera-fps", type=camera_fps_setting, default="auto",
                         help="Synthetic camera rate for the agent loop; auto: max(30, 1.5 x the bare loop's fps "
                         "in a warm-up), so the engine, not the camera, limits the agent loop.")
@@ -278,13 +280,13 @@ def main() -> None:
         "naive_fps": round(fps["naive"], 3),
         "agent_fps": round(fps["agent"], 3),
         "inline_fps": round(fps["inline"], 3),
-        "agent_vs_bare": round(fps["agent"] / fps["bare"], 3),
+        "agent_vs_bare": ratio(fps["agent"], fps["bare"]),
         "agent_vs_bare_rounds": _round_ratios(totals, "agent", "bare"),
         "agent_vs_bare_median": _median(_round_ratios(totals, "agent", "bare")),
-        "overlap_vs_inline": round(fps["agent"] / fps["inline"], 3),
+        "overlap_vs_inline": ratio(fps["agent"], fps["inline"]),
         "overlap_vs_inline_rounds": _round_ratios(totals, "agent", "inline"),
         "overlap_vs_inline_median": _median(_round_ratios(totals, "agent", "inline")),
-        "agent_vs_naive": round(fps["agent"] / fps["naive"], 3),
+        "agent_vs_naive": ratio(fps["agent"], fps["naive"]),
         "bare_latency_ms": percentiles(totals["bare"][2]),
         "naive_latency_ms": percentiles(totals["naive"][2]),
         "agent_latency_ms": agent_latency,
@@ -293,17 +295,17 @@ def main() -> None:
         "camera_fps": camera_fps, "camera_fps_setting": args.camera_fps, "warmup_bare_fps": warmup_bare_fps,
         "seconds_per_loop": args.seconds * args.rounds,
         "machine": machine(),
-        "agent_vs_naive_p99": round(_merge([s.processing for s in agent_stats]).get("p99", 0)
-                                    / percentiles(totals["naive"][2])["p99"], 3),
+        "agent_vs_naive_p99": ratio(_merge([s.processing for s in agent_stats]).get("p99"),
+                                    percentiles(totals["naive"][2])["p99"]),
         "bare_fps_loaded": round(fps_loaded["bare"], 3),
         "agent_fps_loaded": round(fps_loaded["agent"], 3),
         "inline_fps_loaded": round(fps_loaded["inline"], 3),
-        "agent_vs_bare_loaded": round(fps_loaded["agent"] / fps_loaded["bare"], 3),
+        "agent_vs_bare_loaded": ratio(fps_loaded["agent"], fps_loaded["bare"]),
         "agent_vs_bare_loaded_rounds": _round_ratios(loaded, "agent", "bare"),
         "agent_vs_bare_loaded_median": _median(_round_ratios(loaded, "agent", "bare")),
-        "overlap_vs_inline_loaded": round(fps_loaded["agent"] / fps_loaded["inline"], 3),
+        "overlap_vs_inline_loaded": ratio(fps_loaded["agent"], fps_loaded["inline"]),
         "worker_fps_loaded": round(fps_loaded["worker"], 3),
-        "worker_vs_bare_loaded": round(fps_loaded["worker"] / fps_loaded["bare"], 3),
+        "worker_vs_bare_loaded": ratio(fps_loaded["worker"], fps_loaded["bare"]),
         "worker_vs_bare_loaded_rounds": _round_ratios(loaded, "worker", "bare"),
         "worker_vs_bare_loaded_median": _median(_round_ratios(loaded, "worker", "bare")),
         "overlap_vs_inline_loaded_rounds": _round_ratios(loaded, "agent", "inline"),
@@ -318,12 +320,14 @@ def main() -> None:
         "goal": {"agent_vs_bare": ">= 0.97", "agent_vs_naive": ">= 1.0 at equal or better p99",
                  "agent_vs_bare_loaded": ">= 0.95", "overlap_vs_inline": ">= 1.0 (idle and loaded)"},
     }
+    result["no_data"] = no_data_reasons(result, NO_DATA)
     print()
     print(f"{'loop':9s} {'fps':>8s} {'p50 ms':>8s} {'p99 ms':>8s}")
     rows = (("bare", "bare", result["bare_latency_ms"]), ("naive", "naive", result["naive_latency_ms"]),
             ("agent", "agent", agent_latency["processing"]), ("agent g2r", "agent", agent_latency["glass_to_result"]))
     for label, name, lat in rows:
-        print(f"{label:9s} {result[name + '_fps']:8.2f} {lat.get('p50', 0):8.1f} {lat.get('p99', 0):8.1f}")
+        p50, p99 = shown(lat.get("p50"), "8.1f"), shown(lat.get("p99"), "8.1f")
+        print(f"{label:9s} {result[name + '_fps']:8.2f} {p50:>8s} {p99:>8s}")
     print("(agent = pickup to result, as bare/naive are timed; agent g2r = capture to result, incl. mailbox wait)")
     print(f"agent_vs_bare {result['agent_vs_bare']}  agent_vs_naive {result['agent_vs_naive']}  "
           f"agent_vs_bare_loaded {result['agent_vs_bare_loaded']} (1 core busy: bare {result['bare_fps_loaded']}, "
@@ -336,19 +340,21 @@ def main() -> None:
           f"agent_vs_bare_loaded rounds {result['agent_vs_bare_loaded_rounds']}")
     print(f"worker_vs_bare_loaded {result['worker_vs_bare_loaded']} (no camera; rounds "
           f"{result['worker_vs_bare_loaded_rounds']})")
+    for key, why in result["no_data"].items():
+        print(f"no data: {key}: {why}")
     if args.quick:
         print("quick: no goals judged")
     write_json(args.out, result)
 
 
-def _round_ratios(totals: dict, name: str, base: str) -> list[float]:
-    """Each round's fps of `name` over `base`'s in the same round."""
-    return [round(a / b, 3) for a, b in zip(totals[name][3], totals[base][3])]
+def _round_ratios(totals: dict, name: str, base: str) -> list[float | None]:
+    """Each round's fps of `name` over `base`'s in the same round (None: `base` did no frame in it)."""
+    return [ratio(a, b) for a, b in zip(totals[name][3], totals[base][3])]
 
 
-def _median(values: list[float]) -> float | None:
+def _median(values: list[float | None]) -> float | None:
     """The median of per-round ratios: one round hit by a burst of load elsewhere does not move it."""
-    return round(statistics.median(values), 3) if values else None
+    return median(values, 3)
 
 
 def _merge(histograms: list) -> dict:

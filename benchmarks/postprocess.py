@@ -25,7 +25,7 @@ from typing import Any, Callable
 import _common  # noqa: F401  (puts the repo on sys.path)
 import cv2
 import numpy as np
-from _common import machine, percentiles, write_json
+from _common import machine, percentiles, positive_int, ratio, shown, write_json
 
 from agent.video.overlay import OverlayStyle, composite
 from engines.postprocess import PostprocessContext, build_postprocessor
@@ -123,7 +123,7 @@ def image_model_fp32_vs_int8(iterations: int) -> dict[str, Any]:
         finally:
             fp32.close()
             int8.close()
-    times["int8_over_fp32_p50"] = round(times["int8"]["p50"] / times["fp32"]["p50"], 3)
+    times["int8_over_fp32_p50"] = ratio(times["int8"]["p50"], times["fp32"]["p50"])
     return times
 
 
@@ -140,6 +140,12 @@ def timed(variants: dict[str, Callable[[], Any]], iterations: int) -> dict[str, 
     return {name: percentiles(t) for name, t in times.items()}
 
 
+def met(case: dict[str, Any], goal_ms: float) -> bool:
+    """Our p99 within the goal; no data meets no goal."""
+    p99 = case["ours"]["p99"]
+    return p99 is not None and p99 <= goal_ms
+
+
 CASES = ("yolo_detect_8400", "yolo_detect_crowded_700", "yolo_seg_100", "matte_composite_640x480", "image_640x480",
          "image_to_image_model_640x480")
 GOALS = {"yolo_detect_8400": 1.0, "yolo_seg_100": 3.0, "matte_composite_640x480": 2.0}  # p99 ms
@@ -148,7 +154,7 @@ GOALS = {"yolo_detect_8400": 1.0, "yolo_seg_100": 3.0, "matte_composite_640x480"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--iterations", type=positive_int, default=300)
     parser.add_argument("--quick", action="store_true", help="smoke run: a few calls, JSON written, no goals judged")
     parser.add_argument("--case", action="append", choices=CASES, help="run only this case (repeatable; default: all)")
     args = parser.parse_args()
@@ -202,14 +208,14 @@ def main() -> None:
               f"ms, int8 p50 {model['int8']['p50']} p99 {model['int8']['p99']} ms (int8 / fp32 "
               f"{model['int8_over_fp32_p50']})")
     for name, result in cases.items():
-        ratio = result["reference"]["p50"] / max(result["ours"]["p50"], 1e-9)
-        result["speedup_p50"] = round(ratio, 2)
+        ours = result["ours"]["p50"]
+        result["speedup_p50"] = ratio(result["reference"]["p50"], None if ours is None else max(ours, 1e-9), 2)
         goal = goals.get(name)
-        verdict = "" if goal is None else f" (goal p99 <= {goal} ms: {'met' if result['ours']['p99'] <= goal else 'MISSED'})"
+        verdict = "" if goal is None else f" (goal p99 <= {goal} ms: {'met' if met(result, goal) else 'MISSED'})"
         print(f"{name}: ours p50 {result['ours']['p50']} p99 {result['ours']['p99']} ms, reference p50 "
-              f"{result['reference']['p50']} ms, {ratio:.1f}x{verdict}")
+              f"{result['reference']['p50']} ms, {shown(result['speedup_p50'], '.1f')}x{verdict}")
     if not args.quick:
-        out["goals"] = {name: cases[name]["ours"]["p99"] <= goal for name, goal in goals.items()}
+        out["goals"] = {name: met(cases[name], goal) for name, goal in goals.items()}
     write_json(args.out, out)
 
 

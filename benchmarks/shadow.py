@@ -28,7 +28,6 @@ Usage: python benchmarks/shadow.py [--rounds 4] [--seconds 6] [--quick] [--out o
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -37,7 +36,7 @@ from typing import Any
 
 import _common  # noqa: F401  (puts the repo on sys.path)
 import numpy as np
-from _common import machine, percentiles, write_json
+from _common import machine, median, no_data_reasons, percentiles, positive_int, ratio, shown, write_json
 
 from agent.config import AgentConfig
 from agent.daemon.runner import Agent
@@ -54,6 +53,15 @@ from tests.shadow_models import mirrored_demo_onnx
 
 SIZE = (320, 256)
 SHARE = 0.1
+# A round lasts its seconds *and* until it holds this many of the serving model's frames (a busy machine serves
+# fewer per second), or until ROUND_DEADLINE_S more; then what it holds is reported, "no data" when nothing.
+MIN_ROUND_FRAMES = 10
+ROUND_DEADLINE_S = 30.0
+NO_DATA = {"cost.fps_ratio": "a no-shadow round served no frame",
+           "cost.p99_ratio": "a variant's rounds served no frame",
+           "cost.thread.fps_ratio": "a no-shadow round served no frame",
+           "cost.equal_cost.fps_ratio": "a no-shadow round served no frame",
+           "agreement_live": "the shadow compared no frame", "agreement_offline": "no compared frame to rerun"}
 
 
 def _agent(tmp: Path, public: Path, v1: Path, camera_fps: float) -> Agent:
@@ -78,13 +86,16 @@ class _Latencies:
         agent.stats.record = both  # type: ignore[method-assign]
 
 
-def _round(agent: Agent, latencies: _Latencies, seconds: float) -> dict[str, float]:
+def _round(agent: Agent, latencies: _Latencies, seconds: float) -> dict[str, Any]:
     frames, start, first = agent.stats.frames, time.perf_counter(), len(latencies.samples)
     time.sleep(seconds)
+    deadline = time.perf_counter() + ROUND_DEADLINE_S
+    while len(latencies.samples) - first < MIN_ROUND_FRAMES and time.perf_counter() < deadline:
+        time.sleep(0.05)
     elapsed = time.perf_counter() - start
     window = latencies.samples[first:]
-    stats = percentiles(window) if window else {}
-    return {"fps": (agent.stats.frames - frames) / elapsed, "p99": stats.get("p99", 0.0), "p50": stats.get("p50", 0.0),
+    stats = percentiles(window)
+    return {"fps": (agent.stats.frames - frames) / elapsed, "p99": stats["p99"], "p50": stats["p50"],
             "frames": len(window), "samples": window}
 
 
@@ -124,20 +135,19 @@ def _twin(session: ShadowSession, load: Any, label: str) -> ShadowSession:
     return twin
 
 
-def _pooled(rounds: list[dict[str, Any]], key: str) -> float:
+def _pooled(rounds: list[dict[str, Any]], key: str) -> float | None:
     return percentiles([x for r in rounds for x in r["samples"]])[key]
 
 
 def _ratios(base: list[dict[str, Any]], variant: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-round ratios, and the pooled ones: a 6 s round holds ~400 frames, so its p99 is its 5th slowest frame
     and a ratio of two of them mostly noise; the p99 over every round of a variant rests on ~20 frames."""
-    fps = [b["fps"] / a["fps"] for a, b in zip(base, variant)]
-    p99 = [b["p99"] / a["p99"] for a, b in zip(base, variant) if a["p99"]]
-    pooled = {key: round(_pooled(variant, key) / _pooled(base, key), 4) for key in ("p50", "p99")}
-    return {"fps_ratio_rounds": [round(r, 4) for r in fps], "fps_ratio_median": round(statistics.median(fps), 4),
-            "fps_ratio": round(sum(b["fps"] for b in variant) / sum(a["fps"] for a in base), 4),
-            "p99_ratio_rounds": [round(r, 4) for r in p99],
-            "p99_ratio_median": round(statistics.median(p99), 4) if p99 else None,
+    fps = [ratio(b["fps"], a["fps"], 4) for a, b in zip(base, variant)]
+    p99 = [ratio(b["p99"], a["p99"], 4) for a, b in zip(base, variant)]
+    pooled = {key: ratio(_pooled(variant, key), _pooled(base, key), 4) for key in ("p50", "p99")}
+    return {"fps_ratio_rounds": fps, "fps_ratio_median": median(fps, 4),
+            "fps_ratio": ratio(sum(b["fps"] for b in variant), sum(a["fps"] for a in base), 4),
+            "p99_ratio_rounds": p99, "p99_ratio_median": median(p99, 4),
             "p99_ratio": pooled["p99"], "p50_ratio": pooled["p50"]}
 
 
@@ -232,7 +242,7 @@ def time_to_cancel(agent: Agent, url: str, share: float, min_frames: int) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=positive_int, default=4)
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 short round, small blind-cancel window")
     parser.add_argument("--out", type=Path, default=None)
@@ -262,17 +272,20 @@ def main() -> None:
               else round(live - offline["agreement_offline"], 5), "blind_candidate": cancel,
               "goals": {"fps_ratio": ">= 0.9 and >= 1 - share - 0.02", "p99_ratio": "<= 1.10 (pooled over the rounds)",
                         "judged": "cost (the candidate in its own process, the default); cost.thread for comparison"}}
+    result["no_data"] = no_data_reasons(result, NO_DATA)
     for name, ratios in (("INT8 candidate in its own process", cost), ("INT8 candidate in a thread of the agent",
                                                                        cost["thread"]),
                          ("candidate of the serving model's cost, in its own process", cost["equal_cost"])):
-        print(f"serving with a shadow at share {SHARE}, {name}: fps x{ratios['fps_ratio']:.3f} "
-              f"(rounds {ratios['fps_ratio_rounds']}), p99 x{ratios['p99_ratio']} over all rounds, "
-              f"p50 x{ratios['p50_ratio']} (per-round p99 ratios {ratios['p99_ratio_rounds']})")
+        print(f"serving with a shadow at share {SHARE}, {name}: fps x{shown(ratios['fps_ratio'], '.3f')} "
+              f"(rounds {ratios['fps_ratio_rounds']}), p99 x{shown(ratios['p99_ratio'])} over all rounds, "
+              f"p50 x{shown(ratios['p50_ratio'])} (per-round p99 ratios {ratios['p99_ratio_rounds']})")
     print(f"candidate ms p50: INT8 {(cost['shadow_report']['candidate_ms'] or {}).get('p50')}, "
           f"equal cost {(cost['equal_cost_report']['candidate_ms'] or {}).get('p50')}")
     print(f"agreement live {live} vs offline {offline['agreement_offline']} on {offline['frames']} frames")
     print(f"blind candidate: {cancel['state']} ({cancel['reason']}) {cancel['seconds_from_shadow_start']} s after its "
           f"shadow started, {cancel['frames']} frames, window agreement {cancel['window_agreement']}")
+    for key, why in result["no_data"].items():
+        print(f"no data: {key}: {why}")
     write_json(args.out, result)
 
 

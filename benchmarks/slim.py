@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from _common import ROOT, machine, write_json  # noqa: F401  (ROOT puts the repository on sys.path)
+from _common import ROOT, machine, positive_int, write_json  # noqa: F401  (ROOT puts the repository on sys.path)
 
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
@@ -253,8 +253,8 @@ def auto_case(work: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--iterations", type=positive_int, default=10)
     parser.add_argument("--quick", action="store_true", help="smoke run: the demo case at a small size, a two-rung "
                         "ladder, 2 rounds x 2 calls, JSON written, no goals judged")
     args = parser.parse_args()

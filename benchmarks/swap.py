@@ -21,14 +21,13 @@ Usage: python benchmarks/swap.py [--quick] [--out out/bench-swap.json]
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import machine, write_json
+from _common import extreme, machine, median, no_data_reasons, ratio, shown, write_json
 
 from agent.config import AgentConfig
 from agent.control.control_socket import send_command
@@ -39,6 +38,14 @@ from engines.build.provisioning import load_provisioned, provision
 from tests.deploy_fixtures import make_key
 
 PHASES = {"full": (2.0, 8.0, 4.0), "quick": (0.5, 1.5, 1.0)}  # warm-up, steady, after each swap (s)
+# A phase ends when its time is up *and* it holds this many results (a busy machine delivers fewer per second),
+# or at its deadline: then what it holds is reported, "no data" when that is nothing.
+MIN_RESULTS = 5
+EVIDENCE_DEADLINE_S = 30.0
+NO_DATA = {"steady_interval_ms": "no two results in the steady window (the loop delivered nothing in time)",
+           "swap_max_interval_ms": "no result around the overlap swap",
+           "swap_ratio": "no steady interval or no interval around the swap to compare",
+           "stop_start_max_interval_ms": "no result around the stop_start swap"}
 
 
 def package(out: Path, version: str, precision: str, key: Path) -> Path:
@@ -72,6 +79,22 @@ def intervals(stamps: list[float], start: float, end: float) -> list[float]:
     return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:]) if start <= b <= end]
 
 
+def wait_for_results(stamps: list[float], since: float, seconds: float, count: int = MIN_RESULTS) -> float:
+    """Sleep `seconds`, then on until `count` results arrived since `since` (or EVIDENCE_DEADLINE_S more);
+    returns the end of the window."""
+    time.sleep(seconds)
+    deadline = time.monotonic() + EVIDENCE_DEADLINE_S
+    while sum(1 for t in stamps[-count:] if t >= since) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return time.monotonic()
+
+
+def around_swap(around: list[float]) -> dict:
+    """The longest result-to-result interval around a swap (None: no result there, no data) and how many."""
+    worst = extreme(around)
+    return {"max_interval_ms": None if worst is None else round(worst, 1), "intervals": len(around)}
+
+
 def deploy_and_time(agent: Agent, url: str, stamps: list[float], after_s: float) -> dict:
     """Deploy `url` over the control socket, wait for active, and time the intervals around the swap."""
     lost_before = agent.batcher.dropped + agent.stats.errors
@@ -91,11 +114,10 @@ def deploy_and_time(agent: Agent, url: str, stamps: list[float], after_s: float)
     if dep.state != "active":
         raise SystemExit(f"deployment failed: {dep.reason}: {dep.message}")
     active = time.monotonic()
-    time.sleep(after_s)
-    swap_event = next(e["payload"]["swap"] for e in agent.store.events(50)
-                      if e["type"] == "deployment" and e["payload"].get("state") == "active")
-    around = intervals(stamps, activating or requested, active + after_s)
-    return {"max_interval_ms": round(max(around), 1), "intervals": len(around),
+    end = wait_for_results(stamps, active, after_s)  # the first results after the swap hold its gap
+    swap_event = next((e["payload"]["swap"] for e in agent.store.events(50)
+                       if e["type"] == "deployment" and e["payload"].get("state") == "active"), {})
+    return {**around_swap(intervals(stamps, activating or requested, end)),
             "lost": agent.batcher.dropped + agent.stats.errors - lost_before,
             "gap_ms": swap_event.get("gap_ms"), "prepare_s": round((activating or active) - requested, 2),
             "swap_s": round(active - (activating or active), 3)}
@@ -143,35 +165,47 @@ def main() -> None:
         try:
             time.sleep(warmup_s)
             t0 = time.monotonic()
-            time.sleep(steady_s)
-            steady = statistics.median(intervals(stamps, t0, time.monotonic()))
+            steady_intervals = intervals(stamps, t0, wait_for_results(stamps, t0, steady_s))
             overlap = deploy_and_time(agent, (v2 / "manifest.json").as_uri(), stamps, after_s)
             agent.config.deployments.swap_strategy = "stop_start"
             stop_start = deploy_and_time(agent, (v3 / "manifest.json").as_uri(), stamps, after_s)
         finally:
             agent.stop()
 
+    result = summarize(steady_intervals, overlap, stop_start)
+    result.update({
+        "camera_fps": round(fps / 2, 2), "machine": machine(),
+        "quick": args.quick, "phases_s": {"warmup": warmup_s, "steady": steady_s, "after_swap": after_s},
+        "overlap_to_precision": v2_precision,
+    })
+    print(f"steady interval {shown(result['steady_interval_ms'])} ms; overlap swap: max interval "
+          f"{shown(result['swap_max_interval_ms'])} ms (ratio {shown(result['swap_ratio'])}), {result['frames_lost']} "
+          f"frames lost; stop_start gap {shown(result['stop_start_gap_ms'])} ms ({stop_start['lost']} frames dropped)")
+    for key, why in result["no_data"].items():
+        print(f"no data: {key}: {why}")
+    write_json(args.out, result)
+
+
+def summarize(steady_intervals: list[float], overlap: dict, stop_start: dict) -> dict:
+    """The headline numbers from the steady window's intervals and the two swaps' (deploy_and_time's) reports;
+    each one not measured is null, with its reason under `no_data`."""
+    steady = median(steady_intervals, 1)
     result = {
-        "steady_interval_ms": round(steady, 1),
+        "steady_interval_ms": steady,
+        "steady_intervals": len(steady_intervals),
         "swap_max_interval_ms": overlap["max_interval_ms"],
-        "swap_ratio": round(overlap["max_interval_ms"] / steady, 3),
+        "swap_ratio": ratio(overlap["max_interval_ms"], steady),
         "frames_lost": overlap["lost"],
         "overlap_gap_ms": overlap["gap_ms"],
         "stop_start_gap_ms": stop_start["gap_ms"],
         "stop_start_max_interval_ms": stop_start["max_interval_ms"],
         "stop_start_frames_lost": stop_start["lost"],
-        "camera_fps": round(fps / 2, 2),
         "overlap": overlap,
         "stop_start": stop_start,
-        "machine": machine(),
-        "quick": args.quick, "phases_s": {"warmup": warmup_s, "steady": steady_s, "after_swap": after_s},
-        "overlap_to_precision": v2_precision,
         "goal": {"frames_lost": 0, "swap_ratio": "<= 1.5 (overlap)"},
     }
-    print(f"steady interval {result['steady_interval_ms']} ms; overlap swap: max interval "
-          f"{result['swap_max_interval_ms']} ms (ratio {result['swap_ratio']}), {result['frames_lost']} frames lost; "
-          f"stop_start gap {result['stop_start_gap_ms']} ms ({stop_start['lost']} frames dropped)")
-    write_json(args.out, result)
+    result["no_data"] = no_data_reasons(result, NO_DATA)
+    return result
 
 
 if __name__ == "__main__":

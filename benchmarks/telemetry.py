@@ -36,6 +36,7 @@ from paho.mqtt.packettypes import PacketTypes  # noqa: E402
 from paho.mqtt.properties import Properties  # noqa: E402
 
 from agent.mqtt import MqttConfig, MqttPlane  # noqa: E402
+from benchmarks._common import positive_int, ratio  # noqa: E402
 
 GOALS = {"drain_msgs_per_s": 5000, "lost": 0, "duplicated": 0, "telemetry_cpu_overhead_pct": 1.0}
 
@@ -148,9 +149,9 @@ def bench_drain(workdir: Path, port: int, rows: int, live: bool) -> dict[str, An
     received_s = counts["last_at"] - (t0 if live else t1)
     return {
         "rows": rows, "fill_rows_per_s": round(fill_rate), "drained": drained, "send_window": window,
-        "drain_s": round(drain_s, 2), "drain_msgs_per_s": round(rows / drain_s),
-        "drain_cpu_us_per_msg": round(cpu_s / rows * 1e6, 1), "subscriber": "live" if live else "offline, then catch-up",
-        "subscriber_msgs_per_s": round(counts["unique"] / received_s) if received_s > 0 else None,
+        "drain_s": round(drain_s, 2), "drain_msgs_per_s": ratio(rows, drain_s, 0),
+        "drain_cpu_us_per_msg": ratio(cpu_s * 1e6, rows, 1), "subscriber": "live" if live else "offline, then catch-up",
+        "subscriber_msgs_per_s": ratio(counts["unique"], received_s, 0),
         "lost": rows - counts["unique"], "duplicated": counts["total"] - counts["unique"],
     }
 
@@ -183,7 +184,7 @@ def bench_paho_ceiling(port: int, messages: int, window: int = 500) -> dict[str,
     elapsed = time.monotonic() - t0
     client.disconnect()
     client.loop_stop()
-    return {"paho_ceiling_msgs_per_s": round(messages / elapsed)}
+    return {"paho_ceiling_msgs_per_s": ratio(messages, elapsed, 0)}
 
 
 def make_sampler() -> tuple[Callable[[], dict[str, Any]], str]:
@@ -239,7 +240,7 @@ def bench_telemetry(workdir: Path, port: int, seconds: float) -> dict[str, Any]:
 
 def verdicts(result: dict[str, Any]) -> dict[str, bool]:
     """Each goal met or not."""
-    return {"drain_msgs_per_s": result["drain_msgs_per_s"] >= GOALS["drain_msgs_per_s"],
+    return {"drain_msgs_per_s": (result["drain_msgs_per_s"] or 0) >= GOALS["drain_msgs_per_s"],
             "lost": result["lost"] == 0, "duplicated": result["duplicated"] == 0,
             "telemetry_cpu_overhead_pct": result["telemetry_cpu_overhead_pct"] <= GOALS["telemetry_cpu_overhead_pct"]}
 
@@ -262,7 +263,7 @@ def print_table(result: dict[str, Any], ok: dict[str, bool]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run both parts, print the table, write JSON; exit 1 if a goal is missed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=100_000, help="rows buffered before the drain")
+    parser.add_argument("--rows", type=positive_int, default=100_000, help="rows buffered before the drain")
     parser.add_argument("--telemetry-s", type=float, default=20.0, help="seconds per phase of the CPU test")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     parser.add_argument("--live-subscriber", action="store_true",
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = bench_drain(workdir, port, args.rows, args.live_subscriber)
             result.update(bench_paho_ceiling(port, min(args.rows, 20_000)))
-            result["drain_vs_paho_ceiling"] = round(result["drain_msgs_per_s"] / result["paho_ceiling_msgs_per_s"], 2)
+            result["drain_vs_paho_ceiling"] = ratio(result["drain_msgs_per_s"], result["paho_ceiling_msgs_per_s"], 2)
             result.update(bench_telemetry(workdir, port, args.telemetry_s))
         finally:
             broker.terminate()

@@ -21,8 +21,10 @@ BENCHMARKS = REPO / "benchmarks"
 
 # name -> the test (file::function) that already runs `run_quick_benchmark(name, ...)`
 COVERED_ELSEWHERE = {
+    "footprint": "tests/test_footprint.py::test_the_footprint_benchmark_runs_in_its_quick_mode",
     "postprocess": "tests/test_postprocess_yolo_heads.py::test_the_postprocess_benchmark_runs_in_its_quick_mode",
     "shadow": "tests/test_shadow.py::test_the_shadow_benchmark_runs_in_its_quick_mode",
+    "tracking": "tests/test_tracking_benchmark.py::test_the_tracking_benchmark_runs_in_its_quick_mode",
     "video": "tests/test_video.py::test_the_video_benchmark_runs_in_its_quick_mode",
 }
 
@@ -96,3 +98,81 @@ def test_every_listed_benchmark_exists() -> None:
     listed = set(HEADLINES) | SLOW | set(EXTRA_ARGS)
     assert listed <= names, sorted(listed - names)
     assert not set(HEADLINES) & set(COVERED_ELSEWHERE)
+
+
+# --- an empty sample is "no data", never a crash (issue #47: swap.py died on `statistics.median` of nothing) ---
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch):
+    """import a benchmark module as its script does (`import _common`); benchmarks/ goes last on sys.path, so a
+    benchmark named like a package (engines.py) does not shadow it."""
+    import importlib
+    import sys
+
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCHMARKS)])
+    yield importlib.import_module
+    for name, module in list(sys.modules.items()):  # no top-level `swap`, `video`, ... left for other tests
+        if Path(getattr(module, "__file__", None) or "/").parent == BENCHMARKS:
+            del sys.modules[name]
+
+
+def test_the_shared_summaries_say_no_data_for_an_empty_sample(bench) -> None:
+    common = bench("_common")
+    assert common.percentiles([]) == dict.fromkeys(("p50", "p95", "p99", "max", "mean"))
+    assert common.percentiles([2.0, 1.0])["max"] == 2.0
+    assert common.median([]) is None and common.median([None, None]) is None and common.median([3, None, 1]) == 2
+    assert common.extreme([]) is None and common.extreme([1, None, 4], min) == 1
+    assert common.ratio(1, 0) is None and common.ratio(None, 2) is None and common.ratio(1, None) is None
+    assert common.ratio(1, 3) == 0.333 and common.ratio(10, 4, 0) == 2
+    assert common.shown(None, ".2f") == "no data" and common.shown(1.234, ".1f") == "1.2"
+    result = {"a": None, "b": {"c": None, "d": 1}, "e": 0}
+    assert common.no_data_reasons(result, {"a": "why a", "b.c": "why c", "b.d": "-", "e": "-", "f.g": "why g"}) == \
+        {"a": "why a", "b.c": "why c", "f.g": "why g"}
+
+
+def test_swap_reports_no_data_when_no_frame_arrived_in_a_window(bench) -> None:
+    swap = bench("swap")
+    assert swap.intervals([], 0.0, 1.0) == [] and swap.intervals([0.5], 0.0, 1.0) == []
+    empty = {**swap.around_swap([]), "lost": 0, "gap_ms": None}
+    assert empty["max_interval_ms"] is None and empty["intervals"] == 0
+    result = swap.summarize([], empty, empty)
+    assert result["steady_interval_ms"] is None and result["swap_ratio"] is None
+    assert set(result["no_data"]) == {"steady_interval_ms", "swap_max_interval_ms", "swap_ratio",
+                                      "stop_start_max_interval_ms"}
+    measured = swap.summarize([10.0, 12.0, 11.0], {**swap.around_swap([11.0, 16.5]), "lost": 0, "gap_ms": 3.0}, empty)
+    assert measured["steady_interval_ms"] == 11.0 and measured["swap_ratio"] == 1.5
+    assert set(measured["no_data"]) == {"stop_start_max_interval_ms"}
+
+
+def test_the_other_benchmarks_summaries_take_empty_samples(bench) -> None:
+    from types import SimpleNamespace
+
+    adaptive = bench("adaptive")
+    no_budget = adaptive.budget_from([], [30.0], 1.5)
+    assert no_budget["latency_budget_ms"] is None and no_budget["hog_effect"] is None
+    assert adaptive.budget_from([20.0, 22.0], [40.0], 1.5)["latency_budget_ms"] == 31.0  # min(1.5 x 22, (22 + 40) / 2)
+    raw = {"start": 0.0, "produced": 0, "dropped": 0, "unread": 0, "errors": 0, "swaps": [], "switches": [], "load": []}
+    run = adaptive.summarize(SimpleNamespace(records=[]), raw, 2.0, 50.0, "full")
+    assert run["windows_within_budget"] == 0.0 and run["top_variant_share"] is None and run["median_gap_ms"] is None
+    assert adaptive.summarize(SimpleNamespace(records=[]), raw, 0.5, 50.0, "full")["windows_within_budget"] is None
+    assert adaptive.judge_goals({"adaptive_windows_within_budget": None, "adaptive_top_variant_share": None,
+                                 "switches": None, "frames_lost": None})["frames_lost"]["pass"] is False
+
+    shadow = bench("shadow")
+    nothing = {"fps": 0.0, "p99": None, "p50": None, "frames": 0, "samples": []}
+    cost = shadow._ratios([nothing], [nothing])
+    assert cost["fps_ratio"] is None and cost["p99_ratio"] is None and cost["fps_ratio_median"] is None
+
+    pipeline = bench("pipeline")
+    totals = {"agent": [0, 1.0, [], [5.0, 4.0]], "bare": [0, 1.0, [], [0.0, 5.0]]}
+    assert pipeline._round_ratios(totals, "agent", "bare") == [None, 0.8]
+    assert pipeline._median([None, 0.8]) == 0.8 and pipeline._median([]) is None
+
+    dashboard = bench("dashboard")
+    report = dashboard.summarize([([], [])], [], [], [])
+    assert report["loaded_vs_idle_p99"] is None and report["rss_mb_max"] is None
+    assert report["fleet_p99_loaded_s"] is None and report["hostile_page_ms"]["p50"] is None
+
+    video = bench("video")
+    viewers = video.viewer_summary({0: [0.0], 1: [], 4: [3.0]}, [])
+    assert viewers["ratio_to_none"] == {"1": None, "4": None} and viewers["spread_fps"]["1"] == []

@@ -26,6 +26,10 @@ from tests.engine_fixtures import conv_model, source
 from tests.helpers import wait_for
 
 OPTIONS = EngineOptions(intra_op_threads=1, allow_spinning=False)
+# The candidate loads and runs at SCHED_IDLE: on a busy machine (two CPU hogs beside the suite) it gets a core
+# only now and then, by design, so what it does is waited for with generous deadlines, not timed.
+LOAD_S, FRAME_S = 240.0, 120.0
+pytestmark = pytest.mark.timeout(600)  # those deadlines add up past the suite's 300 s
 
 
 @pytest.fixture(scope="module")
@@ -112,16 +116,16 @@ def test_a_candidate_process_killed_mid_shadow_ends_the_shadow_and_leaves_servin
     session = ShadowSession(model, "tiny@1", resolve(ShadowArgs(share=1.0, report_interval_s=60), None),
                             ServingPressure(None), verdicts.append)
     session.start()
-    assert wait_for(lambda: session.report()["state"] == "running", timeout=30)
+    assert wait_for(lambda: session.report()["state"] == "running", timeout=LOAD_S)
     assert session.report()["isolation"] == "process" and session.report()["priority"] == "idle"
     serving = InferenceResult("raw", tensors={"y": np.ones((1, 4, 16, 16), np.float32)})
     frame = np.zeros((16, 16, 3), np.uint8)
     session.offer("cam0", frame, time.monotonic(), serving, object())
-    assert wait_for(lambda: session.report()["frames"] == 1, timeout=10)
+    assert wait_for(lambda: session.report()["frames"] == 1, timeout=FRAME_S)
     os.kill(loaded[0].pid, signal.SIGKILL)
-    assert wait_for(lambda: _gone(loaded[0].pid), timeout=5)
+    assert wait_for(lambda: _gone(loaded[0].pid), timeout=30)
     for _ in range(3):  # the frame path keeps offering; nothing it does waits on the dead process
         session.offer("cam0", frame, time.monotonic(), serving, object())
-    assert wait_for(lambda: verdicts, timeout=10)
+    assert wait_for(lambda: verdicts, timeout=60)
     assert verdicts[0].reason == "SHADOW_CANDIDATE_FAILED" and "killed by signal 9" in verdicts[0].message
     assert wait_for(lambda: not session.is_alive(), timeout=10)

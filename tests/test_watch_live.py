@@ -13,6 +13,8 @@ real Mosquitto, artifacts from a real HTTP server, real ONNX Runtime models.
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,10 @@ from agent.config import AgentConfig
 from agent.daemon.runner import Agent
 from agent.cli.status import read_status
 from deploy.cli import app as deploy_app
+from engines.backends.base import EngineOptions
+from engines.frames import text_frames
+from engines.model import load_model
+from engines.runtime import load_runtime
 from tests.deploy_fixtures import make_artifact, make_key
 from tests.helpers import wait_for
 from tests.http_server import ArtifactServer
@@ -31,6 +37,7 @@ from tests.test_classifier_deploy import _package_classifier
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # windows of live frame rates: alone (make test)
 
 DEVICE = "watch-01"
+MIN_FRAMES = 10  # DeploymentConfig.watch_min_frames: a watch that passes on fewer has judged nothing
 
 
 def send(broker, *args: str) -> dict:
@@ -78,28 +85,108 @@ def live_agent(tmp_path: Path, mqtt_broker, collector_factory):
         server.__exit__(None, None, None)
 
 
+def watch_window_for(watched: list[tuple[float, float]]) -> float:
+    """A watch window that holds MIN_FRAMES frames three times over, from what the heavy model's last watches in this
+    test saw on this machine ((fps, swap gap s) each): the window opens at the model's first result, so the gap
+    comes first. 2.5 s on an idle 2-core machine (~13-15 fps, a gap of ~0.1 s), longer on a busy one, where a fixed
+    2.5 s closed on 1 frame (two CPU hogs and a neighbour's tests), and twice the last rate once closed on 9 (the rate
+    halved and the gap was 1.2 s). The first window, with nothing measured yet, is generous."""
+    if not watched:
+        return 20.0
+    recent = watched[-3:]
+    slowest, gap = min(fps for fps, _ in recent), max(gap for _, gap in recent)
+    return min(30.0, max(2.5, gap + 3 * MIN_FRAMES / slowest))
+
+
+class SpeedProbe:
+    """What the heavy model's engine does on this machine right now: the agent's engine settings, in this process,
+    median of three frames (loaded the first time it is asked)."""
+
+    def __init__(self, artifact: Path) -> None:
+        self.artifact, self.runtime = artifact, None
+
+    def fps(self) -> float:
+        if self.runtime is None:
+            defaults = AgentConfig().model
+            self.runtime = load_runtime(load_model(self.artifact), "onnxruntime",
+                                        EngineOptions(intra_op_threads=defaults.threads, allow_spinning=defaults.spin_wait))
+        frame = text_frames(640, 480, 1)[0]
+        self.runtime.run(frame)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            self.runtime.run(frame)
+            times.append(time.perf_counter() - start)
+        return 1.0 / sorted(times)[1]
+
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+
+
+def assert_own_floor(floor_from: dict, ratio: float) -> None:
+    """Issue 27's point: the floor is `min_fps_ratio` x the new model's own expected rate (its gate-measured capacity,
+    capped at the camera's 30 fps), never a share of the light model's 30 fps."""
+    assert floor_from["source"] == "min_fps_ratio x expected" and floor_from["camera_fps"] == 30.0, floor_from
+    expected = min(floor_from["capacity_fps"], floor_from["camera_fps"])
+    assert floor_from["expected_fps"] == pytest.approx(expected, abs=0.02), floor_from
+    assert floor_from["floor"] == pytest.approx(ratio * expected, abs=0.02) and expected < 30.0, floor_from
+
+
+MACHINE_SLOWED_MAX = 3  # rollbacks the machine's own slowdown explains, each retried; a 4th fails the test
+
+
+@pytest.mark.timeout(1200)  # 20 deployments whose windows stretch on a busy machine
 def test_a_heavier_model_deployed_over_a_lighter_one_20_times_is_never_rolled_back(tmp_path: Path, mqtt_broker,
                                                                                     live_agent) -> None:
+    """20 watches pass, each judged on >= 10 frames against a floor from the detector's own capacity. The floor's
+    capacity is measured once, by the first build's gate; on a busy machine (two CPU hogs and a neighbour's tests) the
+    load can later halve what the machine gives the model (1.15 fps live against 2.6 measured: WATCH_FPS at a floor of
+    1.3), and that rollback is right. So the engine alone is timed here after every watch (SpeedProbe), each pass
+    gives the live rate's share of it, and a WATCH_FPS rollback is retried when that share of the engine's speed right
+    after it is under the floor too (the machine's doing, by this test's own baseline) -- at most 3 times. Any other
+    rollback, one the baseline does not explain, or a floor not from the model's own capacity fails at once (the old
+    floor, half the classifier's 30 fps, rolled it back in 8 of 8 tries)."""
     private, public = make_key(tmp_path / "keys")
     light = _package_classifier(tmp_path, private)
-    make_artifact(tmp_path / "pub" / "det", "1.0.0", private, name="det", size=(960, 704), budget_ms=None)
+    det = make_artifact(tmp_path / "pub" / "det", "1.0.0", private, name="det", size=(960, 704), budget_ms=None)
     camera = {"kind": "synthetic", "width": 640, "height": 480, "fps": 30}
     agent, collector, server = live_agent(light, camera, public, watch_window_s=2.5, watch_min_s=2.0)
-    url = server.url("det/manifest.json")
-    passed = []
-    for attempt in range(20):
-        dep_id = send(mqtt_broker, "deploy", "--arg", f"url={url}")["deployment_id"]
-        end = outcome(collector, dep_id)
-        assert end["type"] == "watch_passed", f"attempt {attempt}: {end}"
-        cam = end["cameras"]["cam0"]
-        assert cam["frames"] >= 10 and cam["fps"] >= cam["floor"] > 0
-        assert cam["floor_from"]["source"] == "min_fps_ratio x expected" and cam["floor_from"]["camera_fps"] == 30.0
-        assert end["swap_gap_ms"] is not None and end["window_s"] >= 2.0
-        passed.append(cam["fps"])
-        # back by the local path (`edge-agent rollback`): over MQTT, rollback is limited to 10 a minute
-        assert agent.manager.request_rollback()["model"]["name"] == "text-direction"
-        assert wait_for(lambda: agent.worker.window.frames >= 10, timeout=30)  # the light model serves again
-    assert len(passed) == 20
+    url, ratio, probe = server.url("det/manifest.json"), agent.config.deployments.min_fps_ratio, SpeedProbe(det)
+    passed: list[tuple[float, float]] = []  # (fps, swap gap s) of each passed watch
+    shares: list[float] = []  # each passed watch's live fps over the engine's speed timed here just after it
+    slowed: list[str] = []  # the rollbacks the machine explained
+    try:
+        for attempt in range(20 + MACHINE_SLOWED_MAX):
+            if len(passed) == 20:
+                break
+            agent.config.deployments.watch_window_s = watch_window_for(passed)
+            dep_id = send(mqtt_broker, "deploy", "--arg", f"url={url}")["deployment_id"]
+            end = outcome(collector, dep_id, timeout=180)
+            if end["type"] != "watch_passed":
+                assert end["type"] == "rolled_back" and end["reason"] == "WATCH_FPS", f"attempt {attempt}: {end}"
+                assert_own_floor(end["floor_from"], ratio)
+                assert wait_for(lambda: agent.worker.window.frames >= 10, timeout=60)  # the light model serves again
+                now = probe.fps()
+                predicted = statistics.median(shares) * now if shares else None  # a healthy watch's rate, now
+                assert predicted is not None and predicted < end["limit"], \
+                    f"attempt {attempt}: rolled back where a healthy watch would get {predicted} fps now: {end}"
+                slowed.append(f"attempt {attempt}: {end['value']} fps < floor {end['limit']}; now {predicted:.2f}")
+                assert len(slowed) <= MACHINE_SLOWED_MAX, slowed
+                continue
+            cam = end["cameras"]["cam0"]
+            assert cam["frames"] >= MIN_FRAMES, f"attempt {attempt}: passed on too few frames to be judged: {end}"
+            assert cam["fps"] >= cam["floor"] > 0
+            assert_own_floor(cam["floor_from"], ratio)
+            assert end["swap_gap_ms"] is not None and end["window_s"] >= 2.0
+            passed.append((cam["fps"], end["swap_gap_ms"] / 1e3))
+            # back by the local path (`edge-agent rollback`): over MQTT, rollback is limited to 10 a minute
+            assert agent.manager.request_rollback()["model"]["name"] == "text-direction"
+            assert wait_for(lambda: agent.worker.window.frames >= 10, timeout=60)  # the light model serves again
+            shares.append(cam["fps"] / probe.fps())
+    finally:
+        probe.close()
+    assert len(passed) == 20, slowed
     assert agent.stats.errors == 0
 
 
@@ -108,11 +195,13 @@ def test_a_model_slow_on_live_frames_is_rolled_back_every_time(tmp_path: Path, m
                                                                case: str) -> None:
     """The gate sees the fast path (well under 1 ms); the dark camera makes every frame slow: about 60 ms against
     a 20 ms budget (WATCH_LATENCY; fast enough that 10 frames come well inside the 2 s a starved camera is
-    given), or, with no budget, about 2 fps below the floor of half the camera's 10 fps (WATCH_FPS). The steps
-    are timed on this machine first: a fixed count was 50 ms on one and 170 ms (starved: WATCH_FPS) on another."""
+    given), or, with no budget, about 1 fps against the floor of half the camera's 10 fps (WATCH_FPS). The steps
+    are timed on this machine first: a fixed count was 50 ms on one and 170 ms (starved: WATCH_FPS) on another.
+    On a busy machine that timing is itself off by 2-3x when the load changes (at 500 ms a frame, 2 fps, a run
+    once came in at the floor): 1000 ms keeps the fps case 5x under it."""
     private, public = make_key(tmp_path / "keys")
     bootstrap = make_artifact(tmp_path / "pub" / "v1", "1.0.0", private)  # at 64x64 its gate finds no text
-    dark_ms, budget = (60.0, 20.0) if case == "latency" else (500.0, None)
+    dark_ms, budget = (60.0, 20.0) if case == "latency" else (1000.0, None)
     slow = slow_on_dark_onnx(tmp_path / "slow.onnx", steps_for_ms(tmp_path, dark_ms))
     make_artifact(tmp_path / "pub" / "slow", "1.0.0", private, name="slow", size=(64, 64), onnx=slow,
                   postprocess="raw", budget_ms=budget)
@@ -124,11 +213,11 @@ def test_a_model_slow_on_live_frames_is_rolled_back_every_time(tmp_path: Path, m
         end = outcome(collector, dep_id)
         assert end["type"] == "rolled_back", f"attempt {attempt}: {end}"
         assert end["reason"] == f"WATCH_{case.upper()}" and end["camera"] == "cam0"
-        assert end["value"] > end["limit"] if case == "latency" else end["value"] < end["limit"]
+        assert end["value"] > end["limit"] if case == "latency" else end["value"] < end["limit"], end
         assert end["window_s"] >= 2.0 and end["restored"]["name"] == "demo-det" and end["swap_gap_ms"] > 0
         if case == "latency":  # about 10 fps (camera-bound), each frame about 60 ms: judged on >= 10 frames
             assert end["limit"] == 20.0 and end["statistic"].startswith("latency_p") and end["frames"] >= 10
-        else:  # about 2 fps: held to its floor once 10 frames at the floor were due (2 s)
+        else:  # about 1 fps: held to its floor once 10 frames at the floor were due (2 s)
             assert end["statistic"] == "fps" and end["floor_from"]["camera_fps"] == 10.0 and end["limit"] == 5.0
         row = agent.deployments.get(dep_id)
         assert row.state == "rolled_back" and row.details["watch"]["limit"] == end["limit"]
