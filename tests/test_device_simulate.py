@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,16 +46,17 @@ def device_python() -> Path:
 def simulate(python: Path, release: str, out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     """Run the simulated device check; its process and the report whose path it printed last (named simulated-*)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DEVICE_CHECK_SIMULATE")}
-    scratch = out / "tmp"  # the check's work dirs (models, engines, state) go under pytest's tmp, not /tmp
-    scratch.mkdir(parents=True, exist_ok=True)
-    env["TMPDIR"] = str(scratch)
     proc = subprocess.run(["bash", str(SCRIPT), "--simulate", release, "--out", str(out), *args], capture_output=True,
                           text=True, timeout=1500, env={**env, "PYTHON": str(python)}, stdin=subprocess.DEVNULL)
     lines = proc.stdout.strip().splitlines()
     path = Path(lines[-1]) if lines else out / "none"
     assert path.is_file(), f"no report: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert path.parent == out and path.name.startswith("simulated-"), path
-    return proc, json.loads(path.read_text())
+    report = json.loads(path.read_text())
+    # the check keeps its work dir (models, engines, state: ~20 MB) for a person to look at; a test does not. It stays
+    # under the system's short temp dir: under pytest's tmp the agent's control socket path passes AF_UNIX's 107 bytes
+    shutil.rmtree(report.get("work_dir") or out / "none", ignore_errors=True)
+    return proc, report
 
 
 @pytest.mark.slow
