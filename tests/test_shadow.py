@@ -27,8 +27,9 @@ pytestmark = pytest.mark.slow
 
 ENDS = ("active", "failed", "rolled_back", "cancelled")
 # Evidence is waited for by count, with deadlines this generous: the candidate runs at SCHED_IDLE, so on a busy
-# machine (two CPU hogs beside the suite) it loads and compares slowly by design, and a 30 s deadline ran out.
-EVIDENCE_S = 240.0
+# machine (two CPU hogs beside the suite) it loads and compares slowly by design: a 30 s deadline ran out, and once
+# the candidate was still loading after 240 s (it gets a core only when nothing else wants one).
+EVIDENCE_S = 480.0
 CAMERA = {"fps": 20}
 
 
@@ -121,9 +122,9 @@ def assert_no_drop_across_the_swap(drops: DropLog, agent: Agent, dep_id: str) ->
     assert wait_for(lambda: time.time() > when["active"] + 1.0, timeout=5)
     across, allowed = drops.across(when["activating"], when["active"] + 1.0)
     assert agent.stats.errors == 0, "a frame failed across the promotion"
-    assert across <= allowed, (f"{across} frames dropped across the promotion ({when['active'] - when['activating']:.2f}"
-                               f" s + 1 s); the rest of the test's drop rate explains {allowed}: "
-                               f"{agent.batcher.dropped} in all")
+    swap_s = when["active"] - when["activating"]
+    assert across <= allowed, (f"{across} frames dropped across the promotion ({swap_s:.2f} s + 1 s); the rest of "
+                               f"the test's drop rate explains {allowed}: {agent.batcher.dropped} in all")
 
 
 @pytest.fixture
@@ -140,7 +141,7 @@ def drop_log():
         log.close()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.serial  # counts frames lost across a swap: a neighbour's load drops frames
 def test_int8_candidate_agrees_and_is_promoted_with_its_evidence(running_agent, published, drop_log) -> None:
     agent = running_agent()
@@ -181,7 +182,7 @@ def test_mirrored_candidate_passes_its_gates_and_is_cancelled_for_disagreeing(ru
     assert agent.shadow is None and agent.stats.errors == 0
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.serial  # judges the active model's p99 against its budget: a neighbour's load moves it
 def test_shadow_yields_under_a_p99_breach_and_an_operator_cancels(running_agent, published, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,7 +203,8 @@ def test_shadow_yields_under_a_p99_breach_and_an_operator_cancels(running_agent,
     dep_id = agent.manager.shadowing.status()["deployment_id"]
     # counted once the candidate is loaded (before, a frame is skipped as "loading")
     assert wait_for(lambda: (agent.manager.shadowing.status() or {}).get("skipped", {}).get("budget", 0) >= 10,
-                    timeout=EVIDENCE_S), agent.manager.shadowing.status()
+                    timeout=EVIDENCE_S), {k: agent.manager.shadowing.status().get(k)
+                                          for k in ("state", "skipped", "frames")}
     report = agent.manager.shadowing.status()
     assert report["frames"] == 0, "the shadow ran while the serving model was over its p99"
     status = agent.dispatcher.dispatch(b'{"id": "s1", "command": "status"}', channel="local")
@@ -235,7 +237,7 @@ def test_the_shadow_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> None:
     assert data["blind_candidate"]["state"] == "cancelled" and data["blind_candidate"]["reason"] == "SHADOW_AGREEMENT"
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 @pytest.mark.serial  # counts frames lost across a swap: a neighbour's load drops frames
 def test_shadow_start_report_and_promote_over_a_real_broker(tmp_path: Path, published, mqtt_broker,
                                                             collector_factory, drop_log) -> None:
