@@ -27,9 +27,10 @@ pytestmark = pytest.mark.slow
 
 ENDS = ("active", "failed", "rolled_back", "cancelled")
 # Evidence is waited for by count, with deadlines this generous: the candidate runs at SCHED_IDLE, so on a busy
-# machine (two CPU hogs beside the suite) it loads and compares slowly by design: a 30 s deadline ran out, and once
-# the candidate was still loading after 240 s (it gets a core only when nothing else wants one).
-EVIDENCE_S = 480.0
+# machine (two CPU hogs beside the suite) it loads and compares slowly by design: a 30 s deadline ran out, once
+# the candidate was still loading after 240 s, and the promotion's 20 frames once took 6 minutes (it gets a core only
+# when nothing else wants one).
+EVIDENCE_S = 600.0
 CAMERA = {"fps": 20}
 
 
@@ -63,7 +64,9 @@ def running_agent(tmp_path: Path, published):
 
 
 def events(agent: Agent, type_: str) -> list[dict]:
-    return [e["payload"] for e in agent.store.events(500) if e["type"] == type_]
+    """Every stored event of `type_` (the store keeps 10,000): the newest 500 held too few once a slow shadow had sent
+    a report every 0.5 s for minutes (shadow/started had fallen out of them)."""
+    return [e["payload"] for e in agent.store.events(10_000) if e["type"] == type_]
 
 
 class DropLog:
@@ -141,7 +144,7 @@ def drop_log():
         log.close()
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 @pytest.mark.serial  # counts frames lost across a swap: a neighbour's load drops frames
 def test_int8_candidate_agrees_and_is_promoted_with_its_evidence(running_agent, published, drop_log) -> None:
     agent = running_agent()
@@ -182,7 +185,7 @@ def test_mirrored_candidate_passes_its_gates_and_is_cancelled_for_disagreeing(ru
     assert agent.shadow is None and agent.stats.errors == 0
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 @pytest.mark.serial  # judges the active model's p99 against its budget: a neighbour's load moves it
 def test_shadow_yields_under_a_p99_breach_and_an_operator_cancels(running_agent, published, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -224,12 +227,12 @@ def test_shadow_yields_under_a_p99_breach_and_an_operator_cancels(running_agent,
     assert agent.active.source.manifest.version == "1.0.0" and agent.stats.errors == 0
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # its blind candidate runs at SCHED_IDLE: minutes on a busy machine
 def test_the_shadow_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> None:
     """The benchmark cannot rot: its smoke mode runs every part and writes its JSON (numbers not judged)."""
     from tests.helpers import run_quick_benchmark
 
-    data = run_quick_benchmark("shadow", tmp_path / "shadow.json", timeout=540)
+    data = run_quick_benchmark("shadow", tmp_path / "shadow.json", timeout=840)
     assert "no_data" in data and "frames" in data
     # each round waits for its frames (benchmarks/shadow.py MIN_ROUND_FRAMES): a ratio is measured, busy or not
     assert (data["cost"]["fps_ratio"] or 0) > 0 and (data["cost"]["equal_cost"]["fps_ratio"] or 0) > 0, data["no_data"]
@@ -237,7 +240,7 @@ def test_the_shadow_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> None:
     assert data["blind_candidate"]["state"] == "cancelled" and data["blind_candidate"]["reason"] == "SHADOW_AGREEMENT"
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1500)
 @pytest.mark.serial  # counts frames lost across a swap: a neighbour's load drops frames
 def test_shadow_start_report_and_promote_over_a_real_broker(tmp_path: Path, published, mqtt_broker,
                                                             collector_factory, drop_log) -> None:
