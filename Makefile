@@ -37,7 +37,7 @@ test: $(STAMP) system-deps lint
 	$(PY) scripts/check_skips.py --workers $(TEST_WORKERS) -- -q -rs $(PYTEST_ARGS)
 	$(PY) scripts/test_pythons.py $(EXTRA_PYTHONS)
 
-# The rules the tools enforce: ruff, import-linter (layers, no cycles), mypy over engines/ and agent/.
+# The rules the tools enforce: ruff, import-linter (layers, no cycles), mypy over kernel/, engines/, agent/ and deploy/.
 lint: $(STAMP)
 	VENV=$(VENV) bash scripts/lint.sh
 

@@ -6,8 +6,8 @@ AdaptController (policy, sliding-window p99, hot swap between frames). Each run 
 a CPU hog process (a busy loop, one core) started and stopped by the benchmark, idle again. The three
 runs take turns in one process (order rotated per round). The latency budget is what FP32 meets on
 the idle machine with some margin: `budget_factor` x its worst idle 1-s window p99, capped at the midpoint
-of that and its median window under the hog (both measured first), so that the hog does break the budget for FP32 -- on a fast
-machine one busy core may slow FP32 by only 20 %, and a budget it never breaks would pass every goal
+of that and its median window under the hog (both measured first), so that the hog does break the budget for FP32
+-- on a fast machine one busy core may slow FP32 by only 20 %, and a budget it never breaks would pass every goal
 without a switch.
 
 Per run: the share of 1-s windows whose glass-to-result p99 is within budget (a window with no result
@@ -44,17 +44,17 @@ import psutil
 from _common import ROOT, busy_loops, extreme, machine, median, no_data_reasons, positive_int, ratio, shown, write_json
 
 from agent.adapt.config import AdaptConfig
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.adapt.controller import AdaptController
 from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.trust import verify_artifact
-from agent.slots import LoadedModel
+from agent.serving.slots import LoadedModel
 from agent.pipeline.frame_stats import FrameStats
 from agent.pipeline.mailbox import FreshestMailbox
 from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
 from agent.sources.base import Frame
 from engines.backends.base import EngineOptions
-from engines.frames import text_frames
+from engines.evaluation.frames import text_frames
 from engines.build.provisioning import load_provisioned, provision
 
 CAMERA_FPS = 15.0
@@ -94,9 +94,17 @@ def build_family(work: Path, cache: Path, variants: list[str] = VARIANTS,
     key = work / "keys" / "bench.key"
     key.parent.mkdir(parents=True)
     keygen(key)
-    opts = PackageOptions(synthetic_validation=True, model=bundled_demo_onnx(), name="demo-det", version="1.0.0", out=work / "family", key=key,
-                          preprocess={"width": size[0], "height": size[1], "color": "bgr", "mean": (0.5,) * 3,
-                                      "std": (0.5,) * 3}, postprocess="db_text", variants=variants)
+    opts = PackageOptions(
+        synthetic_validation=True,
+        model=bundled_demo_onnx(),
+        name="demo-det",
+        version="1.0.0",
+        out=work / "family",
+        key=key,
+        preprocess={"width": size[0], "height": size[1], "color": "bgr", "mean": (0.5,) * 3, "std": (0.5,) * 3},
+        postprocess="db_text",
+        variants=variants,
+    )
     package(opts)
     source = verify_artifact(work / "family", ArtifactsConfig(trusted_keys=[str(key) + ".pub"]))
     from agent.adapt.family import members
@@ -152,7 +160,9 @@ class Run:
         now = time.monotonic()
         self.records.append((now, (now - frame.captured_at) * 1e3, self.names.get(id(runtime), "?")))
         if self.controller is not None:
-            self.controller.on_result(frame.captured_at, None, now, runtime=runtime, infer_ms=frame.meta.get("infer_ms"))
+            self.controller.on_result(
+                frame.captured_at, None, now, runtime=runtime, infer_ms=frame.meta.get("infer_ms")
+            )
 
     def _camera(self) -> None:
         index, period, next_at = 0, 1.0 / CAMERA_FPS, time.monotonic()
@@ -305,7 +315,11 @@ def budget_from(idle: list[float], hogged: list[float], factor: float) -> dict[s
     by_factor, midpoint = round(idle_worst * factor, 1), round((idle_worst + hog_median) / 2, 1)
     weak = hog_median < idle_worst * HOG_MIN_EFFECT
     budget = by_factor if weak else min(by_factor, midpoint)  # a weak hog: no cap (it would sit below idle)
-    rule = f"{factor} x worst idle window" if budget == by_factor else "midpoint of FP32's worst idle and median hogged window"
+    rule = (
+        f"{factor} x worst idle window"
+        if budget == by_factor
+        else "midpoint of FP32's worst idle and median hogged window"
+    )
     if weak:
         print(f"warning: under the hog FP32's median window p99 is {hog_median:.1f} ms against {idle_worst:.1f} ms "
               "in its worst idle window: the hog barely loads this machine and the runs show little", flush=True)
@@ -321,11 +335,13 @@ def plot(path: Path, results: dict[str, dict], budget: float, total_s: float, na
     top_h, mid_h = 300, 120
     ymax = max([budget * 2] + [x["p99"] for r in results.values() for x in r["windows"] if x["p99"]])
     ymax = min(ymax, budget * 4)
-    sx = lambda t: int(pad + (w - 2 * pad) * t / total_s)  # noqa: E731
-    sy = lambda v: int(pad + top_h - top_h * min(v, ymax) / ymax)  # noqa: E731
+    sx = lambda t: int(pad + (w - 2 * pad) * t / total_s)  # noqa: E731 - the plot's time scale
+    sy = lambda v: int(pad + top_h - top_h * min(v, ymax) / ymax)  # noqa: E731 - the plot's latency scale
     cv2.rectangle(img, (pad, pad), (w - pad, pad + top_h), (0, 0, 0), 1)
     cv2.line(img, (pad, sy(budget)), (w - pad, sy(budget)), (0, 0, 255), 1)
-    cv2.putText(img, f"budget {budget:.0f} ms", (w - pad - 150, sy(budget) - 5), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (0, 0, 255), 1)
+    cv2.putText(
+        img, f"budget {budget:.0f} ms", (w - pad - 150, sy(budget) - 5), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (0, 0, 255), 1
+    )
     colors = {"fixed_fp32": (200, 120, 0), "fixed_cheapest": (0, 160, 0), "adaptive": (0, 0, 0)}
     for i, (mode, r) in enumerate(results.items()):
         pts = [(sx(x["t"] + 0.5), sy(x["p99"])) for x in r["windows"] if x["p99"] is not None]
@@ -420,7 +436,8 @@ def main() -> None:
         "adaptive_top_variant_time_share": mean("adaptive", "top_variant_time_share"),
         "switches": extreme(r["adaptive"]["switches"] for r in rounds),
         "frames_lost": sum(r[m]["frames_lost"] for r in rounds for m in modes) if rounds else None,
-        "median_gap_ms": mean("adaptive", "median_gap_ms") if all(r["adaptive"]["median_gap_ms"] for r in rounds) else None,
+        "median_gap_ms": (mean("adaptive", "median_gap_ms")
+                          if all(r["adaptive"]["median_gap_ms"] for r in rounds) else None),
         "max_switch_gap_ms": extreme(g["max_gap_ms"] for r in rounds for g in r["adaptive"]["switch_gaps"]),
         "load_before": load_before, "load_after": load_after,
         "load_warnings": [w for w in (warn_before, warn_after) if w], "machine": machine(), "rounds": rounds,

@@ -34,7 +34,8 @@ InferenceWorker with its BatchRuntime, db_text postprocessing. Batch 1 is the sa
 - `profile`: where a batch's time goes, per size (gather, preprocess whole and per slot, engine, split,
   postprocess) and how slots were preprocessed (`[batch] parallel_preprocess = "auto"` measures it)
 
-Usage: python benchmarks/batching.py [--seconds 15] [--rounds 3] [--retune-s 2] [--quick] [--out out/bench-batching.json]
+Usage: python benchmarks/batching.py [--seconds 15] [--rounds 3] [--retune-s 2] [--quick]
+                                     [--out out/bench-batching.json]
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from typing import Any
 import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import extreme, machine, no_data_reasons, positive_int, ratio, shown, write_json
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.artifacts.demo_model import prepare_demo_model_dir
 from agent.daemon.model_loading import built_max_batch, serving_timing
 from agent.pipeline.batch_costs import BatchCosts
@@ -62,8 +63,8 @@ from agent.pipeline.frame_stats import FrameStats
 from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
 from engines.backends.base import EngineOptions
-from engines.batching import capacity_fps, normalize_curve, planned_max_batch
-from engines.model import load_model
+from engines.runtime.batching import capacity_fps, normalize_curve, planned_max_batch
+from engines.model.source import load_model
 from engines.build.provisioning import load_provisioned, provision
 
 CAMERAS = 4
@@ -265,7 +266,7 @@ def promised(summary: dict[str, Any], curve: Any) -> dict[str, Any]:
     size = summary["auto"]["sizes_by_round"][-1][1]
     points = normalize_curve(curve or {})
     build = round(points[1] / points[size], 3) if 1 in points and size in points else None
-    path = lambda profile, b: (profile or {}).get(str(b), {}).get("path_ms_per_frame")  # noqa: E731
+    path = lambda profile, b: (profile or {}).get(str(b), {}).get("path_ms_per_frame")  # noqa: E731 - a one-line lookup for the table below
     one, at_size = path(summary["profile"]["batch1"], 1), path(summary["profile"]["auto"], size)
     live = round(one / at_size, 3) if one and at_size else None
     delivered = summary["auto_vs_batch1"]
@@ -327,7 +328,8 @@ def main() -> None:
             other = Path(tmp) / f"cache-build{extra + 1}"
             other.mkdir()
             again = build_engine(dirs["small"], other, planned_max_batch("auto", CAMERAS), args.quick)[1]
-            curve_builds.append(dict(curve=batch_curve(again), spread=batch_spread(again), relative=batch_relative(again)))
+            curve_builds.append(dict(curve=batch_curve(again), spread=batch_spread(again),
+                                     relative=batch_relative(again)))
             print(f"small build {extra + 1}: {curve_builds[-1]}")
         runtimes = {w: load_engine(*b) for w, b in built.items()}
         swap_to = load_engine(*built["small"])  # the "new version" deployed mid-run: a second engine instance
@@ -424,7 +426,8 @@ def _promise_verdict(summary: dict[str, Any]) -> str:
     if summary["auto"]["fps"] >= SERVED * summary["demand_fps"]:
         return f"demand-capped: auto serves the cameras' whole rate; delivered/promised {ratio}"
     if promise["build"] is not None and promise["build"] <= 1.0:
-        return f"nothing promised (auto ran batch {promise['size']}, build ratio {promise['build']}); delivered/promised {ratio}"
+        return (f"nothing promised (auto ran batch {promise['size']}, build ratio {promise['build']}); "
+                f"delivered/promised {ratio}")
     return f"{'met' if ratio >= PROMISE_GOAL else 'missed'} ({ratio}; live promise {promise['live']})"
 
 
@@ -463,9 +466,9 @@ def print_result(result: dict[str, Any]) -> None:
     for goal, verdict in result["verdicts"].items():
         print(f"  {goal}: {verdict}")
     for workload in WORKLOADS:
-        print(f"{workload}: auto ended on batch {result[workload]['promised']['size']}; promised build "
-              f"{result[workload]['promised']['build']} live {result[workload]['promised']['live']}; delivered/promised "
-              f"{result[workload]['promised']['delivered_over_promised']}; slots: {result[workload]['profile']['preprocess']}")
+        p = result[workload]["promised"]
+        print(f"{workload}: auto ended on batch {p['size']}; promised build {p['build']} live {p['live']}; "
+              f"delivered/promised {p['delivered_over_promised']}; slots: {result[workload]['profile']['preprocess']}")
         for mode in ("auto", "batch1"):
             for size, row in result[workload]["profile"][mode].items():
                 print(f"    {mode} batch {size}: {row}")

@@ -41,13 +41,13 @@ from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import paho.mqtt.client as mqtt  # noqa: E402
-import psutil  # noqa: E402
+import paho.mqtt.client as mqtt
+import psutil
 
-from benchmarks._common import ROOT, no_data_reasons, percentiles, ratio, write_json  # noqa: E402
-from deploy.fleet.db import open_db  # noqa: E402
-from tests.fixtures_mqtt import fleet_broker_settings  # noqa: E402
-from deploy.fleet.schema import ensure_schema  # noqa: E402
+from benchmarks._common import ROOT, no_data_reasons, percentiles, ratio, write_json
+from deploy.fleet.db import open_db
+from tests.fixtures_mqtt import fleet_broker_settings
+from deploy.fleet.schema import ensure_schema
 
 GOALS = {"ingest_msgs_per_s": 5000, "lag_p99_s": 2.0, "lost": 0, "duplicated": 0}
 FULL = {"devices": 1000, "backlog": 200_000, "steady_s": 60, "kill_s": 60, "naive_backlog": 20_000}
@@ -424,7 +424,10 @@ def database(kind: str, workdir: Path) -> Iterator[tuple[str, Any]]:
 
 
 def bench_one(kind: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix=f"bench-collector-{kind}-") as tmp, database(kind, Path(tmp)) as (new_db, _):
+    with (
+        tempfile.TemporaryDirectory(prefix=f"bench-collector-{kind}-") as tmp,
+        database(kind, Path(tmp)) as (new_db, _),
+    ):
         workdir = Path(tmp)
         print(f"[{kind}] two collectors: burst of {cfg['backlog']}, steady {cfg['steady_s']} s, kill run "
               f"{cfg['kill_s']} s, {cfg['devices']} devices", flush=True)

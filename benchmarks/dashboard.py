@@ -28,13 +28,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT  # noqa: F401  (ROOT puts the repository on sys.path)
+from _common import ROOT  # ROOT puts the repository on sys.path
 from _common import extreme, machine, median, no_data_reasons, percentiles, positive_int, ratio, shown, write_json
 
-import psutil  # noqa: E402
+import psutil
 
-from deploy.fleet.db import open_db  # noqa: E402
-from deploy.fleet.schema import ensure_schema  # noqa: E402
+from deploy.fleet.db import open_db
+from deploy.fleet.schema import ensure_schema
 
 GOALS = {"fleet_p99_loaded_s": 0.5, "rss_mb": 200}
 NO_DATA = {"fleet_idle_ms.p99": "no /api/fleet request finished in an idle phase",
@@ -56,8 +56,10 @@ def fill(url: str, events: int, now: float) -> None:
         db.conn.executemany("INSERT INTO telemetry (device_id, boot_id, seq, ts, received, fps, p50_ms, p99_ms, "
                             "model_name, model_version, precision, replayed, payload) VALUES "
                             "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", tele)
-        db.conn.executemany("INSERT INTO devices (device_id, online, state, last_seen) VALUES (?, ?, ?, ?)",
-                            [(f"dev-{d:02d}", True, "online", now) for d in range(50)] + [("hostile", True, "online", now)])
+        db.conn.executemany(
+            "INSERT INTO devices (device_id, online, state, last_seen) VALUES (?, ?, ?, ?)",
+            [(f"dev-{d:02d}", True, "online", now) for d in range(50)] + [("hostile", True, "online", now)],
+        )
     payload = json.dumps({"type": "adapt", "from": "a", "to": "b", "reason": "latency"})
     step = 3600.0 / max(events, 1)
     for start in range(0, events, 100_000):

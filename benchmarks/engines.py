@@ -26,14 +26,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.artifacts.demo_model import prepare_demo_model_dir  # noqa: E402
-from engines.frames import text_frames  # noqa: E402
-from engines.model import ModelSource, load_model  # noqa: E402
-from engines.build.provisioning import ProvisionResult, load_provisioned, provision  # noqa: E402
-from engines.runtime import ModelRuntime, load_runtime  # noqa: E402
+from agent.artifacts.demo_model import prepare_demo_model_dir
+from engines.evaluation.frames import text_frames
+from engines.model.source import ModelSource, load_model
+from engines.build.provisioning import ProvisionResult, load_provisioned, provision
+from engines.runtime.model_runtime import ModelRuntime, load_runtime
 from engines.build.validate import accuracy, latency_stats
-from engines.frames import validation_frames  # noqa: E402
-from benchmarks._common import positive_int, ratio  # noqa: E402
+from engines.evaluation.frames import validation_frames
+from benchmarks._common import positive_int, ratio
 
 WIDTH, HEIGHT = 640, 480
 
@@ -141,8 +141,10 @@ def render(report: dict[str, Any], judge: bool = True) -> str:
          1.0, "-", "-"),
     ]
     lines = ["  ".join(f"{c!s:>22}" if i == 0 else f"{c!s:>12}" for i, c in enumerate(row)) for row in rows]
-    lines.append(f"int8 speed-up {report['int8_speedup']}x (mean), {report['int8_speedup_p50']}x (p50), "
-                 f"{report['int8_speedup_vs_session']}x vs a plain session; load average {report['machine']['load_avg']}")
+    lines.append(
+        f"int8 speed-up {report['int8_speedup']}x (mean), {report['int8_speedup_p50']}x (p50), "
+        f"{report['int8_speedup_vs_session']}x vs a plain session; load average {report['machine']['load_avg']}"
+    )
     if not judge:
         return "\n".join(lines + ["(quick run: no goals judged)"])
     goals = ((report["int8_speedup"] or 0) >= 1.5 and report["int8_accuracy"] >= 0.9, report["warm_load_s"] <= 1.0)

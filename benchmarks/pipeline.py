@@ -25,8 +25,8 @@ frame path's cost; with a 30 fps camera on a machine where bare runs at 36-39 fp
 The rate used is printed and recorded as `camera_fps` (with `camera_fps_setting` and the warm-up's fps).
 
 Then (a), (c), (d) and (e) again, interleaved, while a busy background process (a subprocess spinning in a loop,
-started and stopped here, pinned to the last core this process may use) takes one core: `agent_vs_bare_loaded`. Capture work competes with inference
-exactly when the CPU is scarce; this is where it shows.
+started and stopped here, pinned to the last core this process may use) takes one core: `agent_vs_bare_loaded`.
+Capture work competes with inference exactly when the CPU is scarce; this is where it shows.
 
 Ratios are of total frames over total seconds; `*_rounds` lists each round's ratio (its neighbours in the
 same round share the load of that moment) and `*_median` their median, so the spread is in the JSON next to
@@ -59,11 +59,11 @@ from agent.pipeline.frame_stats import FrameStats
 from agent.sources.base import Frame
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
 from agent.pipeline.worker import InferenceWorker, limit_opencv_threads
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from engines.backends.base import EngineOptions
-from engines.errors import EdgeError
-from engines.model import load_model
-from engines.runtime import load_runtime
+from kernel.errors import EdgeError
+from engines.model.source import load_model
+from engines.runtime.model_runtime import load_runtime
 
 
 EngineCall = Callable[[dict[str, np.ndarray]], object]
@@ -332,9 +332,11 @@ def main() -> None:
     print(f"agent_vs_bare {result['agent_vs_bare']}  agent_vs_naive {result['agent_vs_naive']}  "
           f"agent_vs_bare_loaded {result['agent_vs_bare_loaded']} (1 core busy: bare {result['bare_fps_loaded']}, "
           f"agent {result['agent_fps_loaded']} fps)")
-    print(f"medians of the rounds: agent_vs_bare {result['agent_vs_bare_median']}, agent_vs_bare_loaded "
-          f"{result['agent_vs_bare_loaded_median']}, worker_vs_bare_loaded {result['worker_vs_bare_loaded_median']}, "
-          f"overlap_vs_inline {result['overlap_vs_inline_median']} / loaded {result['overlap_vs_inline_loaded_median']}")
+    print(
+        f"medians of the rounds: agent_vs_bare {result['agent_vs_bare_median']}, agent_vs_bare_loaded "
+        f"{result['agent_vs_bare_loaded_median']}, worker_vs_bare_loaded {result['worker_vs_bare_loaded_median']}, "
+        f"overlap_vs_inline {result['overlap_vs_inline_median']} / loaded {result['overlap_vs_inline_loaded_median']}"
+    )
     print(f"overlap_vs_inline {result['overlap_vs_inline']} (rounds {result['overlap_vs_inline_rounds']}), "
           f"loaded {result['overlap_vs_inline_loaded']} (rounds {result['overlap_vs_inline_loaded_rounds']}); "
           f"agent_vs_bare_loaded rounds {result['agent_vs_bare_loaded_rounds']}")

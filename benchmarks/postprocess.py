@@ -29,7 +29,7 @@ from _common import machine, percentiles, positive_int, ratio, shown, write_json
 
 from agent.video.overlay import OverlayStyle, composite
 from engines.postprocess import PostprocessContext, build_postprocessor
-from engines.preprocess import FrameTransform
+from engines.model.preprocess import FrameTransform
 
 IDENTITY = FrameTransform(1.0, 1.0, 0.0, 0.0, 640, 640)
 
@@ -100,10 +100,10 @@ def image_model_fp32_vs_int8(iterations: int) -> dict[str, Any]:
     import dataclasses
     import tempfile
 
-    from engines.model import load_model
+    from engines.model.source import load_model
     from engines.build.ort_recipe import quantize_int8
-    from engines.runtime import load_runtime
-    from engines.frames import validation_frames
+    from engines.runtime.model_runtime import load_runtime
+    from engines.evaluation.frames import validation_frames
     from tests.image_models import beauty_model_dir
 
     with tempfile.TemporaryDirectory(prefix="bench-i2i-") as tmp:
@@ -174,26 +174,28 @@ def main() -> None:
     picture = rng.random((1, 3, 480, 640), np.float32)
     frame = rng.integers(0, 255, (480, 640, 3), dtype=np.uint8)
     detect = build_postprocessor("yolo", {"layout": "v8"}, PostprocessContext([], None, (640, 640)))
-    seg = build_postprocessor("yolo", {"layout": "seg", "max_detections": 300}, PostprocessContext([], None, (640, 640)))
+    seg = build_postprocessor(
+        "yolo", {"layout": "seg", "max_detections": 300}, PostprocessContext([], None, (640, 640))
+    )
     image = build_postprocessor("image", {}, PostprocessContext([], None, (640, 480)))
     framed = FrameTransform(1.0, 1.0, 0.0, 0.0, 640, 480)
     style = OverlayStyle(composite="color")
     found = len(detect([detect_head[None]], IDENTITY).detections)
     instances = len(seg([seg_head[None], protos[None]], IDENTITY).detections)
     assert len(reference_detect(detect_head)) == found, "the reference and ours must find the same boxes"
+    few = max(3, iterations // 5)
     runs: dict[str, Callable[[], dict[str, Any]]] = {
         "yolo_detect_8400": lambda: timed({"ours": lambda: detect([detect_head[None]], IDENTITY),
                                            "reference": lambda: reference_detect(detect_head)}, iterations),
         "yolo_detect_crowded_700": lambda: timed({"ours": lambda: detect([crowded[None]], IDENTITY),
-                                                  "reference": lambda: reference_detect(crowded)}, max(3, iterations // 5)),
+                                                  "reference": lambda: reference_detect(crowded)}, few),
         "yolo_seg_100": lambda: timed({"ours": lambda: seg([seg_head[None], protos[None]], IDENTITY),
-                                       "reference": lambda: reference_masks(seg_head, protos)}, max(3, iterations // 5)),
+                                       "reference": lambda: reference_masks(seg_head, protos)}, few),
         "matte_composite_640x480": lambda: timed(
             {"ours": lambda: composite(frame, image([matte], framed).matte, style),
              "reference": lambda: reference_composite(matte, frame)}, iterations),
-        "image_640x480": lambda: timed({"ours": lambda: image([picture], framed),
-                                        "reference": lambda: (np.clip(picture[0].transpose(1, 2, 0)[:, :, ::-1], 0, 1) * 255)
-                                        .astype(np.uint8)}, iterations),
+        "image_640x480": lambda: timed({"ours": lambda: image([picture], framed), "reference": lambda: (
+            np.clip(picture[0].transpose(1, 2, 0)[:, :, ::-1], 0, 1) * 255).astype(np.uint8)}, iterations),
         "image_to_image_model_640x480": lambda: image_model_fp32_vs_int8(max(3, iterations // 10)),
     }
     assert list(runs) == list(CASES)

@@ -38,15 +38,15 @@ import _common  # noqa: F401  (puts the repo on sys.path)
 import numpy as np
 from _common import machine, median, no_data_reasons, percentiles, positive_int, ratio, shown, write_json
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.daemon.runner import Agent
 from agent.shadow.plan import ShadowArgs
 from agent.shadow.session import ShadowSession
-from agent.state import state_db_path
-from engines.live_agreement import frame_tally, pooled, score
-from engines.model import load_model
-from engines.runtime import load_runtime
-from engines.shadow_policy import CancelBelow, PromoteWhen
+from agent.storage.state import state_db_path
+from engines.evaluation.live_agreement import frame_tally, pooled, score
+from engines.model.source import load_model
+from engines.runtime.model_runtime import load_runtime
+from engines.model.shadow_policy import CancelBelow, PromoteWhen
 from engines.build.validate import _run
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
 from tests.shadow_models import mirrored_demo_onnx
@@ -83,7 +83,7 @@ class _Latencies:
             self.samples.append(timing.latency)
             record(timing)
 
-        agent.stats.record = both  # type: ignore[method-assign]
+        agent.stats.record = both
 
 
 def _round(agent: Agent, latencies: _Latencies, seconds: float) -> dict[str, Any]:
@@ -121,7 +121,7 @@ def _capture_loads(agent: Agent) -> dict[str, Any]:
         captured.update(source=source, provisioned=provisioned, load=load)
         return load(source, provisioned, halt, process)
 
-    agent.loader.load_for_shadow = capturing  # type: ignore[method-assign]
+    agent.loader.load_for_shadow = capturing
     return captured
 
 
@@ -154,8 +154,12 @@ def _ratios(base: list[dict[str, Any]], variant: list[dict[str, Any]]) -> dict[s
 def cost_and_agreement(agent: Agent, url: str, rounds: int, seconds: float) -> dict[str, Any]:
     """Rounds with no shadow, the agent's shadow (its candidate in its own process) and its twin in a thread of
     the agent, in a rotating order: each variant against the no-shadow rounds."""
-    shadow = ShadowArgs(share=SHARE, report_interval_s=1.0, cancel_below=CancelBelow(agreement=0, detection_rate_ratio=0),
-                        promote_when=None)
+    shadow = ShadowArgs(
+        share=SHARE,
+        report_interval_s=1.0,
+        cancel_below=CancelBelow(agreement=0, detection_rate_ratio=0),
+        promote_when=None,
+    )
     captured = _capture_loads(agent)
     dep_id = agent.manager.request(url, channel="local", shadow=shadow)["deployment_id"]
     wait_terminal(agent, dep_id, states=("shadowing", "failed", "cancelled"), timeout=600)
@@ -180,7 +184,9 @@ def cost_and_agreement(agent: Agent, url: str, rounds: int, seconds: float) -> d
             agent.shadow_host.session = variants[name]
             measured[name].append(_round(agent, latencies, seconds))
     agent.shadow_host.session = None
-    time.sleep(1.0)  # the frame waiting in the slot, if any, is compared: then report and recording hold the same frames
+    time.sleep(
+        1.0
+    )  # the frame waiting in the slot, if any, is compared: then report and recording hold the same frames
     report = session.report()
     compared = list(compared[:report["frames"]])
     twin_report, equal_report = twin.report(), equal.report()
@@ -198,9 +204,10 @@ def cost_and_agreement(agent: Agent, url: str, rounds: int, seconds: float) -> d
             "equal_cost": equal_cost,
             "shadow_report": {k: report[k] for k in ("frames", "agreement", "offered", "skipped", "candidate_ms",
                                                      "priority", "isolation")},
-            "thread_report": {k: twin_report[k] for k in ("frames", "agreement", "skipped", "candidate_ms", "isolation")},
-            "equal_cost_report": {k: equal_report[k] for k in ("model", "frames", "agreement", "skipped", "candidate_ms",
-                                                               "isolation")},
+            "thread_report": {k: twin_report[k]
+                              for k in ("frames", "agreement", "skipped", "candidate_ms", "isolation")},
+            "equal_cost_report": {k: equal_report[k]
+                                  for k in ("model", "frames", "agreement", "skipped", "candidate_ms", "isolation")},
             "compared": compared}
 
 
@@ -235,9 +242,16 @@ def time_to_cancel(agent: Agent, url: str, share: float, min_frames: int) -> dic
     took = time.monotonic() - started
     dep = agent.deployments.get(dep_id)
     evidence = (dep.details or {}).get("shadow", {})
-    return {"state": state, "reason": dep.reason, "seconds_from_shadow_start": round(took, 2), "share": share,
-            "min_frames": min_frames, "frames": evidence.get("frames"), "window_agreement": evidence.get("window_agreement"),
-            "message": dep.message}
+    return {
+        "state": state,
+        "reason": dep.reason,
+        "seconds_from_shadow_start": round(took, 2),
+        "share": share,
+        "min_frames": min_frames,
+        "frames": evidence.get("frames"),
+        "window_agreement": evidence.get("window_agreement"),
+        "message": dep.message,
+    }
 
 
 def main() -> None:
@@ -260,7 +274,9 @@ def main() -> None:
             cost = cost_and_agreement(agent, (int8 / "manifest.json").as_uri(), rounds, seconds)
             compared = cost.pop("compared")
             # the agent's engine cache: the engines are loaded afresh, not built again
-            offline = offline_agreement(v1, int8, agent.config.cache_dir, state_db_path(agent.config.state_dir), compared)
+            offline = offline_agreement(
+                v1, int8, agent.config.cache_dir, state_db_path(agent.config.state_dir), compared
+            )
             cancel = time_to_cancel(agent, (blind / "manifest.json").as_uri(), 1.0 if args.quick else SHARE,
                                     10 if args.quick else 30)
         finally:

@@ -31,17 +31,17 @@ from typing import Any, Sequence
 
 from _common import ROOT, machine, positive_int, write_json  # noqa: F401  (ROOT puts the repository on sys.path)
 
-import numpy as np  # noqa: E402
-import onnx  # noqa: E402
+import numpy as np
+import onnx
 
-from engines.build.calibration import model_inputs  # noqa: E402
-from engines.build.graph_rewrites import make_static_shape  # noqa: E402
-from engines.build.ort_recipe import QuantSettings, quantize_int8  # noqa: E402
-from engines.manifest import preprocess_shape_of  # noqa: E402
-from engines.model import ModelSource, load_bare_onnx, load_model  # noqa: E402
-from engines.slim.search import SlimOptions, slim  # noqa: E402
-from engines.build.validate import runs  # noqa: E402
-from engines.slim.probe import Evaluator  # noqa: E402
+from engines.build.calibration import model_inputs
+from engines.build.graph_rewrites import make_static_shape
+from engines.build.ort_recipe import QuantSettings, quantize_int8
+from engines.model.manifest import preprocess_shape_of
+from engines.model.source import ModelSource, load_bare_onnx, load_model
+from engines.slim.search import SlimOptions, slim
+from engines.build.validate import runs
+from engines.slim.probe import Evaluator
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,13 @@ def int8_of(path: Path, source: ModelSource, calibration: Sequence[np.ndarray], 
 def searched(source: ModelSource, validation: list[np.ndarray], calibration: list[np.ndarray] | None,
              ladder: tuple[float, ...]) -> tuple[Any, float]:
     t0 = time.perf_counter()
-    result = slim(source, validation, SlimOptions(target=TARGET, ladder=ladder, latency_runs=SCALE.latency_runs),
-                  progress=lambda *_: None, calibration=model_inputs(calibration, source.manifest.preprocess) if calibration else None)
+    result = slim(
+        source,
+        validation,
+        SlimOptions(target=TARGET, ladder=ladder, latency_runs=SCALE.latency_runs),
+        progress=lambda *_: None,
+        calibration=model_inputs(calibration, source.manifest.preprocess) if calibration else None,
+    )
     return result, time.perf_counter() - t0
 
 
@@ -135,7 +140,8 @@ def case(name: str, source: ModelSource, validation: list[np.ndarray], calibrati
            "slim_fp32_speedup": speed["speedup_median"][0], "slim_int8_speedup": speed["speedup_median"][1],
            "int8_speedup": speed["speedup_median"][2], "speedup_rounds": speed["speedup_rounds"],
            "speedup_spread": speed["speedup_spread"],
-           "goals": {"slim_fp32_speedup": ">= 1.25 at accuracy >= 0.9", "slim_int8_speedup": ">= 2.0 at accuracy >= 0.9"}}
+           "goals": {"slim_fp32_speedup": ">= 1.25 at accuracy >= 0.9",
+                     "slim_int8_speedup": ">= 2.0 at accuracy >= 0.9"}}
     passing = {label: speedup for label, speedup in (("slim_fp32", out["slim_fp32_speedup"]),
                                                      ("slim_int8", out["slim_int8_speedup"]))
                if accuracy[label] >= TARGET}
@@ -152,7 +158,7 @@ def case(name: str, source: ModelSource, validation: list[np.ndarray], calibrati
 
 def demo_case(work: Path, rounds: int, iterations: int) -> dict[str, Any]:
     from agent.artifacts.demo_model import prepare_demo_model_dir
-    from engines.frames import text_frames
+    from engines.evaluation.frames import text_frames
 
     width, height = SCALE.demo_size
     source = load_model(prepare_demo_model_dir(work / "demo", width, height))
@@ -280,8 +286,11 @@ def main() -> None:
                   f"{r['fastest_at_target']['variant']} ({r['fastest_at_target']['speedup']}x)", flush=True)
             if "filter_norm_baseline" in r:
                 b = r["filter_norm_baseline"]
-                print(f"  by filter norms alone: FLOPs -{b['flops_reduction'] * 100:.1f} % ({b['groups_pruned']} groups), "
-                      f"FP32 {b['slim_fp32_ms_p50']} ms ({b['slim_fp32_speedup']}x), search {b['search_wall_s']} s")
+                print(
+                    f"  by filter norms alone: FLOPs -{b['flops_reduction'] * 100:.1f} % "
+                    f"({b['groups_pruned']} groups), "
+                    f"FP32 {b['slim_fp32_ms_p50']} ms ({b['slim_fp32_speedup']}x), search {b['search_wall_s']} s"
+                )
         report["auto"] = auto_case(work / "auto")
         for name, r in report["auto"].items():
             times = ", ".join(f"{k} {v['p50_ms']} ms ({v['status']})" for k, v in r["candidates"].items()

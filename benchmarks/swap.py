@@ -29,11 +29,11 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import extreme, machine, median, no_data_reasons, ratio, shown, write_json
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.control.control_socket import send_command
 from agent.daemon.runner import Agent
-from engines.frames import text_frames
-from engines.model import load_model
+from engines.evaluation.frames import text_frames
+from engines.model.source import load_model
 from engines.build.provisioning import load_provisioned, provision
 from tests.deploy_fixtures import make_key
 

@@ -31,12 +31,14 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import paho.mqtt.client as mqtt  # noqa: E402
-from paho.mqtt.packettypes import PacketTypes  # noqa: E402
-from paho.mqtt.properties import Properties  # noqa: E402
+import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
-from agent.mqtt import MqttConfig, MqttPlane  # noqa: E402
-from benchmarks._common import positive_int, ratio  # noqa: E402
+from agent.mqtt.config import MqttConfig
+
+from agent.mqtt.plane import MqttPlane
+from benchmarks._common import positive_int, ratio
 
 GOALS = {"drain_msgs_per_s": 5000, "lost": 0, "duplicated": 0, "telemetry_cpu_overhead_pct": 1.0}
 
@@ -253,7 +255,8 @@ def print_table(result: dict[str, Any], ok: dict[str, bool]) -> None:
             ("bare paho, same traffic (msg/s)", result["paho_ceiling_msgs_per_s"], "", ""),
             ("drain / bare paho", result["drain_vs_paho_ceiling"], "", ""),
             ("lost", result["lost"], "0", ok["lost"]), ("duplicated", result["duplicated"], "0", ok["duplicated"]),
-            ("telemetry CPU, % of one core", result["telemetry_cpu_overhead_pct"], "<= 1", ok["telemetry_cpu_overhead_pct"])]
+            ("telemetry CPU, % of one core", result["telemetry_cpu_overhead_pct"], "<= 1",
+             ok["telemetry_cpu_overhead_pct"])]
     print(f"\n{'metric':42} {'value':>12} {'goal':>9}  pass")
     for name, value, goal, passed in rows:
         print(f"{name:42} {value!s:>12} {goal:>9}  {'' if passed == '' else ('yes' if passed else 'NO')}")

@@ -28,7 +28,7 @@ import _common  # noqa: F401  (puts the repo on sys.path)
 import numpy as np
 from _common import machine, median, no_data_reasons, percentiles, positive_int, ratio, shown, write_json
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.daemon.runner import Agent
 from agent.video.encode import encode_jpeg
 from agent.video.overlay import OverlayStyle, render

@@ -7,14 +7,18 @@ Exit codes (docs/contract.md): 0 success, 1 operation failed (`error CODE: messa
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 import typer
 
 from deploy.cli_errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, USAGE_CODES, run_command  # noqa: F401 (re-exported)
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
+
+if TYPE_CHECKING:  # imported when a command runs: `edge-deploy --help` need not load ONNX and OpenCV
+    from deploy.package import PackageOptions
+    from deploy.quiet import Quieted
+    from engines.model.manifest import Manifest
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Jetson Edge Agent: the operator's tools.")
 
@@ -43,6 +47,35 @@ def keygen(
     typer.echo(f"public:  {info.public} (add to artifacts.trusted_keys, or inline: ed25519:{info.public_b64})")
 
 
+# `package`'s options whose help takes more than a line: its signature stays one line per option.
+_PRECISION = typer.Option("fp32", "--precision", help="fp32, fp16, int8 or auto (the device gates each precision it "
+                          "supports and keeps the fastest that passes: docs/engines.md).")
+_CALIBRATION = typer.Option(None, "--calibration", help="Directory of calibration images (int8; auto: without it the "
+                            "device skips its int8 candidates).")
+_SLIMMED = typer.Option(None, "--slimmed", help="A slimmed (pruned) copy of the model with the same inputs and "
+                        "outputs, a candidate of --precision auto.")
+_SCALE = typer.Option(None, "--scale", min=1e-9, help="Multiplier on 0..255 pixels before mean and std (default "
+                      "1/255; 1 for models that take 0..255, e.g. YOLOX).")
+_POSTPROCESS = typer.Option("raw", "--postprocess", help="Postprocessor: yolo, anchors, db_text, classification, "
+                            "segmentation, image, raw (docs/postprocessors.md).")
+_VALIDATION = typer.Option(None, "--validation", help="Held-out validation frames (images, or videos sampled to 16 "
+                           "frames each) the device's gate judges the engine on; never the calibration images.")
+_SYNTHETIC_VALIDATION = typer.Option(False, "--synthetic-validation", help="No frames to ship: the gate judges on "
+                                     "generated text frames (fit text detectors only; without either, the device "
+                                     "refuses to gate the model unless it keeps live frames).")
+_MIN_FPS = typer.Option(None, "--min-fps", help="fps each camera must keep after activation (the watch's absolute "
+                        "floor; default: half of what the model measured it can serve).")
+_VARIANT = typer.Option([], "--variant", help="Family variant NAME:PRECISION[:WxH][:FILE], most accurate first, "
+                        "repeatable (docs/adaptive.md).")
+_STATE = typer.Option([], "--state", help="Recurrent state INPUT=OUTPUT[:d1,d2,...]: the input is fed the output of "
+                      "the camera's previous frame, starting from zeros of the init shape (default: the input's, 1 "
+                      "where dynamic); repeatable (docs/engines.md#state-inputs).")
+_CONSTANT = typer.Option([], "--constant", help="Input with a fixed value NAME=VALUE[,VALUE...] (a number fills the "
+                         "input, a list is a rank-1 input's values), repeatable.")
+_VERBOSE = typer.Option(False, "-v", "--verbose", help="Show third-party warnings (ONNX Runtime's log, Python "
+                        "warnings) as they come; by default they are quieted and counted.")
+
+
 @app.command()
 def package(
     model: Path = typer.Argument(..., help="The ONNX model file."),
@@ -51,78 +84,75 @@ def package(
     out: Path = typer.Option(..., "-o", "--out", help="Artifact directory to create."),
     key: Optional[Path] = typer.Option(None, "--key", help="Private key to sign with (from `edge-deploy keygen`)."),
     unsigned: bool = typer.Option(False, "--unsigned", help="Write no signature (devices refuse it by default)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32, fp16, int8 or auto (the device gates each "
-                                  "precision it supports and keeps the fastest that passes: docs/engines.md)."),
-    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Directory of calibration images (int8; "
-                                               "auto: without it the device skips its int8 candidates)."),
-    slimmed: Optional[Path] = typer.Option(None, "--slimmed", help="A slimmed (pruned) copy of the model with the "
-                                           "same inputs and outputs, a candidate of --precision auto."),
+    precision: str = _PRECISION,
+    calibration: Optional[Path] = _CALIBRATION,
+    slimmed: Optional[Path] = _SLIMMED,
     input_size: Optional[str] = typer.Option(None, "--input-size", help="Model input WIDTHxHEIGHT, e.g. 640x640."),
     color: Optional[str] = typer.Option(None, "--color", help="Channel order the model expects: rgb or bgr."),
     mean: Optional[str] = typer.Option(None, "--mean", help="Per-channel mean after scaling to 0..1: a,b,c."),
     std: Optional[str] = typer.Option(None, "--std", help="Per-channel std: a,b,c."),
-    scale: Optional[float] = typer.Option(None, "--scale", min=1e-9, help="Multiplier on 0..255 pixels before mean "
-                                          "and std (default 1/255; 1 for models that take 0..255, e.g. YOLOX)."),
+    scale: Optional[float] = _SCALE,
     layout: Optional[str] = typer.Option(None, "--layout", help="nchw or nhwc."),
     resize: Optional[str] = typer.Option(None, "--resize", help="stretch, letterbox or short-crop (centre crop)."),
-    postprocess: str = typer.Option("raw", "--postprocess", help="Postprocessor: yolo, anchors, db_text, classification, segmentation, image, raw (docs/postprocessors.md)."),
+    postprocess: str = _POSTPROCESS,
     param: List[str] = typer.Option([], "--param", help="Postprocessor parameter KEY=VALUE (JSON values), repeatable."),
     labels: Optional[Path] = typer.Option(None, "--labels", help="Class names: one per line, or a JSON list."),
     latency_budget_ms: Optional[float] = typer.Option(None, "--latency-budget-ms", help="p99 latency gate."),
     min_accuracy: Optional[float] = typer.Option(None, "--min-accuracy", help="Accuracy gate vs FP32 (0..1)."),
-    validation: Optional[Path] = typer.Option(
-        None, "--validation", help="Held-out validation frames (images, or videos sampled to 16 frames each) the "
-        "device's gate judges the engine on; never the calibration images."),
-    synthetic_validation: bool = typer.Option(
-        False, "--synthetic-validation", help="No frames to ship: the gate judges on generated text frames "
-        "(fit text detectors only; without either, the device refuses to gate the model unless it keeps live frames)."),
-    min_fps: Optional[float] = typer.Option(
-        None, "--min-fps", help="fps each camera must keep after activation (the watch's absolute floor; "
-        "default: half of what the model measured it can serve)."),
+    validation: Optional[Path] = _VALIDATION,
+    synthetic_validation: bool = _SYNTHETIC_VALIDATION,
+    min_fps: Optional[float] = _MIN_FPS,
     description: str = typer.Option("", "--description", help="Free text for the manifest."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
-    variant: List[str] = typer.Option([], "--variant", help="Family variant NAME:PRECISION[:WxH][:FILE], most "
-                                      "accurate first, repeatable (docs/adaptive.md)."),
+    variant: List[str] = _VARIANT,
     variants_json: Optional[Path] = typer.Option(None, "--variants-json", help="Variants as a JSON list instead."),
-    state: List[str] = typer.Option([], "--state", help="Recurrent state INPUT=OUTPUT[:d1,d2,...]: the input is fed "
-                                    "the output of the camera's previous frame, starting from zeros of the init "
-                                    "shape (default: the input's, 1 where dynamic); repeatable "
-                                    "(docs/engines.md#state-inputs)."),
-    constant: List[str] = typer.Option([], "--constant", help="Input with a fixed value NAME=VALUE[,VALUE...] (a "
-                                       "number fills the input, a list is a rank-1 input's values), repeatable."),
-    verbose: bool = typer.Option(False, "-v", "--verbose", help="Show third-party warnings (ONNX Runtime's log, "
-                                 "Python warnings) as they come; by default they are quieted and counted."),
+    state: List[str] = _STATE,
+    constant: List[str] = _CONSTANT,
+    verbose: bool = _VERBOSE,
 ) -> None:
     """Validate an ONNX model and write a signed artifact directory (manifest.json, .sig, files)."""
-    from deploy.package import PackageOptions, package as make_package
-    from deploy.quiet import third_party_quieted
+    from deploy.package import PackageOptions
 
-    def body() -> Any:
-        opts = PackageOptions(
+    def options() -> PackageOptions:  # inside the run: a bad option is an error line and exit code, not a traceback
+        return PackageOptions(
             model=model, name=name, version=version_, out=out, key=key, unsigned=unsigned, precision=precision,
-            calibration=calibration, validation=validation, synthetic_validation=synthetic_validation, preprocess=_preprocess_options(input_size, color, mean, std, layout, resize, scale),
+            calibration=calibration, validation=validation, synthetic_validation=synthetic_validation,
+            preprocess=_preprocess_options(input_size, color, mean, std, layout, resize, scale),
             postprocess=postprocess, params=list(param), labels=labels, latency_budget_ms=latency_budget_ms,
             min_accuracy=min_accuracy, min_fps=min_fps, description=description, force=force, variants=list(variant),
             variants_json=variants_json, state=list(state), constants=list(constant), slimmed=slimmed,
-        )  # fmt: skip
-        with third_party_quieted(verbose) as noise:
-            quieted.append(noise)  # counted as the package runs; read after it
-            return make_package(opts)
+        )
 
-    quieted: list[Any] = []
-    try:
-        manifest = _run(body)
-    finally:  # on a refusal too: the count says there was more to see
-        line = quieted[0].summary() if quieted else None
-        if line:
-            typer.echo(line, err=True)
+    manifest = _package_quietly(options, verbose)
     files = 1 + len(manifest.files)
     signed = "signed" if key else "UNSIGNED"
     typer.echo(f"packaged {manifest.name}@{manifest.version} into {out}: {files} file(s), {signed}")
 
 
+def _package_quietly(options: Callable[[], PackageOptions], verbose: bool) -> Manifest:
+    """Package with third-party warnings quieted (unless `verbose`), their count said after, on a refusal too."""
+    from deploy.package import package as make_package
+    from deploy.quiet import third_party_quieted
+
+    quieted: list[Quieted] = []
+
+    def body() -> Manifest:
+        opts = options()
+        with third_party_quieted(verbose) as noise:
+            quieted.append(noise)  # counted as the package runs; read after it
+            return make_package(opts)
+
+    try:
+        return _run(body)
+    finally:  # on a refusal too: the count says there was more to see
+        line = quieted[0].summary() if quieted else None
+        if line:
+            typer.echo(line, err=True)
+
+
 def _preprocess_options(
-    input_size: str | None, color: str | None, mean: str | None, std: str | None, layout: str | None, resize: str | None,
+    input_size: str | None, color: str | None, mean: str | None, std: str | None, layout: str | None,
+    resize: str | None,
     scale: float | None = None,
 ) -> dict[str, Any]:
     from deploy.package import preprocess_options
@@ -184,7 +214,7 @@ def _verify_report(artifact: Path, trust: list[str], allow_unsigned: bool, check
     return {
         "ok": True, "name": manifest.name, "version": manifest.version, "files": 1 + len(manifest.files),
         "signature": state, "key_id": sig.key_id if sig else None, "detail": detail,
-    }  # fmt: skip
+    }
 
 
 @app.command()
@@ -237,4 +267,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

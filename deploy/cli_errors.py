@@ -7,7 +7,7 @@ from typing import Callable, Collection, TypeVar
 
 import typer
 
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 USAGE_CODES = frozenset({"PACKAGE_INVALID"})

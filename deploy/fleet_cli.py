@@ -16,7 +16,15 @@ from rich.console import Console
 from rich.markup import escape
 
 from deploy.fleet.shadow_command import shadow_gate
-from deploy.mqtt_ops import CAMERA_NAME, OperatorError, SnapshotFailed, fetch_snapshot, fleet_status, render_fleet_table, send_command
+from deploy.mqtt_ops import (
+    CAMERA_NAME,
+    OperatorError,
+    SnapshotFailed,
+    fetch_snapshot,
+    fleet_status,
+    render_fleet_table,
+    send_command,
+)
 from deploy.terminal import printable
 
 fleet_app = typer.Typer(no_args_is_help=True, help="Watch the fleet over MQTT; gate a shadow wave on the "

@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeGuard
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
@@ -22,11 +22,14 @@ from paho.mqtt.properties import Properties
 from agent.mqtt.paho_setup import HINTS, RC_UNSUPPORTED_PROTOCOL, build_client, connect_kwargs, refusal_code
 from agent.mqtt.config import MqttConfig
 from agent.mqtt.topics import SNAPSHOT, STATUS, TELEMETRY, Topics, fleet_filter, split_device_topic
-from agent.names import CAMERA_NAME
+from agent.base.names import CAMERA_NAME
 from agent.video.snapshot_wire import MAX_JPEG_BYTES as SNAPSHOT_MAX_BYTES, SnapshotError, parse_snapshot
 from deploy.fleet.shadow import telemetry_shadow
 from deploy.terminal import printable
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
+
+if TYPE_CHECKING:  # rich is imported where a table is drawn
+    from rich.console import JustifyMethod
 
 STATE_STYLES = {"online": "green", "degraded": "yellow", "updating": "cyan", "offline": "red", "stopped": "dim"}
 
@@ -182,7 +185,8 @@ def fetch_snapshot(broker_url: str, device_id: str, camera: str | None = None, o
                     done.set()
                 return
             # Another operator's snapshot, a periodic one or one of another camera is not ours.
-            if snap.request_id != command_id or snap.device_id != device_id or msg.topic != topics.snapshot(snap.camera):
+            if (snap.request_id != command_id or snap.device_id != device_id
+                    or msg.topic != topics.snapshot(snap.camera)):
                 return
             got.setdefault("snapshot", snap)
         else:
@@ -327,10 +331,11 @@ def render_fleet_table(rows: list[dict[str, Any]], now: float | None = None) -> 
 
     now = time.time() if now is None else now
     table = Table(title=f"{len(rows)} device(s)")
-    for name, justify in (("Device", "left"), ("State", "left"), ("Model", "left"), ("FPS", "right"),
-                          ("p99 ms", "right"), ("Power W", "right"), ("Hottest", "left"), ("Last seen", "right"),
-                          ("Shadow", "left")):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("Device", "left"), ("State", "left"), ("Model", "left"), ("FPS", "right"), ("p99 ms", "right"),
+        ("Power W", "right"), ("Hottest", "left"), ("Last seen", "right"), ("Shadow", "left"))
+    for name, justify in columns:
+        table.add_column(name, justify=justify)
     for row in rows:
         state = str(row["state"])
         hottest = f"{row['hottest_zone']} {row['hottest_c']:.1f} °C" if row["hottest_zone"] else "-"
@@ -346,7 +351,7 @@ def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _is_num(value: Any) -> bool:
+def _is_num(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -354,7 +359,7 @@ def _num(value: Any, digits: int) -> str:
     return f"{value:.{digits}f}" if _is_num(value) else "-"
 
 
-def _json(payload: bytes) -> Any:
+def _json(payload: bytes | bytearray) -> Any:
     try:
         return json.loads(payload)
     except ValueError:

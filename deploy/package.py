@@ -20,12 +20,22 @@ from agent.artifacts.keys import load_private_key
 from agent.artifacts.layout import check_artifact_name
 from agent.artifacts.onnxcheck import check_loads, external_data_locations, load_proto, quantized
 from engines.build.calibration import IMAGE_SUFFIXES
-from engines.errors import EdgeError
-from engines.onnx_inputs import quantization_ops, refuse_requantizing, toposort
-from engines.manifest import BuildSpec, Gates, Manifest, ModelFile, PostprocessSpec, StateSpec, fixed_input_size, input_size_problem, sha256_file
-from engines.state_inputs import model_input_dims, onnx_io
+from kernel.errors import EdgeError
+from engines.model.onnx_inputs import quantization_ops, refuse_requantizing, toposort
+from engines.model.manifest import (
+    BuildSpec,
+    Gates,
+    Manifest,
+    ModelFile,
+    PostprocessSpec,
+    StateSpec,
+    fixed_input_size,
+    input_size_problem,
+    sha256_file,
+)
+from engines.runtime.state_inputs import model_input_dims, onnx_io
 from deploy.state_options import state_spec
-from engines.preprocess import PreprocessSpec
+from engines.model.preprocess import PreprocessSpec
 
 CALIBRATION_DIR = "calibration"
 VALIDATION_DIR = "validation"
@@ -103,7 +113,7 @@ def parse_triplet(option: str, text: str) -> tuple[float, float, float]:
         values = ()
     if len(values) != 3:
         raise PackageError(f"{option} {text!r}: expected three comma-separated numbers")
-    return values  # type: ignore[return-value]
+    return values
 
 
 def parse_params(items: list[str]) -> dict[str, Any]:
@@ -236,7 +246,7 @@ def _model_sources(model: Path, precision: str, has_calibration: bool, workdir: 
 
 
 def build_template(opts: PackageOptions, model_file: str) -> Manifest:
-    """The manifest without hashes: every option validated by the shared schema (engines.manifest)."""
+    """The manifest without hashes: every option validated by the shared schema (engines.model.manifest)."""
     params = parse_params(opts.params)
     _validate_postprocess(opts.postprocess, params)
     try:
@@ -269,8 +279,11 @@ def check_preprocess_size(model: Path, manifest: Manifest) -> None:
     problem = input_size_problem(dims, manifest.preprocess)
     if problem:
         spec = manifest.preprocess
-        raise PackageError(f"{model.name}: input {name}: {problem} (packaged with --input-size {spec.width}x{spec.height}, "
-                           f"--layout {spec.layout})", code="MODEL_SHAPE_MISMATCH")
+        raise PackageError(
+            f"{model.name}: input {name}: {problem} (packaged with --input-size {spec.width}x{spec.height}, "
+            f"--layout {spec.layout})",
+            code="MODEL_SHAPE_MISMATCH",
+        )
 
 
 def check_decodes(model: Path, manifest: Manifest, validation: Path | None, more: Sequence[Path] = ()) -> None:
@@ -280,15 +293,19 @@ def check_decodes(model: Path, manifest: Manifest, validation: Path | None, more
     engines.postprocess.value_ranges) is refused here with its code, not on every device's first frame. A check
     across the set (a 0-255 picture that stays within 0..1) that refuses the first frame runs the `more`
     validation frames too, one at a time, until one of them settles it: a dark first frame proves nothing."""
-    from engines.model import load_bare_onnx
-    from engines.runtime import load_runtime
-    from engines.frames import validation_frames
+    from engines.model.source import load_bare_onnx
+    from engines.runtime.model_runtime import load_runtime
+    from engines.evaluation.frames import validation_frames
 
     if len(model_input_dims(model, manifest.state)[1]) != 4:
         return  # not a camera model's input (as check_preprocess_size): nothing a frame can exercise
     spec = manifest.preprocess
     frame = cv2.imread(str(validation), cv2.IMREAD_COLOR) if validation is not None else None
-    where = f"the validation frame {validation.name}" if frame is not None and validation is not None else "a generated frame"
+    where = (
+        f"the validation frame {validation.name}"
+        if frame is not None and validation is not None
+        else "a generated frame"
+    )
     if frame is None:
         frame = validation_frames(spec.width, spec.height, 1)[0]
     fields = {"preprocess": spec, "postprocess": manifest.postprocess, "labels": manifest.labels,
@@ -310,8 +327,10 @@ def check_decodes(model: Path, manifest: Manifest, validation: Path | None, more
 
 def _check_frames(runtime: Any, kind: str, frame: np.ndarray, more: Sequence[Path]) -> None:
     """The shape and value checks on `frame`, then the set checks on it and, while they refuse, on `more` frames."""
-    from engines.build.validate import _run as run_frame  # the gates' own run of one frame: package checks what they will
-    from engines.errors import ModelError
+    from engines.build.validate import (
+        _run as run_frame,
+    )  # the gates' own run of one frame: package checks what they will
+    from kernel.errors import ModelError
     from engines.postprocess.value_ranges import check_value_ranges, check_value_set
 
     names = [o.name for o in runtime.engine.outputs]

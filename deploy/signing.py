@@ -12,7 +12,7 @@ from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.keys import encode_public, key_id, load_private_key, load_public_key, sign_bytes, write_keypair
 from agent.artifacts.layout import SIG_NAME
 from agent.artifacts.trust import read_manifest_files
-from engines.fsutil import atomic_write_bytes
+from kernel.fsutil import atomic_write_bytes
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ def keygen(out: Path, force: bool = False) -> KeyInfo:
 
 
 def sign_artifact(artifact: Path, key_path: Path) -> str:
-    """(Re)sign an artifact's manifest.json in place (offline signing of an `--unsigned` package); returns the key id."""
+    """(Re)sign an artifact's manifest.json in place (offline signing of an `--unsigned` package); returns the key
+    id."""
     key = load_private_key(key_path)
     manifest_bytes = read_manifest_files(Path(artifact))[0]
     atomic_write_bytes(Path(artifact) / SIG_NAME, sign_bytes(key, manifest_bytes), mode=0o644)
@@ -46,7 +47,7 @@ def public_key_id(entry: str) -> str:
 
 def trust_config(keys: list[str], allow_unsigned: bool = False, **fields: object) -> ArtifactsConfig:
     """An ArtifactsConfig trusting exactly `keys`, as a device with those keys would."""
-    return ArtifactsConfig(trusted_keys=list(keys), allow_unsigned=allow_unsigned, **fields)  # type: ignore[arg-type]
+    return ArtifactsConfig(trusted_keys=list(keys), allow_unsigned=allow_unsigned, **fields)
 
 
 def inline_entry(key_path: Path) -> str:

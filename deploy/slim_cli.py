@@ -19,10 +19,10 @@ from deploy.package import PackageOptions, build_template, check_preprocess_size
 from deploy.cli_errors import USAGE_CODES as PACKAGE_USAGE_CODES, run_command
 from engines.build.calibration import from_directory as calibration_from_directory, tensors as calibration_tensors
 from engines.build.validation_set import validation_set
-from engines.errors import EdgeError
-from engines.fsutil import atomic_write_bytes
-from engines.manifest import MANIFEST_NAME
-from engines.model import ModelSource, load_bare_onnx, load_model_dir
+from kernel.errors import EdgeError
+from kernel.fsutil import atomic_write_bytes
+from engines.model.manifest import MANIFEST_NAME
+from engines.model.source import ModelSource, load_bare_onnx, load_model_dir
 from engines.slim.report import SlimReport
 from engines.slim.search import SlimOptions, slim as run_search
 from engines.slim.sensitivity import Probe
@@ -106,7 +106,8 @@ def summary(report: SlimReport, out: Path) -> list[str]:
         f"  latency   {lat['before']:.2f} -> {lat['after']:.2f} ms (median, ONNX Runtime CPU, this machine)",
         f"  accuracy  {acc['metric']} {acc['value']:.3f} vs the unpruned model on {acc['frames']} frame(s) "
         f"(target {report.target:g})",
-        f"  groups    {report.groups_pruned} of {len(report.groups)} pruned; {len(report.left_alone)} layer(s) left alone",
+        f"  groups    {report.groups_pruned} of {len(report.groups)} pruned; "
+        f"{len(report.left_alone)} layer(s) left alone",
     ]
     if report.sparsity is not None:
         s = report.sparsity
@@ -140,12 +141,14 @@ def slim(
     sparsity: Optional[str] = typer.Option(None, "--sparsity", help="2:4: magnitude 2:4 sparsity on the eligible "
                                            "weights after pruning (pays only in TensorRT on Ampere and later)."),
     norm: str = typer.Option("l1", "--norm", help="Filter norm that ranks channels: l1 or l2."),
-    multiple: int = typer.Option(8, "--multiple", help="Keep channel counts a multiple of this (GPU kernels pad to 8)."),
+    multiple: int = typer.Option(8, "--multiple",
+                                 help="Keep channel counts a multiple of this (GPU kernels pad to 8)."),
     input_size: Optional[str] = typer.Option(None, "--input-size", help="Model input WIDTHxHEIGHT (bare .onnx)."),
     color: Optional[str] = typer.Option(None, "--color", help="Channel order the model expects: rgb or bgr."),
     mean: Optional[str] = typer.Option(None, "--mean", help="Per-channel mean after scaling to 0..1: a,b,c."),
     std: Optional[str] = typer.Option(None, "--std", help="Per-channel std: a,b,c."),
-    scale: Optional[float] = typer.Option(None, "--scale", min=1e-9, help="Multiplier on 0..255 pixels (default 1/255)."),
+    scale: Optional[float] = typer.Option(None, "--scale", min=1e-9,
+                                          help="Multiplier on 0..255 pixels (default 1/255)."),
     layout: Optional[str] = typer.Option(None, "--layout", help="nchw or nhwc."),
     resize: Optional[str] = typer.Option(None, "--resize", help="stretch, letterbox or short-crop."),
     postprocess: str = typer.Option("raw", "--postprocess", help="Postprocessor (docs/postprocessors.md): its gate "

@@ -1,7 +1,7 @@
 """`edge-deploy package --state/--constant`: the manifest's `state` section from the command line.
 
 A recurrent model (RVM: r1i..r4i fed from r1o..r4o, and downsample_ratio) cannot be packaged without it: the
-package checks refuse any input beside the frame that `state` does not feed (engines.state_inputs).
+package checks refuse any input beside the frame that `state` does not feed (engines.runtime.state_inputs).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engines.errors import EdgeError
-from engines.manifest import StateSpec
+from kernel.errors import EdgeError
+from engines.model.manifest import StateSpec
 
 
 class StateOptionError(EdgeError):

@@ -171,15 +171,15 @@ class SkipRecorder:
     def __init__(self) -> None:
         self.record = RunRecord({}, set(), set())
 
-    def pytest_itemcollected(self, item) -> None:  # noqa: ANN001 - pytest's hook signature
+    def pytest_itemcollected(self, item) -> None:  # pytest's hook signature
         self.record.collected.add(item.nodeid)
 
-    def pytest_collectreport(self, report) -> None:  # noqa: ANN001
+    def pytest_collectreport(self, report) -> None:
         if report.skipped:
             self.record.skipped[report.nodeid] = skip_reason(report.longrepr)
             self.record.collected.add(report.nodeid)
 
-    def pytest_runtest_logreport(self, report) -> None:  # noqa: ANN001
+    def pytest_runtest_logreport(self, report) -> None:
         if report.skipped and not hasattr(report, "wasxfail"):
             self.record.skipped[report.nodeid] = skip_reason(report.longrepr)
         elif report.when == "call":

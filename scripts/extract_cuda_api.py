@@ -11,12 +11,14 @@ numpydoc "Returns" section of each function); nothing is called, so no GPU or dr
 Usage (re-runnable; writes tests/data/cuda_api/<package>-<version>.json):
     pip download --no-deps cuda-python==12.4.0 "cuda-bindings==12.9.*" "cuda-bindings==13.*" cuda-pathfinder -d wheels/
     python scripts/extract_cuda_api.py --wheel wheels/cuda_python-12.4.0-*.whl \\
-        --wheel wheels/cuda_bindings-12.9.*.whl --wheel wheels/cuda_bindings-13.*.whl --support wheels/cuda_pathfinder-*.whl
+        --wheel wheels/cuda_bindings-12.9.*.whl --wheel wheels/cuda_bindings-13.*.whl \\
+        --support wheels/cuda_pathfinder-*.whl
 (`--support` wheels are only put on the import path: cuda-bindings >= 12.9 imports cuda.pathfinder.)
 
 Which releases: every CUDA-binding minor line a pin in pyproject.toml admits needs a table
 (tests/test_extras.py). Recent cuda-python releases are meta packages (12.9.10 and 13.4.4 were checked: X.Y.Z
-requires cuda-bindings ~=X.Y.Z), so such a cuda-python pin is modelled by the cuda-bindings wheel it pulls in. cuda-bindings-13.4.4.json came from
+requires cuda-bindings ~=X.Y.Z), so such a cuda-python pin is modelled by the cuda-bindings wheel it pulls in.
+cuda-bindings-13.4.4.json came from
     pip download --no-deps cuda-python==13.4.4 cuda-bindings==13.4.4 cuda-pathfinder -d wheels/
 (cuda-python 13.4.4's METADATA: `Requires-Dist: cuda-bindings~=13.4.4`; 13.4.4 was the newest cuda-python, and
 what `jetpack7` resolves to, while cuda-bindings was already at 13.5.0.)

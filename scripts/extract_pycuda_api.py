@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from extract_tensorrt_api import Git, depth_map, preprocess, statements, strip_comments  # noqa: E402
+from extract_tensorrt_api import Git, depth_map, preprocess, statements, strip_comments
 
 REPO_URL = "https://github.com/inducer/pycuda"
 DEFAULT_TAGS = ("v2020.1", "v2022.2.2", "v2024.1.2", "v2026.1")
@@ -78,7 +78,9 @@ def parse_cpp(text: str) -> dict[str, Any]:
         if target is None and chain and chain.group(1) in variables:
             target, base = variables[chain.group(1)], depths[chain.start(1)]
         if target is not None:
-            classes[target].update(mm.group(1) or mm.group(2) for mm in _MEMBER.finditer(stmt) if depths[mm.start()] == base)
+            classes[target].update(
+                mm.group(1) or mm.group(2) for mm in _MEMBER.finditer(stmt) if depths[mm.start()] == base
+            )
             continue
         e = _ENUM.search(stmt)
         if e:
@@ -101,7 +103,9 @@ def extract(git: Git) -> dict[str, Any]:
     api = parse_cpp(git.show(SOURCE))
     parse_python(git.show(PY_SOURCE), api)
     graph_words = ("begin_capture", "Graph", "GraphExec", "end_capture")
-    has_graphs = any(w in cls or w in m for cls, members in api["classes"].items() for m in members for w in graph_words)
+    has_graphs = any(
+        w in cls or w in m for cls, members in api["classes"].items() for m in members for w in graph_words
+    )
     return {
         "version": git.tag.lstrip("v"),
         "source": {"repository": REPO_URL, "tag": git.tag, "commit": git.commit(), "files": [SOURCE, PY_SOURCE],

@@ -83,11 +83,13 @@ def strip_comments(text: str) -> str:
 
 
 def _eval_condition(expr: str, defines: dict[str, int]) -> bool:
-    expr = re.sub(r"defined\s*\(?\s*(\w+)\s*\)?", lambda m: str(int(m.group(1) in defines and bool(defines[m.group(1)]))), expr)
+    expr = re.sub(
+        r"defined\s*\(?\s*(\w+)\s*\)?", lambda m: str(int(m.group(1) in defines and bool(defines[m.group(1)]))), expr
+    )
     expr = re.sub(r"[A-Za-z_]\w*", lambda m: str(defines.get(m.group(0), 0)), expr)
     expr = expr.replace("&&", " and ").replace("||", " or ")
     expr = re.sub(r"!(?!=)", " not ", expr)
-    return bool(eval(expr, {"__builtins__": {}}, {}))  # noqa: S307  (digits and operators only, see above)
+    return bool(eval(expr, {"__builtins__": {}}, {}))  # digits and operators only, see above
 
 
 def preprocess(text: str, defines: dict[str, int]) -> str:
@@ -321,8 +323,8 @@ def header_enum_values(text: str) -> dict[str, dict[str, int]]:
                     nxt = int(e.group(2).strip().rstrip("U").rstrip("u"), 0)
                 except ValueError:
                     try:
-                        nxt = eval(e.group(2), {"__builtins__": {}}, dict(values))  # noqa: S307 (e.g. `1 << 3`, kA)
-                    except Exception:
+                        nxt = eval(e.group(2), {"__builtins__": {}}, dict(values))  # e.g. `1 << 3`, kA
+                    except Exception:  # noqa: BLE001 - eval of a header's enum expression; one it cannot read is skipped
                         continue
             values[e.group(1)] = int(nxt)
             nxt = int(nxt) + 1
@@ -350,7 +352,11 @@ def extract(git: Git) -> dict[str, Any]:
         for stmt in statements(preprocess(strip_comments(git.show(path)), DEFINES)):
             api.add_statement(stmt)
         read.append(path)
-    init = [p for p in git.files("python/packaging") if re.search(r"(bindings_wheel/|^python/packaging/)tensorrt/__init__\.py$", p)]
+    init = [
+        p
+        for p in git.files("python/packaging")
+        if re.search(r"(bindings_wheel/|^python/packaging/)tensorrt/__init__\.py$", p)
+    ]
     for path in init[:1]:
         python_names(git.show(path), api)
         read.append(path)
@@ -377,7 +383,8 @@ def to_json(api: Api, values: dict[str, dict[str, int]], git: Git, read: list[st
         "source": {"repository": REPO_URL, "tag": git.tag, "commit": git.commit(), "files": read,
                    "defines": DEFINES, "extractor": "scripts/extract_tensorrt_api.py"},
         "functions": sorted(api.functions), "attributes": sorted(api.attributes),
-        "classes": {n: {"bases": api.bases(n), "members": sorted(c["members"])} for n, c in sorted(api.classes.items())},
+        "classes": {n: {"bases": api.bases(n), "members": sorted(c["members"])}
+                    for n, c in sorted(api.classes.items())},
         "enums": enums,
     }
 
@@ -387,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--git-dir", type=Path, required=True, help="a clone of NVIDIA/TensorRT with its tags")
     parser.add_argument("--tag", action="append", help=f"release tag (repeatable; default {' '.join(DEFAULT_TAGS)})")
     parser.add_argument("--out", type=Path, default=OUT_DIR)
-    parser.add_argument("--check", action="store_true", help="compare with the stored tables instead of writing; exit 1 on a difference")
+    parser.add_argument(
+        "--check", action="store_true", help="compare with the stored tables instead of writing; exit 1 on a difference"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     differ = []

@@ -2,7 +2,7 @@
 # The rules a tool enforces (docs/architecture.md, "Rules the tools enforce"); `make test` runs this first.
 #   ruff         a small rule set (pyproject.toml [tool.ruff]): undefined and unused names, syntax, a few bug patterns
 #   lint-imports the layers and no import cycles (pyproject.toml [tool.importlinter])
-#   mypy         the types of engines/ and agent/ (pyproject.toml [tool.mypy])
+#   mypy         the types of kernel/, engines/, agent/ and deploy/ (pyproject.toml [tool.mypy])
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}

@@ -25,15 +25,17 @@ from pathlib import Path
 try:
     import tomllib
 except ImportError:  # Python 3.10: tomli is a dependency of the project there
-    import tomli as tomllib  # type: ignore[no-redef]
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 # Config/TOML parsing, state, commands, signing/trust, fetch, quantize and engine builds on tiny models,
 # gates and the cache, sdnotify, the deployment watch's judge and floors: the code that leans on the stdlib
-# and on compiled wheels (numpy, onnx, onnxruntime, cryptography, pydantic-core). The skip check itself runs on each interpreter as the runner.
+# and on compiled wheels (numpy, onnx, onnxruntime, cryptography, pydantic-core). The skip check itself runs on each
+# interpreter as the runner.
 VERSION_TESTS = [
     "tests/test_config.py", "tests/test_mqtt_config.py", "tests/test_state.py", "tests/test_commands.py",
-    "tests/test_signing.py", "tests/test_package_verify.py", "tests/test_fetch.py", "tests/test_quantize.py",
+    "tests/test_signing.py", "tests/test_package_verify.py", "tests/test_fetch.py", "tests/test_fetch_transport.py",
+    "tests/test_quantize.py",
     "tests/test_engine_build.py", "tests/test_engine_cache.py", "tests/test_gates.py", "tests/test_sdnotify.py",
     "tests/test_watch.py",
 ]
@@ -44,8 +46,8 @@ VERSION_DESELECT = [
     "tests/test_engine_build.py::test_demo_int8_build_from_generated_frames_passes_the_gate",
     "tests/test_quantize.py::test_demo_detector_int8_mask_iou",
 ]
-# Only the Ansible, browser and tracking-benchmark tests need these (not in VERSION_TESTS); ansible-lint is the slowest part
-# of the test extra to install.
+# Only the Ansible, browser and tracking-benchmark tests need these (not in VERSION_TESTS); ansible-lint is the slowest
+# part of the test extra to install.
 NOT_NEEDED = {"ansible-core", "ansible-lint", "selenium", "motmetrics", "trackers"}
 PROBE = "import sys, venv, ensurepip; print('py%d%d' % sys.version_info[:2])"
 

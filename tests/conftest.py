@@ -21,8 +21,8 @@ LEAK_GRACE_S = 3.0
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    item._leak_threads = set(threading.enumerate())  # type: ignore[attr-defined]
-    item._leak_children = {p.pid for p in psutil.Process().children(recursive=True)}  # type: ignore[attr-defined]
+    item._leak_threads = set(threading.enumerate())
+    item._leak_children = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
 
 
@@ -36,7 +36,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     while True:
         threads = [t for t in threading.enumerate() if t not in before_threads and t.is_alive()]
         children = [p for p in psutil.Process().children(recursive=True)
-                    if p.pid not in item._leak_children and _alive(p)]  # type: ignore[attr-defined]
+                    if p.pid not in item._leak_children and _alive(p)]
         if not threads and not children or time.monotonic() > deadline:
             break
         time.sleep(0.05)

@@ -1,4 +1,4 @@
-"""The real `edge-agent` CLI with crash-test pause points armed (agent/testhooks.py).
+"""The real `edge-agent` CLI with crash-test pause points armed (agent/base/testhooks.py).
 
     python tests/crash_agent.py POINT[,POINT...] MARKER_FILE run --config ...
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from agent import testhooks
+from agent.base import testhooks
 from agent.cli.main import main
 
 

@@ -92,7 +92,9 @@ class Dashboard:
 
     def start(self) -> None:
         self.thread.start()
-        assert wait_for(lambda: self.server.started or not self.thread.is_alive(), timeout=30), "dashboard did not start"
+        assert wait_for(lambda: self.server.started or not self.thread.is_alive(), timeout=30), (
+            "dashboard did not start"
+        )
         assert self.server.started, "dashboard server exited at start"
 
     def stop(self) -> None:

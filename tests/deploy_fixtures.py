@@ -14,8 +14,8 @@ from agent.artifacts.builder import build_artifact
 from agent.artifacts.keys import load_private_key
 from agent.artifacts.demo_model import bundled_demo_onnx, demo_manifest
 from deploy.signing import keygen
-from engines.manifest import Gates, PostprocessSpec
-from engines.preprocess import PreprocessSpec
+from engines.model.manifest import Gates, PostprocessSpec
+from engines.model.preprocess import PreprocessSpec
 
 
 def make_key(directory: Path) -> tuple[Path, Path]:

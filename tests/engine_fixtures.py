@@ -9,9 +9,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from engines.manifest import Gates, PostprocessSpec
-from engines.model import ModelSource, load_bare_onnx
-from engines.preprocess import PreprocessSpec
+from engines.model.manifest import Gates, PostprocessSpec
+from engines.model.source import ModelSource, load_bare_onnx
+from engines.model.preprocess import PreprocessSpec
 
 REPO = Path(__file__).resolve().parent.parent
 BOARDS = REPO / "tests" / "data" / "boards"
@@ -60,9 +60,15 @@ def conv_model(path: Path, channels: int = 4, dynamic: bool = True, seed: int = 
     dims = ["n", 3, "h", "w"] if dynamic else [1, 3, 16, 16]
     out_dims = ["n", channels, "h", "w"] if dynamic else [1, channels, 16, 16]
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv"), helper.make_node("Relu", ["c"], ["y"], name="relu")],
-        "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_dims)], [w, b])
+        [
+            helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv"),
+            helper.make_node("Relu", ["c"], ["y"], name="relu"),
+        ],
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_dims)],
+        [w, b],
+    )
     return _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
 
 
@@ -78,9 +84,15 @@ def outlier_model(path: Path) -> Path:
     w2[0, 1], w2[0, 2] = 1.0, 1.0
     inits = [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")]
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w1"], ["h"], name="spread"), helper.make_node("Conv", ["h", "w2"], ["y"], name="sum")],
-        "outlier", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, "h", "w"])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1, "h", "w"])], inits)
+        [
+            helper.make_node("Conv", ["x", "w1"], ["h"], name="spread"),
+            helper.make_node("Conv", ["h", "w2"], ["y"], name="sum"),
+        ],
+        "outlier",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1, "h", "w"])],
+        inits,
+    )
     return _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
 
 

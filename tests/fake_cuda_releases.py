@@ -143,7 +143,7 @@ def _runtime_behaviours(rt: types.ModuleType, gpu: _HostGpu) -> dict[str, Callab
         event.payload = clock[0]
         return (ok,)
 
-    used = lambda: sum(len(b) for b in gpu.buffers.values())  # noqa: E731
+    used = lambda: sum(len(b) for b in gpu.buffers.values())  # noqa: E731 - the fake GPU's bytes in use, read again after each step
     return {
         "cudaFree": free, "cudaMalloc": malloc, "cudaMallocHost": malloc, "cudaFreeHost": free,
         "cudaStreamCreateWithFlags": lambda flags: (ok, _CudaHandle()), "cudaStreamDestroy": lambda s: (ok,),
@@ -168,7 +168,10 @@ def install_cuda_python(monkeypatch: Any, stem: str) -> types.ModuleType:
     api, rt = load_cuda_api(stem), fake_cuda_runtime(stem)
     cuda, bindings = types.ModuleType("cuda"), types.ModuleType("cuda.bindings")
     cuda.__path__, bindings.__path__ = [], []
-    has_bindings, has_cudart = api["import_paths"]["cuda.bindings.runtime"] is True, api["import_paths"]["cuda.cudart"] is True
+    has_bindings, has_cudart = (
+        api["import_paths"]["cuda.bindings.runtime"] is True,
+        api["import_paths"]["cuda.cudart"] is True,
+    )
     monkeypatch.setitem(sys.modules, "cuda", cuda)
     monkeypatch.setitem(sys.modules, "cuda.bindings", bindings if has_bindings else None)
     monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", rt if has_bindings else None)
@@ -329,7 +332,7 @@ def _pycuda_behaviour(api: PycudaTable, gpu: _HostGpu, errors: dict[str, type]) 
     def copy(dst: int, src: int, nbytes: int) -> None:
         ctypes.memmove(dst, src, nbytes)
 
-    used = lambda: sum(len(b) for b in gpu.buffers.values())  # noqa: E731
+    used = lambda: sum(len(b) for b in gpu.buffers.values())  # noqa: E731 - the fake GPU's bytes in use, read again after each step
     return {
         "init": lambda flags=0: None, "Device": Device, "Context": Context, "Stream": Stream, "Event": Event,
         "mem_alloc": mem_alloc, "mem_get_info": lambda: (gpu.total - used(), gpu.total),

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 
-class cudaError_t(enum.IntEnum):  # noqa: N801  (cuda-python's name)
+class cudaError_t(enum.IntEnum):  # cuda-python's name
     cudaSuccess = 0
     cudaErrorInvalidValue = 1
     cudaErrorInsufficientDriver = 35
@@ -27,7 +27,8 @@ class cudaError_t(enum.IntEnum):  # noqa: N801  (cuda-python's name)
 
 
 def fake_cudart(built_for: int = 12060, driver: int = 12060, gpus: int = 1) -> types.ModuleType:
-    """A `cuda.bindings.runtime` module: bindings built for CUDA `built_for`, driver at `driver` (1000*major+10*minor)."""
+    """A `cuda.bindings.runtime` module: bindings built for CUDA `built_for`, driver at `driver`
+    (1000*major+10*minor)."""
     rt = types.ModuleType("cuda.bindings.runtime")
     rt.cudaError_t = cudaError_t
     rt.last_error = cudaError_t.cudaSuccess

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.fleet_shadow_events import envelope, finished, report, started  # noqa: E402
+from tests.fleet_shadow_events import envelope, finished, report, started
 
 STATE = Path(os.environ.get("EDGE_AGENT_STATE_DIR", ".")) / "fake-agent.json"
 BUDGET_MS = 50.0
@@ -130,7 +130,9 @@ def decide(args: argparse.Namespace, scenario: dict[str, Any], state: dict[str, 
     if not dep or dep["state"] != "shadowing":
         print(f"{args.command} refused (SHADOW_NOT_RUNNING): no shadow deployment is running", file=sys.stderr)
         return 1
-    outcome, reason = ("promoted", "PROMOTE_REQUESTED") if args.command == "promote" else ("cancelled", "CANCEL_REQUESTED")
+    outcome, reason = (
+        ("promoted", "PROMOTE_REQUESTED") if args.command == "promote" else ("cancelled", "CANCEL_REQUESTED")
+    )
     _publish(scenario, state, [finished(dep["deployment_id"], dep["model"], scenario["frames"], scenario["agreement"],
                                         outcome, reason)])
     if outcome == "promoted":

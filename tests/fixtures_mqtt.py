@@ -108,7 +108,11 @@ FLEET_CONF = Path(__file__).resolve().parents[1] / "deploy" / "mosquitto" / "fle
 
 def fleet_broker_settings() -> list[str]:
     """The setting lines of the broker configuration we ship (comments left out)."""
-    return [line.strip() for line in FLEET_CONF.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        line.strip()
+        for line in FLEET_CONF.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 class Broker:
@@ -346,7 +350,7 @@ class FakeControl:
     def rollback(self) -> dict:
         self.calls.append(("rollback", None))
         if self.fail_rollback:
-            from engines.errors import EdgeError
+            from kernel.errors import EdgeError
             raise EdgeError("no previous model to roll back to", code="NO_PREVIOUS_MODEL")
         return {"accepted": True, "deployment_id": "rb-1"}
 
@@ -371,7 +375,7 @@ class FakeControl:
 
     def set_policy(self, changes: dict) -> dict:
         """Like an agent whose model declares no variants (tests that need a policy override this)."""
-        from engines.errors import EdgeError
+        from kernel.errors import EdgeError
         raise EdgeError("this agent has no adaptation policy", code="ADAPT_UNAVAILABLE")
 
 
@@ -379,7 +383,8 @@ class FakeControl:
 def plane_factory(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """Start MqttPlanes (real connection, real SQLite) and stop them at the end of the test."""
     from agent.control.commands import CommandDispatcher
-    from agent.mqtt import MqttConfig, MqttPlane
+    from agent.mqtt.config import MqttConfig
+    from agent.mqtt.plane import MqttPlane
 
     planes: list[Any] = []
 

@@ -11,16 +11,28 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
-    """IoU of two x1,y1,x2,y2 boxes."""
-    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = ix * iy
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
+    """IoU of two x1,y1,x2,y2 boxes, measured as areas of point sets: an oracle that shares no formula with
+    engines.evaluation.metrics.box_iou (no min/max overlap, no inclusion-exclusion for the union).
+
+    The boxes' own edges cut the plane into at most 3 x 3 cells; a cell lies wholly inside a box or wholly outside
+    it, so summing the areas of the cells inside A and B (intersection) and inside A or B (union) is exact for any
+    real coordinates. A box with no area covers no cell; two such boxes have IoU 0.0 (nothing to overlap)."""
+    xs, ys = np.unique([a[0], a[2], b[0], b[2]]), np.unique([a[1], a[3], b[1], b[3]])
+    mid_x, mid_y = (xs[:-1] + xs[1:]) / 2, (ys[:-1] + ys[1:]) / 2
+    cell_area = np.outer(np.diff(ys), np.diff(xs))
+
+    def covers(box: Sequence[float]) -> np.ndarray:
+        return np.outer((mid_y > box[1]) & (mid_y < box[3]), (mid_x > box[0]) & (mid_x < box[2]))
+
+    in_a, in_b = covers(a), covers(b)
+    union = float(cell_area[in_a | in_b].sum())
+    return float(cell_area[in_a & in_b].sum()) / union if union > 0 else 0.0
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
@@ -36,7 +48,8 @@ def wait_for(condition: Callable[[], bool], timeout: float = 10.0, interval: flo
 def run_quick_benchmark(name: str, out: Path, *args: str, timeout: float = 240) -> dict[str, Any]:
     """Run `benchmarks/<name>.py --quick --out OUT` as a user would (from the repo root, no PYTHONPATH: a
     benchmark named like a package must not shadow it) and return its JSON; the numbers are not judged."""
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out), *args],
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out),
+                           *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert done.returncode == 0, done.stderr[-2000:]

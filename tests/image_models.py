@@ -1,7 +1,7 @@
 """An image-to-image model for the video tests and benchmarks: a frame in, a processed frame out.
 
-No pretrained image-to-image model ships in a public package (tests/real_models.py lists those that do), so this one is built
-with onnx.helper in the family's exact layout (1x3xHxW RGB 0..1 in, 1x3xHxW RGB 0..1 out): a "beautify"
+No pretrained image-to-image model ships in a public package (tests/real_models.py lists those that do), so this one
+is built with onnx.helper in the family's exact layout (1x3xHxW RGB 0..1 in, 1x3xHxW RGB 0..1 out): a "beautify"
 filter as the seed's project does it — skin-smoothing blur mixed with the frame, a warm colour matrix,
 a small brightness lift, clipped to 0..1. Real ONNX Runtime runs it like any other model.
 """
@@ -14,9 +14,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from engines.fsutil import atomic_write_bytes
-from engines.manifest import MANIFEST_NAME, Gates, Manifest, ModelFile, PostprocessSpec, sha256_file
-from engines.preprocess import PreprocessSpec
+from kernel.fsutil import atomic_write_bytes
+from engines.model.manifest import MANIFEST_NAME, Gates, Manifest, ModelFile, PostprocessSpec, sha256_file
+from engines.model.preprocess import PreprocessSpec
 
 NAME = "beauty"
 VERSION = "1.0.0"
@@ -30,11 +30,15 @@ def beauty_onnx(path: Path, width: int = 640, height: int = 480) -> Path:
     blur_w = np.zeros((3, 1, 5, 5), np.float32)
     blur_w[:, 0] = gauss
     warm = np.array([[1.06, 0.02, 0.0], [0.01, 1.0, 0.0], [0.0, 0.02, 0.92]], np.float32).reshape(3, 3, 1, 1)
-    inits = [numpy_helper.from_array(blur_w, "blur_w"), numpy_helper.from_array(warm, "warm_w"),
-             numpy_helper.from_array(np.array(0.55, np.float32), "keep"),
-             numpy_helper.from_array(np.array(0.45, np.float32), "smooth"),
-             numpy_helper.from_array(np.full((3,), 0.04, np.float32), "lift"),
-             numpy_helper.from_array(np.array(0.0, np.float32), "lo"), numpy_helper.from_array(np.array(1.0, np.float32), "hi")]
+    inits = [
+        numpy_helper.from_array(blur_w, "blur_w"),
+        numpy_helper.from_array(warm, "warm_w"),
+        numpy_helper.from_array(np.array(0.55, np.float32), "keep"),
+        numpy_helper.from_array(np.array(0.45, np.float32), "smooth"),
+        numpy_helper.from_array(np.full((3,), 0.04, np.float32), "lift"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "lo"),
+        numpy_helper.from_array(np.array(1.0, np.float32), "hi"),
+    ]
     nodes = [
         helper.make_node("Conv", ["x", "blur_w"], ["blurred"], group=3, pads=[2, 2, 2, 2], name="smooth"),
         helper.make_node("Mul", ["x", "keep"], ["kept"], name="keep_mul"),
@@ -43,8 +47,13 @@ def beauty_onnx(path: Path, width: int = 640, height: int = 480) -> Path:
         helper.make_node("Conv", ["mixed", "warm_w", "lift"], ["warmed"], name="warm"),
         helper.make_node("Clip", ["warmed", "lo", "hi"], ["y"], name="clip"),
     ]
-    graph = helper.make_graph(nodes, "beauty", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, height, width])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, height, width])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "beauty",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, height, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, height, width])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
     onnx.checker.check_model(model)

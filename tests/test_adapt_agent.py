@@ -15,9 +15,9 @@ from agent.adapt.controller import POLICY_KEY
 from agent.deployments import watch as watch_module
 from agent.telemetry import TelemetryCollector
 from agent.cli.main import app as agent_app
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.daemon.runner import Agent
-from agent.state import StateStore, state_db_path
+from agent.storage.state import StateStore, state_db_path
 from deploy.cli import app as deploy_app
 from tests.deploy_fixtures import wait_terminal
 from tests.helpers import wait_for
@@ -48,7 +48,7 @@ def test_set_policy_over_a_real_broker(tmp_path: Path, mqtt_broker, collector_fa
     agent.start()
     try:
         assert agent.adapt is not None and wait_for(agent.adapt.built.is_set, timeout=120)
-        events = lambda kind: [e for e in collector.payloads("edge/fam-01/events") if e["type"] == kind]  # noqa: E731
+        events = lambda kind: [e for e in collector.payloads("edge/fam-01/events") if e["type"] == kind]  # noqa: E731 - a query the checks below call again as events arrive
         assert collector.wait_for(lambda _m: events("adapt_family"), timeout=30)
         family = events("adapt_family")[-1]["variants"]
         assert [(v["name"], v["status"]) for v in family] == [("full", "ready"), ("int8", "ready"), ("small", "ready")]
@@ -68,7 +68,7 @@ def test_set_policy_over_a_real_broker(tmp_path: Path, mqtt_broker, collector_fa
         code, reply = send(mqtt_broker, "status")
         assert reply["result"]["adapt"]["active_variant"] == "small"
         assert reply["result"]["model"]["variant"] == "small"
-        telemetry = lambda: [s for s in collector.payloads("edge/fam-01/telemetry")  # noqa: E731
+        telemetry = lambda: [s for s in collector.payloads("edge/fam-01/telemetry")  # noqa: E731 - a query the checks below call again as samples arrive
                              if s.get("model", {}).get("variant") == "small"]
         assert collector.wait_for(lambda _m: telemetry(), timeout=30)
     finally:
@@ -176,7 +176,7 @@ def test_a_deployed_family_builds_and_switches_only_after_its_watch(tmp_path: Pa
         monkeypatch.setattr(agent.loader, "provision", timed_provision)
         monkeypatch.setattr(watch_module, "watch_model", timed_watch)
         assert wait_terminal(agent, dep_id) == "active"
-        switched = lambda: [f for _t, kind, f in events if kind == "adapt"]  # noqa: E731
+        switched = lambda: [f for _t, kind, f in events if kind == "adapt"]  # noqa: E731 - a query the checks below call again as events arrive
         assert wait_for(switched, timeout=120)  # the pin, once the watch released the family
         assert agent.active.variant == "tiny"
         assert len(watches) == 1
@@ -187,7 +187,12 @@ def test_a_deployed_family_builds_and_switches_only_after_its_watch(tmp_path: Pa
         during = [(t, kind) for t, kind, f in events if started <= t <= ended and kind in ("adapt", "adapt_family")]
         assert during == []
         switch = switched()[-1]
-        assert (switch["from"], switch["to"], switch["reason"], switch["model"]) == ("full", "tiny", "pinned", "fam@2.0.0")
+        assert (switch["from"], switch["to"], switch["reason"], switch["model"]) == (
+            "full",
+            "tiny",
+            "pinned",
+            "fam@2.0.0",
+        )
     finally:
         summary = agent.stop()
     assert summary["errors"] == 0

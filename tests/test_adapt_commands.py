@@ -23,7 +23,7 @@ class PolicyControl(FakeControl):
         return {"applied": changes}
 
 
-def send(dispatcher: CommandDispatcher, args: Any, id: str = "p-1") -> dict:  # noqa: A002
+def send(dispatcher: CommandDispatcher, args: Any, id: str = "p-1") -> dict:
     return dispatcher.dispatch(json.dumps({"id": id, "command": "set_policy", "args": args}).encode())
 
 

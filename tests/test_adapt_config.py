@@ -18,8 +18,8 @@ from agent.adapt.family import members
 from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.trust import verify_artifact
 from agent.control.commands import CommandDispatcher
-from agent.config import AgentConfig
-from agent.config_errors import explain
+from agent.config.tree import AgentConfig
+from agent.config.errors import explain
 from agent.daemon.control import AgentController
 from tests.test_adapt_family import loader, make_family
 

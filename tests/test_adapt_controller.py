@@ -24,9 +24,9 @@ from agent.pipeline.frame_stats import FrameStats
 from agent.pipeline.mailbox import FreshestMailbox
 from agent.pipeline.worker import InferenceWorker
 from agent.sources.base import Frame
-from agent.state import StateStore
+from agent.storage.state import StateStore
 from agent.telemetry.sysfs import JetsonSysfsSource
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 from tests.engine_fixtures import board_root
 from tests.helpers import wait_for
 from tests.test_adapt_family import loader, make_family

@@ -11,11 +11,11 @@ import pytest
 from agent.adapt.family import build_member, has_variants, members, reference_frames, reference_runtime
 from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.trust import verify_artifact
-from agent.slots import LoadedModel
+from agent.serving.slots import LoadedModel
 from deploy.package import PackageError, PackageOptions, package
 from deploy.signing import keygen
-from engines.errors import ModelError
-from engines.manifest import parse_manifest
+from kernel.errors import ModelError
+from engines.model.manifest import parse_manifest
 from engines.build.provisioning import load_provisioned, provision
 from tests.engine_fixtures import conv_model, outlier_model
 
@@ -88,12 +88,30 @@ def test_variants_json_and_bad_declarations_are_clear_errors(tmp_path: Path) -> 
     key.parent.mkdir()
     keygen(key)
     model = conv_model(tmp_path / "m.onnx")
-    opts = PackageOptions(synthetic_validation=True, model=model, name="fam", version="1", out=tmp_path / "out", key=key,
-                          preprocess={"width": 32, "height": 32}, variants_json=spec)
+    opts = PackageOptions(
+        synthetic_validation=True,
+        model=model,
+        name="fam",
+        version="1",
+        out=tmp_path / "out",
+        key=key,
+        preprocess={"width": 32, "height": 32},
+        variants_json=spec,
+    )
     assert [v.name for v in package(opts).variants] == ["a", "b"]
     for bad, words in (["x"], "NAME:PRECISION"), (["a:fp32", "a:int8"], "unique"), (["a:fp64"], "precision"):
         with pytest.raises(PackageError) as err:
-            package(PackageOptions(synthetic_validation=True, model=model, name="fam", version="1", out=tmp_path / "o2", key=key, variants=bad))
+            package(
+                PackageOptions(
+                    synthetic_validation=True,
+                    model=model,
+                    name="fam",
+                    version="1",
+                    out=tmp_path / "o2",
+                    key=key,
+                    variants=bad,
+                )
+            )
         assert words in str(err.value)
 
 

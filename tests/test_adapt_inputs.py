@@ -68,7 +68,7 @@ def test_board_watts_takes_total_when_a_jetson_reports_it() -> None:
     assert board_watts(None) is None and board_watts({}) is None
 
 
-def test_board_watts_sums_the_rails_nvml_reports_without_a_total(import_source) -> None:  # noqa: F811
+def test_board_watts_sums_the_rails_nvml_reports_without_a_total(import_source) -> None:  # noqa: F811 - the pytest fixture imported above, used by name
     nvml = import_source("nvml_source", "nvml", "pynvml", fake_pynvml(H200_IDLE))
     source = nvml.NvmlSource()
     assert source.available() == (True, "")

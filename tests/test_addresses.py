@@ -1,10 +1,10 @@
-"""agent.addresses: the one `host:port` reader and loopback rule the video server and the fleet dashboard share."""
+"""agent.base.addresses: the one `host:port` reader and loopback rule the video server and the fleet dashboard share."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent.addresses import NotHostPort, is_loopback, split_host_port
+from agent.base.addresses import NotHostPort, is_loopback, split_host_port
 
 
 @pytest.mark.parametrize("text,lowest,expected", [

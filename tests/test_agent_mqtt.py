@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.daemon.runner import Agent
 from deploy.cli import app as deploy_app
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
@@ -53,7 +53,7 @@ def test_status_telemetry_and_commands_over_a_real_broker(live) -> None:
     assert meta["fingerprint"]["onnxruntime"]
 
     assert wait_for(lambda: agent.stats.frames >= 3, timeout=60)
-    with_model = lambda: [s for s in collector.payloads("edge/cam-01/telemetry") if "model" in s and s["frames"]]  # noqa: E731
+    with_model = lambda: [s for s in collector.payloads("edge/cam-01/telemetry") if "model" in s and s["frames"]]  # noqa: E731 - a query the checks below call again as samples arrive
     assert collector.wait_for(lambda _msgs: len(with_model()) >= 1, timeout=30)
     sample = with_model()[-1]
     assert sample["device_id"] == "cam-01" and sample["model"]["version"] == "1.0.0"

@@ -292,7 +292,8 @@ def _wheel(wheelhouse: Path, version: str = "0.1.0") -> None:
     files = {
         "edge_agent_stub.py": STUB.encode(),
         f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: jetson-edge-agent\nVersion: {version}\n".encode(),
-        f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: edge-agent-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: edge-agent-tests\nRoot-Is-Purelib: true\n"
+                              b"Tag: py3-none-any\n",
         f"{dist_info}/entry_points.txt": b"[console_scripts]\nedge-agent = edge_agent_stub:main\n",
     }
 

@@ -16,8 +16,8 @@ from agent.pipeline.batch_size import BatchSize
 from agent.pipeline.batch_tuner import CONFIRM, STALE_INTERVALS, LiveBatchTuner, make_tuner
 from agent.pipeline.config import BatchConfig
 from agent.pipeline.slot_preprocess import TRIAL, SlotPreprocessing
-from engines.batch_curve import median_error, normalize_spread, sample_sizes
-from engines.batching import MIN_GAIN, choose_batch_size
+from engines.runtime.batch_curve import median_error, normalize_spread, sample_sizes
+from engines.runtime.batching import MIN_GAIN, choose_batch_size
 from tests.helpers import wait_for
 
 
@@ -80,7 +80,7 @@ def test_a_larger_size_wins_only_when_it_is_cheaper_beyond_the_spread() -> None:
 
 
 def test_the_relative_curve_pairs_each_round_so_a_level_drift_does_not_hide_the_shape() -> None:
-    from engines.batch_curve import curve_of
+    from engines.runtime.batch_curve import curve_of
 
     clock, level = FakeClock(), [1.0]
 
@@ -111,7 +111,7 @@ def test_a_bad_spread_entry_is_ignored_not_fatal() -> None:
     bands = normalize_spread({"1": [1.0, 2.0], "2": "x", "3": [3.0, 1.0], "x": [1, 2], "4": [float("nan"), 1.0]})
     assert bands == {1: (1.0, 2.0)}
     assert normalize_spread(None) == {}
-    from engines.batch_curve import normalize_relative
+    from engines.runtime.batch_curve import normalize_relative
 
     assert normalize_relative({"2": [0.7, 0.8, 0.9], "3": "x", "4": [0.9]}) == {1: (1.0, 1.0), 2: (0.7, 0.9)}
     assert normalize_relative(None) == {}
@@ -216,7 +216,9 @@ def test_a_size_beaten_by_any_other_is_left_even_when_the_pick_is_not_the_cheape
     costs = {1: 10.0, 2: 9.0, 4: 8.0}
     bands = {1: (9.5, 10.5), 2: (8.0, 10.0), 4: (7.6, 8.4)}
     for b in costs:
-        live.curve[b] = __import__("agent.pipeline.batch_tuner", fromlist=["CurvePoint"]).CurvePoint(costs[b], bands[b], "live", 16)
+        live.curve[b] = __import__("agent.pipeline.batch_tuner", fromlist=["CurvePoint"]).CurvePoint(
+            costs[b], bands[b], "live", 16
+        )
     assert choose_batch_size(costs, None, 4, spread=bands).size == 2
     assert live._worth_switching(2, "throughput", costs, bands)  # 1 is clearly beaten (by 4): leave it
     live.size = 2
@@ -307,8 +309,8 @@ def demo_runtime(tmp_path_factory):
     from agent.artifacts.demo_model import prepare_demo_model_dir
     from engines.backends import get_backend
     from engines.backends.base import EngineOptions
-    from engines.model import load_model
-    from engines.runtime import ModelRuntime
+    from engines.model.source import load_model
+    from engines.runtime.model_runtime import ModelRuntime
 
     source = load_model(prepare_demo_model_dir(tmp_path_factory.mktemp("demo"), 160, 128))
     runtime = ModelRuntime(source, get_backend("onnxruntime").load(source.onnx_path, EngineOptions(max_batch=4)))
@@ -404,10 +406,10 @@ def test_doclaynet_runs_batch_one_with_a_spread_and_parallel_slots_find_the_same
     from deploy.package import PackageOptions, package
     from engines.backends import get_backend
     from engines.backends.base import EngineOptions
-    from engines.batch_curve import measure_curve
+    from engines.runtime.batch_curve import measure_curve
     from engines.build.batch_size import BatchRewriteError, make_batch_dynamic
-    from engines.model import load_model
-    from engines.runtime import ModelRuntime
+    from engines.model.source import load_model
+    from engines.runtime.model_runtime import ModelRuntime
     from tests import pages
     from tests.real_models import DOCLAYNET, DOCLAYNET_LABELS, wheel_member
 

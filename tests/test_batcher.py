@@ -14,7 +14,7 @@ from agent.pipeline.batch_runtime import BatchRuntime
 from agent.pipeline.batcher import Batcher
 from agent.sources.base import Frame, SourceError
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
-from engines.errors import InferenceError
+from kernel.errors import InferenceError
 from tests.helpers import wait_for
 
 IMAGE = np.zeros((8, 8, 3), np.uint8)
@@ -209,7 +209,7 @@ def test_bad_batcher_settings_are_refused() -> None:
 @pytest.fixture(scope="module")
 def demo_source(tmp_path_factory):
     from agent.artifacts.demo_model import prepare_demo_model_dir
-    from engines.model import load_model
+    from engines.model.source import load_model
 
     return load_model(prepare_demo_model_dir(tmp_path_factory.mktemp("demo"), 160, 128))
 
@@ -226,13 +226,13 @@ def detections(result) -> list:
 def test_one_batched_call_equals_batch1_calls_on_the_demo_model(demo_source) -> None:
     from engines.backends import get_backend
     from engines.backends.base import EngineOptions
-    from engines.runtime import ModelRuntime, load_runtime
+    from engines.runtime.model_runtime import ModelRuntime, load_runtime
 
     images = frames(3)
     single = load_runtime(demo_source, "onnxruntime")  # pinned to batch 1, as the agent loads it today
     # an engine that takes batches up to 3 (`max_batch` where the engine side declares it, else a free batch dim)
     fields = {f.name for f in dataclasses.fields(EngineOptions)}
-    options = EngineOptions(max_batch=3) if "max_batch" in fields else EngineOptions()  # type: ignore[call-arg]
+    options = EngineOptions(max_batch=3) if "max_batch" in fields else EngineOptions()
     dynamic = ModelRuntime(demo_source, get_backend("onnxruntime").load(demo_source.onnx_path, options))
     try:
         expected = [single.run(img)[0] for img in images]
@@ -243,7 +243,9 @@ def test_one_batched_call_equals_batch1_calls_on_the_demo_model(demo_source) -> 
         assert [detections(o.result) for o in outcomes] == [detections(r) for r in expected]
         assert all(detections(r) for r in expected), "the scenes have text: an empty result proves nothing"
         fallback = BatchRuntime(single, 3)  # a batch-1 engine runs the slots one by one, same results
-        assert [detections(o.result) for o in fallback.run(images, ["a", "b", "c"])] == [detections(r) for r in expected]
+        assert [detections(o.result) for o in fallback.run(images, ["a", "b", "c"])] == [
+            detections(r) for r in expected
+        ]
         assert not fallback.batched
     finally:
         single.close()
@@ -251,7 +253,7 @@ def test_one_batched_call_equals_batch1_calls_on_the_demo_model(demo_source) -> 
 
 
 def test_preprocessing_writes_straight_into_the_batch_slots(demo_source) -> None:
-    from engines.preprocess import Preprocessor
+    from engines.model.preprocess import Preprocessor
 
     images = frames(2)
     spec = demo_source.manifest.preprocess
@@ -291,10 +293,10 @@ class AtMostTwo:
 def test_a_batch_larger_than_the_engine_takes_is_split_into_calls_it_accepts(demo_source) -> None:
     from engines.backends import get_backend
     from engines.backends.base import EngineOptions
-    from engines.runtime import ModelRuntime
+    from engines.runtime.model_runtime import ModelRuntime
 
     fields = {f.name for f in dataclasses.fields(EngineOptions)}
-    options = EngineOptions(max_batch=3) if "max_batch" in fields else EngineOptions()  # type: ignore[call-arg]
+    options = EngineOptions(max_batch=3) if "max_batch" in fields else EngineOptions()
     inner = get_backend("onnxruntime").load(demo_source.onnx_path, options)
     limited = AtMostTwo(inner)
     runtime = ModelRuntime(demo_source, limited)
@@ -312,7 +314,7 @@ def test_a_batch_larger_than_the_engine_takes_is_split_into_calls_it_accepts(dem
 class UndecodableFrame(Frame):
     """A lazily decoded frame whose decode fails (agent.sources.lazy raises CAMERA_BAD_FRAME then)."""
 
-    @property  # type: ignore[override]
+    @property
     def image(self):
         raise SourceError("b: the source was closed before the frame was used", code="CAMERA_BAD_FRAME")
 
@@ -324,7 +326,7 @@ class UndecodableFrame(Frame):
 def test_a_frame_that_fails_to_decode_leaves_the_rest_of_its_batch_running(demo_source) -> None:
     from agent.pipeline.frame_stats import FrameStats
     from agent.pipeline.worker import InferenceWorker
-    from engines.runtime import load_runtime
+    from engines.runtime.model_runtime import load_runtime
 
     runtime = load_runtime(demo_source, "onnxruntime")
     batcher = Batcher(["a", "b"], max_size=2, timeout_s=0.0)
@@ -364,7 +366,7 @@ class FailsOnce(AtMostTwo):
 def test_a_passing_engine_error_fails_one_batch_and_batching_goes_on(demo_source, message: str) -> None:
     from engines.backends import get_backend
     from engines.backends.base import EngineOptions
-    from engines.runtime import ModelRuntime
+    from engines.runtime.model_runtime import ModelRuntime
 
     inner = get_backend("onnxruntime").load(demo_source.onnx_path, EngineOptions(max_batch=2))
     engine = FailsOnce(inner, InferenceError(message))
@@ -382,7 +384,7 @@ def test_a_passing_engine_error_fails_one_batch_and_batching_goes_on(demo_source
 
 
 def test_an_engine_pinned_to_batch_one_refuses_by_code_and_the_batch_falls_back(demo_source, caplog) -> None:
-    from engines.runtime import ModelRuntime, load_runtime
+    from engines.runtime.model_runtime import ModelRuntime, load_runtime
 
     single = load_runtime(demo_source, "onnxruntime")  # pinned to batch 1
     images = frames(2)
@@ -425,8 +427,8 @@ class Stuck:
 def test_a_swap_that_timed_out_is_never_installed_later(demo_source) -> None:
     from agent.pipeline.frame_stats import FrameStats
     from agent.pipeline.worker import InferenceWorker
-    from engines.errors import EdgeError
-    from engines.runtime import load_runtime
+    from kernel.errors import EdgeError
+    from engines.runtime.model_runtime import load_runtime
 
     old, new = load_runtime(demo_source, "onnxruntime"), load_runtime(demo_source, "onnxruntime")
     source, stop = Stuck(), threading.Event()
@@ -452,7 +454,7 @@ def test_a_swap_that_timed_out_is_never_installed_later(demo_source) -> None:
 def test_a_swap_sets_the_new_batch_size_between_two_batches(demo_source) -> None:
     from agent.pipeline.frame_stats import FrameStats
     from agent.pipeline.worker import InferenceWorker
-    from engines.runtime import load_runtime
+    from engines.runtime.model_runtime import load_runtime
 
     runtime = load_runtime(demo_source, "onnxruntime")
     batcher = Batcher(["a", "b"], max_size=1, timeout_s=0.0)

@@ -1,4 +1,4 @@
-"""Engines with a batch dimension (engines.batching): choosing the size, dynamic-batch ONNX models on real
+"""Engines with a batch dimension (engines.runtime.batching): choosing the size, dynamic-batch ONNX models on real
 ONNX Runtime, the measured curve in the sidecar, the batch profile in the cache key, `bench --batch`, and
 real exports whose input is `[-1, 3, ?, ?]` (the PP-OCR direction classifier)."""
 
@@ -20,15 +20,16 @@ from onnx import TensorProto, helper, numpy_helper
 from deploy.package import PackageError, PackageOptions, package
 from deploy.signing import keygen
 from engines.backends.base import EngineOptions
-from engines.batching import AUTO_MAX_BATCH, DEMAND_HEADROOM, choose_batch_size, pick_batch_size, planned_max_batch
+from engines.runtime.batching import (AUTO_MAX_BATCH, DEMAND_HEADROOM, choose_batch_size, pick_batch_size,
+                                      planned_max_batch)
 from engines.build.batch_size import BatchRewriteError, make_batch_dynamic, verify_batching
 from engines.build.spec import EngineBuildSpec, ShapeProfile, make_cache_key
-from engines.errors import EdgeError
-from engines.manifest import PostprocessSpec
-from engines.model import load_bare_onnx
-from engines.preprocess import PreprocessSpec
+from kernel.errors import EdgeError
+from engines.model.manifest import PostprocessSpec
+from engines.model.source import load_bare_onnx
+from engines.model.preprocess import PreprocessSpec
 from engines.build.provisioning import load_provisioned, plan_build, provision
-from engines.runtime import load_runtime, split_batch
+from engines.runtime.model_runtime import load_runtime, split_batch
 from tests.engine_fixtures import save_graph
 
 SIZE = 16
@@ -148,7 +149,8 @@ def _conv_model(path: Path, batch: object) -> Path:
              helper.make_node("Relu", ["c"], ["r"], name="relu"),
              helper.make_node("GlobalAveragePool", ["r"], ["p"], name="pool"),
              helper.make_node("Flatten", ["p"], ["y"], name="flatten")]
-    graph = helper.make_graph(nodes, "batchable", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, SIZE, SIZE])],
+    graph = helper.make_graph(nodes, "batchable",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, SIZE, SIZE])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 4])], [w])
     return save_graph(graph, path)
 
@@ -165,7 +167,8 @@ def _reshape_to_one_model(path: Path) -> Path:
 
 def _source(path: Path, width: int = SIZE, height: int = SIZE, **manifest):
     return load_bare_onnx(path, {"preprocess": PreprocessSpec(width=width, height=height),
-                                 "postprocess": PostprocessSpec(kind="raw"), "gates": {"synthetic_frames": True}, **manifest})
+                                 "postprocess": PostprocessSpec(kind="raw"), "gates": {"synthetic_frames": True},
+                                 **manifest})
 
 
 def _provision(src, tmp_path: Path, max_batch: int, **kw):
@@ -198,7 +201,8 @@ def test_dynamic_batch_engine_matches_batch_one_runs(tmp_path: Path, batch: obje
         _batch_equals_singles(runtime, x)
         reference = ort.InferenceSession(str(src.onnx_path), providers=["CPUExecutionProvider"])
         if batch != 1:  # the export itself runs batches: the built engine must agree with it
-            np.testing.assert_allclose(runtime.infer_batch(x)[0], reference.run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(runtime.infer_batch(x)[0], reference.run(None, {"x": x})[0],
+                                       rtol=1e-4, atol=1e-5)
         with pytest.raises(EdgeError) as too_many:
             runtime.infer_batch(np.zeros((5, 3, SIZE, SIZE), np.float32))
         assert too_many.value.code == "BATCH_SIZE_UNSUPPORTED" and "1..4" in str(too_many.value)
@@ -301,7 +305,7 @@ def test_real_ppocr_det_batches_at_a_small_size(tmp_path: Path) -> None:
     assert result.report["batch"]["max_batch"] == 3, result.report["batch"]
     runtime = load_provisioned(result, src, EngineOptions(max_batch=3))
     try:
-        from engines.frames import text_frames
+        from engines.evaluation.frames import text_frames
 
         frames = []
         for frame in text_frames(96, 64, 3, seed=5):
@@ -352,10 +356,10 @@ def test_curve_is_in_the_sidecar_and_auto_picks_from_it(tmp_path: Path) -> None:
 
 def best_by_definition(curve: dict, budget_ms: float | None, max_size: int, spread: dict | None = None,
                        relative: dict | None = None) -> int:
-    """The pick written out from its definition (engines.batching docs), apart from the picker's code: the
+    """The pick written out from its definition (engines.runtime.batching docs), apart from the picker's code: the
     smallest size within the budget that no other size beats by more than noise (MIN_GAIN, and its 75th
     percentile under this size's 25th: relative to batch 1 where both have that, else absolute); 1 if none fits."""
-    from engines.batching import MIN_GAIN
+    from engines.runtime.batching import MIN_GAIN
 
     fits = {int(b): float(c) for b, c in curve.items()
             if int(b) <= max_size and (budget_ms is None or int(b) * float(c) <= budget_ms)}
@@ -411,8 +415,8 @@ def test_package_checks_the_preprocess_size(tmp_path: Path) -> None:
     fixed = _conv_model(tmp_path / "fixed16.onnx", 1)
 
     def opts(model: Path, width: int, height: int, out: str, layout: str = "nchw") -> PackageOptions:
-        return PackageOptions(synthetic_validation=True, model=model, name="m", version="1.0.0", out=tmp_path / out, key=tmp_path / "k",
-                              preprocess={"width": width, "height": height, "layout": layout})
+        return PackageOptions(synthetic_validation=True, model=model, name="m", version="1.0.0", out=tmp_path / out,
+                              key=tmp_path / "k", preprocess={"width": width, "height": height, "layout": layout})
 
     package(opts(cls, 192, 48, "cls"))  # dynamic H/W: any size is fine
     package(opts(fixed, SIZE, SIZE, "fixed"))
@@ -433,8 +437,8 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def _model_dir(tmp_path: Path, onnx_path: Path) -> Path:
     """An (unsigned) model directory with a 16x16 preprocess: what `bench` reads."""
-    package(PackageOptions(synthetic_validation=True, model=onnx_path, name="m", version="1.0.0", out=tmp_path / "model", unsigned=True,
-                           preprocess={"width": SIZE, "height": SIZE}))
+    package(PackageOptions(synthetic_validation=True, model=onnx_path, name="m", version="1.0.0",
+                           out=tmp_path / "model", unsigned=True, preprocess={"width": SIZE, "height": SIZE}))
     return tmp_path / "model"
 
 

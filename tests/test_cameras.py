@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.daemon.runner import Agent
 from agent.pipeline.live_view import status_line
 from agent.cli.status import read_status, render_status
@@ -165,7 +165,9 @@ def test_swap_and_rollback_between_two_batches_lose_no_frame(start_agent, publis
         mailbox, captured = agent.batcher.mailbox(camera), agent.cameras.stats(camera).frames
         served = agent.worker.cameras.of(camera).frames
         waiting = 1 if mailbox.peek() is not None else 0
-        assert mailbox.delivered == served, f"camera {camera}: {mailbox.delivered - served} frame(s) taken, never served"
+        assert mailbox.delivered == served, (
+            f"camera {camera}: {mailbox.delivered - served} frame(s) taken, never served"
+        )
         assert captured == served + mailbox.dropped + waiting, \
             f"camera {camera}: {captured} captured, {served} served, {mailbox.dropped} dropped, {waiting} waiting"
 
@@ -218,13 +220,18 @@ def test_auto_batch_size_follows_the_engine_swapped_in(start_agent) -> None:
     switches go through Agent.swap_model): a variant whose batches pay runs batches of 2, one whose do not runs 1."""
     from dataclasses import replace
 
-    from engines.batching import pick_batch_size
+    from engines.runtime.batching import pick_batch_size
 
-    agent, results, _ = start_agent([synthetic("a", 1), synthetic("b", 2)], batch={"max_size": "auto", "timeout_ms": 50})
+    agent, results, _ = start_agent(
+        [synthetic("a", 1), synthetic("b", 2)], batch={"max_size": "auto", "timeout_ms": 50}
+    )
     budget = agent.active.source.manifest.gates.latency_budget_ms
 
     def with_curve(loaded, curve: dict[str, float]):
-        report = {**loaded.provisioned.report, "batch": {**(loaded.provisioned.report.get("batch") or {}), "curve": curve}}
+        report = {
+            **loaded.provisioned.report,
+            "batch": {**(loaded.provisioned.report.get("batch") or {}), "curve": curve},
+        }
         return replace(loaded, provisioned=replace(loaded.provisioned, report=report))
 
     # per-frame ms: batching pays / does not. Two cameras at 5 fps demand 10 fps: batch 1 of `pays` (6.7 fps)
@@ -264,13 +271,13 @@ def test_mqtt_results_carry_the_camera_name_and_every_camera_gets_its_turn(start
                               device_id="cams-01", batch={"max_size": 3, "timeout_ms": 50},
                               mqtt={"url": mqtt_broker.url, "results_rate_hz": 2.0, "telemetry_interval_s": 1.0})
     # three cameras at 5 fps into a 2 Hz results limit: only a fair turn gets all three names out
-    results = lambda: collector.payloads("edge/cams-01/results")  # noqa: E731
+    results = lambda: collector.payloads("edge/cams-01/results")  # noqa: E731 - a query the checks below call again as results arrive
     assert collector.wait_for(lambda _m: {r.get("camera") for r in results()} >= {"a", "b", "c"}, timeout=60), \
         [r.get("camera") for r in results()]
     assert all("frame" in r and "detections" in r for r in results())
     meta = collector.payloads("edge/cams-01/meta")[-1]
     assert [c["name"] for c in meta["cameras"]] == ["a", "b", "c"]
-    with_cameras = lambda: [s for s in collector.payloads("edge/cams-01/telemetry") if s.get("cameras")]  # noqa: E731
+    with_cameras = lambda: [s for s in collector.payloads("edge/cams-01/telemetry") if s.get("cameras")]  # noqa: E731 - a query the checks below call again as samples arrive
     assert collector.wait_for(lambda _m: len(with_cameras()) >= 1, timeout=30)
     assert set(with_cameras()[-1]["cameras"]) == {"a", "b", "c"}
 

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from agent.cli.main import app
-from agent.config import load_config
+from agent.config.tree import load_config
 from agent.pipeline.batch_size import demand_fps, resolve_batch_size
 
 TWO_CAMERAS = """
@@ -137,7 +137,7 @@ def test_auto_uses_the_engine_side_picker_on_the_measured_curve() -> None:
     curve = {"1": 30.0, "2": 10.0, "3": 29.0}  # ms per frame measured per batch size: 2 is clearly best
     resolved = resolve_batch_size("auto", 3, curve, None)
     try:
-        import engines.batching  # noqa: F401  (the engine side's module; its picker may not be merged yet)
+        import engines.runtime.batching  # noqa: F401  (the engine side's module; its picker may not be merged yet)
     except ImportError:
         assert resolved.size == 1 and "not available" in resolved.reason
     else:

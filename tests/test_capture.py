@@ -167,7 +167,7 @@ class StreamServer:
             "ffmpeg", "-hide_banner", "-nostdin", "-loglevel", "error", "-re",
             "-f", "lavfi", "-i", "testsrc=size=320x240:rate=25",
             "-c:v", "mpeg2video", "-g", "5", "-f", "mpegts", "-listen", "1", f"tcp://127.0.0.1:{self.port}",
-        ]  # fmt: skip
+        ]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
         wait_for(lambda: listening(self.port) or self.process.poll() is not None, "ffmpeg to listen")

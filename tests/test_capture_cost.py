@@ -55,7 +55,7 @@ class CountingFileSource(FileSource):
     def _open_video(self) -> None:
         super()._open_video()
         counting = CountingVideoCapture(self._capture._cap)
-        self._capture._cap = counting  # type: ignore[assignment]
+        self._capture._cap = counting
         self.counters.append(counting)
 
     def count(self, name: str) -> int:
@@ -106,7 +106,9 @@ class SlowConsumer:
 def run_capture() -> Iterator[Any]:
     started: list[tuple[CaptureThread, threading.Event]] = []
 
-    def start(source: Any, mailbox: FreshestMailbox[Frame] | None = None) -> tuple[CaptureThread, FreshestMailbox[Frame]]:
+    def start(
+        source: Any, mailbox: FreshestMailbox[Frame] | None = None
+    ) -> tuple[CaptureThread, FreshestMailbox[Frame]]:
         mailbox = mailbox if mailbox is not None else FreshestMailbox()
         stop = threading.Event()
         thread = CaptureThread(source, mailbox, stop)
@@ -124,7 +126,9 @@ def run_capture() -> Iterator[Any]:
 def test_synthetic_camera_draws_its_scene_once(monkeypatch: pytest.MonkeyPatch, run_capture: Any) -> None:
     draws = []
     real_put_text = cv2.putText
-    monkeypatch.setattr("agent.sources.synthetic.cv2.putText", lambda *a, **k: draws.append(1) or real_put_text(*a, **k))
+    monkeypatch.setattr(
+        "agent.sources.synthetic.cv2.putText", lambda *a, **k: draws.append(1) or real_put_text(*a, **k)
+    )
     config = SyntheticConfig(name="lobby", fps=400, lines=3, seed=5)
     source = SyntheticSource(config)
     thread, mailbox = run_capture(source)
@@ -235,7 +239,7 @@ def test_a_frame_used_after_its_source_closed_is_a_bad_frame(tmp_path: Path) -> 
     frame = mailbox.take()
     thread.grabber.close()  # the camera was lost and closed while the frame waited in a batch
     with pytest.raises(SourceError) as err:
-        _ = frame.image  # type: ignore[union-attr]
+        _ = frame.image
     assert err.value.code == "CAMERA_BAD_FRAME" and "closed" in str(err.value)
     assert thread.stats.bad_frames == 0  # not a frame the camera delivered broken
 

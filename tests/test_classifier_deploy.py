@@ -14,7 +14,7 @@ import cv2
 import numpy as np
 import pytest
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.pipeline.batch_runtime import BatchRuntime
 from agent.daemon.runner import Agent
 from agent.cli.status import read_status

@@ -97,8 +97,15 @@ def collectors() -> Iterator[list[Collector]]:
 
 def status(state: str, ts: float | None = None, since: float | None = None) -> dict[str, Any]:
     """A status body like agent.mqtt.publisher.StatusBoard's (`ts` None: the device's clock now)."""
-    return {"state": state, "device_id": "d", "boot_id": "b-1", "agent_version": "0.1.0",
-            "model": {"name": "det", "version": "2.0.0"}, "since": since if since is not None else time.time(), "ts": ts}
+    return {
+        "state": state,
+        "device_id": "d",
+        "boot_id": "b-1",
+        "agent_version": "0.1.0",
+        "model": {"name": "det", "version": "2.0.0"},
+        "since": since if since is not None else time.time(),
+        "ts": ts,
+    }
 
 
 def device_row(url: str, device_id: str) -> dict[str, Any]:

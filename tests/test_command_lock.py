@@ -103,7 +103,7 @@ class Operator:
         """Publish `payload` as is; `cid` is the id its reply will carry (None for a payload whose id is unreadable)."""
         with self._cond:
             self.replies.pop(cid, None)
-            self.sent[cid] = time.monotonic()  # type: ignore[index]
+            self.sent[cid] = time.monotonic()
         self.client.publish(self.cmd_topic, payload, qos=1)
         return cid
 
@@ -194,7 +194,9 @@ def test_commands_are_answered_within_a_second_while_another_process_holds_the_d
     print(f"unlocked worst: {baseline}\nwhile locked:\n{table}")
     for name, sent, latency, reply in results:
         bound = REPLY_BOUND_S + baseline[name]  # the lock may cost at most the bound on top of this machine's own
-        assert latency is not None and latency < bound, f"{name} sent at +{sent:.2f} s: no reply within {bound:.2f} s\n{table}"
+        assert latency is not None and latency < bound, (
+            f"{name} sent at +{sent:.2f} s: no reply within {bound:.2f} s\n{table}"
+        )
         assert reply is not None and reply["ok"] is True, reply
     assert len(results) >= 15
     first = next(r for n, _, _, r in results if n == "ping")
@@ -222,7 +224,9 @@ def test_a_command_stuck_on_the_locked_database_is_answered_busy_and_its_reply_k
     """deploy must write its row: while another process holds the lock it cannot, so the sender hears BUSY at
     once, the deploy goes on, and the same id later gets its real reply."""
     agent, operator = running_agent
-    locker = subprocess.Popen([sys.executable, "-c", LOCKER, str(agent.state_db), "4"], stdout=subprocess.PIPE, text=True)
+    locker = subprocess.Popen(
+        [sys.executable, "-c", LOCKER, str(agent.state_db), "4"], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert locker.stdout is not None and locker.stdout.readline().strip() == "locked"
         cid = operator.send("deploy", {"url": "https://127.0.0.1:9/m/manifest.json"})

@@ -114,9 +114,9 @@ def test_a_handler_stuck_on_the_locked_database_is_answered_busy_and_its_reply_k
 def test_handlers_left_running_are_bounded(tmp_path: Path) -> None:
     release = threading.Event()
     control = FakeControl()
-    control.restart_pipeline = lambda camera=None: (release.wait(10), {"restarted": True})[1]  # type: ignore[method-assign]
+    control.restart_pipeline = lambda camera=None: (release.wait(10), {"restarted": True})[1]
     dispatcher = CommandDispatcher(control, tmp_path / "state.db", max_running=2, storage_check_s=0.05)
-    dispatcher.replies.store.write_locked = lambda: True  # type: ignore[method-assign]
+    dispatcher.replies.store.write_locked = lambda: True
     try:
         first = [_send(dispatcher, "restart_pipeline", f"r{i}")[1]["error"] for i in range(2)]
         refused = _send(dispatcher, "restart_pipeline", "r2")[1]["error"]

@@ -36,7 +36,7 @@ def dispatcher(tmp_path: Path, control: FakeControl) -> Any:
     d.close()
 
 
-def _send(dispatcher: CommandDispatcher, command: str, args: Any = None, id: str = "req-1") -> dict:  # noqa: A002
+def _send(dispatcher: CommandDispatcher, command: str, args: Any = None, id: str = "req-1") -> dict:
     body: dict[str, Any] = {"id": id, "command": command}
     if args is not None:
         body["args"] = args
@@ -82,7 +82,8 @@ def test_each_command_runs_its_handler(dispatcher: CommandDispatcher, control: F
     (b'{"id": "a"}', "INVALID_COMMAND", "command: Field required", "a"),
     (b'{"id": "a", "command": "ping", "sig": "x"}', "INVALID_COMMAND", "sig: Extra inputs are not permitted", "a"),
     (b'{"id": "a", "command": "ping", "args": []}', "INVALID_COMMAND", "args: Input should be a valid dictionary", "a"),
-    (b'{"id": "a", "command": "reboot"}', "UNKNOWN_COMMAND", "unknown command 'reboot' (available: cancel, deploy", "a"),
+    (b'{"id": "a", "command": "reboot"}', "UNKNOWN_COMMAND",
+     "unknown command 'reboot' (available: cancel, deploy", "a"),
     (b'{"id": "a", "command": "ping", "args": {"x": 1}}', "INVALID_COMMAND", "args.x: Extra inputs", "a"),
     (b'{"id": "a", "command": "deploy", "args": {}}', "INVALID_COMMAND", "args.url: Field required", "a"),
     (b'{"id": "a", "command": "deploy", "args": {"url": "u", "timeout_s": "10"}}', "INVALID_COMMAND",
@@ -123,7 +124,7 @@ def test_other_exceptions_are_internal_and_logged(dispatcher: CommandDispatcher,
 
 
 def test_unserialisable_result_is_internal(dispatcher: CommandDispatcher, control: FakeControl) -> None:
-    control.status = lambda: {"when": object()}  # type: ignore[method-assign]
+    control.status = lambda: {"when": object()}
     assert _send(dispatcher, "status")["error"]["code"] == "INTERNAL"
 
 
@@ -172,7 +173,7 @@ def test_same_id_while_running_is_busy(dispatcher: CommandDispatcher, control: F
         release.wait(5)
         return {"state": "online"}
 
-    control.status = slow_status  # type: ignore[method-assign]
+    control.status = slow_status
     first: list[dict] = []
     worker = threading.Thread(target=lambda: first.append(_send(dispatcher, "status", id="slow")))
     worker.start()
@@ -241,8 +242,9 @@ def _args_ok(cmd: str, args: dict) -> bool:
         return args == {}
     if cmd == "restart_pipeline":
         camera = args.get("camera")
-        return set(args) <= {"camera"} and (camera is None or (isinstance(camera, str)
-                                                               and re.fullmatch(r"[A-Za-z0-9_.-]{1,32}", camera) is not None))
+        return set(args) <= {"camera"} and (
+            camera is None or (isinstance(camera, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,32}", camera) is not None)
+        )
     if cmd in ("promote", "cancel"):
         dep = args.get("deployment_id")
         return set(args) <= {"deployment_id"} and (dep is None or (isinstance(dep, str) and 1 <= len(dep) <= 64))
@@ -250,7 +252,9 @@ def _args_ok(cmd: str, args: dict) -> bool:
         camera, overlay = args.get("camera"), args.get("overlay", True)
         return set(args) <= {"camera", "overlay"} and isinstance(overlay, bool) and (
             camera is None or (isinstance(camera, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,32}", camera) is not None))
-    if cmd == "set_zones":  # needs zones, lines or revert, which the fuzzed keys never hold (tests/test_tracking_host.py)
+    if (
+        cmd == "set_zones"
+    ):  # needs zones, lines or revert, which the fuzzed keys never hold (tests/test_tracking_host.py)
         return False
     if cmd == "deploy":
         url, timeout = args.get("url"), args.get("timeout_s")
@@ -264,8 +268,13 @@ def _args_ok(cmd: str, args: dict) -> bool:
     return bool(given_values) and all(allowed[k](v) for k, v in given_values.items())
 
 
-json_scalars = (st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
-                | st.text(max_size=12))
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+)
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
 arg_keys = st.sampled_from(["url", "timeout_s", "telemetry_interval_s", "results_rate_hz", "log_level", "camera",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import load_config
+from agent.config.tree import load_config
 
 from typer.testing import CliRunner
 
@@ -78,7 +78,9 @@ def test_valid_file_exits_0(agent_env, tmp_path: Path) -> None:
         ('[pipeline]\nreport_interval_s = -1\n', "pipeline.report_interval_s", 2, "greater than 0"),
     ],
 )
-def test_invalid_file_names_field_and_line(agent_env, tmp_path: Path, text: str, field: str, line: int, extra: str) -> None:
+def test_invalid_file_names_field_and_line(
+    agent_env, tmp_path: Path, text: str, field: str, line: int, extra: str
+) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(text)
     result = check(path)
@@ -118,7 +120,9 @@ def test_configuration_reference_is_current() -> None:
     from agent.cli.config_docs import render
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
-    assert committed == render(), "docs/configuration.md is stale: python -m agent.cli.config_docs > docs/configuration.md"
+    assert committed == render(), (
+        "docs/configuration.md is stale: python -m agent.cli.config_docs > docs/configuration.md"
+    )
 
 
 def test_errors_never_echo_secrets(agent_env, tmp_path: Path) -> None:

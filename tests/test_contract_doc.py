@@ -128,14 +128,16 @@ def _section(text: str, heading: str) -> str:
 
 
 def test_every_manifest_field_is_in_the_document(doc: str) -> None:
-    from engines.manifest import Manifest
+    from engines.model.manifest import Manifest
 
     section = _section(doc, "manifest")
-    assert section, "docs/contract.md needs a `## Artifact: manifest.json ...` section (a `## ` heading naming the manifest)"
+    assert section, (
+        "docs/contract.md needs a `## Artifact: manifest.json ...` section (a `## ` heading naming the manifest)"
+    )
     names = [field.alias or name for name, field in Manifest.model_fields.items()]
     missing = [name for name in names if f"`{name}`" not in section]
     assert not missing, (
-        "the manifest section of docs/contract.md lacks these top-level fields of engines/manifest.py Manifest; "
+        "the manifest section of docs/contract.md lacks these top-level fields of engines/model/manifest.py Manifest; "
         "add a row | `field` | type (default) | meaning | for each: " + ", ".join(missing))
 
 
@@ -167,10 +169,11 @@ def test_every_mqtt_command_is_in_the_document(doc: str) -> None:
 
 
 def _summary_keys() -> list[str]:
-    """The top-level keys of the run summary: the dict literal `Agent.summary()` returns."""
-    from agent.daemon.runner import Agent
+    """The top-level keys of the run summary: the dict literal `LiveSnapshot.summary()` returns (Agent.summary() is
+    the tick's snapshot's summary)."""
+    from agent.daemon.reporting import LiveSnapshot
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(Agent.summary)))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(LiveSnapshot.summary)))
     returned = [node.value for node in ast.walk(tree) if isinstance(node, ast.Return)]
     return [key.value for value in returned if isinstance(value, ast.Dict)
             for key in value.keys if isinstance(key, ast.Constant) and isinstance(key.value, str)]
@@ -178,12 +181,13 @@ def _summary_keys() -> list[str]:
 
 def test_every_run_summary_field_is_in_the_document(doc: str) -> None:
     keys = _summary_keys()
-    assert keys, "Agent.summary() no longer returns a dict literal: read its keys another way here"
+    assert keys, "LiveSnapshot.summary() no longer returns a dict literal: read its keys another way here"
     section = _section(doc, "edge-agent")
     missing = [key for key in keys if f"`{key}`" not in section]
     assert not missing, (
         "the run summary table of docs/contract.md (under `edge-agent`) lacks these fields of "
-        "agent/daemon/runner.py Agent.summary(); add a row | `field` | meaning | for each: " + ", ".join(missing))
+        "agent/daemon/reporting.py LiveSnapshot.summary(); add a row | `field` | meaning | for each: "
+        + ", ".join(missing))
 
 
 def test_the_document_names_no_path_outside_the_repository(doc: str) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from agent.control import control_socket
 from agent.control.control_socket import ControlSocketServer, send_command
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 
 def echo(payload: bytes, channel: str = "mqtt") -> dict:

@@ -1,6 +1,6 @@
 """kill -9 at each step of a deployment, then a restart: the state is always consistent.
 
-A real agent process is paused at a deterministic point by the hook in agent/testhooks.py (the only
+A real agent process is paused at a deterministic point by the hook in agent/base/testhooks.py (the only
 test hook in the agent, armed in-process by tests/crash_agent.py, which then runs the real CLI), killed
 with SIGKILL, and started again.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from agent.control.control_socket import send_command
-from agent.state import StateStore
+from agent.storage.state import StateStore
 from tests.deploy_fixtures import make_artifact, make_key
 from tests.helpers import wait_for
 
@@ -224,6 +224,6 @@ def test_no_environment_variable_reaches_the_pause_points(tmp_path: Path) -> Non
     """The old hook blocked any agent started with EDGE_AGENT_PAUSE_AT set; now only an in-process arm() does."""
     marker = tmp_path / "paused"
     env = {**os.environ, "EDGE_AGENT_PAUSE_AT": "building", "EDGE_AGENT_PAUSE_FILE": str(marker)}
-    code = "from agent.testhooks import pause_point; pause_point('building'); print('passed')"
+    code = "from agent.base.testhooks import pause_point; pause_point('building'); print('passed')"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "passed" and not marker.exists(), done.stderr

@@ -76,7 +76,9 @@ def test_reports_device_memory(cuda) -> None:
     assert 0 < free <= total
 
 
-@pytest.mark.parametrize("shape,dtype", [((1, 3, 8, 8), np.float32), ((17,), np.uint8), ((2, 5), np.float16), ((0,), np.float32)])
+@pytest.mark.parametrize(
+    "shape,dtype", [((1, 3, 8, 8), np.float32), ((17,), np.uint8), ((2, 5), np.float16), ((0,), np.float32)]
+)
 def test_round_trip_through_device_memory(cuda, stream, shape, dtype) -> None:
     src = cuda.pinned_empty(shape, dtype)
     dst = cuda.pinned_empty(shape, dtype)
@@ -246,8 +248,20 @@ def test_what_cuda_mem_calls_has_one_signature_in_every_release() -> None:
         for stem in stems:
             api = load_cuda_api(stem)
             entry = api["functions"].get(name)
-            kind = "function" if entry else "enum" if name in api["enums"] else "constant" if name in api["constants"] else None
+            kind = (
+                "function"
+                if entry
+                else "enum"
+                if name in api["enums"]
+                else "constant"
+                if name in api["constants"]
+                else None
+            )
             if kind is None:
                 continue  # feature-detected where it is missing (the test above)
-            seen[stem] = (kind, tuple(entry.get("params") or ()) if entry else (), tuple(entry.get("returns") or ()) if entry else ())
+            seen[stem] = (
+                kind,
+                tuple(entry.get("params") or ()) if entry else (),
+                tuple(entry.get("returns") or ()) if entry else (),
+            )
         assert len(set(seen.values())) <= 1, f"{name} differs between releases: {seen}"

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import paho.mqtt.client as mqtt
 import pytest
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.daemon.runner import Agent
 from deploy.fleet.collector import Collector, CollectorConfig
 from deploy.fleet.db import open_db
@@ -179,7 +179,7 @@ def test_fleet_page_lists_every_device_escaped_with_missing_values_as_dashes(liv
 def test_device_page_has_points_markers_and_the_deployment_history(live) -> None:
     web, dash = live["web"], live["dash"]
     _open(web, dash.url + "/device?id=cam-01")
-    points = lambda chart: int(web.execute_script(  # noqa: E731
+    points = lambda chart: int(web.execute_script(  # noqa: E731 - a one-line query the asserts below call per chart
         "return document.getElementById(arguments[0]).dataset.points || '0'", chart))
     assert points("chart-latency") > 0 and points("chart-fps") > 0
     assert web.execute_script("return document.querySelectorAll('#chart-latency canvas').length") >= 1

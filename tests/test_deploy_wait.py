@@ -38,8 +38,12 @@ class ScriptedDeployment(FakeControl):
                "message": "fps 3.1 under the floor 20.0" if state == "rolled_back" else ""}
         current = {**row, "watching": watching} if where == "current" else None
         if where == "watched":  # the next deployment is already requested while this one's watch runs
-            return {"state": "online", "deployment": {"deployment_id": "dep-8", "state": "requested", "watching": False},
-                    "watched_deployment": {**row, "watching": True}, "recent_deployments": [row]}
+            return {
+                "state": "online",
+                "deployment": {"deployment_id": "dep-8", "state": "requested", "watching": False},
+                "watched_deployment": {**row, "watching": True},
+                "recent_deployments": [row],
+            }
         return {"state": "online", "deployment": current, "recent_deployments": [row] if where == "recent" else []}
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.daemon.runner import Agent
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
 from tests.helpers import wait_for
@@ -74,7 +74,9 @@ def test_stop_start_swap_reports_its_gap(running_agent, published) -> None:
     assert wait_terminal(agent, dep_id) == "active"
 
     def swap_events() -> list:  # the row turns active a moment before the event is stored
-        return [e for e in agent.store.events(50) if e["type"] == "deployment" and e["payload"].get("state") == "active"]
+        return [
+            e for e in agent.store.events(50) if e["type"] == "deployment" and e["payload"].get("state") == "active"
+        ]
 
     assert wait_for(lambda: swap_events(), timeout=30)
     swap = swap_events()
@@ -150,26 +152,39 @@ def test_refused_artifacts_keep_the_old_model(running_agent, published, tmp_path
 
 
 def test_second_deployment_while_busy_is_refused(running_agent, published, tmp_path: Path) -> None:
+    """BUSY while the first deployment runs; once its row says `active`, a request is not refused even though the
+    worker still holds it for a moment (it waits for the worker to let go: a client that polled the row to `active`
+    and deployed at once was told BUSY "retry when it is active", in tests/test_trust_fetch.py under load)."""
+    import threading
+
     from agent.deployments.manager import BusyError
 
     other = make_artifact(tmp_path / "pub" / "v3", "3.0.0", published["private"])
     agent = running_agent()
-    first = agent.manager.request(published["url2"], channel="local")["deployment_id"]
+    manager = agent.manager
+    remember, held, release = manager._remember_version, threading.Event(), threading.Event()
+
+    def held_after_active(dep):  # the row is active here; the worker lets go only after this returns
+        remember(dep)
+        held.set()
+        release.wait(60)
+
+    manager._remember_version = held_after_active
+    first = manager.request(published["url2"], channel="local")["deployment_id"]
     with pytest.raises(BusyError) as info:
-        agent.manager.request((other / "manifest.json").as_uri(), channel="local")
+        manager.request((other / "manifest.json").as_uri(), channel="local")
     assert info.value.code == "BUSY"
-    assert wait_terminal(agent, first) == "active"
-    # The row says active just before the worker lets go of the deployment: wait for the worker itself.
-    assert wait_for(lambda: _no_deployment_in_progress(agent)), "the first deployment never released the worker"
-    second = agent.manager.request((other / "manifest.json").as_uri(), channel="local")  # free again after the first ends
-    assert wait_terminal(agent, second["deployment_id"]) == "active"
-
-
-def _no_deployment_in_progress(agent: Agent) -> bool:
-    """What `request` checks before refusing with BUSY (a deployment only being watched does not count)."""
-    status = agent.manager.status()
-    return status is None or not status["in_progress"]
-
+    assert held.wait(180) and agent.deployments.get(first).state == "active"
+    replies: list = []
+    asking = threading.Thread(target=lambda: replies.append(
+        manager.request((other / "manifest.json").as_uri(), channel="local")))
+    asking.start()
+    asking.join(0.5)
+    assert asking.is_alive() and replies == [], "the request did not wait for the ended deployment's worker"
+    release.set()
+    asking.join(10)
+    assert replies and replies[0]["accepted"] is True and replies[0]["joined"] is False
+    assert wait_terminal(agent, replies[0]["deployment_id"]) == "active"
 
 
 def _hold_at_gc(agent: Agent):
@@ -177,15 +192,17 @@ def _hold_at_gc(agent: Agent):
     import threading
 
     in_gc, release, watches = threading.Event(), threading.Event(), []
-    collect, watch = agent.collect_engines, agent.watch
+    swaps = agent.swaps
+    assert swaps is not None
+    collect, watch = swaps.collect_engines, swaps.watch
 
     def held_gc(*args, **kwargs):
         in_gc.set()
         release.wait(60)
         return collect(*args, **kwargs)
 
-    agent.collect_engines = held_gc  # type: ignore[method-assign]
-    agent.watch = lambda *args, **kwargs: watches.append(args) or watch(*args, **kwargs)  # type: ignore[method-assign]
+    swaps.collect_engines = held_gc
+    swaps.watch = lambda *args, **kwargs: watches.append(args) or watch(*args, **kwargs)
     return in_gc, release, watches
 
 
@@ -215,7 +232,7 @@ def test_an_active_deployment_is_watched_from_activation_and_a_rollback_before_i
 
 
 def test_a_rollback_that_fails_before_the_watch_leaves_the_new_model_watched(running_agent, published) -> None:
-    from engines.errors import EdgeError
+    from kernel.errors import EdgeError
 
     agent = running_agent()
     in_gc, release, watches = _hold_at_gc(agent)
@@ -223,7 +240,8 @@ def test_a_rollback_that_fails_before_the_watch_leaves_the_new_model_watched(run
     def failing_rollback(*args, **kwargs):
         raise EdgeError("the previous model's artifact is gone", code="ROLLBACK_FAILED")
 
-    agent.rollback = failing_rollback  # type: ignore[method-assign]
+    assert agent.swaps is not None
+    agent.swaps.rollback = failing_rollback
     dep_id = agent.manager.request(published["url2"], channel="local")["deployment_id"]
     try:
         assert in_gc.wait(180), "the deployment never reached its engine GC"

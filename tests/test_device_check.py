@@ -55,8 +55,8 @@ def test_compare_reports_relative_error_cosine_and_max_difference() -> None:
 
 def _tensorrt_imports() -> bool:
     try:
-        import tensorrt  # noqa: F401
-    except Exception:
+        import tensorrt  # noqa: F401 - imported only to see whether TensorRT is installed
+    except Exception:  # noqa: BLE001 - ImportError, or whatever a broken libnvinfer raises: either way no TensorRT here
         return False
     return True
 
@@ -116,9 +116,9 @@ def test_the_batch_sequence_check_catches_a_graph_replayed_at_another_shape(monk
 def test_worker_fps_runs_the_agents_worker_both_ways(tmp_path: Path) -> None:
     """The overlap check's measuring loop, on ONNX Runtime here (the device check runs it on TensorRT)."""
     from agent.artifacts.demo_model import prepare_demo_model_dir
-    from engines.frames import text_frames
-    from engines.model import load_model
-    from engines.runtime import load_runtime
+    from engines.evaluation.frames import text_frames
+    from engines.model.source import load_model
+    from engines.runtime.model_runtime import load_runtime
 
     runtime = load_runtime(load_model(prepare_demo_model_dir(tmp_path / "m", 160, 128)), "onnxruntime")
     try:
@@ -174,7 +174,7 @@ def test_a_missing_module_in_a_programs_output_names_its_package() -> None:
     hint = _module().missing_module_hint
     assert hint("E   ModuleNotFoundError: No module named 'hypothesis'\n").startswith("hypothesis is not installed")
     assert hint("No module named 'rapidocr_onnxruntime'").startswith("rapidocr-onnxruntime is not installed")
-    assert hint("No module named 'engines.errors'; 'engines' is not a package") is None  # a shadowed package
+    assert hint("No module named 'kernel.errors'; 'engines' is not a package") is None  # a shadowed package
     assert hint("all fine") is None
 
 
@@ -186,7 +186,10 @@ def test_a_failing_pytest_run_keeps_its_stderr_and_says_why(tmp_path: Path) -> N
     entry = check.results[-1]
     assert entry["ok"] is False and entry["exit"] == 4
     assert "file or directory not found: tests/no_such_test_file.py" in entry["stderr_tail"]
-    assert entry["error"] == "pytest exit 4; no test failed: ERROR: file or directory not found: tests/no_such_test_file.py"
+    assert (
+        entry["error"]
+        == "pytest exit 4; no test failed: ERROR: file or directory not found: tests/no_such_test_file.py"
+    )
 
 
 def test_the_install_check_names_what_is_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -232,7 +235,9 @@ def nvml_as(monkeypatch: pytest.MonkeyPatch):
     ("absent", "NVML is not available on this Jetson: NVML cannot start (NVML Shared Library Not Found)"),
     ("not-supported", "NVML starts but answers NotSupported for every field on this Jetson's iGPU"),
 ])
-def test_nvml_on_a_jetson_without_it_is_skipped_with_the_reason(nvml_as, tmp_path: Path, mode: str, reason: str) -> None:
+def test_nvml_on_a_jetson_without_it_is_skipped_with_the_reason(
+    nvml_as, tmp_path: Path, mode: str, reason: str
+) -> None:
     """jetson-stats 7.x installs nvidia-ml-py, so pynvml imports on a Jetson: JetPack 6 has no libnvidia-ml, an
     Orin on JetPack 7 answers NotSupported. Neither is a failure there."""
     nvml_as(mode)

@@ -67,7 +67,9 @@ def test_the_whole_device_check_passes_against_each_modelled_release(device_pyth
     sim = RELEASES[release]
     proc, report = simulate(device_python, release, tmp_path)
     checks = {c["name"]: c for c in report["checks"]}
-    failed = {name: (c.get("error"), c.get("stderr_tail", "")[-1500:]) for name, c in checks.items() if c["ok"] is False}
+    failed = {
+        name: (c.get("error"), c.get("stderr_tail", "")[-1500:]) for name, c in checks.items() if c["ok"] is False
+    }
     assert not failed, json.dumps(failed, indent=1)
     assert list(checks) == [name for name, _ in _device_check().CHECKS]  # every check ran
     jetson_without_nvml = sim.profile.nvml == "absent"
@@ -130,13 +132,19 @@ def test_a_simulated_plan_carries_its_model_and_a_damaged_one_gives_no_engine(mo
     engine = runtime.deserialize_cuda_engine(plan)
     names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     assert names == ["x", "y"] and tuple(engine.get_tensor_shape("x")) == (-1, 3, -1, -1)
-    assert [tuple(s) for s in engine.get_tensor_profile_shape("x", 0)] == [(1, 3, 16, 16), (2, 3, 16, 16), (4, 3, 16, 16)]
+    assert [tuple(s) for s in engine.get_tensor_profile_shape("x", 0)] == [
+        (1, 3, 16, 16),
+        (2, 3, 16, 16),
+        (4, 3, 16, 16),
+    ]
     context = engine.create_execution_context()
     assert context.set_input_shape("x", (3, 3, 16, 16)) and tuple(context.get_tensor_shape("y")) == (3, 4, 16, 16)
     assert not context.set_input_shape("x", (5, 3, 16, 16))  # beyond the profile's max
     damaged = bytearray(plan)
     damaged[len(plan) // 2] ^= 0xFF
-    assert runtime.deserialize_cuda_engine(plan[:64]) is None and runtime.deserialize_cuda_engine(bytes(damaged)) is None
+    assert (
+        runtime.deserialize_cuda_engine(plan[:64]) is None and runtime.deserialize_cuda_engine(bytes(damaged)) is None
+    )
 
 
 def test_a_simulation_is_one_string_every_process_reads() -> None:

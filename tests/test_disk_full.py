@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.mqtt.outbox import Outbox
 from agent.daemon.runner import Agent
-from agent.storage_health import StorageHealth, disk_full
-from agent.storage_reclaim import reclaim
+from agent.storage.health import StorageHealth, disk_full
+from agent.storage.reclaim import reclaim
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key
 from tests.helpers import wait_for
 
@@ -36,7 +36,7 @@ def test_reclaim_drops_the_cheapest_first_and_counts_every_drop(tmp_path: Path) 
                        "active/manifest.json": 10, "previous/model.onnx": 20})
     _files(live, {"0001-cam0.png": 300, "0002-cam0.png": 300})
 
-    def failing(out) -> None:  # type: ignore[no-untyped-def]
+    def failing(out) -> None:
         raise sqlite3.OperationalError("database or disk is full")
 
     result = reclaim(artifacts, {artifacts / "active", artifacts / "previous"}, live,
@@ -115,8 +115,8 @@ def test_a_start_on_a_nearly_full_disk_sheds_what_needs_no_database(tmp_path: Pa
     """Measured on a real 24 MB tmpfs filled to 0 bytes free (docs/deployments.md): the agent started after
     shedding a 6 MB unused artifact, and with nothing to shed it said STORAGE_FULL and the bytes free instead
     of "disk I/O error". Here the free-space reading is pinned, the files and state.db are real."""
-    import agent.storage_reclaim as sr
-    from agent.state import StateStore
+    import agent.storage.reclaim as sr
+    from agent.storage.state import StateStore
 
     state = tmp_path / "state"
     deployed = state / "artifacts" / "deployed"
@@ -142,8 +142,8 @@ def test_an_agent_that_cannot_open_its_store_on_a_full_disk_waits_says_so_and_st
                                                                                        caplog) -> None:
     """Issue 47: it used to exit with STORAGE_FULL (a restart loop under systemd). Now it waits with backoff,
     the log naming STORAGE_FULL, the directory and the bytes free, and starts once the store opens."""
-    import agent.storage_reclaim as sr
-    from agent.state import StateStore, StateStoreError
+    import agent.storage.reclaim as sr
+    from agent.storage.state import StateStore, StateStoreError
 
     private, public = make_key(tmp_path / "keys")
     v1 = make_artifact(tmp_path / "pub" / "v1", "1.0.0", private)
@@ -152,7 +152,7 @@ def test_an_agent_that_cannot_open_its_store_on_a_full_disk_waits_says_so_and_st
     monkeypatch.setattr(sr, "Backoff", lambda: backoff(0.01, 0.05))
     real_open, tries = StateStore.open_checked, []
 
-    def no_room_twice(cls, path, **kwargs):  # type: ignore[no-untyped-def]  what SQLite says on a full tmpfs
+    def no_room_twice(cls, path, **kwargs):  # what SQLite says on a full tmpfs
         tries.append(path)
         if len(tries) <= 2:
             raise StateStoreError(f"{path}: cannot open state database") from sqlite3.OperationalError("disk I/O error")
@@ -174,15 +174,15 @@ def test_a_stop_while_waiting_for_the_store_ends_the_start_cleanly(tmp_path: Pat
     """SIGTERM while the store cannot open: start returns, stop ends cleanly (the CLI exits 0), nothing leaks."""
     import threading
 
-    import agent.storage_reclaim as sr
-    from agent.state import StateStore, StateStoreError
+    import agent.storage.reclaim as sr
+    from agent.storage.state import StateStore, StateStoreError
 
     private, public = make_key(tmp_path / "keys")
     v1 = make_artifact(tmp_path / "pub" / "v1", "1.0.0", private)
     waiting, backoff = threading.Event(), sr.Backoff
     monkeypatch.setattr(sr, "Backoff", lambda: (waiting.set(), backoff(30.0, 30.0))[1])
 
-    def locked(cls, path, **kwargs):  # type: ignore[no-untyped-def]
+    def locked(cls, path, **kwargs):
         raise StateStoreError(f"{path}: cannot open state database") from sqlite3.OperationalError("database is locked")
 
     monkeypatch.setattr(StateStore, "open_checked", classmethod(locked))
@@ -210,8 +210,12 @@ def test_a_cancelled_or_broken_download_keeps_its_partial_files_for_a_resume(tmp
     artifacts = tmp_path / "deployed"
     _files(artifacts, {"det-2.0.0.partial/.incoming/ab.part": 1000})
     recorded: list[tuple[str, str]] = []
-    host = SimpleNamespace(artifacts_dir=artifacts, _unrecorded=[], emit=lambda *a, **k: None,
-                           store=SimpleNamespace(transition=lambda dep, state, **kw: recorded.append((state, kw["reason"]))),
-                           _drop_failed_artifact=lambda dep: None)
+    host = SimpleNamespace(
+        artifacts_dir=artifacts,
+        _unrecorded=[],
+        emit=lambda *a, **k: None,
+        store=SimpleNamespace(transition=lambda dep, state, **kw: recorded.append((state, kw["reason"]))),
+        _drop_failed_artifact=lambda dep: None,
+    )
     DeploymentManager._fail(host, SimpleNamespace(id="d1"), code, "stopped")
     assert (artifacts / "det-2.0.0.partial").exists() is kept and recorded == [("failed", code)]

@@ -20,8 +20,8 @@ from engines.build.job import BuildJob
 from engines.build.spec import (DlaUnavailableError, EngineBuildError, EngineBuildSpec, make_cache_key,
                                 parse_device, resolve_device)
 from engines.build.cache import EngineCache
-from engines.errors import EdgeError, ModelError
-from engines.fingerprint import DeviceFingerprint, read_dla_cores, read_fingerprint
+from kernel.errors import EdgeError, ModelError
+from engines.device.fingerprint import DeviceFingerprint, read_dla_cores, read_fingerprint
 from tests.engine_fixtures import conv_model
 from tests.fake_nvidia import (FakeCudaMemory, _Builder, _Config, _Guarded, _Network, _Parser, _Runtime,
                                forget_tensorrt_backend, import_tensorrt_backend,

@@ -20,13 +20,14 @@ import pytest
 from typer.testing import CliRunner
 
 from agent.cli.main import app
-from agent.state import StateStore, state_db_path
-from engines import runtime
+from agent.storage.state import StateStore, state_db_path
+from engines.runtime import model_runtime as runtime
 from engines import cuda as cuda_mem
 from engines.backends import BACKENDS
 from engines.cuda import CudaError
-from engines import doctor
-from engines.doctor import run_doctor, tensorrt_readiness
+from engines.tools import doctor
+from engines.tools.doctor import run_doctor
+from engines.device.readiness import tensorrt_readiness
 from tests.fake_cudart import fake_cudart, install_cudart
 from tests.fake_nvidia import FakeCudaMemory, fake_tensorrt
 
@@ -143,7 +144,9 @@ def test_usable_with_tensorrt_and_an_initialised_cuda(monkeypatch: pytest.Monkey
     report = run_doctor(BOARDS / "agx-orin", tmp_path / "cache", opener=_opener)
     assert report.usable, report.reason()
     assert "TensorRT 10.3.0" in _check(report, "tensorrt").found
-    assert "8.7" in _check(report, "compute-capability").found and "16 SMs" in _check(report, "compute-capability").found
+    assert (
+        "8.7" in _check(report, "compute-capability").found and "16 SMs" in _check(report, "compute-capability").found
+    )
     assert _check(report, "device-memory").found == "6144 MB free of 8192 MB"
     assert "JetPack 6.x" in _check(report, "jetpack").found and _check(report, "jetpack").ok
     assert not _check(report, "pycuda").ok and not _check(report, "pycuda").required
@@ -151,7 +154,9 @@ def test_usable_with_tensorrt_and_an_initialised_cuda(monkeypatch: pytest.Monkey
     assert not jtop.ok and "systemctl restart jtop" in jtop.fix
 
 
-def test_a_binding_that_refuses_numpy_arrays_is_advisory_and_tensorrt_stays_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_binding_that_refuses_numpy_arrays_is_advisory_and_tensorrt_stays_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A TensorRT binding built against numpy 1.x under numpy 2 fails trt.Weights(ndarray); nothing the agent
     calls hands arrays to the binding (I/O is by device pointer), so `auto` must not fall back to ONNX Runtime."""
     trt = fake_tensorrt("10.3.0")

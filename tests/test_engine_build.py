@@ -17,12 +17,12 @@ from typer.testing import CliRunner
 
 from agent.artifacts.demo_model import prepare_demo_model_dir
 from agent.cli.engines_cli import engines_app
-from engines.frames import text_frames
+from engines.evaluation.frames import text_frames
 from engines.build.job import Builder
-from engines.errors import EdgeError
-from engines.model import load_model
+from kernel.errors import EdgeError
+from engines.model.source import load_model
 from engines.build.provisioning import load_provisioned, provision
-from engines.runtime import load_runtime
+from engines.runtime.model_runtime import load_runtime
 from tests.engine_fixtures import board_root, conv_model, source, unsupported_op_model
 
 FAST = {"validation_samples": 2, "latency_runs": 3}
@@ -176,7 +176,9 @@ def test_build_timeout_kills_the_child(tiny, tmp_path: Path) -> None:
 
 def test_crashing_child_is_a_clean_build_failure(tiny, tmp_path: Path) -> None:
     with pytest.raises(EdgeError) as info:
-        _provision(tiny, tmp_path, builder=_fake_worker("import os, sys; print('segfault soon', file=sys.stderr); os.abort()"))
+        _provision(
+            tiny, tmp_path, builder=_fake_worker("import os, sys; print('segfault soon', file=sys.stderr); os.abort()")
+        )
     assert info.value.code == "ENGINE_BUILD_FAILED" and "SIGABRT" in str(info.value)
     assert "segfault soon" in str(info.value) and _no_children()
 
@@ -250,12 +252,24 @@ def test_cli_build_json_then_hit(tmp_path: Path) -> None:
     frames.mkdir()
     for i in range(2):  # a bare .onnx ships no frames: the command line gives them
         cv2.imwrite(str(frames / f"f{i}.png"), np.random.default_rng(i).integers(0, 255, (60, 80, 3), dtype=np.uint8))
-    args = ["build", str(model), "--backend", "onnxruntime", "--json", "--config", str(cfg), "--validation", str(frames)]
+    args = [
+        "build",
+        str(model),
+        "--backend",
+        "onnxruntime",
+        "--json",
+        "--config",
+        str(cfg),
+        "--validation",
+        str(frames),
+    ]
     first = runner.invoke(engines_app, args)
     assert first.exit_code == 0, first.output
     data = json.loads(first.output)
     assert data["hit"] is False and data["validation"]["passed"] and Path(data["engine_path"]).is_file()
-    assert data["validation"]["frames"]["source"] == f"directory:{frames}" and data["validation"]["frames"]["count"] == 2
+    assert (
+        data["validation"]["frames"]["source"] == f"directory:{frames}" and data["validation"]["frames"]["count"] == 2
+    )
     second = json.loads(runner.invoke(engines_app, args).output)
     assert second["hit"] is True and second["key"] == data["key"]
     bad = runner.invoke(engines_app, ["build", str(model), "--precision", "fp16", "--config", str(cfg), "--validation",

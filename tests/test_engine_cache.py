@@ -14,13 +14,13 @@ import pytest
 from typer.testing import CliRunner
 
 from agent.cli.engines_cli import engines_app, pinned_from_state
-from agent.state import StateStore
+from agent.storage.state import StateStore
 from engines.build import calibration
 from engines.build.spec import EngineBuildSpec, device_part, make_cache_key
 from engines.build.cache import EngineCache
-from engines.errors import EdgeError
-from engines.fingerprint import read_fingerprint
-from engines.preprocess import PreprocessSpec
+from kernel.errors import EdgeError
+from engines.device.fingerprint import read_fingerprint
+from engines.model.preprocess import PreprocessSpec
 from tests.engine_fixtures import board_root
 
 DEVICE = {"onnxruntime": "1.32.0", "cpu_isa": ["avx2"], "l4t": None}
@@ -55,8 +55,13 @@ def cache(tmp_path: Path, events):
 def test_key_changes_with_every_part_and_ignores_dict_order() -> None:
     base = key()
     assert key().key == base.key
-    variants = [key(onnx_sha="b" * 64), key(precision="int8", calibration_hash="c" * 64),
-                key(workspace_mb=512), key(input_shapes={"x": (1, 3, 32, 32)}), key(providers=("CPUExecutionProvider",))]
+    variants = [
+        key(onnx_sha="b" * 64),
+        key(precision="int8", calibration_hash="c" * 64),
+        key(workspace_mb=512),
+        key(input_shapes={"x": (1, 3, 32, 32)}),
+        key(providers=("CPUExecutionProvider",)),
+    ]
     assert len({base.key, *(v.key for v in variants)}) == 1 + len(variants)
     spec = EngineBuildSpec(input_shapes={"x": (1, 3, 16, 16)})
     a = make_cache_key("a" * 64, "onnxruntime", "1.32.0", {"x": 1, "y": 2}, spec)

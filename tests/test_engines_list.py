@@ -19,9 +19,9 @@ from engines.build.cache import EngineCache
 from engines.build.cache_index import RECORD, index_for, recorded_index
 from engines.build.cache_listing import list_cache
 from engines.build.provisioning import provision
-from engines.manifest import Gates, PostprocessSpec
-from engines.model import load_bare_onnx
-from engines.preprocess import PreprocessSpec
+from engines.model.manifest import Gates, PostprocessSpec
+from engines.model.source import load_bare_onnx
+from engines.model.preprocess import PreprocessSpec
 from tests.engine_fixtures import conv_model
 from tests.test_engine_cache import key, put
 

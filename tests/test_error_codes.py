@@ -1,8 +1,8 @@
-"""One catalogue of error codes (issue #20): engines/error_codes.py names every code the project raises or sends.
+"""One catalogue of error codes (issue #20): kernel/error_codes.py names every code the project raises or sends.
 
 Codes are free upper-case strings at a hundred sites, so nothing but a scan keeps the catalogue true. An AST scan
-of engines/, agent/ and deploy/ collects every code literal in a position that raises, sends, prints or compares
-a code; the tests then check that each one is catalogued, that each catalogued code is still raised somewhere,
+of kernel/, engines/, agent/ and deploy/ collects every code literal in a position that raises, sends, prints or
+compares a code; the tests then check that each one is catalogued, that each catalogued code is still raised somewhere,
 that `where` names the layers that raise it, and that docs/mqtt.md's table is the generated one. The scanner is
 tested on a sample holding each pattern, so a scan that finds nothing cannot pass.
 """
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from engines.error_codes import CATALOGUE, CODE_PATTERN, documented_table, markdown_table
+from kernel.error_codes import CATALOGUE, CODE_PATTERN, documented_table, markdown_table
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("engines", "agent", "deploy")
+PACKAGES = ("kernel", "engines", "agent", "deploy")
 CODE_NAMES = frozenset({"code", "reason"})  # a variable, attribute, parameter, keyword or key that holds a code
 CLI_LINE = re.compile(r"^error \(?([A-Z][A-Z0-9_]+)\)?: ")  # "error CODE: message" written by a CLI
 COLLECTIONS = frozenset({"str", "frozenset", "set", "tuple", "list"})
@@ -245,7 +245,7 @@ class Scanner:
 
 @functools.lru_cache(maxsize=1)
 def project_sites() -> tuple[Site, ...]:
-    """Every site under engines/, agent/ and deploy/ (tests excluded), scanned once per session."""
+    """Every site under kernel/, engines/, agent/ and deploy/ (tests excluded), scanned once per session."""
     sources = []
     for path in sorted(p for package in PACKAGES for p in (REPO / package).rglob("*.py")):
         try:
@@ -267,8 +267,8 @@ def _sent(sites: Iterable[Site]) -> dict[str, list[Site]]:
 def test_the_docs_table_is_the_generated_one() -> None:
     text = (REPO / "docs" / "mqtt.md").read_text(encoding="utf-8")
     assert documented_table(text) == markdown_table(), (
-        "docs/mqtt.md's error-code table is stale: run `.venv/bin/python -m engines.error_codes` and paste its output "
-        "between the error-codes markers (or `.venv/bin/python -m engines.error_codes --write docs/mqtt.md`)")
+        "docs/mqtt.md's error-code table is stale: run `.venv/bin/python -m kernel.error_codes` and paste its output "
+        "between the error-codes markers (or `.venv/bin/python -m kernel.error_codes --write docs/mqtt.md`)")
 
 
 def test_every_code_the_source_raises_or_compares_is_catalogued() -> None:
@@ -276,7 +276,7 @@ def test_every_code_the_source_raises_or_compares_is_catalogued() -> None:
     assert len(_sent(sites)) > 50, "the scan found almost nothing: has the tree moved?"
     missing = [str(s) for s in sites if s.code not in CATALOGUE
                and not (s.code in KNOWN_STRAYS and s.how == COMPARISON)]
-    assert not missing, ("codes missing from engines/error_codes.py (add a row with its meaning and fix, or fix a "
+    assert not missing, ("codes missing from kernel/error_codes.py (add a row with its meaning and fix, or fix a "
                          "typo at the site):\n" + "\n".join(missing))
 
 
@@ -293,7 +293,7 @@ def test_where_names_the_layers_that_raise_each_code() -> None:
         if code in CATALOGUE and CATALOGUE[code].layers != layers:
             wrong.append(f"{code}: where={CATALOGUE[code].where!r}, raised in {', '.join(layers)} "
                          f"(e.g. {sites[0].path}:{sites[0].line})")
-    assert not wrong, "engines/error_codes.py `where` is out of date:\n" + "\n".join(wrong)
+    assert not wrong, "kernel/error_codes.py `where` is out of date:\n" + "\n".join(wrong)
 
 
 def test_known_strays_are_still_strays() -> None:
@@ -305,7 +305,7 @@ def test_known_strays_are_still_strays() -> None:
 
 
 def test_the_catalogue_imports_nothing_above_engines() -> None:
-    tree = ast.parse((REPO / "engines" / "error_codes.py").read_text(encoding="utf-8"))
+    tree = ast.parse((REPO / "kernel" / "error_codes.py").read_text(encoding="utf-8"))
     imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert not [m for m in imported if m.split(".")[0] in ("agent", "deploy")], imported

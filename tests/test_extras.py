@@ -177,5 +177,7 @@ def test_the_rules_read_specifiers() -> None:
     assert {(13, 4), (13, 5)} <= table_lines("cuda_api")  # what jetpack7 admits
     assert newest_modelled("tensorrt-cu13") == newest_table("tensorrt_api")
     assert newest_modelled("onnxruntime-gpu") is None and not NVIDIA_SIDE.match("onnxruntime-gpu")
-    assert NVIDIA_SIDE.match("nvidia-ml-py") and NVIDIA_SIDE.match("jetson-stats") and NVIDIA_SIDE.match("tensorrt-cu12")
+    assert (
+        NVIDIA_SIDE.match("nvidia-ml-py") and NVIDIA_SIDE.match("jetson-stats") and NVIDIA_SIDE.match("tensorrt-cu12")
+    )
     assert [str(v) for v in admitted(Requirement("cuda-python>=13.4,<13.6"), CUDA_MAJORS)] == ["13.4.0", "13.5.0"]

@@ -10,8 +10,8 @@ from pathlib import Path
 import onnxruntime
 import pytest
 
-from engines import fingerprint
-from engines.fingerprint import (
+from engines.device import fingerprint
+from engines.device.fingerprint import (
     CudaInfo,
     DeviceFingerprint,
     _cuda_call,
@@ -148,7 +148,7 @@ def test_cuda_version_decoding() -> None:
 
 def test_failed_cuda_call_is_logged_and_gives_none(caplog: pytest.LogCaptureFixture) -> None:
     # cuda-python returns (error, value); these stand-ins return what a machine without a driver returns
-    with caplog.at_level(logging.WARNING, logger="engines.fingerprint"):
+    with caplog.at_level(logging.WARNING, logger="engines.device.fingerprint"):
         assert _cuda_call("cudaGetDeviceCount", 0, lambda: (35, 0)) is None
         assert _cuda_call("cudaGetDeviceCount", 0, lambda: (0, 1)) == 1
     assert "cudaGetDeviceCount failed: 35" in caplog.text
@@ -160,7 +160,7 @@ def _fp(**changes: object) -> DeviceFingerprint:
                 onnxruntime="1.20.1", ort_providers=("CPUExecutionProvider",), cpu_arch="aarch64",
                 cpu_isa=("asimd", "asimdhp", "asimddp"), module_sku="p3701-0005", sm_count=16, gpu_memory_gib=61)
     base.update(changes)
-    return DeviceFingerprint(**base)  # type: ignore[arg-type]
+    return DeviceFingerprint(**base)
 
 
 def test_digest_is_stable_and_canonical() -> None:

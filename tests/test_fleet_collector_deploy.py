@@ -42,7 +42,9 @@ def _env_options(text: str) -> str:
 def test_env_file_passes_the_credentials_file_only_when_credentials_are_set() -> None:
     plain = _render_template("collector.env.j2", fleet_collector_options=["--retention-days", "90"])
     assert _env_options(plain) == "EDGE_COLLECTOR_OPTIONS=--retention-days 90"
-    with_creds = _render_template("collector.env.j2", fleet_collector_mqtt_credentials={"username": "c", "password": "p"})
+    with_creds = _render_template(
+        "collector.env.j2", fleet_collector_mqtt_credentials={"username": "c", "password": "p"}
+    )
     assert _env_options(with_creds) == "EDGE_COLLECTOR_OPTIONS=--credentials-file /etc/edge-fleet-collector/mqtt.cred"
     assert "EDGE_COLLECTOR_CLIENT_ID=edge-collector-collector-1" in plain
 

@@ -188,7 +188,9 @@ def _deploy_order(output: str) -> list[str]:
     headers = list(_HEADER.finditer(output))
     order = []
     for header, following in zip(headers, headers[1:] + [None]):
-        if header.group().startswith("TASK [edge_model : Deploy the model and wait until it is active and through its watch window]"):
+        if header.group().startswith(
+            "TASK [edge_model : Deploy the model and wait until it is active and through its watch window]"
+        ):
             order += _RESULT.findall(output, header.end(), following.start() if following else len(output))
     return order
 

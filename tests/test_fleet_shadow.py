@@ -61,7 +61,11 @@ def test_each_device_newest_numbers_and_the_frames_weighted_aggregate(store) -> 
     devices = by_device(fleet)
     assert sorted(devices) == ["cam-a", "cam-b", "cam-e"] and fleet.waiting == ["cam-d"] and fleet.invalid == 0
     assert (devices["cam-a"].state, devices["cam-a"].frames, devices["cam-a"].agreement) == ("running", 1000, 0.95)
-    assert (devices["cam-b"].state, devices["cam-b"].reason, devices["cam-b"].frames) == ("promoted", "PROMOTE_WHEN", 600)
+    assert (devices["cam-b"].state, devices["cam-b"].reason, devices["cam-b"].frames) == (
+        "promoted",
+        "PROMOTE_WHEN",
+        600,
+    )
     assert devices["cam-e"].deployment_id == "dep-e1" and devices["cam-e"].window_agreement == pytest.approx(0.98)
     agg = fleet.aggregate()
     assert agg["devices"] == 3 and agg["frames"] == 2000 and agg["running"] == 2 and agg["promoted"] == ["cam-b"]
@@ -171,7 +175,9 @@ def test_gate_cli_exit_codes_and_json(fleet_db_url: str, store) -> None:
     failed = _gate(fleet_db_url, "--min-agreement", "0.97", "--json", "--device", "cam-a", "--device", "cam-b")
     assert failed.exit_code == 1, failed.output
     body = json.loads(failed.stdout)
-    assert body["ok"] is False and body["code"] == "SHADOW_GATE_AGREEMENT" and body["thresholds"]["min_agreement"] == 0.97
+    assert (
+        body["ok"] is False and body["code"] == "SHADOW_GATE_AGREEMENT" and body["thresholds"]["min_agreement"] == 0.97
+    )
     assert body["aggregate"]["devices"] == 2 and body["aggregate"]["frames"] == 1600
     assert [d["device_id"] for d in body["devices"]] == ["cam-a", "cam-b"]
     assert "error SHADOW_GATE_AGREEMENT: fleet agreement 0.931" in failed.stderr

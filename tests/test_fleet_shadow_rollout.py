@@ -196,7 +196,9 @@ def test_a_shadow_that_did_not_start_or_ended_on_its_own_stops_the_whole_wave(sh
     run = fleet.rollout(edge_model_shadow_min_devices=2)
     assert run.rc != 0, run.output
     assert "shadow deployment cancelled: SHADOW_AGREEMENT" in run.output, run.output  # what dev-b says itself
-    assert "SHADOW_GATE_CANCELLED: 1 device(s) cancelled the shadow of det@2.1.0: dev-b-id SHADOW_AGREEMENT" in run.output
+    assert (
+        "SHADOW_GATE_CANCELLED: 1 device(s) cancelled the shadow of det@2.1.0: dev-b-id SHADOW_AGREEMENT" in run.output
+    )
     assert _commands(fleet, "dev-a") == ["deploy", "cancel"] and _commands(fleet, "dev-b") == ["deploy"]
     assert [fleet.model(host) for host in HOSTS] == ["1.0.0"] * 3 and fleet.calls("dev-c") == []
 

@@ -63,12 +63,16 @@ def test_the_peak_is_the_kernels_high_water_mark_and_threads_are_counted(footpri
 def test_allocations_are_grouped_by_the_package_that_made_them(footprint) -> None:
     site = Path(importlib.import_module("numpy").__file__).parent
     assert footprint._package_of(str(REPO / "agent" / "pipeline" / "worker.py")) == "agent.pipeline"
-    assert footprint._package_of(str(REPO / "engines" / "runtime.py")) == "engines"
+    assert footprint._package_of(str(REPO / "engines" / "__main__.py")) == "engines"
     assert footprint._package_of(str(site / "core" / "numeric.py")) == "numpy"
     assert footprint._package_of("<frozen importlib._bootstrap_external>").startswith("imported code")
     assert footprint._package_of(str(Path(os.__file__))) == "stdlib:os"
     groups = dict(footprint._groups(["paho.mqtt.client", "agent.mqtt.publisher", "agent.mqtt", "numpy.linalg"]))
-    assert list(groups) == ["numpy", "paho", "agent.mqtt"]  # third-party first: agent's own packages are not charged for them
+    assert list(groups) == [
+        "numpy",
+        "paho",
+        "agent.mqtt",
+    ]  # third-party first: agent's own packages are not charged for them
 
 
 def test_the_start_up_milestones_come_from_the_runs_own_log(footprint, tmp_path: Path) -> None:
@@ -76,10 +80,12 @@ def test_the_start_up_milestones_come_from_the_runs_own_log(footprint, tmp_path:
 
     t0 = dt.datetime(2026, 1, 2, 3, 4, 5).timestamp()
     log = tmp_path / "log.txt"
-    log.write_text("2026-01-02 03:04:06,500 INFO engines.fingerprint: tensorrt not available\n"
-                   "2026-01-02 03:04:07,250 INFO agent.daemon.runner: model demo-det@1.0.0 loaded on onnxruntime (fp32)\n"
-                   "│ a summary table line\n"
-                   "2026-01-02 03:04:07,300 INFO agent.control.control_socket: control socket at /x\n")
+    log.write_text(
+        "2026-01-02 03:04:06,500 INFO engines.device.fingerprint: tensorrt not available\n"
+        "2026-01-02 03:04:07,250 INFO agent.daemon.runner: model demo-det@1.0.0 loaded on onnxruntime (fp32)\n"
+        "│ a summary table line\n"
+        "2026-01-02 03:04:07,300 INFO agent.control.control_socket: control socket at /x\n"
+    )
     assert footprint._startup(log, t0) == {"first_log_line": 1.5, "model_loaded": 2.25, "serving": 2.3}
     assert footprint._startup(tmp_path / "missing.txt", t0) == {}
 

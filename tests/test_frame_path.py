@@ -9,7 +9,7 @@ import pytest
 
 from agent.pipeline.histogram import LatencyHistogram
 from agent.pipeline.mailbox import FreshestMailbox
-from engines.preprocess import Preprocessor, PreprocessSpec
+from engines.model.preprocess import Preprocessor, PreprocessSpec
 
 
 def test_mailbox_keeps_newest_and_counts_drops() -> None:
@@ -170,7 +170,9 @@ def test_letterbox_transform_maps_boxes_back() -> None:
     np.testing.assert_allclose(t.boxes_to_frame(outside), [[0, 0, 640, 360]])  # clipped to the frame
 
 
-@pytest.mark.parametrize("bad", [np.zeros((48, 64), np.uint8), np.zeros((48, 64, 3), np.float32), np.zeros((48, 64, 4), np.uint8)])
+@pytest.mark.parametrize(
+    "bad", [np.zeros((48, 64), np.uint8), np.zeros((48, 64, 3), np.float32), np.zeros((48, 64, 4), np.uint8)]
+)
 def test_preprocess_rejects_what_is_not_a_bgr_frame(bad: np.ndarray) -> None:
     with pytest.raises(ValueError, match="HxWx3 uint8"):
         Preprocessor(PreprocessSpec(width=64, height=48))(bad)
@@ -190,7 +192,7 @@ def test_opencv_threads_setting_reaches_opencv() -> None:
     """`[pipeline] opencv_threads`: 1 (the default) runs OpenCV on the calling thread; 0 is OpenCV's own default."""
     import cv2
 
-    from agent.config import AgentConfig
+    from agent.config.tree import AgentConfig
     from agent.pipeline.worker import limit_opencv_threads
 
     before = cv2.getNumThreads()

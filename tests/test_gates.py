@@ -11,12 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engines.build.job import Builder
-from engines.errors import EdgeError
-from engines.manifest import Gates
+from kernel.errors import EdgeError
+from engines.model.manifest import Gates
 from engines.postprocess import Detection, InferenceResult
 from engines.build.provisioning import provision
 from engines.build.validate import DEFAULT_MIN_ACCURACY, ValidationResult, latency_stats, min_accuracy_for
-from engines.metrics import box_f1, cosine, text_mask_iou, top1_agreement
+from engines.evaluation.metrics import box_f1, cosine, text_mask_iou, top1_agreement
 from tests.engine_fixtures import conv_model, outlier_model, source
 
 FAST = {"validation_samples": 2, "latency_runs": 3}

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from deploy.package import PackageError, PackageOptions, package
-from engines.errors import EdgeError
-from engines.model import load_model
+from kernel.errors import EdgeError
+from engines.model.source import load_model
 from engines.postprocess import Detection, InferenceResult
 from engines.build.provisioning import provision
 from engines.build.validate import MIN_REFERENCE_DETECTIONS, agreement, signal_problem
-from engines.metrics import scaled_cosine
+from engines.evaluation.metrics import scaled_cosine
 from tests import pages
 from tests.real_models import DOCLAYNET, DOCLAYNET_LABELS, wheel_member
 
@@ -74,7 +74,7 @@ def test_a_collapsed_small_output_fails_beside_a_large_one_that_agrees() -> None
 
 def test_box_scores_that_sink_but_stay_above_the_threshold_are_seen() -> None:
     """Same boxes, F1 1.0, but every score fell from 0.9 to 0.3: the matched score ratio shows the collapse."""
-    from engines.metrics import box_agreement
+    from engines.evaluation.metrics import box_agreement
 
     def frame(score: float) -> InferenceResult:
         return InferenceResult("yolo", [Detection((0.0, 0.0, 10.0, 10.0), score, class_id=0),
@@ -135,7 +135,7 @@ def test_a_cached_verdict_is_judged_again_when_the_frames_or_the_postprocessor_c
     events: list = []
     first = _package(tmp_path, doclaynet, "a", [pages.page(i) for i in range(3)])
     assert _provision(first, tmp_path, events).validation.passed
-    judged = lambda: sum(1 for e in events if e.get("type") == "engine.validation")  # noqa: E731
+    judged = lambda: sum(1 for e in events if e.get("type") == "engine.validation")  # noqa: E731 - a count the checks below take again after each build
     assert judged() == 1
     assert _provision(first, tmp_path, events).hit and judged() == 1  # same frames, same decoding: reused
     stricter = _package(tmp_path, doclaynet, "b", [pages.page(i) for i in range(3)], ["conf_threshold=0.95"])

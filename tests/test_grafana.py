@@ -96,7 +96,10 @@ def test_every_sql_query_runs_against_the_real_schema(fleet_db_url: str) -> None
     assert {r["metric"] for r in p99} == {"orin-01", "pc-01", HOSTILE_ID}
     assert [r["time"] for r in p99] == sorted(r["time"] for r in p99)
     per_model = results["panel 'Per model: latency and energy by module'"]
-    assert {(r["module"], r["model"]) for r in per_model} == {(None, "det@1.0.0"), ("NVIDIA Jetson Orin Nano", "det@2.0.0")}
+    assert {(r["module"], r["model"]) for r in per_model} == {
+        (None, "det@1.0.0"),
+        ("NVIDIA Jetson Orin Nano", "det@2.0.0"),
+    }
     assert any("adapt" in r["text"] for r in results["annotation 'Deployments, adapt, throttling'"])
     assert [r["device_id"] for r in results["variable 'device'"]] == sorted(["orin-01", "pc-01", HOSTILE_ID])
 
@@ -106,7 +109,8 @@ def exporter_metrics() -> dict[str, set[str]]:
     port = free_port()
     exporter = PrometheusExporter(port, "127.0.0.1")
     try:
-        exporter({"fps": 10.0, "frames": 100, "dropped_frames": 1, "latency_ms": {"p50": 1, "p95": 2, "p99": 3, "max": 4},
+        exporter({"fps": 10.0, "frames": 100, "dropped_frames": 1,
+                  "latency_ms": {"p50": 1, "p95": 2, "p99": 3, "max": 4},
                   "power_mw": {"total": 5000, "VDD_GPU": 1000}, "temp_c": {"tj": 50.0}, "throttled": True,
                   "batch": {"max_size": 2, "curve_ms": {"1": 9.5, "2": 7.9}, "origin": {"1": "live", "2": "predicted"}},
                   "shadow": {"model": "det@2", "frames": 50, "agreement": 0.9, "window_agreement": 0.8,

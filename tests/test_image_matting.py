@@ -12,10 +12,10 @@ import onnxruntime as ort
 import pytest
 
 from agent.video.overlay import OverlayStyle, render
-from engines.manifest import PostprocessSpec
-from engines.model import load_bare_onnx
-from engines.preprocess import PreprocessSpec
-from engines.runtime import load_runtime
+from engines.model.manifest import PostprocessSpec
+from engines.model.source import load_bare_onnx
+from engines.model.preprocess import PreprocessSpec
+from engines.runtime.model_runtime import load_runtime
 from tests.real_models import ASTRONAUT, ISNET, npm_resource, wheel_member
 
 pytestmark = pytest.mark.slow
@@ -24,9 +24,15 @@ pytestmark = pytest.mark.slow
 def test_isnet_matte_matches_onnx_runtime_and_composites_over_the_frame() -> None:
     model = npm_resource(*ISNET)
     photo = cv2.imread(str(wheel_member(*ASTRONAUT)), cv2.IMREAD_COLOR)
-    source = load_bare_onnx(model, {
-        "preprocess": PreprocessSpec(width=1024, height=1024, color="rgb", scale=1.0, mean=(128.0,) * 3, std=(256.0,) * 3),
-        "postprocess": PostprocessSpec(kind="image", params={"composite": "color", "background": [0, 177, 64]})})
+    source = load_bare_onnx(
+        model,
+        {
+            "preprocess": PreprocessSpec(
+                width=1024, height=1024, color="rgb", scale=1.0, mean=(128.0,) * 3, std=(256.0,) * 3
+            ),
+            "postprocess": PostprocessSpec(kind="image", params={"composite": "color", "background": [0, 177, 64]}),
+        },
+    )
     runtime = load_runtime(source, "onnxruntime")
     try:
         result, _ = runtime.run(photo)

@@ -26,14 +26,17 @@ NOT_FRAME_PATH = {"agent.pipeline.live_view": "the CLI's live status line (rich)
 def _modules(package_dir: str) -> list[str]:
     """Every module of a package directory, as dotted names."""
     root = REPO / package_dir
-    return sorted(".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__") for p in root.rglob("*.py"))
+    return sorted(
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__") for p in root.rglob("*.py")
+    )
 
 
 def frame_path_modules() -> list[str]:
     """The modules a process needs to capture, batch, infer, decode and deliver results."""
     modules = [m for m in _modules("agent/pipeline") if m not in NOT_FRAME_PATH]
     modules += _modules("agent/sources") + _modules("engines/postprocess") + _modules("engines/backends")
-    return modules + ["agent.daemon.result_sinks", "engines.runtime", "engines.preprocess", "engines.engine_files"]
+    return modules + ["agent.daemon.result_sinks", "engines.runtime.model_runtime", "engines.model.preprocess",
+                      "engines.runtime.engine_files"]
 
 
 def loaded_after_importing(modules: list[str]) -> dict[str, str]:

@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from deploy.package import PackageOptions, package
-from engines.model import load_model
+from engines.model.source import load_model
 from engines.build.provisioning import provision
 from engines.build.ort_recipe import QuantSettings, mixed_output_tails, quantize_int8
 from tests import pages
@@ -40,14 +40,22 @@ def _yolo_like(path: Path) -> Path:
              numpy_helper.from_array(np.zeros(6, np.float32), "b"),
              numpy_helper.from_array(np.array([4, 2], np.int64), "split"),
              numpy_helper.from_array(np.array(1000.0, np.float32), "scale")]
-    graph = helper.make_graph(nodes, "yolo_like", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 16, 16])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "yolo_like",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 16, 16])],
+        inits,
+    )
     return save_graph(graph, path)
 
 
 def _db_like(path: Path) -> Path:
     """conv -> sigmoid: a segmentation map (PP-OCR's DB head): no Concat, nothing kept in float."""
-    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[1, 1]), helper.make_node("Sigmoid", ["c"], ["y"])]
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[1, 1]),
+        helper.make_node("Sigmoid", ["c"], ["y"]),
+    ]
     inits = [numpy_helper.from_array(np.ones((1, 3, 1, 1), np.float32), "w")]
     graph = helper.make_graph(nodes, "db_like", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 8, 8])], inits)
@@ -75,7 +83,9 @@ def test_scores_survive_int8_only_with_the_tail_in_float(tmp_path: Path) -> None
     kept = quantize_int8(fp32, tmp_path / "kept.onnx", calibration)
     kept_ops = sorted(name.rsplit("_", 1)[0] for name in kept.excluded_nodes)  # unnamed nodes: named OpType_index
     assert kept_ops == ["Concat", "Mul", "Sigmoid", "Sigmoid", "Split"]
-    shared = quantize_int8(fp32, tmp_path / "shared.onnx", calibration, settings=QuantSettings(float_output_tails=False))
+    shared = quantize_int8(
+        fp32, tmp_path / "shared.onnx", calibration, settings=QuantSettings(float_output_tails=False)
+    )
     reference = _max_score(fp32, x)
     assert reference > 0.9
     assert abs(_max_score(tmp_path / "kept.onnx", x) - reference) < 0.05

@@ -18,15 +18,15 @@ import pytest
 
 from engines.build.job import Builder
 from engines.build.cache import EngineCache
-from engines.errors import EdgeError
-from engines.model import load_bare_onnx
+from kernel.errors import EdgeError
+from engines.model.source import load_bare_onnx
 from engines.build.provisioning import provision
 from engines.build.graph_rewrites import make_static_shape
 from engines.build.ort_recipe import QuantSettings, quantize_int8
 from engines.build.trt_recipe import check_trt_qdq, quantize_int8_trt
-from engines.runtime import load_runtime
+from engines.runtime.model_runtime import load_runtime
 from engines.build.sensitivity import channel_error, keep_float, rank_tensors
-from engines.metrics import box_agreement
+from engines.evaluation.metrics import box_agreement
 from tests import pages
 from tests.engine_fixtures import deep_outliers_model, outlier_model, source
 from tests.real_models import DOCLAYNET, DOCLAYNET_LABELS, wheel_member
@@ -104,7 +104,9 @@ def test_a_model_no_round_can_save_fails_with_the_best_score_and_the_tensors_it_
         _provision(src, tmp_path, on_progress=events.append, validation_samples=2)
     message = str(info.value)
     assert info.value.code == "GATE_ACCURACY"
-    assert "after 1 layer-fallback round(s)" in message and "32 tensor(s) kept in float" in message and "spread" in message
+    assert (
+        "after 1 layer-fallback round(s)" in message and "32 tensor(s) kept in float" in message and "spread" in message
+    )
     assert "no smaller set was built" in message
     # the largest set fails on accuracy, so the smaller ones (subsets of it) are never built
     assert [e["keep_float"] for e in events if e["type"] == "engine.int8_fallback"] == [32]

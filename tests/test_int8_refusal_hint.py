@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from engines.build.int8_hint import head_tensors, measure, refusal_hint
 from engines.build.provisioning import provision
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 from tests.engine_fixtures import source
 from tests.test_int8_fallback import _deep_outliers
 
@@ -74,7 +74,9 @@ def test_with_generated_frames_the_hint_still_asks_for_real_ones(tmp_path: Path)
         "the boxes both find score 0.30x the FP32 reference's (below 0.8): the head's scores collapse"
 
 
-def test_an_int8_engine_no_round_saves_on_real_frames_is_refused_with_the_ranking_not_the_frames(tmp_path: Path) -> None:
+def test_an_int8_engine_no_round_saves_on_real_frames_is_refused_with_the_ranking_not_the_frames(
+    tmp_path: Path,
+) -> None:
     frames = tmp_path / "calibration"
     frames.mkdir()
     for i in range(4):

@@ -24,7 +24,7 @@ from engines.build.calibration_stats import CalibratorSpec, StatsStore
 from engines.build.fallback_search import FallbackSearch, better, fallback_order
 from engines.build.graph_rewrites import make_static_shape
 from engines.build.provisioning import provision
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 from engines.build.cache import EngineCache
 from tests.engine_fixtures import deep_outliers_model, outlier_model, save_graph, source
 
@@ -45,8 +45,13 @@ def _convnet(path: Path, size: int = 16) -> Path:
         name = f"r{i}"
     inits.append(numpy_helper.from_array(np.full((1, 4, 1, 1), 3.0, np.float32), "k"))
     nodes.append(helper.make_node("Mul", [name, "k"], ["y"], name="scale"))
-    graph = helper.make_graph(nodes, "convnet", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, size, size])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, size, size])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "convnet",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, size, size])],
+        inits,
+    )
     return save_graph(graph, path)
 
 
@@ -95,8 +100,9 @@ def test_quantizing_from_stored_ranges_gives_the_model_ort_calibrates_itself(tmp
     assert any(n.op_type == "QuantizeLinear" for n in ours.graph.node)
 
 
-def test_the_ranges_survive_the_store_bit_for_bit_and_a_corrupt_file_is_set_aside(tmp_path: Path,
-                                                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_the_ranges_survive_the_store_bit_for_bit_and_a_corrupt_file_is_set_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     onnx_path = _convnet(tmp_path / "net.onnx")
     spec = CalibratorSpec.of(["Conv", "Relu"], "MinMax", {})
     ranges = calibration_stats.calibrate(onnx_path, [{"x": f} for f in _frames((1, 3, 16, 16))], spec, tmp_path / "w")
@@ -187,14 +193,22 @@ def _stages(path: Path, stages: int) -> Path:
 
 def test_a_provision_calibrates_once_for_all_its_fallback_rounds_and_logs_each_round(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Five spread tensors (and 6 more that lose a little): the largest set (32, all 11 lossy ones) passes, 2 leaves three
-    spreads quantized and fails, 8 passes: four builds of one graph and frame set, one calibration pass and one
+    """Five spread tensors (and 6 more that lose a little): the largest set (32, all 11 lossy ones) passes, 2 leaves
+    three spreads quantized and fails, 8 passes: four builds of one graph and frame set, one calibration pass and one
     ranking among them (the builds' own reports say so)."""
     src = source(_stages(tmp_path / "stages.onnx", 5), size=16)
     events: list[dict] = []
     with caplog.at_level(logging.INFO, logger="engines.build.gating"):
-        result = provision(src, backend="onnxruntime", precision="int8", cache_dir=tmp_path / "cache",
-                           db_path=tmp_path / "state.db", validation_samples=3, latency_runs=3, on_progress=events.append)
+        result = provision(
+            src,
+            backend="onnxruntime",
+            precision="int8",
+            cache_dir=tmp_path / "cache",
+            db_path=tmp_path / "state.db",
+            validation_samples=3,
+            latency_runs=3,
+            on_progress=events.append,
+        )
     fallback = result.validation.fallback
     assert result.validation.passed and fallback["round"] == 3 and len(fallback["kept_float"]) <= 8
     assert [e["keep_float"] for e in events if e["type"] == "engine.int8_fallback"] == [32, 2, 8]

@@ -17,10 +17,10 @@ from engines.build import calibration
 from engines.build import tensorrt as tb
 from engines.build.job import BuildJob
 from engines.build.spec import EngineBuildSpec, make_cache_key, quant_recipe_key
-from engines.preprocess import PreprocessSpec
+from engines.model.preprocess import PreprocessSpec
 from engines.build.graph_rewrites import make_static_shape
 from engines.build.ort_recipe import quantize_int8
-from engines.metrics import mask_iou
+from engines.evaluation.metrics import mask_iou
 from engines.build.trt_recipe import FP16_MIN_SCALE, TRT_RECIPE, check_trt_qdq, quantize_int8_trt, quantized_ops
 from tests.engine_fixtures import conv_model, source
 from tests.fake_nvidia import fake_tensorrt
@@ -51,8 +51,13 @@ def _residual_model(path: Path, dead_channel: bool = False) -> Path:
     inits = [_init("w1", w1), _init("b1", rng.normal(0, 0.1, 8)),
              _init("w2", rng.normal(0, 0.2, (8, 8, 3, 3))), _init("b2", rng.normal(0, 0.1, 8)),
              _init("w3", rng.normal(0, 0.3, (2, 8, 1, 1))), _init("b3", rng.normal(0, 0.1, 2))]
-    graph = helper.make_graph(nodes, "residual", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 32, 32])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 32, 32])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "residual",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 32, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 32, 32])],
+        inits,
+    )
     return _save(graph, path)
 
 
@@ -251,8 +256,13 @@ def _matmul_head_model(path: Path, gemm: bool = False) -> Path:
              helper.make_node("Relu", ["c1"], ["r1"]), helper.make_node("Flatten", ["r1"], ["f"]), head]
     inits = [_init("w1", rng.normal(0, 0.3, (4, 3, 3, 3))), _init("b1", rng.normal(0, 0.1, 4)),
              _init("wh", rng.normal(0, 0.05, (4 * 8 * 8, 10)) * np.linspace(0.1, 3.0, 10)), _init("bh", np.zeros(10))]
-    graph = helper.make_graph(nodes, "matmul_head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "matmul_head",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])],
+        inits,
+    )
     return _save(graph, path)
 
 

@@ -2,7 +2,7 @@
 prove: the generated text frames only when the manifest asks (the demo), else GATE_NO_VALIDATION_FRAMES.
 
 The sampler writes real PNG files (temp file, fsync, rename) into a real state directory; the gate reads them
-back through engines.live_frames; the agent test runs the real demo detector on a synthetic camera."""
+back through engines.evaluation.live_frames; the agent test runs the real demo detector on a synthetic camera."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ import pytest
 
 from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.trust import verify_artifact
-from agent.config import AgentConfig
-from agent.live_frame_sampler import LiveFrameSampler
+from agent.config.tree import AgentConfig
+from agent.pipeline.live_frame_sampler import LiveFrameSampler
 from agent.daemon.runner import Agent
 from deploy.package import PackageOptions, package
 from engines.build.job import Builder
-from engines.errors import EdgeError
-from engines.live_frames import sample_files, snapshot
-from engines.model import load_bare_onnx, load_model
+from kernel.errors import EdgeError
+from engines.evaluation.live_frames import sample_files, snapshot
+from engines.model.source import load_bare_onnx, load_model
 from engines.build.provisioning import provision
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key
 from tests.engine_fixtures import conv_model, outlier_model
@@ -96,7 +96,7 @@ def test_offer_never_waits_for_a_busy_writer_and_a_broken_disk_costs_only_the_sa
         release.wait(10)
         original(*args)
 
-    sampler._write = slow_write  # type: ignore[method-assign]
+    sampler._write = slow_write
     try:
         taken = []
         for i in range(4):
@@ -141,7 +141,9 @@ def test_a_model_without_frames_is_refused_before_any_build(tmp_path: Path, capl
     assert "ships no validation frames" in caplog.text  # edge-deploy package said so already
     builder = Builder()
     with pytest.raises(EdgeError) as info:
-        provision(load_model(artifact), cache_dir=tmp_path / "cache", db_path=tmp_path / "s.db", builder=builder, **FAST)
+        provision(
+            load_model(artifact), cache_dir=tmp_path / "cache", db_path=tmp_path / "s.db", builder=builder, **FAST
+        )
     assert info.value.code == "GATE_NO_VALIDATION_FRAMES" and "--validation" in str(info.value)
     assert builder.spawned == 0
     # a bare ONNX has no manifest to ask for the text frames either
@@ -161,7 +163,9 @@ def test_live_frames_alone_judge_a_model_and_a_new_sample_is_judged_again(tmp_pa
             clock.now += 10.0
             assert wait_for(lambda i=i: sampler.offer("cam0", _frame(i, (32, 32))))
             assert wait_for(lambda i=i: sampler.written == i + 1)
-        settings = dict(cache_dir=tmp_path / "cache", db_path=tmp_path / "s.db", live_frames_dir=live, live_frames=4, **FAST)
+        settings = dict(
+            cache_dir=tmp_path / "cache", db_path=tmp_path / "s.db", live_frames_dir=live, live_frames=4, **FAST
+        )
         first = provision(load_model(artifact), **settings).validation
         assert first.passed and first.frames["source"] == "live:cameras" and first.frames["count"] == 3
         assert provision(load_model(artifact), **settings).validation.frames == first.frames  # same sample: cached

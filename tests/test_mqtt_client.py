@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.reasoncodes import ReasonCode
 
-from agent.mqtt import CommandWorker, MqttConfig
+from agent.mqtt.commands import CommandWorker
+
+from agent.mqtt.config import MqttConfig
 from agent.mqtt.client import CommandMessage, MqttConnection, _Session, send_window
 from agent.mqtt.paho_setup import Backoff, refusal_code
 from agent.mqtt.topics import Topics

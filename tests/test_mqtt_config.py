@@ -72,7 +72,10 @@ def test_credentials_file_forms_and_mode(tmp_path: Path) -> None:
     plain = tmp_path / "creds"
     plain.write_text("device-7:s3cret:with:colons\n")
     plain.chmod(0o600)
-    assert MqttConfig(url="mqtt://b", credentials_file=plain).resolve_credentials() == ("device-7", "s3cret:with:colons")
+    assert MqttConfig(url="mqtt://b", credentials_file=plain).resolve_credentials() == (
+        "device-7",
+        "s3cret:with:colons",
+    )
     as_json = tmp_path / "creds.json"
     as_json.write_text(json.dumps({"username": "device-8", "password": "pw"}))
     as_json.chmod(0o600)
@@ -105,7 +108,9 @@ def test_protocol_number_from_toml_and_bounds() -> None:
     assert MqttConfig(protocol=5).protocol == "5"
     assert MqttConfig(protocol="3.1.1").protocol == "3.1.1"
     assert "protocol" in _error(protocol="4")
-    assert "reconnect_min_s (10.0) must not exceed reconnect_max_s (2.0)" in _error(reconnect_min_s=10, reconnect_max_s=2)
+    assert "reconnect_min_s (10.0) must not exceed reconnect_max_s (2.0)" in _error(
+        reconnect_min_s=10, reconnect_max_s=2
+    )
     assert "unknown_field" in _error(unknown_field=1)
     assert "telemetry_interval_s" in _error(telemetry_interval_s=0)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent.mqtt.outbox import Outbox, read_boot_id, to_json_bytes
-from agent.schema import ensure_outbox as ensure_schema
+from agent.storage.schema import ensure_outbox as ensure_schema
 from agent.mqtt.publisher import mark_replayed
 
 

@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from agent.mqtt import MqttConfig, MqttPlane
+from agent.mqtt.config import MqttConfig
+
+from agent.mqtt.plane import MqttPlane
 from deploy.mqtt_ops import send_command
 from tests.fixtures_mqtt import FakeControl, wait_until
 from tests.test_commands import Oracle, check_reply, payloads
@@ -129,8 +131,10 @@ def test_fuzz_through_the_broker(mqtt_broker, plane_factory, collector_factory) 
 def test_last_will_says_offline_when_the_process_is_killed(mqtt_broker, collector_factory, tmp_path: Path) -> None:
     script = (
         "import sys, time\n"
-        "from agent.mqtt import MqttConfig, MqttPlane\n"
-        "plane = MqttPlane(MqttConfig(url=sys.argv[1], reconnect_min_s=0.1), device_id='lwt-dev', db_path=sys.argv[2])\n"
+        "from agent.mqtt.config import MqttConfig\n"
+        "from agent.mqtt.plane import MqttPlane\n"
+        "plane = MqttPlane(MqttConfig(url=sys.argv[1], reconnect_min_s=0.1), device_id='lwt-dev', "
+        "db_path=sys.argv[2])\n"
         "plane.start()\n"
         "while not plane.connected: time.sleep(0.01)\n"
         "print('connected', flush=True)\n"
@@ -201,7 +205,9 @@ def test_unreachable_broker_backs_off_and_never_claims_connected(tmp_path: Path)
                       device_id="lost-dev", db_path=tmp_path / "s.db")
     states: list[bool] = []
     stop = threading.Event()
-    watcher = threading.Thread(target=lambda: [states.append(plane.connected) for _ in iter(lambda: stop.wait(0.01), True)])
+    watcher = threading.Thread(
+        target=lambda: [states.append(plane.connected) for _ in iter(lambda: stop.wait(0.01), True)]
+    )
     plane.start()
     watcher.start()
     stop.wait(1.5)

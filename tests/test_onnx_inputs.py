@@ -14,9 +14,9 @@ from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantTy
 
 from deploy.package import PackageError, PackageOptions, package
 from engines.build.job import Builder
-from engines.errors import EdgeError
-from engines.model import load_model
-from engines.onnx_inputs import fp32_copy, has_fp16, quantization_ops, toposort
+from kernel.errors import EdgeError
+from engines.model.source import load_model
+from engines.model.onnx_inputs import fp32_copy, has_fp16, quantization_ops, toposort
 from engines.build.provisioning import provision
 from tests.engine_fixtures import conv_model, save_graph, source
 
@@ -40,12 +40,20 @@ def _two_convs(path: Path, fp16_weights: bool = False, unsorted: bool = False) -
         nodes += [helper.make_node("Cast", ["w1"], ["w1f"], to=TensorProto.FLOAT, name="cast1"),
                   helper.make_node("Cast", ["w2"], ["w2f"], to=TensorProto.FLOAT, name="cast2")]
         w1, w2 = "w1f", "w2f"
-    nodes += [helper.make_node("Conv", ["x", w1], ["c1"], name="conv1"), helper.make_node("Relu", ["c1"], ["r1"], name="relu"),
-              helper.make_node("Conv", ["r1", w2], ["y"], name="conv2")]
+    nodes += [
+        helper.make_node("Conv", ["x", w1], ["c1"], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu"),
+        helper.make_node("Conv", ["r1", w2], ["y"], name="conv2"),
+    ]
     if unsorted:
         nodes = nodes[::-1]
-    graph = helper.make_graph(nodes, "two_convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 16, 16])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "two_convs",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 16, 16])],
+        inits,
+    )
     return save_graph(graph, path, check=not unsorted)  # onnx.checker refuses the unsorted one: that is the point
 
 
@@ -60,8 +68,17 @@ def test_an_unsorted_graph_is_sorted_not_refused(tmp_path: Path) -> None:
     onnx.checker.check_model(model)
     assert not toposort(model)  # already sorted: untouched
 
-    manifest = package(PackageOptions(synthetic_validation=True, model=path, name="u", version="1.0.0", out=tmp_path / "art", unsigned=True,
-                                      preprocess={"width": 16, "height": 16}))
+    manifest = package(
+        PackageOptions(
+            synthetic_validation=True,
+            model=path,
+            name="u",
+            version="1.0.0",
+            out=tmp_path / "art",
+            unsigned=True,
+            preprocess={"width": 16, "height": 16},
+        )
+    )
     packaged = onnx.load(str(tmp_path / "art" / manifest.model.file))
     onnx.checker.check_model(packaged)  # the artifact carries the sorted copy
     assert _provision(load_model(tmp_path / "art"), tmp_path).validation.passed

@@ -21,9 +21,9 @@ from agent.artifacts.trust import ensure_demo_key, package_demo, verify_artifact
 from deploy.cli import app
 from deploy.package import PackageError, PackageOptions, package
 from deploy.signing import KeyInfo, keygen
-from engines.errors import EdgeError
-from engines.manifest import Manifest, ModelFile
-from engines.model import ModelSource
+from kernel.errors import EdgeError
+from engines.model.manifest import Manifest, ModelFile
+from engines.model.source import ModelSource
 
 runner = CliRunner()
 
@@ -51,18 +51,18 @@ def signed_artifact(tmp: Path, key: KeyInfo, weights: int = 16, name: str = "art
     """`edge-deploy package`'s API on a tiny model, with labels."""
     model = make_onnx(tmp / "src-model.onnx", weights)
     (tmp / "labels.txt").write_text("a\nb\n")
-    opts = PackageOptions(synthetic_validation=True, model=model, name="tiny", version="1.0.0", out=tmp / name, key=key.private,
-                          labels=tmp / "labels.txt", preprocess={"width": 8, "height": 8})  # fmt: skip
+    opts = PackageOptions(synthetic_validation=True, model=model, name="tiny", version="1.0.0", out=tmp / name,
+                          key=key.private, labels=tmp / "labels.txt", preprocess={"width": 8, "height": 8})
     package(opts)
     return tmp / name
 
 
 def trusting(key: KeyInfo, **fields: object) -> ArtifactsConfig:
     """A device config trusting `key`."""
-    return ArtifactsConfig(trusted_keys=[str(key.public)], **fields)  # type: ignore[arg-type]
+    return ArtifactsConfig(trusted_keys=[str(key.public)], **fields)
 
 
-def rewrite_manifest(artifact: Path, key: KeyInfo | None, edit) -> None:  # type: ignore[no-untyped-def]
+def rewrite_manifest(artifact: Path, key: KeyInfo | None, edit) -> None:
     """Edit manifest.json as JSON and sign the result (to reach the checks after the signature)."""
     doc = json.loads((artifact / "manifest.json").read_bytes())
     edit(doc)
@@ -123,7 +123,7 @@ def test_cli_package_and_verify_all_options(tmp_path: Path, key: KeyInfo) -> Non
             "--layout", "nhwc", "--resize", "letterbox", "--postprocess", "classification", "--param", "top_k=1",
             "--labels", str(tmp_path / "labels.json"), "--latency-budget-ms", "12.5", "--min-accuracy", "0.9",
             "--min-fps", "7.5", "--scale", "1", "--synthetic-validation", "--key", str(key.private),
-            "-o", str(tmp_path / "out")]  # fmt: skip
+            "-o", str(tmp_path / "out")]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     manifest = Manifest.model_validate_json((tmp_path / "out" / "manifest.json").read_bytes())
@@ -143,11 +143,12 @@ def test_cli_package_and_verify_all_options(tmp_path: Path, key: KeyInfo) -> Non
 
 @pytest.mark.parametrize(
     "extra, message",
-    [(["--unsigned", "--key", "K"], "exclude"), ([], "--key KEY is required"), (["--unsigned", "--input-size", "8"], "WIDTHx"),
-     (["--unsigned", "--precision", "int4"], "precision"), (["--unsigned", "--precision", "int8"], "calibration"),
+    [(["--unsigned", "--key", "K"], "exclude"), ([], "--key KEY is required"),
+     (["--unsigned", "--input-size", "8"], "WIDTHx"), (["--unsigned", "--precision", "int4"], "precision"),
+     (["--unsigned", "--precision", "int8"], "calibration"),
      (["--unsigned", "--postprocess", "nope"], "unknown postprocessor"), (["--unsigned", "--param", "x"], "KEY=VALUE"),
      (["--unsigned", "--min-fps", "0"], "min_fps")],
-)  # fmt: skip
+)
 def test_cli_package_usage_errors_exit_2(tmp_path: Path, key: KeyInfo, extra: list[str], message: str) -> None:
     model = make_onnx(tmp_path / "m.onnx")
     extra = [str(key.private) if a == "K" else a for a in extra]
@@ -162,7 +163,7 @@ def test_cli_package_usage_errors_exit_2(tmp_path: Path, key: KeyInfo, extra: li
 def test_package_refuses_a_file_that_is_not_onnx(tmp_path: Path, key: KeyInfo) -> None:
     (tmp_path / "fake.onnx").write_bytes(b"\x00not a model" * 10)
     result = runner.invoke(app, ["package", str(tmp_path / "fake.onnx"), "--name", "m", "--version", "1",
-                                 "--key", str(key.private), "-o", str(tmp_path / "o")])  # fmt: skip
+                                 "--key", str(key.private), "-o", str(tmp_path / "o")])
     assert result.exit_code == 1 and "MODEL_LOAD_FAILED" in result.output
     assert not (tmp_path / "o").exists()
 
@@ -184,7 +185,11 @@ def test_package_with_external_data(tmp_path: Path, key: KeyInfo) -> None:
     src = tmp_path / "src"
     src.mkdir()
     model = make_onnx(src / "big.onnx", weights=64, external="big.weights")
-    package(PackageOptions(synthetic_validation=True, model=model, name="big", version="1", out=tmp_path / "o", key=key.private))
+    package(
+        PackageOptions(
+            synthetic_validation=True, model=model, name="big", version="1", out=tmp_path / "o", key=key.private
+        )
+    )
     source = verify_artifact(tmp_path / "o", trusting(key))
     assert [f.file for f in source.manifest.files] == ["big.weights"]
 
@@ -206,7 +211,8 @@ def test_cli_package_demo_model(tmp_path: Path, key: KeyInfo) -> None:
 
     result = runner.invoke(app, ["package", str(bundled_demo_onnx()), "--name", "demo-det", "--version", "1.0.0",
                                  "--color", "bgr", "--mean", "0.5,0.5,0.5", "--std", "0.5,0.5,0.5",
-                                 "--postprocess", "db_text", "--key", str(key.private), "-o", str(tmp_path / "d")])  # fmt: skip
+                                 "--postprocess", "db_text", "--key", str(key.private),
+                                 "-o", str(tmp_path / "d")])
     assert result.exit_code == 0, result.output
     assert verify_artifact(tmp_path / "d", trusting(key)).manifest.preprocess.color == "bgr"
 
@@ -273,8 +279,8 @@ def test_allow_unsigned_still_refuses_a_bad_signature_by_a_trusted_key(artifact:
      lambda d: d["files"][0].update(file="sub/../../labels.txt"), lambda d: d["files"][0].update(file="a\\..\\b"),
      lambda d: d["files"][0].update(file="nul\x00byte"), lambda d: d["files"][0].update(file="manifest.json"),
      lambda d: d["files"][0].update(file=".hidden"), lambda d: d.setdefault("build", {}).update(calibration="../cal")],
-)  # fmt: skip
-def test_paths_escaping_the_artifact_are_path_invalid(artifact: Path, key: KeyInfo, edit) -> None:  # type: ignore[no-untyped-def]
+)
+def test_paths_escaping_the_artifact_are_path_invalid(artifact: Path, key: KeyInfo, edit) -> None:
     rewrite_manifest(artifact, key, edit)
     assert refusal(artifact, trusting(key)).code == "ARTIFACT_PATH_INVALID"
 
@@ -349,7 +355,7 @@ def test_a_model_that_is_not_onnx_is_model_load_failed(tmp_path: Path, key: KeyI
 def test_onnx_that_fails_the_checker_is_model_load_failed(tmp_path: Path, key: KeyInfo) -> None:
     graph = helper.make_graph([helper.make_node("NoSuchOp", ["x"], ["y"])], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])  # fmt: skip
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     (tmp_path / "m.onnx").write_bytes(model.SerializeToString())
     template = Manifest(name="m", version="1", model=ModelFile(file="m.onnx", sha256="0" * 64, size=0))
@@ -431,8 +437,9 @@ def test_fuzz_signed_manifest_like_json(artifact: Path, key: KeyInfo, doc: dict)
 
 
 @_FUZZ
-@given(flips=st.lists(st.tuples(st.integers(min_value=0), st.integers(min_value=0, max_value=255)), min_size=1, max_size=4),
-       signed=st.booleans())  # fmt: skip
+@given(flips=st.lists(st.tuples(st.integers(min_value=0), st.integers(min_value=0, max_value=255)),
+                      min_size=1, max_size=4),
+       signed=st.booleans())
 def test_fuzz_mutated_valid_manifest(artifact: Path, key: KeyInfo, flips: list, signed: bool) -> None:
     original = _ORIGINALS.setdefault(artifact, (artifact / "manifest.json").read_bytes())
     data = bytearray(original)

@@ -37,8 +37,9 @@ def old_pytorch_export(path: Path, weights: int = WEIGHTS) -> Path:
     nodes.append(helper.make_node("ReduceMean", [previous], ["y"], axes=[2, 3], keepdims=0))
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 32, 32])]
     inputs += [helper.make_tensor_value_info(t.name, TensorProto.FLOAT, [1, 3, 1, 1]) for t in inits]
-    graph = helper.make_graph(nodes, "old-export", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
-                              inits)
+    graph = helper.make_graph(
+        nodes, "old-export", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])], inits
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
     model.ir_version = 6
     onnx.save(model, str(path))

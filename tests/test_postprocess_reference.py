@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 
 from deploy.package import PackageError, _validate_postprocess
-from engines.errors import ModelError
+from kernel.errors import ModelError
 from engines.postprocess import POSTPROCESSORS, PostprocessContext, build_postprocessor
-from engines.postprocess_reference import render
+from engines.tools.postprocess_reference import render
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_committed_reference_is_current_and_names_every_parameter() -> None:
     committed = (REPO / "docs" / "postprocessors.md").read_text()
-    assert committed == render(), "stale: python -m engines.postprocess_reference > docs/postprocessors.md"
+    assert committed == render(), "stale: python -m engines.tools.postprocess_reference > docs/postprocessors.md"
     for name in POSTPROCESSORS.names():
         assert f"## `{name}`" in committed
         for param in POSTPROCESSORS.get(name).Params.model_fields:
@@ -34,7 +34,9 @@ def test_an_unknown_parameter_lists_the_valid_ones_at_build_and_at_package() -> 
         _validate_postprocess("classification", {"thresh": 0.3})
     with pytest.raises(PackageError, match=r"--param top_k: Input should be"):
         _validate_postprocess("classification", {"top_k": "many"})
-    with pytest.raises(PackageError, match=r"raw has no such parameter \(valid: values, max_values, max_summary_elements"):
+    with pytest.raises(
+        PackageError, match=r"raw has no such parameter \(valid: values, max_values, max_summary_elements"
+    ):
         _validate_postprocess("raw", {"x": 1})
 
 
@@ -60,14 +62,16 @@ def test_package_takes_a_fixed_models_own_input_size_and_a_wrong_one_names_the_r
         package(PackageOptions(model=model, name="fixed", version="1.0.0", out=tmp_path / "b", unsigned=True,
                                preprocess={"width": 640, "height": 480}))
     assert wrong.value.code == "MODEL_SHAPE_MISMATCH"
-    assert "the model takes 48x32: set preprocess width/height to it (edge-deploy package --input-size 48x32)" in str(wrong.value)
+    assert "the model takes 48x32: set preprocess width/height to it (edge-deploy package --input-size 48x32)" in str(
+        wrong.value
+    )
 
 
 def test_short_crop_takes_the_centre_at_the_inputs_aspect_and_maps_back_to_the_frame() -> None:
     import cv2
     import numpy as np
 
-    from engines.preprocess import PreprocessSpec, Preprocessor
+    from engines.model.preprocess import PreprocessSpec, Preprocessor
 
     frame = np.zeros((100, 200, 3), np.uint8)
     frame[:, :50] = (0, 0, 255)  # red left quarter: cut away

@@ -1,8 +1,8 @@
 """Semantic segmentation: class maps from scores, ids or one sigmoid channel, lined up with the frame, drawn,
 and gated by mean IoU.
 
-No pretrained semantic segmentation model ships in a public package we can fetch (tests/real_models.py lists those that do), so
-the model here is an onnx.helper colour segmenter in the family's exact layout (1x3xHxW in, 1xCxHxW class
+No pretrained semantic segmentation model ships in a public package we can fetch (tests/real_models.py lists those
+that do), so the model here is an onnx.helper colour segmenter in the family's exact layout (1x3xHxW in, 1xCxHxW class
 scores out): background everywhere, class 1 where the frame is red, class 2 where it is blue.
 """
 
@@ -16,13 +16,13 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from agent.video.overlay import OverlayStyle, color_of, render
-from engines.errors import InferenceError
-from engines.manifest import Gates, PostprocessSpec
-from engines.model import load_bare_onnx
+from kernel.errors import InferenceError
+from engines.model.manifest import Gates, PostprocessSpec
+from engines.model.source import load_bare_onnx
 from engines.postprocess import PostprocessContext, build_postprocessor
 from engines.postprocess.segmentation import mean_iou
-from engines.preprocess import FrameTransform, PreprocessSpec
-from engines.runtime import load_runtime
+from engines.model.preprocess import FrameTransform, PreprocessSpec
+from engines.runtime.model_runtime import load_runtime
 from engines.build.validate import validate
 from tests.engine_fixtures import save_graph
 
@@ -72,12 +72,16 @@ def test_scores_ids_and_one_channel_outputs_become_class_maps() -> None:
         [np.array([[[0, 1], [1, 1]]], np.int64)], FrameTransform(1, 1, 0, 0, 2, 2))
     assert ids.class_map.tolist() == [[0, 1], [1, 1]]
     binary = build_postprocessor("segmentation", {"threshold": 0.7}, PostprocessContext([], None, (2, 2)))
-    assert binary([np.array([[[[0.9, 0.6], [0.1, 0.8]]]], np.float32)], FrameTransform(1, 1, 0, 0, 2, 2)).class_map.tolist() == [[1, 0], [0, 1]]
+    assert binary(
+        [np.array([[[[0.9, 0.6], [0.1, 0.8]]]], np.float32)], FrameTransform(1, 1, 0, 0, 2, 2)
+    ).class_map.tolist() == [[1, 0], [0, 1]]
     with pytest.raises(InferenceError, match="class ids"):
         post([np.array([[0.5, 1.0]], np.float32)], identity)
 
 
-def test_a_real_model_maps_colours_to_classes_lined_up_with_the_frame_and_the_overlay_tints_them(tmp_path: Path) -> None:
+def test_a_real_model_maps_colours_to_classes_lined_up_with_the_frame_and_the_overlay_tints_them(
+    tmp_path: Path,
+) -> None:
     runtime = runtime_of(colour_segmenter(tmp_path / "seg.onnx"))
     try:
         frame = scene()

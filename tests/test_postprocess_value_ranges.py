@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from deploy.package import PackageError, PackageOptions, package
-from engines.errors import ModelError
-from engines.manifest import Gates, PostprocessSpec
-from engines.model import load_bare_onnx
+from kernel.errors import ModelError
+from engines.model.manifest import Gates, PostprocessSpec
+from engines.model.source import load_bare_onnx
 from engines.postprocess.value_ranges import Seen, require
-from engines.preprocess import PreprocessSpec
-from engines.runtime import load_runtime
+from engines.model.preprocess import PreprocessSpec
+from engines.runtime.model_runtime import load_runtime
 from engines.build.validate import validate
 from tests.test_postprocess_yolo_heads import constant_outputs
 

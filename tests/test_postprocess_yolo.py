@@ -15,10 +15,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from engines.backends import get_backend
 from engines.backends.base import EngineOptions
-from engines.errors import InferenceError, ModelError
+from kernel.errors import InferenceError, ModelError
 from engines.postprocess import PostprocessContext, build_postprocessor
 from engines.postprocess.yolo import nms, resolve_layout
-from engines.preprocess import PreprocessSpec, Preprocessor
+from engines.model.preprocess import PreprocessSpec, Preprocessor
 
 LABELS = ["person", "car", "dog"]
 
@@ -34,7 +34,9 @@ def constant_model(path: Path, table: np.ndarray, size: int) -> Path:
         helper.make_node("Mul", ["total", "zero"], ["nothing"]),
         helper.make_node("Add", ["table", "nothing"], ["output0"]),
     ]
-    model = helper.make_model(helper.make_graph(nodes, "constant", [image], [out]), opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(
+        helper.make_graph(nodes, "constant", [image], [out]), opset_imports=[helper.make_opsetid("", 17)]
+    )
     model.ir_version = 8
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
@@ -137,7 +139,12 @@ def test_iou_exactly_at_threshold_is_kept_and_just_above_is_suppressed(tmp_path:
 
 def test_zero_area_boxes_are_dropped_and_suppress_nothing(tmp_path: Path) -> None:
     table = v8_table(
-        [[100, 100, 0, 50, 0.99, 0, 0], [100, 100, 50, 0, 0.98, 0, 0], [100, 100, 0, 0, 0.97, 0, 0], [100, 100, 40, 40, 0.5, 0, 0]]
+        [
+            [100, 100, 0, 50, 0.99, 0, 0],
+            [100, 100, 50, 0, 0.98, 0, 0],
+            [100, 100, 0, 0, 0.97, 0, 0],
+            [100, 100, 40, 40, 0.5, 0, 0],
+        ]
     )
     dets = detect(tmp_path, table, {"num_classes": 3, "iou_threshold": 0.0})
     assert dets == [{"box": [80.0, 80.0, 120.0, 120.0], "score": 0.5, "class_id": 0, "label": "person"}]
@@ -169,7 +176,9 @@ def test_max_candidates_keeps_the_highest_scores(tmp_path: Path) -> None:
 
 
 def test_non_finite_rows_are_ignored(tmp_path: Path) -> None:
-    table = v8_table([[np.nan, 100, 50, 50, 0.9, 0, 0], [100, 100, np.inf, 50, 0.9, 0, 0], [100, 100, 50, 50, 0.6, 0, 0]])
+    table = v8_table(
+        [[np.nan, 100, 50, 50, 0.9, 0, 0], [100, 100, np.inf, 50, 0.9, 0, 0], [100, 100, 50, 50, 0.6, 0, 0]]
+    )
     assert [d["score"] for d in detect(tmp_path, table, {"num_classes": 3})] == [0.6]
 
 
@@ -189,20 +198,26 @@ def test_non_finite_rows_are_ignored(tmp_path: Path) -> None:
         ((3, 8), "v5", None, ("v5", 3)),
     ],
 )
-def test_resolve_layout(shape: tuple[int, int], layout: str, num_classes: int | None, expected: tuple[str, int]) -> None:
+def test_resolve_layout(
+    shape: tuple[int, int], layout: str, num_classes: int | None, expected: tuple[str, int]
+) -> None:
     assert resolve_layout(shape, layout, num_classes) == expected
 
 
 @pytest.mark.parametrize(
     ("shape", "layout", "num_classes"), [((84, 8400), "auto", 3), ((84, 8400), "v8", 79), ((4, 100), "v8", None)]
 )
-def test_resolve_layout_rejects_shapes_that_do_not_fit(shape: tuple[int, int], layout: str, num_classes: int | None) -> None:
+def test_resolve_layout_rejects_shapes_that_do_not_fit(
+    shape: tuple[int, int], layout: str, num_classes: int | None
+) -> None:
     with pytest.raises(ValueError, match=re.escape(str(list(shape)))):
         resolve_layout(shape, layout, num_classes)
 
 
 def test_static_output_that_contradicts_num_classes_fails_at_build(tmp_path: Path) -> None:
-    engine = get_backend("onnxruntime").load(constant_model(tmp_path / "m.onnx", np.zeros((1, 84, 10)), 32), EngineOptions())
+    engine = get_backend("onnxruntime").load(
+        constant_model(tmp_path / "m.onnx", np.zeros((1, 84, 10)), 32), EngineOptions()
+    )
     try:
         with pytest.raises(ModelError, match=r"fits neither .*num_classes") as info:
             build_postprocessor("yolo", {"num_classes": 3}, PostprocessContext(engine.outputs))
@@ -214,7 +229,7 @@ def test_static_output_that_contradicts_num_classes_fails_at_build(tmp_path: Pat
 def test_unexpected_runtime_shape_is_an_inference_error() -> None:
     post = build_postprocessor("yolo", {}, PostprocessContext([]))
     with pytest.raises(InferenceError, match=r"\(1, A, B\)"):
-        post([np.zeros((2, 84, 10), np.float32)], None)  # type: ignore[arg-type]
+        post([np.zeros((2, 84, 10), np.float32)], None)
 
 
 # --- parameters -------------------------------------------------------------------------------
@@ -245,7 +260,9 @@ def iou(a: list[int], b: list[int]) -> float:
     return inter / union if union > 0 else 0.0
 
 
-def reference_nms(boxes: list[list[int]], scores: list[float], classes: list[int], thr: float, agnostic: bool) -> list[int]:
+def reference_nms(
+    boxes: list[list[int]], scores: list[float], classes: list[int], thr: float, agnostic: bool
+) -> list[int]:
     """Textbook greedy NMS in plain Python, the oracle for the vectorized one."""
     order = sorted(range(len(boxes)), key=lambda i: (-scores[i], i))
     keep: list[int] = []
@@ -276,7 +293,11 @@ def test_nms_properties(case: list[tuple[list[int], float, int]], thr: float, ag
         assert all(iou(boxes_l[i], boxes_l[j]) <= thr for j in keep[n + 1 :] if same(i, j))
     for i in set(range(len(case))) - kept:  # every dropped box lost to a kept one at least as good
         assert any(same(i, k) and scores[k] >= scores[i] and iou(boxes_l[k], boxes_l[i]) > thr for k in kept)
-    groups = [list(range(len(case)))] if agnostic else [[i for i in range(len(case)) if classes[i] == c] for c in set(classes_l)]
+    groups = (
+        [list(range(len(case)))]
+        if agnostic
+        else [[i for i in range(len(case)) if classes[i] == c] for c in set(classes_l)]
+    )
     for members in filter(None, groups):  # the best box of each class always survives
         assert min(members, key=lambda i: (-scores[i], i)) in kept
 

@@ -1,8 +1,8 @@
 """YOLO pose, instance segmentation and end-to-end (NMS-done) outputs through the real frame path pieces
 (Preprocessor -> ONNX Runtime -> yolo postprocessor).
 
-No pretrained pose, segmentation or end-to-end export ships in a public package (tests/real_models.py lists those that do), so
-each model here is an onnx.helper graph whose constant outputs encode known objects in the family's exact
+No pretrained pose, segmentation or end-to-end export ships in a public package (tests/real_models.py lists those
+that do), so each model here is an onnx.helper graph whose constant outputs encode known objects in the family's exact
 layout, as Ultralytics (v8/v11 `-pose`, `-seg`, YOLOv10 / `nms=True`) and TensorRT's EfficientNMS_TRT write it.
 """
 
@@ -18,10 +18,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from engines.backends import get_backend
 from engines.backends.base import EngineOptions
-from engines.errors import ModelError
+from kernel.errors import ModelError
 from engines.postprocess import PostprocessContext, build_postprocessor
 from engines.postprocess.base import InferenceResult
-from engines.preprocess import PreprocessSpec, Preprocessor
+from engines.model.preprocess import PreprocessSpec, Preprocessor
 from agent.video.overlay import OverlayStyle
 
 
@@ -33,10 +33,16 @@ def constant_outputs(path: Path, tables: list[np.ndarray], size: int) -> Path:
              helper.make_node("Mul", ["total", "zero"], ["nothing"])]
     outs = []
     for i, table in enumerate(tables):
-        nodes += [helper.make_node("Constant", [], [f"t{i}"], value=numpy_helper.from_array(table.astype(np.float32), f"t{i}")),
-                  helper.make_node("Add", [f"t{i}", "nothing"], [f"output{i}"])]
+        nodes += [
+            helper.make_node(
+                "Constant", [], [f"t{i}"], value=numpy_helper.from_array(table.astype(np.float32), f"t{i}")
+            ),
+            helper.make_node("Add", [f"t{i}", "nothing"], [f"output{i}"]),
+        ]
         outs.append(helper.make_tensor_value_info(f"output{i}", TensorProto.FLOAT, list(table.shape)))
-    model = helper.make_model(helper.make_graph(nodes, "constant", [image], outs), opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(
+        helper.make_graph(nodes, "constant", [image], outs), opset_imports=[helper.make_opsetid("", 17)]
+    )
     model.ir_version = 8
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
@@ -125,7 +131,10 @@ def test_efficient_nms_outputs_count_only_num_dets(tmp_path: Path) -> None:
     classes = np.ones((1, 100), np.float32)
     classes[0, :2] = [0, 1]
     result = run(tmp_path, [np.array([[2]], np.float32), boxes, scores, classes], {"layout": "efficient_nms"})
-    assert [(d.label, d.box) for d in result.detections] == [("car", (300, 300, 400, 380)), ("person", (10, 20, 110, 220))]
+    assert [(d.label, d.box) for d in result.detections] == [
+        ("car", (300, 300, 400, 380)),
+        ("person", (10, 20, 110, 220)),
+    ]
 
 
 def test_a_layout_that_does_not_fit_the_model_fails_when_it_is_built(tmp_path: Path) -> None:
@@ -146,11 +155,11 @@ def test_a_layout_that_does_not_fit_the_model_fails_when_it_is_built(tmp_path: P
 
 def test_a_pose_models_skeleton_reaches_the_video_overlay() -> None:
     class Runtime:
-        class source:  # noqa: N801  (the ModelRuntime attribute path the overlay reads)
-            class manifest:  # noqa: N801
+        class source:  # the ModelRuntime attribute path the overlay reads
+            class manifest:
                 name, version = "pose", "1.0.0"
 
-                class postprocess:  # noqa: N801
+                class postprocess:
                     params = {"layout": "pose", "skeleton": [[0, 1], [1, 2]]}
 
     assert OverlayStyle.of(Runtime()).skeleton == ((0, 1), (1, 2))
@@ -167,9 +176,9 @@ def test_the_postprocess_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> Non
 
 
 def _runtime(path: Path, params: dict[str, Any]):
-    from engines.manifest import Gates, PostprocessSpec
-    from engines.model import load_bare_onnx
-    from engines.runtime import load_runtime
+    from engines.model.manifest import Gates, PostprocessSpec
+    from engines.model.source import load_bare_onnx
+    from engines.runtime.model_runtime import load_runtime
 
     return load_runtime(load_bare_onnx(path, {"preprocess": PreprocessSpec(width=640, height=640),
                                               "postprocess": PostprocessSpec(kind="yolo", params=params),
@@ -178,7 +187,7 @@ def _runtime(path: Path, params: dict[str, Any]):
 
 def test_the_gate_judges_a_seg_heads_masks_and_a_pose_heads_keypoints_not_only_its_boxes(tmp_path: Path) -> None:
     """Same boxes, different masks (or keypoints): box F1 is 1.0, and the gate still fails the candidate."""
-    from engines.manifest import Gates
+    from engines.model.manifest import Gates
     from engines.build.validate import validate
 
     protos = np.full((1, 4, 160, 160), -1.0, np.float32)

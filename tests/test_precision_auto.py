@@ -29,11 +29,11 @@ from engines.build.job import Builder
 from engines.build.auto_candidates import Candidate
 from engines.build.precision_search import TIE_MARGIN, choose
 from engines.build.provisioning import ProvisionResult, provision
-from engines.errors import EdgeError
-from engines.frames import text_frames
-from engines.manifest import parse_manifest
-from engines.model import ModelSource, load_bare_onnx, load_model
-from engines.sidecar import sidecar_path
+from kernel.errors import EdgeError
+from engines.evaluation.frames import text_frames
+from engines.model.manifest import parse_manifest
+from engines.model.source import ModelSource, load_bare_onnx, load_model
+from engines.model.sidecar import sidecar_path
 from tests.deploy_fixtures import make_key
 from tests.engine_fixtures import outlier_model, save_graph, source
 
@@ -302,7 +302,9 @@ def test_the_sparse_int8_candidate_is_its_own_tensorrt_engine() -> None:
         spec = EngineBuildSpec(precision="int8", calibration_hash="c" * 64, calibration_count=8,
                                quantization={"recipe": "tensorrt"})
         device = {"compute_capability": capability, "tensorrt": "10.3"}
-        return BuildPlan("tensorrt", "int8", spec, make_cache_key("a" * 64, "tensorrt", "10.3", device, spec), None, "d")
+        return BuildPlan(
+            "tensorrt", "int8", spec, make_cache_key("a" * 64, "tensorrt", "10.3", device, spec), None, "d"
+        )
 
     orin = plan("8.7")
     assert sparse_refusal(orin) is None

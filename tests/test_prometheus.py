@@ -54,8 +54,10 @@ def test_per_camera_fps_drops_and_percentiles() -> None:
 def test_batch_size_and_the_live_curve_with_each_points_origin() -> None:
     batch = {"max_size": 2, "batches": 40, "reason": "auto (live, demand): ...", "switches": 1,
              "curve_ms": {"1": 9.5, "2": 7.9}, "origin": {"1": "live", "2": "predicted"}}
-    text = scrape({"fps": 9.5, "frames": 190, "dropped_frames": 3, "batch": batch},
-                  {"fps": 9.5, "frames": 190, "dropped_frames": 3, "batch": {**batch, "origin": {"1": "live", "2": "live"}}})
+    text = scrape(
+        {"fps": 9.5, "frames": 190, "dropped_frames": 3, "batch": batch},
+        {"fps": 9.5, "frames": 190, "dropped_frames": 3, "batch": {**batch, "origin": {"1": "live", "2": "live"}}},
+    )
     assert "edge_agent_batch_size 2.0" in text
     assert 'edge_agent_batch_cost_ms_per_frame{origin="live",size="1"} 9.5' in text
     assert 'edge_agent_batch_cost_ms_per_frame{origin="live",size="2"} 7.9' in text

@@ -11,11 +11,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engines.errors import ModelError
+from kernel.errors import ModelError
 from engines.build.convtranspose_fusion import qlinearconv_is_exact
 from engines.build.graph_rewrites import make_static_shape
 from engines.build.ort_recipe import QuantSettings, optimize_fp32, quantize_int8
-from engines.metrics import mask_iou
+from engines.evaluation.metrics import mask_iou
 
 RNG = np.random.default_rng(7)
 
@@ -32,7 +32,7 @@ def _save(graph: onnx.GraphProto, path: Path, opset: int = 13) -> Path:
     return path
 
 
-def _tiny_model(path: Path, dims: list[int | str] = [1, 3, 32, 32]) -> Path:  # noqa: B006
+def _tiny_model(path: Path, dims: list[int | str] = [1, 3, 32, 32]) -> Path:  # noqa: B006 - never mutated: read once as the input shape
     """conv 3x3 -> relu -> conv 3x3 -> sigmoid."""
     rng = np.random.default_rng(0)
     nodes = [
@@ -118,8 +118,13 @@ def test_quantize_multi_input_dicts(tmp_path: Path) -> None:
         helper.make_node("Add", ["ca", "cb"], ["y"]),
     ]
     vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4, 8, 8]) for n in ("a", "b")]
-    graph = helper.make_graph(nodes, "two", vi, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
-                              [_init("wa", rng.normal(0, 0.5, (4, 4, 1, 1))), _init("wb", rng.normal(0, 0.5, (4, 4, 1, 1)))])
+    graph = helper.make_graph(
+        nodes,
+        "two",
+        vi,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [_init("wa", rng.normal(0, 0.5, (4, 4, 1, 1))), _init("wb", rng.normal(0, 0.5, (4, 4, 1, 1)))],
+    )
     fp32 = _save(graph, tmp_path / "two.onnx")
     cal = [{"a": x, "b": y} for x, y in zip(_inputs(8, (1, 4, 8, 8), 1), _inputs(8, (1, 4, 8, 8), 2))]
     out = tmp_path / "two.int8.onnx"
@@ -134,7 +139,7 @@ def test_quantize_multi_input_dicts(tmp_path: Path) -> None:
 def test_settings_are_frozen_and_validated(tmp_path: Path) -> None:
     settings = QuantSettings()
     with pytest.raises(AttributeError):
-        settings.per_channel = False  # type: ignore[misc]
+        settings.per_channel = False
     fp32 = _tiny_model(tmp_path / "tiny.onnx")
     with pytest.raises(ValueError, match="unsupported"):
         quantize_int8(fp32, tmp_path / "o.onnx", _inputs(2), settings=QuantSettings(activation_type="int4"))

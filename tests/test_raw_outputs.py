@@ -23,12 +23,12 @@ from onnx import TensorProto, helper, numpy_helper
 from agent.daemon.last_outputs import LastOutputs
 from agent.daemon.result_sinks import ResultSinks
 from agent.sources.base import Frame
-from engines.errors import ModelError
-from engines.manifest import PostprocessSpec
-from engines.model import load_bare_onnx
+from kernel.errors import ModelError
+from engines.model.manifest import PostprocessSpec
+from engines.model.source import load_bare_onnx
 from engines.postprocess.raw import as_values, summarize
-from engines.preprocess import PreprocessSpec
-from engines.runtime import load_runtime
+from engines.model.preprocess import PreprocessSpec
+from engines.runtime.model_runtime import load_runtime
 
 SIZE = 32
 
@@ -154,7 +154,9 @@ def test_the_last_outputs_are_saved_as_an_npz_with_their_summary(model: Path, tm
     small = LastOutputs(max_bytes=16)
     small(Frame(frame(0), 7, 0.0, "cam1"), result, runtime)
     too_big = small.save(tmp_path / "big.npz")
-    assert too_big["path"] is None and "not saved" in too_big["reason"] and too_big["outputs"]["logits"]["shape"] == [1, 5]
+    assert (
+        too_big["path"] is None and "not saved" in too_big["reason"] and too_big["outputs"]["logits"]["shape"] == [1, 5]
+    )
     assert not (tmp_path / "big.npz").exists()
 
 

@@ -65,7 +65,7 @@ def test_names_are_unique_and_a_removed_sink_gets_nothing() -> None:
 def test_a_real_agent_keeps_serving_every_sink_when_one_of_them_breaks(tmp_path) -> None:
     """The demo detector on a synthetic camera; the video tap raises on every frame after start: the MQTT-side
     record, the run summary's last results and a sink added after the broken one all keep getting results."""
-    from agent.config import AgentConfig
+    from agent.config.tree import AgentConfig
     from agent.daemon.runner import Agent
     from tests.helpers import wait_for
 
@@ -81,7 +81,7 @@ def test_a_real_agent_keeps_serving_every_sink_when_one_of_them_breaks(tmp_path)
             raise OSError("the video tap's encoder is gone")
 
         assert agent.video is not None
-        agent.video.offer = broken  # type: ignore[method-assign]
+        agent.video.offer = broken
         agent.result_sinks.add("after", lambda f, r, rt: after.append(f.index))
         assert wait_for(lambda: len(after) >= 5, 60)
     finally:

@@ -18,7 +18,7 @@ from agent.pipeline.result_stage import ResultStage
 from agent.pipeline.worker import InferenceWorker
 from agent.sources.base import Frame
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 from tests.helpers import wait_for
 
 
@@ -94,14 +94,14 @@ def test_items_submitted_to_a_stage_that_is_not_running_are_handled_inline() -> 
 @pytest.fixture(scope="module")
 def demo_source(tmp_path_factory):
     from agent.artifacts.demo_model import prepare_demo_model_dir
-    from engines.model import load_model
+    from engines.model.source import load_model
 
     return load_model(prepare_demo_model_dir(tmp_path_factory.mktemp("demo"), 160, 128))
 
 
 @pytest.fixture()
 def runtime(demo_source):
-    from engines.runtime import load_runtime
+    from engines.runtime.model_runtime import load_runtime
 
     runtime = load_runtime(demo_source, "onnxruntime")
     yield runtime
@@ -188,7 +188,14 @@ def test_the_engine_runs_the_next_batch_while_the_previous_one_is_postprocessed(
         if overlap:
             assert recorder.events.index(("infer", 2)) < recorder.events.index(("posted", 1))
         else:
-            assert recorder.events == [("infer", 1), ("post", 1), ("posted", 1), ("infer", 2), ("post", 2), ("posted", 2)]
+            assert recorder.events == [
+                ("infer", 1),
+                ("post", 1),
+                ("posted", 1),
+                ("infer", 2),
+                ("post", 2),
+                ("posted", 2),
+            ]
         assert worker.cameras.of("cam").frames == 2 and worker.batches == 2 and stats.errors == 0
 
 
@@ -205,7 +212,8 @@ def test_a_swap_returns_once_the_old_models_last_batch_has_its_results(runtime) 
         held.set()
         swapping.join(30)
         assert returned == [runtime] and stats.frames == 1  # no waiting: delivered before swap returned
-        # in the old window: left out of its judged frames as a model's first batch is (captured before its first result)
+        # in the old window: left out of its judged frames as a model's first batch is (captured before its first
+        # result)
         assert old_window.excluded == 1 and worker.window.frames == worker.window.excluded == 0
         assert worker.camera_windows.of("cam").frames == 0
 
@@ -254,7 +262,7 @@ def test_engine_and_postprocessing_errors_count_in_order_on_one_thread(runtime) 
 def test_errors_of_a_replaced_model_never_count_against_the_new_one(runtime, demo_source) -> None:
     """`degraded` is about the model serving now: a swap away from a failing model clears it at once, and the
     old model's batches still being finished do not count for the new one."""
-    from engines.runtime import load_runtime
+    from engines.runtime.model_runtime import load_runtime
 
     mailbox: FreshestMailbox[Frame] = FreshestMailbox()
     stop, stats = threading.Event(), FrameStats()

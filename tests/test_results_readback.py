@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from agent.cli.main import last_frame_text
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.daemon.runner import Agent
 from agent.sources.file import FileConfig, FileSource
 from tests import pages

@@ -41,10 +41,10 @@ def _deploy_argv(**overrides: object) -> list[str]:
 
 def _params(cli: object, argv: list[str]) -> dict:
     """The parameters the real CLI parses from argv (its program name dropped): a flag it does not know fails."""
-    ctx = get_command(cli).make_context("cli", argv[1:2], resilient_parsing=False)  # type: ignore[arg-type]
-    command = ctx.command.get_command(ctx, argv[1])  # type: ignore[union-attr]
+    ctx = get_command(cli).make_context("cli", argv[1:2], resilient_parsing=False)
+    command = ctx.command.get_command(ctx, argv[1])
     if argv[1] == "fleet":
-        command = command.get_command(ctx, argv[2])  # type: ignore[union-attr]
+        command = command.get_command(ctx, argv[2])
         return command.make_context(argv[2], argv[3:]).params
     return command.make_context(argv[1], argv[2:]).params
 
@@ -94,8 +94,14 @@ def test_the_rescue_cancels_with_a_flag_the_cli_knows() -> None:
 
 def test_the_gate_runs_with_the_wave_devices_and_the_thresholds() -> None:
     tries = [{"host": "a", "device": "cam-a", "started": True}, {"host": "b", "device": "cam-b", "started": True}]
-    argv = _argv("shadow.yml", "Gate the wave", edge_model_collector_cli="/opt/c/edge-deploy", edge_model_wave_tries=tries,
-                 edge_model_shadow_since=1700000000, edge_model_shadow_max_p99_ms=35)
+    argv = _argv(
+        "shadow.yml",
+        "Gate the wave",
+        edge_model_collector_cli="/opt/c/edge-deploy",
+        edge_model_wave_tries=tries,
+        edge_model_shadow_since=1700000000,
+        edge_model_shadow_max_p99_ms=35,
+    )
     params = _params(deploy_app, argv)
     assert argv[:3] == ["/opt/c/edge-deploy", "fleet", "shadow-gate"]
     assert (params["model"], params["version"], params["since"]) == ("det", "2.1.0", 1700000000.0)

@@ -17,12 +17,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from deploy.package import PackageOptions, package
-from engines.manifest import PostprocessSpec, StateSpec
-from engines.model import load_bare_onnx
+from engines.model.manifest import PostprocessSpec, StateSpec
+from engines.model.source import load_bare_onnx
 from engines.postprocess import PostprocessContext, build_postprocessor
-from engines.preprocess import PreprocessSpec
-from engines.runtime import load_runtime
-from engines.state_inputs import onnx_io
+from engines.model.preprocess import PreprocessSpec
+from engines.runtime.model_runtime import load_runtime
+from engines.runtime.state_inputs import onnx_io
 
 SIZE = 8
 STATE = {"pairs": [{"input": "h_in", "output": "h_out"}]}

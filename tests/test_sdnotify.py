@@ -1,4 +1,4 @@
-"""agent.sdnotify against real AF_UNIX datagram sockets, the way systemd listens."""
+"""agent.base.sdnotify against real AF_UNIX datagram sockets, the way systemd listens."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.sdnotify import Notifier, ProgressWatchdog, configure_logging
+from agent.base.sdnotify import Notifier, ProgressWatchdog, configure_logging
 from tests.helpers import wait_for
 
 
@@ -101,7 +101,7 @@ def test_noop_without_notify_socket(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_send_failure_is_counted_not_raised(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     notifier = Notifier({"NOTIFY_SOCKET": str(tmp_path / "nobody-listens.sock")})
-    with caplog.at_level(logging.WARNING, logger="agent.sdnotify"):
+    with caplog.at_level(logging.WARNING, logger="agent.base.sdnotify"):
         assert notifier.ready() is False
         assert notifier.ready() is False
     assert notifier.errors == 2

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from agent.cli.main import app
-from agent.config import AgentConfig, load_config
+from agent.config.tree import AgentConfig, load_config
 from agent.mqtt.config import MqttConfig
 from agent.mqtt.paho_setup import tls_context
 from deploy.mqtt_ops import send_command
@@ -62,11 +62,16 @@ def _bad_configs(tmp_path: Path) -> dict[str, str]:
         "url_userinfo_bad_port": f'[mqtt]\nurl = "mqtt://sec-dev:{SECRET}@broker:99999"\n',
         "url_token_only": f'[mqtt]\nurl = "mqtts://{SECRET}@broker"\n',
         "password_without_user": f'[mqtt]\nurl = "mqtt://broker:1883"\npassword = "{SECRET}"\n',
-        "password_and_bad_ca": (f'[mqtt]\nurl = "mqtt://broker:1883"\nusername = "u"\npassword = "{SECRET}"\n'
-                                'ca_file = "/nonexistent/ca.pem"\n'),
-        "password_and_credentials_file": (f'[mqtt]\nurl = "mqtt://broker:1883"\nusername = "u"\n'
-                                          f'password = "{SECRET}"\ncredentials_file = "{readable}"\n'),
-        "password_and_bad_sibling": f'[mqtt]\nurl = "mqtt://b:1"\nusername = "u"\npassword = "{SECRET}"\nkeepalive_s = 1\n',
+        "password_and_bad_ca": (
+            f'[mqtt]\nurl = "mqtt://broker:1883"\nusername = "u"\npassword = "{SECRET}"\n'
+            'ca_file = "/nonexistent/ca.pem"\n'
+        ),
+        "password_and_credentials_file": (
+            f'[mqtt]\nurl = "mqtt://broker:1883"\nusername = "u"\n'
+            f'password = "{SECRET}"\ncredentials_file = "{readable}"\n'
+        ),
+        "password_and_bad_sibling": (f'[mqtt]\nurl = "mqtt://b:1"\nusername = "u"\npassword = "{SECRET}"\n'
+                                     "keepalive_s = 1\n"),
         "credentials_file_readable_by_others": f'[mqtt]\nurl = "mqtt://broker:1883"\ncredentials_file = "{readable}"\n',
         "credentials_file_broken_json": f'[mqtt]\nurl = "mqtt://broker:1883"\ncredentials_file = "{broken_json}"\n',
     }

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.daemon.runner import Agent
 from agent.shadow.plan import ShadowArgs
-from engines.shadow_policy import CancelBelow, PromoteWhen
+from engines.model.shadow_policy import CancelBelow, PromoteWhen
 from tests.deploy_fixtures import agent_settings, make_artifact, make_key, wait_terminal
 from tests.helpers import wait_for
 from tests.shadow_models import mirrored_demo_onnx
@@ -236,7 +236,10 @@ def test_the_shadow_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> None:
     assert "no_data" in data and "frames" in data
     # each round waits for its frames (benchmarks/shadow.py MIN_ROUND_FRAMES): a ratio is measured, busy or not
     assert (data["cost"]["fps_ratio"] or 0) > 0 and (data["cost"]["equal_cost"]["fps_ratio"] or 0) > 0, data["no_data"]
-    assert data["cost"]["shadow_report"]["isolation"] == "process" and data["cost"]["thread_report"]["isolation"] == "thread"
+    assert (
+        data["cost"]["shadow_report"]["isolation"] == "process"
+        and data["cost"]["thread_report"]["isolation"] == "thread"
+    )
     assert data["blind_candidate"]["state"] == "cancelled" and data["blind_candidate"]["reason"] == "SHADOW_AGREEMENT"
 
 
@@ -260,7 +263,9 @@ def test_shadow_start_report_and_promote_over_a_real_broker(tmp_path: Path, publ
     collector = collector_factory(mqtt_broker.url, ["edge/cam-01/#"])
 
     def send(*args: str) -> dict:
-        result = CliRunner().invoke(deploy_app, ["send", "cam-01", *args, "--broker", mqtt_broker.url, "--timeout", "30"])
+        result = CliRunner().invoke(
+            deploy_app, ["send", "cam-01", *args, "--broker", mqtt_broker.url, "--timeout", "30"]
+        )
         return json.loads(result.stdout)
 
     agent = Agent(AgentConfig(**settings))

@@ -160,7 +160,7 @@ def test_signature_file_round_trip_and_tamper_detection() -> None:
     [b"", b"{", b"[]", b'{"alg": "rsa", "key_id": "x", "sig": ""}', b'{"alg": "ed25519", "key_id": 1, "sig": "AA=="}',
      b'{"alg": "ed25519", "key_id": "x", "sig": "!!"}', b'{"alg": "ed25519", "key_id": "x", "sig": "AAAA"}',
      b"[" * 100_000, b"x" * 10_000],
-)  # fmt: skip
+)
 def test_malformed_signature_files_are_signature_invalid(payload: bytes) -> None:
     with pytest.raises(SignatureError) as exc:
         decode_signature(payload)
@@ -171,7 +171,7 @@ def test_config_is_strict_and_documented() -> None:
     for name, field in ArtifactsConfig.model_fields.items():
         assert field.description, name
     with pytest.raises(ValidationError):
-        ArtifactsConfig(trusted_key=["x"])  # type: ignore[call-arg]
+        ArtifactsConfig(trusted_key=["x"])
     with pytest.raises(ValidationError):
         ArtifactsConfig(trusted_keys=["ed25519:short"])
     with pytest.raises(ValidationError):

@@ -55,7 +55,10 @@ def test_a_new_skip_fails_even_when_the_count_is_unchanged() -> None:
 
 def test_a_new_test_that_does_not_skip_needs_no_line() -> None:
     collected = COLLECTED | {"tests/test_new.py::test_added"}
-    skipped = {"tests/test_a.py::test_gpu[cuda]": "cuda unavailable here: x", "tests/test_a.py::test_graph": "needs a GPU"}
+    skipped = {
+        "tests/test_a.py::test_gpu[cuda]": "cuda unavailable here: x",
+        "tests/test_a.py::test_graph": "needs a GPU",
+    }
     assert _compare(skipped, collected=collected) == []
 
 
@@ -68,7 +71,10 @@ def test_a_skip_listed_under_a_condition_that_does_not_hold_is_unexpected() -> N
 
 
 def test_the_reason_must_match_the_condition_that_holds() -> None:
-    skipped = {"tests/test_a.py::test_gpu[cuda]": "cuda unavailable here: x", "tests/test_a.py::test_graph": "ffmpeg missing"}
+    skipped = {
+        "tests/test_a.py::test_gpu[cuda]": "cuda unavailable here: x",
+        "tests/test_a.py::test_graph": "ffmpeg missing",
+    }
     problems = _compare(skipped)
     assert len(problems) == 1 and problems[0].startswith("skipped for another reason: tests/test_a.py::test_graph")
     on_gpu = _compare({"tests/test_a.py::test_graph": "graphs are not supported by pycuda"},
@@ -161,7 +167,8 @@ def test_with_workers_the_serial_tests_run_alone_after_the_rest_and_every_skip_i
         [sys.executable, str(REPO / "scripts" / "check_skips.py"), "--expected", str(tmp_path / "expected.txt"),
          "--workers", "2", "--", "-q", "-rs", "-p", "no:cacheprovider", "test_demo.py", "test_gone.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False, stdin=subprocess.DEVNULL,
-        env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")})  # make test runs this in a worker
+        # make test runs this in a worker
+        env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")})
     assert done.returncode == 1, done.stdout + done.stderr  # both parts passed; the two skips are unlisted
     assert "unexpected skip: test_demo.py::test_alone_needs_gpu: no GPU here" in done.stderr
     assert "unexpected skip: test_gone.py: no TensorRT here" in done.stderr

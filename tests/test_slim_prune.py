@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 from engines.slim import analyze, count_flops, masked_reference, prunable_groups, prune
 
 
@@ -80,7 +80,7 @@ def assert_same_output(original: onnx.ModelProto, pruned: onnx.ModelProto) -> No
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(b).max())))
 
 
-def change(result, gid: str):  # noqa: ANN001, ANN201 - small lookup
+def change(result, gid: str):
     return next(c for c in result.groups if c.id == gid)
 
 
@@ -470,8 +470,10 @@ def test_doclaynet_c2f_convs_are_pruned_per_split_part_and_the_rewrite_is_exact(
     assert {e["reason"].split(", which ")[-1] for e in analysis.left_alone} == {"reshapes the channel axis"}
     result = prune(model, {grp.id: 0.25 for grp in analysis.groups})
     x = np.random.default_rng(0).random((1, 3, 1024, 1024), dtype=np.float32)
-    outputs = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"images": x})[0]
-               for m in (result.model, masked_reference(model, result))]
+    outputs = [
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"images": x})[0]
+        for m in (result.model, masked_reference(model, result))
+    ]
     assert outputs[0].shape == (1, 15, 21504)
     np.testing.assert_allclose(outputs[0], outputs[1], atol=1e-5 * float(np.abs(outputs[1]).max()))
     assert count_flops(result.model).macs < 0.7 * count_flops(model).macs

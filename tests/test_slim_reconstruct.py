@@ -14,7 +14,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 from engines.slim import masked_reference, prunable_groups, prune
 from engines.slim.deps import trace
 from engines.slim.reconstruct import Activations, importances, measure

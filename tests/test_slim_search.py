@@ -19,11 +19,11 @@ import typer
 from typer.testing import CliRunner
 
 from engines.build.validate import accuracy
-from engines.errors import EdgeError
-from engines.manifest import PostprocessSpec, StateSpec
-from engines.model import ModelSource, load_bare_onnx, load_model
-from engines.preprocess import PreprocessSpec
-from engines.runtime import load_runtime
+from kernel.errors import EdgeError
+from engines.model.manifest import PostprocessSpec, StateSpec
+from engines.model.source import ModelSource, load_bare_onnx, load_model
+from engines.model.preprocess import PreprocessSpec
+from engines.runtime.model_runtime import load_runtime
 from engines.slim import count_flops, is_2_4
 from engines.slim.search import SlimOptions, SlimResult, slim
 from tests.test_slim_prune import Graph
@@ -69,7 +69,7 @@ def measured(original: ModelSource, written: onnx.ModelProto, tmp_path: Path, im
         reference.close()
 
 
-def group(result: SlimResult, gid: str):  # noqa: ANN201 - a lookup
+def group(result: SlimResult, gid: str):
     return next(g for g in result.report.groups if g.id == gid)
 
 
@@ -255,8 +255,9 @@ def test_cli_calibration_ranks_by_activations_and_may_not_be_the_validation_dire
 def test_cli_exit_1_when_the_goal_is_not_met_with_the_report_written(tmp_path: Path) -> None:
     onnx.save(two_branch(), str(tmp_path / "m.onnx"))
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli(), ["slim", str(tmp_path / "m.onnx"), "--validation", str(write_frames(tmp_path / "v")),
-                                        "-o", str(out), "--flops-ratio", "0.1", "--multiple", "1"])
+    result = CliRunner().invoke(cli(), ["slim", str(tmp_path / "m.onnx"),
+                                        "--validation", str(write_frames(tmp_path / "v")), "-o", str(out),
+                                        "--flops-ratio", "0.1", "--multiple", "1"])
     assert result.exit_code == 1
     assert "error SLIM_GOAL_NOT_MET:" in result.stderr and "NOT met" in result.stdout
     assert not json.loads((out / "slim-report.json").read_text())["met"] and (out / "model.onnx").is_file()
@@ -278,7 +279,7 @@ def test_cli_usage_errors_exit_2(extra: list[str], tmp_path: Path) -> None:
 
 def test_the_demo_detector_slims_and_keeps_its_target_on_its_validation_frames(tmp_path: Path) -> None:
     from agent.artifacts.demo_model import prepare_demo_model_dir
-    from engines.frames import validation_frames
+    from engines.evaluation.frames import validation_frames
 
     source = load_model(prepare_demo_model_dir(tmp_path, 160, 96))
     images = validation_frames(160, 96, 3)

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 from engines.slim import apply_2_4, is_2_4, mask_2_4
 
 

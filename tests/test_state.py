@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.state import MIGRATIONS, StateStore, StateStoreError
+from agent.storage.state import MIGRATIONS, StateStore, StateStoreError
 
 
 def test_fresh_database_is_migrated_in_wal_mode(tmp_path: Path) -> None:

@@ -16,11 +16,12 @@ from typing import Any, Iterator
 
 import pytest
 
-import agent.storage_health as sh
-from agent.mqtt import MqttConfig, MqttPlane
-from agent.state import StateStore
-from agent.storage_health import StorageHealth
-from agent.storage_reclaim import serving_paths
+import agent.storage.health as sh
+from agent.mqtt.config import MqttConfig
+from agent.mqtt.plane import MqttPlane
+from agent.storage.state import StateStore
+from agent.storage.health import StorageHealth
+from agent.storage.reclaim import serving_paths
 from tests.helpers import WriteLock, wait_for
 
 
@@ -36,7 +37,7 @@ def test_writes_kept_while_the_store_is_locked_land_in_order_once_it_goes(tmp_pa
                                                                           caplog) -> None:
     backoff = sh.Backoff
     monkeypatch.setattr(sh, "Backoff", lambda: backoff(0.05, 0.2))
-    caplog.set_level(logging.INFO, logger="agent.storage_health")
+    caplog.set_level(logging.INFO, logger="agent.storage.health")
     store = StateStore(tmp_path / "state.db", busy_timeout_s=0.05)
     events: list[tuple[str, dict]] = []
     health = StorageHealth(lambda kind, **f: events.append((kind, f)))

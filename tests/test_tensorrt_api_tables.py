@@ -52,8 +52,13 @@ def test_each_table_names_its_source(version: str) -> None:
     data = json.loads((API_DIR / f"{version}.json").read_text())
     src = data["source"]
     assert data["version"] == version
-    assert src["repository"] == "https://github.com/NVIDIA/TensorRT" and src["extractor"] == "scripts/extract_tensorrt_api.py"
-    assert re.fullmatch(r"[0-9a-f]{40}", src["commit"]) and src["tag"].lstrip("v").startswith(version.rsplit(".0", 1)[0])
+    assert (
+        src["repository"] == "https://github.com/NVIDIA/TensorRT"
+        and src["extractor"] == "scripts/extract_tensorrt_api.py"
+    )
+    assert re.fullmatch(r"[0-9a-f]{40}", src["commit"]) and src["tag"].lstrip("v").startswith(
+        version.rsplit(".0", 1)[0]
+    )
     assert any(f.endswith("pyCore.cpp") for f in src["files"]) and any(f.endswith("__init__.py") for f in src["files"])
     assert len(data["classes"]) > 80 and len(data["enums"]) > 40
 
@@ -74,7 +79,9 @@ def test_tables_hold_nvidias_documented_landmarks(version: str) -> None:
     assert api.has("ParserError.node_name") == (v >= (10,))
     assert api.has("ICudaEngine.get_binding_name") == (v < (10,))  # binding-index API removed in 10.0
     flags = api.enums["NetworkDefinitionCreationFlag"]["members"]
-    assert flags.get("EXPLICIT_BATCH", 0) == 0 and flags.get("STRONGLY_TYPED") == (0 if v >= (11,) else 1 if v >= (9, 1) else None)
+    assert flags.get("EXPLICIT_BATCH", 0) == 0 and flags.get("STRONGLY_TYPED") == (
+        0 if v >= (11,) else 1 if v >= (9, 1) else None
+    )
 
 
 # --- the extractor on the pybind11 shapes it meets --------------------------------------------
@@ -172,7 +179,11 @@ def _trt_references(path: Path) -> list[tuple[int, str]]:
 
 
 def _string_constants(path: Path) -> set[str]:
-    return {n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    return {
+        n.value
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }
 
 
 def _product_modules() -> list[Path]:
@@ -209,5 +220,7 @@ def test_the_check_flags_an_unguarded_name(tmp_path: Path) -> None:
         "bad.py:2: trt.BuilderFlag.INT8 is missing in TensorRT 11.0.0, 11.1.0 and not feature-detected there",
         "bad.py:3: trt.IProgressMonitor is missing in TensorRT 8.5.2, 8.6.1 and not feature-detected there"]
     good = tmp_path / "good.py"
-    good.write_text("def f(trt, config):\n    if hasattr(trt.BuilderFlag, 'INT8'):\n        config.set_flag(trt.BuilderFlag.INT8)\n")
+    good.write_text(
+        "def f(trt, config):\n    if hasattr(trt.BuilderFlag, 'INT8'):\n        config.set_flag(trt.BuilderFlag.INT8)\n"
+    )
     assert _unguarded(good) == []

@@ -23,7 +23,7 @@ import cv2
 import numpy as np
 import pytest
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.daemon.runner import Agent
 from agent.sources.synthetic import SyntheticConfig, SyntheticScene
 from agent.video.overlay import LINE_COLOR, ZONE_COLOR
@@ -88,7 +88,12 @@ def test_ids_events_counts_and_live_zones_on_a_real_broker(tmp_path: Path, engin
         assert collector.wait_for(lambda _m: any(d.get("track_id") for r in collector.payloads("edge/trk-01/results")
                                                  for d in r.get("detections", [])), 60)
         result = next(r for r in reversed(collector.payloads("edge/trk-01/results")) if r["tracking"]["tracks"])
-        assert result["tracking"]["track_epoch"] == 1 and {t["id"] for t in result["tracking"]["tracks"]} <= {1, 2, 3, 4}
+        assert result["tracking"]["track_epoch"] == 1 and {t["id"] for t in result["tracking"]["tracks"]} <= {
+            1,
+            2,
+            3,
+            4,
+        }
 
         # zone and line events, through the outbox (its seq and boot id on each) and in the state store
         def tracking_events() -> list[dict]:
@@ -119,7 +124,9 @@ def test_ids_events_counts_and_live_zones_on_a_real_broker(tmp_path: Path, engin
         reply = send_command(url, "trk-01", "set_zones", bow_tie, timeout_s=30)
         assert reply["error"]["code"] == "TRACKING_ZONE_SELF_INTERSECTING", reply
         outside = {"camera": "cam0", "lines": [{"name": "far", "points": [[10, 10], [400, 10]]}]}
-        assert send_command(url, "trk-01", "set_zones", outside, timeout_s=30)["error"]["code"] == "TRACKING_OUTSIDE_FRAME"
+        assert (
+            send_command(url, "trk-01", "set_zones", outside, timeout_s=30)["error"]["code"] == "TRACKING_OUTSIDE_FRAME"
+        )
         west = {"camera": "cam0", "zones": [{"name": "west", "coords": "normalized",
                                              "polygon": [[0.0, 0.0], [0.5, 0.0], [0.5, 1.0], [0.0, 1.0]]}]}
         reply = send_command(url, "trk-01", "set_zones", west, timeout_s=30)

@@ -1,7 +1,7 @@
 """The dashboard's device page lists a device's tracking events and its counts per zone and line (issue #43): the
 JSON API over a real SQLite fleet store and a real dashboard server, and the page in a real headless Chromium.
-Rows go in through the collector's schema, as in tests/test_dashboard.py (SQLite and PostgreSQL); tests/test_tracking_agent.py proves a
-real agent sends these events and samples."""
+Rows go in through the collector's schema, as in tests/test_dashboard.py (SQLite and PostgreSQL);
+tests/test_tracking_agent.py proves a real agent sends these events and samples."""
 
 from __future__ import annotations
 

@@ -16,18 +16,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.control.commands import CommandDispatcher
 from agent.daemon.control import AgentController
-from agent.daemon.reporting import Reporting
 from agent.daemon.result_sinks import ResultSinks
+from agent.daemon.runner import Agent
 from agent.daemon.telemetry_loop import PrometheusExporter
 from agent.daemon.tracking_host import IDLE, LIVE_SHAPES_KEY, TrackingHost
 from agent.sources.base import Frame
-from agent.state import StateStore
+from agent.storage.state import StateStore
 from agent.tracking.types import TRACKING_PROBLEM, ZONES_CHANGED
 from agent.video.overlay import LINE_COLOR, ZONE_COLOR, color_of, render
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 from engines.postprocess.base import Detection, InferenceResult
 from tests.fixtures_mqtt import free_port
 from tests.helpers import wait_for
@@ -85,7 +85,7 @@ def feed(sinks: ResultSinks, camera: str, xs: list[float], model: str = "det", s
     frames = []
     for i, x in enumerate(xs, start):
         frame = Frame(IMAGE, i, i / 10, camera)
-        sinks(frame, person(x), runtime(model))  # type: ignore[arg-type]
+        sinks(frame, person(x), runtime(model))
         frames.append(frame)
     return frames
 
@@ -97,7 +97,7 @@ def test_off_by_default_nothing_runs_and_nothing_is_registered(tmp_path: Path) -
     before = set(threading.enumerate())
     host = IDLE.start(cfg, None, events, sinks)
     assert host is IDLE and not host.active and sinks.names == [] and set(threading.enumerate()) == before
-    assert Reporting.tracking is IDLE  # what an agent holds before its start
+    assert Agent(cfg).tracking is IDLE  # what an agent holds before its start
     assert host.status() is None and host.telemetry() is None and events.seen == []
     host.camera_restarted("cam0")
     host.stop()
@@ -158,7 +158,7 @@ def dispatcher_for(host: TrackingHost, store: StateStore, events: Events, path: 
     """The real command table and controller over a stand-in for the agent: only what set_zones and its
     persistence read (tracking, store, emit, stop_event)."""
     agent = SimpleNamespace(tracking=host, store=store, emit=events, stop_event=threading.Event())
-    return CommandDispatcher(AgentController(agent), path)  # type: ignore[arg-type]
+    return CommandDispatcher(AgentController(agent), path)
 
 
 def command(dispatcher: CommandDispatcher, args: dict, id_: str) -> dict:
@@ -254,7 +254,10 @@ def test_prometheus_exposes_the_counts_per_zone_line_and_class(tmp_path: Path, s
     assert 'edge_agent_tracking_zone_objects{camera="cam0",class="person",count="entered",zone="hall"} 1.0' in text
     assert 'edge_agent_tracking_zone_objects{camera="cam0",class="person",count="inside",zone="hall"} 1.0' in text
     assert 'edge_agent_tracking_events{type="line_cross"} 1.0' in text
-    assert 'edge_agent_tracking_tracks{camera="cam0"} 1.0' in text and 'edge_agent_tracking_epoch{camera="cam0"} 1.0' in text
+    assert (
+        'edge_agent_tracking_tracks{camera="cam0"} 1.0' in text
+        and 'edge_agent_tracking_epoch{camera="cam0"} 1.0' in text
+    )
     assert 'edge_agent_tracking_events_lost{why="dropped"} 0.0' in text
     assert "edge_agent_tracking_line_crossings{" not in after and "edge_agent_tracking_events_lost{" not in after
 
@@ -271,7 +274,7 @@ def test_the_overlay_draws_zones_lines_ids_trails_and_counts(tmp_path: Path, sto
     gray = np.full((SIZE[1], SIZE[0], 3), 128, np.uint8)
     plain = render(gray, person(380))
     picture = render(gray, person(380), tracking=tracked)
-    near = lambda pixel, color: int(np.abs(pixel.astype(int) - np.array(color)).max()) <= 60  # noqa: E731
+    near = lambda pixel, color: int(np.abs(pixel.astype(int) - np.array(color)).max()) <= 60  # noqa: E731 - a one-line colour test for the asserts below
     assert near(picture[250, 620], ZONE_COLOR) and near(picture[460, 470], ZONE_COLOR)  # the zone's right, bottom edges
     assert near(picture[150, 300], LINE_COLOR) and near(picture[470, 300], LINE_COLOR)  # the line x=300
     assert not near(plain[250, 620], ZONE_COLOR) and not near(plain[150, 300], LINE_COLOR)

@@ -49,7 +49,7 @@ def test_parameters_merge_defaults_tracker_model_camera() -> None:
     assert config.tracked("cam0", "detector") and not config.tracked("cam0", "classifier")
     assert not config.tracked("cam1", "detector")
     with pytest.raises(ValueError, match="no camera named 'cam9'"):
-        TrackingConfig(cameras=[{"camera": "cam9"}]).check_cameras(["cam0"])  # type: ignore[list-item]
+        TrackingConfig(cameras=[{"camera": "cam9"}]).check_cameras(["cam0"])
     with pytest.raises(ValueError, match="tracking parameters of models.m and camera 'cam0'.*low_score"):
         TrackingConfig.model_validate({"models": {"m": {"low_score": 0.4}},
                                        "cameras": [{"camera": "cam0", "tracker": {"high_score": 0.3}}]})
@@ -67,7 +67,7 @@ def test_the_sink_tracks_per_camera_and_leaves_the_result_on_the_frame() -> None
         frames.append(f)
     tracked = tracked_of(frames[-1])
     assert tracked is not None and tracked.detection_ids == [1]
-    assert tracked_of(frames[1]).detection_ids == [None]  # type: ignore[union-attr]  # min_hits 3 on cam0
+    assert tracked_of(frames[1]).detection_ids == [None]  # min_hits 3 on cam0
     assert [(e.type, e.direction) for e in got] == [(LINE_CROSS, "out")]  # moving right across a line drawn down
     assert hub.counts()["cam0"]["lines"]["door"]["out"] == {"person": 1}
 
@@ -104,8 +104,8 @@ def test_ids_survive_a_model_swap_and_a_model_without_tracking_pauses_it() -> No
     for k in range(6, 9):
         f = frame("cam0", k)
         hub.on_result(f, result(100 + 5 * k), swapped)
-    assert tracked_of(f).detection_ids == [1]  # type: ignore[union-attr]
-    assert hub.camera("cam0").params.max_age == 40  # type: ignore[union-attr]
+    assert tracked_of(f).detection_ids == [1]
+    assert hub.camera("cam0").params.max_age == 40
 
 
 def test_a_camera_restart_resets_its_ids_and_says_so() -> None:
@@ -123,8 +123,8 @@ def test_a_camera_restart_resets_its_ids_and_says_so() -> None:
     again, other = frame("cam0", 11), frame("cam1", 11)
     hub.on_result(again, result(400), runtime("detector"))
     hub.on_result(other, result(100), runtime("detector"))
-    assert tracked_of(again).epoch == 2 and tracked_of(again).detection_ids == [1]  # type: ignore[union-attr]
-    assert tracked_of(other).epoch == 1 and tracked_of(other).detection_ids == [1]  # type: ignore[union-attr]
+    assert tracked_of(again).epoch == 2 and tracked_of(again).detection_ids == [1]
+    assert tracked_of(other).epoch == 1 and tracked_of(other).detection_ids == [1]
 
 
 def test_the_event_thread_emits_in_order_drops_the_oldest_and_survives_a_failing_emit() -> None:

@@ -17,7 +17,7 @@ import pytest
 from engines import cuda as cuda_mem
 from engines.backends.base import EngineOptions
 from engines.cuda import CudaError
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 from tests.fake_nvidia import FakeCudaMemory, api_versions, fake_tensorrt
 from tests.test_backend_contract import _plan, fake_backend  # noqa: F401  (the TrtEngine-on-stand-ins fixture)
 
@@ -25,7 +25,7 @@ BATCHED = EngineOptions(static_shapes={"x": (1, 3, 4, 4)}, max_batch=4)
 
 
 @pytest.fixture
-def backend(fake_backend):  # noqa: F811
+def backend(fake_backend):  # noqa: F811 - the pytest fixture imported above, used by name
     return fake_backend
 
 
@@ -94,7 +94,9 @@ def test_every_batch_size_has_its_own_context_and_graph_and_every_output_is_righ
 
 
 @pytest.mark.parametrize("cuda_graphs,supports", [(False, True), (True, False)])
-def test_without_graphs_one_context_serves_every_size(backend, tmp_path: Path, cuda_graphs: bool, supports: bool) -> None:
+def test_without_graphs_one_context_serves_every_size(
+    backend, tmp_path: Path, cuda_graphs: bool, supports: bool
+) -> None:
     cuda = FakeCudaMemory(supports_graphs=supports)
     engine = backend(cuda).TensorRTBackend(cuda_graphs=cuda_graphs).load(_plan(tmp_path), BATCHED)
     try:
@@ -113,7 +115,7 @@ class _FailingSecondCapture(FakeCudaMemory):
         super().__init__()
         self.captures = 0
 
-    def end_capture(self, stream):  # type: ignore[no-untyped-def]
+    def end_capture(self, stream):
         graph = super().end_capture(stream)
         self.captures += 1
         if self.captures > 1:
@@ -173,7 +175,7 @@ def test_a_capture_that_synchronizes_fails_cleanly_and_the_engine_runs_plain(bac
     cuda = FakeCudaMemory()
     real = fake._Context.execute_async_v3
 
-    def syncing(self, stream_handle):  # type: ignore[no-untyped-def]
+    def syncing(self, stream_handle):
         ok = real(self, stream_handle)
         cuda.synchronize(None)
         return ok
@@ -183,7 +185,9 @@ def test_a_capture_that_synchronizes_fails_cleanly_and_the_engine_runs_plain(bac
     try:
         for n in (1, 3, 1):
             np.testing.assert_array_equal(engine.infer({"x": _batch(n)})[0], 2 * _batch(n) + 1)
-        assert all(s.startswith("capture failed") and "cudaErrorStreamCapture" in s for s in engine.graph_statuses.values())
+        assert all(
+            s.startswith("capture failed") and "cudaErrorStreamCapture" in s for s in engine.graph_statuses.values()
+        )
         assert cuda.launches == 0
     finally:
         engine.close()

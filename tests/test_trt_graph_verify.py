@@ -26,7 +26,7 @@ CAPTURING = [v for v in api_versions() if v != "8.5.2"]  # 8.5 is never captured
 
 
 @pytest.fixture
-def backend(fake_backend):  # noqa: F811
+def backend(fake_backend):  # noqa: F811 - the pytest fixture imported above, used by name
     return fake_backend
 
 

@@ -28,7 +28,7 @@ NOTHING_LIVE = {"buffers": 0, "pinned": 0, "streams": 0, "events": 0, "graphs": 
 
 
 @pytest.fixture
-def backend(fake_backend):  # noqa: F811
+def backend(fake_backend):  # noqa: F811 - the pytest fixture imported above, used by name
     return fake_backend
 
 

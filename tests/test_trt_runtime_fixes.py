@@ -23,7 +23,7 @@ from engines.backends.base import EngineOptions
 from engines.backends.tensorrt_compat import numpy_dtype, shared_logger
 from engines.build.spec import EngineBuildError, EngineBuildSpec
 from engines.cuda import CudaError
-from engines.errors import ModelError
+from kernel.errors import ModelError
 from tests.fake_nvidia import (FakeCudaMemory, api_versions, fake_tensorrt, forget_tensorrt_backend,
                                import_tensorrt_backend, load_api)
 
@@ -165,7 +165,9 @@ def test_pycuda_never_claims_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> Non
 
     driver.Error, driver.Stream = Error, Stream
     driver.init = lambda: None
-    driver.Device = lambda n: types.SimpleNamespace(retain_primary_context=lambda: types.SimpleNamespace(detach=lambda: None))
+    driver.Device = lambda n: types.SimpleNamespace(
+        retain_primary_context=lambda: types.SimpleNamespace(detach=lambda: None)
+    )
     package = types.ModuleType("pycuda")
     package.driver = driver
     monkeypatch.setitem(sys.modules, "pycuda", package)

@@ -12,8 +12,8 @@ import pytest
 from agent.deployments.config import DeploymentConfig
 from agent.deployments.floors import FpsFloor, capacity_fps, fair_shares, fps_floors, refuse_unmeetable
 from agent.deployments.watch import judge, judge_cameras, latency_statistic, watch_model
-from agent.pipeline.frame_stats import CameraStats, FrameStats, FrameTiming
-from engines.errors import EdgeError
+from agent.pipeline.frame_stats import FrameStats, FrameTiming
+from kernel.errors import EdgeError
 from engines.build.validate import ValidationResult
 
 
@@ -150,14 +150,13 @@ def test_an_absolute_floor_the_model_or_camera_cannot_reach_is_refused_before_ac
 # --- judge_cameras -----------------------------------------------------------------------------------
 
 class Windows:
-    """What judge_cameras reads from the worker: each camera's window and the model's."""
+    """What judge_cameras reads from the worker (agent.deployments.watch.WatchedWorker): each camera's window and
+    the model's."""
 
     def __init__(self, model_age_s: float = 10.0, **windows: FrameStats) -> None:
-        self.camera_windows = CameraStats()
+        self.camera_windows: dict[str, FrameStats] = dict(windows)
         self.window = FrameStats()
         self.window.open(time.monotonic() - model_age_s)
-        for name, window in windows.items():
-            self.camera_windows._by_name[name] = window
 
 
 class Cameras:
@@ -307,7 +306,7 @@ def test_the_watch_rolls_back_a_collapsed_camera_once_its_window_is_judged() -> 
 def segmented(ids: np.ndarray):
     """What the segmentation postprocessor makes of a class-id map (the background, class 0, not reported)."""
     from engines.postprocess import PostprocessContext, build_postprocessor
-    from engines.preprocess import FrameTransform
+    from engines.model.preprocess import FrameTransform
 
     h, w = ids.shape
     post = build_postprocessor("segmentation", {}, PostprocessContext([], ["background", "road", "car"], (w, h)))

@@ -34,7 +34,7 @@ from agent.deployments.config import DeploymentConfig
 from agent.deployments.manager import DeploymentManager
 from agent.deployments.store import Deployment, DeploymentStore
 from agent.deployments.watch import WatchWindow, watch_model
-from agent.state import StateStore
+from agent.storage.state import StateStore
 from tests.deploy_fixtures import make_artifact, make_key
 from tests.helpers import wait_for
 from tests.slow_model import dark_frames, slow_on_dark_onnx, steps_for_ms
@@ -222,7 +222,7 @@ def watched_row(state: StateStore, record: dict[str, Any] | None, sha: str = "a"
 def manager(state: StateStore, host: Host, tmp_path: Path, stop: threading.Event | None = None,
             **config: Any) -> tuple[DeploymentManager, list[tuple[str, dict]]]:
     events: list[tuple[str, dict]] = []
-    made = DeploymentManager(DeploymentStore(state), host, tmp_path / "deployed",  # type: ignore[arg-type]
+    made = DeploymentManager(DeploymentStore(state), host, tmp_path / "deployed",
                              ArtifactsConfig(), DeploymentConfig(**config),
                              lambda kind, **fields: events.append((kind, fields)), stop or threading.Event())
     return made, events

@@ -4,7 +4,7 @@ reference the wire text names.
 Real cases end to end: a real `edge-agent run` on a real broker deploys a signed model that ONNX Runtime refuses
 to run (ENGINE_BUILD_FAILED, whose text holds ORT's exception and the build log's path) and gets a malformed JSON
 command (whose reply quoted Python's JSON decoder). The payloads are scanned by rules of this file, not by the
-product's own detector (agent.wire_errors), so the test does not grade itself.
+product's own detector (agent.base.wire_errors), so the test does not grade itself.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from agent.control.commands import CommandDispatcher
-from agent.wire_errors import safe_text, wire_safe
+from agent.base.wire_errors import safe_text, wire_safe
 from tests.deploy_fixtures import make_artifact, make_key
 from tests.fixtures_mqtt import FakeControl
 from tests.http_server import ArtifactServer
@@ -77,9 +77,9 @@ def out_of_range_model(path: Path) -> Path:
 @pytest.fixture(autouse=True)
 def fresh_refs(monkeypatch: pytest.MonkeyPatch) -> None:
     """A text is logged once per process; each test here starts with none logged, so caplog sees its line."""
-    import agent.wire_errors
+    import agent.base.wire_errors
 
-    monkeypatch.setattr(agent.wire_errors, "_REFS", agent.wire_errors._Refs())
+    monkeypatch.setattr(agent.base.wire_errors, "_REFS", agent.base.wire_errors._Refs())
 
 
 ORT_TEXT = ("demo-det@2.0.0 (onnxruntime, fp32): InferenceError: engine.onnx: [ONNXRuntimeError] : 2 : "
@@ -97,7 +97,7 @@ ORT_TEXT = ("demo-det@2.0.0 (onnxruntime, fp32): InferenceError: engine.onnx: [O
 ])
 def test_a_text_with_a_path_or_an_exception_keeps_its_head_and_a_ref(text: str, head: str,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="agent.wire_errors"):
+    with caplog.at_level(logging.WARNING, logger="agent.base.wire_errors"):
         wire = safe_text(text, "test")
     assert not leaks(wire) and wire.startswith(head), wire
     ref = REF.search(wire)
@@ -116,7 +116,7 @@ def test_a_plain_text_goes_out_as_it_is(text: str) -> None:
 
 def test_the_same_text_gets_the_same_ref_and_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
     text = f"cannot read /var/lib/edge-agent/{uuid.uuid4().hex}/state.db"
-    with caplog.at_level(logging.WARNING, logger="agent.wire_errors"):
+    with caplog.at_level(logging.WARNING, logger="agent.base.wire_errors"):
         first, second = safe_text(text), safe_text(text)
     assert first == second and sum(text in r.getMessage() for r in caplog.records) == 1
 
@@ -133,7 +133,7 @@ class LeakyControl(FakeControl):
     """A daemon whose handlers fail the way real ones did: an EdgeError quoting a library, a result with a path."""
 
     def rollback(self) -> dict:
-        from engines.errors import EdgeError
+        from kernel.errors import EdgeError
         raise EdgeError("rollback failed: OperationalError: unable to open database file "
                         "/var/lib/edge-agent/state.db", code="ROLLBACK_FAILED")
 

@@ -17,12 +17,12 @@ import onnxruntime as ort
 import pytest
 
 from deploy.package import PackageOptions, package
-from engines.errors import EdgeError
-from engines.model import load_bare_onnx, load_model
+from kernel.errors import EdgeError
+from engines.model.source import load_bare_onnx, load_model
 from engines.postprocess.yolo import decode_yolox, yolox_grid
 from engines.build.provisioning import provision
-from engines.runtime import load_runtime
-from engines.metrics import box_iou
+from engines.runtime.model_runtime import load_runtime
+from engines.evaluation.metrics import box_iou
 from tests.real_models import DDDDOCR, wheel_member, wheel_python
 
 SIZE = 416
@@ -45,8 +45,16 @@ def captcha(seed: int, count: int = 5) -> tuple[np.ndarray, list[tuple[int, int,
         box = (x, y - th, x + tw, y + base)
         if any(not (box[2] < o[0] - 8 or box[0] > o[2] + 8 or box[3] < o[1] - 8 or box[1] > o[3] + 8) for o in boxes):
             continue
-        cv2.putText(frame, char, (x, y), cv2.FONT_HERSHEY_SIMPLEX, scale, tuple(int(v) for v in rng.integers(0, 120, 3)),
-                    thick, cv2.LINE_AA)
+        cv2.putText(
+            frame,
+            char,
+            (x, y),
+            cv2.FONT_HERSHEY_SIMPLEX,
+            scale,
+            tuple(int(v) for v in rng.integers(0, 120, 3)),
+            thick,
+            cv2.LINE_AA,
+        )
         boxes.append(box)
     return frame, boxes
 
@@ -85,8 +93,10 @@ def test_the_yolox_grid_matches_the_head(detector: Path) -> None:
 
 
 def test_our_decode_finds_the_boxes_ddddocr_finds_and_they_are_characters(detector: Path, reference_bbox) -> None:
-    runtime = load_runtime(load_bare_onnx(detector, {"preprocess": PREPROCESS,
-                                                    "postprocess": {"kind": "yolo", "params": _params()}}), "onnxruntime")
+    runtime = load_runtime(
+        load_bare_onnx(detector, {"preprocess": PREPROCESS, "postprocess": {"kind": "yolo", "params": _params()}}),
+        "onnxruntime",
+    )
     found = on_characters = 0
     try:
         for seed in range(6):
@@ -117,9 +127,9 @@ def _artifact(tmp: Path, detector: Path, precision: str, validation: list[np.nda
         for i in range(8):
             cv2.imwrite(str(calibration / f"c{i}.png"), captcha(100 + i)[0])
     out = tmp / name
-    package(PackageOptions(model=detector, name="ddddocr-det", version="1.6.1", out=out, unsigned=True, precision=precision,
-                           calibration=calibration, validation=frames, preprocess=dict(PREPROCESS), postprocess="yolo",
-                           params=list(PARAMS)))
+    package(PackageOptions(model=detector, name="ddddocr-det", version="1.6.1", out=out, unsigned=True,
+                           precision=precision, calibration=calibration, validation=frames,
+                           preprocess=dict(PREPROCESS), postprocess="yolo", params=list(PARAMS)))
     return out
 
 

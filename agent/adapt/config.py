@@ -30,25 +30,51 @@ class AdaptConfig(BaseModel):
     enabled: bool = Field(True, description="Run the policy when the manifest declares variants (off otherwise).")
     interval_s: float = Field(1.0, gt=0, le=60, description="Seconds between policy samples.")
     window_s: float = Field(3.0, gt=0, le=600, description="Sliding window of the glass-to-result p99.")
-    latency_budget_ms: Optional[float] = Field(None, gt=0, le=MAX_LATENCY_BUDGET_MS,
-                                               description="p99 budget, up to 60000 ms; default: the manifest's gates.latency_budget_ms.")
-    temp_limit_c: Optional[float] = Field(None, gt=0, le=150, description="Step down at or above this SoC/GPU temperature.")
-    temp_zones: list[str] = Field(default_factory=list, description="Zones watched (telemetry temp_c names); empty: all.")
+    latency_budget_ms: Optional[float] = Field(
+        None,
+        gt=0,
+        le=MAX_LATENCY_BUDGET_MS,
+        description="p99 budget, up to 60000 ms; default: the manifest's gates.latency_budget_ms.",
+    )
+    temp_limit_c: Optional[float] = Field(
+        None, gt=0, le=150, description="Step down at or above this SoC/GPU temperature."
+    )
+    temp_zones: list[str] = Field(
+        default_factory=list, description="Zones watched (telemetry temp_c names); empty: all."
+    )
     temp_hysteresis_c: float = Field(5.0, ge=0, le=50, description="Step up only below temp_limit_c minus this.")
     step_down_on_throttle: bool = Field(True, description="A throttled device (telemetry `throttled`) is over a limit.")
-    power_budget_w: Optional[float] = Field(None, gt=0, le=MAX_POWER_BUDGET_W,
-                                            description="Power budget, up to 2000 W: telemetry power_mw.total, else the sum of its rails.")
-    up_margin: float = Field(0.7, gt=0, le=1, description="Step up only with p99 and power under this share of their budgets.")
+    power_budget_w: Optional[float] = Field(
+        None,
+        gt=0,
+        le=MAX_POWER_BUDGET_W,
+        description="Power budget, up to 2000 W: telemetry power_mw.total, else the sum of its rails.",
+    )
+    up_margin: float = Field(
+        0.7, gt=0, le=1, description="Step up only with p99 and power under this share of their budgets."
+    )
     down_after_s: float = Field(3.0, ge=0, le=3600, description="A limit exceeded this long steps down one variant.")
-    up_after_s: float = Field(10.0, ge=0, le=3600, description="Everything under up_margin this long steps up one variant.")
+    up_after_s: float = Field(
+        10.0, ge=0, le=3600, description="Everything under up_margin this long steps up one variant."
+    )
     max_switches_per_min: int = Field(4, ge=1, le=60, description="Most switches in any 60 s.")
-    cooldown_s: float = Field(60.0, ge=0, le=86400, description="No step up into a variant that broke a limit this recently.")
-    dark_below: Optional[float] = Field(None, ge=0, le=255, description="Mean luminance (0-255) under which the scene is dark.")
-    dark_variant: Optional[str] = Field(None, max_length=64,
-                                        description="Variant used at most while dark (e.g. a lighter one at night); set_policy can clear it.")
+    cooldown_s: float = Field(
+        60.0, ge=0, le=86400, description="No step up into a variant that broke a limit this recently."
+    )
+    dark_below: Optional[float] = Field(
+        None, ge=0, le=255, description="Mean luminance (0-255) under which the scene is dark."
+    )
+    dark_variant: Optional[str] = Field(
+        None,
+        max_length=64,
+        description="Variant used at most while dark (e.g. a lighter one at night); set_policy can clear it.",
+    )
     pinned: Optional[str] = Field(None, description="Always run this variant (name); the policy only watches.")
-    predict_up: bool = Field(True, description="Before a step up, predict the next variant's p99 from the serving one's "
-                             "infer time and the two variants' measured costs; hold while it would not fit.")
+    predict_up: bool = Field(
+        True,
+        description="Before a step up, predict the next variant's p99 from the serving one's "
+        "infer time and the two variants' measured costs; hold while it would not fit.",
+    )
     predict_margin: float = Field(0.9, gt=0, le=1, description="Step up only when that predicted p99 is under this "
                                   "share of the latency budget.")
 

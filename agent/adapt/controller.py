@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from pydantic import ValidationError
@@ -21,10 +21,14 @@ from agent.adapt.config import AdaptConfig
 from agent.adapt.family import Load, Member, Provision, build_member, members, reference_frames, reference_runtime
 from agent.adapt.inputs import SlidingLatency, mean_luminance, policy_inputs
 from agent.adapt.policy import Decision, PolicyState, decide, initial_state
-from agent.wire_errors import describe_errors
-from agent.state import FAMILY_KEY
-from engines.errors import EdgeError
-from engines.model import ModelSource
+from agent.base.wire_errors import describe_errors
+from agent.storage.state import FAMILY_KEY, StateStore
+from kernel.errors import EdgeError
+from engines.model.source import ModelSource
+from engines.runtime.model_runtime import ModelRuntime
+
+if TYPE_CHECKING:  # the slots are the daemon's: a controller is handed the serving model, never imports the slots
+    from agent.serving.slots import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +40,11 @@ Sampler = Callable[[], dict[str, Any]]  # one telemetry sample (agent.telemetry 
 class AdaptController(threading.Thread):
     """One model family's controller; `stop_event` ends it, `close` releases the variants it loaded."""
 
-    def __init__(self, source: ModelSource, serving: Any, config: AdaptConfig, *, provision: Provision, load: Load,
-                 swap: Swap, sample: Sampler | None = None, emit: Callable[..., None] | None = None,
-                 store: Any = None, stop_event: threading.Event | None = None, validation_samples: int = 8,
-                 clock: Callable[[], float] = time.monotonic, resume_variant: str | None = None,
-                 hold: bool = False) -> None:
+    def __init__(self, source: ModelSource, serving: LoadedModel, config: AdaptConfig, *, provision: Provision,
+                 load: Load, swap: Swap, sample: Sampler | None = None, emit: Callable[..., None] | None = None,
+                 store: StateStore | None = None, stop_event: threading.Event | None = None,
+                 validation_samples: int = 8, clock: Callable[[], float] = time.monotonic,
+                 resume_variant: str | None = None, hold: bool = False) -> None:
         super().__init__(name="adapt", daemon=True)
         self.source, self.config = source, config
         self.members = members(source)
@@ -69,7 +73,7 @@ class AdaptController(threading.Thread):
     # --- the frame path's side (called from the inference worker: cheap, never blocks) ------------------
 
     def on_result(self, captured_at: float, image: np.ndarray | None, now: float | None = None,
-                  runtime: Any = None, infer_ms: float | None = None) -> None:
+                  runtime: ModelRuntime | None = None, infer_ms: float | None = None) -> None:
         """One frame done: its glass-to-result latency, the frame for the brightness rule, and a count for the
         variant whose `runtime` produced it (`active` changes only after the swap returns: frames served by
         the new variant before that would be credited to the old one)."""
@@ -82,7 +86,7 @@ class AdaptController(threading.Thread):
 
     # --- thread ----------------------------------------------------------------------------------------
 
-    def _variant_of(self, runtime: Any) -> str:
+    def _variant_of(self, runtime: ModelRuntime | None) -> str:
         for member in self.members:
             loaded = member.loaded
             if runtime is not None and loaded is not None and loaded.runtime is runtime:
@@ -228,7 +232,7 @@ class AdaptController(threading.Thread):
                 raise EdgeError(f"set_policy: {policy_error(exc)}", code="INVALID_POLICY") from exc
             self.config = updated
             if self._store is not None:
-                self._store.set_kv(POLICY_KEY, {**(self._store.get_kv(POLICY_KEY) or {}), **changes})
+                self._store.set_kv(POLICY_KEY, {**self._store.get_kv_object(POLICY_KEY), **changes})
         self._emit("adapt_policy", changes=changes)
         return {"applied": changes, "policy": self.policy_dict()}
 
@@ -265,7 +269,7 @@ class AdaptController(threading.Thread):
 
     # --- internals -------------------------------------------------------------------------------------
 
-    def _attach(self, serving: Any) -> Member:
+    def _attach(self, serving: LoadedModel) -> Member:
         """Find which variant the serving model is (by file, precision and input size)."""
         key = _variant_key(serving.source)
         match = next((m for m in self.members if _variant_key(m.source) == key), None)
@@ -278,7 +282,7 @@ class AdaptController(threading.Thread):
 
     def _restore_policy(self) -> None:
         """set_policy changes made before a restart stay in force."""
-        stored = self._store.get_kv(POLICY_KEY) if self._store is not None else None
+        stored = self._store.get_kv_object(POLICY_KEY) if self._store is not None else None
         if not stored:
             return
         try:

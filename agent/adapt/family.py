@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import cv2
 import numpy as np
 
-from engines.errors import EdgeError
-from engines.manifest import Variant
-from engines.model import ModelSource
-from engines.runtime import ModelRuntime, load_runtime
+from kernel.errors import EdgeError
+from engines.model.manifest import Variant
+from engines.model.source import ModelSource
+from engines.runtime.model_runtime import ModelRuntime, load_runtime
 from engines.build.validate import DEFAULT_MIN_ACCURACY
-from engines.frames import validation_frames
-from engines.metrics import METRICS, box_f1, cosine, text_mask_iou
+from engines.evaluation.frames import validation_frames
+from engines.evaluation.metrics import METRICS, box_f1, cosine, text_mask_iou
+
+if TYPE_CHECKING:
+    from engines.build.provisioning import ProvisionResult
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ class Member:
     metric: str | None = None
     min_accuracy: float | None = None
     latency_ms: dict[str, float] = field(default_factory=dict)
-    provisioned: Any = None
+    provisioned: ProvisionResult | None = None
     loaded: Any = None
 
     @property
@@ -56,7 +59,7 @@ class Member:
     def precision(self) -> str:
         """The engine's precision: a variant at `auto` is the one its search chose (engines.build.precision_search)
         once provisioned; before that the declared one."""
-        chosen = getattr(self.provisioned, "precision", None)
+        chosen = self.provisioned.precision if self.provisioned is not None else None
         return str(chosen) if chosen else self.source.manifest.build.precision
 
     def to_dict(self) -> dict[str, Any]:

@@ -178,7 +178,9 @@ def decide(config: PolicyConfig, state: PolicyState, inputs: Inputs, now: float)
     return replace(state, over_since=None, under_since=None), None  # between the bands: hold
 
 
-def _pinned(config: PolicyConfig, state: PolicyState, inputs: Inputs, now: float) -> tuple[PolicyState, Decision | None]:
+def _pinned(
+    config: PolicyConfig, state: PolicyState, inputs: Inputs, now: float
+) -> tuple[PolicyState, Decision | None]:
     """A pin wins over every rule and over the rate limit (an operator asked for it)."""
     target = min(max(config.pinned or 0, 0), state.count - 1)
     if target == state.variant:

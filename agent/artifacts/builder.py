@@ -11,9 +11,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.artifacts.keys import sign_bytes
 from agent.artifacts.layout import SIG_NAME, check_artifact_name
-from engines.errors import EdgeError
-from engines.fsutil import atomic_copy, atomic_write_bytes, fsync_dir
-from engines.manifest import MANIFEST_NAME, Manifest, ModelFile, parse_manifest, sha256_file
+from kernel.errors import EdgeError
+from kernel.fsutil import atomic_copy, atomic_write_bytes, fsync_dir
+from engines.model.manifest import MANIFEST_NAME, Manifest, ModelFile, parse_manifest, sha256_file
 
 
 def build_artifact(

@@ -89,7 +89,9 @@ class ArtifactsConfig(BaseModel):
         for index, entry in enumerate(value):
             parts = urlsplit(entry.strip())
             if parts.scheme not in ("https", "http") or not parts.hostname:
-                raise ValueError(f"allowed_urls[{index}] {entry!r}: must be an https:// (or http://) URL prefix with a host")
+                raise ValueError(
+                    f"allowed_urls[{index}] {entry!r}: must be an https:// (or http://) URL prefix with a host"
+                )
         return value
 
     @field_validator("trusted_keys")

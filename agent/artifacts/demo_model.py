@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from engines.errors import ModelError
-from engines.fsutil import atomic_copy, atomic_write_bytes
-from engines.manifest import MANIFEST_NAME, Gates, Manifest, ModelFile, PostprocessSpec, sha256_file
-from engines.preprocess import PreprocessSpec
+from kernel.errors import ModelError
+from kernel.fsutil import atomic_copy, atomic_write_bytes
+from engines.model.manifest import MANIFEST_NAME, Gates, Manifest, ModelFile, PostprocessSpec, sha256_file
+from engines.model.preprocess import PreprocessSpec
 
 DEMO_NAME = "demo-det"
 DEMO_VERSION = "1.0.0"

@@ -45,9 +45,9 @@ from agent.artifacts.trust import (
     verify_artifact,
 )
 from agent.artifacts.urlpolicy import LOCAL, Channel
-from engines.errors import EdgeError
-from engines.fsutil import atomic_write_bytes, fsync_dir
-from engines.manifest import MANIFEST_NAME, ArtifactHashError, Manifest, ModelFile, sha256_file
+from kernel.errors import EdgeError
+from kernel.fsutil import atomic_write_bytes, fsync_dir
+from engines.model.manifest import MANIFEST_NAME, ArtifactHashError, Manifest, ModelFile, sha256_file
 
 log = logging.getLogger(__name__)
 CHUNK = 64 * 1024

@@ -23,8 +23,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from engines.errors import EdgeError
-from engines.fsutil import atomic_write_bytes, fsync_dir
+from kernel.errors import EdgeError
+from kernel.fsutil import atomic_write_bytes, fsync_dir
 
 SIG_SUFFIX = ".sig"
 SIG_ALG = "ed25519"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
-from engines.manifest import MANIFEST_NAME, ArtifactPathError, safe_relative_path
+from engines.model.manifest import MANIFEST_NAME, ArtifactPathError, safe_relative_path
 
 SIG_NAME = MANIFEST_NAME + ".sig"
 MAX_MANIFEST_BYTES = 1 << 20

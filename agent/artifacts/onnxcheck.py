@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
-from engines.errors import EdgeError
-from engines.manifest import ArtifactPathError
-from engines.onnx_inputs import quantization_ops
+from kernel.errors import EdgeError
+from engines.model.manifest import ArtifactPathError
+from engines.model.onnx_inputs import quantization_ops
+
+if TYPE_CHECKING:
+    import onnx
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +22,7 @@ class ModelLoadError(EdgeError):
     code = "MODEL_LOAD_FAILED"
 
 
-def load_proto(path: Path) -> Any:
+def load_proto(path: Path) -> onnx.ModelProto:
     """Parse the ONNX protobuf without its external data (to list it, not to run it)."""
     import onnx
 
@@ -30,12 +33,12 @@ def load_proto(path: Path) -> Any:
         raise ModelLoadError(f"{path.name}: not an ONNX model (its protobuf does not parse)") from exc
 
 
-def _sparse(sparse: Any) -> Iterator[Any]:
+def _sparse(sparse: onnx.SparseTensorProto) -> Iterator[onnx.TensorProto]:
     yield sparse.values
     yield sparse.indices
 
 
-def _attribute_tensors(attributes: Iterable[Any]) -> Iterator[Any]:
+def _attribute_tensors(attributes: Iterable[onnx.AttributeProto]) -> Iterator[onnx.TensorProto]:
     """Every tensor in attributes: t, tensors, sparse_tensor(s), and inside subgraphs."""
     for attr in attributes:
         if attr.HasField("t"):
@@ -51,20 +54,20 @@ def _attribute_tensors(attributes: Iterable[Any]) -> Iterator[Any]:
             yield from _graph_tensors(sub)
 
 
-def _node_tensors(nodes: Iterable[Any]) -> Iterator[Any]:
+def _node_tensors(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.TensorProto]:
     """Every tensor in the nodes' attributes, subgraphs included."""
     for node in nodes:
         yield from _attribute_tensors(node.attribute)
 
 
-def _graph_tensors(graph: Any) -> Iterator[Any]:
+def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     yield from graph.initializer
     for sparse in graph.sparse_initializer:
         yield from _sparse(sparse)
     yield from _node_tensors(graph.node)
 
 
-def _model_tensors(proto: Any) -> Iterator[Any]:
+def _model_tensors(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
     """The main graph and every model-local function (nodes and attribute defaults): ONNX Runtime loads
     external data from all of them."""
     yield from _graph_tensors(proto.graph)
@@ -74,7 +77,7 @@ def _model_tensors(proto: Any) -> Iterator[Any]:
         yield from _attribute_tensors(function.attribute_proto)
 
 
-def external_data_locations(proto: Any) -> set[str]:
+def external_data_locations(proto: onnx.ModelProto) -> set[str]:
     """Files an ONNX model reads its weights from (relative to the model's directory)."""
     from onnx import TensorProto
 
@@ -85,13 +88,13 @@ def external_data_locations(proto: Any) -> set[str]:
     return found
 
 
-def quantized(proto: Any) -> bool:
+def quantized(proto: onnx.ModelProto) -> bool:
     """True for an already quantized model (Q/DQ, QLinear*, *Integer ops): an int8 model as it is, which
-    needs no calibration images (engines.onnx_inputs)."""
+    needs no calibration images (engines.model.onnx_inputs)."""
     return bool(quantization_ops(proto))
 
 
-def check_external_data(model_file: str, proto: Any, listed: Iterable[str]) -> None:
+def check_external_data(model_file: str, proto: onnx.ModelProto, listed: Iterable[str]) -> None:
     """External weights must be files the manifest lists (and so hashes), never paths outside the artifact."""
     parent = PurePosixPath(model_file).parent
     allowed = set(listed)

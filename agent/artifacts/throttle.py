@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Callable
 
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 log = logging.getLogger(__name__)
 ProgressCallback = Callable[[dict], None]
@@ -59,7 +59,7 @@ class Progress:
         event = {
             "stage": "fetching", "file": name, "bytes": have, "total": size, "rate_bps": round(self.rate_bps),
             "artifact_bytes": self.done_before + have, "artifact_total": self.total,
-        }  # fmt: skip
+        }
         if final:
             self.done_before += size
         if self.callback is not None:

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.urlpolicy import LOCAL, REMOTE, Channel, check_url
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 USER_AGENT = "edge-agent-fetch/1"
 SCHEMES = ("http", "https", "file")
@@ -139,12 +139,12 @@ class _ReadTimeout:
         self._create_connection = self._registered_connection  # http.client's hook that makes the socket
 
     def _registered_connection(self, *args: object, **kwargs: object) -> socket.socket:
-        sock = socket.create_connection(*args, **kwargs)  # type: ignore[arg-type]
+        sock = socket.create_connection(*args, **kwargs)  # type: ignore[arg-type]  # http.client passes its own (address, timeout, source_address)
         self._sockets.add(sock)
         return sock
 
     def _open(self) -> None:
-        super().connect()  # type: ignore[misc]
+        super().connect()  # type: ignore[misc]  # a mixin: super() is the http.client connection it is mixed into
 
     def connect(self) -> None:
         self._open()
@@ -162,8 +162,8 @@ class _TimedHTTPSConnection(_ReadTimeout, http.client.HTTPSConnection):
         # HTTPSConnection.connect wraps and handshakes in one call, and the wrap detaches the TCP socket
         # object: wrap first, register the TLS socket, then handshake (within the connect timeout).
         http.client.HTTPConnection.connect(self)
-        hostname = self._tunnel_host or self.host  # type: ignore[attr-defined]
-        tls = self._context.wrap_socket(self.sock, server_hostname=hostname,  # type: ignore[attr-defined]
+        hostname = self._tunnel_host or self.host  # type: ignore[attr-defined]  # http.client's own private field, not in typeshed
+        tls = self._context.wrap_socket(self.sock, server_hostname=hostname,  # type: ignore[attr-defined]  # HTTPSConnection's private field
                                         do_handshake_on_connect=False)
         self.sock = tls
         self._sockets.add(tls)

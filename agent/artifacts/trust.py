@@ -30,10 +30,10 @@ from agent.artifacts.keys import (
 )
 from agent.artifacts.layout import MAX_MANIFEST_BYTES, SIG_NAME, check_artifact_name, listed_names
 from agent.artifacts.onnxcheck import check_loads
-from engines.errors import EdgeError, ModelError
-from engines.fsutil import atomic_write_bytes
-from engines.manifest import MANIFEST_NAME, ArtifactPathError, Manifest, ModelFile, check_file, parse_manifest
-from engines.model import ModelSource
+from kernel.errors import EdgeError, ModelError
+from kernel.fsutil import atomic_write_bytes
+from engines.model.manifest import MANIFEST_NAME, ArtifactPathError, Manifest, ModelFile, check_file, parse_manifest
+from engines.model.source import ModelSource
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20

@@ -12,7 +12,7 @@ from typing import Literal
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from agent.artifacts.config import ArtifactsConfig
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 Channel = Literal["local", "mqtt"]
 LOCAL: Channel = "local"
@@ -30,7 +30,7 @@ def check_url(url: str, config: ArtifactsConfig, channel: Channel) -> None:
     """Raise UrlRefused unless `url` may be fetched for a request that arrived on `channel`."""
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018  (raises ValueError for a malformed port)
+        parts.port  # raises ValueError for a malformed port
     except ValueError as exc:
         raise UrlRefused(f"{url[:200]!r}: not a valid URL ({exc})") from exc
     scheme = parts.scheme.lower()

@@ -1,4 +1,4 @@
-"""Rendering of `edge-agent bench` results (the measuring lives in engines.bench)."""
+"""Rendering of `edge-agent bench` results (the measuring lives in engines.tools.bench)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from engines.bench import run_bench
+from engines.tools.bench import run_bench
 
 __all__ = ["render_bench", "run_bench"]
 

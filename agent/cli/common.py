@@ -22,7 +22,7 @@ log = logging.getLogger("agent")
 
 def setup_logging(level: str) -> None:
     """Journald severity prefixes under systemd, timestamped lines otherwise."""
-    from agent.sdnotify import configure_logging
+    from agent.base.sdnotify import configure_logging
 
     configure_logging(level)
 
@@ -35,8 +35,8 @@ def _camera_kinds() -> set[str]:
 
 def load_config_or_exit(path: Optional[Path]) -> Any:
     """Load the config; print every problem with its field path and line, exit 2 when invalid."""
-    from agent.config import load_config, read_toml, tomllib
-    from agent.config_errors import explain
+    from agent.config.tree import load_config, read_toml, tomllib
+    from agent.config.errors import explain
 
     text = None
     try:

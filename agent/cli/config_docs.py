@@ -10,8 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from agent.config import AgentConfig
-from engines.field_docs import field_default as _default, type_name as _type_name
+from agent.config.tree import AgentConfig
+from engines.tools.field_docs import field_default as _default, type_name as _type_name
 from agent.sources import SOURCES
 
 HEADER = """# Configuration reference
@@ -47,7 +47,9 @@ def section(model: type[BaseModel], prefix: str, env_prefix: str) -> list[str]:
         lines.append(f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | {env} | {desc} |")
     out = lines
     for title, sub, env in subsections:
-        out += ["", f"## [{title}]", "", (sub.__doc__ or "").strip().splitlines()[0], ""] + section(sub, f"{title}.", env)
+        out += ["", f"## [{title}]", "", (sub.__doc__ or "").strip().splitlines()[0], ""] + section(
+            sub, f"{title}.", env
+        )
     return out
 
 
@@ -63,7 +65,15 @@ mailbox; the batcher (`[batch]`) takes the newest frame of each ready camera int
 
 def camera_sections() -> list[str]:
     """One table per camera kind (the `[camera]` table is a union selected by `kind`)."""
-    out = ["", "## [camera] and [[cameras]]", "", CAMERAS_TEXT, "", "`kind` selects the source; each kind has its own keys.", ""]
+    out = [
+        "",
+        "## [camera] and [[cameras]]",
+        "",
+        CAMERAS_TEXT,
+        "",
+        "`kind` selects the source; each kind has its own keys.",
+        "",
+    ]
     for name in SOURCES.names():
         model = SOURCES.get(name).Config
         out += [f"### kind = \"{name}\"", "", (model.__doc__ or "").strip().splitlines()[0], ""]

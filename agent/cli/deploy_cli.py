@@ -8,9 +8,9 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape  # messages hold `[section]` names, not markup
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.control.control_socket import send_command
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 POLL_S = 0.5
 DONE_OK = {"active"}
@@ -106,7 +106,9 @@ def run_decision(config: AgentConfig, outcome: str, deployment_id: str | None, w
               f"(agreement {result['agreement']})", highlight=False)
     if not wait:
         return 0
-    return follow(config, result["deployment_id"], DONE_OK if outcome == "promote" else {"cancelled"}, timeout, out, err)
+    return follow(
+        config, result["deployment_id"], DONE_OK if outcome == "promote" else {"cancelled"}, timeout, out, err
+    )
 
 
 def run_rollback(config: AgentConfig, out: Console, err: Console) -> int:

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 engines_app = typer.Typer(no_args_is_help=True, help="Device-specific engines: build, cache, validate.")
 out = Console()
@@ -33,7 +33,7 @@ _CONFIG = typer.Option(None, "--config", "-c", help="TOML config file (for cache
 def _paths(config: Optional[Path]) -> tuple[Path, Path]:
     """(cache_dir, state database) from the agent config."""
     from agent.cli.common import load_config_or_exit
-    from agent.state import state_db_path
+    from agent.storage.state import state_db_path
 
     cfg = load_config_or_exit(config)
     return Path(cfg.cache_dir), state_db_path(cfg.state_dir)
@@ -65,7 +65,7 @@ def fingerprint(
     root: Path = typer.Option(Path("/"), "--root", help="Read device files under this root (tests, recorded boards)."),
 ) -> None:
     """What makes an engine non-portable on this device (TensorRT/CUDA/L4T, ORT/CPU ISA)."""
-    from engines.fingerprint import read_fingerprint
+    from engines.device.fingerprint import read_fingerprint
 
     fp = read_fingerprint(root)
     data = {**fp.to_dict(), "digest": fp.digest()}
@@ -84,8 +84,9 @@ def doctor(
     root: Path = typer.Option(Path("/"), "--root", help="Read device files under this root (tests, recorded boards)."),
     config: Optional[Path] = _CONFIG,
 ) -> None:
-    """Can the TensorRT path really run here? Each check: ok/fail, what was found, the exact fix. Exit 0 usable, 1 not."""
-    from engines.doctor import pid_note, run_doctor
+    """Can the TensorRT path really run here? Each check: ok/fail, what was found, the exact fix. \
+Exit 0 usable, 1 not."""
+    from engines.tools.doctor import pid_note, run_doctor
 
     cache_dir, _ = _paths(config)
     report = run_doctor(root, cache_dir)
@@ -114,8 +115,10 @@ def build(
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | fp16 | int8 | auto (the fastest "
                                             "that passes its gates, never slower than fp32; default: the manifest's)."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Directory of calibration images (int8)."),
-    validation: Optional[Path] = typer.Option(None, "--validation", help="Directory of held-out frames the gates judge "
-                                              "on (instead of the artifact's; a bare .onnx needs it or --no-validate)."),
+    validation: Optional[Path] = typer.Option(
+        None, "--validation",
+        help="Directory of held-out frames the gates judge on (instead of the artifact's; a bare .onnx needs it or "
+        "--no-validate)."),
     backend: str = typer.Option("auto", "--backend", help="auto | onnxruntime | tensorrt"),
     timeout: float = typer.Option(1800.0, "--timeout", min=1, help="Seconds before the build is stopped."),
     workspace_mb: Optional[int] = typer.Option(None, "--workspace-mb", min=1, help="TensorRT workspace limit."),
@@ -130,7 +133,7 @@ def build(
     config: Optional[Path] = _CONFIG,
 ) -> None:
     """Build (or find in the cache) this device's engine for a model, then validate it."""
-    from engines.model import load_model
+    from engines.model.source import load_model
     from engines.build.provisioning import provision
 
     from engines.build.spec import parse_device
@@ -146,9 +149,10 @@ def build(
     cache_dir, db_path = _paths(config)
     try:
         result = provision(load_model(model), backend=backend, precision=precision, cache_dir=cache_dir,
-                           db_path=db_path, calibration_dir=calibration, validation_dir=validation, on_progress=_progress_printer(as_json),
-                           timeout_s=timeout, validate=not no_validate, workspace_mb=workspace_mb, revalidate=revalidate,
-                           device=device, fallback_rounds=fallback_rounds)
+                           db_path=db_path, calibration_dir=calibration, validation_dir=validation,
+                           on_progress=_progress_printer(as_json), timeout_s=timeout, validate=not no_validate,
+                           workspace_mb=workspace_mb, revalidate=revalidate, device=device,
+                           fallback_rounds=fallback_rounds)
     except EdgeError as exc:
         err.print(f"[red]engine build failed ({exc.code}):[/] {escape(str(exc))}", highlight=False)
         raise typer.Exit(EXIT_FAILED) from exc
@@ -167,11 +171,15 @@ def _progress_printer(quiet: bool) -> Any:
             phase = f" {event['phase']} {event.get('step', '')}/{event.get('steps', '')}" if "phase" in event else ""
             err.print(f"  [{event.get('elapsed_s', 0):7.1f}s] {event.get('stage')}{phase}", highlight=False)
         elif kind in ("engine.cache.hit", "engine.cache.miss", "engine.quarantined", "engine.validation.started"):
-            err.print(f"  {kind.split('.', 1)[1]}: {event.get('key', '')[:16]} {event.get('reason', '')}", highlight=False)
+            err.print(
+                f"  {kind.split('.', 1)[1]}: {event.get('key', '')[:16]} {event.get('reason', '')}", highlight=False
+            )
         elif kind == "engine.int8_fallback":
-            err.print(f"  int8 fallback {event['round']}/{event['rounds']}: {event['metric']} {event['accuracy']:.3f} < "
-                      f"{event['min_accuracy']}, rebuilding with the {event['keep_float']} most sensitive tensors in float",
-                      highlight=False)
+            err.print(
+                f"  int8 fallback {event['round']}/{event['rounds']}: {event['metric']} {event['accuracy']:.3f} < "
+                f"{event['min_accuracy']}, rebuilding with the {event['keep_float']} most sensitive tensors in float",
+                highlight=False,
+            )
 
     return None if quiet else show
 

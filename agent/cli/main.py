@@ -13,12 +13,14 @@ from rich.markup import escape  # messages hold `[section]` names, not markup
 from agent.cli.common import EXIT_FAILED, EXIT_USAGE, err, load_config_or_exit, log, out, setup_logging
 from agent.cli.engines_cli import engines_app
 from agent.video.summary import video_rows
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 if TYPE_CHECKING:
     from agent.daemon.runner import Agent  # the composition root this module is part of
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Jetson Edge Agent: the on-device daemon and its tools.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Jetson Edge Agent: the on-device daemon and its tools."
+)
 config_app = typer.Typer(no_args_is_help=True, help="Validate configuration files.")
 app.add_typer(config_app, name="config")
 app.add_typer(engines_app, name="engines", help="Build, list and collect device-specific engines.")
@@ -28,12 +30,14 @@ app.add_typer(engines_app, name="engines", help="Build, list and collect device-
 def config_check(path: Path = typer.Argument(..., help="TOML config file to validate.")) -> None:
     """Validate a config file: exit 0 when valid, 2 with every problem listed when not."""
     config = load_config_or_exit(path)
-    out.print(f"{path}: OK (device_id={config.device_id}, cameras={','.join(c.name + ':' + c.kind for c in config.camera_list())}, model={config.model.path or 'demo'})")
+    cameras = ",".join(c.name + ":" + c.kind for c in config.camera_list())
+    out.print(f"{path}: OK (device_id={config.device_id}, cameras={cameras}, model={config.model.path or 'demo'})")
 
 
 @app.command()
 def run(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (default: embedded defaults)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c",
+                                          help="TOML config file (default: embedded defaults)."),
     duration: Optional[float] = typer.Option(None, "--duration", min=0.1, help="Stop cleanly after this many seconds."),
     summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Write the run summary here at exit."),
     save_outputs: Optional[Path] = typer.Option(
@@ -60,8 +64,9 @@ def run(
         raise typer.Exit(EXIT_FAILED) from exc
     with LiveView(cfg.pipeline.report_interval_s, err) as view:
         def tick(running: Agent) -> None:
-            view.update(running.summary())
-            running.persist_live()
+            snap = running.live_snapshot()  # one read of the frame path per tick, for the view and the record
+            view.update(snap.summary())
+            running.persist_live(snap)
 
         agent.wait(duration, tick=tick)
     summary = agent.stop()
@@ -89,7 +94,10 @@ def _print_summary(summary: dict[str, Any], last_result: dict[str, Any] | None) 
     table = Table(title="run summary", show_header=False, title_justify="left")
     lat = summary.get("latency_ms", {})
     rows = [
-        ("model", "{name}@{version} ({backend}, {precision})".format(**summary["model"]) if summary.get("model") else "-"),
+        (
+            "model",
+            "{name}@{version} ({backend}, {precision})".format(**summary["model"]) if summary.get("model") else "-",
+        ),
         ("frames", f"{summary['frames']} in {summary['duration_s']} s ({summary['fps']} fps)"),
         ("dropped frames", str(summary["dropped_frames"])),
         ("latency ms", " ".join(f"{k} {v}" for k, v in lat.items()) or "-"),
@@ -125,11 +133,15 @@ def last_frame_text(result: dict[str, Any]) -> str:
     parts = []
     detections = result.get("detections") or []
     if detections or result.get("kind") in ("yolo", "db_text"):
-        shown = ", ".join(f"{d.get('label') or d.get('class_id', '')} {d['score']:.2f} {[round(v) for v in d['box']]}".strip()
-                          for d in detections[:6])
+        shown = ", ".join(
+            f"{d.get('label') or d.get('class_id', '')} {d['score']:.2f} {[round(v) for v in d['box']]}".strip()
+            for d in detections[:6]
+        )
         parts.append(f"{len(detections)} found" + (f": {shown}" if shown else ""))
     if result.get("classes"):
-        parts.append("top " + ", ".join(f"{c.get('label') or c['class_id']} {c['score']:.2f}" for c in result["classes"][:3]))
+        parts.append(
+            "top " + ", ".join(f"{c.get('label') or c['class_id']} {c['score']:.2f}" for c in result["classes"][:3])
+        )
     for name in ("image", "matte"):
         if result.get(name):
             parts.append(f"{name} {'x'.join(str(v) for v in result[name]['shape'])}, mean {result[name]['mean']}")
@@ -200,7 +212,7 @@ def bench(
 ) -> None:
     """Latency of the engine this device would build for MODEL, per stage (preprocess, infer, postprocess)."""
     from agent.cli.bench import render_bench, run_bench
-    from agent.state import state_db_path
+    from agent.storage.state import state_db_path
 
     cfg = load_config_or_exit(config)
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
@@ -242,7 +254,8 @@ def telemetry(
 @app.command()
 def deploy(
     url: str = typer.Argument(..., help="Manifest URL: https://…/manifest.json, http://… (allow_http), file:///…"),
-    wait: bool = typer.Option(False, "--wait", help="Follow progress; exit 0 once active and through its watch window, 1 when failed or rolled back (shadow: 0 at shadowing)."),
+    wait: bool = typer.Option(False, "--wait", help="Follow progress; exit 0 once active and through its watch "
+                              "window, 1 when failed or rolled back (shadow: 0 at shadowing)."),
     timeout: float = typer.Option(3600.0, "--timeout", min=1, help="Seconds to wait with --wait."),
     allow_downgrade: bool = typer.Option(False, "--allow-downgrade",
                                          help="Accept a version older than the highest deployed (ARTIFACT_DOWNGRADE)."),
@@ -273,8 +286,12 @@ def deploy(
 
 @app.command()
 def promote(
-    deployment: Optional[str] = typer.Option(None, "--deployment", help="The shadow's deployment id (default: the one running)."),
-    wait: bool = typer.Option(False, "--wait", help="Follow the promotion; exit 0 when the candidate is active and through its watch window."),
+    deployment: Optional[str] = typer.Option(
+        None, "--deployment", help="The shadow's deployment id (default: the one running)."
+    ),
+    wait: bool = typer.Option(
+        False, "--wait", help="Follow the promotion; exit 0 when the candidate is active and through its watch window."
+    ),
     timeout: float = typer.Option(600.0, "--timeout", min=1, help="Seconds to wait with --wait."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for the socket path)."),
 ) -> None:
@@ -286,7 +303,9 @@ def promote(
 
 @app.command()
 def cancel(
-    deployment: Optional[str] = typer.Option(None, "--deployment", help="The shadow's deployment id (default: the one running)."),
+    deployment: Optional[str] = typer.Option(
+        None, "--deployment", help="The shadow's deployment id (default: the one running)."
+    ),
     wait: bool = typer.Option(False, "--wait", help="Wait until the deployment is recorded cancelled."),
     timeout: float = typer.Option(60.0, "--timeout", min=1, help="Seconds to wait with --wait."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for the socket path)."),
@@ -299,7 +318,9 @@ def cancel(
 
 @app.command()
 def rollback(
-    wait: bool = typer.Option(False, "--wait", help="Wait until the previous model serves (rollback is synchronous; kept for symmetry)."),
+    wait: bool = typer.Option(
+        False, "--wait", help="Wait until the previous model serves (rollback is synchronous; kept for symmetry)."
+    ),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file (for the socket path)."),
 ) -> None:
     """Go back to the previous active model."""

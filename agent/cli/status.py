@@ -9,10 +9,10 @@ from typing import Any
 
 from rich.console import Console
 
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.deployments.store import DeploymentStore
 from agent.video.summary import video_rows
-from agent.state import BACKEND_KEY, FAMILY_KEY, LIVE_KEY, StateStore, model_row, state_db_path
+from agent.storage.state import BACKEND_KEY, FAMILY_KEY, LIVE_KEY, StateStore, model_row, state_db_path
 
 
 def read_status(config: AgentConfig) -> dict[str, Any]:
@@ -22,7 +22,7 @@ def read_status(config: AgentConfig) -> dict[str, Any]:
         return {"device_id": config.device_id, "state": "never_run", "state_dir": str(config.state_dir)}
     store = StateStore(path)
     try:
-        live = store.get_kv(LIVE_KEY) or {}
+        live = store.get_kv_object(LIVE_KEY)
         last_run = store.last_run()
         running = bool(last_run and last_run["status"] == "running" and _alive(last_run.get("pid")))
         report: dict[str, Any] = {
@@ -47,7 +47,7 @@ def read_status(config: AgentConfig) -> dict[str, Any]:
 
 def adapt_status(store: StateStore, live: dict[str, Any] | None) -> dict[str, Any] | None:
     """The model family (accuracy and latency per variant), the active variant and the policy, if any."""
-    family = store.get_kv(FAMILY_KEY)
+    family = store.get_kv_object(FAMILY_KEY)
     running = (live or {}).get("adapt")
     if not family and not running:
         return None
@@ -62,7 +62,7 @@ def read_family(db_path: Path) -> dict[str, Any] | None:
         return None
     store = StateStore(db_path)
     try:
-        return store.get_kv(FAMILY_KEY)
+        return store.get_kv_object(FAMILY_KEY) or None
     finally:
         store.close()
 
@@ -97,8 +97,11 @@ def render_batch_live(batch: dict[str, Any] | None, console: Console) -> None:
     """The batch size in use and why; with `auto` live, the curve it decided on (ms per frame, origin)."""
     if not batch or (len(batch.get("profile") or {}) <= 1 and batch.get("max_size", 1) == 1 and not batch.get("live")):
         return
-    console.print(f"  batch    max {batch.get('max_size')} ({batch.get('reason', '')}), {batch.get('batches', 0)} batches",
-                  highlight=False, markup=False)
+    console.print(
+        f"  batch    max {batch.get('max_size')} ({batch.get('reason', '')}), {batch.get('batches', 0)} batches",
+        highlight=False,
+        markup=False,
+    )
     curve = (batch.get("live") or {}).get("curve") or {}
     if curve:
         points = ", ".join(f"{size}: {p['ms_per_frame']} ms ({p['origin']})" for size, p in curve.items())
@@ -154,12 +157,19 @@ def render_status(report: dict[str, Any], console: Console) -> None:
         console.print(f"  previous {m['name']}@{m['version']}")
     if report.get("live"):
         live = report["live"]
-        console.print(f"  live     {live.get('fps', 0):.1f} fps, p99 {live.get('latency_ms', {}).get('p99', '-')} ms, frames {live.get('frames', 0)}")
+        console.print(
+            f"  live     {live.get('fps', 0):.1f} fps, p99 {live.get('latency_ms', {}).get('p99', '-')} ms, "
+            f"frames {live.get('frames', 0)}"
+        )
     for name, cam in (report.get("cameras") or {}).items():
         state = "" if cam.get("connected", True) else " (down)"
-        console.print(f"  camera   {name}{state}: {cam.get('fps', 0):.1f} fps, p99 {cam.get('latency_ms', {}).get('p99', '-')} ms, "
-                      f"frames {cam.get('frames', 0)}, dropped {cam.get('dropped_frames', 0)}{_decodes(cam)}",
-                      highlight=False, markup=False)
+        console.print(
+            f"  camera   {name}{state}: {cam.get('fps', 0):.1f} fps, "
+            f"p99 {cam.get('latency_ms', {}).get('p99', '-')} ms, "
+            f"frames {cam.get('frames', 0)}, dropped {cam.get('dropped_frames', 0)}{_decodes(cam)}",
+            highlight=False,
+            markup=False,
+        )
     render_batch_live((report.get("live") or {}).get("batch"), console)
     for key, value in video_rows((report.get("live") or {}).get("video")):
         console.print(f"  {key:<8} {value}", highlight=False, markup=False)

@@ -3,7 +3,7 @@ so an unknown, missing or wrongly typed field is an INVALID_COMMAND reply naming
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -12,7 +12,7 @@ from agent.mqtt.config import RESULTS_RATE_BOUNDS, TELEMETRY_INTERVAL_BOUNDS
 from agent.shadow.plan import ShadowArgs
 from agent.sources.base import CAMERA_NAME_PATTERN
 from agent.tracking.config import LineConfig, ZoneConfig
-from engines.shadow_policy import CancelBelow, PromoteWhen
+from engines.model.shadow_policy import CancelBelow, PromoteWhen
 
 
 class Strict(BaseModel):
@@ -66,7 +66,7 @@ class DeployArgs(ChannelledArgs):
 
     @model_validator(mode="after")
     def _shadow_only(self) -> "DeployArgs":
-        given = [name for name in SHADOW_FIELDS if getattr(self, name) is not None]
+        given = list(self._shadow_given())
         if given and self.mode != "shadow":
             raise ValueError(f"{', '.join(given)} only go with mode=shadow")
         if self.share is not None and self.every is not None:
@@ -77,7 +77,11 @@ class DeployArgs(ChannelledArgs):
         """The shadow part (None for a plain deployment)."""
         if self.mode != "shadow":
             return None
-        return ShadowArgs(**{name: getattr(self, name) for name in SHADOW_FIELDS if getattr(self, name) is not None})
+        return ShadowArgs(**self._shadow_given())
+
+    def _shadow_given(self) -> dict[str, Any]:
+        """The shadow settings the command gave (a pydantic model iterates as (field, value), models kept whole)."""
+        return {name: value for name, value in self if name in SHADOW_FIELDS and value is not None}
 
 
 SHADOW_FIELDS = ("share", "every", "window_frames", "report_interval_s", "promote_when", "cancel_below")
@@ -120,12 +124,14 @@ class SetPolicyArgs(Strict):
     down_after_s: Optional[float] = Field(default=None, description="Seconds over a limit before stepping down.")
     up_after_s: Optional[float] = Field(default=None, description="Seconds under the margin before stepping up.")
     max_switches_per_min: Optional[int] = Field(default=None, description="Most switches in any 60 s.")
-    cooldown_s: Optional[float] = Field(default=None, description="No step up into a variant that broke a limit this recently.")
+    cooldown_s: Optional[float] = Field(default=None,
+                                        description="No step up into a variant that broke a limit this recently.")
     predict_up: Optional[bool] = Field(default=None, description="Predict the next variant's p99 before a step up.")
     predict_margin: Optional[float] = Field(default=None, description="Step up only under this share of the budget.")
     dark_below: Optional[float] = Field(default=None, description="Mean luminance under which the scene is dark.")
     dark_variant: Optional[str] = Field(default=None, max_length=64,
-                                        description="Variant run at most while dark; null with dark_below=null: rule off.")
+                                        description="Variant run at most while dark; "
+                                                    "null with dark_below=null: rule off.")
 
     @model_validator(mode="after")
     def _something(self) -> "SetPolicyArgs":
@@ -138,7 +144,8 @@ class RestartPipelineArgs(Strict):
     """restart_pipeline: every camera, or the one named."""
 
     camera: Optional[str] = Field(default=None, pattern=CAMERA_NAME_PATTERN,
-                                  description="Restart only this camera (its name in the config); omitted: every camera.")
+                                  description="Restart only this camera (its name in the config); "
+                                              "omitted: every camera.")
 
 
 class SnapshotArgs(ChannelledArgs):

@@ -9,7 +9,7 @@ request with the same id still runs.
 A reply never waits on the disk: it is remembered in memory and written to the state database behind it
 (agent.control.reply_store), and a handler still running while another process holds the database locked is
 answered BUSY and finishes on its own thread (agent.control.command_jobs). Replies on the `mqtt` channel go out
-through `wire_safe` (agent.wire_errors): no local path or exception text, the detail in the log under a ref.
+through `wire_safe` (agent.base.wire_errors): no local path or exception text, the detail in the log under a ref.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from agent.control import command_jobs
 from agent.control.rate_limit import RateLimit
 from agent.control.reply_store import RememberedReplies, ReplyStore
 from agent.shadow.plan import ShadowArgs
-from agent.wire_errors import (describe_errors, detail_ref, internal_error, internal_text, new_ref, wire_safe,
+from agent.base.wire_errors import (describe_errors, detail_ref, internal_error, internal_text, new_ref, wire_safe,
                                withheld_text)
-from engines.errors import EdgeError
-from engines.registry import Registry, UnknownPluginError
+from kernel.errors import EdgeError
+from kernel.registry import Registry, UnknownPluginError
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class CommandSpec:
 COMMANDS: Registry[CommandSpec] = Registry("command")
 
 
-def command(name: str, args: type[BaseModel], help: str, per_minute: int,  # noqa: A002
+def command(name: str, args: type[BaseModel], help: str, per_minute: int,
             refund_on: frozenset[str] = REFUSED_CODES) -> Callable[[Callable], Callable]:
     """Register a handler under `name` with its args model, its rate limit (per minute, per channel) and the codes
     that give the token back."""
@@ -264,7 +264,8 @@ class CommandDispatcher:
         overrides = {**(limits or {}), **({"deploy": deploy_rate} if deploy_rate is not None else {})}
         self.limits = {name: (rule.limit, rule.window_s) if isinstance(rule, RateLimit) else (rule, 60.0)
                        for name, rule in overrides.items()}
-        self._rates: dict[tuple[str, str], RateLimit] = {}  # (command, channel): flooding MQTT never locks the socket out
+        # (command, channel): flooding MQTT never locks the socket out
+        self._rates: dict[tuple[str, str], RateLimit] = {}
         self._running: set[str] = set()
         self._running_lock = threading.Lock()
         self.storage_check_s = storage_check_s
@@ -273,14 +274,14 @@ class CommandDispatcher:
 
     def dispatch(self, payload: bytes | bytearray | memoryview | str, channel: Channel = "mqtt") -> dict[str, Any]:
         """Answer one request that arrived on `channel`; never raises (a broken handler becomes an INTERNAL reply).
-        A reply for `mqtt` names no local path and quotes no exception (agent.wire_errors.wire_safe); the local
+        A reply for `mqtt` names no local path and quotes no exception (agent.base.wire_errors.wire_safe); the local
         socket's replies keep the detail (only the agent's group can read them)."""
         reply = self._answer(payload, channel)
         if channel != "mqtt":
             return reply
         try:
             return wire_safe(reply, "command reply")
-        except Exception:  # never reached in practice; the promise above holds even for a bug in the scrubber
+        except Exception:  # noqa: BLE001 - never reached in practice; the promise above holds even for a scrubber bug
             return error_reply(reply.get("id"), "INTERNAL", internal_error(log, "command reply: wire_safe failed"))
 
     def _answer(self, payload: bytes | bytearray | memoryview | str, channel: Channel) -> dict[str, Any]:
@@ -292,7 +293,7 @@ class CommandDispatcher:
         envelope._channel = channel
         try:
             return self._run_once(envelope)
-        except Exception:  # the promise above holds even for a bug here
+        except Exception:  # noqa: BLE001 - the promise above (never raises) holds even for a bug here
             text = internal_error(log, f"command {envelope.command} (id {envelope.id}): dispatcher error")
             return error_reply(envelope.id, "INTERNAL", text)
 
@@ -311,7 +312,8 @@ class CommandDispatcher:
         except (ValueError, RecursionError) as exc:
             where = (f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError)
                      else " (nested too deeply)" if isinstance(exc, RecursionError) else "")
-            ref = detail_ref(f"command payload is not valid JSON: {type(exc).__name__}: {exc}"[:500], "INVALID_JSON reply")
+            ref = detail_ref(f"command payload is not valid JSON: {type(exc).__name__}: {exc}"[:500],
+                             "INVALID_JSON reply")
             raise _Rejected(None, "INVALID_JSON", withheld_text(f"payload is not valid JSON{where}", ref)) from None
 
     @staticmethod
@@ -370,8 +372,9 @@ class CommandDispatcher:
         rate = self._rate(envelope, spec)
         wait_s = rate.take()
         if wait_s:  # not remembered: the same id may retry once the window has room
-            return error_reply(envelope.id, "RATE_LIMITED", f"more than {rate.limit} {envelope.command} requests "
-                               f"from {envelope._channel} in {rate.window_s:g} s; retry in {math.ceil(wait_s)} s"), False
+            text = (f"more than {rate.limit} {envelope.command} requests from {envelope._channel} "
+                    f"in {rate.window_s:g} s; retry in {math.ceil(wait_s)} s")
+            return error_reply(envelope.id, "RATE_LIMITED", text), False
         return self._run_handler(envelope, spec, args, rate)
 
     def _run_handler(self, envelope: Envelope, spec: CommandSpec, args: BaseModel,
@@ -398,7 +401,8 @@ class CommandDispatcher:
                 reply: dict[str, Any] | None) -> dict[str, Any]:
         if reply is None:  # the handler's thread ended by an exception past _call (its traceback is on stderr)
             ref = new_ref()
-            log.error("command %s (id %s): its handler ended without a reply (ref %s)", envelope.command, envelope.id, ref)
+            log.error("command %s (id %s): its handler ended without a reply (ref %s)",
+                      envelope.command, envelope.id, ref)
             reply = error_reply(envelope.id, "INTERNAL", internal_text(ref))
         if reply.get("error", {}).get("code") in spec.refund_on:
             rate.refund()  # e.g. deploy's token counts after the URL check: refused URLs cost the sender nothing
@@ -431,7 +435,7 @@ class CommandDispatcher:
         except EdgeError as exc:
             log.warning("command %s (id %s) failed: %s %s", envelope.command, envelope.id, exc.code, exc)
             return error_reply(envelope.id, exc.code, str(exc))
-        except Exception:
+        except Exception:  # noqa: BLE001 - a handler's bug, whatever it is, answers INTERNAL instead of no reply
             text = internal_error(log, f"command {envelope.command} (id {envelope.id}) crashed")
             return error_reply(envelope.id, "INTERNAL", text)
 

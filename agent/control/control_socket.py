@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,11 @@ def send_command(path: Path, command: str, args: dict[str, Any] | None = None, t
         raise EdgeError(f"no agent is running (no control socket at {path}); start it with `edge-agent run`",
                         code="AGENT_NOT_RUNNING") from exc
     except ConnectionRefusedError as exc:
-        raise EdgeError(f"the agent is not accepting commands on {path} (stale socket?)", code="AGENT_NOT_RUNNING") from exc
+        raise EdgeError(f"the agent is not accepting commands on {path} (stale socket?)",
+                        code="AGENT_NOT_RUNNING") from exc
     except PermissionError as exc:
-        raise EdgeError(f"permission denied on {path}: add yourself to the agent's group", code="PERMISSION_DENIED") from exc
+        raise EdgeError(f"permission denied on {path}: add yourself to the agent's group",
+                        code="PERMISSION_DENIED") from exc
     except socket.timeout as exc:
         raise EdgeError(f"the agent did not answer within {timeout:.0f} s", code="TIMEOUT") from exc
     finally:

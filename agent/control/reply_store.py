@@ -1,10 +1,11 @@
-"""The replies of executed commands by id (agent.control.commands), so a repeated id gets its first reply, not a second run.
+"""The replies of executed commands by id (agent.control.commands), so a repeated id gets its first reply, not a
+second run.
 
 `RememberedReplies` answers from memory and writes behind: a reply is in memory (and can be sent) the moment it
 exists, and a `reply-store` thread copies it to the state database, retrying while another process holds the
 database locked. So a reply never waits on the disk, a repeated id is answered from memory even while the disk
 copy is pending or failed, and the disk copy is what survives a restart (read back into memory at start).
-A bounded window, by count and by age, in both; the table is declared in agent.schema (`ensure_replies`).
+A bounded window, by count and by age, in both; the table is declared in agent.storage.schema (`ensure_replies`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.schema import ensure_replies
+from agent.storage.schema import ensure_replies
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ class ReplyStore:
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
-                self._conn.executemany("INSERT OR REPLACE INTO command_replies (id, command, reply, ts) VALUES (?,?,?,?)",
+                self._conn.executemany("INSERT OR REPLACE INTO command_replies (id, command, reply, ts) "
+                                       "VALUES (?,?,?,?)",
                                        [(rid, command, json.dumps(reply), ts) for rid, command, reply, ts in rows])
                 self._conn.execute("DELETE FROM command_replies WHERE ts < ?", (now - self.max_age_s,))
                 self._conn.execute(

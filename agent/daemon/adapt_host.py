@@ -14,15 +14,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from agent.adapt.config import AdaptConfig
 from agent.adapt.controller import AdaptController, variant_store_key
 from agent.adapt.family import has_variants
 from agent.daemon.model_loading import ModelLoader
-from agent.slots import LoadedModel, ModelSlots
-from agent.state import StateStore
-from engines.errors import EdgeError
+from agent.serving.slots import LoadedModel, ModelSlots
+from agent.storage.state import StateStore
+from kernel.errors import EdgeError
+
+if TYPE_CHECKING:
+    from agent.sources.base import Frame
+    from engines.model.source import ModelSource
+    from engines.postprocess import InferenceResult
+    from engines.runtime.model_runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 5.0
@@ -46,7 +52,7 @@ class AdaptHost:
         `hold`: the controller waits for `release` before it builds or switches (a deployment under watch)."""
         self.stop()
         active = self.slots.active
-        family = getattr(active, "family", None) or active.source if active is not None else None
+        family = (active.family or active.source) if active is not None else None
         if active is None or family is None or not has_variants(family):
             return None
         stop_event = threading.Event()
@@ -63,7 +69,8 @@ class AdaptHost:
                  "held until the deployment's watch passes" if hold else "building the others in the background")
         return controller
 
-    def _controller(self, active: LoadedModel, family: Any, stop_event: threading.Event, hold: bool) -> AdaptController:
+    def _controller(self, active: LoadedModel, family: ModelSource, stop_event: threading.Event,
+                    hold: bool) -> AdaptController:
         loader = self.loader
         return AdaptController(
             family, active, self.config,
@@ -71,7 +78,7 @@ class AdaptHost:
             load=lambda source, provisioned: loader.load_provisioned(source, provisioned, active.origin),
             swap=self.slots.switch, sample=self.sample, emit=self.emit, store=self.store, stop_event=stop_event,
             validation_samples=self.validation_samples,
-            resume_variant=self.store.get_kv(variant_store_key(family)) if self.store is not None else None,
+            resume_variant=self.store.get_kv_text(variant_store_key(family)) if self.store is not None else None,
             hold=hold)
 
     def release(self) -> None:
@@ -102,7 +109,8 @@ class AdaptHost:
                 log.error("adapt controller did not stop within %.1f s", JOIN_TIMEOUT_S)
         controller.close(keep=(self.slots.active, self.slots.previous))
 
-    def on_result(self, frame: Any, result: Any = None, runtime: Any = None) -> None:
+    def on_result(self, frame: Frame, result: InferenceResult | None = None,
+                  runtime: ModelRuntime | None = None) -> None:
         """Feed one served frame, and the runtime that served it, to the controller (cheap: a deque append); a
         result sink (agent.daemon.result_sinks): the result itself is not needed."""
         controller = self.controller

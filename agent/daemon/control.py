@@ -15,20 +15,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from agent.daemon.tracking_host import LIVE_SHAPES_KEY
-from agent.state import state_db_path
-from agent.state import model_row
+from agent.storage.state import state_db_path
+from agent.storage.state import model_row
 from agent.tracking.types import ZONES_CHANGED
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 if TYPE_CHECKING:
+    from agent.adapt.controller import AdaptController
     from agent.artifacts.urlpolicy import Channel
+    from agent.config.tree import AgentConfig
     from agent.control.command_args import SetZonesArgs
-    from agent.daemon.runner import Agent  # the composition root this module is part of
+    from agent.control.commands import CommandDispatcher
+    from agent.daemon.reporting import LiveSnapshot
+    from agent.daemon.tracking_host import TrackingHost
     from agent.deployments.manager import DeploymentManager
+    from agent.deployments.store import DeploymentStore
     from agent.shadow.plan import ShadowArgs
+    from agent.serving.slots import LoadedModel
+    from agent.storage.state import StateStore
+    from agent.video.service import VideoService
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +45,48 @@ PERSIST_WAIT_S = 0.3  # how long set_config waits for its write before it answer
 PERSIST_RETRY_S = 1.0
 
 
-class AgentController:
-    """Implements agent.control.commands.AgentControl on top of a running agent.daemon.runner.Agent."""
+class ControlHost(Protocol):
+    """What the commands reach of the running agent: its parts (None while not running) and two actions. Each
+    command uses a few of them; a stand-in for a test provides those."""
 
-    def __init__(self, agent: Agent, on_set_config: Callable[[dict], dict] | None = None) -> None:
+    @property
+    def config(self) -> AgentConfig: ...
+    @property
+    def store(self) -> StateStore | None: ...
+    @property
+    def deployments(self) -> DeploymentStore | None: ...
+    @property
+    def manager(self) -> DeploymentManager | None: ...
+    @property
+    def previous(self) -> LoadedModel | None: ...
+    @property
+    def adapt(self) -> AdaptController | None: ...
+    @property
+    def tracking(self) -> TrackingHost: ...
+    @property
+    def video(self) -> VideoService | None: ...
+    @property
+    def dispatcher(self) -> CommandDispatcher | None: ...
+    @property
+    def stop_event(self) -> threading.Event: ...
+
+    def live_snapshot(self) -> LiveSnapshot:
+        """The live numbers now (agent.daemon.reporting)."""
+        ...
+
+    def emit(self, type_: str, **fields: Any) -> None:
+        """Record an event and hand it to every sink."""
+        ...
+
+    def restart_capture(self, camera: str | None = None) -> dict[str, Any]:
+        """Reopen every camera, or one."""
+        ...
+
+
+class AgentController:
+    """Implements agent.control.commands.AgentControl on top of the running agent's parts (`ControlHost`)."""
+
+    def __init__(self, agent: ControlHost, on_set_config: Callable[[dict], dict] | None = None) -> None:
         self.agent = agent
         self.on_set_config = on_set_config
         self._stored = BoundedRead(self._read_stored, STORED_WAIT_S)
@@ -50,33 +96,33 @@ class AgentController:
     def status(self) -> dict:
         """Health, active/previous model, deployment in progress, live numbers, recent deployments."""
         agent = self.agent
-        summary = agent.summary()
+        snap = agent.live_snapshot()
         stored, fresh = self._stored.get(default={"previous_model": None, "recent_deployments": []})
-        dispatcher = getattr(agent, "dispatcher", None)
+        dispatcher = agent.dispatcher
         return {
             "device_id": agent.config.device_id,
-            "state": agent.health(),
-            "model": summary["model"],
+            "state": snap.health,
+            "model": snap.model,
             "previous_model": agent.previous.describe() if agent.previous else stored["previous_model"],
-            "deployment": agent.manager.status() if agent.manager else None,
+            "deployment": snap.deployment,  # the one `state` was judged with
             "watched_deployment": agent.manager.watched() if agent.manager else None,  # its watch still runs
             "shadow": agent.manager.shadowing.status() if agent.manager else None,  # a shadow deployment's numbers
             "recent_deployments": stored["recent_deployments"],
             "stale": [] if fresh else sorted(stored),  # as read before the state store stopped answering in time
             "commands": dispatcher.stats() if dispatcher is not None else None,
-            "fps": agent.recent_fps(),  # delivered over the last 5 s
-            "fps_since_start": summary["fps"],
-            "frames": summary["frames"],
-            "dropped_frames": summary["dropped_frames"],
-            "errors": summary["errors"],
-            "latency_ms": summary["latency_ms"],
-            "window_latency_ms": agent.worker.window.latency.summary() if agent.worker else {},
-            "camera": summary["camera"],
-            "cameras": summary["cameras"],
-            "adapt": adapt.status() if (adapt := agent.adapt) is not None else None,
-            "storage": agent.storage.status(),
-            "video": summary.get("video"),
-            "tracking": summary.get("tracking"),  # per camera: epoch, tracks, counts, zones and lines in force
+            "fps": snap.recent_fps,  # delivered over the last 5 s
+            "fps_since_start": snap.fps,
+            "frames": snap.frames,
+            "dropped_frames": snap.dropped_frames,
+            "errors": snap.errors,
+            "latency_ms": snap.latency_ms,
+            "window_latency_ms": snap.window_latency_ms,
+            "camera": snap.camera,
+            "cameras": snap.cameras,
+            "adapt": snap.adapt,
+            "storage": snap.storage,
+            "video": snap.video,
+            "tracking": snap.tracking,  # per camera: epoch, tracks, counts, zones and lines in force
             "ts": time.time(),
         }
 
@@ -118,7 +164,7 @@ class AgentController:
 
         cache = EngineCache(self.agent.config.cache_dir, state_db_path(self.agent.config.state_dir))
         try:
-            return [_jsonable(e) for e in cache.entries()]
+            return [entry.to_dict() for entry in cache.entries()]
         finally:
             cache.close()
 
@@ -141,7 +187,7 @@ class AgentController:
         store = self.agent.store
         assert store is not None
         try:
-            store.set_kv("live_config", {**store.get_kv("live_config", {}), **merged})
+            store.set_kv("live_config", {**store.get_kv_object("live_config"), **merged})
         finally:
             for changes in events:  # applied live already, whether or not the write landed
                 self.agent.emit("config_changed", changes=changes)
@@ -162,7 +208,7 @@ class AgentController:
         store = self.agent.store
         assert store is not None
         try:
-            stored = {**(store.get_kv(LIVE_SHAPES_KEY, {}) or {}), **{k: v["entry"] for k, v in merged.items()}}
+            stored = {**store.get_kv_object(LIVE_SHAPES_KEY), **{k: v["entry"] for k, v in merged.items()}}
             store.set_kv(LIVE_SHAPES_KEY, {camera: entry for camera, entry in stored.items() if entry is not None})
         finally:
             for request in events:  # applied live already, whether or not the write landed
@@ -170,8 +216,7 @@ class AgentController:
                     self.agent.emit(ZONES_CHANGED, **change["reply"])
 
     def _stopping(self) -> bool:
-        stop = getattr(self.agent, "stop_event", None)
-        return stop is not None and stop.is_set()
+        return self.agent.stop_event.is_set()
 
     def restart_pipeline(self, camera: str | None = None) -> dict:
         """Restart every camera's capture thread, or only `camera`'s (a wedged driver is the usual reason)."""
@@ -186,19 +231,11 @@ class AgentController:
 
     def set_policy(self, changes: dict) -> dict:
         """The adaptation policy's settings, live and persisted (only while a model family is active)."""
-        adapt = getattr(self.agent, "adapt", None)
+        adapt = self.agent.adapt
         if adapt is None:
             raise EdgeError("no model family is active: the active model's manifest declares no variants "
                             "(docs/adaptive.md)", code="ADAPT_UNAVAILABLE")
         return adapt.set_policy(changes)
-
-
-def _jsonable(entry: Any) -> dict:
-    if hasattr(entry, "to_dict"):
-        return entry.to_dict()
-    if isinstance(entry, dict):
-        return entry
-    raise EdgeError(f"unexpected cache entry {type(entry).__name__}", code="INTERNAL")
 
 
 class BoundedRead:
@@ -232,7 +269,7 @@ class BoundedRead:
     def _run(self, done: threading.Event) -> None:
         try:
             value, failed = self._read(), False
-        except Exception as exc:  # a locked or failing database: status answers with what it read before
+        except Exception as exc:  # noqa: BLE001 - any store failure: status answers with the last read
             log.warning("status: state store not readable (%s); answering with the last values read", exc)
             value, failed = None, True
         with self._lock:
@@ -283,7 +320,7 @@ class ConfigWriter:
                 self._events, self._attempt_started = [], time.monotonic()
             try:
                 self._write(merged, events)
-            except Exception as exc:  # locked past the busy timeout, I/O error: keep it and try again
+            except Exception as exc:  # noqa: BLE001 - busy timeout, I/O error, any: keep it, retry
                 if self._stopping():
                     log.error("live settings %s not persisted (%s): the agent is stopping", merged, exc)
                     with self._cond:

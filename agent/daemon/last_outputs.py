@@ -16,12 +16,17 @@ import io
 import threading
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engines.fsutil import atomic_write_bytes
+from kernel.fsutil import atomic_write_bytes
 from engines.postprocess.raw import summarize
+
+if TYPE_CHECKING:
+    from agent.sources.base import Frame
+    from engines.postprocess import InferenceResult
+    from engines.runtime.model_runtime import ModelRuntime
 
 DEFAULT_MAX_BYTES = 256 * 2**20  # one frame's outputs; beyond, the summary alone (the file would be built in memory)
 
@@ -34,7 +39,7 @@ class LastOutputs:
         self._lock = threading.Lock()
         self._last: tuple[str, int, str, dict[str, np.ndarray]] | None = None  # camera, frame, kind, tensors
 
-    def __call__(self, frame: Any, result: Any, runtime: Any) -> None:
+    def __call__(self, frame: Frame, result: InferenceResult, runtime: ModelRuntime) -> None:
         """Keep `result`'s tensors (a reference) when it has any."""
         if result.tensors:
             with self._lock:

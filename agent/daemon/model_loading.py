@@ -16,18 +16,18 @@ from typing import Any, Callable
 
 from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.trust import demo_trust, deployment_trust, package_demo, verify_artifact
-from agent.config import AgentConfig
+from agent.config.tree import AgentConfig
 from agent.shadow.candidate_process import CandidateProcess, start_candidate
-from agent.slots import LoadedModel
-from agent.state import state_db_path
-from agent.storage_health import storage_error
+from agent.serving.slots import LoadedModel
+from agent.storage.state import state_db_path
+from agent.storage.health import storage_error
 from engines.backends.base import EngineOptions
-from engines.batching import planned_max_batch
+from engines.runtime.batching import planned_max_batch
 from engines.build.provisioning import ProvisionResult, load_warm, provision
-from engines.errors import EdgeError
-from engines.live_frames import DIRECTORY as LIVE_FRAMES_DIRECTORY
-from engines.model import ModelSource, load_model
-from engines.runtime import ModelRuntime
+from kernel.errors import EdgeError
+from engines.evaluation.live_frames import DIRECTORY as LIVE_FRAMES_DIRECTORY
+from engines.model.source import ModelSource, load_model
+from engines.runtime.model_runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class ModelLoader:
 
     def max_batch(self) -> int:
         """The batch the engine is built and timed for: `[batch] max_size` ("auto": up to
-        engines.batching.AUTO_MAX_BATCH), never more than there are cameras; 1 camera: a batch-1 engine."""
+        engines.runtime.batching.AUTO_MAX_BATCH), never more than there are cameras; 1 camera: a batch-1 engine."""
         return planned_max_batch(self.config.batch.max_size, len(self.config.camera_list()))
 
     def load_provisioned(self, source: ModelSource, provisioned: ProvisionResult, origin: str) -> LoadedModel:

@@ -1,20 +1,24 @@
-"""Wires the MQTT plane, telemetry and results into a running Agent (agent.daemon.runner)."""
+"""Wires the MQTT plane, telemetry and results into the running agent (agent.daemon.runner builds it).
+
+It receives what it uses -- the settings, the state store (the live settings), the command dispatch, the live
+snapshot (telemetry), the storage health (the outbox's unstored count) and the event sink -- never the agent."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import Any, Callable, Union
 
-from agent.pipeline.batcher import Batcher
-from agent.mqtt import MqttPlane
-from agent.state import state_db_path
+from agent.config.tree import AgentConfig
+from agent.daemon.reporting import LiveSource
 from agent.daemon.telemetry_loop import PrometheusExporter, Sink, TelemetryThread
-from engines.fingerprint import read_fingerprint
-
-if TYPE_CHECKING:
-    from agent.daemon.runner import Agent  # the composition root this module is part of
+from agent.mqtt.commands import Dispatch
+from agent.mqtt.plane import MqttPlane
+from agent.pipeline.batcher import Batcher
+from agent.storage.state import StateStore, state_db_path
+from agent.storage.health import StorageHealth
+from engines.device.fingerprint import read_fingerprint
 
 # A result, or how to make its message when it is sent (masks are encoded only for results that go out).
 ResultItem = Union[dict[str, Any], Callable[[], dict[str, Any]]]
@@ -34,42 +38,42 @@ def agent_version() -> str:
 class AgentPlane:
     """MQTT plane + telemetry thread + results forwarder; started after the frame path, stopped before it."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-        cfg = agent.config
+    def __init__(self, config: AgentConfig, store: StateStore | None, dispatch: Dispatch | None, live: LiveSource,
+                 storage: StorageHealth, emit: Callable[..., None]) -> None:
+        cfg = self.config = config
+        self.emit = emit
         self.stop_event = threading.Event()
         self.meta = self._meta()  # its engine follows the serving model (model_changed)
         self.mqtt = MqttPlane(cfg.mqtt, device_id=cfg.device_id, db_path=state_db_path(cfg.state_dir),
-                              dispatch=agent.dispatcher.dispatch if agent.dispatcher else None,
+                              dispatch=dispatch,
                               agent_version=agent_version(), meta_provider=lambda: self.meta,
                               model_provider=lambda: self.meta.get("engine"),  # what serves now (model_changed)
                               root=cfg.telemetry.sysfs_root)
-        live = agent.store.get_kv(LIVE_CONFIG_KEY, {}) if agent.store else {}
-        interval = live.get("telemetry_interval_s", cfg.mqtt.telemetry_interval_s)
+        settings = store.get_kv_object(LIVE_CONFIG_KEY) if store else {}
+        interval = settings.get("telemetry_interval_s", cfg.mqtt.telemetry_interval_s)
         sinks: list[Sink] = [self.mqtt.enqueue_telemetry]
         self.prometheus = PrometheusExporter(cfg.telemetry.prometheus_port, cfg.telemetry.prometheus_bind) \
             if cfg.telemetry.prometheus_port else None
         if self.prometheus is not None:
             sinks.append(self.prometheus)
-        agent.storage.report_outbox(self.mqtt.publisher.unstored)  # what the outbox could not take, in `storage`
-        self.telemetry = TelemetryThread(agent, interval, sinks, self.stop_event)
+        storage.report_outbox(self.mqtt.publisher.unstored)  # what the outbox could not take, in `storage`
+        self.telemetry = TelemetryThread(live, cfg.telemetry, interval, sinks, self.stop_event)
         self.telemetry.on_throttle = self._throttle_event
-        if "results_rate_hz" in live:
-            self.mqtt.set_results_rate(live["results_rate_hz"])
+        if "results_rate_hz" in settings:
+            self.mqtt.set_results_rate(settings["results_rate_hz"])
         # the newest unsent result per camera, sent in turn: a rate limit never starves a camera
         self._results: Batcher[ResultItem] = Batcher([c.name for c in cfg.camera_list()], max_size=1, timeout_s=0.0)
-        self._results_rate = float(live.get("results_rate_hz", cfg.mqtt.results_rate_hz))
+        self._results_rate = float(settings.get("results_rate_hz", cfg.mqtt.results_rate_hz))
         self._results_thread = threading.Thread(target=self._forward_results, name="results", daemon=True)
         self._status: str | None = None
 
     def _meta(self) -> dict[str, Any]:
         """What this device is (retained `meta` topic): the fingerprint is read once (it does not change while
-        running); `engine` is what serves now, null until the first model loads."""
-        fp = read_fingerprint(self.agent.config.telemetry.sysfs_root)
-        cfg = self.agent.config
+        running); `engine` is what serves now, null until the first model loads (`model_changed`)."""
+        cfg = self.config
+        fp = read_fingerprint(cfg.telemetry.sysfs_root)
         return {"device_id": cfg.device_id, "agent_version": agent_version(), "fingerprint": fp.to_dict(),
-                "cameras": [{"name": c.name, "kind": c.kind} for c in cfg.camera_list()],
-                "engine": self.agent.active.describe() if self.agent.active else None}
+                "cameras": [{"name": c.name, "kind": c.kind} for c in cfg.camera_list()], "engine": None}
 
     def start(self) -> None:
         """MQTT first (so start-up events queue), then telemetry and results."""
@@ -142,4 +146,4 @@ class AgentPlane:
         return applied
 
     def _throttle_event(self, throttled: bool, details: dict[str, Any]) -> None:
-        self.agent.emit("throttling" if throttled else "throttling_cleared", **details)
+        self.emit("throttling" if throttled else "throttling_cleared", **details)

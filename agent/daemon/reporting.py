@@ -1,145 +1,177 @@
-"""What the running agent says about itself: health, recent fps, the live record `status` reads, the run summary.
+"""What the running agent says about itself, read once per tick: one `LiveSnapshot` that `status`, the live record
+(`edge-agent status` from another process), telemetry (and Prometheus, which reads the telemetry sample) and the
+run summary all take their numbers from, each in its own wire shape (docs/contract.md).
 
-A mixin of agent.daemon.runner.Agent, kept apart from the composition so the summary's shape (docs/contract.md, "Run
-summary") is in one short module; what it reads of the agent is declared on the class.
+Before, each of the four read the frame path on its own and wrote the numbers out by hand; now the frame path's
+counters are read in one place (`LiveReport.live_snapshot`), so the shapes cannot drift apart.
 """
 
 from __future__ import annotations
 
-import bisect
-import collections
-import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from agent.daemon.tracking_host import IDLE, TrackingHost
-from agent.pipeline.summary import camera_numbers, capture_totals
-from agent.state import LIVE_KEY
+from agent.pipeline.summary import batch_numbers, camera_numbers, capture_totals
 
 if TYPE_CHECKING:
-    from agent.daemon.adapt_host import AdaptHost
-    from agent.daemon.plane import AgentPlane
+    from agent.adapt.controller import AdaptController
+    from agent.daemon.frame_path import FramePath
     from agent.daemon.result_sinks import ResultSinks
-    from agent.daemon.shadow_host import ShadowHost
-    from agent.deployments.manager import DeploymentManager
-    from agent.live_frame_sampler import LiveFrameSampler
-    from agent.pipeline.batch_size import BatchSize
-    from agent.pipeline.batcher import Batcher
-    from agent.pipeline.cameras import CameraGroup
-    from agent.pipeline.frame_stats import FrameStats
-    from agent.pipeline.worker import InferenceWorker
-    from agent.slots import LoadedModel
-    from agent.sources.base import Frame
-    from agent.state import StateStore
-    from agent.storage_health import StorageHealth
+    from agent.daemon.tracking_host import TrackingHost
+    from agent.pipeline.live_frame_sampler import LiveFrameSampler
+    from agent.shadow.session import ShadowSession
+    from agent.serving.slots import LoadedModel
+    from agent.storage.health import StorageHealth
     from agent.video.service import VideoService
 
-log = logging.getLogger(__name__)
-RECENT_FPS_WINDOW_S = 5.0
+Numbers = dict[str, Any]
 
 
-class Reporting:
-    """Health, live status and the run summary of the running agent (what they read of it is declared here)."""
+@dataclass(frozen=True)
+class LiveSnapshot:
+    """The live numbers of one moment. Frame-path counters are since the start (`latency_ms`, `stages_ms`) or since
+    the serving model's first result (`window_*`); each other part's state is its own report, None while it is not
+    running (`*_telemetry`: the compact form telemetry carries)."""
 
-    stats: FrameStats
-    batcher: Batcher[Frame] | None
-    batch_size: BatchSize | None
-    cameras: CameraGroup | None
-    worker: InferenceWorker | None
-    manager: DeploymentManager | None
-    plane: AgentPlane | None
-    store: StateStore | None
-    storage: StorageHealth
-    live_frames: LiveFrameSampler | None
-    video: VideoService | None
-    _delivered: collections.deque[float]
-    _recent_results: collections.deque[dict[str, Any]]
-    result_sinks: ResultSinks
-    active: LoadedModel | None
-    adapt_host: AdaptHost | None
-    shadow_host: ShadowHost | None
-    tracking: TrackingHost = IDLE  # [tracking] (agent.daemon.tracking_host): idle until the start, and while off
-    emit: Callable[..., None]
-
-    def persist_live(self) -> None:
-        """Write the live numbers where `edge-agent status` (another process) can read them."""
-        if self.store is None:
-            return
-        if self.plane is not None:
-            self.plane.health_changed(self.health())
-        summary = self.summary()
-        with self.storage.guard("live status"):
-            self._write_live(summary)
-
-    def _write_live(self, summary: dict[str, Any]) -> None:
-        assert self.store is not None
-        self.store.set_kv(LIVE_KEY, {
-            "ts": time.time(), "state": self.health(), "fps": summary["fps"], "frames": summary["frames"],
-            "dropped_frames": summary["dropped_frames"], "latency_ms": summary["latency_ms"],
-            "window_latency_ms": self.worker.window.latency.summary() if self.worker else {},
-            "errors": summary["errors"], "model": summary["model"], "cameras": summary["cameras"],
-            "batch": summary.get("batch"), "deployment": self.manager.status() if self.manager else None,
-            "adapt": summary.get("adapt"), "storage": self.storage.status(), "video": summary.get("video"),
-            "shadow": summary.get("shadow"), "tracking": summary.get("tracking"),
-        })
-
-    def recent_fps(self, window_s: float = RECENT_FPS_WINDOW_S) -> float:
-        """Results delivered per second over the last `window_s` (what `status` reports: a whole-run average
-        hides a stall, e.g. 4.5 fps shown while a restart flood let 0.2 through)."""
-        now = time.monotonic()
-        started = self.stats.started
-        span = min(window_s, max(now - started, 1e-6))
-        times = list(self._delivered)  # a copy: the results thread appends (in time order) meanwhile
-        return round((len(times) - bisect.bisect_left(times, now - span)) / span, 2)
-
-    def health(self) -> str:
-        """online, degraded (inference failing, a camera down, state writes failing) or updating (a deployment)."""
-        if self.worker is not None and self.worker.degraded:
-            return "degraded"
-        if self.storage.degraded:
-            return "degraded"
-        if self.cameras is not None and self.cameras.any_lost():
-            return "degraded"
-        deployment = self.manager.status() if self.manager is not None else None
-        if deployment and not deployment.get("watching"):
-            return "updating"
-        return "online"
+    ts: float  # time.time()
+    monotonic: float  # time.monotonic() of the same moment (telemetry's intervals)
+    health: str  # online, degraded or updating
+    frames: int
+    fps: float  # since the start
+    recent_fps: float  # delivered over the last 5 s
+    dropped_frames: int
+    errors: int
+    latency_ms: Numbers
+    stages_ms: Numbers
+    window_latency_ms: Numbers
+    window_stages_ms: Numbers
+    model: Numbers  # {} before a model serves
+    result_sink_errors: dict[str, int]
+    camera: dict[str, int]  # capture counters of all cameras added up
+    cameras: dict[str, Numbers]  # per camera (agent.pipeline.summary.camera_numbers)
+    batch: Numbers | None  # the size in use, why, and the worker's batch status
+    batch_live: Numbers | None  # the size in use and its live curve (telemetry, Prometheus)
+    deployment: Numbers | None
+    adapt: Numbers | None
+    adapt_telemetry: Numbers | None
+    live_frames: Numbers | None
+    video: Numbers | None
+    shadow: Numbers | None  # a shadow deployment's report
+    shadow_telemetry: Numbers | None  # the same, compact, only while it runs
+    tracking: Numbers | None
+    tracking_telemetry: Numbers | None
+    storage: Numbers
+    storage_failing: bool  # a state write has failed since the start
+    last_results: list[Numbers]
+    duration_s: float
 
     def summary(self) -> dict[str, Any]:
         """The run summary of docs/contract.md, with `cameras` per camera and the batch size in use."""
-        shadow = self.shadow_host.session if self.shadow_host is not None else None  # read once: it may end now
-        adapt = self.adapt_host.controller if self.adapt_host is not None else None
         return {
-            "frames": self.stats.frames,
-            "fps": round(self.stats.fps(), 2),
-            "dropped_frames": self.batcher.dropped if self.batcher is not None else 0,
-            "latency_ms": self.stats.latency.summary(),
-            "stages_ms": self.stats.stage_means(),
-            "model": self.active.describe() if self.active is not None else {},
-            "errors": self.stats.errors,
-            "result_sink_errors": self.result_sinks.errors(),
-            "camera": capture_totals(self.cameras),
-            "cameras": camera_numbers(self.worker, self.batcher, self.cameras),
-            "batch": self._batch_summary(),
-            "adapt": adapt.status() if adapt is not None else None,
-            "live_frames": self.live_frames.stats() if self.live_frames is not None else None,
-            "video": self.video.status() if self.video is not None else None,
-            "shadow": shadow.report() if shadow is not None else None,  # a shadow deployment running
-            "tracking": self.tracking.status(),  # None while off; per camera counts, zones (docs/tracking.md)
-            "last_results": list(self._recent_results),
-            "duration_s": round(time.monotonic() - self.stats.started, 2),
+            "frames": self.frames, "fps": self.fps, "dropped_frames": self.dropped_frames,
+            "latency_ms": self.latency_ms, "stages_ms": self.stages_ms, "model": self.model, "errors": self.errors,
+            "result_sink_errors": self.result_sink_errors, "camera": self.camera, "cameras": self.cameras,
+            "batch": self.batch, "adapt": self.adapt, "live_frames": self.live_frames, "video": self.video,
+            "shadow": self.shadow,  # a shadow deployment running
+            "tracking": self.tracking,  # None while off; per camera counts, zones (docs/tracking.md)
+            "last_results": self.last_results, "duration_s": self.duration_s,
         }
 
-    def _batch_summary(self) -> dict[str, Any] | None:
-        """The size in use and why (the tuner's, once it has decided), batches run, the per-size stage profile,
-        how slots are preprocessed and, with `auto` live, the curve the last decision used."""
-        if self.batch_size is None:
-            return None
-        out: dict[str, Any] = {**self.batch_size.to_dict(), "batches": self.worker.batches if self.worker else 0}
-        if self.worker is not None:
-            status = self.worker.batch_status()
-            live = status.get("live")
-            if live is not None:
-                out.update(max_size=live["max_size"], reason=live["reason"])
-            out.update(status)
-        return out
+    def live_record(self) -> dict[str, Any]:
+        """The record `edge-agent status` reads from the state store (agent.storage.state.LIVE_KEY)."""
+        return {
+            "ts": self.ts, "state": self.health, "fps": self.fps, "frames": self.frames,
+            "dropped_frames": self.dropped_frames, "latency_ms": self.latency_ms,
+            "window_latency_ms": self.window_latency_ms, "errors": self.errors, "model": self.model,
+            "cameras": self.cameras, "batch": self.batch, "deployment": self.deployment, "adapt": self.adapt,
+            "storage": self.storage, "video": self.video, "shadow": self.shadow, "tracking": self.tracking,
+        }
+
+
+class LiveSource(Protocol):
+    """What telemetry and `status` read of the running agent: one snapshot per call."""
+
+    def live_snapshot(self) -> LiveSnapshot:
+        """The live numbers now."""
+        ...
+
+
+@dataclass(frozen=True)
+class LiveParts:
+    """How the snapshot reaches the parts made after it (each None, or idle, while it is not running): one call
+    each, so the snapshot sees what runs now, not what ran when it was wired."""
+
+    active: Callable[[], LoadedModel | None]
+    deployment: Callable[[], Numbers | None]  # the deployment manager's status
+    adapt: Callable[[], AdaptController | None]
+    shadow: Callable[[], ShadowSession | None]
+    live_frames: Callable[[], LiveFrameSampler | None]
+    video: Callable[[], VideoService | None]
+    tracking: Callable[[], TrackingHost]
+
+
+class LiveReport:
+    """Takes the live snapshot: the frame path's counters once, then each running part's own report."""
+
+    def __init__(self, frame_path: FramePath, storage: StorageHealth, result_sinks: ResultSinks,
+                 parts: LiveParts) -> None:
+        self.frame_path, self.storage, self.result_sinks, self.parts = frame_path, storage, result_sinks, parts
+
+    def live_snapshot(self) -> LiveSnapshot:
+        """The live numbers now (each part read once, so health and deployment agree within one snapshot)."""
+        path, parts, storage = self.frame_path, self.parts, self.storage
+        stats, worker, batcher, cameras = path.stats, path.worker, path.batcher, path.cameras
+        window = worker.window if worker is not None else None
+        deployment = parts.deployment()
+        active, adapt, shadow, tracking = parts.active(), parts.adapt(), parts.shadow(), parts.tracking()
+        live_frames, video = parts.live_frames(), parts.video()
+        now = time.monotonic()
+        return LiveSnapshot(
+            ts=time.time(), monotonic=now, health=_health(path, storage, deployment),
+            frames=stats.frames, fps=round(stats.fps(), 2), recent_fps=path.recent_fps(),
+            dropped_frames=batcher.dropped if batcher is not None else 0, errors=stats.errors,
+            latency_ms=stats.latency.summary(), stages_ms=stats.stage_means(),
+            window_latency_ms=window.latency.summary() if window is not None else {},
+            window_stages_ms=window.stage_means() if window is not None else {},
+            model=active.describe() if active is not None else {}, result_sink_errors=self.result_sinks.errors(),
+            camera=capture_totals(cameras), cameras=camera_numbers(worker, batcher, cameras),
+            batch=_batch_summary(path), batch_live=batch_numbers(worker), deployment=deployment,
+            adapt=adapt.status() if adapt is not None else None,
+            adapt_telemetry=adapt.telemetry() if adapt is not None else None,
+            live_frames=live_frames.stats() if live_frames is not None else None,
+            video=video.status() if video is not None else None,
+            shadow=shadow.report() if shadow is not None else None,
+            shadow_telemetry=shadow.telemetry() if shadow is not None and not shadow.done else None,
+            tracking=tracking.status(), tracking_telemetry=tracking.telemetry(),
+            storage=storage.status(), storage_failing=bool(storage.failures),
+            last_results=path.recent_results(), duration_s=round(now - stats.started, 2))
+
+
+def _health(path: FramePath, storage: StorageHealth, deployment: Numbers | None) -> str:
+    """online, degraded (inference failing, a camera down, state writes failing) or updating (a deployment)."""
+    if path.worker is not None and path.worker.degraded:
+        return "degraded"
+    if storage.degraded:
+        return "degraded"
+    if path.cameras is not None and path.cameras.any_lost():
+        return "degraded"
+    if deployment and not deployment.get("watching"):
+        return "updating"
+    return "online"
+
+
+def _batch_summary(path: FramePath) -> dict[str, Any] | None:
+    """The size in use and why (the tuner's, once it has decided), batches run, the per-size stage profile,
+    how slots are preprocessed and, with `auto` live, the curve the last decision used."""
+    if path.batch_size is None:
+        return None
+    worker = path.worker
+    out: dict[str, Any] = {**path.batch_size.to_dict(), "batches": worker.batches if worker else 0}
+    if worker is not None:
+        status = worker.batch_status()
+        live = status.get("live")
+        if live is not None:
+            out.update(max_size=live["max_size"], reason=live["reason"])
+        out.update(status)
+    return out

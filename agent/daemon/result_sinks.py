@@ -16,7 +16,7 @@ from typing import Callable
 
 from agent.sources.base import Frame
 from engines.postprocess import InferenceResult
-from engines.runtime import ModelRuntime
+from engines.runtime.model_runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class ResultSinks:
         for name, sink in self._sinks:
             try:
                 sink(frame, result, runtime)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a sink's bug must not reach the frame path or starve the other sinks
                 self._failed(name)
 
     def _failed(self, name: str) -> None:

@@ -16,10 +16,10 @@ from agent.shadow.plan import ShadowPlan
 from agent.shadow.pressure import ServingPressure, yield_threshold
 from agent.shadow.session import ShadowModel, ShadowSession
 from agent.shadow.verdict import Verdict
-from agent.slots import ModelSlots
+from agent.serving.slots import ModelSlots
 from engines.build import ProvisionResult
-from engines.errors import EdgeError
-from engines.model import ModelSource
+from kernel.errors import EdgeError
+from engines.model.source import ModelSource
 
 
 class ShadowHost:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
-from agent.pipeline.summary import DECODE_FIELDS, batch_numbers, camera_numbers
+from agent.daemon.reporting import LiveSource
+from agent.pipeline.summary import DECODE_FIELDS
 from agent.telemetry import collector_from_names, energy_mj_per_frame
 
 log = logging.getLogger(__name__)
@@ -19,96 +20,55 @@ log = logging.getLogger(__name__)
 Sink = Callable[[dict[str, Any]], object]  # what a sink returns is not used
 
 if TYPE_CHECKING:
-    from agent.adapt.controller import AdaptController
-    from agent.config import AgentConfig
-    from agent.daemon.tracking_host import TrackingHost
-    from agent.pipeline.batcher import Batcher
-    from agent.pipeline.cameras import CameraGroup
-    from agent.pipeline.frame_stats import FrameStats
-    from agent.pipeline.worker import InferenceWorker
-    from agent.shadow.session import ShadowSession
-    from agent.slots import LoadedModel
-    from agent.sources.base import Frame
-    from agent.storage_health import StorageHealth
-
-
-class FramePathView(Protocol):
-    """What telemetry reads of the running agent (agent.daemon.runner.Agent): counters and the models, never more."""
-
-    @property
-    def config(self) -> AgentConfig: ...
-    @property
-    def stats(self) -> FrameStats: ...
-    @property
-    def batcher(self) -> Batcher[Frame] | None: ...
-    @property
-    def worker(self) -> InferenceWorker | None: ...
-    @property
-    def cameras(self) -> CameraGroup | None: ...
-    @property
-    def storage(self) -> StorageHealth: ...
-    @property
-    def active(self) -> LoadedModel | None: ...
-    @property
-    def shadow(self) -> ShadowSession | None: ...
-    @property
-    def adapt(self) -> AdaptController | None: ...
-    @property
-    def tracking(self) -> TrackingHost: ...
+    from agent.config.tree import TelemetryConfig
 
 
 class FramePathMeter:
-    """Turns the agent's cumulative counters into per-interval numbers."""
+    """Turns the live snapshot's cumulative counters into per-interval numbers."""
 
-    def __init__(self, agent: FramePathView) -> None:
-        self.agent = agent
+    def __init__(self, source: LiveSource) -> None:
+        self.source = source
         self._last = (time.monotonic(), 0, 0)
         self._last_cameras: dict[str, int] = {}
 
     def sample(self) -> dict[str, Any]:
         """fps, frames, drops and latency for the interval since the previous call."""
-        agent = self.agent
-        dropped = agent.batcher.dropped if agent.batcher is not None else 0
-        now, frames = time.monotonic(), agent.stats.frames
+        snap = self.source.live_snapshot()
+        now, frames, dropped = snap.monotonic, snap.frames, snap.dropped_frames
         then, frames_before, dropped_before = self._last
         self._last = (now, frames, dropped)
         interval = max(now - then, 1e-6)
-        window = agent.worker.window if agent.worker is not None else None
         out: dict[str, Any] = {
             "fps": round((frames - frames_before) / interval, 2),
             "frames": frames,
             "dropped_frames": dropped,
             "interval_s": round(interval, 3),
             "frames_in_interval": frames - frames_before,
-            "errors": agent.stats.errors,
-            "latency_ms": window.latency.summary() if window is not None else {},
-            "stages_ms": window.stage_means() if window is not None else {},
+            "errors": snap.errors,
+            "latency_ms": snap.window_latency_ms,
+            "stages_ms": snap.window_stages_ms,
         }
-        storage = agent.storage
-        if storage.failures:  # absent until a state write has failed
-            out["storage"] = storage.status()
-        cameras = self._cameras(interval)
+        if snap.storage_failing:  # absent until a state write has failed
+            out["storage"] = snap.storage
+        cameras = self._cameras(snap.cameras, interval)
         if cameras:
             out["cameras"] = cameras
-        if agent.active is not None:
-            out["model"] = agent.active.describe()
-        batch = batch_numbers(agent.worker)
-        if batch is not None:
-            out["batch"] = batch
-        shadow = agent.shadow
-        if shadow is not None and not shadow.done:
-            out["shadow"] = shadow.telemetry()  # a shadow deployment's agreement so far (docs/deployments.md#shadow-deployments)
-        adapt = agent.adapt
-        if adapt is not None:
-            out["adapt"] = adapt.telemetry()  # {enabled, pinned, variant}: the policy state, docs/adaptive.md
-        tracking = agent.tracking.telemetry()
-        if tracking is not None:  # per camera: epoch, tracks now, zone and line counts per class; events per type
-            out["tracking"] = tracking
+        if snap.model:
+            out["model"] = snap.model
+        if snap.batch_live is not None:
+            out["batch"] = snap.batch_live
+        # a shadow deployment's agreement so far (docs/deployments.md#shadow-deployments)
+        if snap.shadow_telemetry is not None:
+            out["shadow"] = snap.shadow_telemetry
+        if snap.adapt_telemetry is not None:
+            out["adapt"] = snap.adapt_telemetry  # {enabled, pinned, variant}: the policy state, docs/adaptive.md
+        # per camera: epoch, tracks now, zone and line counts per class; events per type
+        if snap.tracking_telemetry is not None:
+            out["tracking"] = snap.tracking_telemetry
         return out
 
-    def _cameras(self, interval: float) -> dict[str, dict[str, Any]]:
+    def _cameras(self, numbers: dict[str, dict[str, Any]], interval: float) -> dict[str, dict[str, Any]]:
         """Per camera: fps over the interval; frames, drops, grabs and retrieves since start; latency since start."""
-        numbers = camera_numbers(self.agent.worker, self.agent.batcher, self.agent.cameras)
         out = {}
         for name, cam in numbers.items():
             before = self._last_cameras.get(name, 0)
@@ -123,11 +83,11 @@ class FramePathMeter:
 class TelemetryThread(threading.Thread):
     """Samples every `interval_s` (changeable live) and hands each sample to the sinks."""
 
-    def __init__(self, agent: FramePathView, interval_s: float, sinks: list[Sink], stop_event: threading.Event) -> None:
+    def __init__(self, source: LiveSource, config: TelemetryConfig, interval_s: float, sinks: list[Sink],
+                 stop_event: threading.Event) -> None:
         super().__init__(name="telemetry", daemon=True)
-        cfg = agent.config.telemetry
-        self.collector = collector_from_names(cfg.sources, cfg.sysfs_root)
-        self.meter = FramePathMeter(agent)
+        self.collector = collector_from_names(config.sources, config.sysfs_root)
+        self.meter = FramePathMeter(source)
         self.interval_s = interval_s
         self.sinks = sinks
         self.stop_event = stop_event
@@ -144,7 +104,8 @@ class TelemetryThread(threading.Thread):
         """One full sample: device sources first, then the frame path."""
         sample = self.collector.sample()
         frame_path = self.meter.sample()
-        energy = energy_mj_per_frame(sample.get("power_mw"), frame_path.pop("interval_s"), frame_path.pop("frames_in_interval"))
+        energy = energy_mj_per_frame(sample.get("power_mw"), frame_path.pop("interval_s"),
+                                     frame_path.pop("frames_in_interval"))
         sample.update(frame_path)
         if energy is not None:
             sample["energy_mj_per_frame"] = round(energy, 3)
@@ -196,7 +157,7 @@ class PrometheusExporter:
             raise RuntimeError("telemetry.prometheus_port is set but prometheus-client is not installed: "
                                "pip install 'jetson-edge-agent[prometheus]'") from exc
         self.registry = prom.CollectorRegistry()
-        gauge = lambda name, doc, labels=(): prom.Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
+        gauge = lambda name, doc, labels=(): prom.Gauge(name, doc, labels, registry=self.registry)  # noqa: E731 - a one-line shorthand for the gauges below
         self.fps = gauge("edge_agent_fps", "Frames per second over the last interval")
         self.latency = gauge("edge_agent_latency_ms", "Glass-to-result latency of the active model", ("quantile",))
         self.frames = gauge("edge_agent_frames", "Frames processed since start")
@@ -206,7 +167,8 @@ class PrometheusExporter:
         self.throttled = gauge("edge_agent_throttled", "1 while the SoC is throttling")
         self.camera_fps = gauge("edge_agent_camera_fps", "Frames per second of one camera over the last interval",
                                 ("camera",))
-        self.camera_frames = gauge("edge_agent_camera_frames", "Frames of one camera processed since start", ("camera",))
+        self.camera_frames = gauge("edge_agent_camera_frames", "Frames of one camera processed since start",
+                                   ("camera",))
         self.camera_dropped = gauge("edge_agent_camera_dropped_frames", "Frames of one camera replaced unread",
                                     ("camera",))
         self.camera_latency = gauge("edge_agent_camera_latency_ms", "Glass-to-result latency of one camera",
@@ -214,9 +176,11 @@ class PrometheusExporter:
         self.camera_capture = gauge("edge_agent_camera_capture_frames", "Frames of one camera since start by what "
                                     "the capture did: grabbed, decoded (retrieved), skipped (grabbed, never retrieved)",
                                     ("camera", "stage"))
-        self.batch_size = gauge("edge_agent_batch_size", "Frames per engine call in use (max_size = \"auto\" re-decides it live)")
+        self.batch_size = gauge("edge_agent_batch_size",
+                                "Frames per engine call in use (max_size = \"auto\" re-decides it live)")
         self.batch_cost = gauge("edge_agent_batch_cost_ms_per_frame", "Frame-path cost per frame of one batch size, "
-                                "as the last live decision saw it (origin: live, predicted or build)", ("size", "origin"))
+                                "as the last live decision saw it (origin: live, predicted or build)",
+                                ("size", "origin"))
         # a running shadow deployment, labelled with its candidate (name@version); gone when the shadow ends
         self.shadow_frames = gauge("edge_agent_shadow_frames", "Frames the shadow's candidate compared with the "
                                    "serving model", ("model",))
@@ -246,7 +210,8 @@ class PrometheusExporter:
         batch = sample.get("batch") or {}
         if "max_size" in batch:
             self.batch_size.set(batch["max_size"])
-            self.batch_cost.clear()  # a size's origin changes (predicted -> live), a swap drops the tuner: no stale series
+            # a size's origin changes (predicted -> live), a swap drops the tuner: no stale series
+            self.batch_cost.clear()
             for size, cost in (batch.get("curve_ms") or {}).items():
                 self.batch_cost.labels(size, (batch.get("origin") or {}).get(size, "live")).set(cost)
         self._shadow(sample.get("shadow"))

@@ -27,18 +27,18 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from pydantic import ValidationError
 
-from agent.tracking import (CameraTracking, CameraTrackingConfig, LineConfig, OutsideFrame, Tracking, TrackingConfig, ZoneConfig,
-                            add_tracking, codes_of, tracked_of)
+from agent.tracking import (CameraTracking, CameraTrackingConfig, LineConfig, OutsideFrame, Tracking, TrackingConfig,
+                            ZoneConfig, add_tracking, codes_of, tracked_of)
 from agent.sources.synthetic import SyntheticConfig
 from agent.tracking.types import TRACKING_PROBLEM, TrackedResult
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 if TYPE_CHECKING:
-    from agent.config import AgentConfig
+    from agent.config.tree import AgentConfig
     from agent.daemon.result_sinks import ResultSink
     from agent.sources.base import Frame
     from engines.postprocess import InferenceResult
-    from engines.runtime import ModelRuntime
+    from engines.runtime.model_runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,10 @@ class SinkList(Protocol):
 
 
 class KeyValues(Protocol):
-    """What the host reads of the state store (agent.state.StateStore)."""
+    """What the host reads of the state store (agent.storage.state.StateStore)."""
 
-    def get_kv(self, key: str, default: Any = None) -> Any:
-        """A stored JSON value."""
+    def get_kv_object(self, key: str) -> dict[str, Any]:
+        """A stored JSON object, {} when unset."""
         ...
 
 
@@ -234,7 +234,7 @@ def read_live_shapes(store: KeyValues | None, config: TrackingConfig, cameras: S
     if store is None:
         return {}, []
     try:
-        stored = store.get_kv(LIVE_SHAPES_KEY, {}) or {}
+        stored = store.get_kv_object(LIVE_SHAPES_KEY)
     except sqlite3.Error as exc:  # a locked or failing store: the file's zones, said in the log
         log.error("tracking: the zones set live could not be read (%s); the config's zones are used", exc)
         return {}, []
@@ -251,7 +251,7 @@ def read_live_shapes(store: KeyValues | None, config: TrackingConfig, cameras: S
                 shapes.check_frame(sizes[camera])
         except (ValidationError, OutsideFrame, TypeError) as exc:
             code = (codes_of(exc) or ["CONFIG_INVALID"])[0] if isinstance(exc, ValidationError) else \
-                getattr(exc, "code", "CONFIG_INVALID")
+                exc.code if isinstance(exc, OutsideFrame) else "CONFIG_INVALID"
             problems.append({"camera": camera, "code": code, "message": f"zones set live for camera {camera!r} are "
                              f"not applied (the config's are): {exc}"[:500]})
             continue

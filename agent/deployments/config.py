@@ -17,7 +17,8 @@ class DeploymentConfig(BaseModel):
         description="overlap: load and warm the candidate beside the active engine, switch between two frames, keep "
         "the previous one loaded for instant rollback. stop_start: for devices that cannot hold two engines.",
     )
-    watch_window_s: float = Field(60.0, ge=0, le=86400, description="After activation, how long the new model is watched.")
+    watch_window_s: float = Field(60.0, ge=0, le=86400,
+                                  description="After activation, how long the new model is watched.")
     watch_min_frames: int = Field(
         10, ge=1, description="Frames of the new model needed before the watch judges latency, errors and fps. The "
         "latency statistic follows the count: p99 from 100 frames, p95 from 20, else the median.",
@@ -44,18 +45,22 @@ class DeploymentConfig(BaseModel):
     )
     min_fps_ratio: float = Field(
         0.5, ge=0, le=1, description="Without an absolute floor: the fps floor per camera is this x the rate the new "
-        "model can give it (its share of the engine's gate-measured capacity, at most the camera's stated fps); 0 = off.",
+        "model can give it (its share of the engine's gate-measured capacity, at most the camera's stated fps); "
+        "0 = off.",
     )
-    keep_versions: int = Field(3, ge=2, le=100, description="Artifacts kept on disk; the active and previous are never removed.")
+    keep_versions: int = Field(3, ge=2, le=100,
+                               description="Artifacts kept on disk; the active and previous are never removed.")
     build_timeout_s: float = Field(1800.0, gt=0, description="Engine build timeout.")
-    keep_previous_loaded: bool = Field(True, description="With overlap, keep the previous engine in memory for instant rollback.")
+    keep_previous_loaded: bool = Field(
+        True, description="With overlap, keep the previous engine in memory for instant rollback.")
     min_free_memory_mb: int = Field(
         512, ge=0, description="Keep the previous engine loaded only while this much memory stays free."
     )
     keep_deployments: int = Field(
-        50, ge=1, le=10000, description="Finished deployments (active, failed, rolled_back, cancelled) kept in state.db with their "
-        "transition logs; older ones are deleted at start and after each deployment. The deployments of the active and "
-        "previous models are always kept.",
+        50, ge=1, le=10000,
+        description="Finished deployments (active, failed, rolled_back, cancelled) kept in state.db with their "
+        "transition logs; older ones are deleted at start and after each deployment. The deployments of the active "
+        "and previous models are always kept.",
     )
     max_requests_per_minute: int = Field(
         10, ge=0, le=600, description="deploy commands accepted per minute, counted per channel (MQTT and the control "

@@ -18,9 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, TypeGuard
+from typing import TYPE_CHECKING, Any, Mapping, TypeGuard
 
-from engines.errors import EdgeError
+from engines.runtime.build_curve import Curve
+from kernel.errors import EdgeError
+
+if TYPE_CHECKING:
+    from agent.deployments.config import DeploymentConfig
+    from engines.build.validate import ValidationResult
 
 
 @dataclass(frozen=True)
@@ -38,14 +43,14 @@ class FpsFloor:
         return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
-def capacity_fps(validation: Any, curve: Any, batch_size: int) -> float | None:
+def capacity_fps(validation: ValidationResult | None, curve: Curve | None, batch_size: int) -> float | None:
     """Frames per second the model served in its gate: 1000 / (engine cost + stage overhead) ms per frame.
 
     The engine cost is the build's per-frame cost at `batch_size` when a batch curve was measured, else the
     gate's p50 inference latency; the overhead is what preprocessing and postprocessing added on the gate's
     frames (its `frame_ms` p50 minus that latency; 0 for verdicts cached before it was measured). None when
     nothing was measured."""
-    infer_p50 = _p50(getattr(validation, "latency_ms", None))
+    infer_p50 = _p50(validation.latency_ms if validation is not None else None)
     engine_ms = infer_p50
     if isinstance(curve, Mapping) and curve:
         costs = {int(k): float(v) for k, v in curve.items() if _positive(v)}
@@ -54,7 +59,7 @@ def capacity_fps(validation: Any, curve: Any, batch_size: int) -> float | None:
             engine_ms = costs[max(usable)]
     if engine_ms is None:
         return None
-    frame_p50 = _p50(getattr(validation, "frame_ms", None))
+    frame_p50 = _p50(validation.frame_ms if validation is not None else None)
     overhead = max(0.0, frame_p50 - infer_p50) if frame_p50 is not None and infer_p50 is not None else 0.0
     return 1000.0 / (engine_ms + overhead)
 
@@ -85,7 +90,7 @@ def fair_shares(capacity: float | None, rates: Mapping[str, float | None]) -> di
     return shares
 
 
-def fps_floors(config: Any, manifest_min_fps: float | None, capacity: float | None,
+def fps_floors(config: DeploymentConfig, manifest_min_fps: float | None, capacity: float | None,
                rates: Mapping[str, float | None]) -> dict[str, FpsFloor]:
     """The floor of every camera in `rates` (camera name -> stated fps or None)."""
     shares = fair_shares(capacity, rates)

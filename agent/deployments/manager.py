@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from agent.artifacts.config import ArtifactsConfig
 from agent.artifacts.fetch import FetchTimeout, fetch_into
@@ -30,11 +30,16 @@ from agent.deployments.versions import VersionMemory
 from agent.deployments.watch import WatchWindow
 from agent.deployments.watching import WatchHost, WatchStage
 from agent.shadow.plan import ShadowArgs
-from agent.storage_reclaim import tree_size
-from agent.testhooks import pause_point
-from agent.wire_errors import internal_error
-from engines.errors import EdgeError
-from engines.model import ModelSource
+from agent.storage.state import StateStore
+from agent.storage.reclaim import tree_size
+from agent.base.testhooks import pause_point
+from agent.base.wire_errors import internal_error
+from kernel.errors import EdgeError
+from engines.model.manifest import Manifest
+from engines.model.source import ModelSource
+
+if TYPE_CHECKING:
+    from engines.build import ProvisionResult  # the build wing's result, typed only: nothing here builds
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,7 @@ EventSink = Callable[..., None]
 
 
 RESUMABLE = {"ARTIFACT_FETCH_FAILED", "ARTIFACT_NO_SPACE", "INTERRUPTED", "ARTIFACT_FETCH_CANCELLED"}
+RELEASE_WAIT_S = 5.0  # how long a request waits for an ended deployment's worker to let go (it only clears its fields)
 
 
 @dataclass(frozen=True)
@@ -65,18 +71,24 @@ class BusyError(EdgeError):
 
 
 class SwapHost(ShadowHost, WatchHost, Protocol):
-    """What the deployment worker needs from the running agent (implemented by agent.daemon.runner.Agent)."""
+    """What the deployment worker needs from the running agent (implemented by agent.daemon.swaps.Swaps)."""
 
-    def provision(self, source: ModelSource, on_progress: Callable[[dict], None], stop: threading.Event) -> Any:
+    def provision(self, source: ModelSource, on_progress: Callable[[dict], None],
+                  stop: threading.Event) -> ProvisionResult:
         """Build or find the engine for `source` and validate it (raises GATE_* / ENGINE_* errors)."""
         ...
 
-    def activate(self, source: ModelSource, provisioned: Any, dep: Deployment) -> dict[str, Any]:
+    def activate(self, source: ModelSource, provisioned: ProvisionResult, dep: Deployment) -> dict[str, Any]:
         """Load, warm and swap in; return swap details (gap, strategy). Must not persist anything."""
         ...
 
-    def commit_active(self, source: ModelSource, provisioned: Any, dep: Deployment, store: DeploymentStore) -> None:
+    def commit_active(self, source: ModelSource, provisioned: ProvisionResult, dep: Deployment,
+                      store: DeploymentStore) -> None:
         """Record the new active model and the `active` transition in one transaction."""
+        ...
+
+    def collect_engines(self, pinned: set[str]) -> object:
+        """Engine cache GC to its budget, never the `pinned` models' engines (what it reports is not used here)."""
         ...
 
 
@@ -91,6 +103,9 @@ class DeploymentManager(threading.Thread):
         self.stop_event = stop_event
         self._queue: queue.Queue[Deployment] = queue.Queue(maxsize=4)
         self._lock = threading.Lock()
+        # notified when the worker lets go of a deployment: between its row turning active (or failed) and the
+        # worker's tidy-up, a caller that saw the row end must not be told BUSY
+        self._released = threading.Condition(self._lock)
         self._current: Deployment | None = None
         self.watching = WatchStage(store, host, config, emit, stop_event)
         self._options: dict[str, RequestOptions] = {}
@@ -117,6 +132,9 @@ class DeploymentManager(threading.Thread):
                                  shadow)
         with self._lock:
             current = self._current
+            if current is not None and current.state in TERMINAL:  # ended: its worker is only tidying up
+                self._released.wait_for(lambda: self._current is not current, timeout=RELEASE_WAIT_S)
+                current = self._current
             if current is not None:
                 if current.url == url:
                     return {"accepted": True, "deployment_id": current.id, "joined": True, "state": current.state}
@@ -241,7 +259,7 @@ class DeploymentManager(threading.Thread):
                 current = self.store.get(dep.id)
                 if current is not None and current.state not in TERMINAL:
                     self.store.transition(dep, "failed", reason=code, message=message[:2000])
-            except Exception:
+            except Exception:  # noqa: BLE001 - whatever the database raised, the row is kept and retried later
                 self._unrecorded.append((dep, code, message))
 
     def _deploy(self, dep: Deployment) -> None:
@@ -272,7 +290,7 @@ class DeploymentManager(threading.Thread):
             self.watching.unwatch(dep)
             self._fail(dep, exc.code, str(exc))
             return
-        except Exception:
+        except Exception:  # noqa: BLE001 - a crash in any step fails this deployment (logged), never the worker
             self.watching.unwatch(dep)
             self._fail(dep, "INTERNAL", internal_error(log, f"deployment {dep.id} crashed"))
             return
@@ -281,6 +299,7 @@ class DeploymentManager(threading.Thread):
                 self._current = None
                 self.progress = {}
                 self._options.pop(dep.id, None)
+                self._released.notify_all()
         try:
             self._collect_artifacts()
         except Exception:
@@ -288,7 +307,7 @@ class DeploymentManager(threading.Thread):
         self._collect_engines()
         self.watching.run(dep)
 
-    def _prepare(self, dep: Deployment, shadow: bool = False) -> tuple[ModelSource, Any]:
+    def _prepare(self, dep: Deployment, shadow: bool = False) -> tuple[ModelSource, ProvisionResult]:
         self._step(dep, "fetching")
         path = self._fetch(dep, self._options.get(dep.id, RequestOptions()))
         self._step(dep, "verifying", artifact_dir=str(path))
@@ -301,7 +320,7 @@ class DeploymentManager(threading.Thread):
         provisioned = self.host.provision(source, self._progress(dep), self.stop_event)
         if dep.state == "building":  # validation may have been skipped for a cached, validated engine
             self._step(dep, "validating")
-        self._step(dep, "ready", engine_key=getattr(provisioned, "key", None),
+        self._step(dep, "ready", engine_key=provisioned.key,
                    details={"engine": _engine_summary(provisioned)})
         return source, provisioned
 
@@ -313,7 +332,7 @@ class DeploymentManager(threading.Thread):
         """
         allowed, refused_waiver = self._downgrade_waiver(options)
 
-        def check(manifest: Any) -> None:
+        def check(manifest: Manifest) -> None:
             self.versions.seed_from_active()  # the model the agent started with counts as deployed
             self.versions.check(manifest.name, manifest.version, allowed, refused_waiver=refused_waiver)
 
@@ -366,7 +385,8 @@ class DeploymentManager(threading.Thread):
             kind = event.pop("type", None) or event.get("stage", "progress")
             if kind == "engine.validation.started" and dep.state == "building":
                 self._step(dep, "validating")
-            fields = {k: v for k, v in event.items() if _small(v) and k not in ("stage", "event", "deployment_id", "state")}
+            fields = {k: v for k, v in event.items()
+                      if _small(v) and k not in ("stage", "event", "deployment_id", "state")}
             self.progress = {"stage": dep.state, "event": kind, **fields}
             self.emit("deployment_progress", deployment_id=dep.id, state=dep.state, event=kind, **fields)
         return report
@@ -413,12 +433,10 @@ class DeploymentManager(threading.Thread):
 
     def _collect_engines(self) -> None:
         """Keep the engine cache within its budget (LRU), never touching the active or previous engine."""
-        collect = getattr(self.host, "collect_engines", None)
-        if collect is not None:
-            try:
-                collect(_pinned(self.store.state))
-            except Exception:
-                log.exception("engine cache GC failed")
+        try:
+            self.host.collect_engines(_pinned(self.store.state))
+        except Exception:
+            log.exception("engine cache GC failed")
 
     def _collect_artifacts(self) -> None:
         """Remove artifact directories beyond the newest `keep_versions`, never the active or previous one."""
@@ -432,13 +450,13 @@ class DeploymentManager(threading.Thread):
                 self.emit("artifact_collected", path=str(path))
 
 
-def _pinned(state: Any) -> set[str]:
+def _pinned(state: StateStore) -> set[str]:
     """Model sha256s of the active and previous models: their engines are never collected."""
     return {row["sha256"] for row in state.serving_models()}
 
 
-def _engine_summary(provisioned: Any) -> dict[str, Any]:
-    data = provisioned.to_dict() if hasattr(provisioned, "to_dict") else {}
+def _engine_summary(provisioned: ProvisionResult) -> dict[str, Any]:
+    data = provisioned.to_dict()
     keep = ("key", "backend", "precision", "hit", "build_s")
     out = {k: data.get(k) for k in keep if k in data}
     if data.get("validation"):

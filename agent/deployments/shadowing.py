@@ -11,16 +11,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from agent.deployments.store import Deployment, DeploymentStore
 from agent.shadow.plan import ShadowArgs, ShadowPlan, resolve
 from agent.shadow.session import ShadowSession
 from agent.shadow.verdict import Verdict
-from agent.testhooks import pause_point
-from engines.errors import EdgeError
-from engines.live_agreement import live_metric
-from engines.model import ModelSource
+from agent.base.testhooks import pause_point
+from kernel.errors import EdgeError
+from engines.evaluation.live_agreement import live_metric
+from engines.model.source import ModelSource
+
+if TYPE_CHECKING:
+    from engines.build import ProvisionResult  # the build wing's result, typed only: nothing here builds
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +32,9 @@ POLL_S = 0.25
 
 
 class ShadowHost(Protocol):
-    """What the shadow step needs from the running agent (agent.daemon.runner.Agent)."""
+    """What the shadow step needs from the running agent (agent.daemon.swaps.Swaps)."""
 
-    def start_shadow(self, source: ModelSource, provisioned: Any, dep: Deployment, plan: ShadowPlan,
+    def start_shadow(self, source: ModelSource, provisioned: ProvisionResult, dep: Deployment, plan: ShadowPlan,
                      on_verdict: Callable[[Verdict], None]) -> ShadowSession:
         """Start the candidate beside the serving model; frames flow to it from then on."""
         ...
@@ -65,12 +68,13 @@ class ShadowStage:
         self._wake = threading.Event()
         self._lock = threading.Lock()
 
-    def run(self, dep: Deployment, source: ModelSource, provisioned: Any, args: ShadowArgs, step: Step) -> dict[str, Any]:
+    def run(self, dep: Deployment, source: ModelSource, provisioned: ProvisionResult, args: ShadowArgs,
+            step: Step) -> dict[str, Any]:
         """Shadow until a verdict; returns the evidence (the last report plus outcome, reason, message)."""
         plan = resolve(args, source.manifest.shadow)
         serving = self.host.serving_label()
-        started = {"model": source.label, "active_model": serving, "metric": live_metric(source.manifest.postprocess.kind),
-                   **plan.to_dict()}
+        started = {"model": source.label, "active_model": serving,
+                   "metric": live_metric(source.manifest.postprocess.kind), **plan.to_dict()}
         step(dep, "shadowing", details={"shadow": {"plan": plan.to_dict(), "active_model": serving}})
         self._wake.clear()
         session = self.host.start_shadow(source, provisioned, dep, plan, lambda _verdict: self._wake.set())
@@ -95,7 +99,8 @@ class ShadowStage:
             if self.stop_event.is_set():
                 session.finish(Verdict("cancelled", "SHADOW_STOPPED", "the agent stopped during the shadow"))
             elif not session.is_alive() and session.verdict is None:
-                session.finish(Verdict("cancelled", "SHADOW_CANDIDATE_FAILED", "the shadow's thread ended unexpectedly"))
+                session.finish(Verdict("cancelled", "SHADOW_CANDIDATE_FAILED",
+                                       "the shadow's thread ended unexpectedly"))
             if session.verdict is not None or time.monotonic() >= next_record:
                 next_record = time.monotonic() + plan.report_interval_s
                 report = self._record(dep, session)
@@ -129,7 +134,8 @@ class ShadowStage:
             raise NoShadowError(f"the running shadow is deployment {session.model.deployment_id}, not {deployment_id}")
         report = session.report()
         numbers = f"after {report['frames']} frames, agreement {report['agreement']}"
-        verdict = (Verdict("promoted", "PROMOTE_REQUESTED", f"promoted by an operator {numbers}") if outcome == "promote"
+        verdict = (Verdict("promoted", "PROMOTE_REQUESTED", f"promoted by an operator {numbers}")
+                   if outcome == "promote"
                    else Verdict("cancelled", "CANCEL_REQUESTED", f"cancelled by an operator {numbers}"))
         if not session.finish(verdict):
             raise NoShadowError(f"the shadow has just ended ({session.verdict.reason if session.verdict else '?'})")

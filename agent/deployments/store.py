@@ -6,10 +6,10 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
-from agent.state import StateStore
-from engines.errors import EdgeError
+from agent.storage.state import StateStore
+from kernel.errors import EdgeError
 
 STATES = ("requested", "fetching", "verifying", "building", "validating", "ready", "shadowing", "activating",
           "active", "failed", "rolled_back", "cancelled")
@@ -80,22 +80,25 @@ class DeploymentStore:
                        (dep.id, dep.state, now))
         return dep
 
-    def transition(self, dep: Deployment, state: str, **fields: Any) -> Deployment:
+    def transition(self, dep: Deployment, state: str, *, details: Mapping[str, object] | None = None,
+                   **fields: object) -> Deployment:
         """Move `dep` to `state` (checked), recording `fields` on the row; committed (durably) before returning."""
         with self.state.transaction(durable=True):
-            self.apply(dep, state, **fields)
+            self.apply(dep, state, details=details, **fields)
         return dep
 
-    def apply(self, dep: Deployment, state: str, **fields: Any) -> None:
+    def apply(self, dep: Deployment, state: str, *, details: Mapping[str, object] | None = None,
+              **fields: object) -> None:
         """The transition inside a caller's transaction (to commit it together with other state)."""
         current = self._current_state(dep.id)
         if state not in ALLOWED.get(current, set()):
             raise TransitionError(f"deployment {dep.id}: {current} -> {state} is not allowed")
         now = time.time()
-        details = {**(dep.details or {}), **fields.pop("details", {})}
+        details = {**(dep.details or {}), **(details or {})}
         columns = {k: v for k, v in fields.items() if k in Deployment.__dataclass_fields__}
         assignments = ", ".join(f"{k} = ?" for k in columns)
-        sql = f"UPDATE deployments SET state = ?, updated = ?, details = ?{', ' + assignments if columns else ''} WHERE id = ?"
+        extra = ", " + assignments if columns else ""
+        sql = f"UPDATE deployments SET state = ?, updated = ?, details = ?{extra} WHERE id = ?"
         db = self.state.db
         db.execute(sql, (state, now, json.dumps(details), *columns.values(), dep.id))
         info = {k: v for k, v in fields.items() if k not in columns}
@@ -105,7 +108,7 @@ class DeploymentStore:
         for key, value in columns.items():
             setattr(dep, key, value)
 
-    def record_details(self, dep: Deployment, **details: Any) -> None:
+    def record_details(self, dep: Deployment, **details: object) -> None:
         """Merge `details` into the row without a transition (a running shadow's evidence, so a crash keeps it)."""
         merged = {**(dep.details or {}), **details}
         with self.state.transaction():
@@ -127,7 +130,8 @@ class DeploymentStore:
     def in_progress(self) -> list[Deployment]:
         """Deployments not in a terminal state (at most one while the agent runs)."""
         marks = ",".join("?" for _ in IN_PROGRESS)
-        rows = self.state.query(f"SELECT * FROM deployments WHERE state IN ({marks}) ORDER BY created", tuple(IN_PROGRESS))
+        rows = self.state.query(f"SELECT * FROM deployments WHERE state IN ({marks}) ORDER BY created",
+                                tuple(IN_PROGRESS))
         return [_row(r) for r in rows]
 
     def latest(self, limit: int = 10) -> list[Deployment]:
@@ -166,7 +170,8 @@ class DeploymentStore:
 
     def transitions(self, dep_id: str) -> list[dict[str, Any]]:
         """The transition log of one deployment, oldest first."""
-        return self.state.query("SELECT state, ts, info FROM deployment_transitions WHERE deployment_id = ? ORDER BY id", (dep_id,))
+        return self.state.query(
+            "SELECT state, ts, info FROM deployment_transitions WHERE deployment_id = ? ORDER BY id", (dep_id,))
 
 
 def _row(row: dict[str, Any]) -> Deployment:

@@ -15,9 +15,12 @@ import logging
 import re
 import sqlite3
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
+
+if TYPE_CHECKING:
+    from agent.storage.state import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ def is_older(version: str, than: str) -> bool:
 class VersionMemory:
     """Reads and records the highest deployed version per model name in the agent's StateStore."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: StateStore) -> None:
         self.state = state
 
     def highest(self, name: str) -> str | None:
@@ -125,5 +128,5 @@ def _waiver_hint(refused: str) -> str:
     """How to go back on purpose, or why the sender's allow_downgrade did not count."""
     if refused:
         return f"; {refused}"
-    return ("; to go back on purpose deploy with allow_downgrade from the device (edge-agent deploy --allow-downgrade), "
-            "or use rollback")
+    return ("; to go back on purpose deploy with allow_downgrade from the device "
+            "(edge-agent deploy --allow-downgrade), or use rollback")

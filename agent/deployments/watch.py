@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from agent.deployments.config import DeploymentConfig
 from agent.deployments.floors import FpsFloor
@@ -31,6 +31,35 @@ from agent.pipeline.output_health import OutputHealth
 from agent.pipeline.frame_stats import FrameStats
 
 POLL_S = 0.25
+
+
+class CameraWindows(Protocol):
+    """Each camera's window of the new model (agent.pipeline.frame_stats.CameraStats)."""
+
+    def items(self) -> Iterable[tuple[str, FrameStats]]:
+        """(camera, its window) for every camera with a result since the swap."""
+        ...
+
+
+class WatchedWorker(Protocol):
+    """What the watch reads of the inference worker (agent.pipeline.worker.InferenceWorker): the new model's
+    window, whole and per camera, and the frames it left out."""
+
+    @property
+    def window(self) -> FrameStats: ...
+    @property
+    def camera_windows(self) -> CameraWindows: ...
+
+
+class WatchedCameras(Protocol):
+    """What the watch reads of the cameras (agent.pipeline.cameras.CameraGroup)."""
+
+    @property
+    def names(self) -> list[str]: ...
+
+    def is_live(self, name: str) -> bool:
+        """The camera delivers frames now."""
+        ...
 P99_FRAMES = 100  # a p99 needs this many frames to be more than the slowest one
 P95_FRAMES = 20
 
@@ -81,7 +110,7 @@ def _fps_verdict(fps: float, fps_floor: float, numbers: dict[str, Any], message:
             "value": round(fps, 2), "statistic": "fps", **numbers, "message": message}
 
 
-def judge_cameras(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms: float | None,
+def judge_cameras(worker: WatchedWorker, cameras: WatchedCameras, config: DeploymentConfig, budget_ms: float | None,
                   floors: Mapping[str, FpsFloor], now: float | None = None,
                   health: OutputHealth | None = None) -> dict[str, Any] | None:
     """The first camera whose window breaks a limit, with its floor's derivation in `floor_from`.
@@ -139,7 +168,7 @@ def _starved(window: FrameStats | None, model_window: FrameStats, config: Deploy
                         f"{frames} frame(s) in {elapsed:.1f} s since the swap: {fps:.2f} fps < floor {fps_floor:.2f}")
 
 
-def watch_model(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms: float | None,
+def watch_model(worker: WatchedWorker, cameras: WatchedCameras, config: DeploymentConfig, budget_ms: float | None,
                 stop: threading.Event, floors: Mapping[str, FpsFloor],
                 still_current: Callable[[], bool], health: OutputHealth | None = None,
                 window_s: float | None = None) -> dict[str, Any] | None:
@@ -161,7 +190,8 @@ def watch_model(worker: Any, cameras: Any, config: DeploymentConfig, budget_ms: 
     return None
 
 
-def watch_summary(worker: Any, floors: Mapping[str, FpsFloor], health: OutputHealth | None = None) -> dict[str, Any]:
+def watch_summary(worker: WatchedWorker, floors: Mapping[str, FpsFloor],
+                  health: OutputHealth | None = None) -> dict[str, Any]:
     """What a passed watch saw per camera (the `watch_passed` event): frames, fps, latency, floor, outputs."""
     now = time.monotonic()
     cameras = {}

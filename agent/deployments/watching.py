@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 from agent.deployments.config import DeploymentConfig
 from agent.deployments.store import Deployment, DeploymentStore
 from agent.deployments.watch import WatchWindow
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from agent.mqtt.topics import check_prefix
-from agent.redact import has_userinfo, redact
+from agent.base.redact import has_userinfo, redact
 
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 

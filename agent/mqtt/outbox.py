@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from agent.schema import ensure_outbox
+from agent.storage.schema import ensure_outbox
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,11 @@ class Outbox:
                     )
                     self._set_counter("seq", self._seq + len(seqs))
                     last_id = self._conn.execute("SELECT last_insert_rowid()").fetchone()[0]
-                    self._seq, self._rows, self._bytes = self._seq + len(seqs), self._rows + len(rows), self._bytes + size
+                    self._seq, self._rows, self._bytes = (
+                        self._seq + len(seqs),
+                        self._rows + len(rows),
+                        self._bytes + size,
+                    )
                     if self._rows > self.max_rows or self._bytes > self.max_bytes:
                         self._evict()
                 self.last_id = last_id  # lets the publisher skip a query when nothing new arrived
@@ -212,7 +216,7 @@ class Outbox:
                 return
 
     def shed_telemetry(self, fraction: float = 0.5) -> tuple[int, int]:
-        """Drop the oldest `fraction` of the waiting telemetry (a full disk: agent.storage_reclaim), counted
+        """Drop the oldest `fraction` of the waiting telemetry (a full disk: agent.storage.reclaim), counted
         as dropped_telemetry like any eviction; events stay. Returns (rows, payload bytes) dropped."""
         with self._lock:
             waiting = self._conn.execute("SELECT COUNT(*) FROM mqtt_outbox WHERE kind = ?", (TELEMETRY,)).fetchone()[0]

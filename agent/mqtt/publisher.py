@@ -24,7 +24,7 @@ from typing import Any, Callable, Deque, Optional
 from agent.mqtt.client import MqttConnection, SessionInfo
 from agent.mqtt.outbox import EVENT, MEMORY_EVENTS, TELEMETRY, MemoryEvents, Outbox, OutboxRow, to_json_bytes
 from agent.mqtt.topics import STATES, Topics
-from agent.wire_errors import wire_safe
+from agent.base.wire_errors import wire_safe
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Publisher:
         self._stop, self._wake = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._acks: Deque[tuple[int, int, int]] = collections.deque()
-        self.counters = collections.Counter()  # type: ignore[var-annotated]
+        self.counters: collections.Counter[str] = collections.Counter()
         self.memory = MemoryEvents(outbox.boot_id, memory_events, avoid_epoch=outbox.epoch)
         self._memory_inflight: dict[int, tuple[str, bytes]] = {}  # mid -> message, this connection's
         self._outbox_retry_at: float | None = None  # while the outbox cannot be written: when to try it again
@@ -110,7 +110,7 @@ class Publisher:
         self._wake.set()
         return seq
 
-    def enqueue_event(self, type: str, **fields: Any) -> int:  # noqa: A002 - `type` is the wire name
+    def enqueue_event(self, type: str, **fields: Any) -> int:  # `type` is the wire name
         """Buffer one event (`{"seq","boot_id","ts","type",...}`); returns its seq. When the outbox cannot be
         written it waits in memory for a direct publish instead (its seq is then the memory stream's)."""
         # the device log keeps an exception's text or a local path; the wire gets its readable start and a ref

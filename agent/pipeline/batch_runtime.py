@@ -3,7 +3,7 @@ infer once, split the outputs back per frame and postprocess each with its own c
 
 An engine whose batch dimension is fixed at 1 (or that refuses a larger batch) runs the same slots one by
 one; the reason is logged once and `batched` turns False, so results never depend on what the engine takes.
-Only a refusal of the batch's size (`BATCH_SIZE_UNSUPPORTED`, engines.errors.BatchSizeError, raised by every
+Only a refusal of the batch's size (`BATCH_SIZE_UNSUPPORTED`, kernel.errors.BatchSizeError, raised by every
 backend) does that: any other engine error fails that batch alone (the worker counts it) and the next batch
 is batched again, so one passing fault never costs batching for good.
 
@@ -27,10 +27,10 @@ from typing import Sequence
 import numpy as np
 
 from agent.pipeline.slot_preprocess import Mode, SlotPreprocessing
-from engines.errors import BatchSizeError, EdgeError
+from kernel.errors import BatchSizeError, EdgeError
 from engines.postprocess import InferenceResult
-from engines.preprocess import FrameTransform, Preprocessor
-from engines.runtime import ModelRuntime
+from engines.model.preprocess import FrameTransform, Preprocessor
+from engines.runtime.model_runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +167,9 @@ class BatchRuntime:
 def engine_capacity(runtime: ModelRuntime) -> int | None:
     """The largest batch the engine takes per call: its `max_batch` when it says, else a fixed leading
     input dimension; None when the batch dimension is dynamic. A model with state inputs: 1 (state per camera)."""
-    if getattr(runtime, "states", None) is not None:
+    if runtime.states is not None:
         return 1
-    declared = getattr(runtime.engine, "max_batch", None)
+    declared = runtime.engine.max_batch
     if isinstance(declared, int) and declared >= 1:
         return declared
     shape = runtime.engine.inputs[0].shape

@@ -1,6 +1,6 @@
 """What `[batch] max_size` means on this device: an integer as given, or "auto" from the engine's measurement.
 
-"auto" asks `engines.batching.choose_batch_size(curve, latency_budget_ms, max_size, demand_fps)` (the
+"auto" asks `engines.runtime.batching.choose_batch_size(curve, latency_budget_ms, max_size, demand_fps)` (the
 engine side's picker over the per-size cost curve stored in the engine sidecar at build time). The
 demand is the cameras' total frame rate when every camera states one (`demand_fps`): then the smallest
 size that serves it with headroom wins, since a larger batch only makes frames wait; unknown, the best
@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Union
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Union
 
 from agent.pipeline.config import MAX_BATCH
+from engines.runtime.build_curve import BuildCurve, Curve
+
+if TYPE_CHECKING:
+    from engines.build import ProvisionResult  # the build wing's result, typed only: nothing here builds
 
 log = logging.getLogger(__name__)
 
@@ -31,32 +35,29 @@ class BatchSize:
         return {"max_size": self.size, "reason": self.reason}
 
 
-def batch_curve(provisioned: Any) -> Any:
-    """The per-size cost curve from the engine's sidecar report (or its older top-level `batch_curve`), None
-    when it was not measured."""
-    report = getattr(provisioned, "report", None)
-    return _batch_field(provisioned, "curve") or (report.get("batch_curve") if isinstance(report, dict) else None)
+def build_curve(provisioned: ProvisionResult) -> BuildCurve:
+    """What the engine's build measured of each batch size (curve, spread, relative), read once."""
+    return BuildCurve.of_report(provisioned.report)
 
 
-def batch_spread(provisioned: Any) -> Any:
+def batch_curve(provisioned: ProvisionResult) -> Curve | None:
+    """The per-size cost curve the build measured (engines.runtime.build_curve), None when it was not measured."""
+    return BuildCurve.of_report(provisioned.report).curve
+
+
+def batch_spread(provisioned: ProvisionResult) -> Mapping[str, Any] | None:
     """Each size's measured spread (`{"1": [p25, p75]}`) from the sidecar; None from engines timed before
     the build measured it (their sizes are then compared by median alone)."""
-    return _batch_field(provisioned, "spread")
+    return BuildCurve.of_report(provisioned.report).spread
 
 
-def batch_relative(provisioned: Any) -> Any:
+def batch_relative(provisioned: ProvisionResult) -> Mapping[str, Any] | None:
     """Each size's cost relative to batch 1 in the same timing round (`{"2": [p25, median, p75]}`), None
     from engines timed before the build measured it."""
-    return _batch_field(provisioned, "relative")
+    return BuildCurve.of_report(provisioned.report).relative
 
 
-def _batch_field(provisioned: Any, name: str) -> Any:
-    report = getattr(provisioned, "report", None) or {}
-    batch = report.get("batch") if isinstance(report, dict) else None
-    return batch.get(name) if isinstance(batch, dict) else None
-
-
-def demand_fps(cameras: Iterable[Any]) -> float | None:
+def demand_fps(cameras: Iterable[object]) -> float | None:
     """The cameras' total frame rate when every camera config states its rate (`fps`: synthetic, a file's
     replay rate, a V4L2 requested rate), else None: a network stream or a driver default is not known
     before it opens, and a partial sum would understate the demand."""
@@ -69,27 +70,29 @@ def demand_fps(cameras: Iterable[Any]) -> float | None:
     return total or None
 
 
-def stated_fps(camera: Any) -> float | None:
+def stated_fps(camera: object) -> float | None:
     """The rate a camera config states (`fps`), None when it states none."""
+    # each camera source plugin declares its own config model (agent.sources registry): not every kind has `fps`
     fps = getattr(camera, "fps", None)
     if not isinstance(fps, (int, float)) or isinstance(fps, bool) or fps <= 0:
         return None
     return float(fps)
 
 
-def resolve_batch_size(setting: Union[int, str], cameras: int, curve: Any, budget_ms: float | None,
-                       demand: float | None = None, spread: Any = None, relative: Any = None,
+def resolve_batch_size(setting: Union[int, str], cameras: int, curve: Curve | None, budget_ms: float | None,
+                       demand: float | None = None, spread: Mapping[str, Any] | None = None,
+                       relative: Mapping[str, Any] | None = None,
                        stateful: bool = False) -> BatchSize:
     """Never more than the number of cameras: a batch holds at most one frame per camera.
 
     `demand` is the cameras' total fps (`demand_fps`), None when unknown. `stateful`: the model declares state
-    inputs (manifest `state`), so it runs batch 1 whatever the setting (engines.batching.STATE_BATCH_REASON).
+    inputs (manifest `state`), so it runs batch 1 whatever the setting (engines.runtime.batching.STATE_BATCH_REASON).
 
     An explicit size larger than the engine takes still works: the batch runtime splits it into calls
     the engine accepts (agent.pipeline.batch_runtime).
     """
     if stateful:
-        from engines.batching import STATE_BATCH_REASON
+        from engines.runtime.batching import STATE_BATCH_REASON
 
         return BatchSize(1, STATE_BATCH_REASON)
     if isinstance(setting, int):
@@ -100,12 +103,12 @@ def resolve_batch_size(setting: Union[int, str], cameras: int, curve: Any, budge
     if not curve:
         return BatchSize(1, "auto: the engine sidecar has no measured batch curve")
     try:
-        from engines.batching import choose_batch_size
+        from engines.runtime.batching import choose_batch_size
     except ImportError:
-        return BatchSize(1, "auto: engines.batching.choose_batch_size is not available in this build")
+        return BatchSize(1, "auto: engines.runtime.batching.choose_batch_size is not available in this build")
     try:
         pick = choose_batch_size(curve, budget_ms, min(MAX_BATCH, cameras), demand, spread, relative)
-    except Exception as exc:  # a bad curve must not stop the agent: batch 1 and say why
+    except Exception as exc:  # noqa: BLE001 - a bad curve must not stop the agent: batch 1 and say why
         log.warning("batch size auto: picker failed on the sidecar curve: %s", exc)
         return BatchSize(1, f"auto: picker failed ({type(exc).__name__}: {exc})")
     size = max(1, min(pick.size, cameras))

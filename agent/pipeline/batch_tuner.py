@@ -1,7 +1,7 @@
 """`[batch] max_size = "auto"` while the agent serves: the batch size re-decided from what batches cost here.
 
 The size picked at start comes from the build's curve (agent.pipeline.batch_size), measured on an idle
-machine. Every `retune_interval_s` the tuner asks `engines.batching.choose_batch_size` again, over a curve
+machine. Every `retune_interval_s` the tuner asks `engines.runtime.batching.choose_batch_size` again, over a curve
 made of what the frame path really paid (agent.pipeline.batch_costs, the `path` cost per frame):
 - a size run recently (at least `retune_min_batches` batches in its window, the newest younger than
   `STALE_INTERVALS` intervals) counts with its live median and spread;
@@ -11,7 +11,7 @@ made of what the frame path really paid (agent.pipeline.batch_costs, the `path` 
   that size runs, since it then counts live.
 
 Hysteresis, so the size does not flap: a new size is taken only when two decisions in a row pick it; a
-larger size only when the current one is clearly beaten per frame by some size (engines.batching.
+larger size only when the current one is clearly beaten per frame by some size (engines.runtime.batching.
 clearly_cheaper: beyond `MIN_GAIN` and the spread of both), or, under the demand rule, when the current one
 does not serve the demand and the new one does; a smaller one for the demand only with `DOWNSIZE_MARGIN`
 more capacity than the headroom asks, and for throughput only when the current size is not cheaper by half
@@ -25,13 +25,25 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
 from agent.pipeline.batch_costs import BatchCosts, LiveCost
-from engines.batching import DEMAND_HEADROOM, MIN_GAIN, capacity_fps, choose_batch_size, clearly_cheaper, normalize_curve
-from engines.batch_curve import normalize_relative, normalize_spread
+from engines.runtime.batching import (
+    DEMAND_HEADROOM,
+    MIN_GAIN,
+    capacity_fps,
+    choose_batch_size,
+    clearly_cheaper,
+    normalize_curve,
+)
+from engines.runtime.batch_curve import normalize_relative, normalize_spread
+from engines.runtime.build_curve import Curve
+
+if TYPE_CHECKING:
+    from agent.pipeline.batch_size import BatchSize
+    from agent.pipeline.config import BatchConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +76,8 @@ class CurvePoint:
 class LiveBatchTuner:
     """Re-decides the batch size at a bounded rate; `decide` returns a new size only when it changes."""
 
-    build_curve: Any
-    build_spread: Any
+    build_curve: Curve | None
+    build_spread: Mapping[str, Any] | None
     budget_ms: float | None
     max_size: int
     size: int
@@ -74,7 +86,8 @@ class LiveBatchTuner:
     interval_s: float = 10.0
     min_batches: int = 16
     clock: Callable[[], float] = time.monotonic
-    build_relative: Any = None  # the build's paired per-round cost / batch 1 (engines.batch_curve)
+    # the build's paired per-round cost / batch 1 (engines.runtime.batch_curve)
+    build_relative: Mapping[str, Any] | None = None
     decisions: int = 0
     switches: int = 0
     curve: dict[int, CurvePoint] = field(default_factory=dict)
@@ -186,8 +199,9 @@ class LiveBatchTuner:
                 "history": list(self.history)}
 
 
-def make_tuner(config: Any, cameras: int, curve: Any, spread: Any, budget_ms: float | None,
-               demand: float | None, initial: Any, relative: Any = None) -> LiveBatchTuner | None:
+def make_tuner(config: BatchConfig, cameras: int, curve: Curve | None, spread: Mapping[str, Any] | None,
+               budget_ms: float | None, demand: float | None, initial: BatchSize,
+               relative: Mapping[str, Any] | None = None) -> LiveBatchTuner | None:
     """The tuner for one model, or None where the size cannot move: a configured integer, `live_retune`
     off, one camera, or no build curve (the engine was not timed: it runs batch 1, agent.pipeline.batch_size).
 
@@ -203,7 +217,7 @@ def make_tuner(config: Any, cameras: int, curve: Any, spread: Any, budget_ms: fl
             return None
         return LiveBatchTuner(curve, spread, budget_ms, top, initial.size, initial.reason, demand,
                               config.retune_interval_s, config.retune_min_batches, build_relative=relative)
-    except Exception as exc:  # a bad sidecar must not fail a start or a swap: the start size stays, say why
+    except Exception as exc:  # noqa: BLE001 - a bad sidecar must not fail a start or a swap: the start size stays
         log.warning("batch size auto: no live re-decision for this engine (its sidecar's batch curve: %s: %s)",
                     type(exc).__name__, exc)
         return None

@@ -13,18 +13,19 @@ import time
 from typing import Any, Callable, Sequence
 
 from agent.pipeline.batcher import Batcher
-from agent.pipeline.capture import CaptureThread
+from agent.pipeline.capture import CaptureStats, CaptureThread
 from agent.sources import create_source
+from agent.sources.base import CameraSettings, FrameSource
 
 log = logging.getLogger(__name__)
 
-SourceFactory = Callable[[Any], Any]
+SourceFactory = Callable[[CameraSettings], FrameSource]
 
 
 class CameraGroup:
     """Capture threads by camera name, each feeding its mailbox in `batcher`."""
 
-    def __init__(self, configs: Sequence[Any], batcher: Batcher, on_event: Callable[..., None],
+    def __init__(self, configs: Sequence[CameraSettings], batcher: Batcher, on_event: Callable[..., None],
                  source_factory: SourceFactory = create_source,
                  on_restart: Callable[[str], None] | None = None) -> None:
         self.configs = {c.name: c for c in configs}
@@ -32,7 +33,7 @@ class CameraGroup:
         self.on_event = on_event
         self.source_factory = source_factory
         # told a camera's name when its frames stop following the earlier ones (a fresh thread and source, a
-        # reopen after a loss): a stateful model starts that camera's state again (engines.state_inputs)
+        # reopen after a loss): a stateful model starts that camera's state again (engines.runtime.state_inputs)
         self.on_restart = on_restart
         self.threads: dict[str, CaptureThread] = {}
         self._stops: dict[str, threading.Event] = {}
@@ -110,7 +111,7 @@ class CameraGroup:
         """Names of cameras that were lost and are not back."""
         return [n for n, t in self.threads.items() if t.stats.losses and not t.stats.connected]
 
-    def stats(self, name: str) -> Any:
+    def stats(self, name: str) -> CaptureStats | None:
         """The CaptureStats of camera `name` (None before start)."""
         thread = self.threads.get(name)
         return thread.stats if thread is not None else None

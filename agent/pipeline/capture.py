@@ -50,13 +50,14 @@ class CaptureThread(threading.Thread):
         self.stop_event = stop_event
         self.on_event = on_event or (lambda *a, **k: None)
         self.stats = CaptureStats()
-        self._name = source.config.name
+        self._camera = source.config.name
         self._backoff = source.config.reopen_initial_s
         self._lost_since: float | None = None
         # paced sources that can grab: frames replaced unread are never decoded (agent.sources.lazy)
-        self.grabber = LazyGrabber(source, mailbox, self._name, self.stats) if can_grab(source) else None
+        self.grabber = LazyGrabber(source, mailbox, self._camera, self.stats) if can_grab(source) else None
         # live sources: grabs the consumer will not take are never retrieved (agent.pipeline.on_demand)
-        self.on_demand = OnDemandGrabber(source, mailbox, self._name, self.stats) if decodes_on_demand(source) else None
+        self.on_demand = (OnDemandGrabber(source, mailbox, self._camera, self.stats)
+                          if decodes_on_demand(source) else None)
 
     def run(self) -> None:
         """Open, read, and on failure back off and reopen, until stopped (or a finite source ends)."""
@@ -82,7 +83,7 @@ class CaptureThread(threading.Thread):
             self._lost(str(exc), exc.code)
             return False
         except Exception as exc:  # a backend bug must not kill the thread
-            log.exception("camera %s: unexpected error while opening", self._name)
+            log.exception("camera %s: unexpected error while opening", self._camera)
             self._lost(f"unexpected: {exc}")
             return False
         self._connected()
@@ -114,20 +115,20 @@ class CaptureThread(threading.Thread):
                 return self._end_of_stream()
             self.stats.grabbed += 1
             self.stats.decoded += 1
-            image = validate_image(image, self._name)
+            image = validate_image(image, self._camera)
         except SourceError as exc:
             if exc.code == "CAMERA_BAD_FRAME":
                 self.stats.bad_frames += 1
-                log.warning("camera %s: %s", self._name, exc)
+                log.warning("camera %s: %s", self._camera, exc)
                 return True
             self._lost(str(exc), exc.code)
             return False
         except Exception as exc:
-            log.exception("camera %s: unexpected read error", self._name)
+            log.exception("camera %s: unexpected read error", self._camera)
             self._lost(f"unexpected: {exc}")
             return False
         self.stats.frames += 1
-        self.mailbox.put(Frame(image, self.stats.frames, time.monotonic(), self._name, frame_meta(self.source)))
+        self.mailbox.put(Frame(image, self.stats.frames, time.monotonic(), self._camera, frame_meta(self.source)))
         return True
 
     def _grab_one(self, grabber: LazyGrabber | OnDemandGrabber) -> bool:
@@ -141,8 +142,8 @@ class CaptureThread(threading.Thread):
     def _end_of_stream(self) -> bool:
         if getattr(self.source, "finite", False):
             self.stats.ended = True
-            log.info("camera %s: end of input after %d frames", self._name, self.stats.frames)
-            self.on_event("camera_ended", camera=self._name, frames=self.stats.frames)
+            log.info("camera %s: end of input after %d frames", self._camera, self.stats.frames)
+            self.on_event("camera_ended", camera=self._camera, frames=self.stats.frames)
             return False
         self._lost("end of stream")
         return False
@@ -153,8 +154,8 @@ class CaptureThread(threading.Thread):
         if self._lost_since is not None:
             down_s = time.monotonic() - self._lost_since
             self.stats.recoveries += 1
-            log.info("camera %s recovered after %.1f s", self._name, down_s)
-            self.on_event("camera_recovered", camera=self._name, down_s=round(down_s, 2))
+            log.info("camera %s recovered after %.1f s", self._camera, down_s)
+            self.on_event("camera_recovered", camera=self._camera, down_s=round(down_s, 2))
             self._lost_since = None
 
     def _lost(self, reason: str, code: str = "CAMERA_FAILED") -> None:
@@ -162,10 +163,10 @@ class CaptureThread(threading.Thread):
         if self._lost_since is None:
             self._lost_since = time.monotonic()
             self.stats.losses += 1
-            log.warning("camera %s lost: %s (reopening with backoff)", self._name, reason)
-            self.on_event("camera_lost", camera=self._name, code=code or "CAMERA_FAILED", reason=reason)
+            log.warning("camera %s lost: %s (reopening with backoff)", self._camera, reason)
+            self.on_event("camera_lost", camera=self._camera, code=code or "CAMERA_FAILED", reason=reason)
         else:
-            log.debug("camera %s still down: %s", self._name, reason)
+            log.debug("camera %s still down: %s", self._camera, reason)
 
     def _wait_backoff(self) -> None:
         self.stop_event.wait(self._backoff)

@@ -1,6 +1,6 @@
 """Config of the frame path: the camera list (`[[cameras]]` or the one-camera `[camera]`) and `[batch]`.
 
-`AgentConfig` (agent.config) holds these fields; the rules that tie them together live here so the
+`AgentConfig` (agent.config.tree) holds these fields; the rules that tie them together live here so the
 frame path's settings are read in one place.
 """
 
@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Literal, Mapping, Union
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+if TYPE_CHECKING:
+    from agent.sources.base import SourceConfigBase
 
 MAX_BATCH = 64
 
@@ -53,9 +56,9 @@ class BatchConfig(BaseModel):
     parallel_preprocess: Union[bool, Literal["auto"]] = Field(
         "auto",
         description="Preprocess a batch's frames side by side on a small thread pool (min(cores, slots) - 1 threads; "
-        "the inference thread takes a share itself) instead of one after another. \"auto\": the first batches are timed both "
-        "ways on the real frames and parallel is kept only when it is at least 5 % faster per frame (on a small CPU "
-        "the threads compete with the engine). One core: always serial.",
+        'the inference thread takes a share itself) instead of one after another. "auto": the first batches are '
+        "timed both ways on the real frames and parallel is kept only when it is at least 5 % faster per frame (on a "
+        "small CPU the threads compete with the engine). One core: always serial.",
     )
 
     @field_validator("max_size", mode="before")
@@ -76,7 +79,7 @@ class BatchConfig(BaseModel):
         return value
 
 
-def default_kinds(data: Any) -> Any:
+def default_kinds(data: object) -> object:
     """`kind` defaults to synthetic in `[camera]` and each `[[cameras]]` entry (so env-only tuning works)."""
     if not isinstance(data, dict):
         return data
@@ -90,8 +93,8 @@ def default_kinds(data: Any) -> Any:
     return data
 
 
-def check_cameras(camera: Any, cameras: list[Any], camera_set: bool,
-                  environ: Mapping[str, str] | None = None) -> list[Any]:
+def check_cameras(camera: SourceConfigBase, cameras: list[SourceConfigBase], camera_set: bool,
+                  environ: Mapping[str, str] | None = None) -> list[SourceConfigBase]:
     """The cameras this config runs; raises ValueError naming the conflict (and the environment variables
     that set a side of it) or the duplicate name."""
     if cameras and camera_set:

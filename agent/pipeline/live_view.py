@@ -18,12 +18,14 @@ def status_line(summary: dict[str, Any]) -> str:
     """`demo-det@1.0.0 onnxruntime/fp32 | 4.1 fps | p50 231.0 p99 260.2 ms | dropped 120 | errors 0`."""
     model = summary.get("model") or {}
     lat = summary.get("latency_ms") or {}
-    label = f"{model.get('name', '?')}@{model.get('version', '?')} {model.get('backend', '?')}/{model.get('precision', '?')}"
+    label = (f"{model.get('name', '?')}@{model.get('version', '?')} "
+             f"{model.get('backend', '?')}/{model.get('precision', '?')}")
     p50 = lat.get("p50", float("nan"))
     p99 = lat.get("p99", float("nan"))
     line = (
         f"{label} | {summary.get('fps', 0):.1f} fps | p50 {p50:.1f} p99 {p99:.1f} ms | "
-        f"frames {summary.get('frames', 0)} | dropped {summary.get('dropped_frames', 0)} | errors {summary.get('errors', 0)}"
+        f"frames {summary.get('frames', 0)} | dropped {summary.get('dropped_frames', 0)} | "
+        f"errors {summary.get('errors', 0)}"
     )
     cameras = summary.get("cameras") or {}
     if len(cameras) > 1:  # every camera on the line: a stalled one must be visible at a glance

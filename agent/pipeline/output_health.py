@@ -18,16 +18,20 @@ least MIN_FOREGROUND_SHARE, varied frames on at least half of the frames.
 
 Only like is compared with like: the same postprocess kind (and, for classification, the same labels).
 Recording is a few integer updates per frame on the results thread; nothing waits on it.
-"""
+"""  # noqa: E501 - a markdown table row cannot wrap
 
 from __future__ import annotations
 
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from engines.postprocess.base import InferenceResult
+    from engines.runtime.model_runtime import ModelRuntime
 
 HISTORY_FRAMES = 300  # per camera: the previous model's most recent frames
 SPREAD_SAMPLES = 4096  # raw outputs: values sampled per frame for the spread (a 1024x1024 matte is 1 M)
@@ -42,24 +46,29 @@ class FrameHealth:
     """What one frame's result says about the model's health (a few bytes: the history keeps these)."""
 
     detected: bool
-    top_class: Any
+    top_class: str | int | None  # the top class's label, else its id; None when the result names no class
     spread: float | None
     foreground: float | None = None  # segmentation: the share of the frame its reported classes cover
     map_classes: int | None = None  # segmentation: classes covering 1 % of the (sampled) map, background included
 
     @classmethod
-    def of(cls, result: Any) -> "FrameHealth":
+    def of(cls, result: InferenceResult) -> FrameHealth:
         top = result.classes[0] if result.classes else None
         spread = None
         if result.tensors:
             spread = float(np.mean([_sampled(t).std() for t in result.tensors.values()]))
         foreground = map_classes = None
-        class_map = getattr(result, "class_map", None)
+        class_map = result.class_map
         if class_map is not None:  # the classes are the map's areas, the background left out (its own parameter)
             foreground = float(sum(c.score for c in result.classes))
             map_classes = _classes_in(class_map)
-        return cls(bool(result.detections), None if top is None else (top.label if top.label is not None else top.class_id),
-                   spread, foreground, map_classes)
+        return cls(
+            bool(result.detections),
+            None if top is None else (top.label if top.label is not None else top.class_id),
+            spread,
+            foreground,
+            map_classes,
+        )
 
 
 def _classes_in(class_map: np.ndarray) -> int:
@@ -125,13 +134,13 @@ class OutputHealth:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._model: Any = None
+        self._model: ModelRuntime | None = None
         self._kind: tuple[str, tuple[str, ...] | None] = ("raw", None)
         self._current: dict[str, HealthWindow] = {}
         self._history: dict[str, deque[FrameHealth]] = {}
         self._baseline: dict[str, HealthWindow] = {}
 
-    def record(self, camera: str, result: Any, model: Any) -> None:
+    def record(self, camera: str, result: InferenceResult, model: ModelRuntime) -> None:
         """One result of `model` (a ModelRuntime) on `camera` (the results thread)."""
         health = FrameHealth.of(result)
         with self._lock:
@@ -143,7 +152,7 @@ class OutputHealth:
             window.add(health)
             self._history.setdefault(camera, deque(maxlen=HISTORY_FRAMES)).append(health)
 
-    def _switch(self, model: Any) -> None:
+    def _switch(self, model: ModelRuntime) -> None:
         baseline = {}
         for camera, frames in self._history.items():
             window = baseline[camera] = HealthWindow(*self._kind)
@@ -198,7 +207,7 @@ def _collapsed_statistic(kind: str, new: dict[str, Any], old: dict[str, Any],
     return None
 
 
-def _kind_of(model: Any) -> tuple[str, tuple[str, ...] | None]:
+def _kind_of(model: ModelRuntime) -> tuple[str, tuple[str, ...] | None]:
     manifest = model.source.manifest
     labels = tuple(manifest.labels) if manifest.labels else None
     return manifest.postprocess.kind, labels

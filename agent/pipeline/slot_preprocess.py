@@ -46,7 +46,9 @@ class SlotPreprocessing:
         if not self.threads:
             return "serial: one core, or batches of one"
         if mode == "auto":
-            return f"measuring: batches of 2+ frames run serial and parallel alternately, {TRIAL} each (serial until then)"
+            return (
+                f"measuring: batches of 2+ frames run serial and parallel alternately, {TRIAL} each (serial until then)"
+            )
         return "parallel (configured)" if mode else "serial (configured)"
 
     def run(self, count: int, job: Callable[[int], T]) -> tuple[list[T], list[float]]:

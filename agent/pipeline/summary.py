@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agent.pipeline.batcher import Batcher
+    from agent.pipeline.cameras import CameraGroup
+    from agent.pipeline.capture import CaptureStats
+    from agent.pipeline.worker import InferenceWorker
+    from agent.sources.base import Frame
 
 CAPTURE_FIELDS = ("frames", "losses", "recoveries", "bad_frames", "grabbed", "decoded", "skipped")
 # grabs, retrieves, grabs never retrieved: agent.sources.lazy.GrabCounts
 DECODE_FIELDS = ("grabbed", "decoded", "skipped")
 
 
-def camera_numbers(worker: Any, batcher: Any, cameras: Any) -> dict[str, dict[str, Any]]:
+def capture_counts(capture: CaptureStats | None) -> dict[str, int]:
+    """One camera's capture counters by CAPTURE_FIELDS (zeros before its capture thread runs)."""
+    if capture is None:
+        return dict.fromkeys(CAPTURE_FIELDS, 0)
+    return {"frames": capture.frames, "losses": capture.losses, "recoveries": capture.recoveries,
+            "bad_frames": capture.bad_frames, "grabbed": capture.grabbed, "decoded": capture.decoded,
+            "skipped": capture.skipped}
+
+
+def camera_numbers(worker: InferenceWorker | None, batcher: Batcher[Frame] | None,
+                   cameras: CameraGroup | None) -> dict[str, dict[str, Any]]:
     """`{"<name>": {"frames", "fps", "dropped_frames", "latency_ms", "errors", "connected", "capture"}}`."""
     if cameras is None or batcher is None:
         return {}
@@ -24,22 +41,23 @@ def camera_numbers(worker: Any, batcher: Any, cameras: Any) -> dict[str, dict[st
             "latency_ms": stats.latency.summary() if stats else {},
             "errors": stats.errors if stats else 0,
             "connected": bool(capture and capture.connected),
-            "capture": {f: getattr(capture, f) for f in CAPTURE_FIELDS} if capture else dict.fromkeys(CAPTURE_FIELDS, 0),
+            "capture": capture_counts(capture),
         }
     return out
 
 
-def capture_totals(cameras: Any) -> dict[str, int]:
+def capture_totals(cameras: CameraGroup | None) -> dict[str, int]:
     """The capture counters of all cameras added up (the run summary's `camera` object)."""
     totals = dict.fromkeys(CAPTURE_FIELDS, 0)
-    for name in (cameras.names if cameras is not None else []):
-        capture = cameras.stats(name)
-        for field in CAPTURE_FIELDS:
-            totals[field] += getattr(capture, field) if capture else 0
+    if cameras is None:
+        return totals
+    for name in cameras.names:
+        for field, value in capture_counts(cameras.stats(name)).items():
+            totals[field] += value
     return totals
 
 
-def batch_numbers(worker: Any) -> dict[str, Any] | None:
+def batch_numbers(worker: InferenceWorker | None) -> dict[str, Any] | None:
     """The batch size in use and the live curve it was chosen on, for telemetry and Prometheus:
     `{"max_size", "batches", "reason"?, "switches"?, "curve_ms"?: {"2": ms per frame}, "origin"?: {"2": "live"}}`;
     None before the frame path runs."""

@@ -28,9 +28,9 @@ from agent.pipeline.mailbox import FreshestMailbox
 from agent.pipeline.result_stage import ResultStage
 from agent.pipeline.slot_preprocess import Mode
 from agent.sources.base import Frame, SourceError
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 from engines.postprocess import InferenceResult
-from engines.runtime import ModelRuntime
+from engines.runtime.model_runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +87,11 @@ class _Inferred:
 class InferenceWorker(threading.Thread):
     """Runs batches through the active ModelRuntime until `stop_event` is set."""
 
-    def __init__(self, runtime: ModelRuntime, frames: FrameBatches | FreshestMailbox[Frame], stop_event: threading.Event,
-                 stats: FrameStats, on_result: ResultSink | None = None, max_consecutive_errors: int = 100,
-                 overlap_postprocess: bool = True, tuner: LiveBatchTuner | None = None,
-                 parallel_preprocess: Mode = "auto", costs: BatchCosts | None = None) -> None:
+    def __init__(self, runtime: ModelRuntime, frames: FrameBatches | FreshestMailbox[Frame],
+                 stop_event: threading.Event, stats: FrameStats, on_result: ResultSink | None = None,
+                 max_consecutive_errors: int = 100, overlap_postprocess: bool = True,
+                 tuner: LiveBatchTuner | None = None, parallel_preprocess: Mode = "auto",
+                 costs: BatchCosts | None = None) -> None:
         super().__init__(name="inference", daemon=True)
         self.frames: FrameBatches = SingleMailbox(frames) if isinstance(frames, FreshestMailbox) else frames
         self.parallel_preprocess = parallel_preprocess
@@ -105,7 +106,9 @@ class InferenceWorker(threading.Thread):
         self.max_consecutive_errors = max_consecutive_errors
         self.consecutive_errors = 0
         self.heartbeat = 0  # loop turns, idle ones too: the systemd watchdog follows this
-        self.window = FrameStats()  # the current model's numbers from its first result (the deployment watch reads them)
+        self.window = (
+            FrameStats()
+        )  # the current model's numbers from its first result (the deployment watch reads them)
         self.camera_windows = CameraStats()  # the same, per camera
         self.batches = 0
         # finishes batch k while the engine runs batch k+1; None: finished inline, on this thread
@@ -144,7 +147,9 @@ class InferenceWorker(threading.Thread):
         either the worker installed it (the swap succeeded after all) or it never will (the caller's failure holds).
         """
         size = batch_size or self.frames.max_size
-        prepared = BatchRuntime(runtime, _capacity(size, tuner), self.parallel_preprocess)  # allocated off the frame path
+        prepared = BatchRuntime(
+            runtime, _capacity(size, tuner), self.parallel_preprocess
+        )  # allocated off the frame path
         with self._lock:
             self._swapped.clear()
             self._pending, self._pending_size, self._pending_tuner = prepared, size, tuner

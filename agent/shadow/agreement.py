@@ -8,7 +8,7 @@ from collections import deque
 from typing import Any
 
 from agent.pipeline.output_health import FrameHealth, HealthWindow
-from engines.live_agreement import Tally, describe, frame_tally
+from engines.evaluation.live_agreement import Tally, describe, frame_tally
 from engines.postprocess import InferenceResult
 
 

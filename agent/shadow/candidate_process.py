@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 
 from engines.backends.base import EngineOptions
-from engines.errors import EdgeError
-from engines.model import ModelSource
+from kernel.errors import EdgeError
+from engines.model.source import ModelSource
 from engines.postprocess import InferenceResult
 from engines.build.provisioning import ProvisionResult
-from engines.runtime import StageTimes
-from engines.state_inputs import DEFAULT_STREAM
+from engines.runtime.model_runtime import StageTimes
+from engines.runtime.state_inputs import DEFAULT_STREAM
 
 log = logging.getLogger(__name__)
 
@@ -146,5 +146,7 @@ def _child_env() -> dict[str, str]:
     checkout run without installing, a benchmark that put the repo on sys.path)."""
     env = dict(os.environ)
     paths = [p for p in sys.path if p and Path(p).is_dir()]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        dict.fromkeys(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    )
     return env

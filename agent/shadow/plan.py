@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engines.shadow_policy import DEFAULT_SHARE, CancelBelow, PromoteWhen, ShadowPolicy
+from engines.model.shadow_policy import DEFAULT_SHARE, CancelBelow, PromoteWhen, ShadowPolicy
 
 
 class ShadowArgs(BaseModel):

@@ -8,7 +8,9 @@ from typing import Callable
 
 from agent.adapt.inputs import SlidingLatency
 
-RECHECK_S = 0.1  # the verdict is kept this long: sorting the window for every sampled frame would cost the results thread
+RECHECK_S = (
+    0.1  # the verdict is kept this long: sorting the window for every sampled frame would cost the results thread
+)
 YIELD_RATIO = 0.9  # of the serving model's latency budget: the shadow steps aside before the budget breaks
 WINDOW_S = 3.0
 

@@ -30,8 +30,9 @@ from agent.shadow.plan import ShadowPlan
 from agent.shadow.priority import SHADOW_NICE, lower_priority
 from agent.shadow.pressure import ServingPressure, TimeShare
 from agent.shadow.verdict import Verdict, judge
-from engines.live_agreement import frozen_copy, live_metric
+from engines.evaluation.live_agreement import frozen_copy, live_metric
 from engines.postprocess import InferenceResult
+from engines.runtime.model_runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,10 @@ class ShadowSession(threading.Thread):
         self.verdict: Verdict | None = None
         self._on_verdict = on_verdict
         self._counts = _Counts()
-        self._credit: dict[str, float] = {}  # per camera: a batch delivers cameras in one order, one counter would alias
-        self._serving: Any = None
+        self._credit: dict[
+            str, float
+        ] = {}  # per camera: a batch delivers cameras in one order, one counter would alias
+        self._serving: ModelRuntime | None = None
         self._windows_serving = 0  # the swap count the agreement windows were last restarted for (shadow thread)
         self._slot: Optional[_Offer] = None
         self._cond = threading.Condition()
@@ -99,7 +102,8 @@ class ShadowSession(threading.Thread):
 
     # --- the frame path (results thread) --------------------------------------------------------------
 
-    def offer(self, camera: str, image: np.ndarray, captured_at: float, result: InferenceResult, runtime: Any) -> None:
+    def offer(self, camera: str, image: np.ndarray, captured_at: float, result: InferenceResult,
+              runtime: ModelRuntime) -> None:
         """One frame the serving model finished; never blocks."""
         now = time.monotonic()
         self.pressure.record((now - captured_at) * 1e3, now)
@@ -201,11 +205,15 @@ class ShadowSession(threading.Thread):
             result, times = runtime.run(offer.image, offer.camera)  # a stateful candidate: each camera its own
         except CandidateHalted:
             return None  # stopped from outside while the frame was out: the verdict (if any) is the caller's
-        except Exception as exc:  # the candidate fails on a live frame: the shadow ends, serving goes on
-            log.warning("shadow %s: the candidate failed on a frame of %s: %s", self.model.deployment_id,
-                        offer.camera, exc)
-            return Verdict("cancelled", "SHADOW_CANDIDATE_FAILED",
-                           f"the candidate failed on a frame of camera {offer.camera}: {type(exc).__name__}: {exc}"[:500])
+        except Exception as exc:  # noqa: BLE001 - the candidate fails on a live frame: the shadow ends, serving goes on
+            log.warning(
+                "shadow %s: the candidate failed on a frame of %s: %s", self.model.deployment_id, offer.camera, exc
+            )
+            return Verdict(
+                "cancelled",
+                "SHADOW_CANDIDATE_FAILED",
+                f"the candidate failed on a frame of camera {offer.camera}: {type(exc).__name__}: {exc}"[:500],
+            )
         self.time_share.spend(time.perf_counter() - started)
         self.candidate_ms.record(times.infer)
         if offer.serving != self._windows_serving:  # the first frame the new serving model delivered: windows afresh
@@ -229,9 +237,10 @@ class ShadowSession(threading.Thread):
         numbers = self.agreement.numbers()
         latency = _latency(self.candidate_ms)
         p99 = self.pressure.p99()
-        return {"deployment_id": self.model.deployment_id, "model": self.model.label, "active_model": self.serving_label,
-                "metric": live_metric(self.model.kind), **numbers, "share": round(self.plan.share, 6),
-                "offered": counts.offered, "skipped": dict(counts.skipped), "skipped_total": sum(counts.skipped.values()),
+        return {"deployment_id": self.model.deployment_id, "model": self.model.label,
+                "active_model": self.serving_label, "metric": live_metric(self.model.kind), **numbers,
+                "share": round(self.plan.share, 6), "offered": counts.offered, "skipped": dict(counts.skipped),
+                "skipped_total": sum(counts.skipped.values()),
                 "candidate_ms": latency, "active_p99_ms": None if p99 is None else round(p99, 3),
                 "serving_swaps": counts.serving_swaps, "priority": self.priority, "isolation": self.isolation,
                 "elapsed_s": round(time.monotonic() - self._began, 1),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.registry import Registry, import_plugins
+from agent.sources.base import CameraSettings, FrameSource
+from kernel.registry import Registry, import_plugins
 
 SOURCES: Registry[Any] = Registry("camera source")
 
@@ -26,6 +27,6 @@ def source_config_models() -> list[type]:
     return [SOURCES.get(name).Config for name in SOURCES.names()]
 
 
-def create_source(config: Any) -> Any:
+def create_source(config: CameraSettings) -> FrameSource:
     """Instantiate the source a validated camera config names."""
     return SOURCES.get(config.kind)(config)

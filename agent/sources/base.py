@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
-from agent.names import CAMERA_NAME_PATTERN  # noqa: F401  (re-exported: config, events, commands)
+from agent.base.names import CAMERA_NAME_PATTERN  # re-exported: config, events, commands
 
 
 class SourceError(EdgeError):
@@ -60,7 +60,7 @@ class LazyFrame(Frame):
         self._lock = threading.Lock()
 
     @property
-    def image(self) -> np.ndarray:  # type: ignore[override]
+    def image(self) -> np.ndarray:  # type: ignore[override]  # Frame's field, made lazily here
         """The pixels, loaded once; SourceError when they can no longer be made."""
         with self._lock:
             if self._image is None:
@@ -74,7 +74,19 @@ class LazyFrame(Frame):
         return self._image is not None
 
     def __repr__(self) -> str:
-        return f"LazyFrame(index={self.index}, captured_at={self.captured_at}, source={self.source!r}, loaded={self.loaded})"
+        return (f"LazyFrame(index={self.index}, captured_at={self.captured_at}, source={self.source!r}, "
+                f"loaded={self.loaded})")
+
+
+class CameraSettings(Protocol):
+    """What the registry and the capture side read of a camera's config: every plugin's model (a `Config` below)
+    has both; the configured `[camera]` is a union of those models, whose common base knows no `kind`."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
 
 
 class FrameSource(Protocol):
@@ -129,7 +141,7 @@ def validate_image(image: object, source: str) -> np.ndarray:
     return image
 
 
-def frame_meta(source: Any) -> dict:
+def frame_meta(source: FrameSource) -> dict:
     """What the source says about the frame it just grabbed (a file source: which file), else nothing."""
     describe = getattr(source, "frame_meta", None)
     if describe is None:

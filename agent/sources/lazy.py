@@ -18,22 +18,30 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, TypeGuard
 
 import numpy as np
 
-from agent.sources.base import LazyFrame, SourceError, frame_meta, validate_image
+from agent.sources.base import Frame, FrameSource, GrabbingSource, LazyFrame, SourceError, frame_meta, validate_image
 
 log = logging.getLogger(__name__)
 
 
-def can_grab(source: Any) -> bool:
+class FrameSlot(Protocol):
+    """Where grabbed frames wait for the consumer (agent.pipeline.mailbox.FreshestMailbox, on the frame path's side)."""
+
+    def put(self, item: Frame) -> bool: ...
+
+    def discard(self, item: Frame) -> bool: ...
+
+
+def can_grab(source: FrameSource) -> TypeGuard[GrabbingSource]:
     """True for paced sources that split read into grab + retrieve (see GrabbingSource)."""
     return bool(getattr(source, "paced", False)) and callable(getattr(source, "grab", None)) \
         and callable(getattr(source, "retrieve", None))
 
 
-def retrieved_image(image: Any, name: str) -> np.ndarray:
+def retrieved_image(image: np.ndarray | None, name: str) -> np.ndarray:
     """A retrieve's result as a checked frame; no image for a grabbed frame is a bad frame, not a lost camera."""
     if image is None:
         raise SourceError(f"{name}: the backend returned no image for a grabbed frame", code="CAMERA_BAD_FRAME")
@@ -61,7 +69,7 @@ class GrabCounts:
 class LazyGrabber:
     """One source's grab/retrieve protocol around a mailbox; counts grabs and decodes."""
 
-    def __init__(self, source: Any, mailbox: Any, name: str, stats: GrabCounts | None = None) -> None:
+    def __init__(self, source: GrabbingSource, mailbox: FrameSlot, name: str, stats: GrabCounts | None = None) -> None:
         self.source = source
         self.mailbox = mailbox
         self.name = name
@@ -107,7 +115,9 @@ class LazyGrabber:
         with self._lock:
             newest = self._current
             if newest is None:
-                raise SourceError(f"{self.name}: the source was closed before the frame was used", code="CAMERA_BAD_FRAME")
+                raise SourceError(
+                    f"{self.name}: the source was closed before the frame was used", code="CAMERA_BAD_FRAME"
+                )
             if newest is not frame:
                 self._serve_newer(frame, newest)
             image = self.source.retrieve()

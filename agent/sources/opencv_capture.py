@@ -12,7 +12,7 @@ from typing import Sequence
 import cv2
 import numpy as np
 
-from agent.redact import redact
+from agent.base.redact import redact
 from agent.sources.base import SourceError
 
 __all__ = ["Capture", "RedactedInput", "redact", "to_bgr"]  # `redact` re-exported for the sources

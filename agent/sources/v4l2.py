@@ -117,7 +117,7 @@ class V4l2Source(LiveCaptureReads):
             log.warning(
                 "camera %s: asked for %s, the driver gave %dx%d; see `v4l2-ctl --list-formats-ext`",
                 cfg.name, asked, width, height,
-            )  # fmt: skip
+            )
 
     def _actual_mode(self) -> tuple[int, int, float, str]:
         code = int(self._capture.get(cv2.CAP_PROP_FOURCC))

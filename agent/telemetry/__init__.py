@@ -6,7 +6,7 @@ with the reason and the fix, and the next source in the order takes over its fie
 
 from __future__ import annotations
 
-from engines.registry import import_plugins
+from kernel.registry import import_plugins
 
 from agent.telemetry.base import (
     DEFAULT_ORDER,

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from engines.registry import Registry
+from kernel.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class TelemetryCollector:
         """A failing source is counted and logged; the others still report."""
         try:
             return source.sample()
-        except Exception as exc:  # one broken sensor must not silence the rest
+        except Exception as exc:  # noqa: BLE001 - one broken sensor must not silence the rest
             self.errors[source.name] = self.errors.get(source.name, 0) + 1
             log.warning("telemetry source %s failed (%d so far): %s: %s",
                         source.name, self.errors[source.name], type(exc).__name__, exc)
@@ -86,7 +86,7 @@ class TelemetryCollector:
         for source in self.sources:
             try:
                 source.close()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - one source failing to close must not leave the others open
                 log.warning("closing telemetry source %s failed: %s", source.name, exc)
 
 

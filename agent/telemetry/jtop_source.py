@@ -47,7 +47,7 @@ class JtopSource:
         client = jtop(interval=self.interval_s)
         try:
             client.start()  # JtopException: service down, no permission, version mismatch
-        except Exception as exc:  # also queue.Empty when the service accepts but never answers
+        except Exception as exc:  # noqa: BLE001 - JtopException, or queue.Empty when the service never answers: any means no jtop
             _quiet_close(client)
             return False, explain(str(exc) or type(exc).__name__)
         self._client = client
@@ -143,5 +143,5 @@ def _memory(memory: Any) -> dict[str, Any]:
 def _quiet_close(client: Any) -> None:
     try:
         client.close()
-    except Exception as exc:  # closing a half-started client; log, do not mask the first error
+    except Exception as exc:  # noqa: BLE001 - closing a half-started client; log, do not mask the first error
         log.debug("jtop close failed: %s", exc)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from engines.fingerprint import read_soc
+from engines.device.fingerprint import read_soc
 
 from agent.telemetry.base import SOURCES, zone_name
 

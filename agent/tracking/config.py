@@ -12,7 +12,7 @@ from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from agent.names import CAMERA_NAME_PATTERN
+from agent.base.names import CAMERA_NAME_PATTERN
 from agent.tracking.errors import DegenerateZone, OutsideFrame, SelfIntersectingZone, ZeroLengthLine
 from agent.tracking.geometry import Point, on_one_line, self_intersection
 

@@ -1,7 +1,7 @@
-"""Refusals of zones and lines, each with a code from engines/error_codes.py.
+"""Refusals of zones and lines, each with a code from kernel/error_codes.py.
 
 They are ValueErrors, so a pydantic validator that raises one turns it into a field error with the zone's path and
-line (agent.config_errors); the code travels in the message and on the exception (`code`), and `codes_of` reads it
+line (agent.config.errors); the code travels in the message and on the exception (`code`), and `codes_of` reads it
 back from a ValidationError for `edge-agent config check` and tests. At run time (a pixel zone that does not fit the
 camera's real frame) the same error becomes a `tracking_problem` event with its code, and that zone alone is off.
 """

@@ -22,7 +22,7 @@ from agent.tracking.types import TrackedResult, TrackEvent
 
 if TYPE_CHECKING:
     from engines.postprocess import InferenceResult
-    from engines.runtime import ModelRuntime
+    from engines.runtime.model_runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 META_KEY = "tracking"  # where the sink leaves the frame's TrackedResult
@@ -96,7 +96,7 @@ class TrackingHub:
         serving = self._serving.get(tracking.camera)
         if serving is not None and serving[0] is runtime:
             return serving[1]
-        name = model_name(runtime)  # type: ignore[arg-type]
+        name = model_name(runtime)  # type: ignore[arg-type]  # the serving ModelRuntime, `object` at this seam
         tracked = self.config.tracked(tracking.camera, name)
         if tracked:
             tracking.configure(self.config.params(tracking.camera, name))

@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from agent.addresses import NotHostPort, is_loopback, split_host_port
-from agent.names import CAMERA_NAME_PATTERN
+from agent.base.addresses import NotHostPort, is_loopback, split_host_port
+from agent.base.names import CAMERA_NAME_PATTERN
 
 
 class _Strict(BaseModel):

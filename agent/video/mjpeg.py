@@ -78,7 +78,12 @@ class MjpegServer:
     def start(self) -> None:
         """Serve on a thread of its own."""
         self._thread.start()
-        log.info("video: MJPEG on %s/ (%d camera(s)%s)", self.url, len(self.cameras), ", token required" if self.token else "")
+        log.info(
+            "video: MJPEG on %s/ (%d camera(s)%s)",
+            self.url,
+            len(self.cameras),
+            ", token required" if self.token else "",
+        )
 
     def stop(self, timeout: float = 3.0) -> None:
         """Stop accepting, end every viewer's stream, close the socket (also when it never started: an agent
@@ -151,7 +156,7 @@ class _VideoHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"  # one request per connection: a stream ends with its connection
     timeout = 10  # per write of a response other than a stream (a stream has send_timeout_s)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:
         """Debug lines without the query string: it may hold the viewer's token."""
         log.debug("video %s: %s", self.client_address[0], _QUERY.sub("", format % args))
 
@@ -172,7 +177,7 @@ class _VideoHandler(BaseHTTPRequestHandler):
         self.rfile = io.BytesIO(head)  # what handle_one_request parses: the head, read already
         self.handle_one_request()
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         url = urlsplit(self.path)
         if url.path.endswith(".mjpg"):  # a stream: one of max_clients (admit), or 503
             self._route(url)

@@ -221,7 +221,9 @@ def _draw_class_map(canvas: np.ndarray, class_map: np.ndarray, background: int |
     canvas[painted] = ((canvas[painted].astype(np.uint16) + colors) // 2).astype(np.uint8)
 
 
-def _draw_mask(canvas: np.ndarray, mask: np.ndarray, box: tuple[int, int, int, int], color: tuple[int, int, int]) -> None:
+def _draw_mask(
+    canvas: np.ndarray, mask: np.ndarray, box: tuple[int, int, int, int], color: tuple[int, int, int]
+) -> None:
     """Tint the pixels of a mask: frame-sized, or the box's size (cropped to the box)."""
     height, width = canvas.shape[:2]
     mask = np.asarray(mask).astype(bool)

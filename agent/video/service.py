@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
 
 from agent.tracking.types import TrackedResult
 from agent.video.config import VideoConfig
@@ -17,7 +19,11 @@ from agent.video.snapshot_wire import Snapshot
 from agent.video.snapshots import Publish, Snapshotter
 from agent.video.stream import EncodedStream
 from agent.video.tap import FrameTap
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
+
+if TYPE_CHECKING:
+    from engines.postprocess.base import InferenceResult
+    from engines.runtime.model_runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +51,9 @@ class VideoService:
                 self.server = MjpegServer(config, self.tap, self.encoder, self.cameras, token)
             except OSError as exc:  # the port is taken, the address is not this host's: serve without video
                 self.error = {"code": "VIDEO_UNAVAILABLE", "message": f"video.listen {config.listen}: {exc}"}
-                log.error("video: the MJPEG server cannot listen on %s (%s); the agent runs without it", config.listen, exc)
+                log.error(
+                    "video: the MJPEG server cannot listen on %s (%s); the agent runs without it", config.listen, exc
+                )
                 on_event("video_unavailable", **self.error)
         self.stream: EncodedStream | None = None
         if config.stream.url:
@@ -73,9 +81,10 @@ class VideoService:
             if self.stream.is_alive():  # blocked on a wedged encoder's pipe: end the encoder, the thread follows
                 self.stream.kill(grace_s=0)
                 self.stream.join(5)
+        self.snapshots.join(self.config.snapshot_wait_s + 1)
 
-    def offer(self, camera: str, frame_index: int, image: Any, result: Any, captured_at: float, runtime: Any,
-              tracking: TrackedResult | None = None) -> None:
+    def offer(self, camera: str, frame_index: int, image: np.ndarray, result: InferenceResult | None,
+              captured_at: float, runtime: ModelRuntime | None, tracking: TrackedResult | None = None) -> None:
         """The results path's call, for every frame: nothing happens unless `camera` is watched. `tracking`: the
         frame's TrackedResult (agent.tracking.tracked_of), drawn with the result."""
         self.tap.offer(camera, frame_index, image, result, captured_at, runtime, tracking)

@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from agent.names import CAMERA_NAME, CAMERA_NAME_PATTERN
+from agent.base.names import CAMERA_NAME, CAMERA_NAME_PATTERN
+from kernel.json_types import JsonValue
 
 SCHEMA = 1
 CONTENT_TYPE = "image/jpeg"
@@ -64,7 +65,7 @@ class Snapshot:
         return out
 
 
-def parse_snapshot(payload: Any, max_bytes: int = MAX_JPEG_BYTES) -> Snapshot:
+def parse_snapshot(payload: bytes | bytearray | JsonValue, max_bytes: int = MAX_JPEG_BYTES) -> Snapshot:
     """A received payload (bytes or decoded JSON) as a Snapshot; SnapshotError naming the bad field otherwise."""
     if isinstance(payload, (bytes, bytearray)):
         import json

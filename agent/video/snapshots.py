@@ -21,7 +21,7 @@ from agent.video.config import VideoConfig
 from agent.video.encode import JpegEncoder, encode_jpeg, fit_width
 from agent.video.snapshot_wire import Snapshot
 from agent.video.tap import FrameTap
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +92,19 @@ class Snapshotter:
     def _periodic(self) -> None:
         while not self.stop_event.wait(self.config.snapshot_interval_s):
             for camera in self.cameras:
+                if self.stop_event.is_set():  # each camera may wait snapshot_wait_s: never past a stop
+                    return
                 try:
                     self.send(self.take(camera, self.config.overlay, reason="periodic"))
                 except EdgeError as exc:
                     log.info("periodic snapshot of %s skipped: %s", camera, exc)
                 except Exception:
                     log.exception("periodic snapshot of %s failed", camera)
+
+    def join(self, timeout: float) -> None:
+        """Wait for the periodic thread after a stop (VideoService.stop sets the event and wakes the tap first)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def stats(self) -> dict[str, Any]:
         """Snapshots taken, published, unsent (no broker) and refused (rate limit)."""
@@ -114,5 +121,7 @@ def fit_jpeg(picture: np.ndarray, quality: int, max_bytes: int,
             if len(data) <= max_bytes:
                 return data, (picture.shape[0], picture.shape[1])
         if picture.shape[1] <= 64:
-            raise EdgeError(f"a snapshot does not fit in {max_bytes} bytes even at 64 px wide", code="VIDEO_UNAVAILABLE")
+            raise EdgeError(
+                f"a snapshot does not fit in {max_bytes} bytes even at 64 px wide", code="VIDEO_UNAVAILABLE"
+            )
         picture = fit_width(picture, max(64, picture.shape[1] // 2))

@@ -25,11 +25,11 @@ from typing import Any, Callable
 import cv2
 import numpy as np
 
-from agent.redact import redact
+from agent.base.redact import redact
 from agent.video.config import StreamConfig, stream_target
 from agent.video.encode import JpegEncoder
 from agent.video.tap import FrameTap
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,11 @@ def choose_encoder(kind: str, which: Callable[[str], str | None] = _which,
         return "gstreamer", False
     wanted = {"auto": "gst-launch-1.0 (with nvv4l2h264enc or x264enc) or ffmpeg",
               "gstreamer": "gst-launch-1.0 with nvv4l2h264enc or x264enc", "ffmpeg": "ffmpeg"}[kind]
-    raise EdgeError(f"video.stream: no encoder found ({wanted} is not installed); the MJPEG server is not affected. "
-                    "Install ffmpeg or GStreamer's plugins, or set video.stream.url = \"\"", code="VIDEO_ENCODER_MISSING")
+    raise EdgeError(
+        f"video.stream: no encoder found ({wanted} is not installed); the MJPEG server is not affected. "
+        'Install ffmpeg or GStreamer\'s plugins, or set video.stream.url = ""',
+        code="VIDEO_ENCODER_MISSING",
+    )
 
 
 def stream_size(width: int, height: int) -> tuple[int, int]:
@@ -103,8 +106,10 @@ def gstreamer_command(url: str, width: int, height: int, cfg: StreamConfig, hard
         encode = (f"nvvidconv ! video/x-raw(memory:NVMM),format=NV12 ! nvv4l2h264enc bitrate={cfg.bitrate_kbps * 1000} "
                   f"insert-sps-pps=true iframeinterval={fps * 2} ! h264parse")
     else:
-        encode = (f"video/x-raw,format=I420 ! x264enc tune=zerolatency speed-preset=ultrafast bitrate={cfg.bitrate_kbps} "
-                  f"key-int-max={fps * 2} ! h264parse")
+        encode = (
+            f"video/x-raw,format=I420 ! x264enc tune=zerolatency speed-preset=ultrafast bitrate={cfg.bitrate_kbps} "
+            f"key-int-max={fps * 2} ! h264parse"
+        )
     if scheme in ("rtsp", "rtsps"):
         sink = f"rtspclientsink location={url} protocols=tcp"
     elif scheme in ("udp", "tcp"):
@@ -233,7 +238,9 @@ class EncodedStream(threading.Thread):
             argv = gstreamer_command(self.cfg.url, width, height, self.cfg, self.hardware)
         argv[0] = self.which(argv[0]) or argv[0]
         try:
-            self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            self._proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            )
         except OSError as exc:
             self._fail("VIDEO_ENCODER_MISSING", f"cannot start {argv[0]}: {exc}")
             return False

@@ -12,15 +12,25 @@ def video_rows(video: dict[str, Any] | None) -> list[tuple[str, str]]:
     rows = []
     http = video.get("http")
     if http:
-        rows.append(("video", f"{http.get('clients', 0)} watching now on {http['listen']}; {http.get('frames_sent', 0)} "
-                              f"frames sent to {http.get('streams', 0)} viewer(s), {http.get('dropped_slow', 0)} dropped "
-                              "as slow"))
+        rows.append(
+            (
+                "video",
+                f"{http.get('clients', 0)} watching now on {http['listen']}; {http.get('frames_sent', 0)} "
+                f"frames sent to {http.get('streams', 0)} viewer(s), {http.get('dropped_slow', 0)} dropped "
+                "as slow",
+            )
+        )
         for camera, g2g in (http.get("glass_to_glass_ms") or {}).items():
             rows.append((f"glass-to-glass {camera}", " ".join(f"{k} {v}" for k, v in g2g.items()) + " ms"))
     stream = video.get("stream")
     if stream:
-        rows.append(("video stream", f"{stream['state']} ({stream.get('encoder') or '-'}), {stream['frames']} frames "
-                                     f"to {stream['url']}" + (f": {stream['error']['message']}" if stream.get("error") else "")))
+        rows.append(
+            (
+                "video stream",
+                f"{stream['state']} ({stream.get('encoder') or '-'}), {stream['frames']} frames "
+                f"to {stream['url']}" + (f": {stream['error']['message']}" if stream.get("error") else ""),
+            )
+        )
     if video.get("error"):
         rows.append(("video", video["error"]["message"]))
     return rows

@@ -43,7 +43,9 @@ class FrameTap:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._conds: dict[str, threading.Condition] = {}  # one per camera, all on `_lock`: a frame wakes its own waiters
+        self._conds: dict[
+            str, threading.Condition
+        ] = {}  # one per camera, all on `_lock`: a frame wakes its own waiters
         self._latest: dict[str, Shot] = {}
         self._watchers: Counter[str] = Counter()
         self._seq = 0

@@ -62,7 +62,9 @@ def emqx_stale_members(api_url: str, prefix: str, own_id: str, key: str, secret:
     return out
 
 
-def warn_stale_members(api_url: str | None, group: str, own_id: str, credentials: tuple[str, str] | None) -> list[StaleMember]:
+def warn_stale_members(
+    api_url: str | None, group: str, own_id: str, credentials: tuple[str, str] | None
+) -> list[StaleMember]:
     """Log a warning per stale member of `group` (EMQX); nothing where no API is configured. Never raises:
     an unreachable API is one warning, and collecting goes on."""
     if not api_url or credentials is None:

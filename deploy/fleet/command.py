@@ -18,98 +18,110 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from pydantic import ValidationError
 
 from deploy.fleet.redact import install_log_redaction, redact
 
+if TYPE_CHECKING:  # imported when run: `edge-deploy --help` need not load paho and the store
+    from deploy.fleet.collector import Collector
+    from deploy.fleet.collector_config import CollectorConfig
+
 EXIT_USAGE = 2
 DB_ENV = "EDGE_FLEET_DB"
 LOG_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
 
 
+# `collect`'s options whose help takes more than a line: its signature stays one line per option.
+_DB = typer.Option(None, "--db", envvar=DB_ENV, show_envvar=True, help="Fleet store: sqlite:///PATH or "
+                   "postgresql://... (default sqlite:///fleet.db). A URL with a password belongs in "
+                   f"{DB_ENV} or --db-file, not here (ps shows it).")
+_DB_FILE = typer.Option(None, "--db-file", help="File holding the fleet store URL (mode 0600), instead of --db.")
+_GROUP = typer.Option("edge-collectors", "--group", help="Shared-subscription group; collectors with the same group "
+                      "split the stream.")
+_CLIENT_ID = typer.Option(None, "--client-id", help="Fixed MQTT client id, unique per collector (default: "
+                          "generated once, kept in --client-id-file).")
+_CLIENT_ID_FILE = typer.Option(None, "--client-id-file", help="Where the generated client id is kept (default "
+                               "$STATE_DIRECTORY, else ~/.local/state/edge-deploy/collector-<group>.client-id).")
+_BROKER_API = typer.Option(None, "--broker-api", help="EMQX 5 management API (http(s)://host:18083): at start, warn "
+                           "about collector sessions the broker still holds for members that are gone.")
+_BROKER_API_CREDENTIALS_FILE = typer.Option(None, "--broker-api-credentials-file",
+                                            help="File 'key:secret' of that API (mode 0600).")
+_LEAVE = typer.Option(False, "--leave", help="Take this instance out of its group: store the backlog its session "
+                      "holds, unsubscribe, store the rest, end the session, exit.")
+_MAX_WAIT_S = typer.Option(0.25, "--max-wait-s", min=0.001, help="Longest a message waits for its batch.")
+_INFLIGHT = typer.Option(2000, "--inflight", min=1, max=65535, help="Unacknowledged messages held at most (MQTT 5 "
+                         "Receive Maximum).")
+_MAX_HELD_MB = typer.Option(64.0, "--max-held-mb", min=1.0, help="Payload megabytes held at most (queued or being "
+                            "written): past it the collector stops reading and the broker holds the rest.")
+_SESSION_EXPIRY_S = typer.Option(7 * 86400, "--session-expiry-s", min=0, help="How long the broker keeps this "
+                                 "collector's backlog while it is away.")
+_RETENTION_DAYS = typer.Option(30.0, "--retention-days", min=0, help="Delete telemetry/events older than this "
+                               "(PostgreSQL: drop day partitions; SQLite: hourly deletes); 0 keeps all.")
+_QUOTA_MSGS = typer.Option(6000, "--quota-msgs-per-min", min=0, help="Telemetry + events stored per device and "
+                           "minute at most; the rest of the minute is dropped (0: no limit).")
+_QUOTA_BYTES = typer.Option(16 * 2**20, "--quota-bytes-per-min", min=0, help="Payload bytes stored per device and "
+                            "minute at most (0: no limit).")
+_SNAPSHOT_CAMERAS = typer.Option(16, "--snapshot-cameras", min=1, max=1024, help="Cameras per device whose newest "
+                                 "snapshot is kept; past it the device's oldest goes.")
+_SNAPSHOT_MAX_BYTES = typer.Option(1024 * 1024, "--snapshot-max-bytes", min=1024, max=1024 * 1024,
+                                   help="Largest snapshot JPEG stored; a larger one is dropped (malformed).")
+_QUOTA_SNAPSHOTS = typer.Option(120, "--quota-snapshots-per-min", min=0, help="Snapshots stored per device and "
+                                "minute at most; the rest of the minute is dropped (0: no limit).")
+_TIMESCALE = typer.Option("auto", "--timescale", help="auto: hypertables where TimescaleDB is installed; off: "
+                          "native partitions.")
+_CREDENTIALS_FILE = typer.Option(None, "--credentials-file", help="File 'user:password' (mode 0600).")
+
+
 def collect(
     broker: str = typer.Option(..., "--broker", help="Broker URL: mqtt://host:1883 or mqtts://host:8883."),
-    db: Optional[str] = typer.Option(None, "--db", envvar=DB_ENV, show_envvar=True, help="Fleet store: "
-                                     "sqlite:///PATH or postgresql://... (default sqlite:///fleet.db). A URL with "
-                                     f"a password belongs in {DB_ENV} or --db-file, not here (ps shows it)."),
-    db_file: Optional[Path] = typer.Option(None, "--db-file", help="File holding the fleet store URL "
-                                           "(mode 0600), instead of --db."),
-    group: str = typer.Option("edge-collectors", "--group", help="Shared-subscription group; collectors "
-                              "with the same group split the stream."),
+    db: Optional[str] = _DB,
+    db_file: Optional[Path] = _DB_FILE,
+    group: str = _GROUP,
     prefix: str = typer.Option("edge", "--prefix", help="Topic prefix of the devices."),
-    client_id: Optional[str] = typer.Option(None, "--client-id", help="Fixed MQTT client id, unique per "
-                                            "collector (default: generated once, kept in --client-id-file)."),
-    client_id_file: Optional[Path] = typer.Option(None, "--client-id-file", help="Where the generated client "
-                                                  "id is kept (default $STATE_DIRECTORY, else ~/.local/state/"
-                                                  "edge-deploy/collector-<group>.client-id)."),
-    broker_api: Optional[str] = typer.Option(None, "--broker-api", help="EMQX 5 management API "
-                                             "(http(s)://host:18083): at start, warn about collector sessions the "
-                                             "broker still holds for members that are gone."),
-    broker_api_credentials_file: Optional[Path] = typer.Option(None, "--broker-api-credentials-file",
-                                                               help="File 'key:secret' of that API (mode 0600)."),
-    leave: bool = typer.Option(False, "--leave", help="Take this instance out of its group: store the backlog "
-                               "its session holds, unsubscribe, store the rest, end the session, exit."),
+    client_id: Optional[str] = _CLIENT_ID,
+    client_id_file: Optional[Path] = _CLIENT_ID_FILE,
+    broker_api: Optional[str] = _BROKER_API,
+    broker_api_credentials_file: Optional[Path] = _BROKER_API_CREDENTIALS_FILE,
+    leave: bool = _LEAVE,
     protocol: str = typer.Option("auto", "--protocol", help="auto (MQTT 5, 3.1.1 fallback), 5 or 3.1.1."),
     batch_size: int = typer.Option(1000, "--batch-size", min=1, help="Most messages per transaction."),
-    max_wait_s: float = typer.Option(0.25, "--max-wait-s", min=0.001, help="Longest a message waits for "
-                                     "its batch."),
-    inflight: int = typer.Option(2000, "--inflight", min=1, max=65535, help="Unacknowledged messages held "
-                                 "at most (MQTT 5 Receive Maximum)."),
-    max_held_mb: float = typer.Option(64.0, "--max-held-mb", min=1.0, help="Payload megabytes held at most "
-                                      "(queued or being written): past it the collector stops reading and the "
-                                      "broker holds the rest."),
-    session_expiry_s: int = typer.Option(7 * 86400, "--session-expiry-s", min=0, help="How long the "
-                                         "broker keeps this collector's backlog while it is away."),
-    retention_days: float = typer.Option(30.0, "--retention-days", min=0, help="Delete telemetry/events older "
-                                         "than this (PostgreSQL: drop day partitions; SQLite: hourly deletes); "
-                                         "0 keeps all."),
-    quota_msgs: int = typer.Option(6000, "--quota-msgs-per-min", min=0, help="Telemetry + events stored per "
-                                   "device and minute at most; the rest of the minute is dropped (0: no limit)."),
-    quota_bytes: int = typer.Option(16 * 2**20, "--quota-bytes-per-min", min=0, help="Payload bytes stored per "
-                                    "device and minute at most (0: no limit)."),
-    snapshot_cameras: int = typer.Option(16, "--snapshot-cameras", min=1, max=1024, help="Cameras per device "
-                                         "whose newest snapshot is kept; past it the device's oldest goes."),
-    snapshot_max_bytes: int = typer.Option(1024 * 1024, "--snapshot-max-bytes", min=1024, max=1024 * 1024,
-                                           help="Largest snapshot JPEG stored; a larger one is dropped (malformed)."),
-    quota_snapshots: int = typer.Option(120, "--quota-snapshots-per-min", min=0, help="Snapshots stored per device "
-                                        "and minute at most; the rest of the minute is dropped (0: no limit)."),
-    timescale: str = typer.Option("auto", "--timescale", help="auto: hypertables where TimescaleDB is "
-                                  "installed; off: native partitions."),
+    max_wait_s: float = _MAX_WAIT_S,
+    inflight: int = _INFLIGHT,
+    max_held_mb: float = _MAX_HELD_MB,
+    session_expiry_s: int = _SESSION_EXPIRY_S,
+    retention_days: float = _RETENTION_DAYS,
+    quota_msgs: int = _QUOTA_MSGS,
+    quota_bytes: int = _QUOTA_BYTES,
+    snapshot_cameras: int = _SNAPSHOT_CAMERAS,
+    snapshot_max_bytes: int = _SNAPSHOT_MAX_BYTES,
+    quota_snapshots: int = _QUOTA_SNAPSHOTS,
+    timescale: str = _TIMESCALE,
     ca_file: Optional[Path] = typer.Option(None, "--ca-file", help="CA bundle of the broker (mqtts)."),
     cert_file: Optional[Path] = typer.Option(None, "--cert-file", help="Client certificate (mqtts)."),
     key_file: Optional[Path] = typer.Option(None, "--key-file", help="Client key (mqtts)."),
     username: Optional[str] = typer.Option(None, "--username", help="Broker user name."),
-    credentials_file: Optional[Path] = typer.Option(None, "--credentials-file", help="File 'user:password' "
-                                                    "(mode 0600)."),
+    credentials_file: Optional[Path] = _CREDENTIALS_FILE,
     log_level: str = typer.Option("INFO", "--log-level", help="DEBUG, INFO, WARNING or ERROR."),
 ) -> None:
     """Store the fleet's telemetry, events, status, meta and newest camera snapshots from MQTT into SQLite or
     PostgreSQL."""
-    from deploy.fleet.collector import Collector, CollectorConfig
+    from deploy.fleet.collector import Collector
 
     security = {"ca_file": ca_file, "cert_file": cert_file, "key_file": key_file, "username": username,
                 "credentials_file": credentials_file}
-    try:
-        level = log_level_of(log_level)
-        db_url = resolve_db_url(db, db_file, default="sqlite:///fleet.db")
-        config = CollectorConfig(
-            broker_url=broker, db_url=db_url, group=group, prefix=prefix, client_id=client_id,
-            client_id_file=client_id_file, protocol=protocol, broker_api=broker_api,
-            broker_api_credentials=_api_credentials(broker_api_credentials_file),
-            batch_size=batch_size, max_wait_s=max_wait_s, inflight=inflight, session_expiry_s=session_expiry_s,
-            max_held_bytes=int(max_held_mb * 2**20),
-            retention_days=retention_days, timescale=timescale, quota_msgs_per_min=quota_msgs,
-            quota_bytes_per_min=quota_bytes, snapshot_cameras=snapshot_cameras,
-            snapshot_max_bytes=snapshot_max_bytes, quota_snapshots_per_min=quota_snapshots,
-            mqtt={k: v for k, v in security.items() if v is not None},
-        )  # fmt: skip
-        _check_db_url(db_url)
-    except (ValueError, ValidationError) as exc:
-        typer.echo(f"error: invalid collector settings: {redact(_describe(exc))}", err=True)
-        raise typer.Exit(EXIT_USAGE) from None
+    config, level = _settings_or_exit(
+        db, db_file, log_level, broker_api_credentials_file,
+        broker_url=broker, group=group, prefix=prefix, client_id=client_id, client_id_file=client_id_file,
+        protocol=protocol, broker_api=broker_api, batch_size=batch_size, max_wait_s=max_wait_s, inflight=inflight,
+        session_expiry_s=session_expiry_s, max_held_bytes=int(max_held_mb * 2**20), retention_days=retention_days,
+        timescale=timescale, quota_msgs_per_min=quota_msgs, quota_bytes_per_min=quota_bytes,
+        snapshot_cameras=snapshot_cameras, snapshot_max_bytes=snapshot_max_bytes,
+        quota_snapshots_per_min=quota_snapshots, mqtt={k: v for k, v in security.items() if v is not None},
+    )
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
     if leave:
@@ -122,6 +134,24 @@ def collect(
     typer.echo(json.dumps(stats))
     if "error" in stats:
         raise typer.Exit(1)
+
+
+def _settings_or_exit(db: Optional[str], db_file: Optional[Path], log_level: str,
+                      api_credentials_file: Optional[Path], **fields: Any) -> tuple[CollectorConfig, int]:
+    """The collector's config (`fields` plus the store URL and the API credentials) and the log level; a bad
+    option is one line naming it, without a password, and exit 2."""
+    from deploy.fleet.collector_config import CollectorConfig
+
+    try:
+        level = log_level_of(log_level)
+        db_url = resolve_db_url(db, db_file, default="sqlite:///fleet.db")
+        config = CollectorConfig(db_url=db_url, broker_api_credentials=_api_credentials(api_credentials_file),
+                                 **fields)
+        _check_db_url(db_url)
+    except (ValueError, ValidationError) as exc:
+        typer.echo(f"error: invalid collector settings: {redact(_describe(exc))}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    return config, level
 
 
 def _api_credentials(path: Optional[Path]) -> Optional[tuple[str, str]]:
@@ -173,13 +203,18 @@ def _describe(exc: Exception) -> str:
     return str(exc)
 
 
-def _run(collector: Any) -> dict[str, Any]:
+def _run(collector: Collector) -> dict[str, Any]:
     """Start, wait for SIGTERM/SIGINT, stop; the counters at exit."""
-    from agent.sdnotify import Notifier
+    from agent.base.sdnotify import Notifier
 
     stop = threading.Event()
+
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+        collector.stop_event.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: (stop.set(), collector.stop_event.set()))
+        signal.signal(sig, on_signal)
     notifier = Notifier()
     # READY at once: the store and broker are waited for inside (with backoff), shown in STATUS=.
     notifier.ready(collector.state())

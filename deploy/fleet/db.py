@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from deploy.fleet.redact import redact
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 __all__ = ["FleetDB", "FleetDBError", "FleetDBUnreachable", "open_db", "to_pyformat", "TRANSIENT_ERRORS"]
 

@@ -209,7 +209,11 @@ def _epoch(device_id: str, table: str, value: Any) -> str:
     """The store epoch a device stamps (agent.mqtt.outbox): absent or 0 is the legacy stream ("")."""
     if value is None or value == 0:
         return ""
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, int) and not 0 < value <= BIGINT_MAX):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, str))
+        or (isinstance(value, int) and not 0 < value <= BIGINT_MAX)
+    ):
         raise Malformed(f"{device_id}/{table}: 'epoch' must be a positive integer, got {str(value)[:40]!r}")
     text = str(value)
     if not 0 < len(text) <= 32 or not text.isalnum():

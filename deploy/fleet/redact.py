@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 
-from agent.redact import redact as redact_urls
+from agent.base.redact import redact as redact_urls
 
 MASK = "***"
 # password=SECRET in a query string or a libpq conninfo (quoted or not).
@@ -19,7 +19,8 @@ _KEYWORD_PASSWORD = re.compile(r"(?P<head>\b(?:password|passwd|pwd)\s*=\s*)(?P<s
 
 
 def redact(text: str) -> str:
-    """`text` with every URL's user info (the device side's one rule, `agent.redact`) and keyword password masked."""
+    """`text` with every URL's user info (the device side's one rule, `agent.base.redact`) and keyword password
+    masked."""
     return _KEYWORD_PASSWORD.sub(lambda m: m["head"] + MASK, redact_urls(text))
 
 

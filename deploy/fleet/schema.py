@@ -109,7 +109,9 @@ def create_statements(dialect: str, partitioned: bool = False) -> list[str]:
 
 def added_statements(dialect: str) -> list[str]:
     """CREATE TABLE/INDEX IF NOT EXISTS of what was added since the first layout (run at every start)."""
-    tables = [f"CREATE TABLE IF NOT EXISTS {name} ({_columns(cols, dialect)}, {key})" for name, cols, key in ADDED_TABLES]
+    tables = [
+        f"CREATE TABLE IF NOT EXISTS {name} ({_columns(cols, dialect)}, {key})" for name, cols, key in ADDED_TABLES
+    ]
     return tables + list(ADDED_INDEXES)
 
 

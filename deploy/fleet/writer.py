@@ -26,10 +26,12 @@ SNAPSHOT_CAMERAS = 16  # snapshot rows kept per device at most (the default of `
 _SNAPSHOT_NAMES = [c for c, _ in SNAPSHOT_COLUMNS]
 _SNAPSHOT_KEY = ("device_id", "camera")
 # Newer or as new (a redelivery writes the same image again) replaces; older leaves the stored one.
-_UPSERT_SNAPSHOT = (f"INSERT INTO snapshots ({', '.join(_SNAPSHOT_NAMES)}) VALUES ({', '.join('?' * len(_SNAPSHOT_NAMES))}) "
-                    "ON CONFLICT (device_id, camera) DO UPDATE SET "
-                    + ", ".join(f"{c} = excluded.{c}" for c in _SNAPSHOT_NAMES if c not in _SNAPSHOT_KEY)
-                    + " WHERE excluded.ts >= snapshots.ts")
+_UPSERT_SNAPSHOT = (
+    f"INSERT INTO snapshots ({', '.join(_SNAPSHOT_NAMES)}) VALUES ({', '.join('?' * len(_SNAPSHOT_NAMES))}) "
+    "ON CONFLICT (device_id, camera) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c in _SNAPSHOT_NAMES if c not in _SNAPSHOT_KEY)
+    + " WHERE excluded.ts >= snapshots.ts"
+)
 _TRIM_SNAPSHOTS = ("DELETE FROM snapshots WHERE device_id = ? AND camera NOT IN (SELECT camera FROM snapshots "
                    "WHERE device_id = ? ORDER BY ts DESC, camera LIMIT ?)")
 
@@ -38,10 +40,10 @@ _TRIM_SNAPSHOTS = ("DELETE FROM snapshots WHERE device_id = ? AND camera NOT IN 
 class BatchResult:
     """What one committed batch changed."""
 
-    inserted: Counter = field(default_factory=Counter)  # per table
+    inserted: Counter[str] = field(default_factory=Counter)  # per table
     duplicates: int = 0
     devices: int = 0
-    snapshots: Counter = field(default_factory=Counter)  # snapshots_stored, snapshots_stale, snapshots_trimmed
+    snapshots: Counter[str] = field(default_factory=Counter)  # snapshots_stored, snapshots_stale, snapshots_trimmed
 
 
 def write_batch(db: FleetDB, rows: list[Row], updates: list[DeviceUpdate], stats: dict[str, float],
@@ -69,11 +71,11 @@ def write_batch(db: FleetDB, rows: list[Row], updates: list[DeviceUpdate], stats
     return result
 
 
-def _upsert_snapshots(db: FleetDB, snapshots: list[SnapshotRecord], cameras: int) -> Counter:
+def _upsert_snapshots(db: FleetDB, snapshots: list[SnapshotRecord], cameras: int) -> Counter[str]:
     """The newest snapshot of each (device, camera) of the batch upserted, then each device trimmed to its
     `cameras` newest rows. Counts what was stored, what lost to a newer one (in the batch or stored) and
     what the bound deleted."""
-    counts: Counter = Counter()
+    counts: Counter[str] = Counter()
     newest: dict[tuple[str, str], SnapshotRecord] = {}
     for snap in snapshots:  # arrival order: of two with one `ts`, the later one wins, as in the table
         key = (snap.device_id, snap.camera)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from engines.backends.base import Backend
-from engines.registry import Registry, import_plugins
+from kernel.registry import Registry, import_plugins
 
 # Backend classes; each takes its own keyword options (tensorrt: cuda_graphs), none is required.
 BACKENDS: Registry[Callable[..., Backend]] = Registry("backend")

@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from engines.tensor_spec import TensorSpec as TensorSpec  # backends describe their I/O with it
+from engines.model.tensor_spec import TensorSpec as TensorSpec  # backends describe their I/O with it
 
 
 @dataclass(frozen=True)

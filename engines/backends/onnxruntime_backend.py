@@ -12,7 +12,7 @@ import onnxruntime as ort
 
 from engines.backends import BACKENDS
 from engines.backends.base import EngineOptions, TensorSpec
-from engines.errors import BatchSizeError, InferenceError, ModelError
+from kernel.errors import BatchSizeError, InferenceError, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,9 @@ def choose_providers(requested: tuple[str, ...]) -> list[str]:
         return [p for p in _AUTO_ORDER if p in available]
     missing = [p for p in requested if p not in available]
     if missing:
-        raise ModelError(f"execution providers {missing} not in this onnxruntime build (has {available})", code="BACKEND_UNAVAILABLE")
+        raise ModelError(
+            f"execution providers {missing} not in this onnxruntime build (has {available})", code="BACKEND_UNAVAILABLE"
+        )
     return list(requested)
 
 
@@ -171,14 +173,20 @@ def _free_dim_overrides(model_path: Path, static_shapes: dict[str, tuple[int, ..
             continue
         dims = graph_input.type.tensor_type.shape.dim
         if len(dims) != len(wanted):
-            raise ModelError(f"input {graph_input.name}: rank {len(dims)} but static shape {list(wanted)}", code="MODEL_SHAPE_MISMATCH")
+            raise ModelError(
+                f"input {graph_input.name}: rank {len(dims)} but static shape {list(wanted)}",
+                code="MODEL_SHAPE_MISMATCH",
+            )
         for dim, size in zip(dims, wanted):
             if size <= 0:  # left free on purpose: the batch dimension of a batching engine
                 continue
             if dim.dim_param:
                 wanted_by.setdefault(dim.dim_param, set()).add(int(size))
             elif dim.dim_value > 0 and dim.dim_value != size:  # -1 or unset: dynamic, the session takes any size
-                raise ModelError(f"input {graph_input.name}: fixed dim {dim.dim_value} != requested {size}", code="MODEL_SHAPE_MISMATCH")
+                raise ModelError(
+                    f"input {graph_input.name}: fixed dim {dim.dim_value} != requested {size}",
+                    code="MODEL_SHAPE_MISMATCH",
+                )
     # One name on two dims that must differ (PP-OCR's cls exports name both H and W "?") cannot be pinned
     # by name: those stay free, and the session takes the preprocess size as it comes. Nor can a name that an
     # input left unpinned shares (RVM's state inputs reuse the frame's "height"/"width" for other sizes).

@@ -21,7 +21,7 @@ cleared at once, as trtexec does, in cuda-python's own runtime (where our captur
 shared libcudart already loaded in the process (CudaPythonMemory.clear_error). TensorRT 8.5 is never captured
 (it fails).
 
-NMS: a plan whose sidecar says `report.nms.where = "engine"` holds EfficientNMS_TRT (engines.nms_graph);
+NMS: a plan whose sidecar says `report.nms.where = "engine"` holds EfficientNMS_TRT (engines.postprocess.nms_graph);
 `TrtEngine.nms` says so (checked against the engine's outputs, inferred from them without a sidecar), and the
 runtime decodes its four outputs as the yolo layout `efficient_nms`. TensorRT's bundled plugins are registered
 (once per process) before every deserialize: without that a plan holding the plugin does not deserialize.
@@ -51,7 +51,7 @@ N rows. Two context schemes (`describe()["context_scheme"]`, with the reason):
   per profile; plans already cached would still need this fallback.)
 
 This module imports when tensorrt and a CUDA binding import; whether they really run on this device
-(driver, GPU, memory) is `engines.doctor`'s question, which `auto` backend selection asks.
+(driver, GPU, memory) is `engines.tools.doctor`'s question, which `auto` backend selection asks.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ from engines.backends.tensorrt_compat import (activation_size, assign_device_mem
                                               context_without_memory, graph_capture_blocker, numpy_dtype,
                                               register_plugins, select_dla_core, shared_logger, sidecar_dla_core)
 from engines.cuda import CudaError, CudaMemory, DeviceBuffer, open_cuda_memory
-from engines.errors import BatchSizeError, InferenceError, ModelError
-from engines.nms_graph import engine_nms, sidecar_nms
+from kernel.errors import BatchSizeError, InferenceError, ModelError
+from engines.postprocess.nms_graph import engine_nms, sidecar_nms
 
 log = logging.getLogger(__name__)
 if (_missing := cuda_mem.missing_bindings()) is not None:
@@ -91,7 +91,9 @@ class _Binding:
     def spec(self, batched: bool = False) -> TensorSpec:
         """The tensor as the Engine protocol describes it (batch dimension None when it varies)."""
         if batched:
-            return TensorSpec(self.name, (None, *self.shape[1:]), str(self.dtype), ("batch",) + (None,) * (len(self.shape) - 1))
+            return TensorSpec(
+                self.name, (None, *self.shape[1:]), str(self.dtype), ("batch",) + (None,) * (len(self.shape) - 1)
+            )
         return TensorSpec(self.name, self.shape, str(self.dtype))
 
     def set_active(self, shape: tuple[int, ...]) -> None:
@@ -379,7 +381,9 @@ class TrtEngine:
             try:
                 np.copyto(b.active, feeds[b.name], casting="same_kind")
             except (KeyError, ValueError, TypeError) as exc:
-                raise InferenceError(f"{self.path.name}: input {b.name} {list(b.active.shape)} {b.dtype}: {exc}") from exc
+                raise InferenceError(
+                    f"{self.path.name}: input {b.name} {list(b.active.shape)} {b.dtype}: {exc}"
+                ) from exc
         try:
             if self.max_batch > 1:
                 self._graph_for_batch()
@@ -412,8 +416,9 @@ class TrtEngine:
         scheme, why = self._scheme()
         return {
             "backend": self.backend, "backend_version": trt.__version__, "precision": self.precision,
-            "cuda_memory": self.cuda_name, "cuda_graph": self._graph is not None, "cuda_graph_status": self.graph_status,
-            "max_batch": self.max_batch, "cuda_graphs": {str(n): s for n, s in sorted(self.graph_statuses.items())},
+            "cuda_memory": self.cuda_name, "cuda_graph": self._graph is not None,
+            "cuda_graph_status": self.graph_status, "max_batch": self.max_batch,
+            "cuda_graphs": {str(n): s for n, s in sorted(self.graph_statuses.items())},
             "contexts": sorted(self._contexts) or [self._batch],
             "context_scheme": scheme, "context_scheme_reason": why,
             "activation_bytes": self._activation.nbytes if self._activation is not None else 0,

@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from engines.sidecar import read_sidecar
-from engines.errors import ModelError
+from engines.model.sidecar import read_sidecar
+from kernel.errors import ModelError
 
 # TensorRT DataType member name -> numpy dtype (names as in every binding since 8.5).
 NUMPY_DTYPES: dict[str, Any] = {

@@ -15,8 +15,8 @@ from typing import Any, Callable
 from engines.build.cache import CacheEntry
 from engines.build.gating import BuildPlan, rekeyed
 from engines.build.validate import ValidationResult
-from engines.errors import EdgeError
-from engines.model import ModelSource
+from kernel.errors import EdgeError
+from engines.model.source import ModelSource
 
 # (name, precision, slimmed, sparse), most precise first: the order ties are broken in
 CANDIDATES = (("fp32", "fp32", False, False), ("fp16", "fp16", False, False), ("int8", "int8", False, False),

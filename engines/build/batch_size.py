@@ -1,5 +1,6 @@
 """The build's batch steps: a batch dimension made dynamic and proven, and the engine's cost per batch size measured
-right after the build, so the sidecar carries the curve the agent picks its batch size from (engines.batching)."""
+right after the build, so the sidecar carries the curve the agent picks its batch size from
+(engines.runtime.batching)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from engines.batching import BATCH_DIM, BatchDim, batch_free, frame_input, leading_dim
-from engines.batch_curve import (
+from engines.runtime.batching import BATCH_DIM, BatchDim, batch_free, frame_input, leading_dim
+from engines.runtime.batch_curve import (
     measure_curve,
 )
-from engines.errors import ModelError
+from kernel.errors import ModelError
 
 
 class BatchRewriteError(ModelError):
@@ -62,7 +63,9 @@ def _symbolic_batch(model: Any) -> None:
     try:
         inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
     except Exception as exc:  # onnx raises InferenceError / ValidationError with the node in the text
-        raise BatchRewriteError(f"shape inference with a symbolic batch failed: {str(exc).splitlines()[0][:300]}") from exc
+        raise BatchRewriteError(
+            f"shape inference with a symbolic batch failed: {str(exc).splitlines()[0][:300]}"
+        ) from exc
     producers = {o: n for n in model.graph.node for o in n.output}
     for output in inferred.graph.output:
         dims = output.type.tensor_type.shape.dim
@@ -156,7 +159,9 @@ def early_batch(job: Any, model: Path) -> Path:
     return out
 
 
-def ort_batch_step(job: Any, model: Path, timer: Any, report: dict[str, Any]) -> tuple[Path, dict[str, tuple[int, ...]]]:
+def ort_batch_step(
+    job: Any, model: Path, timer: Any, report: dict[str, Any]
+) -> tuple[Path, dict[str, tuple[int, ...]]]:
     """ONNX Runtime build: the model with a verified dynamic batch (or as is, batch 1, with the reason) and
     the shapes the optimiser pins (batch left free when the engine batches)."""
     spec = job.spec
@@ -166,8 +171,11 @@ def ort_batch_step(job: Any, model: Path, timer: Any, report: dict[str, Any]) ->
     sample = next(iter(shapes.values()))
     with timer("batch-dimension", max_batch=spec.max_batch):
         plan = prepare_batch_model(model, job.work_dir / "batch.onnx", sample, spec.max_batch, spec.providers)
-    note = f"{export_batch(job.onnx_path)}; " + (plan.note if plan.max_batch == 1 else
-                                                  f"dynamic batch 1..{plan.max_batch}, a batch of 2 matches two batch-1 runs")
+    note = f"{export_batch(job.onnx_path)}; " + (
+        plan.note
+        if plan.max_batch == 1
+        else f"dynamic batch 1..{plan.max_batch}, a batch of 2 matches two batch-1 runs"
+    )
     report["batch"] = {"max_batch": plan.max_batch, "requested": spec.max_batch, "note": note}
     if plan.max_batch == 1:
         report["notes"].append(note)
@@ -199,8 +207,11 @@ def trt_batch_model(job: Any, onnx_path: Path, report: dict[str, Any]) -> Path:
         return onnx_path
     sample = next(iter(spec.input_shapes.values()))
     plan = prepare_batch_model(onnx_path, job.work_dir / "batch.onnx", sample, spec.max_batch)
-    note = f"{export_batch(job.onnx_path)}; " + (plan.note if plan.max_batch == 1 else
-                                                  f"rewritten to a dynamic batch 1..{plan.max_batch} (verified on ONNX Runtime)")
+    note = f"{export_batch(job.onnx_path)}; " + (
+        plan.note
+        if plan.max_batch == 1
+        else f"rewritten to a dynamic batch 1..{plan.max_batch} (verified on ONNX Runtime)"
+    )
     report["batch"] = {"max_batch": plan.max_batch, "requested": spec.max_batch, "note": note}
     if plan.max_batch == 1:
         report["notes"].append(note)
@@ -215,13 +226,13 @@ def timing_options(timing: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def time_build(job: Any, report: dict[str, Any], emit: Any, **limits: Any) -> None:
-    """Time batch sizes 1..max on the engine just built (engines.batch_curve); the curve, its spread and
-    the rounds go into the report (the sidecar). `limits`: engines.batch_curve.sample_sizes's bounds."""
+    """Time batch sizes 1..max on the engine just built (engines.runtime.batch_curve); the curve, its spread and
+    the rounds go into the report (the sidecar). `limits`: engines.runtime.batch_curve.sample_sizes's bounds."""
     spec = job.spec
     if spec.max_batch <= 1 or len(spec.input_shapes) != 1:
         return
     from engines.backends.base import EngineOptions
-    from engines.engine_files import load_engine_file
+    from engines.runtime.engine_files import load_engine_file
 
     batch = report.setdefault("batch", {"max_batch": spec.max_batch, "requested": spec.max_batch})
     sample = next(iter(spec.input_shapes.values()))

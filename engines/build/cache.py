@@ -9,8 +9,9 @@ Layout under `cache_dir`:
 
 Writes go temp -> fsync -> rename, file before sidecar before index row, so a crash leaves at worst an
 orphan file that `gc` removes. An engine whose index row is lost (a corrupt state DB moved aside) but whose
-file still matches its sidecar is re-indexed from the sidecar, never deleted: a TensorRT rebuild costs minutes. Every load re-hashes the file against the index: a corrupt engine is
-quarantined and reported, never loaded and never silently deleted.
+file still matches its sidecar is re-indexed from the sidecar, never deleted: a TensorRT rebuild costs minutes.
+Every load re-hashes the file against the index: a corrupt engine is quarantined and reported, never loaded and
+never silently deleted.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from typing import Any, Callable, Iterator
 
 from engines.build.cache_index import record_index
 from engines.build.spec import ENGINE_SUFFIX, CacheKey
-from engines.errors import EdgeError
-from engines.fsutil import atomic_write_bytes, fsync_dir
-from engines.manifest import sha256_file
-from engines.sidecar import sidecar_path as _sidecar_path
+from kernel.errors import EdgeError
+from kernel.fsutil import atomic_write_bytes, fsync_dir
+from engines.model.manifest import sha256_file
+from engines.model.sidecar import sidecar_path as _sidecar_path
 
 log = logging.getLogger(__name__)
 
@@ -395,7 +396,9 @@ class EngineCache:
                                        float(m.get("first_used") or now), now, m.get("judged_at")))
 
     def _write_sidecar(self, entry: CacheEntry) -> None:
-        atomic_write_bytes(_sidecar_path(entry.path), json.dumps(entry.sidecar(), indent=2, sort_keys=True).encode() + b"\n")
+        atomic_write_bytes(
+            _sidecar_path(entry.path), json.dumps(entry.sidecar(), indent=2, sort_keys=True).encode() + b"\n"
+        )
 
     def _delete_row(self, key: str) -> None:
         with self._lock:

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.fsutil import atomic_write_bytes
+from kernel.fsutil import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 

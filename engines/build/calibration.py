@@ -2,7 +2,7 @@
 
 The set's hash covers the sorted relative file names and each file's bytes, so adding, removing,
 renaming or editing one image gives a new engine cache key. Without images, deterministic text frames
-from `engines.bench.text_frames` stand in, and the build report says so: an engine calibrated on
+from `engines.tools.bench.text_frames` stand in, and the build report says so: an engine calibrated on
 synthetic frames is a measurement, not something to ship.
 """
 
@@ -16,9 +16,9 @@ from typing import Iterable, Iterator
 import cv2
 import numpy as np
 
-from engines.errors import EdgeError
-from engines.manifest import sha256_file
-from engines.preprocess import Preprocessor, PreprocessSpec
+from kernel.errors import EdgeError
+from engines.model.manifest import sha256_file
+from engines.model.preprocess import Preprocessor, PreprocessSpec
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".npy"})
 DEFAULT_MAX_IMAGES = 64
@@ -47,7 +47,7 @@ class CalibrationSet:
         """What the build report says about where the calibration frames came from."""
         if self.generated:
             return (f"no calibration images given: calibrated on {self.count} generated text frames "
-                    "(engines.bench.text_frames); pass --calibration DIR with real camera frames for production")
+                    "(engines.tools.bench.text_frames); pass --calibration DIR with real camera frames for production")
         return f"calibrated on {self.count} images from {self.directory}"
 
     def to_dict(self) -> dict[str, object]:
@@ -109,7 +109,8 @@ def tensors(cal: CalibrationSet, spec: PreprocessSpec) -> list[np.ndarray]:
 
 
 def model_inputs(images: Iterable[np.ndarray], spec: PreprocessSpec) -> list[np.ndarray]:
-    """BGR frames as model-input tensors, through the runtime's own Preprocessor (one copy each: it reuses its buffer)."""
+    """BGR frames as model-input tensors, through the runtime's own Preprocessor (one copy each: it reuses its
+    buffer)."""
     pre = Preprocessor(spec)
     out = []
     for frame in images:
@@ -119,7 +120,7 @@ def model_inputs(images: Iterable[np.ndarray], spec: PreprocessSpec) -> list[np.
 
 
 def _generated_frames(spec: PreprocessSpec, count: int) -> list[np.ndarray]:
-    from engines.frames import text_frames
+    from engines.evaluation.frames import text_frames
 
     return text_frames(spec.width, spec.height, count, seed=GENERATED_SEED)
 

@@ -42,8 +42,8 @@ import onnx
 
 from engines.build import sensitivity
 from engines.build.sensitivity import Range, TensorError
-from engines.fsutil import atomic_write_bytes
-from engines.manifest import sha256_file
+from kernel.fsutil import atomic_write_bytes
+from engines.model.manifest import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -268,8 +268,13 @@ def _ranking(prepared: Path, items: "_Once", ranges: Any, spec: RankingSpec, ent
         report.reused.append("ranking")
         return stored
     t0 = time.perf_counter()
-    ranked = sensitivity.rank_tensors(onnx.load(str(prepared)), items()[:sensitivity.MAX_FRAMES], symmetric=spec.symmetric,
-                                      quantized=spec.quantized, ranges=value_ranges(ranges))
+    ranked = sensitivity.rank_tensors(
+        onnx.load(str(prepared)),
+        items()[: sensitivity.MAX_FRAMES],
+        symmetric=spec.symmetric,
+        quantized=spec.quantized,
+        ranges=value_ranges(ranges),
+    )
     report.ranking_passes, report.ranking_s = 1, time.perf_counter() - t0
     if entry:
         entry.save_ranking(spec.tag, ranked)
@@ -423,7 +428,7 @@ def _tensors_data(info: Mapping[str, Any], arrays: Any) -> Any:
 
 def _npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
     buffer = io.BytesIO()
-    np.savez(buffer, **arrays)  # type: ignore[arg-type]
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]  # mypy: a key could be savez's allow_pickle; these are tensor names
     return buffer.getvalue()
 
 

@@ -182,7 +182,10 @@ def _pair_initializers(g: _RewriteGraph, base: str, first: _Shuffle, second: _Sh
     # conv b: k1*k1 groups of c1 -> (c2, a2, b2)
     wb1 = np.tile(wb.transpose(1, 2, 3, 0).reshape(c2 * k2 * k2, c1, 1, 1), (k1 * k1, 1, 1, 1))
     bb1 = np.tile(np.repeat(bb, k2 * k2), k1 * k1)
-    ia = [g.add_init(f"{base}_pair_wa", wa1.astype(wa.dtype)), g.add_init(f"{base}_pair_ba", np.tile(ba, k1 * k1).astype(wa.dtype))]
+    ia = [
+        g.add_init(f"{base}_pair_wa", wa1.astype(wa.dtype)),
+        g.add_init(f"{base}_pair_ba", np.tile(ba, k1 * k1).astype(wa.dtype)),
+    ]
     ib = [g.add_init(f"{base}_pair_wb", wb1.astype(wb.dtype)), g.add_init(f"{base}_pair_bb", bb1.astype(wb.dtype))]
     s8 = g.add_init(f"{base}_pair_shape8", np.array([n, k1, k1, c2, k2, k2, h, w], np.int64))
     s4 = g.add_init(f"{base}_pair_shape4", np.array([n, c2, h * k1 * k2, w * k1 * k2], np.int64))
@@ -262,7 +265,7 @@ def qlinearconv_is_exact(cin: int, cout: int, group: int, kernel: tuple[int, int
     try:
         sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         got = sess.run(None, {"x": x})[0]
-    except Exception as exc:  # an ORT that cannot run it cannot be trusted with it either
+    except Exception as exc:  # noqa: BLE001 - an ORT that cannot run it cannot be trusted with it either
         log.warning("QLinearConv probe (%d -> %d, group %d, kernel %s) failed: %s", cin, cout, group, kernel, exc)
         return False
     return float(np.abs(got.astype(np.float64) - want).max()) <= 1  # float rounding of the requantization

@@ -24,10 +24,10 @@ from engines.build.int8_hint import refusal_hint
 from engines.build.spec import CacheKey, EngineBuildError, EngineBuildSpec, make_cache_key
 from engines.build.validate import ValidationResult, min_accuracy_for, validate
 from engines.build.validation_set import ValidationSet, same_set
-from engines.engine_files import EngineIncompatibleError, load_engine_file
-from engines.model import ModelSource
-from engines.nms_graph import NmsUnavailableError
-from engines.runtime import ModelRuntime, load_runtime
+from engines.runtime.engine_files import EngineIncompatibleError, load_engine_file
+from engines.model.source import ModelSource
+from engines.postprocess.nms_graph import NmsUnavailableError
+from engines.runtime.model_runtime import ModelRuntime, load_runtime
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +163,13 @@ def int8_fallback(step: Step, plan: BuildPlan, entry: CacheEntry, hit: bool, ver
 def _round_cost(seconds: float | None, hit: bool, stats: dict[str, Any]) -> dict[str, Any]:
     """A fallback round's time (build and gate; None for round 0, timed by its caller) and what its build
     reused (engines.build.calibration_stats)."""
-    return {"seconds": None if seconds is None else round(seconds, 2), "hit": hit, "reused": list(stats.get("reused", [])),
-            "calibration_passes": stats.get("calibration_passes"), "ranking_passes": stats.get("ranking_passes")}
+    return {
+        "seconds": None if seconds is None else round(seconds, 2),
+        "hit": hit,
+        "reused": list(stats.get("reused", [])),
+        "calibration_passes": stats.get("calibration_passes"),
+        "ranking_passes": stats.get("ranking_passes"),
+    }
 
 
 def cached_or_built(cache: EngineCache, plan: BuildPlan, source: ModelSource, builder: Builder, emit: EventSink,
@@ -174,8 +179,10 @@ def cached_or_built(cache: EngineCache, plan: BuildPlan, source: ModelSource, bu
         nms = entry.report.get("nms") if isinstance(entry.report, dict) else None
         if source.manifest.build.nms == "engine" and isinstance(nms, dict) and nms.get("where") == "host":
             # built under `auto`, which fell back: the same key, but not what `engine` asks for
-            raise NmsUnavailableError(f"{source.label}: build.nms = engine, but this device's engine for it runs NMS "
-                                      f"on the host ({nms.get('reason') or 'the plugin was refused'}); use auto or host")
+            raise NmsUnavailableError(
+                f"{source.label}: build.nms = engine, but this device's engine for it runs NMS "
+                f"on the host ({nms.get('reason') or 'the plugin was refused'}); use auto or host"
+            )
         emit({"type": "engine.cache.hit", "key": entry.key, "model": source.label, "backend": plan.backend})
         return entry, True
     emit({"type": "engine.cache.miss", "key": plan.key.key, "model": source.label, "backend": plan.backend,

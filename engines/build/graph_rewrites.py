@@ -15,9 +15,9 @@ import onnx
 from onnx import helper, numpy_helper, shape_inference
 
 from engines.build.convtranspose_fusion import fuse_convtranspose_pairs
-from engines.errors import ModelError
-from engines.fsutil import fsync_dir
-from engines.onnx_inputs import toposort
+from kernel.errors import ModelError
+from kernel.fsutil import fsync_dir
+from engines.model.onnx_inputs import toposort
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,10 @@ def refusal_hint(first_reason: str | None, tried: Sequence[dict[str, Any]], repo
         parts.append(f"The ranking's worst: {named}")
         if heads:
             outputs = sorted(set(heads.values()))
-            parts[-1] += (f"; {len(heads)} of them in the head of {', '.join(outputs)} (after its last Conv/MatMul/Gemm),"
-                          " where one 8-bit scale cannot hold what the head mixes")
+            parts[-1] += (
+                f"; {len(heads)} of them in the head of {', '.join(outputs)} (after its last Conv/MatMul/Gemm),"
+                " where one 8-bit scale cannot hold what the head mixes"
+            )
     if calibration.get("generated"):
         parts.append(f"Calibrated on {calibration.get('count', '?')} generated frames: {FRAMES_ADVICE} "
                      "(--calibration DIR), another precision, or lower gates.min_accuracy")
@@ -68,7 +70,7 @@ def heads_of(model: Path, tensors: Sequence[str]) -> dict[str, str]:
         import onnx
 
         graph = onnx.load(str(model), load_external_data=False).graph
-    except Exception as exc:  # onnx raises DecodeError and friends; the hint goes on without the heads
+    except Exception as exc:  # noqa: BLE001 - onnx raises DecodeError and friends; the hint goes on without the heads
         log.warning("%s: heads not read for the INT8 hint: %s", Path(model).name, exc)
         return {}
     head = head_tensors(graph)

@@ -59,7 +59,7 @@ from engines.build.graph_rewrites import (
     save_atomic,
     simplify_graph,
 )
-from engines.errors import ModelError
+from kernel.errors import ModelError
 
 log = logging.getLogger(__name__)
 
@@ -412,8 +412,9 @@ def _write_prepared(fp32_onnx: Path, prepared: Path, calibration: Calibration, s
         chosen, fallback = _chosen(shared.ranking, keep_float)
         tails |= set(fallback)
         kept = [t.to_dict() for t in chosen]
-    return _QuantPlan(ranges=shared.ranges, stats=shared.report, ops=ops, excluded=_excluded_nodes(nodes, settings, tails),
-                      rewrites=rewrites, float_ops=float_ops, kept=kept)
+    return _QuantPlan(ranges=shared.ranges, stats=shared.report, ops=ops,
+                      excluded=_excluded_nodes(nodes, settings, tails), rewrites=rewrites, float_ops=float_ops,
+                      kept=kept)
 
 
 def _excluded_nodes(nodes: list[tuple[str, str]], settings: QuantSettings, tails: set[str]) -> list[str]:
@@ -481,7 +482,8 @@ def quantize_int8(
         prepared, quantized = tmp / "prepared.onnx", tmp / "quantized.onnx"
         plan = _write_prepared(fp32_onnx, prepared, calibration, settings, keep_float, stats, tmp)
         t1 = time.perf_counter()
-        calibration_stats.quantize_static_on(prepared, quantized, plan.ranges, **_quantize_static_options(settings, plan))
+        calibration_stats.quantize_static_on(prepared, quantized, plan.ranges,
+                                             **_quantize_static_options(settings, plan))
         t2 = time.perf_counter()
         op_counts = _checked_op_counts(quantized)
         move_atomic(quantized, out_onnx)

@@ -27,10 +27,10 @@ from engines.build.cache import CacheEntry
 from engines.build.gating import BuildPlan, Step, falls_back, int8_fallback
 from engines.build.spec import canonical_json
 from engines.build.validate import VALIDATION_STREAM, ValidationResult, latency_stats
-from engines.engine_files import load_engine_file
-from engines.errors import EdgeError
-from engines.model import ModelSource
-from engines.runtime import ModelRuntime
+from engines.runtime.engine_files import load_engine_file
+from kernel.errors import EdgeError
+from engines.model.source import ModelSource
+from engines.runtime.model_runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 

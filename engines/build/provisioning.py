@@ -24,7 +24,7 @@ import numpy as np
 
 from engines.backends import get_backend
 from engines.backends.base import EngineOptions
-from engines.batching import DLA_STATIC_REASON, batch_profile, dla_max_batch, state_max_batch
+from engines.runtime.batching import DLA_STATIC_REASON, batch_profile, dla_max_batch, state_max_batch
 from engines.build import calibration as calib
 from engines.build.cache import CacheEntry, EngineCache
 from engines.build.gating import BuildPlan, Step, falls_back, int8_fallback
@@ -47,17 +47,17 @@ from engines.build.spec import (
 from engines.build.tensorrt import STATE_UNSUPPORTED
 from engines.build.validate import GateError, ValidationResult
 from engines.build.validation_set import validation_set
-from engines.engine_files import EngineIncompatibleError, load_engine_file
-from engines.fingerprint import read_fingerprint
-from engines.manifest import sha256_file
-from engines.model import ModelSource
-from engines.nms_graph import plan_nms
-from engines.runtime import (
+from engines.runtime.engine_files import EngineIncompatibleError, load_engine_file
+from engines.device.fingerprint import read_fingerprint
+from engines.model.manifest import sha256_file
+from engines.model.source import ModelSource
+from engines.postprocess.nms_graph import plan_nms
+from engines.runtime.model_runtime import (
     ModelRuntime,
     preprocess_shape,
     resolve_backend,
 )
-from engines.state_inputs import check_input_size
+from engines.runtime.state_inputs import check_input_size
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +103,13 @@ def provision(source: ModelSource, *, backend: str = "auto", precision: str | No
               timing: dict[str, Any] | None = None) -> ProvisionResult:
     """The cached engine for `source` on this device, built and validated first when missing.
 
-    `max_batch` > 1: an engine with a batch dimension, timed at sizes 1..max_batch (engines.batching).
+    `max_batch` > 1: an engine with a batch dimension, timed at sizes 1..max_batch (engines.runtime.batching).
     `fallback_rounds`: an INT8 engine that fails its accuracy gate is rebuilt with its most sensitive layers
     in float, up to this many times (engines.build.sensitivity); 0: no fallback. `live_frames_dir`: the device's sample
-    of its camera frames (engines.live_frames); the newest `live_frames` of them join the validation frames.
+    of its camera frames (engines.evaluation.live_frames); the newest `live_frames` of them join the validation frames.
     `validation_dir`: judge on these frames instead of the artifact's (a bare .onnx has none). `timing`: the
-    engine options (`intra_op_threads`, `allow_spinning`) the batch curve is timed with, those the caller serves with."""
+    engine options (`intra_op_threads`, `allow_spinning`) the batch curve is timed with, those the caller serves
+    with."""
     emit = _safe_sink(on_progress)
     requested = precision or source.manifest.build.precision
     if requested == AUTO and not validate:  # the search picks by the gates' verdicts: without them, the safe one
@@ -119,7 +120,9 @@ def provision(source: ModelSource, *, backend: str = "auto", precision: str | No
                                 max_batch=max_batch, timing=dict(timing or {}))
     plan = planner(source, requested) if requested != AUTO else None  # a plain build's plan errors come first
     # the frames first: a model that cannot be judged is refused before minutes of building (GATE_NO_VALIDATION_FRAMES)
-    frames = validation_set(source, validation_samples, live_frames_dir, live_frames, validation_dir) if validate else None
+    frames = (
+        validation_set(source, validation_samples, live_frames_dir, live_frames, validation_dir) if validate else None
+    )
     cache = EngineCache(cache_dir, db_path, on_event=emit, model=source.label)  # `engines list` names each user
     step = Step(cache, source, builder or Builder(), emit, timeout_s, stop_event, revalidate, frames, latency_runs)
     verdict: ValidationResult | None
@@ -140,7 +143,8 @@ def provision(source: ModelSource, *, backend: str = "auto", precision: str | No
 
 def _one(step: Step, plan: BuildPlan, validate: bool,
          fallback_rounds: int) -> tuple[BuildPlan, CacheEntry, bool, ValidationResult | None]:
-    """One precision: the cached or built engine, judged (and walked through the INT8 fallback) unless not validating."""
+    """One precision: the cached or built engine, judged (and walked through the INT8 fallback) unless not
+    validating."""
     with step.cache.build_lock(plan.key.key, step.timeout_s):
         if not validate:
             entry, hit = step.built(plan)
@@ -176,7 +180,9 @@ def load_provisioned(result: ProvisionResult, source: ModelSource, options: Engi
     return ModelRuntime(source, engine)
 
 
-def load_warm(result: ProvisionResult, source: ModelSource, options: EngineOptions | None, warmup_runs: int) -> ModelRuntime:
+def load_warm(
+    result: ProvisionResult, source: ModelSource, options: EngineOptions | None, warmup_runs: int
+) -> ModelRuntime:
     """`load_provisioned`, then `warmup_runs` frames of zeros at the model's input size, so the first real frame
     does not pay the engine's lazy initialisation; a model that fails them is closed (its memory freed)."""
     runtime = load_provisioned(result, source, options)
@@ -217,7 +223,8 @@ def plan_build(source: ModelSource, backend: str = "auto", precision: str | None
     cal = None if prequantized else _calibration(source, precision, calibration_dir)
     spec = EngineBuildSpec(
         precision=precision, input_shapes=shapes,
-        profiles={k: ShapeProfile(*batch_profile(v, max_batch)) for k, v in shapes.items()} if backend == "tensorrt" else {},
+        profiles=({k: ShapeProfile(*batch_profile(v, max_batch)) for k, v in shapes.items()}
+                  if backend == "tensorrt" else {}),
         workspace_mb=workspace_mb, calibration_hash=cal.digest if cal else None,
         calibration_count=cal.count if cal else 0,
         optimization_level=DEFAULT_TRT_OPT_LEVEL if backend == "tensorrt" else None,
@@ -260,7 +267,7 @@ def _refuse_stateful_int8(source: ModelSource, precision: str) -> None:
 def _prequantized(source: ModelSource, precision: str) -> str | None:
     """The quantized ops of an already quantized model ('QLinearConv x12, ...'), None for a float model;
     MODEL_ALREADY_QUANTIZED when asked to build one at fp32/fp16. Reads the graph once per model file."""
-    from engines.onnx_inputs import describe_quantized, refuse_requantizing
+    from engines.model.onnx_inputs import describe_quantized, refuse_requantizing
 
     ops = _quantized_ops(str(source.onnx_path), source.sha256 or "")
     refuse_requantizing(ops, precision)
@@ -272,11 +279,11 @@ def _quantized_ops(path: str, sha256: str) -> dict[str, int]:
     """The quantized op counts of a model file, {} for a float one (cached by path and hash; not mutated)."""
     import onnx
 
-    from engines.onnx_inputs import quantization_ops
+    from engines.model.onnx_inputs import quantization_ops
 
     try:
         proto = onnx.load(path, load_external_data=False)
-    except Exception as exc:  # the build reports an unreadable model with its own error
+    except Exception as exc:  # noqa: BLE001 - onnx raises several unrelated types; the build reports an unreadable model
         log.debug("could not read %s for its op types: %s", path, exc)
         return {}
     return quantization_ops(proto)

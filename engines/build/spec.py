@@ -14,8 +14,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engines.errors import EdgeError
-from engines.fingerprint import DeviceFingerprint, fingerprint_for_backend
+from kernel.errors import EdgeError
+from engines.device.fingerprint import DeviceFingerprint, fingerprint_for_backend
 
 # Bump when the builder's output changes for the same inputs (new fusions, quantizer settings...).
 KEY_SCHEMA = "edge-agent/engine-key/v1"
@@ -63,7 +63,8 @@ class EngineBuildSpec:
     dla_core: int | None = None
     #: Largest batch the engine is built (TensorRT profile opt/max) and timed for; 1: a batch-1 engine.
     max_batch: int = 1
-    #: TensorRT only: EfficientNMS_TRT appended to the graph (engines.nms_graph.NmsSettings); {}: NMS on the host.
+    #: TensorRT only: EfficientNMS_TRT appended to the graph (engines.postprocess.nms_graph.NmsSettings);
+    #: {}: NMS on the host.
     nms: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,6 +1,7 @@
 """The build steps both backends' builders share (engines.build.worker for ONNX Runtime, engines.build.tensorrt for
 TensorRT): the static-shape model, the INT8 recipes, FP32 weights for FP16 exports, the exact rewrites, FP16, and the
-stage timer whose seconds go into the build report. One copy, public names, so neither builder reaches into the other."""
+stage timer whose seconds go into the build report. One copy, public names, so neither builder reaches into the
+other."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def quantize_model(job: BuildJob, model: Path, timer: "StageTimer", report: dict
     from engines.build import ort_recipe as quantize
     from engines.build.calibration_stats import StatsStore
     from engines.build import trt_recipe as quantize_trt
-    from engines.preprocess import PreprocessSpec
+    from engines.model.preprocess import PreprocessSpec
 
     if job.spec.quantization.get("prequantized"):
         report["notes"].append(f"already quantized ({job.spec.quantization['prequantized']}): built as it is, "
@@ -76,10 +77,10 @@ def quantize_model(job: BuildJob, model: Path, timer: "StageTimer", report: dict
 
 
 def fp32_weights(model: Path, out: Path, report: dict[str, Any]) -> Path:
-    """An FP32 copy of a model with FP16 weights, which is what gets quantized (engines.onnx_inputs)."""
+    """An FP32 copy of a model with FP16 weights, which is what gets quantized (engines.model.onnx_inputs)."""
     import onnx
 
-    from engines.onnx_inputs import fp32_copy, has_fp16
+    from engines.model.onnx_inputs import fp32_copy, has_fp16
 
     proto = onnx.load(str(model))
     if not has_fp16(proto):
@@ -93,7 +94,7 @@ def fp32_weights(model: Path, out: Path, report: dict[str, Any]) -> Path:
 def exact_rewrites(model: Path, out: Path, report: dict[str, Any]) -> Path:
     """The quantizer's exact FP32 graph rewrites (same outputs, less work); skipped if a model resists."""
     from engines.build import ort_recipe as quantize
-    from engines.errors import ModelError
+    from kernel.errors import ModelError
 
     try:
         report["rewrites"] = quantize.optimize_fp32(model, out)

@@ -11,7 +11,7 @@ Runs in the build child process (`build_plan`) or, for a bare `.onnx` given to t
   shapes only (DLA refuses a dynamic profile: provisioning builds dla:N at batch 1, min = opt = max);
 - builder optimisation level (8.6+); progress monitor and parser node names (9.1+: both are absent
   from 8.6's binding, see tests/data/tensorrt_api/8.6.1.json, and present in 10.x).
-With `build.nms` = engine/auto the graph gets EfficientNMS_TRT appended (engines.nms_graph) after the batch
+With `build.nms` = engine/auto the graph gets EfficientNMS_TRT appended (engines.postprocess.nms_graph) after the batch
 rewrite, the bundled plugins are registered (tensorrt_compat.register_plugins), and where the plugin cannot run
 as asked (parser or builder refusal, a creator without `class_agnostic` before 8.6) `auto` falls back to the
 plain graph (NMS on the host, the reason in the report's `nms`) and `engine` fails (ENGINE_NMS_UNAVAILABLE).
@@ -31,10 +31,10 @@ from engines.backends.tensorrt_compat import (
     register_plugins,
     shared_logger,
 )
-from engines.batching import DLA_STATIC_REASON
+from engines.runtime.batching import DLA_STATIC_REASON
 from engines.build import batch_size
 from engines.build.spec import EngineBuildError, EngineBuildSpec
-from engines.fsutil import atomic_write_bytes
+from kernel.fsutil import atomic_write_bytes
 
 Emit = Callable[..., None]
 _OOM_MARKERS = ("out of memory", "outofmemory", "cudaerrormemoryallocation", "requested amount of gpu memory")
@@ -52,7 +52,7 @@ def build_plan(job: Any, emit: Emit) -> dict[str, Any]:
         static_model,
         to_fp16,
     )
-    from engines.state_inputs import onnx_io
+    from engines.runtime.state_inputs import onnx_io
 
     report: dict[str, Any] = {"notes": [], "stages_s": {}}
     onnx_path = job.onnx_path
@@ -91,7 +91,7 @@ def build_with_nms(trt: Any, onnx_path: Path, job: Any, emit: Emit, report: dict
     `engine` fails with ENGINE_NMS_UNAVAILABLE and the reason."""
     if not job.spec.nms:
         return build_serialized(trt, onnx_path, job.spec, job.timing_cache, emit, report)
-    from engines import nms_graph
+    from engines.postprocess import nms_graph
 
     settings = nms_graph.NmsSettings.from_dict(job.spec.nms)
     registered = register_plugins(trt)
@@ -355,8 +355,10 @@ def configure_dla(trt: Any, builder: Any, network: Any, config: Any, core: int) 
     on releases without DLA even on an Orin (NVIDIA: 10.7 was the last 10.x with DLA; 11.0-11.3 have none)."""
     missing = [name for name in _DLA_API if not _has_api(trt, builder, config, name)]
     if missing:
-        raise EngineBuildError(f"this TensorRT {getattr(trt, '__version__', '?')} has no DLA API ({', '.join(missing)})",
-                               code="ENGINE_DLA_UNAVAILABLE")
+        raise EngineBuildError(
+            f"this TensorRT {getattr(trt, '__version__', '?')} has no DLA API ({', '.join(missing)})",
+            code="ENGINE_DLA_UNAVAILABLE",
+        )
     cores = int(builder.num_DLA_cores)
     if core >= cores:
         seen = "no DLA cores" if cores == 0 else f"DLA cores 0..{cores - 1}"

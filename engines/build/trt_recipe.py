@@ -41,7 +41,7 @@ from onnx import numpy_helper
 
 from engines.build import fp16
 from engines.build.graph_rewrites import op_type_counts, save_atomic
-from engines.errors import ModelError
+from kernel.errors import ModelError
 
 if TYPE_CHECKING:
     from engines.build.calibration_stats import Shared, StatsStore
@@ -170,8 +170,11 @@ def _shared_stats(prepared: Path, calibration: "Calibration", inputs: list[Any],
     ranking = None
     if keep_float > 0:
         ops = set(recipe.op_types)
-        ranking = calibration_stats.RankingSpec(symmetric=True, quantized=lambda _p, cs: any(c.op_type in ops for c in cs),
-                                                tag="tensorrt-qdq:symmetric-int8:" + ",".join(sorted(ops)))
+        ranking = calibration_stats.RankingSpec(
+            symmetric=True,
+            quantized=lambda _p, cs: any(c.op_type in ops for c in cs),
+            tag="tensorrt-qdq:symmetric-int8:" + ",".join(sorted(ops)),
+        )
     calibrator = calibration_stats.CalibratorSpec.of(recipe.op_types, recipe.calibrate_method, _EXTRA_OPTIONS)
     shared = calibration_stats.shared(prepared, lambda: q._feeds(calibration, inputs), calibrator, store=stats,
                                       ranking=ranking, work=work)
@@ -316,7 +319,9 @@ def output_channel_axis(op: onnx.NodeProto, input_index: int, rank: int) -> int 
     return None
 
 
-def _weight_rank(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto], inits: dict[str, onnx.TensorProto]) -> int | None:
+def _weight_rank(
+    node: onnx.NodeProto, producers: dict[str, onnx.NodeProto], inits: dict[str, onnx.TensorProto]
+) -> int | None:
     """The rank of the constant weight a Q/DQ node quantizes (a DQ's through its Q), None for an activation."""
     source = node.input[0] if node.input else ""
     if source not in inits and source in producers and producers[source].op_type == "QuantizeLinear":

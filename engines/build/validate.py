@@ -31,7 +31,7 @@ Default minimums when the manifest sets none (`gates.min_accuracy` overrides):
   calibrated detectors and classifiers keep >= 90 % agreement, a collapsed one drops far below.
 Latency: warm-up runs, then timed `engine.infer` calls; p99 is compared with `gates.latency_budget_ms`.
 
-A model with state inputs (manifest `state`, engines.state_inputs) runs its validation frames in sequence on
+A model with state inputs (manifest `state`, engines.runtime.state_inputs) runs its validation frames in sequence on
 one stream from zeros, each frame fed the state the one before left, reference and candidate alike: as one
 camera would. The latency runs carry the state too (at its full size after the first call).
 """
@@ -44,9 +44,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engines.errors import EdgeError, ModelError
-from engines.manifest import Gates
-from engines.metrics import (
+from kernel.errors import EdgeError, ModelError
+from engines.model.manifest import Gates
+from engines.evaluation.metrics import (
     BOX_IOU,
     box_agreement,
     match_detections,
@@ -57,7 +57,7 @@ from engines.metrics import (
 )
 from engines.postprocess import InferenceResult
 from engines.postprocess.value_ranges import check_value_ranges, check_value_set
-from engines.runtime import ModelRuntime
+from engines.runtime.model_runtime import ModelRuntime
 
 DEFAULT_MIN_ACCURACY = {"fp32": 0.99, "fp16": 0.95, "int8": 0.90}
 FRAME_COST_FRAMES = 8  # frames timed through the whole stage chain: enough for a p50, cheap for 64-frame sets
@@ -92,9 +92,13 @@ class ValidationResult:
     # preprocess + infer + postprocess per validation frame (ms: mean, p50, p99): what one frame costs the frame
     # path, so the deployment watch knows what the model can serve (None in verdicts cached before it was measured)
     frame_ms: dict[str, float] | None = None
-    outputs: dict[str, float] | None = None  # raw: each output's metric (the lowest decides); yolo: matched_score_ratio,
+    outputs: dict[str, float] | None = (
+        None  # raw: each output's metric (the lowest decides); yolo: matched_score_ratio,
+    )
     # and for seg / pose heads mask_iou / oks of the matched boxes (the lowest of them and box F1 decides)
-    frames: dict[str, Any] | None = None  # what it was judged on: {"source", "count", "sha256"} (part of the verdict key)
+    frames: dict[str, Any] | None = (
+        None  # what it was judged on: {"source", "count", "sha256"} (part of the verdict key)
+    )
     # INT8 layer fallback (engines.build.provisioning): {"round", "kept_float": [tensor...], "tried": [{round, accuracy,
     # kept_float}]}; None when the engine was judged as first built
     fallback: dict[str, Any] | None = None
@@ -134,7 +138,9 @@ def validate(candidate: ModelRuntime, reference: ModelRuntime, frames: Sequence[
     served = [((reference.postprocessor.served(r[0]), r[1]), (candidate.postprocessor.served(c[0]), c[1]))
               for r, c in pairs]  # what the decoder reads: a stateful model's state outputs are not judged
     no_signal = signal_problem(kind, params, [r for r, _ in served])
-    score, outputs = agreement(kind, params, served, candidate.postprocessor.served([o.name for o in candidate.engine.outputs]))
+    score, outputs = agreement(
+        kind, params, served, candidate.postprocessor.served([o.name for o in candidate.engine.outputs])
+    )
     latency = measure_latency(candidate, frames[0], latency_runs, warmup)
     threshold = min_accuracy_for(precision, gates)
     result = ValidationResult(precision, metric_name(kind, outputs), round(score, 5), threshold, len(frames),
@@ -148,8 +154,10 @@ def validate(candidate: ModelRuntime, reference: ModelRuntime, frames: Sequence[
         result.reason = f"{no_signal}: {NO_SIGNAL_HINT}"
     elif score_ratio is not None and score_ratio < MIN_SCORE_RATIO:
         result.passed, result.code = False, "GATE_ACCURACY"
-        result.reason = (f"the boxes both find score {score_ratio:.2f}x the FP32 reference's (below {MIN_SCORE_RATIO}): "
-                         "the head's scores collapse; use real calibration images or another precision")
+        result.reason = (
+            f"the boxes both find score {score_ratio:.2f}x the FP32 reference's (below {MIN_SCORE_RATIO}): "
+            "the head's scores collapse; use real calibration images or another precision"
+        )
     elif score < threshold:
         result.passed, result.code = False, "GATE_ACCURACY"
         result.reason = (f"{result.metric} {score:.3f} vs the FP32 reference is below {threshold:.2f} for {precision}: "
@@ -177,7 +185,7 @@ def agreement(kind: str, params: dict[str, Any], pairs: Sequence[tuple[Run, Run]
     if kind == "classification":
         return float(np.mean([top1_agreement(r[0][0], c[0][0]) for r, c in pairs])), None
     if kind in ("yolo", "anchors"):
-        from engines.instance_metrics import instance_agreement
+        from engines.evaluation.instance_metrics import instance_agreement
 
         refs, cands = [r[1] for r, _ in pairs], [c[1] for _, c in pairs]
         f1, ratio = box_agreement(refs, cands)
@@ -318,6 +326,7 @@ def latency_stats(samples: Sequence[float]) -> dict[str, float]:
     """mean, p50 and p99 in ms, rounded to microseconds; a percentile is the sorted run nearest to q of the way
     from the first to the last (numpy's "nearest": p50 of 1..100 is 51), not the nearest-rank definition."""
     ordered = sorted(samples)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]  # noqa: E731
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
     return {"mean": round(float(np.mean(ordered)), 3), "p50": round(pick(0.5), 3), "p99": round(pick(0.99), 3),
             "runs": len(ordered)}

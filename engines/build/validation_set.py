@@ -5,7 +5,7 @@ artifact, hashed and signed like every file: `edge-deploy package --validation D
 frames of `engines.build.validate.validation_frames` are used only when the manifest asks for them
 (`gates.synthetic_frames`, which the demo text detector sets): on any other model they prove nothing, and the
 no-signal rule (engines.build.validate.signal_problem) would refuse it anyway. A device that keeps a rolling sample
-of its own camera frames (`[gates] live_frames`, engines.live_frames) judges every candidate on those too.
+of its own camera frames (`[gates] live_frames`, engines.evaluation.live_frames) judges every candidate on those too.
 With no frames at all the gate refuses: GATE_NO_VALIDATION_FRAMES.
 
 The verdict key — the set's hash plus the postprocessor and its parameters — is stored with the verdict,
@@ -23,10 +23,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engines import live_frames
+from engines.evaluation import live_frames
 from engines.build import calibration as frame_sets
-from engines.errors import EdgeError
-from engines.model import ModelSource
+from kernel.errors import EdgeError
+from engines.model.source import ModelSource
 
 MAX_VALIDATION_FRAMES = 64
 
@@ -99,7 +99,7 @@ def _invalid(directory: str, exc: EdgeError) -> EdgeError:
 
 
 def _synthetic(width: int, height: int, samples: int) -> list[np.ndarray]:
-    from engines.frames import validation_frames
+    from engines.evaluation.frames import validation_frames
 
     return validation_frames(width, height, samples)
 

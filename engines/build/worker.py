@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     except MemoryError:
         emit.send({"event": "error", "code": "ENGINE_BUILD_OOM", "message": "out of host memory while building"})
         return 4
-    except Exception as exc:  # report every failure with its type; the traceback goes to the build log
+    except Exception as exc:  # noqa: BLE001 - report every failure with its type; the traceback goes to the build log
         traceback.print_exc()
         emit.send({"event": "error", "code": "ENGINE_BUILD_FAILED", "message": f"{type(exc).__name__}: {exc}"})
         return 5
@@ -142,7 +142,7 @@ def _smoke_test(path: Path, providers: tuple[str, ...], precision: str, job: Bui
     frame gets (the state's zeros of its init_shape, the constants), so a state that must match the frame fits."""
     import numpy as np
 
-    from engines.engine_files import load_ort_engine
+    from engines.runtime.engine_files import load_ort_engine
 
     engine = load_ort_engine(path, providers, precision)
     try:
@@ -158,8 +158,8 @@ def _first_frame_feeds(engine: Any, job: BuildJob) -> dict[str, Any]:
     """The feeds of a camera's first frame, as the runtime's StreamStates builds them (frame of the planned shape)."""
     import numpy as np
 
-    from engines.manifest import StateSpec
-    from engines.state_inputs import DEFAULT_STREAM, StreamStates
+    from engines.model.manifest import StateSpec
+    from engines.runtime.state_inputs import DEFAULT_STREAM, StreamStates
 
     states = StreamStates(StateSpec.model_validate(job.state), engine.inputs, engine.outputs, job.label or "model")
     frame = states.frame

@@ -52,6 +52,6 @@ def availability() -> dict[str, str | None]:
         try:
             _open(name).close()
             out[name] = None
-        except Exception as exc:  # report any failure mode (missing module, no driver, no GPU)
+        except Exception as exc:  # noqa: BLE001 - report any failure mode (missing module, no driver, no GPU)
             out[name] = f"{type(exc).__name__}: {exc}"
     return out

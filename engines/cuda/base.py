@@ -1,8 +1,8 @@
 """A small CUDA memory interface for the TensorRT backend: buffers, pinned host arrays, streams, events.
 
 Two implementations sit behind it, tried in this order:
-- `cuda-python` (engines/cuda/cuda_python.py: `cuda.bindings.runtime`, or `cuda.cudart` on older releases): what NVIDIA's own
-  TensorRT samples use since 8.6, wheels for x86-64 and aarch64;
+- `cuda-python` (engines/cuda/cuda_python.py: `cuda.bindings.runtime`, or `cuda.cudart` on older releases): what
+  NVIDIA's own TensorRT samples use since 8.6, wheels for x86-64 and aarch64;
 - `pycuda` (engines/cuda/pycuda_memory.py): for JetPack images that only ship it.
 Both use the device's primary context, the one TensorRT's runtime API calls use, so buffers and
 streams from either are valid for `execute_async_v3`. CUDA graphs are optional (`supports_graphs`).
@@ -20,7 +20,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 
 
 IMPLEMENTATIONS = ("cuda-python", "pycuda")
@@ -107,7 +107,7 @@ def missing_bindings() -> str | None:
     except ImportError as exc:
         first = exc
     try:
-        import pycuda.driver  # noqa: F401
+        import pycuda.driver  # noqa: F401 - only to see whether pycuda imports
         return None
     except ImportError as exc:
         return (f"neither cuda-python ({first}) nor pycuda ({exc}) is installed; "

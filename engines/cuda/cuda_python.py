@@ -51,8 +51,8 @@ class CudaPythonMemory:
         def query(fn_name: str) -> int | None:
             fn = getattr(self.rt, fn_name, None)
             try:
-                err, value = fn()  # type: ignore[misc]
-            except Exception:  # a missing or broken query only loses the diagnosis, not the error itself
+                err, value = fn()  # type: ignore[misc]  # None on bindings without it: the TypeError is caught
+            except Exception:  # noqa: BLE001 - a missing or broken query only loses the diagnosis, not the error itself
                 return None
             return int(value) if err == self._ok else None
 

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-import pycuda.driver as cuda  # noqa: E402  (an ImportError here disables this implementation)
+import pycuda.driver as cuda  # an ImportError here disables this implementation
 
 from engines.cuda.base import CudaError, DeviceBuffer
 

@@ -6,7 +6,7 @@ from typing import Any, cast
 
 from pydantic import ValidationError
 
-from engines.errors import ModelError
+from kernel.errors import ModelError
 from engines.postprocess.base import (
     ClassScore,
     Decoder,
@@ -17,15 +17,22 @@ from engines.postprocess.base import (
     ServedOutputs,
     ShapeExample,
 )
-from engines.registry import Registry, import_plugins
+from kernel.registry import Registry, import_plugins
 
 POSTPROCESSORS: Registry[Any] = Registry("postprocessor")
 
 import_plugins(
     POSTPROCESSORS,
     __name__,
-    [("raw", "raw"), ("db_text", "db_text"), ("classification", "classification"), ("yolo", "yolo"), ("image", "image"), ("segmentation", "segmentation"),
-     ("anchors", "anchors")],
+    [
+        ("raw", "raw"),
+        ("db_text", "db_text"),
+        ("classification", "classification"),
+        ("yolo", "yolo"),
+        ("image", "image"),
+        ("segmentation", "segmentation"),
+        ("anchors", "anchors"),
+    ],
 )
 
 

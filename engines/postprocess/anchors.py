@@ -15,8 +15,8 @@ cell centre (`(x + anchor_offset) * stride`), in the head's output order. Two en
 
 The outputs are found by their last dimension: scores have 1 or 2 columns, boxes 4 + 2K, landmarks (RetinaFace's
 third output) 2K; each has one row per generated anchor, and an output with none of these roles (an extra output,
-a YOLO head, a map) refuses the model. NMS is the same greedy NMS as `yolo` (MediaPipe blends overlapping faces instead; the boxes
-differ by a few pixels, the detections are the same).
+a YOLO head, a map) refuses the model. NMS is the same greedy NMS as `yolo` (MediaPipe blends overlapping faces
+instead; the boxes differ by a few pixels, the detections are the same).
 
 At `package` and in the gates (engines.postprocess.value_ranges) the boxes, landmarks and decoded boxes must be
 finite on every anchor, and the scores after their sigmoid or softmax in [0, 1]; on the frame path a non-finite
@@ -30,13 +30,13 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engines.errors import InferenceError, ModelError
+from kernel.errors import InferenceError, ModelError
 from engines.postprocess import POSTPROCESSORS
 from engines.postprocess.base import Decoder, Detection, InferenceResult, PostprocessContext, ShapeExample
 from engines.postprocess.shapes import Shape, batchless, show
 from engines.postprocess.value_ranges import RANGE_CHECKS, output_label, require
 from engines.postprocess.yolo import clip_to_frame, nms
-from engines.preprocess import FrameTransform
+from engines.model.preprocess import FrameTransform
 
 
 class AnchorParams(BaseModel):
@@ -47,15 +47,21 @@ class AnchorParams(BaseModel):
     encoding: Literal["blazeface", "ssd"] = Field("blazeface", description="blazeface: offsets in input pixels "
                                                   "from fixed-size anchors; ssd: variance encoding (RetinaFace, SSD).")
     strides: list[int] = Field([8, 16], min_length=1, max_length=8, description="Feature map strides, in output order.")
-    anchors_per_cell: list[int] = Field([2, 6], min_length=1, max_length=8,
-                                        description="Anchors at each cell, per stride (blazeface; ssd: len(min_sizes)).")
+    anchors_per_cell: list[int] = Field(
+        [2, 6],
+        min_length=1,
+        max_length=8,
+        description="Anchors at each cell, per stride (blazeface; ssd: len(min_sizes)).",
+    )
     min_sizes: list[list[float]] | None = Field(None, description="ssd: anchor sizes in input pixels per stride, "
                                                 "e.g. RetinaFace [[16, 32], [64, 128], [256, 512]].")
     variances: tuple[float, float] = Field((0.1, 0.2), description="ssd: centre and size variances.")
     anchor_offset: float = Field(0.5, ge=0, le=1, description="Anchor centre within its cell.")
     num_keypoints: int = Field(6, ge=0, le=64, description="Landmarks per box (BlazeFace 6, RetinaFace 5).")
     conf_threshold: float = Field(0.5, ge=0, le=1, description="Faces scoring below this are dropped.")
-    iou_threshold: float = Field(0.3, ge=0, le=1, description="NMS suppresses a box whose IoU with a kept one exceeds this.")
+    iou_threshold: float = Field(
+        0.3, ge=0, le=1, description="NMS suppresses a box whose IoU with a kept one exceeds this."
+    )
     max_detections: int = Field(100, ge=1, le=10_000, description="Most boxes reported per frame.")
 
     @model_validator(mode="after")
@@ -74,8 +80,12 @@ def generate_anchors(width: int, height: int, params: AnchorParams) -> np.ndarra
     for i, stride in enumerate(params.strides):
         rows, cols = -(-height // stride), -(-width // stride)  # ceil, as MediaPipe and RetinaFace
         ys, xs = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
-        centres = np.stack(((xs + params.anchor_offset) * stride, (ys + params.anchor_offset) * stride), -1).reshape(-1, 2)
-        sizes = params.min_sizes[i] if params.encoding == "ssd" and params.min_sizes else [1.0] * params.anchors_per_cell[i]
+        centres = np.stack(((xs + params.anchor_offset) * stride, (ys + params.anchor_offset) * stride), -1).reshape(
+            -1, 2
+        )
+        sizes = (
+            params.min_sizes[i] if params.encoding == "ssd" and params.min_sizes else [1.0] * params.anchors_per_cell[i]
+        )
         cell = np.repeat(centres, len(sizes), axis=0)
         wh = np.tile(np.repeat(np.asarray(sizes, np.float64)[:, None], 2, axis=1), (len(centres), 1))
         out.append(np.concatenate((cell, wh), axis=1))
@@ -179,7 +189,9 @@ class AnchorPostprocessor(Decoder):
             detections.append(d)
         return InferenceResult("anchors", detections=detections)
 
-    def _decode(self, raw: np.ndarray, anchors: np.ndarray, landmarks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    def _decode(
+        self, raw: np.ndarray, anchors: np.ndarray, landmarks: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """x1y1x2y2 boxes and (n, 2K) keypoints in input pixels."""
         p, k = self.params, self.params.num_keypoints
         if p.encoding == "blazeface":
@@ -195,7 +207,9 @@ class AnchorPostprocessor(Decoder):
             cy = anchors[:, 1] + raw[:, 1] * v0 * anchors[:, 3]
             with np.errstate(over="ignore"):
                 w, h = anchors[:, 2] * np.exp(raw[:, 2] * v1), anchors[:, 3] * np.exp(raw[:, 3] * v1)
-            source = landmarks if landmarks is not None else (raw[:, 4:4 + 2 * k] if raw.shape[1] >= 4 + 2 * k else None)
+            source = (
+                landmarks if landmarks is not None else (raw[:, 4 : 4 + 2 * k] if raw.shape[1] >= 4 + 2 * k else None)
+            )
             points = None
             if source is not None and k:
                 points = source.copy()

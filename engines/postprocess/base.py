@@ -8,10 +8,10 @@ from typing import Any, ClassVar, Protocol, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from engines.errors import ModelError
+from kernel.errors import ModelError
 from engines.postprocess.shapes import Shape, show_all
-from engines.tensor_spec import TensorSpec
-from engines.preprocess import FrameTransform
+from engines.model.tensor_spec import TensorSpec
+from engines.model.preprocess import FrameTransform
 
 
 class NoParams(BaseModel):
@@ -107,7 +107,9 @@ class InferenceResult:
         if self.detections:
             out["detections"] = [d.to_dict(masks) for d in self.detections[:max_items]]
         if self.classes:
-            out["classes"] = [{"class_id": c.class_id, "score": round(c.score, 4), "label": c.label} for c in self.classes]
+            out["classes"] = [
+                {"class_id": c.class_id, "score": round(c.score, 4), "label": c.label} for c in self.classes
+            ]
         if self.tensors:
             out["tensors"] = {k: list(v.shape) for k, v in self.tensors.items()}
         if self.summaries:
@@ -137,6 +139,11 @@ class Postprocessor(Protocol):
 
     def served(self, values: Sequence[Any]) -> list[Any]:
         """Of one value per model output, those of the outputs the decoder reads (not the state outputs)."""
+        ...
+
+    @property
+    def decoder(self) -> Decoder:
+        """The decoder whose output contract the outputs are judged by (ServedOutputs: the one it wraps)."""
         ...
 
 
@@ -196,8 +203,8 @@ class PostprocessContext:
     outputs: list[TensorSpec]
     labels: list[str] | None = None
     input_size: tuple[int, int] | None = None  # (width, height) of the model input: decoders of grid heads need it
-    # outputs the runtime feeds back as the next frame's state (manifest `state`, engines.state_inputs): the runtime's,
-    # never the decoder's, so build_postprocessor hides them from it (ServedOutputs)
+    # outputs the runtime feeds back as the next frame's state (manifest `state`, engines.runtime.state_inputs): the
+    # runtime's, never the decoder's, so build_postprocessor hides them from it (ServedOutputs)
     state_outputs: tuple[str, ...] = ()
 
     def label(self, class_id: int) -> str | None:

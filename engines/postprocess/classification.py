@@ -18,12 +18,12 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.errors import InferenceError
+from kernel.errors import InferenceError
 from engines.postprocess import POSTPROCESSORS
 from engines.postprocess.base import ClassScore, Decoder, InferenceResult, PostprocessContext, ShapeExample
 from engines.postprocess.shapes import Shape, show
 from engines.postprocess.value_ranges import RANGE_CHECKS, Seen, output_label, refuse, require
-from engines.preprocess import FrameTransform
+from engines.model.preprocess import FrameTransform
 
 # fp16 engines round each of up to thousands of probabilities; their sum drifts by ~1e-3.
 _SUM_TOLERANCE = 1e-2
@@ -40,7 +40,9 @@ class ClassificationParams(BaseModel):
         "auto", description="auto: only when the output is not already a distribution; never: output is probabilities."
     )
     min_score: float | None = Field(
-        None, allow_inf_nan=False, description="Classes scoring below this are not reported (raw output units with softmax=never)."
+        None,
+        allow_inf_nan=False,
+        description="Classes scoring below this are not reported (raw output units with softmax=never).",
     )
 
 
@@ -53,7 +55,9 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 def is_distribution(scores: np.ndarray) -> bool:
     """True when scores already look like probabilities that sum to 1."""
-    return bool(scores.min() >= 0 and scores.max() <= 1 and abs(float(scores.sum(dtype=np.float64)) - 1) <= _SUM_TOLERANCE)
+    return bool(
+        scores.min() >= 0 and scores.max() <= 1 and abs(float(scores.sum(dtype=np.float64)) - 1) <= _SUM_TOLERANCE
+    )
 
 
 def top_k(scores: np.ndarray, k: int) -> np.ndarray:

@@ -18,7 +18,7 @@ from engines.postprocess import POSTPROCESSORS
 from engines.postprocess.base import Decoder, Detection, InferenceResult, PostprocessContext, ShapeExample
 from engines.postprocess.shapes import Shape, map_problem, show
 from engines.postprocess.value_ranges import RANGE_CHECKS, output_label, require
-from engines.preprocess import FrameTransform
+from engines.model.preprocess import FrameTransform
 
 PROBABILITY_SLACK = 2e-3  # fp16 rounds a probability just under 1 up to 1.000977 at most
 

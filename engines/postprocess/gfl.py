@@ -26,7 +26,9 @@ _SCORE_WORDS = ("score", "cls", "class", "conf", "prob")
 _DIST_WORDS = ("box", "reg", "dis", "bbox", "loc")
 
 
-def gfl_grid(width: int, height: int, strides: Sequence[int], offset: float) -> tuple[np.ndarray, np.ndarray, list[int]]:
+def gfl_grid(
+    width: int, height: int, strides: Sequence[int], offset: float
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """(points (N, 2) in input pixels, each point's stride (N,), points per stride), in output order; a padded
     convolution gives ceil(size / stride) cells per side, as both exporters' own decoders assume."""
     points, scale, counts = [], [], []
@@ -104,8 +106,10 @@ class GflHead:
                              "input size)")
         classes = None if cols is None else cols - self.bins
         if classes is not None and classes < 1:
-            raise ValueError(f"output {list(shape)}: {cols} channels leave no classes after 4 x (reg_max {self.reg_max} "
-                             f"+ 1) = {self.bins} distance bins (check reg_max)")
+            raise ValueError(
+                f"output {list(shape)}: {cols} channels leave no classes after 4 x (reg_max {self.reg_max} "
+                f"+ 1) = {self.bins} distance bins (check reg_max)"
+            )
         self._check_classes(classes, f"output {list(shape)}: {cols} channels = C + {self.bins} distance bins gives")
         return Plan((0,), (0,), joined=True)
 
@@ -135,9 +139,11 @@ class GflHead:
         for i in (0, 1):
             if (scores[i] or dists[1 - i]) and not (dists[i] or scores[1 - i]):
                 return i
-        raise ValueError(f"outputs {names} both fit the distances ({self.anchors}, {self.bins}): the class count equals "
-                         f"4 x (reg_max {self.reg_max} + 1) and their names do not say which holds the scores; set "
-                         "postprocess.params.gfl_scores_output (0 or 1)")
+        raise ValueError(
+            f"outputs {names} both fit the distances ({self.anchors}, {self.bins}): the class count equals "
+            f"4 x (reg_max {self.reg_max} + 1) and their names do not say which holds the scores; set "
+            "postprocess.params.gfl_scores_output (0 or 1)"
+        )
 
     def _per_stride(self, shapes: list[Shape]) -> Plan:
         k = len(self.strides)
@@ -146,11 +152,15 @@ class GflHead:
             score, dist = shapes[i], shapes[k + i]
             for what, shape, cols in (("scores", score, None), ("distances", dist, self.bins)):
                 if shape[0] not in (None, count):
-                    raise ValueError(f"{what} of stride {stride} (output {i if what == 'scores' else k + i}) "
-                                     f"{list(shape)}: {self._grid_text(count)} at that stride, the output has {shape[0]}")
+                    raise ValueError(
+                        f"{what} of stride {stride} (output {i if what == 'scores' else k + i}) "
+                        f"{list(shape)}: {self._grid_text(count)} at that stride, the output has {shape[0]}"
+                    )
                 if cols is not None and shape[1] not in (None, cols):
-                    raise ValueError(f"distances of stride {stride} (output {k + i}) {list(shape)}: {shape[1]} channels, "
-                                     f"4 x (reg_max {self.reg_max} + 1) = {cols} expected (check reg_max)")
+                    raise ValueError(
+                        f"distances of stride {stride} (output {k + i}) {list(shape)}: {shape[1]} channels, "
+                        f"4 x (reg_max {self.reg_max} + 1) = {cols} expected (check reg_max)"
+                    )
             if classes is not None and score[1] not in (None, classes):
                 raise ValueError(f"scores of stride {stride} {list(score)}: {score[1]} classes, stride "
                                  f"{self.strides[0]} has {classes}")

@@ -16,8 +16,8 @@ declared `range`, give or take half the range's width (an unclamped enhancement 
 0-255 picture read as 0-1 is 255 times over). The check is two-sided where the values allow it: a picture
 declared 0-255 whose values never leave 0..1 on the validation frames (while spanning at least half of it) is
 a 0-1 picture, and served as 0-255 it would be nearly black. The gate refuses an FP32 reference whose picture is
-one constant value over the validation frames (GATE_NO_SIGNAL: a matte that finds nobody proves nothing). On the frame path
-values outside the range are clipped.
+one constant value over the validation frames (GATE_NO_SIGNAL: a matte that finds nobody proves nothing). On the
+frame path values outside the range are clipped.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import cv2
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.errors import ModelError
+from kernel.errors import ModelError
 from engines.postprocess import POSTPROCESSORS
 from engines.postprocess.base import Decoder, InferenceResult, PostprocessContext, ShapeExample
 from engines.postprocess.shapes import Shape, map_problem, show
 from engines.postprocess.value_ranges import RANGE_CHECKS, SET_CHECKS, Seen, output_label, refuse, require
-from engines.preprocess import FrameTransform
+from engines.model.preprocess import FrameTransform
 
 _RANGES = {"0-1": (0.0, 255.0), "0-255": (0.0, 1.0), "-1-1": (1.0, 127.5)}  # (offset, gain): u8 = (x + offset) * gain
 BOUNDS = {"0-1": (0.0, 1.0), "0-255": (0.0, 255.0), "-1-1": (-1.0, 1.0)}
@@ -113,7 +113,9 @@ class ImagePostprocessor(Decoder):
             if problems[wanted] is None:
                 return wanted
             other = "nhwc" if wanted == "nchw" else "nchw"
-            hint = f"; read as {other} it fits: set postprocess.params.layout=\"{other}\"" if problems[other] is None else ""
+            hint = (
+                f'; read as {other} it fits: set postprocess.params.layout="{other}"' if problems[other] is None else ""
+            )
             raise ValueError(f"read as {wanted}, {problems[wanted]}{hint}")
         fitting = [layout for layout, problem in problems.items() if problem is None]
         if len(fitting) == 1:
@@ -144,8 +146,9 @@ class ImagePostprocessor(Decoder):
         if planar:  # CxHxW: merging the planes is the cheap way to HxWxC (a strided transpose is not)
             planes = list(u8[::-1]) if self.params.color == "rgb" else list(u8)
             return InferenceResult("image", image=cv2.merge(planes))
-        return InferenceResult("image", image=np.ascontiguousarray(u8[:, :, ::-1]) if self.params.color == "rgb" else u8)
-
+        return InferenceResult(
+            "image", image=np.ascontiguousarray(u8[:, :, ::-1]) if self.params.color == "rgb" else u8
+        )
 
     def _picture(self, tensor: np.ndarray) -> tuple[np.ndarray, bool]:
         """One frame's output as float32 CxHxW (planar, True) or HxWxC (False), with 1 or 3 channels; the layout is
@@ -212,7 +215,7 @@ def _check_value_ranges(post: ImagePostprocessor, outputs: list[np.ndarray], nam
 def _within(seen: Seen, name: str) -> bool:
     low, high = BOUNDS[name]
     slack = FAR * (high - low)
-    return seen.low is not None and seen.low >= low - slack and seen.high <= high + slack  # type: ignore[operator]
+    return seen.low is not None and seen.low >= low - slack and seen.high <= high + slack  # type: ignore[operator]  # high is set whenever low is
 
 
 @SET_CHECKS.register("image")

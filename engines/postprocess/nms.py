@@ -66,5 +66,7 @@ def _suppresses(a: list[Any], b: list[Any], iou_threshold: float) -> np.ndarray:
     other): same class and IoU > threshold (0 for empty unions). The one rule of both NMS paths."""
     ax1, ay1, ax2, ay2, a_area, a_cls = a
     bx1, by1, bx2, by2, b_area, b_cls = b
-    inter = np.maximum(np.minimum(ax2, bx2) - np.maximum(ax1, bx1), 0) * np.maximum(np.minimum(ay2, by2) - np.maximum(ay1, by1), 0)
+    inter = np.maximum(np.minimum(ax2, bx2) - np.maximum(ax1, bx1), 0) * np.maximum(
+        np.minimum(ay2, by2) - np.maximum(ay1, by1), 0
+    )
     return (inter / np.maximum(a_area + b_area - inter, _TINY) > iou_threshold) & (a_cls == b_cls)

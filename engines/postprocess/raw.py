@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engines.postprocess import POSTPROCESSORS
 from engines.postprocess.base import Decoder, InferenceResult, PostprocessContext
 from engines.postprocess.shapes import Shape
-from engines.preprocess import FrameTransform
+from engines.model.preprocess import FrameTransform
 
 SIGNIFICANT = 6  # digits of each number a summary or a value list carries
 
@@ -70,7 +70,9 @@ class RawPostprocessor(Decoder):
         tensors = dict(zip(self._names, outputs))
         if self.params.values == "shape":
             return InferenceResult("raw", tensors=tensors)
-        return InferenceResult("raw", tensors=tensors, summaries={name: self.describe(t) for name, t in tensors.items()})
+        return InferenceResult(
+            "raw", tensors=tensors, summaries={name: self.describe(t) for name, t in tensors.items()}
+        )
 
     def describe(self, tensor: np.ndarray) -> dict[str, Any]:
         """One output as the result carries it (module docstring)."""

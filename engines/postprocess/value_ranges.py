@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from engines.errors import EdgeError, ModelError
-from engines.registry import Registry
+from kernel.errors import EdgeError, ModelError
+from kernel.registry import Registry
+
+if TYPE_CHECKING:
+    from engines.postprocess.base import Postprocessor
 
 CODE = "POSTPROCESS_MISMATCH"
 Check = Callable[[Any, list[np.ndarray], list[str]], None]  # (postprocessor, outputs of one frame, output names)
@@ -79,7 +82,7 @@ def require(values: Any, *, kind: str, output: str, what: str, change: str, with
     (widened by `slack` on both sides: fp16 rounding, an unclamped enhancement model's overshoot)."""
     seen = Seen.of(values)
     outside = within is not None and seen.low is not None and (
-        seen.low < within[0] - slack or seen.high > within[1] + slack)  # type: ignore[operator]
+        seen.low < within[0] - slack or seen.high > within[1] + slack)  # type: ignore[operator]  # high is set whenever low is
     if outside or (finite and seen.nonfinite):
         raise refuse(kind, output, what, seen, expectation(within, finite), change, error)
 
@@ -97,7 +100,8 @@ def output_label(names: Sequence[str], index: int) -> str:
     return f"output {index} {names[index]!r}" if index < len(names) and names[index] else f"output {index}"
 
 
-def check_value_ranges(kind: str, postprocessor: Any, outputs: Sequence[np.ndarray], names: Sequence[str]) -> None:
+def check_value_ranges(kind: str, postprocessor: Postprocessor, outputs: Sequence[np.ndarray],
+                       names: Sequence[str]) -> None:
     """Check the shapes one frame's raw outputs have (ModelError MODEL_SHAPE_MISMATCH), then run `kind`'s value check
     on them (ModelError POSTPROCESS_MISMATCH); kinds without one (`raw`) take any values."""
     arrays = [np.asarray(o) for o in outputs]
@@ -106,7 +110,7 @@ def check_value_ranges(kind: str, postprocessor: Any, outputs: Sequence[np.ndarr
         RANGE_CHECKS.get(kind)(postprocessor.decoder, postprocessor.served(arrays), postprocessor.served(list(names)))
 
 
-def check_value_set(kind: str, postprocessor: Any, frames: Sequence[Sequence[np.ndarray]],
+def check_value_set(kind: str, postprocessor: Postprocessor, frames: Sequence[Sequence[np.ndarray]],
                     names: Sequence[str]) -> None:
     """Run `kind`'s check across every validation frame's raw outputs (after check_value_ranges passed on each);
     kinds without one take any set."""

@@ -47,7 +47,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engines.errors import InferenceError, ModelError
+from kernel.errors import InferenceError, ModelError
 from engines.postprocess import POSTPROCESSORS
 from engines.postprocess.base import Decoder, Detection, InferenceResult, PostprocessContext, ShapeExample
 from engines.postprocess.shapes import Shape, batchless, show
@@ -58,7 +58,7 @@ from engines.postprocess.yolo_heads import (efficient_nms_rows, end2end_rows, in
                                             split_channels)
 from engines.postprocess.yolo_shapes import (count_problem, efficient_nms_problem, one_per_cell_problem,
                                              protos_problem, yolox_rows_problem)
-from engines.preprocess import FrameTransform
+from engines.model.preprocess import FrameTransform
 
 Layout = Literal["v5", "v8", "yolox", "gfl", "pose", "seg", "end2end", "efficient_nms"]
 HEADS = ("pose", "seg")  # channels-first like v8, with keypoints or mask coefficients after the classes
@@ -93,11 +93,15 @@ class YoloParams(BaseModel):
                                              "both fit the distances (classes = 4 x (reg_max + 1)): which one (0 or "
                                              "1) holds the class scores; unset: told by the outputs' names.")
     conf_threshold: float = Field(0.25, ge=0, le=1, description="Boxes scoring below this are dropped before NMS.")
-    iou_threshold: float = Field(0.45, ge=0, le=1, description="NMS suppresses a box whose IoU with a kept one exceeds this.")
+    iou_threshold: float = Field(
+        0.45, ge=0, le=1, description="NMS suppresses a box whose IoU with a kept one exceeds this."
+    )
     max_detections: int = Field(300, ge=1, le=100_000, description="Most boxes reported per frame.")
     max_candidates: int = Field(30_000, ge=1, description="Highest-scoring boxes passed to NMS at most.")
     class_agnostic: bool = Field(False, description="Suppress across classes (true) or only within a class (false).")
-    num_classes: int | None = Field(None, ge=1, description="Expected class count: checks the shape and settles auto layout.")
+    num_classes: int | None = Field(
+        None, ge=1, description="Expected class count: checks the shape and settles auto layout."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -123,12 +127,14 @@ def resolve_layout(shape: tuple[int, int], layout: str, num_classes: int | None,
             wanted = "C" if num_classes is None else str(num_classes)
             raise ValueError(f"output {list(shape)} fits neither (4+{wanted}, N) nor (N, 5+{wanted})")
         layout = possible[0] if len(possible) == 1 else ("v8" if a < b else "v5")
-    classes = fits[layout]  # type: ignore[index]
+    classes = fits[layout]  # type: ignore[index]  # a Layout by now: YoloParams.layout checked it, auto is resolved
     if classes < 1:
         raise ValueError(f"output {list(shape)} has no class columns for layout {layout}")
     if num_classes is not None and classes != num_classes:
-        raise ValueError(f"output {list(shape)} has {classes} classes for layout {layout}, num_classes is {num_classes}")
-    return layout, classes  # type: ignore[return-value]
+        raise ValueError(
+            f"output {list(shape)} has {classes} classes for layout {layout}, num_classes is {num_classes}"
+        )
+    return layout, classes  # type: ignore[return-value]  # a Layout, as above
 
 
 def xywh_to_xyxy(xywh: np.ndarray) -> np.ndarray:
@@ -318,7 +324,11 @@ class YoloPostprocessor(Decoder):
             try:
                 self._resolve((a, b))
             except ValueError as exc:
-                return str(exc) if "postprocess.params" in str(exc) else f"{exc}; set postprocess.params.layout/num_classes"
+                return (
+                    str(exc)
+                    if "postprocess.params" in str(exc)
+                    else f"{exc}; set postprocess.params.layout/num_classes"
+                )
         if p.layout == "seg":
             return protos_problem(shapes[1], p.mask_channels, self.context.input_size)
         return None
@@ -348,8 +358,10 @@ class YoloPostprocessor(Decoder):
                                          if from_labels else "")) from exc
         boxes = shape[0] if layout in ("v5", "yolox", "end2end") else shape[1]
         if p.layout == "auto" and boxes < 2:
-            raise ValueError(f"output {list(shape)} read as {layout} holds {boxes} box: a head has one per anchor (scores "
-                             "of one frame, (1, C), are a classifier's: postprocess kind classification)")
+            raise ValueError(
+                f"output {list(shape)} read as {layout} holds {boxes} box: a head has one per anchor (scores "
+                "of one frame, (1, C), are a classifier's: postprocess kind classification)"
+            )
         if layout == "yolox":
             problem = yolox_rows_problem(shape[0], self.context.input_size, p.strides)
         else:
@@ -447,8 +459,14 @@ class YoloPostprocessor(Decoder):
             boxes, scores, classes = end2end_rows(self._prediction(outputs[0]))
         else:
             boxes, scores, classes = efficient_nms_rows(outputs)
-        ok = (scores >= p.conf_threshold) & np.isfinite(scores) & np.isfinite(classes) & np.isfinite(boxes).all(axis=1) & \
-            (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+        ok = (
+            (scores >= p.conf_threshold)
+            & np.isfinite(scores)
+            & np.isfinite(classes)
+            & np.isfinite(boxes).all(axis=1)
+            & (boxes[:, 2] > boxes[:, 0])
+            & (boxes[:, 3] > boxes[:, 1])
+        )
         boxes, scores, classes = boxes[ok], scores[ok], classes[ok]
         order = np.argsort(-scores, kind="stable")[:p.max_detections]
         framed = clip_to_frame(transform.boxes_to_frame(boxes[order]), transform)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import cv2
 import numpy as np
 
-from engines.errors import InferenceError
-from engines.preprocess import FrameTransform
+from kernel.errors import InferenceError
+from engines.model.preprocess import FrameTransform
 
 
 def split_channels(pred: np.ndarray, num_classes: int, extra: int, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -81,7 +81,9 @@ def end2end_rows(pred: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def efficient_nms_rows(outputs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(boxes, scores, classes) of EfficientNMS_TRT's num_dets, boxes, scores, classes; only the first num_dets."""
     if len(outputs) < 4:
-        raise InferenceError(f"yolo efficient_nms: expected 4 outputs (num_dets, boxes, scores, classes), got {len(outputs)}")
+        raise InferenceError(
+            f"yolo efficient_nms: expected 4 outputs (num_dets, boxes, scores, classes), got {len(outputs)}"
+        )
     count = int(np.asarray(outputs[0]).reshape(-1)[0])
     boxes = np.asarray(outputs[1]).reshape(-1, 4)
     scores, classes = np.asarray(outputs[2]).reshape(-1), np.asarray(outputs[3]).reshape(-1)

@@ -30,8 +30,10 @@ def yolox_rows_problem(rows: int | None, input_size: tuple[int, int] | None, str
     if rows is None or rows == cells:
         return None
     width, height = input_size
-    return (f"a yolox head at {width}x{height} with strides {list(strides)} has {cells} anchors, the output has {rows}: "
-            "set postprocess.params.strides")
+    return (
+        f"a yolox head at {width}x{height} with strides {list(strides)} has {cells} anchors, the output has {rows}: "
+        "set postprocess.params.strides"
+    )
 
 
 def one_per_cell_problem(shape: tuple[int, int], input_size: tuple[int, int] | None) -> str | None:
@@ -42,10 +44,12 @@ def one_per_cell_problem(shape: tuple[int, int], input_size: tuple[int, int] | N
     for strides in V5_STRIDES:
         if rows == grid_cells(*input_size, strides):
             width, height = input_size
-            return (f"output {list(shape)} has {rows} rows, one per cell of strides {list(strides)} at {width}x{height}: "
-                    f"a raw YOLOX grid (layout \"yolox\") or a decoded YOLOX export (layout \"v5\"), not a YOLOv5 "
-                    f"head ({V5_ANCHORS_PER_CELL * rows} rows, three per cell); layout auto does not guess: set "
-                    "postprocess.params.layout")
+            return (
+                f"output {list(shape)} has {rows} rows, one per cell of strides {list(strides)} at {width}x{height}: "
+                f'a raw YOLOX grid (layout "yolox") or a decoded YOLOX export (layout "v5"), not a YOLOv5 '
+                f"head ({V5_ANCHORS_PER_CELL * rows} rows, three per cell); layout auto does not guess: set "
+                "postprocess.params.layout"
+            )
     return None
 
 

@@ -143,7 +143,7 @@ class _Tracer:
                 self._block(self.layouts[n], name, f"feeds {node.op_type} '{name}', which {reason}")
 
     def _edit(self, kind: str, i: int, j: int, layout: Layout, **kw: object) -> None:
-        self.plan.edits.append(Edit(kind, i, j, layout, **kw))  # type: ignore[arg-type]
+        self.plan.edits.append(Edit(kind, i, j, layout, **kw))  # type: ignore[arg-type]  # kw: Edit's optional int fields
 
     def _set_outputs(self, node: onnx.NodeProto, layout: Layout | None) -> None:
         for out in node.output:
@@ -325,9 +325,9 @@ class _Tracer:
                 self._unfollowed(i, node, "combines tensors whose channel axes cannot be matched")
                 return
             if kind == "layout":
-                layouts.append(info)  # type: ignore[arg-type]
+                layouts.append(info)  # type: ignore[arg-type]  # a Layout when kind is layout
             elif kind == "const":
-                consts.append((j, *info))  # type: ignore[misc]
+                consts.append((j, *info))  # type: ignore[misc]  # an (int, int) when kind is const
         out = self._merge(i, node, layouts)
         if out is None:
             return

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import onnx
 
+from engines.slim.candidates import Choice, Search
 from engines.slim.flops import FlopsReport, count_flops
 from engines.slim.probe import Evaluation
 from engines.slim.prune import Analysis, GroupChange
@@ -15,8 +16,6 @@ from engines.slim.report import SPARSITY_NOTE, GroupReport, SlimReport, SlimResu
 from engines.slim.sensitivity import GroupSensitivity, Probe
 from engines.slim.sparsity import apply_2_4
 
-if TYPE_CHECKING:
-    from engines.slim.search import Choice, Search
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:

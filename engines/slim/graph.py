@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper, shape_inference
 
-from engines.errors import ModelError
+from kernel.errors import ModelError
 
 Dims = list  # list[int | None]: one entry per axis, None where the size is not a number
 

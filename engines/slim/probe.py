@@ -19,10 +19,10 @@ import numpy as np
 import onnx
 
 from engines.build.validate import MIN_SCORE_RATIO, Run, agreement, runs, signal_problem
-from engines.errors import EdgeError
-from engines.metrics import metric_name
-from engines.model import ModelSource, load_bare_onnx
-from engines.runtime import ModelRuntime, load_runtime
+from kernel.errors import EdgeError
+from engines.evaluation.metrics import metric_name
+from engines.model.source import ModelSource, load_bare_onnx
+from engines.runtime.model_runtime import ModelRuntime, load_runtime
 
 BACKEND = "onnxruntime"  # the search measures on this machine's CPU; TensorRT timings belong to the device
 

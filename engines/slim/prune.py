@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from engines.errors import EdgeError, ModelError
+from kernel.errors import EdgeError, ModelError
 from engines.slim.deps import Edit, Plan, trace
 from engines.slim.graph import ConstantWriter, node_name
 from engines.slim.reconstruct import Activations, fold, importances, layout_indices, reads_channels

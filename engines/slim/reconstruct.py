@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import onnx
 
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 from engines.slim.deps import Edit, Plan
 from engines.slim.graph import Layout, value_dims, with_input_shapes
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from engines.errors import EdgeError
+from kernel.errors import EdgeError
 from engines.slim.graph import ConstantWriter, GraphIndex, attr, node_name
 
 

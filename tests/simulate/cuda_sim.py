@@ -54,8 +54,12 @@ def device_behaviours(rt: types.ModuleType, device: Device, runtime_cuda: int) -
     prop = types.SimpleNamespace(name=device.name.encode() + b"\0" * 8, major=device.compute_capability[0],
                                  minor=device.compute_capability[1], multiProcessorCount=device.sm_count,
                                  totalGlobalMem=device.total_memory)
-    return {"cudaGetDeviceProperties": lambda index: (ok, prop), "cudaGetDeviceCount": lambda: (ok, 1),
-            "cudaRuntimeGetVersion": lambda: (ok, runtime_cuda), "cudaDriverGetVersion": lambda: (ok, device.driver_cuda)}
+    return {
+        "cudaGetDeviceProperties": lambda index: (ok, prop),
+        "cudaGetDeviceCount": lambda: (ok, 1),
+        "cudaRuntimeGetVersion": lambda: (ok, runtime_cuda),
+        "cudaDriverGetVersion": lambda: (ok, device.driver_cuda),
+    }
 
 
 def _stream_registry(behaviours: dict[str, Callable[..., tuple]], sim: SimCuda) -> None:

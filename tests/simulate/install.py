@@ -29,7 +29,9 @@ def install(sim: Simulation) -> dict[str, str]:
         installed["fault"] = f"{sim.fault}: {FAULTS[sim.fault]}"
     _pycuda(sim.pycuda, installed)
     trt = simulated_tensorrt(sim.tensorrt, cuda)
-    trt.__file__ = str(Path(__file__).resolve().parent / "tensorrt_ort.py")  # where `engines doctor` and the device check say it came from
+    trt.__file__ = str(
+        Path(__file__).resolve().parent / "tensorrt_ort.py"
+    )  # where `engines doctor` and the device check say it came from
     sys.modules["tensorrt"] = trt
     installed["tensorrt"] = f"{sim.tensorrt} (tests/data/tensorrt_api/{sim.tensorrt}.json; numbers from ONNX Runtime)"
     sys.modules["pynvml"] = simulated_pynvml(device.nvml)
@@ -45,7 +47,7 @@ def install(sim: Simulation) -> dict[str, str]:
 
 def _pycuda(stem: str | None, installed: dict[str, str]) -> None:
     if stem is None:
-        sys.modules["pycuda"] = sys.modules["pycuda.driver"] = None  # type: ignore[assignment]
+        sys.modules["pycuda"] = sys.modules["pycuda.driver"] = None
         return
     from tests.fake_cuda_releases import install_pycuda
 

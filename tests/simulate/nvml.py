@@ -41,7 +41,8 @@ def _error_classes(m: types.ModuleType) -> None:
 def _answers(rec: dict[str, Any]) -> dict[str, Callable[..., Any]]:
     mb = 1024 * 1024
     return {
-        "nvmlDeviceGetUtilizationRates": lambda h: types.SimpleNamespace(gpu=rec["util"]["gpu"], memory=rec["util"]["mem"]),
+        "nvmlDeviceGetUtilizationRates": lambda h: types.SimpleNamespace(gpu=rec["util"]["gpu"],
+                                                                         memory=rec["util"]["mem"]),
         "nvmlDeviceGetClockInfo": lambda h, kind: rec["clock_sm_mhz"],
         "nvmlDeviceGetMaxClockInfo": lambda h, kind: rec["clock_max_sm_mhz"],
         "nvmlDeviceGetMemoryInfo": lambda h, version=None: types.SimpleNamespace(

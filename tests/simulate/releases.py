@@ -33,12 +33,13 @@ class Device:
 def _h200() -> Device:
     rec = json.loads(H200_NVML.read_text())["fields"]
     return Device(
-        name=rec["name"], compute_capability=tuple(rec["cc"]), sm_count=132,  # type: ignore[arg-type]
+        name=rec["name"], compute_capability=tuple(rec["cc"]), sm_count=132,
         total_memory=rec["mem"]["total_mb"] << 20, driver_cuda=13000, nvml="h200",
         root=REPO / "tests" / "simulate" / "roots" / "h200-driver580",
         note="NVIDIA H200 (dGPU host): name, compute capability, memory and NVML values recorded "
              "(tests/data/gpu_reference/nvml_h200_idle.json, driver 580.159.04); 132 SMs, the GH100 configuration "
-             "of the H100 SXM it shares; driver 580 supports CUDA 13.0; device files tests/simulate/roots/h200-driver580")
+             "of the H100 SXM it shares; driver 580 supports CUDA 13.0; device files "
+             "tests/simulate/roots/h200-driver580")
 
 
 DEVICES = {

@@ -8,7 +8,8 @@ capture (an enqueue while the stream is captured is recorded and replayed; a gra
 input shape changed writes garbage, as TensorRT's does). The numbers are ONNX Runtime's on the CPU, running the ONNX
 file the build handed to the parser (the FP16 conversion where this TensorRT has no FP16 flag, the Q/DQ model for
 INT8) with every FP16 tensor widened to FP32 (`fp32_numerics`): FP16 is FP32 arithmetic on weights rounded to FP16,
-INT8 is what its Q/DQ nodes round to, an FP16-flag build (TensorRT < 11) runs its FP32 model as it is. ONNX Runtime's own FP16 kernels are no model of TensorRT's and disagree between its releases (the
+INT8 is what its Q/DQ nodes round to, an FP16-flag build (TensorRT < 11) runs its FP32 model as it is. ONNX
+Runtime's own FP16 kernels are no model of TensorRT's and disagree between its releases (the
 demo's Q/DQ + FP16 graph gives NaN on 1.23 and a cosine of 0.12 on 1.32 against FP32; widened, 0.74 on both).
 Speed is the CPU's, not a GPU's.
 
@@ -60,7 +61,15 @@ def _io(model: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             [describe(v) for v in model.graph.output])
 
 
-_TRT_TYPES = {"<f4": "FLOAT", "<f2": "HALF", "|i1": "INT8", "<i4": "INT32", "<i8": "INT64", "|b1": "BOOL", "|u1": "UINT8"}
+_TRT_TYPES = {
+    "<f4": "FLOAT",
+    "<f2": "HALF",
+    "|i1": "INT8",
+    "<i4": "INT32",
+    "<i8": "INT64",
+    "|b1": "BOOL",
+    "|u1": "UINT8",
+}
 
 
 def fp32_numerics(model: Any) -> Any:
@@ -122,7 +131,9 @@ class OrtModel:
 
     def run(self, shapes: dict[str, tuple[int, ...]], addresses: dict[str, int]) -> None:
         """Read the inputs at their device addresses, run, write the outputs at theirs."""
-        feeds = {t["name"]: self._feed(t, _view(addresses[t["name"]], shapes[t["name"]], t["dtype"])) for t in self.inputs}
+        feeds = {
+            t["name"]: self._feed(t, _view(addresses[t["name"]], shapes[t["name"]], t["dtype"])) for t in self.inputs
+        }
         outs = self.session.run([t["name"] for t in self.outputs], feeds)
         for t, value in zip(self.outputs, outs):
             _view(addresses[t["name"]], value.shape, t["dtype"])[...] = value  # in the engine's dtype
@@ -295,7 +306,7 @@ class OrtContext(_Context):
         self._shapes[name] = shape
         inputs = {t["name"]: self._shapes.get(t["name"]) for t in self._sim.inputs}
         if all(s is not None for s in inputs.values()):
-            self._shapes.update(self._sim.output_shapes(inputs))  # type: ignore[arg-type]
+            self._shapes.update(self._sim.output_shapes(inputs))
         return True
 
     def execute_async_v3(self, stream_handle: int) -> bool:

@@ -47,8 +47,11 @@ def interpreter(wanted: str = JETPACK6_PYTHON) -> tuple[str, str]:
     spec.loader.exec_module(module)
     found = module.find_interpreter(wanted)
     if found is None:
-        print(f"note: {wanted} (JetPack 6's Python) is not here: the device venv uses {sys.executable}", file=sys.stderr,
-              flush=True)
+        print(
+            f"note: {wanted} (JetPack 6's Python) is not here: the device venv uses {sys.executable}",
+            file=sys.stderr,
+            flush=True,
+        )
         return sys.executable, "py%d%d" % sys.version_info[:2]
     return found
 

@@ -26,7 +26,7 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from agent.names import CAMERA_NAME
+from agent.base.names import CAMERA_NAME
 from deploy.fleet.dashboard import queries, shadow_view, tracking_view
 from deploy.fleet.db import TRANSIENT_ERRORS, open_db
 from deploy.fleet.dashboard.auth import LOOPBACK_NAMES, AuthMiddleware, AuthSettings, HostAllowList
@@ -112,7 +112,7 @@ class Store:
             self._open_dbs = [d for d in self._open_dbs if d is not db]
         try:
             db.close()
-        except Exception:  # noqa: BLE001 - the connection is already broken; nothing to save
+        except Exception:  # the connection is already broken; nothing to save
             log.debug("closing a broken fleet database connection failed", exc_info=True)
 
     def close(self) -> None:
@@ -123,7 +123,7 @@ class Store:
         for db in dbs:
             try:
                 db.close()
-            except Exception:  # noqa: BLE001 - closing at shutdown: nothing left to save
+            except Exception:  # closing at shutdown: nothing left to save
                 log.debug("closing a fleet database connection failed", exc_info=True)
 
 
@@ -190,45 +190,51 @@ def _device_data(db: Any, device_id: str, since: float, until: float) -> dict[st
     if dev is None:
         return None
     marks, truncated = queries.markers(db, device_id, since, until)
-    shadow = shadow_view.device_view(db, device_id, since, until + queries.FUTURE_TOLERANCE_S, queries.LATEST_LOOKBACK_S)
+    shadow = shadow_view.device_view(
+        db, device_id, since, until + queries.FUTURE_TOLERANCE_S, queries.LATEST_LOOKBACK_S
+    )
     return {"device": dev, "since": since, "until": until, "series": queries.series(db, device_id, since, until),
             "markers": marks, "markers_truncated": truncated, "deployments": queries.deployments(db, device_id),
             "shadow": shadow,
             "tracking": tracking_view.device_view(db, device_id, since, until + queries.FUTURE_TOLERANCE_S)}
 
 
-def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: float = 5.0,
-               hosts: tuple[str, ...] = LOOPBACK_NAMES) -> Starlette:
-    """The dashboard app over the fleet store at `db_url` (read-only: GET and HEAD only)."""
-    store = Store(db_url)
+class _Api:
+    """The JSON API's handlers: each checks its query parameters (400 on a bad one) and runs its query on the
+    store's readers (503 when the store is down, slow or has no fleet schema)."""
 
-    async def api(request: Request, fn: Callable[..., Any], *args: Any,
-                  render: Callable[[Any], Response] = _json) -> Response:
+    def __init__(self, store: Store, refresh_s: float) -> None:
+        self.store, self.refresh_s = store, refresh_s
+
+    async def call(self, request: Request, fn: Callable[..., Any], *args: Any,
+                   render: Callable[[Any], Response] = _json) -> Response:
+        """`fn(db, *args)` on a reader, its result rendered (JSON by default), its failure said in our words."""
         try:
-            return render(await store.call(fn, *args))
+            return render(await self.store.call(fn, *args))
         except BadRequest as exc:
             return _json({"error": str(exc)}, 400)
         except QueryTimeout:
-            log.warning("dashboard query stopped after %.1f s: %s", store.timeout_s, request.url.path)
-            return _json({"error": f"the fleet database took longer than {store.timeout_s:g} s for this view"}, 503)
+            log.warning("dashboard query stopped after %.1f s: %s", self.store.timeout_s, request.url.path)
+            return _json({"error": f"the fleet database took longer than {self.store.timeout_s:g} s for this view"},
+                         503)
         except Exception as exc:  # the store is down or has no fleet schema: say so, in our words, not the database's
             log.exception("dashboard query failed: %s", request.url.path)
             return _json({"error": f"fleet database query failed: {_problem(exc)}"}, 503)
 
-    async def api_fleet(request: Request) -> Response:
-        return await api(request, _fleet_data, refresh_s)
+    async def fleet(self, request: Request) -> Response:
+        return await self.call(request, _fleet_data, self.refresh_s)
 
-    async def api_device(request: Request) -> Response:
+    async def device(self, request: Request) -> Response:
         try:
             device_id, (since, until) = _required(request, "id"), _range(request)
         except BadRequest as exc:
             return _json({"error": str(exc)}, 400)
-        response = await api(request, _device_data, device_id, since, until)
+        response = await self.call(request, _device_data, device_id, since, until)
         if response.body == b"null":
             return _json({"error": f"no device {device_id!r} in the fleet database"}, 404)
         return response
 
-    async def api_events(request: Request) -> Response:
+    async def events(self, request: Request) -> Response:
         try:
             device_id = _required(request, "id")
             params = request.query_params
@@ -241,26 +247,26 @@ def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: floa
             return _json({"error": str(exc)}, 400)
         except ValueError:
             return _json({"error": "before must be a finite unix time, before_seq and limit whole numbers"}, 400)
-        return await api(request, queries.events, device_id, before, limit, before_seq)
+        return await self.call(request, queries.events, device_id, before, limit, before_seq)
 
-    async def api_models(request: Request) -> Response:
-        return await api(request, lambda db: {"models": queries.models(db)})
+    async def models(self, request: Request) -> Response:
+        return await self.call(request, lambda db: {"models": queries.models(db)})
 
-    async def api_model(request: Request) -> Response:
+    async def model(self, request: Request) -> Response:
         try:
             name, (since, _) = _required(request, "name"), _range(request, "1h")
         except BadRequest as exc:
             return _json({"error": str(exc)}, 400)
-        return await api(request, queries.model_view, name, since)
+        return await self.call(request, queries.model_view, name, since)
 
-    async def api_snapshots(request: Request) -> Response:
+    async def snapshots(self, request: Request) -> Response:
         try:
             device_id = _required(request, "id")
         except BadRequest as exc:
             return _json({"error": str(exc)}, 400)
-        return await api(request, queries.snapshots, device_id)
+        return await self.call(request, queries.snapshots, device_id)
 
-    async def api_snapshot(request: Request) -> Response:
+    async def snapshot(self, request: Request) -> Response:
         try:
             device_id, camera = _required(request, "id"), _camera(request)
         except BadRequest as exc:
@@ -273,7 +279,14 @@ def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: floa
             # Stored only after the collector checked it is a JPEG; served as one, never sniffed (nosniff).
             return Response(found[0], media_type="image/jpeg", headers={"x-snapshot-ts": f"{found[1]:.3f}"})
 
-        return await api(request, queries.snapshot_image, device_id, camera, render=image)
+        return await self.call(request, queries.snapshot_image, device_id, camera, render=image)
+
+
+def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: float = 5.0,
+               hosts: tuple[str, ...] = LOOPBACK_NAMES) -> Starlette:
+    """The dashboard app over the fleet store at `db_url` (read-only: GET and HEAD only)."""
+    store = Store(db_url)
+    api = _Api(store, refresh_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -283,9 +296,9 @@ def create_app(db_url: str, *, auth: AuthSettings | None = None, refresh_s: floa
     routes = [
         Route("/", _page("fleet.html")), Route("/device", _page("device.html")),
         Route("/model", _page("model.html")), Route("/healthz", _healthz),
-        Route("/api/fleet", api_fleet), Route("/api/device", api_device), Route("/api/events", api_events),
-        Route("/api/models", api_models), Route("/api/model", api_model),
-        Route("/api/snapshots", api_snapshots), Route("/api/snapshot", api_snapshot),
+        Route("/api/fleet", api.fleet), Route("/api/device", api.device), Route("/api/events", api.events),
+        Route("/api/models", api.models), Route("/api/model", api.model),
+        Route("/api/snapshots", api.snapshots), Route("/api/snapshot", api.snapshot),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

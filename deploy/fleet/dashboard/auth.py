@@ -117,7 +117,9 @@ def host_name(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
-def allowed_hosts(bind_host: str, extra: list[str] | tuple[str, ...] = (), env: dict[str, str] | None = None) -> tuple[str, ...]:
+def allowed_hosts(
+    bind_host: str, extra: list[str] | tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> tuple[str, ...]:
     """What Host headers the dashboard answers: the loopback names, the bind address (unless a wildcard), the
     names given (`--allow-host`, EDGE_DASHBOARD_ALLOWED_HOSTS, comma-separated); '*' in them allows any."""
     env = dict(os.environ) if env is None else env

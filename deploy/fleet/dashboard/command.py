@@ -44,8 +44,8 @@ def dashboard(
         typer.echo(f"error: {redact(str(exc))}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
     try:
-        import starlette  # noqa: F401
-        import uvicorn  # noqa: F401
+        import starlette  # noqa: F401 - only to check the fleet extra is installed
+        import uvicorn  # noqa: F401 - only to check the fleet extra is installed
     except ImportError as exc:
         typer.echo(f"error: the dashboard needs the fleet extra: pip install 'jetson-edge-agent[fleet]' ({exc})",
                    err=True)

@@ -248,7 +248,9 @@ def model_view(db: Any, model_name: str, since: float) -> dict[str, Any]:
     rows = db.query(_MODEL_DEVICES, (model_name, since))
     modules: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        modules.setdefault(row["module"] or "", []).append({k: _num(v) if k not in _TEXT else v for k, v in row.items()})
+        modules.setdefault(row["module"] or "", []).append(
+            {k: _num(v) if k not in _TEXT else v for k, v in row.items()}
+        )
     groups = [{"module": module or None, "devices": devs, **_module_summary(devs)} for module, devs in modules.items()]
     return {"model_name": model_name, "since": since, "modules": groups}
 

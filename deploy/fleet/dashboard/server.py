@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any
-from agent.addresses import NotHostPort, is_loopback, split_host_port
+from agent.base.addresses import NotHostPort, is_loopback, split_host_port
 from deploy.fleet.dashboard.auth import AuthSettings, allowed_hosts
 from deploy.fleet.redact import redact
 

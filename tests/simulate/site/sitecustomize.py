@@ -20,7 +20,7 @@ if _SPEC:
         from tests.simulate.releases import Simulation
 
         SIMULATED = install(Simulation.parse(_SPEC))
-    except BaseException:  # any failure: the run must not go on unsimulated
+    except BaseException:  # noqa: BLE001 - any failure: the run must not go on unsimulated
         import traceback
 
         sys.stderr.write(f"DEVICE_CHECK_SIMULATE={_SPEC!r}: the simulation could not be installed:\n")

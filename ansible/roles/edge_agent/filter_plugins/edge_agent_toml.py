@@ -53,7 +53,9 @@ def _value(value: object, path: str) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_value(v, f"{path}[{i}]") for i, v in enumerate(value)) + "]"
     if value is None:
-        raise AnsibleFilterError(f"edge_agent_config.{path} is null: TOML has no null; remove the key to get the default")
+        raise AnsibleFilterError(
+            f"edge_agent_config.{path} is null: TOML has no null; remove the key to get the default"
+        )
     raise AnsibleFilterError(f"edge_agent_config.{path}: cannot write a {type(value).__name__} as TOML")
 
 
