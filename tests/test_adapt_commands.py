@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
+from agent.config.tree import AgentConfig
 from agent.control.commands import CommandDispatcher
-from agent.daemon.control import AgentController
+from agent.daemon.control import AgentController, ControlParts
 from tests.fixtures_mqtt import FakeControl
+
+if TYPE_CHECKING:
+    from agent.adapt.controller import AdaptController
+
+
+def unreached(*args: object, **kwargs: object) -> NoReturn:
+    raise AssertionError("set_policy reads only the adaptation controller of the running agent")
+
+
+def policy_parts(adapt: Callable[[], AdaptController | None]) -> ControlParts:
+    """A running agent's parts as set_policy sees them: its adaptation controller; any other part it reached
+    would fail the test."""
+    return ControlParts(config=AgentConfig(), stop_event=threading.Event(), emit=unreached, live_snapshot=unreached,
+                        restart_capture=unreached, store=unreached, deployments=unreached, manager=unreached,
+                        previous=unreached, adapt=adapt, video=unreached, dispatcher=unreached, tracking=unreached)
 
 
 class PolicyControl(FakeControl):
@@ -45,10 +62,8 @@ def test_set_policy_passes_exactly_the_fields_given(tmp_path: Path) -> None:
 
 
 def test_set_policy_without_a_model_family_says_so(tmp_path: Path) -> None:
-    class NoFamily:  # a running agent whose model declares no variants
-        adapt = None
-
-    dispatcher = CommandDispatcher(AgentController(NoFamily()), tmp_path / "replies.db")
+    no_family = policy_parts(adapt=lambda: None)  # a running agent whose model declares no variants
+    dispatcher = CommandDispatcher(AgentController(no_family), tmp_path / "replies.db")
     try:
         reply = send(dispatcher, {"enabled": False})
         assert reply["error"]["code"] == "ADAPT_UNAVAILABLE" and "variants" in reply["error"]["message"]

@@ -21,6 +21,7 @@ from agent.control.commands import CommandDispatcher
 from agent.config.tree import AgentConfig
 from agent.config.errors import explain
 from agent.daemon.control import AgentController
+from tests.test_adapt_commands import policy_parts
 from tests.test_adapt_family import loader, make_family
 
 
@@ -52,7 +53,7 @@ class Family:
         first = members(source)[0].source
         self.serving = load(first, prov(first))
         self.adapt = AdaptController(source, self.serving, config, provision=prov, load=load, swap=lambda m: None)
-        self.dispatcher = CommandDispatcher(AgentController(self), tmp / "replies.db")
+        self.dispatcher = CommandDispatcher(AgentController(policy_parts(adapt=lambda: self.adapt)), tmp / "replies.db")
         self.sent = 0
 
     def send(self, **args: Any) -> dict:

@@ -330,8 +330,9 @@ def test_a_restart_flood_is_coalesced_and_status_fps_is_what_was_delivered(start
     agent.worker.pause()
     try:
         assert wait_for(lambda: agent.recent_fps(1.0) == 0.0, timeout=10)
-        assert wait_for(lambda: AgentController(agent).status()["fps"] == 0.0, timeout=10)  # nothing for 5 s
-        status = AgentController(agent).status()
+        controller = AgentController(agent.control_parts)  # the commands' view of the running agent
+        assert wait_for(lambda: controller.status()["fps"] == 0.0, timeout=10)  # nothing for 5 s
+        status = controller.status()
         assert status["fps_since_start"] > 0 and agent.summary()["fps"] > 0  # the average still says frames flow
     finally:
         agent.worker.resume()

@@ -11,14 +11,14 @@ import threading
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import pytest
 
 from agent.config.tree import AgentConfig
 from agent.control.commands import CommandDispatcher
-from agent.daemon.control import AgentController
+from agent.daemon.control import AgentController, ControlParts
 from agent.daemon.result_sinks import ResultSinks
 from agent.daemon.runner import Agent
 from agent.daemon.telemetry_loop import PrometheusExporter
@@ -155,10 +155,17 @@ def test_ids_survive_a_model_swap_and_restart_when_the_camera_does(tmp_path: Pat
 
 
 def dispatcher_for(host: TrackingHost, store: StateStore, events: Events, path: Path) -> CommandDispatcher:
-    """The real command table and controller over a stand-in for the agent: only what set_zones and its
-    persistence read (tracking, store, emit, stop_event)."""
-    agent = SimpleNamespace(tracking=host, store=store, emit=events, stop_event=threading.Event())
-    return CommandDispatcher(AgentController(agent), path)
+    """The real command table and controller over the parts set_zones and its persistence read (tracking, store,
+    emit, stop_event); any other part it reached would fail the test."""
+    parts = ControlParts(config=AgentConfig(), stop_event=threading.Event(), emit=events, live_snapshot=unreached,
+                         restart_capture=unreached, store=lambda: store, deployments=unreached, manager=unreached,
+                         previous=unreached, adapt=unreached, video=unreached, dispatcher=unreached,
+                         tracking=lambda: host)
+    return CommandDispatcher(AgentController(parts), path)
+
+
+def unreached(*args: object, **kwargs: object) -> NoReturn:
+    raise AssertionError("set_zones reads only the tracking host, the state store, emit and stop_event")
 
 
 def command(dispatcher: CommandDispatcher, args: dict, id_: str) -> dict:

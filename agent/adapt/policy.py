@@ -20,7 +20,7 @@ Rules (docs/adaptive.md):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 RATE_WINDOW_S = 60.0
@@ -50,7 +50,7 @@ class PolicyConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form for status, events and the state store."""
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Inputs:
 
     def numbers(self) -> dict[str, Any]:
         """The measured values, for the `adapt` event."""
-        return {k: getattr(self, k) for k in self.__dataclass_fields__ if getattr(self, k) is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)

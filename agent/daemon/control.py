@@ -15,9 +15,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
-from agent.daemon.tracking_host import LIVE_SHAPES_KEY
+from agent.daemon.tracking_host import IDLE, LIVE_SHAPES_KEY, TrackingHost
 from agent.storage.state import state_db_path
 from agent.storage.state import model_row
 from agent.tracking.types import ZONES_CHANGED
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from agent.control.command_args import SetZonesArgs
     from agent.control.commands import CommandDispatcher
     from agent.daemon.reporting import LiveSnapshot
-    from agent.daemon.tracking_host import TrackingHost
     from agent.deployments.manager import DeploymentManager
     from agent.deployments.store import DeploymentStore
     from agent.shadow.plan import ShadowArgs
@@ -45,49 +45,42 @@ PERSIST_WAIT_S = 0.3  # how long set_config waits for its write before it answer
 PERSIST_RETRY_S = 1.0
 
 
-class ControlHost(Protocol):
-    """What the commands reach of the running agent: its parts (None while not running) and two actions. Each
-    command uses a few of them; a stand-in for a test provides those."""
+def _not_running() -> None:
+    """A part that is not running: before the start, while the state store refuses writes, after the stop."""
+    return None
 
-    @property
-    def config(self) -> AgentConfig: ...
-    @property
-    def store(self) -> StateStore | None: ...
-    @property
-    def deployments(self) -> DeploymentStore | None: ...
-    @property
-    def manager(self) -> DeploymentManager | None: ...
-    @property
-    def previous(self) -> LoadedModel | None: ...
-    @property
-    def adapt(self) -> AdaptController | None: ...
-    @property
-    def tracking(self) -> TrackingHost: ...
-    @property
-    def video(self) -> VideoService | None: ...
-    @property
-    def dispatcher(self) -> CommandDispatcher | None: ...
-    @property
-    def stop_event(self) -> threading.Event: ...
 
-    def live_snapshot(self) -> LiveSnapshot:
-        """The live numbers now (agent.daemon.reporting)."""
-        ...
+def _idle_tracking() -> TrackingHost:
+    return IDLE
 
-    def emit(self, type_: str, **fields: Any) -> None:
-        """Record an event and hand it to every sink."""
-        ...
 
-    def restart_capture(self, camera: str | None = None) -> dict[str, Any]:
-        """Reopen every camera, or one."""
-        ...
+@dataclass(frozen=True, kw_only=True)
+class ControlParts:
+    """What the commands reach of the running agent, wired by the daemon (agent.daemon.runner): the parts it has
+    from the start, and one call for each part made later (None while it is not running), read when a command
+    runs, so a command sees what runs now, not what ran when it was wired. A stand-in for a test sets the few a
+    command uses."""
+
+    config: AgentConfig
+    stop_event: threading.Event  # set: the agent stops (a pending write gives up)
+    emit: Callable[..., None]  # record an event and hand it to every sink
+    live_snapshot: Callable[[], LiveSnapshot]  # the live numbers now (agent.daemon.reporting)
+    restart_capture: Callable[[str | None], dict[str, Any]]  # reopen every camera, or one (agent.daemon.frame_path)
+    store: Callable[[], StateStore | None] = _not_running
+    deployments: Callable[[], DeploymentStore | None] = _not_running
+    manager: Callable[[], DeploymentManager | None] = _not_running
+    previous: Callable[[], LoadedModel | None] = _not_running  # kept loaded for an instant rollback
+    adapt: Callable[[], AdaptController | None] = _not_running  # the active family's controller
+    video: Callable[[], VideoService | None] = _not_running
+    dispatcher: Callable[[], CommandDispatcher | None] = _not_running
+    tracking: Callable[[], TrackingHost] = _idle_tracking
 
 
 class AgentController:
-    """Implements agent.control.commands.AgentControl on top of the running agent's parts (`ControlHost`)."""
+    """Implements agent.control.commands.AgentControl on top of the running agent's parts (`ControlParts`)."""
 
-    def __init__(self, agent: ControlHost, on_set_config: Callable[[dict], dict] | None = None) -> None:
-        self.agent = agent
+    def __init__(self, parts: ControlParts, on_set_config: Callable[[dict], dict] | None = None) -> None:
+        self.parts = parts
         self.on_set_config = on_set_config
         self._stored = BoundedRead(self._read_stored, STORED_WAIT_S)
         self._config = ConfigWriter(self._write_config, self._stopping)
@@ -95,18 +88,18 @@ class AgentController:
 
     def status(self) -> dict:
         """Health, active/previous model, deployment in progress, live numbers, recent deployments."""
-        agent = self.agent
-        snap = agent.live_snapshot()
+        parts = self.parts
+        snap = parts.live_snapshot()
         stored, fresh = self._stored.get(default={"previous_model": None, "recent_deployments": []})
-        dispatcher = agent.dispatcher
+        dispatcher, previous, manager = parts.dispatcher(), parts.previous(), parts.manager()
         return {
-            "device_id": agent.config.device_id,
+            "device_id": parts.config.device_id,
             "state": snap.health,
             "model": snap.model,
-            "previous_model": agent.previous.describe() if agent.previous else stored["previous_model"],
+            "previous_model": previous.describe() if previous else stored["previous_model"],
             "deployment": snap.deployment,  # the one `state` was judged with
-            "watched_deployment": agent.manager.watched() if agent.manager else None,  # its watch still runs
-            "shadow": agent.manager.shadowing.status() if agent.manager else None,  # a shadow deployment's numbers
+            "watched_deployment": manager.watched() if manager else None,  # its watch still runs
+            "shadow": manager.shadowing.status() if manager else None,  # a shadow deployment's numbers
             "recent_deployments": stored["recent_deployments"],
             "stale": [] if fresh else sorted(stored),  # as read before the state store stopped answering in time
             "commands": dispatcher.stats() if dispatcher is not None else None,
@@ -127,13 +120,13 @@ class AgentController:
         }
 
     def _read_stored(self) -> dict[str, Any]:
-        agent = self.agent
-        store = agent.store
-        return {"previous_model": model_row(store.model_slot("previous")) if store and not agent.previous else None,
-                "recent_deployments": [d.to_dict() for d in agent.deployments.latest(5)] if agent.deployments else []}
+        parts = self.parts
+        store, deployments = parts.store(), parts.deployments()
+        return {"previous_model": model_row(store.model_slot("previous")) if store and not parts.previous() else None,
+                "recent_deployments": [d.to_dict() for d in deployments.latest(5)] if deployments else []}
 
     def _manager(self) -> DeploymentManager:
-        manager = self.agent.manager
+        manager = self.parts.manager()
         if manager is None:  # still waiting for the state store to take writes at start (docs/deployments.md)
             raise EdgeError("the deployment manager is starting: it waits for the state database to take writes; "
                             "ask again shortly", code="BUSY")
@@ -162,7 +155,8 @@ class AgentController:
         """The engine cache index of this device."""
         from engines.build.cache import EngineCache
 
-        cache = EngineCache(self.agent.config.cache_dir, state_db_path(self.agent.config.state_dir))
+        config = self.parts.config
+        cache = EngineCache(config.cache_dir, state_db_path(config.state_dir))
         try:
             return [entry.to_dict() for entry in cache.entries()]
         finally:
@@ -177,27 +171,27 @@ class AgentController:
             applied["log_level"] = changes["log_level"]
         if self.on_set_config is not None:
             applied.update(self.on_set_config({k: v for k, v in changes.items() if k != "log_level"}))
-        if self.agent.store is None:
-            self.agent.emit("config_changed", changes=applied)
+        if self.parts.store() is None:
+            self.parts.emit("config_changed", changes=applied)
             return {"applied": applied, "persisted": False}
         return {"applied": applied, "persisted": self._config.persist(applied, PERSIST_WAIT_S)}
 
     def _write_config(self, merged: dict[str, Any], events: list[dict[str, Any]]) -> None:
         """On the writer thread: the live settings into the store, then one `config_changed` per request."""
-        store = self.agent.store
+        store = self.parts.store()
         assert store is not None
         try:
             store.set_kv("live_config", {**store.get_kv_object("live_config"), **merged})
         finally:
             for changes in events:  # applied live already, whether or not the write landed
-                self.agent.emit("config_changed", changes=changes)
+                self.parts.emit("config_changed", changes=changes)
 
     def set_zones(self, args: SetZonesArgs) -> dict:
         """A camera's tracking zones and/or lines, live at once and persisted behind (like set_config): `persisted`
         says whether the write landed within PERSIST_WAIT_S; a `zones_changed` event follows the write."""
-        reply, entry = self.agent.tracking.set_zones(args.camera, args.zones, args.lines, args.revert)
-        if self.agent.store is None:
-            self.agent.emit(ZONES_CHANGED, **reply)
+        reply, entry = self.parts.tracking().set_zones(args.camera, args.zones, args.lines, args.revert)
+        if self.parts.store() is None:
+            self.parts.emit(ZONES_CHANGED, **reply)
             return {**reply, "persisted": False}
         return {**reply, "persisted": self._zones.persist({args.camera: {"entry": entry, "reply": reply}},
                                                           PERSIST_WAIT_S)}
@@ -205,7 +199,7 @@ class AgentController:
     def _write_zones(self, merged: dict[str, Any], events: list[dict[str, Any]]) -> None:
         """On the writer thread: each camera's newest zones into the store (None: back to the config's), then one
         `zones_changed` per request."""
-        store = self.agent.store
+        store = self.parts.store()
         assert store is not None
         try:
             stored = {**store.get_kv_object(LIVE_SHAPES_KEY), **{k: v["entry"] for k, v in merged.items()}}
@@ -213,25 +207,25 @@ class AgentController:
         finally:
             for request in events:  # applied live already, whether or not the write landed
                 for change in request.values():
-                    self.agent.emit(ZONES_CHANGED, **change["reply"])
+                    self.parts.emit(ZONES_CHANGED, **change["reply"])
 
     def _stopping(self) -> bool:
-        return self.agent.stop_event.is_set()
+        return self.parts.stop_event.is_set()
 
     def restart_pipeline(self, camera: str | None = None) -> dict:
         """Restart every camera's capture thread, or only `camera`'s (a wedged driver is the usual reason)."""
-        return self.agent.restart_capture(camera)
+        return self.parts.restart_capture(camera)
 
     def snapshot(self, camera: str | None, overlay: bool, request_id: str | None) -> dict:
         """One JPEG of a camera on the snapshot topic (agent.video)."""
-        video = self.agent.video
+        video = self.parts.video()
         if video is None:
             raise EdgeError("video is not running on this agent", code="VIDEO_UNAVAILABLE")
         return video.snapshot(camera, overlay, request_id)
 
     def set_policy(self, changes: dict) -> dict:
         """The adaptation policy's settings, live and persisted (only while a model family is active)."""
-        adapt = self.agent.adapt
+        adapt = self.parts.adapt()
         if adapt is None:
             raise EdgeError("no model family is active: the active model's manifest declares no variants "
                             "(docs/adaptive.md)", code="ADAPT_UNAVAILABLE")

@@ -17,7 +17,7 @@ from agent.control.commands import CommandDispatcher
 from agent.control.control_socket import ControlSocketServer
 from agent.control.rate_limit import RateLimit
 from agent.daemon.adapt_host import AdaptHost
-from agent.daemon.control import AgentController
+from agent.daemon.control import AgentController, ControlParts
 from agent.daemon.frame_path import RECENT_FPS_WINDOW_S, FramePath, result_head
 from agent.daemon.model_loading import ModelLoader, live_frames_dir
 from agent.daemon.plane import AgentPlane
@@ -85,6 +85,12 @@ class Agent:
             active=lambda: self.slots.active, deployment=lambda: self.manager.status() if self.manager else None,
             adapt=lambda: self.adapt, shadow=lambda: self.shadow, live_frames=lambda: self.live_frames,
             video=lambda: self.video, tracking=lambda: self.tracking))
+        self.control_parts = ControlParts(  # what the commands reach (agent.daemon.control)
+            config=config, stop_event=self.stop_event, emit=self.emit, live_snapshot=self.report.live_snapshot,
+            restart_capture=self.frame_path.restart_capture, store=lambda: self.store,
+            deployments=lambda: self.deployments, manager=lambda: self.manager, previous=lambda: self.slots.previous,
+            adapt=lambda: self.adapt, video=lambda: self.video, dispatcher=lambda: self.dispatcher,
+            tracking=lambda: self.tracking)
         self.dispatcher: CommandDispatcher | None = None
         self.plane: AgentPlane | None = None
         self.control_server: ControlSocketServer | None = None
@@ -284,8 +290,7 @@ class Agent:
         self.shadow_host = ShadowHost(self.slots, self.loader, cfg.deployments, self._throttled, self._adapt_over_limit)
         self.swaps = Swaps(cfg, self.slots, self.frame_path, self.loader, store, self.shadow_host, self.adapt_host,
                            self.output_health, self.emit, self.stop_event, self._engine_progress)
-        # the commands reach the parts through the ControlHost Protocol (agent.daemon.control)
-        self.dispatcher = CommandDispatcher(AgentController(self, on_set_config=self._set_live_config),
+        self.dispatcher = CommandDispatcher(AgentController(self.control_parts, on_set_config=self._set_live_config),
                                             state_db_path(cfg.state_dir), max_payload_bytes=cfg.mqtt.max_payload_bytes,
                                             deploy_rate=RateLimit(cfg.deployments.max_requests_per_minute, 60.0))
         return self.dispatcher

@@ -150,8 +150,7 @@ class MqttConfig(BaseModel):
             raise ValueError(f"{have} is set but {need} is not; a client certificate needs both")
         self._check_tls_needs_mqtts()
         self._check_credentials_sources()
-        for name in ("ca_file", "cert_file", "key_file"):
-            path = getattr(self, name)
+        for name, path in (("ca_file", self.ca_file), ("cert_file", self.cert_file), ("key_file", self.key_file)):
             if path is not None and not path.is_file():
                 raise ValueError(f"{name}: {path} does not exist or is not a file")
         if self.credentials_file is not None:
@@ -161,8 +160,10 @@ class MqttConfig(BaseModel):
     def _check_tls_needs_mqtts(self) -> None:
         if not self.url or self.tls:
             return
-        for name in ("ca_file", "cert_file", "key_file", "tls_insecure"):
-            if getattr(self, name):
+        tls_settings = (("ca_file", self.ca_file), ("cert_file", self.cert_file), ("key_file", self.key_file),
+                        ("tls_insecure", self.tls_insecure))
+        for name, value in tls_settings:
+            if value:
                 raise ValueError(f"{name} is set but url {self.url!r} is plain TCP; use mqtts://")
 
     def _check_credentials_sources(self) -> None:

@@ -19,6 +19,7 @@ import logging
 import sqlite3
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Optional
 
 from agent.mqtt.client import MqttConnection, SessionInfo
@@ -33,6 +34,16 @@ FETCH_ROWS = 500
 FLUSH_ROWS, FLUSH_AGE_S = 500, 0.2
 OUTBOX_RETRY_MIN_S, OUTBOX_RETRY_MAX_S = 1.0, 30.0  # an unwritable outbox is tried again after these
 OUTBOX_PROBE_S = 0.5  # how long such a try waits for another process's lock (the first failure waited the full 5 s)
+
+
+@dataclass
+class Lane:
+    """One send order of a connection (live or backlog): rows fetched and not yet published, the id of the newest
+    row fetched (the next fetch starts after it), and the last id it may send (None: the live lane, unbounded)."""
+
+    cursor: int
+    upto: int | None
+    rows: Deque[OutboxRow] = field(default_factory=collections.deque)
 
 
 def mark_replayed(payload: bytes) -> bytes:
@@ -249,12 +260,10 @@ class Publisher:
             self.memory.put_back(list(self._memory_inflight.values()))
             self._memory_inflight.clear()
         self._acked_since = self._clock()
-        self._live: Deque[OutboxRow] = collections.deque()
-        self._backlog: Deque[OutboxRow] = collections.deque()
         self._window = info.send_window if info else 0
         self._connected_at = info.connected_at if info else 0.0
         self._boundary = self.outbox.max_id() if info else 0
-        self._live_cursor, self._backlog_cursor = self._boundary, 0
+        self._live, self._backlog = Lane(cursor=self._boundary, upto=None), Lane(cursor=0, upto=self._boundary)
         self._backlog_done = self._boundary == 0
         if info and not self._backlog_done:
             log.info("MQTT connected: replaying %d buffered rows", len(self.outbox))
@@ -305,27 +314,28 @@ class Publisher:
         if budget < max(1, self._window // 4):
             return  # refill in batches, not one row per PUBACK
         live_budget = budget if self._backlog_done else max(1, budget // 2)
-        sent = self._send_lane(self._live, "_live_cursor", None, live_budget)
+        sent = self._send_lane(self._live, live_budget)
         remaining = budget - (sent or 0)
         if sent is None or self._backlog_done or remaining <= 0:
             return
-        replayed = self._send_lane(self._backlog, "_backlog_cursor", self._boundary, remaining)
+        replayed = self._send_lane(self._backlog, remaining)
         if replayed is not None and replayed < remaining:  # the lane ran dry: the backlog is all sent
             self._backlog_done = True
             log.info("MQTT backlog replayed")
 
-    def _send_lane(self, buf: Deque[OutboxRow], cursor: str, upto: int | None, budget: int) -> int | None:
+    def _send_lane(self, lane: Lane, budget: int) -> int | None:
         """Send up to `budget` rows of one lane in order; None when the connection refused a publish."""
         sent = 0
+        buf = lane.rows
         while sent < budget:
             if not buf:
-                if upto is None and self.outbox.last_id <= getattr(self, cursor):
+                if lane.upto is None and self.outbox.last_id <= lane.cursor:
                     break  # nothing new since the last look: skip the query
-                rows = self.outbox.fetch(getattr(self, cursor), upto, FETCH_ROWS)
+                rows = self.outbox.fetch(lane.cursor, lane.upto, FETCH_ROWS)
                 if not rows:
                     break
                 buf.extend(rows)
-                setattr(self, cursor, rows[-1].id)
+                lane.cursor = rows[-1].id
             row = buf[0]
             if not self._publish_row(row):
                 return None

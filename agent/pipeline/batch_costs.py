@@ -43,6 +43,11 @@ class BatchTiming:
     postprocess: float
     overlapped: bool  # postprocessing ran on its own thread, beside the next batch
 
+    def by_stage(self) -> dict[str, float]:
+        """The stage times keyed as STAGES names them (the run summary's `profile` columns)."""
+        return {"gather": self.gather, "preprocess": self.preprocess, "preprocess_slot": self.preprocess_slot,
+                "engine": self.engine, "split": self.split, "postprocess": self.postprocess}
+
     @property
     def busy(self) -> float:
         """The inference thread's time on this batch (the gather wait excluded)."""
@@ -110,8 +115,9 @@ class BatchCosts:
         out = {}
         for size, timings in sorted(rings.items()):
             row: dict[str, float] = {"batches": float(len(timings))}
+            stages = [t.by_stage() for t in timings]
             for stage in STAGES:
-                row[f"{stage}_ms"] = round(float(np.mean([getattr(t, stage) for t in timings])), 3)
+                row[f"{stage}_ms"] = round(float(np.mean([s[stage] for s in stages])), 3)
             row["path_ms_per_frame"] = round(float(np.mean([t.path for t in timings])) / size, 3)
             out[str(size)] = row
         return out

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Union
 
 from agent.pipeline.config import MAX_BATCH
+from agent.sources.base import StatesFps
 from engines.runtime.build_curve import BuildCurve, Curve
 
 if TYPE_CHECKING:
@@ -72,8 +73,9 @@ def demand_fps(cameras: Iterable[object]) -> float | None:
 
 def stated_fps(camera: object) -> float | None:
     """The rate a camera config states (`fps`), None when it states none."""
-    # each camera source plugin declares its own config model (agent.sources registry): not every kind has `fps`
-    fps = getattr(camera, "fps", None)
+    if not isinstance(camera, StatesFps):  # each source plugin declares its own config: not every kind has `fps`
+        return None
+    fps = camera.fps
     if not isinstance(fps, (int, float)) or isinstance(fps, bool) or fps <= 0:
         return None
     return float(fps)

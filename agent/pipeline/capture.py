@@ -10,11 +10,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from agent.pipeline.mailbox import FreshestMailbox
 from agent.pipeline.on_demand import OnDemandGrabber, decodes_on_demand
-from agent.sources.base import Frame, SourceError, frame_meta, validate_image
+from agent.sources.base import FiniteSource, Frame, FrameSource, SourceError, frame_meta_reader, validate_image
 from agent.sources.lazy import GrabCounts, LazyGrabber, can_grab
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class CaptureThread(threading.Thread):
 
     def __init__(
         self,
-        source: Any,
+        source: FrameSource,
         mailbox: FreshestMailbox[Frame],
         stop_event: threading.Event,
         on_event: EventSink | None = None,
@@ -53,6 +53,7 @@ class CaptureThread(threading.Thread):
         self._camera = source.config.name
         self._backoff = source.config.reopen_initial_s
         self._lost_since: float | None = None
+        self._frame_meta = frame_meta_reader(source)  # asked once: see frame_meta_reader
         # paced sources that can grab: frames replaced unread are never decoded (agent.sources.lazy)
         self.grabber = LazyGrabber(source, mailbox, self._camera, self.stats) if can_grab(source) else None
         # live sources: grabs the consumer will not take are never retrieved (agent.pipeline.on_demand)
@@ -128,7 +129,7 @@ class CaptureThread(threading.Thread):
             self._lost(f"unexpected: {exc}")
             return False
         self.stats.frames += 1
-        self.mailbox.put(Frame(image, self.stats.frames, time.monotonic(), self._camera, frame_meta(self.source)))
+        self.mailbox.put(Frame(image, self.stats.frames, time.monotonic(), self._camera, self._frame_meta()))
         return True
 
     def _grab_one(self, grabber: LazyGrabber | OnDemandGrabber) -> bool:
@@ -140,7 +141,7 @@ class CaptureThread(threading.Thread):
         return True
 
     def _end_of_stream(self) -> bool:
-        if getattr(self.source, "finite", False):
+        if isinstance(self.source, FiniteSource) and self.source.finite:
             self.stats.ended = True
             log.info("camera %s: end of input after %d frames", self._camera, self.stats.frames)
             self.on_event("camera_ended", camera=self._camera, frames=self.stats.frames)

@@ -21,6 +21,11 @@ class FrameTiming:
     postprocess: float
     latency: float
 
+    def by_stage(self) -> tuple[tuple[str, float], ...]:
+        """The stage durations named as in STAGES, in its order (latency is not a stage)."""
+        return (("capture_wait", self.capture_wait), ("preprocess", self.preprocess), ("infer", self.infer),
+                ("postprocess", self.postprocess))
+
 
 class FrameStats:
     """Thread-safe accumulation of FrameTiming plus error and frame counters."""
@@ -42,8 +47,8 @@ class FrameStats:
         """Add one processed frame."""
         self.latency.record(timing.latency)
         if self._detail:  # every processed frame passes here, four times: skip what nobody reads
-            for name in STAGES:
-                self.stages[name].record(getattr(timing, name))
+            for name, ms in timing.by_stage():
+                self.stages[name].record(ms)
             self.processing.record(timing.preprocess + timing.infer + timing.postprocess)
         with self._lock:
             self.frames += 1

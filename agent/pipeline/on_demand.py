@@ -17,21 +17,23 @@ agent.sources.gstreamer).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Callable, TypeGuard
 
 from agent.pipeline.demand import DemandEstimator
 from agent.pipeline.mailbox import FreshestMailbox
-from agent.sources.base import Frame
+from agent.sources.base import Frame, FrameSource, GrabbingSource
 from agent.sources.lazy import GrabCounts, retrieved_image
+from agent.sources.live import LiveSourceConfig
 
 
-def decodes_on_demand(source: Any) -> bool:
-    """True for live (unpaced) sources that can grab and retrieve and whose config asks for on-demand decoding."""
+def decodes_on_demand(source: FrameSource) -> TypeGuard[GrabbingSource]:
+    """True for live (unpaced) sources that can grab and retrieve and whose config asks for on-demand decoding
+    (the `decode` setting of every live source's config, agent.sources.live.LiveSourceConfig)."""
     return (
-        not getattr(source, "paced", True)
-        and callable(getattr(source, "grab", None))
-        and callable(getattr(source, "retrieve", None))
-        and getattr(getattr(source, "config", None), "decode", None) == "on_demand"
+        not source.paced
+        and isinstance(source, GrabbingSource)
+        and isinstance(source.config, LiveSourceConfig)
+        and source.config.decode == "on_demand"
     )
 
 
@@ -40,7 +42,7 @@ class OnDemandGrabber:
 
     def __init__(
         self,
-        source: Any,
+        source: GrabbingSource,
         mailbox: FreshestMailbox[Frame],
         name: str,
         stats: GrabCounts,

@@ -176,7 +176,8 @@ class ShadowSession(threading.Thread):
             log.exception("shadow %s: the candidate could not be loaded", self.model.deployment_id)
             self._conclude(Verdict("cancelled", "SHADOW_CANDIDATE_FAILED", f"the candidate could not be loaded: {exc}"))
             return
-        self.priority = getattr(candidate, "priority", self.priority)  # its process's, when it has one
+        if isinstance(candidate, CandidateProcess):  # its process's priority, when it has one
+            self.priority = candidate.priority
         self.isolation = "process" if isinstance(candidate, CandidateProcess) else "thread"
         self._ready.set()
         try:

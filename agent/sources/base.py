@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -90,10 +90,20 @@ class CameraSettings(Protocol):
 
 
 class FrameSource(Protocol):
-    """What the capture thread drives. `read` returns None at a clean end of stream."""
+    """What the capture thread drives. `read` returns None at a clean end of stream.
+
+    What a source may do beyond this is declared by the capability Protocols below (`GrabbingSource`,
+    `DescribesFrames`, `FiniteSource`, `KnowsLastFrame`); the capture side asks with isinstance, so a plugin
+    source gains a capability by defining its members, with no base class to inherit.
+    """
 
     Config: ClassVar[type[SourceConfigBase]]
     paced: ClassVar[bool]  # True: the capture thread sleeps to the configured fps (synthetic, files)
+
+    @property
+    def config(self) -> SourceConfigBase:
+        """The camera's validated config (its plugin's `Config`)."""
+        ...
 
     def open(self) -> None:
         """Open the device or stream; raise SourceError with an actionable message."""
@@ -112,6 +122,7 @@ class FrameSource(Protocol):
         ...
 
 
+@runtime_checkable
 class GrabbingSource(FrameSource, Protocol):
     """A source that splits `read` into a cheap `grab` and a `retrieve` (decode/convert) of the last grab.
 
@@ -130,6 +141,48 @@ class GrabbingSource(FrameSource, Protocol):
         ...
 
 
+@runtime_checkable
+class DescribesFrames(Protocol):
+    """A source that says which input the frame it just grabbed came from (a file source: the file and frame);
+    results carry it in the frame's `meta`."""
+
+    def frame_meta(self) -> Mapping[str, Any]:
+        """What to record with the frame just grabbed."""
+        ...
+
+
+@runtime_checkable
+class FiniteSource(Protocol):
+    """A source whose end of stream can be the end of its input (a file that does not loop): when `finite`,
+    the capture thread reports `camera_ended` and stops instead of reopening."""
+
+    @property
+    def finite(self) -> bool:
+        """True when the end of stream is the end of the input."""
+        ...
+
+
+@runtime_checkable
+class KnowsLastFrame(Protocol):
+    """A grabbing source that knows when its last grab was the input's last frame: after the next (failed) grab
+    OpenCV has no picture left to retrieve, so the grabber decodes that frame at once (agent.sources.lazy)."""
+
+    def at_last_frame(self) -> bool:
+        """True when the frame just grabbed is the last the input has."""
+        ...
+
+
+@runtime_checkable
+class StatesFps(Protocol):
+    """A camera config that states its frame rate (`fps`: synthetic, a file's replay rate, a V4L2 requested rate);
+    each source plugin declares its own config model, and not every kind has one."""
+
+    @property
+    def fps(self) -> float | None:
+        """Frames per second, None when the config leaves it to the device or the input."""
+        ...
+
+
 def validate_image(image: object, source: str) -> np.ndarray:
     """Reject what cannot be a camera frame before it reaches preprocessing."""
     if not isinstance(image, np.ndarray) or image.dtype != np.uint8:
@@ -141,13 +194,21 @@ def validate_image(image: object, source: str) -> np.ndarray:
     return image
 
 
-def frame_meta(source: FrameSource) -> dict:
-    """What the source says about the frame it just grabbed (a file source: which file), else nothing."""
-    describe = getattr(source, "frame_meta", None)
-    if describe is None:
-        return {}
-    try:
-        return dict(describe())
-    except Exception:  # a source's description never costs a frame
-        logging.getLogger(__name__).debug("frame_meta of %r failed", source, exc_info=True)
-        return {}
+def frame_meta_reader(source: FrameSource) -> Callable[[], dict]:
+    """What the source says about each frame it grabs (a file source: which file), else nothing.
+
+    Whether it says anything is asked once, here: an isinstance on a Protocol costs microseconds (4 to 9 us on
+    the reference VM, against 0.1 for a getattr), and the capture thread reads it for every frame.
+    """
+    if not isinstance(source, DescribesFrames):
+        return dict
+    describer: DescribesFrames = source
+
+    def read() -> dict:
+        try:
+            return dict(describer.frame_meta())
+        except Exception:  # a source's description never costs a frame
+            logging.getLogger(__name__).debug("frame_meta of %r failed", describer, exc_info=True)
+            return {}
+
+    return read

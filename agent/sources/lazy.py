@@ -22,7 +22,16 @@ from typing import Protocol, TypeGuard
 
 import numpy as np
 
-from agent.sources.base import Frame, FrameSource, GrabbingSource, LazyFrame, SourceError, frame_meta, validate_image
+from agent.sources.base import (
+    Frame,
+    FrameSource,
+    GrabbingSource,
+    KnowsLastFrame,
+    LazyFrame,
+    SourceError,
+    frame_meta_reader,
+    validate_image,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +46,7 @@ class FrameSlot(Protocol):
 
 def can_grab(source: FrameSource) -> TypeGuard[GrabbingSource]:
     """True for paced sources that split read into grab + retrieve (see GrabbingSource)."""
-    return bool(getattr(source, "paced", False)) and callable(getattr(source, "grab", None)) \
-        and callable(getattr(source, "retrieve", None))
+    return bool(source.paced) and isinstance(source, GrabbingSource)
 
 
 def retrieved_image(image: np.ndarray | None, name: str) -> np.ndarray:
@@ -77,6 +85,9 @@ class LazyGrabber:
         self.stats = stats if stats is not None else GrabCounts()
         self._lock = threading.Lock()
         self._current: LazyFrame | None = None  # the frame the source's last grab belongs to
+        # what the source can say, asked once (an isinstance per grab would cost more than the answer)
+        self._frame_meta = frame_meta_reader(source)
+        self._knows_last: KnowsLastFrame | None = source if isinstance(source, KnowsLastFrame) else None
 
     def grab_and_put(self, index: int) -> bool:
         """Grab the next frame and offer it; False at a clean end of stream (SourceError on failure)."""
@@ -85,7 +96,7 @@ class LazyGrabber:
                 self._current = None
                 return False
             frame = LazyFrame(index, time.monotonic(), self.name, self._load)
-            frame.meta.update(frame_meta(self.source))
+            frame.meta.update(self._frame_meta())
             self._current = frame
             self.stats.grabbed += 1
             self.mailbox.put(frame)  # under the lock: a late retrieve sees the mailbox and the source agree
@@ -95,8 +106,7 @@ class LazyGrabber:
         return True
 
     def _at_last_frame(self) -> bool:
-        at_last = getattr(self.source, "at_last_frame", None)
-        return bool(at_last is not None and at_last())
+        return self._knows_last is not None and bool(self._knows_last.at_last_frame())
 
     def _preload(self, frame: LazyFrame) -> None:
         """The end of a finite input: the next grab fails and takes this frame's pixels with it, so make them now."""

@@ -102,14 +102,14 @@ class V4l2Source(LiveCaptureReads):
         cfg = self.config
         # V4L2 order matters: the pixel format decides which sizes and rates exist.
         wanted = [
-            ("fourcc", cv2.CAP_PROP_FOURCC, cv2.VideoWriter.fourcc(*cfg.fourcc) if cfg.fourcc else None),
-            ("width", cv2.CAP_PROP_FRAME_WIDTH, cfg.width),
-            ("height", cv2.CAP_PROP_FRAME_HEIGHT, cfg.height),
-            ("fps", cv2.CAP_PROP_FPS, cfg.fps),
+            ("fourcc", cv2.CAP_PROP_FOURCC, cv2.VideoWriter.fourcc(*cfg.fourcc) if cfg.fourcc else None, cfg.fourcc),
+            ("width", cv2.CAP_PROP_FRAME_WIDTH, cfg.width, cfg.width),
+            ("height", cv2.CAP_PROP_FRAME_HEIGHT, cfg.height, cfg.height),
+            ("fps", cv2.CAP_PROP_FPS, cfg.fps, cfg.fps),
         ]
-        for name, prop, value in wanted:
+        for name, prop, value, asked in wanted:  # `asked`: as configured (a fourcc's text, not its code)
             if value is not None and not self._capture.set(prop, float(value)):
-                log.warning("camera %s: %s refused %s=%s", cfg.name, self.path, name, getattr(cfg, name))
+                log.warning("camera %s: %s refused %s=%s", cfg.name, self.path, name, asked)
         width, height, fps, fourcc = self._actual_mode()
         log.info("camera %s: %s opened at %dx%d %.1f fps %s", cfg.name, self.path, width, height, fps, fourcc)
         if (cfg.width and width != cfg.width) or (cfg.height and height != cfg.height):

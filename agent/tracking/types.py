@@ -75,10 +75,10 @@ class TrackEvent:
         """The event's fields (those set), `type` left out. `track_epoch`, not `epoch`: an event's envelope already
         has an `epoch` (its outbox stream's, docs/mqtt.md)."""
         out: dict[str, Any] = {"camera": self.camera, "track_epoch": self.epoch}
-        for key in ("track_id", "class_name", "direction", "reason", "code", "message", "ended_tracks"):
-            value = getattr(self, key)
-            if value is not None:
-                out["class" if key == "class_name" else key] = value
+        optional = (("track_id", self.track_id), ("class", self.class_name), ("direction", self.direction),
+                    ("reason", self.reason), ("code", self.code), ("message", self.message),
+                    ("ended_tracks", self.ended_tracks))
+        out.update((key, value) for key, value in optional if value is not None)
         if self.name is not None:
             out["line" if self.type == LINE_CROSS else "zone"] = self.name
         if self.dwell_s is not None:
