@@ -31,13 +31,20 @@ class _Handler(socketserver.StreamRequestHandler):
 
     def handle(self) -> None:
         line = self.rfile.readline(MAX_REQUEST_BYTES + 1)
-        reply = self.server.dispatch(line.rstrip(b"\n"), channel="local")  # type: ignore[attr-defined]
+        assert isinstance(self.server, _Server)  # the only server this handler is given
+        reply = self.server.dispatch(line.rstrip(b"\n"), channel="local")
         self.wfile.write(json.dumps(reply).encode() + b"\n")
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """The socket server, holding the dispatcher its handlers answer with."""
+
     daemon_threads = True
     allow_reuse_address = True
+
+    def __init__(self, path: str, dispatch: Dispatch) -> None:
+        self.dispatch = dispatch
+        super().__init__(path, _Handler)
 
 
 class ControlSocketServer:
@@ -54,10 +61,9 @@ class ControlSocketServer:
         pending.unlink(missing_ok=True)  # left by a start that died here
         old_umask = os.umask(0o117)  # the socket is born 0660: no window where others can connect
         try:
-            self.server = _Server(str(pending), _Handler)
+            self.server = _Server(str(pending), dispatch)
         finally:
             os.umask(old_umask)
-        self.server.dispatch = dispatch  # type: ignore[attr-defined]
         os.chmod(pending, 0o660)
         if group:
             os.chown(pending, -1, grp.getgrnam(group).gr_gid)

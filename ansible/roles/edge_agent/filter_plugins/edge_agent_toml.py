@@ -9,7 +9,7 @@ from collections.abc import Mapping
 try:
     from ansible.errors import AnsibleFilterError
 except ImportError:  # used outside Ansible (unit tests)
-    AnsibleFilterError = ValueError  # type: ignore[misc,assignment]
+    AnsibleFilterError = ValueError
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}

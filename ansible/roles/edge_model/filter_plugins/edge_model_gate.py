@@ -20,7 +20,7 @@ def _identity(model: object) -> str:
 
 def _budget(status: Mapping, budget_ms: object) -> float | None:
     if budget_ms not in (None, ""):
-        return float(budget_ms)  # type: ignore[arg-type]
+        return float(budget_ms if isinstance(budget_ms, (int, float)) else str(budget_ms))  # a number or its text
     model = status.get("model") or {}
     # `edge-agent status` reports the active manifest's gate as model.latency_budget_ms; the nested
     # manifest shape (model.gates.latency_budget_ms) is accepted too.
