@@ -36,7 +36,9 @@ def test_the_footprint_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> None:
     for name in ("bare", "agent", "agent_full", "agent_3cams"):
         row = data["rss_mb"][name]
         assert set(row) >= {"steady_mb", "peak_mb", "threads", "first_result_s"}
-    assert data["rss_mb"]["bare"]["steady_mb"] > 0 and data["rss_mb"]["agent"]["steady_mb"] > 0
+    for name in ("bare", "agent"):  # beside two CPU hogs a run can reach no result in its window: then it says so
+        steady = data["rss_mb"][name]["steady_mb"]
+        assert steady is None and "rss_overhead_mb" in data["no_data"] or steady > 0, (name, data["rss_mb"][name])
     imports = data["where"]["imports"]
     assert imports and imports[0]["step"] == "python" and any(r["step"].startswith("agent.") for r in imports)
     assert data["int8"]["fallback_rounds"][0]["calibration_passes"] == 1
