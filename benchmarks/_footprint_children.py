@@ -81,6 +81,7 @@ def child_imports(bare_modules: list[str], agent_modules: list[str], out: Path) 
 
     import psutil
 
+    _only_these_packages({name.split(".")[0] for name in (*bare_modules, *agent_modules)})
     proc = psutil.Process()
     steps: list[tuple[str, float, float]] = [("python", proc.memory_info().rss / MB, 0.0)]
 
@@ -99,6 +100,24 @@ def child_imports(bare_modules: list[str], agent_modules: list[str], out: Path) 
     rows = [{"step": label, "rss_mb": round(rss, 1), "added_mb": round(rss - steps[i - 1][1], 1) if i else 0.0,
              "import_s": round(seconds, 3)} for i, (label, rss, seconds) in enumerate(steps)]
     out.write_text(json.dumps(rows))
+
+
+class _OnlyThese:
+    """A finder that refuses every top-level package outside `allowed`, as if it were not installed: importing a
+    module here must not load what it would pull in only where the agent kept it out (sqlite_utils imports pandas
+    whenever it can; the agent imports it without: agent/storage/sqlite_lean.py)."""
+
+    def __init__(self, allowed: set[str]) -> None:
+        self.allowed = allowed
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if "." not in name and name not in self.allowed and name not in sys.builtin_module_names:
+            raise ModuleNotFoundError(f"{name} was not loaded by the measured processes", name=name)
+        return None
+
+
+def _only_these_packages(allowed: set[str]) -> None:
+    sys.meta_path.insert(0, _OnlyThese(allowed))
 
 
 class _FirstResult:

@@ -12,7 +12,8 @@ the kernel's high-water mark (VmHWM), the steady value the median over the secon
 the first result. `rss_overhead_mb` is (b) - (a), `rss_overhead_full_mb` (c) - (a).
 
 Where the difference goes, measured: per-import RSS (a fresh interpreter imports the bare loop's modules, then
-the agent's others package by package, RSS after each), the threads and their stacks (8 MiB anonymous mappings
+the agent's others package by package, RSS after each; a package neither process loaded is refused there, so
+sqlite_utils does not pull in the pandas the agent keeps out), the threads and their stacks (8 MiB anonymous mappings
 in /proc/PID/smaps), and the Python heap by package (tracemalloc in one extra agent run, not in the timed ones).
 
 Start-up: from starting `edge-agent run` to its first result, on a warm cache (`warm_first_result_s`, goal 2.0 s

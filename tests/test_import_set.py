@@ -13,12 +13,14 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from tests.helpers import REPO
 
 #: Module name prefixes the frame path must not load.
 FORBIDDEN = ("engines.build", "deploy", "rich", "typer", "starlette", "uvicorn", "agent.cli")
+#: ... nor the serving daemon at start: besides those, the tools and the slimmer (engines.tools, engines.slim) and
+#: pandas, which sqlite_utils imports whenever it is installed (~30 MB resident for one column type; the agent
+#: imports sqlite_utils without it: agent/storage/sqlite_lean.py).
+DAEMON_FORBIDDEN = (*FORBIDDEN, "engines.tools", "engines.slim", "pandas")
 #: agent/pipeline modules that are not the frame path, and why.
 NOT_FRAME_PATH = {"agent.pipeline.live_view": "the CLI's live status line (rich), imported by agent/cli/main.py only"}
 
@@ -39,11 +41,11 @@ def frame_path_modules() -> list[str]:
                       "engines.runtime.engine_files"]
 
 
-def loaded_after_importing(modules: list[str]) -> dict[str, str]:
+def loaded_after_importing(modules: list[str], forbidden: tuple[str, ...] = FORBIDDEN) -> dict[str, str]:
     """Each forbidden module the imports load, with the module whose import statement loaded it first."""
     probe = f"""
 import builtins, json, sys
-FORBIDDEN = {FORBIDDEN!r}
+FORBIDDEN = {forbidden!r}
 original, first = builtins.__import__, {{}}
 def traced(name, globals=None, locals=None, fromlist=(), level=0):
     before = set(sys.modules)
@@ -73,14 +75,8 @@ def test_the_frame_path_loads_neither_the_build_wing_nor_rendering_nor_the_dashb
     assert not loaded, "the frame path imports " + ", ".join(f"{k} (from {v})" for k, v in sorted(loaded.items()))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the serving daemon loads the build wing at import: agent.daemon.runner -> agent.adapt.controller -> "
-    "agent.adapt.family imports engines.build.validate; agent.daemon.runner -> agent.daemon.adapt_host -> "
-    "agent.daemon.model_loading -> agent.shadow.candidate_process imports engines.build.provisioning, which pulls "
-    "gating, precision_search, tensorrt, cache, job, validate (model_loading needs provisioning's load_provisioned "
-    "and cache lookup to serve at all)"))
 def test_the_serving_daemon_loads_the_build_wing_only_when_it_builds() -> None:
     """`edge-agent run` minus the CLI: the daemon serving from a warm cache needs no builder, gates or INT8 recipes
     until a deployment or an adaptation asks for an engine that is not cached."""
-    loaded = loaded_after_importing(["agent.daemon.runner"])
+    loaded = loaded_after_importing(["agent.daemon.runner"], DAEMON_FORBIDDEN)
     assert not loaded, "agent.daemon.runner imports " + ", ".join(f"{k} (from {v})" for k, v in sorted(loaded.items()))

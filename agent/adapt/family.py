@@ -20,12 +20,11 @@ from kernel.errors import EdgeError
 from engines.model.manifest import Variant
 from engines.model.source import ModelSource
 from engines.runtime.model_runtime import ModelRuntime, load_runtime
-from engines.build.validate import DEFAULT_MIN_ACCURACY
 from engines.evaluation.frames import validation_frames
 from engines.evaluation.metrics import METRICS, box_f1, cosine, text_mask_iou
 
 if TYPE_CHECKING:
-    from engines.build.provisioning import ProvisionResult
+    from engines.runtime.provisioned import ProvisionResult
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +112,9 @@ def family_threshold(member: Member, reference: ModelSource) -> float:
         return m.gates.min_accuracy
     same_input = (m.preprocess.width, m.preprocess.height, m.model.file) == (
         ref.preprocess.width, ref.preprocess.height, ref.model.file)
+    # imported here: only building a family reaches this, and the serving daemon imports this module at start
+    from engines.build.validate import DEFAULT_MIN_ACCURACY
+
     return DEFAULT_MIN_ACCURACY[member.precision] if same_input else 0.0
 
 

@@ -24,7 +24,7 @@ from agent.pipeline.frame_stats import FrameStats
 from agent.pipeline.worker import InferenceWorker
 from agent.serving.slots import LoadedModel
 from agent.sources.base import Frame
-from engines.build import ProvisionResult
+from engines.runtime.provisioned import ProvisionResult
 from kernel.errors import EdgeError
 from engines.model.source import ModelSource
 from engines.postprocess import InferenceResult

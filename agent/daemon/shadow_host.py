@@ -17,7 +17,7 @@ from agent.shadow.pressure import ServingPressure, yield_threshold
 from agent.shadow.session import ShadowModel, ShadowSession
 from agent.shadow.verdict import Verdict
 from agent.serving.slots import ModelSlots
-from engines.build import ProvisionResult
+from engines.runtime.provisioned import ProvisionResult
 from kernel.errors import EdgeError
 from engines.model.source import ModelSource
 

@@ -31,7 +31,7 @@ from agent.shadow.verdict import Verdict
 from agent.serving.slots import LoadedModel, ModelSlots
 from agent.storage.state import StateStore, state_db_path, validation_brief
 from agent.storage.reclaim import collect_engines
-from engines.build import ProvisionResult
+from engines.runtime.provisioned import ProvisionResult
 from kernel.errors import EdgeError
 from engines.model.source import ModelSource
 

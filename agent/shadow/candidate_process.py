@@ -24,7 +24,7 @@ from engines.backends.base import EngineOptions
 from kernel.errors import EdgeError
 from engines.model.source import ModelSource
 from engines.postprocess import InferenceResult
-from engines.build.provisioning import ProvisionResult
+from engines.runtime.provisioned import ProvisionResult
 from engines.runtime.model_runtime import StageTimes
 from engines.runtime.state_inputs import DEFAULT_STREAM
 

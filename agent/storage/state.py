@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import sqlite_utils
-
 from agent.storage.schema import MIGRATIONS, Migration
+from agent.storage.sqlite_lean import sqlite_utils  # not `import sqlite_utils`: without pandas (why there)
 from kernel.errors import EdgeError
 from kernel.fsutil import fsync_dir
 from kernel.json_types import JsonValue

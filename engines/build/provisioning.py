@@ -8,6 +8,9 @@ A miss builds in a child process (engines.build.job), stores the file (engines.b
 its verdict, and is refused with GATE_ACCURACY / GATE_LATENCY until the thresholds change.
 `precision = "auto"` runs engines.build.precision_search instead: every precision this device supports, each
 through the same steps (engines.build.gating), the fastest that passes kept, never one slower than FP32.
+
+`ProvisionResult` and loading it live in engines.runtime.provisioned (serving a cached engine imports no builder);
+this module re-exports them, its loaders quarantining an engine that no longer loads.
 """
 
 from __future__ import annotations
@@ -16,11 +19,9 @@ import functools
 import hashlib
 import logging
 import threading
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
-
-import numpy as np
 
 from engines.backends import get_backend
 from engines.backends.base import EngineOptions
@@ -47,7 +48,7 @@ from engines.build.spec import (
 from engines.build.tensorrt import STATE_UNSUPPORTED
 from engines.build.validate import GateError, ValidationResult
 from engines.build.validation_set import validation_set
-from engines.runtime.engine_files import EngineIncompatibleError, load_engine_file
+from engines.runtime.engine_files import EngineIncompatibleError
 from engines.device.fingerprint import read_fingerprint
 from engines.model.manifest import sha256_file
 from engines.model.source import ModelSource
@@ -57,6 +58,9 @@ from engines.runtime.model_runtime import (
     preprocess_shape,
     resolve_backend,
 )
+from engines.runtime.provisioned import ProvisionResult
+from engines.runtime.provisioned import load_provisioned as _runtime_load_provisioned
+from engines.runtime.provisioned import load_warm as _runtime_load_warm
 from engines.runtime.state_inputs import check_input_size
 
 log = logging.getLogger(__name__)
@@ -65,31 +69,6 @@ EventSink = Callable[[dict[str, Any]], None]
 DEFAULT_FALLBACK_ROUNDS = len(FALLBACK_TENSORS)
 DEFAULT_TIMEOUT_S = 1800.0  # a large TensorRT build at optimisation level 3 on an Orin Nano: ~10-20 min
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "ROCMExecutionProvider", "DmlExecutionProvider")
-
-
-@dataclass
-class ProvisionResult:
-    """What `provision` produced: where the engine is, whether it was built now, and its gates."""
-
-    key: str
-    engine_path: Path
-    backend: str
-    precision: str
-    hit: bool
-    build_s: float
-    validation: ValidationResult | None
-    input_shapes: dict[str, tuple[int, ...]]
-    providers: tuple[str, ...]
-    cache_dir: Path
-    db_path: Path
-    report: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form for `engines build --json` and deployment events."""
-        data = asdict(self)
-        data.update(engine_path=str(self.engine_path), cache_dir=str(self.cache_dir), db_path=str(self.db_path),
-                    validation=self.validation.to_dict() if self.validation else None)
-        return data
 
 
 def provision(source: ModelSource, *, backend: str = "auto", precision: str | None = None, cache_dir: Path,
@@ -167,33 +146,24 @@ def _timed_plan(source: ModelSource, precision: str, *, backend: str, calibratio
 def load_provisioned(result: ProvisionResult, source: ModelSource, options: EngineOptions | None = None,
                      cuda_graphs: bool = True) -> ModelRuntime:
     """A ModelRuntime on the provisioned engine; an engine that no longer loads is quarantined."""
-    try:
-        engine = load_engine_file(result.engine_path, result.backend, result.precision, result.providers,
-                                  result.input_shapes, options, cuda_graphs)
-    except EngineIncompatibleError as exc:
-        cache = EngineCache(result.cache_dir, result.db_path)
-        try:
-            cache.quarantine(result.key, str(exc))
-        finally:
-            cache.close()
-        raise EngineIncompatibleError(f"{exc}; quarantined, provision again to rebuild") from exc
-    return ModelRuntime(source, engine)
+    return _runtime_load_provisioned(result, source, options, cuda_graphs, on_incompatible=quarantine)
 
 
 def load_warm(
     result: ProvisionResult, source: ModelSource, options: EngineOptions | None, warmup_runs: int
 ) -> ModelRuntime:
-    """`load_provisioned`, then `warmup_runs` frames of zeros at the model's input size, so the first real frame
-    does not pay the engine's lazy initialisation; a model that fails them is closed (its memory freed)."""
-    runtime = load_provisioned(result, source, options)
-    spec = source.manifest.preprocess
+    """`load_provisioned`, then `warmup_runs` frames of zeros (engines.runtime.provisioned.load_warm); an engine that
+    no longer loads is quarantined."""
+    return _runtime_load_warm(result, source, options, warmup_runs, on_incompatible=quarantine)
+
+
+def quarantine(result: ProvisionResult, reason: str) -> None:
+    """Mark the result's cache entry unusable (its engine file no longer loads): the next provision rebuilds it."""
+    cache = EngineCache(result.cache_dir, result.db_path)
     try:
-        if warmup_runs:
-            runtime.warmup(np.zeros((spec.height, spec.width, 3), np.uint8), warmup_runs)
-    except BaseException:
-        runtime.close()
-        raise
-    return runtime
+        cache.quarantine(result.key, reason)
+    finally:
+        cache.close()
 
 
 def plan_build(source: ModelSource, backend: str = "auto", precision: str | None = None,
@@ -333,4 +303,4 @@ def _safe_sink(sink: EventSink | None) -> EventSink:
 
 
 __all__ = ["BuildPlan", "EngineIncompatibleError", "GateError", "ProvisionResult", "load_provisioned", "load_warm",
-           "plan_build", "provision"]
+           "plan_build", "provision", "quarantine"]
