@@ -93,7 +93,10 @@ def package(
     std: Optional[str] = typer.Option(None, "--std", help="Per-channel std: a,b,c."),
     scale: Optional[float] = _SCALE,
     layout: Optional[str] = typer.Option(None, "--layout", help="nchw or nhwc."),
-    resize: Optional[str] = typer.Option(None, "--resize", help="stretch, letterbox or short-crop (centre crop)."),
+    resize: Optional[str] = typer.Option(None, "--resize", help="stretch, letterbox, short-crop (centre crop) or "
+                                          "pad-right (PP-OCR text crops)."),
+    pad_value: Optional[int] = typer.Option(None, "--pad-value", min=0, max=255, help="Padding grey level for "
+                                            "letterbox and pad-right (114; PP-OCR: 127, its normalised zero)."),
     postprocess: str = _POSTPROCESS,
     param: List[str] = typer.Option([], "--param", help="Postprocessor parameter KEY=VALUE (JSON values), repeatable."),
     labels: Optional[Path] = typer.Option(None, "--labels", help="Class names: one per line, or a JSON list."),
@@ -117,7 +120,7 @@ def package(
         return PackageOptions(
             model=model, name=name, version=version_, out=out, key=key, unsigned=unsigned, precision=precision,
             calibration=calibration, validation=validation, synthetic_validation=synthetic_validation,
-            preprocess=_preprocess_options(input_size, color, mean, std, layout, resize, scale),
+            preprocess=_preprocess_options(input_size, color, mean, std, layout, resize, scale, pad_value),
             postprocess=postprocess, params=list(param), labels=labels, latency_budget_ms=latency_budget_ms,
             min_accuracy=min_accuracy, min_fps=min_fps, description=description, force=force, variants=list(variant),
             variants_json=variants_json, state=list(state), constants=list(constant), slimmed=slimmed,
@@ -127,6 +130,34 @@ def package(
     files = 1 + len(manifest.files)
     signed = "signed" if key else "UNSIGNED"
     typer.echo(f"packaged {manifest.name}@{manifest.version} into {out}: {files} file(s), {signed}")
+
+
+@app.command("package-pipeline")
+def package_pipeline(
+    spec: Path = typer.Argument(..., help="PIPELINE.toml: [primary] and [[stages]] (docs/pipelines.md)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Artifact directory to create."),
+    key: Optional[Path] = typer.Option(None, "--key", help="Private key to sign with (from `edge-deploy keygen`)."),
+    unsigned: bool = typer.Option(False, "--unsigned", help="Write no signature (devices refuse it by default)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Pipeline name (default: the TOML's `name`)."),
+    version_: Optional[str] = typer.Option(None, "--version", help="Version (default: the TOML's `version`)."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+    verbose: bool = _VERBOSE,
+) -> None:
+    """Validate a pipeline's models and stages and write one signed artifact directory."""
+    from deploy.package_pipeline import PIPELINE_USAGE_CODES, PipelineOptions, package_pipeline as make_pipeline
+    from deploy.quiet import third_party_quieted
+
+    def body() -> Manifest:
+        opts = PipelineOptions(spec=spec, out=out, key=key, unsigned=unsigned, force=force, name=name,
+                               version=version_)
+        with third_party_quieted(verbose):
+            return make_pipeline(opts)
+
+    manifest = _run(body, PIPELINE_USAGE_CODES)
+    stages = ", ".join(f"{s.name} <- {s.parent}" for s in manifest.pipeline.stages) if manifest.pipeline else ""
+    signed = "signed" if key else "UNSIGNED"
+    typer.echo(f"packaged pipeline {manifest.name}@{manifest.version} ({stages}) into {out}: "
+               f"{len(manifest.artifact_files())} file(s), {signed}")
 
 
 def _package_quietly(options: Callable[[], PackageOptions], verbose: bool) -> Manifest:
@@ -154,10 +185,11 @@ def _preprocess_options(
     input_size: str | None, color: str | None, mean: str | None, std: str | None, layout: str | None,
     resize: str | None,
     scale: float | None = None,
+    pad_value: int | None = None,
 ) -> dict[str, Any]:
     from deploy.package import preprocess_options
 
-    return preprocess_options(input_size, color, mean, std, layout, resize, scale)
+    return preprocess_options(input_size, color, mean, std, layout, resize, scale, pad_value)
 
 
 @app.command()

@@ -42,6 +42,7 @@ VALIDATION_DIR = "validation"
 VIDEO_SUFFIXES = frozenset({".mp4", ".avi", ".mkv", ".mov", ".webm"})
 VIDEO_SAMPLES = 16  # frames taken from each validation video, evenly spread
 _PLACEHOLDER = ModelFile(file="placeholder", sha256="0" * 64, size=0)
+_BLANKS = " \t\r\n"
 
 
 log = logging.getLogger(__name__)
@@ -84,10 +85,12 @@ class PackageOptions:
 
 
 def preprocess_options(input_size: str | None, color: str | None, mean: str | None, std: str | None,
-                       layout: str | None, resize: str | None, scale: float | None = None) -> dict[str, Any]:
+                       layout: str | None, resize: str | None, scale: float | None = None,
+                       pad_value: int | None = None) -> dict[str, Any]:
     """The preprocess fields the command-line options give (`package`, `slim`): only those given, so the
     schema's defaults apply to the rest."""
-    fields: dict[str, Any] = {"color": color, "layout": layout, "resize": resize, "scale": scale}
+    fields: dict[str, Any] = {"color": color, "layout": layout, "resize": resize, "scale": scale,
+                              "pad_value": pad_value}
     if input_size:
         fields["width"], fields["height"] = parse_size(input_size)
     if mean:
@@ -144,7 +147,9 @@ def read_labels(path: Path) -> list[str]:
         if not isinstance(labels, list) or not all(isinstance(v, str) for v in labels):
             raise PackageError(f"--labels {path}: a JSON labels file must be a list of strings")
         return labels
-    return [line.strip() for line in text.splitlines() if line.strip()]
+    # ASCII blanks only: a CTC dictionary's characters include Unicode spaces (PP-OCR's has U+3000), and str.strip
+    # would drop them, leaving the recogniser one class short (CTC_DICTIONARY_MISMATCH)
+    return [line.strip(_BLANKS) for line in text.split("\n") if line.strip(_BLANKS)]
 
 
 def calibration_files(directory: Path) -> dict[str, Path]:
@@ -219,7 +224,7 @@ def _validate_postprocess(kind: str, params: dict[str, Any]) -> None:
         raise PackageError(describe_param_errors(kind, exc, "--param ")) from exc
 
 
-def _model_sources(model: Path, precision: str, has_calibration: bool, workdir: Path) -> dict[str, Path]:
+def model_sources(model: Path, precision: str, has_calibration: bool, workdir: Path) -> dict[str, Path]:
     """The model and its external-data files, after proving ONNX and ONNX Runtime load it. A graph whose
     nodes are out of topological order is sorted into a copy in `workdir`, which is what gets packaged."""
     if not model.is_file():
@@ -403,7 +408,7 @@ def add_variants(template: Manifest, sources: dict[str, Path], opts: PackageOpti
             name = check_artifact_name(model.name)
             if sources.get(name, model) != model:
                 raise PackageError(f"--variant {fields.get('name')}: file name {name!r} clashes with another file")
-            sources.update(_model_sources(model, fields.get("precision") or "fp32", True, workdir))
+            sources.update(model_sources(model, fields.get("precision") or "fp32", True, workdir))
             fields["file"] = name
         declared.append(fields)
     if not declared:
@@ -430,7 +435,7 @@ def add_slimmed(template: Manifest, sources: dict[str, Path], opts: PackageOptio
     if name in sources:
         raise PackageError(f"--slimmed {slimmed}: its name {name!r} clashes with another packaged file (rename it, "
                            "e.g. model.slim.onnx)")
-    found = _model_sources(slimmed, "fp32", True, workdir)
+    found = model_sources(slimmed, "fp32", True, workdir)
     check_same_io(sources[template.model.file], found[name])
     sources.update(found)
     return template.model_copy(update={"build": template.build.model_copy(update={"slimmed": name})})
@@ -460,7 +465,7 @@ def package(opts: PackageOptions) -> Manifest:
         raise PackageError("--key and --unsigned exclude each other")
     key = load_private_key(opts.key) if opts.key else None
     with tempfile.TemporaryDirectory(prefix="edge-package-") as workdir:
-        sources = _model_sources(Path(opts.model), opts.precision, opts.calibration is not None, Path(workdir))
+        sources = model_sources(Path(opts.model), opts.precision, opts.calibration is not None, Path(workdir))
         state = state_spec(opts.state, opts.constants)  # the frame input is the one `state` does not feed
         opts = dataclasses.replace(opts, preprocess=with_model_input_size(Path(opts.model), opts.preprocess, state))
         template = build_template(opts, Path(opts.model).name)

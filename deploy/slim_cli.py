@@ -150,7 +150,7 @@ def slim(
     scale: Optional[float] = typer.Option(None, "--scale", min=1e-9,
                                           help="Multiplier on 0..255 pixels (default 1/255)."),
     layout: Optional[str] = typer.Option(None, "--layout", help="nchw or nhwc."),
-    resize: Optional[str] = typer.Option(None, "--resize", help="stretch, letterbox or short-crop."),
+    resize: Optional[str] = typer.Option(None, "--resize", help="stretch, letterbox, short-crop or pad-right."),
     postprocess: str = typer.Option("raw", "--postprocess", help="Postprocessor (docs/postprocessors.md): its gate "
                                     "metric judges every candidate."),
     param: List[str] = typer.Option([], "--param", help="Postprocessor parameter KEY=VALUE (JSON values), repeatable."),

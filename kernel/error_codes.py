@@ -117,6 +117,11 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("CONFIG_INVALID", A, "A `[video]` setting cannot be used when the video service starts: an unreadable "
      "`token_file`, a `stream.camera` that is not configured, or a stream URL the encoder cannot send to.",
      "Fix the setting the message names (docs/video.md) and restart the agent."),
+    ("CTC_DICTIONARY_MISMATCH", E, "A text recogniser's classes do not fit its CTC dictionary: the dictionary's"
+     " characters plus the "
+     "blank (plus the space, when `space` is on) must be the model's class count.",
+     "Package the dictionary the recogniser was trained with (`--labels FILE`), or set "
+     "`postprocess.params.blank` / `space` (docs/postprocessors.md, ctc)."),
     ("CUDA_ERROR", E, "A CUDA call failed (opening the GPU, memory, streams); the message names the call and CUDA's "
      "error.", "Check the GPU is visible and has free memory; restart the agent; report the message if it repeats."),
     ("DEPLOY_TIMEOUT", A, "The deploy command's `timeout_s` passed before activation (`failed` reason); the old model "
@@ -247,6 +252,30 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
      "parsed).", "Send a smaller command (`deploy` carries a URL, not the model), or raise `max_payload_bytes`."),
     ("PERMISSION_DENIED", A, "This user may not use the agent's control socket.",
      "Join the socket's group (`[control] group`, default the agent's) and log in again."),
+    ("PIPELINE_CROP_INPUT", E, "A secondary pipeline stage's model cannot take crops: its input is not one "
+     "image (rank 4 with 3 "
+     "channels), or it has state inputs.",
+     "Give that stage an image model (docs/pipelines.md)."),
+    ("PIPELINE_CROP_LIMIT", E, "A pipeline stage would never run or cannot be bounded: `crop.max_per_frame` is "
+     "0, or a crop size or "
+     "padding is out of range.",
+     "Set `crop.max_per_frame` to 1 or more (docs/pipelines.md)."),
+    ("PIPELINE_CYCLE", E, "The pipeline's stages form a cycle (a stage is its own ancestor).",
+     "Give each secondary stage a parent that comes before it; the primary stage has no parent."),
+    ("PIPELINE_UNKNOWN_LABEL", E, "A stage's `crop.labels` (or an orientation stage's `orient` map) names a "
+     "label its parent (or "
+     "itself) does not have.",
+     "Use the parent stage's labels as listed in its manifest (`labels`)."),
+    ("PIPELINE_UNKNOWN_MEMBER", E, "A pipeline stage names a member that is not there: a stage name used twice,"
+     " or a stage model file "
+     "missing from the artifact or its description.",
+     "Fix the stage's `name` or `model` (docs/pipelines.md) and package again."),
+    ("PIPELINE_UNKNOWN_PARENT", E, "A pipeline stage's `parent` names no stage of the pipeline.",
+     "Name the primary stage (`pipeline.primary`) or another stage as the parent."),
+    ("PIPELINE_UNSUPPORTED", EA, "A feature cannot apply to a pipeline yet (the message names it: model "
+     "variants, state inputs, ...), "
+     "so it is refused rather than half-applied.",
+     "Deploy the pipeline without that feature, or its stages as single models."),
     ("POSTPROCESS_MISMATCH", ED, "The outputs do not fit the decoder on the validation frames (NaN/inf, values "
      "outside what it reads: the message names the output, range and parameter), or `build.nms = \"engine\"` for a "
      "head EfficientNMS_TRT cannot take.", "In the FP32 reference: fix `postprocess.kind`/`params`; only in the "

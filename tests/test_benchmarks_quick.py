@@ -21,6 +21,7 @@ BENCHMARKS = REPO / "benchmarks"
 
 # name -> the test (file::function) that already runs `run_quick_benchmark(name, ...)`
 COVERED_ELSEWHERE = {
+    "cascade": "tests/test_cascade_executor.py::test_the_cascade_benchmark_runs_in_its_quick_mode",
     "footprint": "tests/test_footprint.py::test_the_footprint_benchmark_runs_in_its_quick_mode",
     "postprocess": "tests/test_postprocess_yolo_heads.py::test_the_postprocess_benchmark_runs_in_its_quick_mode",
     "shadow": "tests/test_shadow.py::test_the_shadow_benchmark_runs_in_its_quick_mode",

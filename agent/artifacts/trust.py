@@ -95,11 +95,8 @@ def artifact_size(manifest: Manifest) -> int:
 
 
 def unique_entries(manifest: Manifest) -> list[ModelFile]:
-    """The model and the other files, first occurrence of each name."""
-    seen: dict[str, ModelFile] = {}
-    for entry in [manifest.model, *manifest.files]:
-        seen.setdefault(entry.file, entry)
-    return list(seen.values())
+    """The model and the other files (a pipeline's stage models too), first occurrence of each name."""
+    return manifest.artifact_files()
 
 
 def check_size_cap(manifest: Manifest, config: ArtifactsConfig) -> None:
@@ -168,6 +165,8 @@ def _verify_after_signature(
     onnx_path = check_files(root, manifest)
     if check_model:
         check_loads(onnx_path, manifest.model.file, [entry.file for entry in manifest.files])
+        for stage in manifest.pipeline.stages if manifest.pipeline else []:  # each stage's model loads too
+            check_loads(root / stage.model.file, stage.model.file, [entry.file for entry in manifest.files])
     return ModelSource(manifest, onnx_path, root, manifest.model.sha256)
 
 
@@ -177,8 +176,9 @@ def check_files(root: Path, manifest: Manifest) -> Path:
         onnx_path = check_file(root, manifest.model)
         for entry in manifest.files:
             check_file(root, entry)
-        if manifest.build.calibration:
-            _check_calibration_dir(root, manifest)
+        for _, member in manifest.members():  # a pipeline stage may ship its own calibration crops
+            if member.build.calibration:
+                _check_calibration_dir(root, member)
     except OSError as exc:  # e.g. ENAMETOOLONG, EACCES: still a typed refusal
         raise ArtifactPathError(f"cannot check artifact files: {exc}") from exc
     return onnx_path

@@ -4,6 +4,9 @@ The cache's index is a table in state.db. When that cannot be written (another p
 disk is full) the index would stop a cached engine from loading though nothing is wrong with the engine, so the
 loader provisions against an index in memory instead (FILE_INDEX): the cache re-indexes each engine from the
 sidecar beside its file (sha256 checked, the gate's verdict kept), as it does after a state.db was rebuilt.
+
+The build wing (engines.build) is imported where a provision runs, not at the top: loading the engine a provision
+found is engines.runtime.provisioned's, and the daemon's import set stays free of builders (tests/test_import_set.py).
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from agent.storage.state import state_db_path
 from agent.storage.health import storage_error
 from engines.backends.base import EngineOptions
 from engines.runtime.batching import planned_max_batch
-from engines.build.provisioning import ProvisionResult, load_warm, provision
-from kernel.errors import EdgeError
+from kernel.errors import EdgeError, ModelError
 from engines.evaluation.live_frames import DIRECTORY as LIVE_FRAMES_DIRECTORY
 from engines.model.source import ModelSource, load_model
 from engines.runtime.model_runtime import ModelRuntime
+from engines.runtime.provisioned import ProvisionResult, load_warm
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,7 @@ class ModelLoader:
                   stop: threading.Event | None = None) -> ProvisionResult:
         """Cached engine or a fresh build + validation (child process; the caller's loop keeps serving). When the
         index in state.db cannot be written, against FILE_INDEX (module docstring)."""
+        refuse_pipeline(source)
         problem = "the state store takes no writes now"
         if self.index_writable():
             try:
@@ -96,6 +100,8 @@ class ModelLoader:
 
     def _provision(self, source: ModelSource, db_path: Path, on_progress: Progress | None,
                    stop: threading.Event | None) -> ProvisionResult:
+        from engines.build.provisioning import provision  # the build wing, loaded when a provision runs (docstring)
+
         return provision(source, backend=self.config.model.backend, cache_dir=self.config.cache_dir,
                          db_path=db_path, on_progress=on_progress,
                          timeout_s=self.config.deployments.build_timeout_s, stop_event=stop or self.stop_event,
@@ -119,8 +125,8 @@ class ModelLoader:
 
     def _load_warm(self, source: ModelSource, provisioned: ProvisionResult, origin: str,
                    options: EngineOptions) -> LoadedModel:
-        return LoadedModel(source, load_warm(provisioned, source, options, self.config.model.warmup_runs),
-                           provisioned, origin)
+        runtime = load_warm(provisioned, source, options, self.config.model.warmup_runs, on_incompatible=_quarantine)
+        return LoadedModel(source, runtime, provisioned, origin)
 
     def load_for_shadow(self, source: ModelSource, provisioned: ProvisionResult, halt: threading.Event,
                         process: bool | None = None) -> CandidateProcess | ModelRuntime:
@@ -145,6 +151,25 @@ class ModelLoader:
     def reload(self, loaded: LoadedModel) -> LoadedModel:
         """Load the same model again (after stop_start freed it and the candidate failed)."""
         return self.load_provisioned(loaded.source, loaded.provisioned, loaded.origin)
+
+
+def refuse_pipeline(source: ModelSource) -> None:
+    """A pipeline artifact (manifest `pipeline`) is packaged, signed and verified, but this agent's frame path runs one
+    model: serving its primary stage alone would silently drop the other stages, so it is refused before anything is
+    built (docs/pipelines.md)."""
+    pipeline = source.manifest.pipeline
+    if pipeline is not None:
+        stages = ", ".join([pipeline.primary, *(s.name for s in pipeline.stages)])
+        raise ModelError(f"{source.label} is a pipeline ({stages}): this agent serves single models only; serving a "
+                         "pipeline's stages together is not built yet, and its primary stage alone would drop the "
+                         "others (deploy the stages as single models meanwhile)", code="PIPELINE_UNSUPPORTED")
+
+
+def _quarantine(provisioned: ProvisionResult, reason: str) -> None:
+    """An engine in the cache that no longer loads is quarantined there, so the next provision rebuilds it."""
+    from engines.build.provisioning import quarantine  # the cache is the build wing's (module docstring)
+
+    quarantine(provisioned, reason)
 
 
 def serving_timing(config: AgentConfig) -> dict[str, Any]:

@@ -195,6 +195,8 @@ def agreement(kind: str, params: dict[str, Any], pairs: Sequence[tuple[Run, Run]
     if kind == "db_text":
         thresh = float(params.get("thresh", 0.3))
         return float(np.mean([text_mask_iou(r[0][0], c[0][0], thresh) for r, c in pairs])), None
+    if kind == "ctc":  # a reader is judged by what it reads: the exact line, not the per-step probabilities
+        return float(np.mean([r[1].text == c[1].text for r, c in pairs])), None
     if kind == "segmentation":
         from engines.postprocess.segmentation import mean_iou
 

@@ -31,7 +31,7 @@ from engines.evaluation.instance_metrics import instance_scores, instance_sums
 from engines.postprocess import InferenceResult
 
 LIVE_METRICS = {"yolo": "box_f1", "anchors": "box_f1", "db_text": "box_f1", "classification": "top1_agreement",
-                "segmentation": "mean_iou", "image": "cosine", "raw": "cosine"}
+                "segmentation": "mean_iou", "image": "cosine", "raw": "cosine", "ctc": "text_agreement"}
 BOX_KINDS = ("yolo", "anchors", "db_text")
 
 if TYPE_CHECKING:
@@ -60,6 +60,8 @@ def frame_tally(kind: str, active: InferenceResult, candidate: InferenceResult) 
         else:
             same = active.classes[0].class_id == candidate.classes[0].class_id
         return Tally({"top1_sum": float(same), "top1_n": 1.0})
+    if kind == "ctc":  # a reader agrees when it reads the same line
+        return Tally({"text_sum": float(active.text == candidate.text), "text_n": 1.0})
     if kind == "segmentation":
         from engines.postprocess.segmentation import mean_iou
 
@@ -113,6 +115,8 @@ def score(kind: str, tally: Tally) -> tuple[float | None, dict[str, float]]:
         return _box_score(tally)
     if kind == "classification":
         return _mean(tally, "top1"), {}
+    if kind == "ctc":
+        return _mean(tally, "text"), {}
     if kind == "segmentation":  # serving_varied: frames whose serving map has two classes or more (the signal)
         return _mean(tally, "mean_iou"), {"serving_varied_frames": int(tally.get("serving_varied", 0) + 0.5)}
     outputs = {key[4:-2]: _mean(tally, key[:-2]) for key in tally if key.startswith("out:") and key.endswith("_n")}
@@ -145,7 +149,8 @@ def frozen_copy(result: InferenceResult) -> InferenceResult:
     return InferenceResult(result.kind, detections=result.detections, classes=result.classes,
                            tensors={k: np.array(v, copy=True) for k, v in result.tensors.items()},
                            image=None if result.image is None else result.image.copy(),
-                           matte=None if result.matte is None else result.matte.copy(), class_map=result.class_map)
+                           matte=None if result.matte is None else result.matte.copy(), class_map=result.class_map,
+                           text=result.text, text_score=result.text_score)
 
 
 def describe(kind: str, tally: Tally) -> dict[str, Any]:

@@ -20,6 +20,7 @@ METRICS = {
     "image": "cosine",
     "segmentation": "mean_iou",
     "anchors": "box_f1",
+    "ctc": "text_agreement",
 }
 
 

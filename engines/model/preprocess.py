@@ -7,6 +7,7 @@ replaces a multiply, a subtract, a divide and a dtype conversion.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -24,9 +25,11 @@ class PreprocessSpec(BaseModel):
 
     width: int = Field(640, ge=8, le=8192, description="Model input width in pixels.")
     height: int = Field(480, ge=8, le=8192, description="Model input height in pixels.")
-    resize: Literal["stretch", "letterbox", "short-crop"] = Field(
+    resize: Literal["stretch", "letterbox", "short-crop", "pad-right"] = Field(
         "stretch", description="stretch: resize to the input size; letterbox: keep aspect, pad; short-crop: keep "
-        "aspect, scale the short side to the input and cut the centre (classifiers trained on centre crops)."
+        "aspect, scale the short side to the input and cut the centre (classifiers trained on centre crops); "
+        "pad-right: fill the height, keep aspect up to the input width (a wider image is squeezed into it), image at "
+        "the left and `pad_value` to its right (PP-OCR's text recogniser and direction classifier)."
     )
     color: Literal["bgr", "rgb"] = Field("rgb", description="Channel order the model expects.")
     scale: float = Field(1 / 255, gt=0, description="Multiplier applied to 0..255 pixel values first.")
@@ -38,7 +41,8 @@ class PreprocessSpec(BaseModel):
     )
     layout: Literal["nchw", "nhwc"] = Field("nchw", description="Tensor layout.")
     dtype: Literal["float32", "float16", "uint8"] = Field("float32", description="Tensor element type.")
-    pad_value: int = Field(114, ge=0, le=255, description="Letterbox padding grey level.")
+    pad_value: int = Field(114, ge=0, le=255, description="Letterbox and pad-right padding grey level (PP-OCR pads "
+                           "with its normalised 0, between 127 and 128).")
 
     @field_validator("std")
     @classmethod
@@ -117,9 +121,15 @@ class Preprocessor:
             self._crop = (slice(y0, y0 + crop_h), slice(x0, x0 + crop_w))
             sx, sy = spec.width / crop_w, spec.height / crop_h
             return FrameTransform(sx, sy, -x0 * sx, -y0 * sy, frame_w, frame_h)
-        r = min(spec.width / frame_w, spec.height / frame_h)
-        new_w, new_h = max(1, round(frame_w * r)), max(1, round(frame_h * r))
-        pad_x, pad_y = (spec.width - new_w) // 2, (spec.height - new_h) // 2
+        if spec.resize == "pad-right":
+            # PP-OCR's resize_norm_img: the height filled, the width ceil(H * w / h) in its float arithmetic, at most
+            # the input's; the rest of the row is padding (boxes map back with pad 0, per-axis scales)
+            new_w, new_h = max(1, min(spec.width, math.ceil(spec.height * (frame_w / float(frame_h))))), spec.height
+            pad_x = pad_y = 0
+        else:
+            r = min(spec.width / frame_w, spec.height / frame_h)
+            new_w, new_h = max(1, round(frame_w * r)), max(1, round(frame_h * r))
+            pad_x, pad_y = (spec.width - new_w) // 2, (spec.height - new_h) // 2
         self._resized[:] = spec.pad_value
         self._letterbox_inner = np.empty((new_h, new_w, 3), dtype=np.uint8)
         self._pad = (pad_x, pad_y, new_w, new_h)

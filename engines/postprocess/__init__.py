@@ -1,4 +1,4 @@
-"""Postprocessor registry: `classification`, `yolo`, `anchors`, `db_text`, `segmentation`, `image`, `raw`."""
+"""Postprocessor registry: `classification`, `yolo`, `anchors`, `db_text`, `segmentation`, `image`, `ctc`, `raw`."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import_plugins(
         ("image", "image"),
         ("segmentation", "segmentation"),
         ("anchors", "anchors"),
+        ("ctc", "ctc"),
     ],
 )
 

@@ -31,6 +31,9 @@ class Detection:
     polygon: list[tuple[float, float]] | None = None
     keypoints: list[tuple[float, float, float]] | None = None  # (x, y, confidence) in frame pixels
     mask: np.ndarray | None = None  # bool, frame-sized or the box's size (cropped to the box)
+    # a pipeline's secondary stages' results on this detection, by stage name (docs/pipelines.md), e.g.
+    # {"cls": {"label": "180", "score": 0.98}, "rec": {"text": "EXIT", "score": 0.97}}
+    attributes: dict[str, dict[str, Any]] | None = None
 
     def to_dict(self, masks: bool = True) -> dict[str, Any]:
         """Compact JSON form (results topic, tests); `masks` False: a mask as its size and area only (cheap: the
@@ -47,6 +50,8 @@ class Detection:
         if self.mask is not None:
             out["mask"] = mask_rle(self.mask) if masks else {"size": list(self.mask.shape),
                                                               "area": int(np.count_nonzero(self.mask))}
+        if self.attributes:
+            out["attributes"] = self.attributes
         return out
 
 
@@ -99,6 +104,9 @@ class InferenceResult:
     # `raw` with `values` summary/tensors: per output its shape, dtype, min/max/mean, argmax and, when small, values
     # (engines.postprocess.raw), made once per frame and sent as they are
     summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # text recognisers (engines.postprocess.ctc): the line read and its mean per-character confidence
+    text: str | None = None
+    text_score: float | None = None
 
     def to_dict(self, max_items: int = 100, masks: bool = True) -> dict[str, Any]:
         """JSON-friendly summary; raw tensors by shape, and by `outputs` when the decoder summarized them (`masks`:
@@ -114,6 +122,9 @@ class InferenceResult:
             out["tensors"] = {k: list(v.shape) for k, v in self.tensors.items()}
         if self.summaries:
             out["outputs"] = self.summaries
+        if self.text is not None:
+            out["text"] = self.text
+            out["text_score"] = None if self.text_score is None else round(self.text_score, 4)
         if self.class_map is not None:  # the map itself is too large for a message: its shape; `classes` has the areas
             out["class_map"] = {"shape": list(self.class_map.shape)}
         for name in ("image", "matte"):
