@@ -212,7 +212,7 @@ def _video_frames(video: Path, workdir: Path) -> dict[str, Path]:
     return out
 
 
-def _validate_postprocess(kind: str, params: dict[str, Any]) -> None:
+def validate_postprocess(kind: str, params: dict[str, Any]) -> None:
     """Catch a wrong postprocess kind or parameter here rather than on a thousand devices."""
     from engines.postprocess import POSTPROCESSORS, describe_param_errors
 
@@ -253,7 +253,7 @@ def model_sources(model: Path, precision: str, has_calibration: bool, workdir: P
 def build_template(opts: PackageOptions, model_file: str) -> Manifest:
     """The manifest without hashes: every option validated by the shared schema (engines.model.manifest)."""
     params = parse_params(opts.params)
-    _validate_postprocess(opts.postprocess, params)
+    validate_postprocess(opts.postprocess, params)
     try:
         return Manifest(
             name=opts.name,
@@ -457,13 +457,19 @@ def check_same_io(model: Path, slimmed: Path) -> None:
                                "and shapes (edge-deploy slim writes such a model)", code="MODEL_SHAPE_MISMATCH")
 
 
+def signing_key(key: Path | None, unsigned: bool) -> Any:
+    """The private key to sign with, None for `--unsigned`; one of the two is required (both commands: `package`,
+    `package-pipeline`)."""
+    if key is None and not unsigned:
+        raise PackageError("--key KEY is required (or pass --unsigned explicitly; devices refuse unsigned artifacts)")
+    if key is not None and unsigned:
+        raise PackageError("--key and --unsigned exclude each other")
+    return load_private_key(key) if key else None
+
+
 def package(opts: PackageOptions) -> Manifest:
     """Validate the model and options, copy the files, write manifest.json and sign it."""
-    if opts.key is None and not opts.unsigned:
-        raise PackageError("--key KEY is required (or pass --unsigned explicitly; devices refuse unsigned artifacts)")
-    if opts.key is not None and opts.unsigned:
-        raise PackageError("--key and --unsigned exclude each other")
-    key = load_private_key(opts.key) if opts.key else None
+    key = signing_key(opts.key, opts.unsigned)
     with tempfile.TemporaryDirectory(prefix="edge-package-") as workdir:
         sources = model_sources(Path(opts.model), opts.precision, opts.calibration is not None, Path(workdir))
         state = state_spec(opts.state, opts.constants)  # the frame input is the one `state` does not feed

@@ -19,18 +19,18 @@ from typing import Any, Callable, Literal, TypeVar, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agent.artifacts.builder import build_artifact
-from agent.artifacts.keys import load_private_key
 from deploy.package import (
     CALIBRATION_DIR,
     VALIDATION_DIR,
     PackageError,
-    _validate_postprocess,
+    validate_postprocess,
     calibration_files,
     check_decodes,
     check_preprocess_size,
     model_sources,
     parse_size,
     read_labels,
+    signing_key,
     validation_files,
     with_model_input_size,
 )
@@ -208,7 +208,7 @@ def _member(table: ModelTable, base: Path, prefix: str, where: str, workdir: Pat
     if isinstance(table.labels, str):
         labels = read_labels(base / table.labels)
         sources[f"{prefix}{(base / table.labels).name}"] = base / table.labels
-    _validate_postprocess(table.postprocess, table.params)
+    validate_postprocess(table.postprocess, table.params)
     try:
         return _Member(
             where, model, f"{prefix}{model.name}", sources, _preprocess(table, model),
@@ -265,11 +265,7 @@ def _all_sources(primary: _Member, stages: list[_Member]) -> dict[str, Path]:
 
 def package_pipeline(opts: PipelineOptions) -> Manifest:
     """Validate every stage and the graph, copy the files, write manifest.json and sign it."""
-    if opts.key is None and not opts.unsigned:
-        raise PackageError("--key KEY is required (or pass --unsigned explicitly; devices refuse unsigned artifacts)")
-    if opts.key is not None and opts.unsigned:
-        raise PackageError("--key and --unsigned exclude each other")
-    key = load_private_key(opts.key) if opts.key else None
+    key = signing_key(opts.key, opts.unsigned)
     doc = read_pipeline_file(opts.spec)
     base = Path(opts.spec).parent
     with tempfile.TemporaryDirectory(prefix="edge-package-") as tmp:

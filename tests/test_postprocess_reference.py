@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.package import PackageError, _validate_postprocess
+from deploy.package import PackageError, validate_postprocess
 from kernel.errors import ModelError
 from engines.postprocess import POSTPROCESSORS, PostprocessContext, build_postprocessor
 from engines.tools.postprocess_reference import render
@@ -31,13 +31,13 @@ def test_an_unknown_parameter_lists_the_valid_ones_at_build_and_at_package() -> 
     assert message.startswith("postprocess.params.conf_thresh: yolo has no such parameter (valid: ")
     assert "conf_threshold" in message and "iou_threshold" in message and "docs/postprocessors.md" in message
     with pytest.raises(PackageError, match=r"--param thresh: classification has no such parameter .*top_k"):
-        _validate_postprocess("classification", {"thresh": 0.3})
+        validate_postprocess("classification", {"thresh": 0.3})
     with pytest.raises(PackageError, match=r"--param top_k: Input should be"):
-        _validate_postprocess("classification", {"top_k": "many"})
+        validate_postprocess("classification", {"top_k": "many"})
     with pytest.raises(
         PackageError, match=r"raw has no such parameter \(valid: values, max_values, max_summary_elements"
     ):
-        _validate_postprocess("raw", {"x": 1})
+        validate_postprocess("raw", {"x": 1})
 
 
 def _fixed_model(path: Path, height: int, width: int) -> Path:
