@@ -458,8 +458,7 @@ def check_same_io(model: Path, slimmed: Path) -> None:
 
 
 def signing_key(key: Path | None, unsigned: bool) -> Any:
-    """The private key to sign with, None for `--unsigned`; one of the two is required (both commands: `package`,
-    `package-pipeline`)."""
+    """The key to sign with, None for `--unsigned`; `package` and `package-pipeline` require one of the two."""
     if key is None and not unsigned:
         raise PackageError("--key KEY is required (or pass --unsigned explicitly; devices refuse unsigned artifacts)")
     if key is not None and unsigned:

@@ -107,6 +107,26 @@ def test_the_crops_of_all_frames_run_together_in_chunks_of_the_engines_batch() -
     assert cascade.stats()["grey"]["last"]["crops"] == 5
 
 
+def test_the_secondary_stages_run_on_results_the_caller_already_has() -> None:
+    """The agent's frame path runs the primary itself (as its batch's model): `run_secondaries` gives its results
+    what `run` gives, never touches the primary's engine (nor allocates its tensor), and reads the frames only."""
+    frames, found = three_frames()
+    primary, stage = primary_of(found, max_batch=2), grey_stage(max_batch=4)
+    expected = Cascade("det", primary_of(found), [CascadeStage(StageRule("grey", "det"), grey_stage(4))]).run(frames)
+    cascade = Cascade("det", primary, [CascadeStage(StageRule("grey", "det"), stage)])
+    results = [InferenceResult("detections", detections=[Detection(d.box, d.score, label=d.label) for d in found[v]])
+               for v in (1, 2, 3)]
+    before = [f.copy() for f in frames]
+    cascade.run_secondaries(frames, results)
+    assert [[d.attributes for d in r.detections] for r in results] == [[d.attributes for d in r.detections]
+                                                                      for r in expected]
+    assert primary.calls == [] and "det" not in cascade._tensors and stage.calls == [4, 4, 4, 3]
+    assert all(np.array_equal(a, b) for a, b in zip(frames, before))
+    assert cascade.stats()["grey"]["crops"] == 15 and cascade.stats()["det"]["frames"] == 3
+    with pytest.raises(ValueError, match="one result per frame"):
+        cascade.run_secondaries(frames, results[:2])
+
+
 def test_at_most_k_crops_per_frame_the_highest_scores() -> None:
     frames, found = three_frames()
     stage = grey_stage(max_batch=8)

@@ -21,7 +21,7 @@ from deploy.cli import app
 from deploy.signing import KeyInfo, keygen
 from engines.model.manifest import Manifest
 from engines.model.source import ModelSource
-from kernel.errors import ModelError
+from kernel.errors import EdgeError
 from engines.runtime.model_runtime import ModelRuntime, load_runtime
 from tests.ocr_models import CLS, REC, model_path, reference_recognizer, render_line, write_dictionary
 
@@ -342,10 +342,11 @@ def test_a_device_fetch_downloads_every_stage_file(ocr_artifact: Path, key: KeyI
         assert (tmp_path / "got" / name).read_bytes() == (ocr_artifact / name).read_bytes()
 
 
-def test_the_agent_refuses_to_serve_a_pipeline_rather_than_its_primary_alone(ocr_artifact: Path,
-                                                                             tmp_path: Path) -> None:
-    """Until the frame path runs stages, a pipeline deployed or configured is PIPELINE_UNSUPPORTED before any build:
-    never the detector alone with its recogniser silently dropped."""
+def test_the_agent_provisions_every_stage_and_names_the_one_it_cannot_judge(ocr_artifact: Path,
+                                                                           tmp_path: Path) -> None:
+    """A device provisions a pipeline member by member (the primary, then each stage, as a single model): this artifact
+    ships no validation crops for its stages, so the classifier cannot be gated and the whole pipeline is refused,
+    its message naming the stage, before any stage is loaded. The build's progress names the stage it is on."""
     import threading
 
     from agent.config.tree import AgentConfig
@@ -353,9 +354,11 @@ def test_the_agent_refuses_to_serve_a_pipeline_rather_than_its_primary_alone(ocr
     from engines.model.source import load_model
 
     config = AgentConfig(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache",
-                         model={"path": str(ocr_artifact), "warmup_runs": 1})
+                         model={"path": str(ocr_artifact), "warmup_runs": 1},
+                         engines={"validation_samples": 2, "latency_runs": 3})
     loader = ModelLoader(config, threading.Event())
-    with pytest.raises(ModelError) as info:
-        loader.provision(load_model(ocr_artifact))
-    assert info.value.code == "PIPELINE_UNSUPPORTED" and "(det, cls, rec)" in str(info.value)
-    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.onnx"))  # nothing was built
+    events: list[dict] = []
+    with pytest.raises(EdgeError) as info:
+        loader.provision(load_model(ocr_artifact), events.append)
+    assert info.value.code == "GATE_NO_VALIDATION_FRAMES" and str(info.value).startswith("stage cls: ocr.cls@1.0.0: ")
+    assert {e.get("pipeline_stage") for e in events} == {"det"}  # the primary was built and gated first

@@ -7,13 +7,19 @@ sidecar beside its file (sha256 checked, the gate's verdict kept), as it does af
 
 The build wing (engines.build) is imported where a provision runs, not at the top: loading the engine a provision
 found is engines.runtime.provisioned's, and the daemon's import set stays free of builders (tests/test_import_set.py).
+
+A pipeline artifact (manifest `pipeline`, docs/pipelines.md) is provisioned member by member, every stage built and
+gated before any is loaded (a PipelineProvision), then served as one ModelRuntime carrying its secondary stages
+(engines.cascade.serving.PipelineRuntime): the frame path, the model slots and the swaps take it as any model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sqlite3
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,10 +31,13 @@ from agent.serving.slots import LoadedModel
 from agent.storage.state import state_db_path
 from agent.storage.health import storage_error
 from engines.backends.base import EngineOptions
-from engines.runtime.batching import planned_max_batch
-from kernel.errors import EdgeError, ModelError
+from engines.cascade.executor import Cascade, CascadeStage
+from engines.cascade.serving import PipelineRuntime
+from engines.runtime.build_curve import BuildCurve
+from engines.runtime.batching import AUTO_MAX_BATCH, choose_batch_size, planned_max_batch
+from kernel.errors import EdgeError
 from engines.evaluation.live_frames import DIRECTORY as LIVE_FRAMES_DIRECTORY
-from engines.model.source import ModelSource, load_model
+from engines.model.source import ModelSource, load_model, member_source
 from engines.runtime.model_runtime import ModelRuntime
 from engines.runtime.provisioned import ProvisionResult, load_warm
 
@@ -85,21 +94,42 @@ class ModelLoader:
     def provision(self, source: ModelSource, on_progress: Progress | None = None,
                   stop: threading.Event | None = None) -> ProvisionResult:
         """Cached engine or a fresh build + validation (child process; the caller's loop keeps serving). When the
-        index in state.db cannot be written, against FILE_INDEX (module docstring)."""
-        refuse_pipeline(source)
+        index in state.db cannot be written, against FILE_INDEX (module docstring).
+
+        A pipeline: every member (the primary, then each stage, as a single model: `member_source`) is provisioned
+        and gated before any of them is loaded; a member that fails fails the whole pipeline, its message naming
+        the stage. Returns the primary's result carrying the stages' (PipelineProvision)."""
+        pipeline = source.manifest.pipeline
+        if pipeline is None:
+            return self._provision_one(source, on_progress, stop, self.max_batch())
+        members: list[MemberProvision] = []
+        for name in pipeline.names():
+            member = member_source(source, name)
+            primary = name == pipeline.primary
+            top = self.max_batch() if primary else self.stage_max_batch(pipeline.stage(name).crop.max_per_frame)
+            try:
+                result = self._provision_one(member, _stage_progress(on_progress, name), stop, top)
+            except EdgeError as exc:
+                exc.args = (f"stage {name}: {exc}", *exc.args[1:])
+                raise
+            members.append(MemberProvision(name, member, result))
+        return PipelineProvision.of(members[0].provisioned, members[1:])
+
+    def _provision_one(self, source: ModelSource, on_progress: Progress | None, stop: threading.Event | None,
+                       max_batch: int) -> ProvisionResult:
         problem = "the state store takes no writes now"
         if self.index_writable():
             try:
-                return self._provision(source, state_db_path(self.config.state_dir), on_progress, stop)
+                return self._provision(source, state_db_path(self.config.state_dir), on_progress, stop, max_batch)
             except (sqlite3.Error, OSError) as exc:
                 if not storage_error(exc):
                     raise
                 problem = f"the engine index cannot be written ({exc})"
         log.warning("%s: %s; provisioning from the cache's files", source.label, problem)
-        return self._provision(source, FILE_INDEX, on_progress, stop)
+        return self._provision(source, FILE_INDEX, on_progress, stop, max_batch)
 
     def _provision(self, source: ModelSource, db_path: Path, on_progress: Progress | None,
-                   stop: threading.Event | None) -> ProvisionResult:
+                   stop: threading.Event | None, max_batch: int) -> ProvisionResult:
         from engines.build.provisioning import provision  # the build wing, loaded when a provision runs (docstring)
 
         return provision(source, backend=self.config.model.backend, cache_dir=self.config.cache_dir,
@@ -107,7 +137,7 @@ class ModelLoader:
                          timeout_s=self.config.deployments.build_timeout_s, stop_event=stop or self.stop_event,
                          workspace_mb=self.config.engines.workspace_mb,
                          validation_samples=self.config.engines.validation_samples,
-                         latency_runs=self.config.engines.latency_runs, max_batch=self.max_batch(),
+                         latency_runs=self.config.engines.latency_runs, max_batch=max_batch,
                          fallback_rounds=self.config.engines.int8_fallback_rounds,
                          live_frames_dir=live_frames_dir(self.config), live_frames=self.config.gates.live_frames,
                          timing=serving_timing(self.config))
@@ -117,16 +147,62 @@ class ModelLoader:
         engines.runtime.batching.AUTO_MAX_BATCH), never more than there are cameras; 1 camera: a batch-1 engine."""
         return planned_max_batch(self.config.batch.max_size, len(self.config.camera_list()))
 
+    def stage_max_batch(self, max_per_frame: int) -> int:
+        """The batch a secondary stage's engine is built and timed for: its crops of every camera's frame in a call
+        (`crop.max_per_frame` per frame), capped as a frame batch is (`[batch] max_size`, "auto": AUTO_MAX_BATCH)."""
+        setting = self.config.batch.max_size
+        cap = AUTO_MAX_BATCH if setting in (None, "auto") else int(setting)
+        return max(1, min(cap, max_per_frame * max(1, len(self.config.camera_list()))))
+
     def load_provisioned(self, source: ModelSource, provisioned: ProvisionResult, origin: str) -> LoadedModel:
-        """Load the engine file and warm it up."""
-        options = EngineOptions(intra_op_threads=self.config.model.threads, allow_spinning=self.config.model.spin_wait,
-                                max_batch=built_max_batch(provisioned))
+        """Load the engine file and warm it up; a pipeline's every stage, closed again if one fails."""
+        options = self._options(provisioned)
+        if isinstance(provisioned, PipelineProvision):
+            return LoadedModel(source, self._load_pipeline(source, provisioned, options), provisioned, origin)
         return self._load_warm(source, provisioned, origin, options)
+
+    def _options(self, provisioned: ProvisionResult) -> EngineOptions:
+        return EngineOptions(intra_op_threads=self.config.model.threads, allow_spinning=self.config.model.spin_wait,
+                             max_batch=built_max_batch(provisioned))
 
     def _load_warm(self, source: ModelSource, provisioned: ProvisionResult, origin: str,
                    options: EngineOptions) -> LoadedModel:
         runtime = load_warm(provisioned, source, options, self.config.model.warmup_runs, on_incompatible=_quarantine)
         return LoadedModel(source, runtime, provisioned, origin)
+
+    def _load_pipeline(self, source: ModelSource, provisioned: PipelineProvision,
+                       options: EngineOptions) -> PipelineRuntime:
+        """Each member's engine loaded and warmed, then the stages put together on the primary's runtime."""
+        pipeline = source.manifest.pipeline
+        assert pipeline is not None
+        warmup = self.config.model.warmup_runs
+        loaded: list[ModelRuntime] = []
+        try:
+            primary = load_warm(provisioned, member_source(source, pipeline.primary), options, warmup,
+                                on_incompatible=_quarantine)
+            loaded.append(primary)
+            stages, info = [], {}
+            for member in provisioned.stages:
+                try:
+                    runtime = load_warm(member.provisioned, member.source, self._options(member.provisioned), warmup,
+                                        on_incompatible=_quarantine)
+                except EdgeError as exc:
+                    exc.args = (f"stage {member.name}: {exc}", *exc.args[1:])
+                    raise
+                loaded.append(runtime)
+                budget = member.source.manifest.gates.latency_budget_ms
+                stages.append(CascadeStage(pipeline.stage(member.name), runtime,
+                                           stage_batch(member.provisioned, runtime.max_batch, budget)))
+                info[member.name] = {"engine_key": member.provisioned.key[:12],
+                                     "precision": runtime.describe()["precision"],
+                                     "batch": stages[-1].batch}
+            cascade = Cascade(pipeline.primary, primary, stages)
+            return PipelineRuntime(primary, cascade, loaded[1:], info,
+                                   source.manifest.gates.latency_budget_ms)
+        except BaseException:
+            for runtime in loaded:
+                runtime.close()
+            raise
 
     def load_for_shadow(self, source: ModelSource, provisioned: ProvisionResult, halt: threading.Event,
                         process: bool | None = None) -> CandidateProcess | ModelRuntime:
@@ -153,16 +229,56 @@ class ModelLoader:
         return self.load_provisioned(loaded.source, loaded.provisioned, loaded.origin)
 
 
-def refuse_pipeline(source: ModelSource) -> None:
-    """A pipeline artifact (manifest `pipeline`) is packaged, signed and verified, but this agent's frame path runs one
-    model: serving its primary stage alone would silently drop the other stages, so it is refused before anything is
-    built (docs/pipelines.md)."""
-    pipeline = source.manifest.pipeline
-    if pipeline is not None:
-        stages = ", ".join([pipeline.primary, *(s.name for s in pipeline.stages)])
-        raise ModelError(f"{source.label} is a pipeline ({stages}): this agent serves single models only; serving a "
-                         "pipeline's stages together is not built yet, and its primary stage alone would drop the "
-                         "others (deploy the stages as single models meanwhile)", code="PIPELINE_UNSUPPORTED")
+@dataclass
+class MemberProvision:
+    """One secondary stage of a pipeline, provisioned: its member source and its engine."""
+
+    name: str
+    source: ModelSource
+    provisioned: ProvisionResult
+
+
+@dataclass
+class PipelineProvision(ProvisionResult):
+    """A pipeline's provision: the primary's engine (every field, so the frame path's batch sizing, floors and
+    the watch read it as any model's) plus each secondary stage's, all built and gated before any is loaded."""
+
+    stages: list[MemberProvision] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, primary: ProvisionResult, stages: list[MemberProvision]) -> PipelineProvision:
+        """The primary's result with the stages'."""
+        values = {f.name: getattr(primary, f.name) for f in dataclasses.fields(ProvisionResult)}
+        return cls(**values, stages=stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The primary's JSON form with `stages`: each stage's engine key, precision, cache hit and build time."""
+        out = ProvisionResult.to_dict(dataclasses.replace(self, stages=[]))
+        out.pop("stages", None)
+        out["stages"] = {s.name: {"key": s.provisioned.key, "precision": s.provisioned.precision,
+                                  "hit": s.provisioned.hit, "build_s": s.provisioned.build_s} for s in self.stages}
+        return out
+
+
+def stage_batch(provisioned: ProvisionResult, top: int, latency_budget_ms: float | None) -> int:
+    """Crops per engine call for a secondary stage: the size its build measured cheapest per crop (the frame path's
+    rule for cameras, engines.runtime.batching.choose_batch_size), the engine's largest when nothing was measured."""
+    if top <= 1:
+        return 1
+    curve = BuildCurve.of_report(provisioned.report)
+    if not curve.curve:
+        return top
+    pick = choose_batch_size(curve.curve, latency_budget_ms, top, spread=curve.spread, relative=curve.relative)
+    return max(1, min(top, pick.size))
+
+
+def _stage_progress(on_progress: Progress | None, stage: str) -> Progress | None:
+    """A member's build progress, each event naming its stage (`pipeline_stage`: a deployment's progress uses `stage`
+    for its own state)."""
+    if on_progress is None:
+        return None
+    sink = on_progress
+    return lambda event: sink({**event, "pipeline_stage": stage})
 
 
 def _quarantine(provisioned: ProvisionResult, reason: str) -> None:

@@ -34,8 +34,8 @@ from agent.storage.state import StateStore
 from agent.storage.reclaim import tree_size
 from agent.base.testhooks import pause_point
 from agent.base.wire_errors import internal_error
-from kernel.errors import EdgeError
-from engines.model.manifest import Manifest
+from kernel.errors import EdgeError, ModelError
+from engines.model.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from engines.model.source import ModelSource
 
 if TYPE_CHECKING:
@@ -314,6 +314,7 @@ class DeploymentManager(threading.Thread):
         # fetch already verified everything; this re-hash proves the published directory, not the download
         source = verify_artifact(path, self.artifacts, check_model=False)
         if shadow:
+            refuse_pipeline_shadow(source)
             self.host.check_shadow(source)  # before a build that could take half an hour for nothing
         m = source.manifest
         self._step(dep, "building", model_name=m.name, model_version=m.version, sha256=source.sha256)
@@ -451,13 +452,22 @@ class DeploymentManager(threading.Thread):
 
 
 def _pinned(state: StateStore) -> set[str]:
-    """Model sha256s of the active and previous models: their engines are never collected."""
-    return {row["sha256"] for row in state.serving_models()}
+    """Model sha256s of the active and previous models, a pipeline's stage models among them: their engines are never
+    collected (a stage's engine collected under the budget would be rebuilt at the next reload)."""
+    pinned = set()
+    for row in state.serving_models():
+        pinned.add(row["sha256"])
+        try:
+            manifest = parse_manifest((Path(row["path"]) / MANIFEST_NAME).read_bytes())
+        except (OSError, EdgeError, KeyError, TypeError):  # gone or unreadable: its own model stays pinned
+            continue
+        pinned.update(stage.model.sha256 for stage in (manifest.pipeline.stages if manifest.pipeline else []))
+    return pinned
 
 
 def _engine_summary(provisioned: ProvisionResult) -> dict[str, Any]:
     data = provisioned.to_dict()
-    keep = ("key", "backend", "precision", "hit", "build_s")
+    keep = ("key", "backend", "precision", "hit", "build_s", "stages")
     out = {k: data.get(k) for k in keep if k in data}
     if data.get("validation"):
         out["validation"] = data["validation"]
@@ -466,3 +476,15 @@ def _engine_summary(provisioned: ProvisionResult) -> dict[str, Any]:
 
 def _small(value: Any) -> bool:
     return isinstance(value, (int, float, str, bool)) or value is None
+
+
+def refuse_pipeline_shadow(source: ModelSource) -> None:
+    """A shadow deployment of a pipeline would compare the primary stages' detections alone, not the pipeline's
+    end-to-end results (texts, attributes, composited frames): refused before any build rather than judged on half
+    of it (docs/pipelines.md). Deploy the pipeline directly: its swap is atomic and its watch can roll it back."""
+    pipeline = source.manifest.pipeline
+    if pipeline is not None:
+        stages = ", ".join([pipeline.primary, *(s.name for s in pipeline.stages)])
+        raise ModelError(f"{source.label} is a pipeline ({stages}): a shadow deployment compares one model's results, "
+                         "and a pipeline's end-to-end comparison is not built yet; deploy it without --mode shadow "
+                         "(the swap is atomic and the watch rolls it back)", code="PIPELINE_UNSUPPORTED")

@@ -11,6 +11,9 @@ is batched again, so one passing fault never costs batching for good.
 while the engine runs the next (agent.pipeline.result_stage). An InferredBatch holds nothing the next engine
 call overwrites: the backends return fresh output arrays, and each frame's transform is its own object.
 
+A pipeline's runtime (engines.cascade.serving.PipelineRuntime) is batched as its primary stage; its batch keeps
+the frames, and `finish` runs the secondary stages on them after the primary's postprocessing.
+
 Each batch carries its stage times (preprocess of the whole batch and per slot, the engine calls, the split
 of the outputs, and after `finish` the postprocessing): the worker's per-size cost statistics
 (agent.pipeline.batch_costs) come from them. The slots are preprocessed straight into the preallocated
@@ -28,6 +31,7 @@ import numpy as np
 
 from agent.pipeline.slot_preprocess import Mode, SlotPreprocessing
 from kernel.errors import BatchSizeError, EdgeError
+from engines.cascade.serving import PipelineRuntime
 from engines.postprocess import InferenceResult
 from engines.model.preprocess import FrameTransform, Preprocessor
 from engines.runtime.model_runtime import ModelRuntime
@@ -67,6 +71,10 @@ class InferredBatch:
     engine_ms: float = 0.0
     split_ms: float = 0.0
     postprocess_ms: float = 0.0  # set by `finish`
+    # a pipeline's secondary stages read the batch's frames after the engine call: the batch keeps its own
+    # references to them (each frame's image is its own array: the sources never write into a frame handed on)
+    images: Sequence[np.ndarray] = ()
+    captured: Sequence[float | None] = ()
 
     @property
     def size(self) -> int:
@@ -74,12 +82,21 @@ class InferredBatch:
         return len(self.transforms)
 
     def finish(self) -> list[FrameOutcome]:
-        """Postprocess each frame with the model that inferred it (its own postprocessor, never the next model's)."""
+        """Postprocess each frame with the model that inferred it (its own postprocessor, never the next model's);
+        a pipeline's secondary stages then run over the batch's frames and results, their time shared by the
+        frames as postprocessing, bounded by the model's latency budget from the oldest frame's capture."""
         outcomes = []
         for outputs, transform in zip(self.outputs, self.transforms):
             start = time.perf_counter()
             result = self.runtime.postprocessor(outputs, transform)
             outcomes.append(FrameOutcome(result, self.preprocess, self.infer, (time.perf_counter() - start) * 1e3))
+        if isinstance(self.runtime, PipelineRuntime) and outcomes:
+            start = time.perf_counter()
+            self.runtime.run_secondaries(self.images, [o.result for o in outcomes],
+                                         self.runtime.deadline(self.captured))
+            share = (time.perf_counter() - start) * 1e3 / len(outcomes)
+            for outcome in outcomes:
+                outcome.postprocess += share
         self.postprocess_ms = sum(o.postprocess for o in outcomes)
         return outcomes
 
@@ -123,9 +140,12 @@ class BatchRuntime:
         per_frame = self._infer(n)
         t2 = time.perf_counter()
         pre, total = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        pipeline = isinstance(self.runtime, PipelineRuntime)
         return InferredBatch(self.runtime, per_frame, transforms, pre / n, total / n, preprocess_ms=pre,
                              slot_ms=sum(slot_ms) / n, engine_ms=self._engine_ms,
-                             split_ms=max(0.0, total - self._engine_ms))
+                             split_ms=max(0.0, total - self._engine_ms),
+                             images=list(images) if pipeline else (),
+                             captured=list(captured) if pipeline and captured is not None else ())
 
     def close(self) -> None:
         """Let the preprocessing pool go (the worker replaced this runtime, or stopped)."""

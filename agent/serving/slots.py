@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
+from engines.cascade.executor import CascadeStage
+from engines.cascade.serving import PipelineRuntime
 from engines.model.source import ModelSource
 from engines.runtime.model_runtime import ModelRuntime
 
@@ -40,8 +42,14 @@ class LoadedModel:
     variant: str | None = None  # the family variant this is (agent.adapt), None for a single model
     family: ModelSource | None = None  # the artifact declaring the family, when this is a variant of it
 
+    @property
+    def stages(self) -> list[CascadeStage]:
+        """A pipeline's secondary stages with their loaded runtimes (closed with `runtime`); [] for a single model."""
+        return list(self.runtime.cascade.stages) if isinstance(self.runtime, PipelineRuntime) else []
+
     def describe(self) -> dict[str, Any]:
-        """The `model` object of status, telemetry and events."""
+        """The `model` object of status, telemetry and events; a pipeline's has `stages`, each with its engine key,
+        precision, batch and crop counts (engines.cascade.serving.PipelineRuntime.describe)."""
         budget = self.source.manifest.gates.latency_budget_ms
         return {**self.runtime.describe(), "engine_key": self.provisioned.key[:12], "origin": self.origin,
                 **({"latency_budget_ms": budget} if budget is not None else {}),

@@ -1,9 +1,10 @@
 """A pipeline as the frame path serves it: the primary stage's ModelRuntime, which the frame path batches, preprocesses,
 infers and decodes as it does any model, carrying the secondary stages (a `Cascade`) that then run on the batch's
-frames and results (`run_secondaries`, agent.pipeline.batch_runtime.InferredBatch.finish).
+frames and results (`run_secondaries`, from agent.pipeline.batch_runtime.InferredBatch.finish).
 
 Being a ModelRuntime, everything that holds "the serving model's runtime" (the worker's swap, the model slots, a
-rollback, `close`) handles the whole pipeline as one: closing it closes every stage's engine.
+rollback, `close`) handles the whole pipeline as one: closing it closes every stage's engine, and `describe` is the
+`model` object of status and telemetry with a `stages` object beside the primary's fields.
 """
 
 from __future__ import annotations
@@ -13,7 +14,78 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from engines.cascade.executor import Cascade, CascadeStage
-from engines.model.preprocess import DEFAULT_STREAM if False else None  # noqa: F401  (placeholder removed below)
+from engines.cascade.executor import Cascade
 from engines.postprocess.base import InferenceResult
 from engines.runtime.model_runtime import ModelRuntime, StageTimes
+from engines.runtime.state_inputs import DEFAULT_STREAM
+
+
+class PipelineRuntime(ModelRuntime):
+    """The primary's runtime (its engine, preprocessor and decoder, shared, not copied) plus the secondary stages.
+
+    `members` are the stages' own runtimes (closed with the pipeline); `info` per stage what describes its engine
+    (engine_key, precision, backend); `latency_budget_ms` bounds how long after a frame's capture its secondary stages
+    may still start a chunk of crops (a late chunk is dropped and counted, never waited for)."""
+
+    def __init__(self, primary: ModelRuntime, cascade: Cascade, members: Sequence[ModelRuntime],
+                 info: Mapping[str, Mapping[str, Any]] | None = None,
+                 latency_budget_ms: float | None = None) -> None:
+        # the frame path treats this object as the primary's runtime: the same engine, buffers and decoder
+        self.__dict__.update(primary.__dict__)
+        self.primary = primary
+        self.cascade = cascade
+        self.members = list(members)
+        self.info = {name: dict(values) for name, values in (info or {}).items()}
+        self.latency_budget_ms = latency_budget_ms
+        self.closed = False
+
+    def deadline(self, captured: Sequence[float | None]) -> float | None:
+        """When the secondary stages of a batch must have started their last chunk: the oldest frame's capture time
+        plus the latency budget (time.monotonic seconds); None without a budget or capture times."""
+        times = [t for t in captured if t is not None]
+        if self.latency_budget_ms is None or not times:
+            return None
+        return min(times) + self.latency_budget_ms / 1e3
+
+    def run_secondaries(self, frames: Sequence[np.ndarray], results: list[InferenceResult],
+                        deadline: float | None = None) -> None:
+        """The secondary stages on a batch's frames and their primary results (results gain `attributes`, and
+        `image` where a stage composited)."""
+        self.cascade.run_secondaries(frames, results, deadline)
+
+    def run(self, image: np.ndarray, stream: str = DEFAULT_STREAM) -> tuple[InferenceResult, StageTimes]:
+        """One frame through every stage (a warm-up, a single-frame caller): the secondary stages' time counts
+        as postprocessing."""
+        result, times = self.primary.run(image, stream)
+        start = time.perf_counter()
+        self.run_secondaries([image], [result])
+        secondary_ms = (time.perf_counter() - start) * 1e3
+        return result, StageTimes(times.preprocess, times.infer, times.postprocess + secondary_ms)
+
+    def stage_stats(self) -> dict[str, dict[str, Any]]:
+        """Per secondary stage: its engine (`info`), its work since load (frames with crops, crops, drops, calls,
+        summed stage times), its mean time on a frame (`ms_per_frame`) and the last batch's numbers (`last`)."""
+        stats = self.cascade.stats()
+        out = {}
+        for name in self.cascade.names[1:]:
+            numbers = stats[name]
+            spent = numbers["preprocess_ms"] + numbers["infer_ms"] + numbers["postprocess_ms"]
+            # a stage's latency on a frame that had crops for it (its share of the frame's glass-to-result time)
+            per_frame = round(spent / numbers["frames"], 3) if numbers["frames"] else None
+            out[name] = {**self.info.get(name, {}), **numbers, "ms_per_frame": per_frame}
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """The primary's `model` object with `stages`: each secondary stage's engine and numbers."""
+        return {**self.primary.describe(), "stages": self.stage_stats()}
+
+    def close(self) -> None:
+        """Release every stage's engine and the primary's (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            for member in self.members:
+                member.close()
+        finally:
+            self.primary.close()

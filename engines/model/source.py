@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kernel.errors import ModelError
@@ -44,6 +44,17 @@ def load_model_dir(root: Path) -> ModelSource:
     for extra in manifest.files:
         check_file(root, extra)
     return ModelSource(manifest, onnx_path, root, manifest.model.sha256)
+
+
+def member_source(source: ModelSource, name: str) -> ModelSource:
+    """One stage of a pipeline artifact as a single model (`Manifest.member`) over the same verified directory: the
+    build, engine cache and gates take it as they take any model; a model without a pipeline is its own member."""
+    manifest = source.manifest.member(name)
+    if manifest is source.manifest:
+        return source
+    if manifest.model == source.manifest.model:  # the primary: the artifact's own model, its digest as the source's
+        return replace(source, manifest=manifest)
+    return ModelSource(manifest, source.root / manifest.model.file, source.root, manifest.model.sha256)
 
 
 def load_bare_onnx(path: Path, manifest_overrides: dict | None = None) -> ModelSource:
