@@ -29,6 +29,7 @@ from engines.cascade.crops import CropRule
 from engines.cascade.executor import Cascade, CascadeStage, StageRule
 from engines.model.manifest import PostprocessSpec
 from engines.model.preprocess import PreprocessSpec
+from engines.evaluation.metrics import box_iou as iou
 from engines.model.source import load_bare_onnx
 from engines.runtime.model_runtime import ModelRuntime, load_runtime
 
@@ -145,15 +146,6 @@ def reference_lines(frame: np.ndarray) -> list[tuple[tuple[float, float, float, 
         out.append(((float(pts[:, 0].min()), float(pts[:, 1].min()), float(pts[:, 0].max()), float(pts[:, 1].max())),
                      str(text), float(score)))
     return out
-
-
-def iou(a: Sequence[float], b: Sequence[float]) -> float:
-    """Intersection over union of two x1, y1, x2, y2 boxes."""
-    w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = w * h
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
 
 
 def compare_with_reference(result: Any, reference: list[tuple[tuple[float, float, float, float], str, float]],

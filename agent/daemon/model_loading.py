@@ -34,7 +34,7 @@ from engines.backends.base import EngineOptions
 from engines.cascade.executor import Cascade, CascadeStage
 from engines.cascade.serving import PipelineRuntime
 from engines.runtime.build_curve import BuildCurve
-from engines.runtime.batching import AUTO_MAX_BATCH, choose_batch_size, planned_max_batch
+from engines.runtime.batching import choose_batch_size, planned_max_batch
 from kernel.errors import EdgeError
 from engines.evaluation.live_frames import DIRECTORY as LIVE_FRAMES_DIRECTORY
 from engines.model.source import ModelSource, load_model, member_source
@@ -150,9 +150,7 @@ class ModelLoader:
     def stage_max_batch(self, max_per_frame: int) -> int:
         """The batch a secondary stage's engine is built and timed for: its crops of every camera's frame in a call
         (`crop.max_per_frame` per frame), capped as a frame batch is (`[batch] max_size`, "auto": AUTO_MAX_BATCH)."""
-        setting = self.config.batch.max_size
-        cap = AUTO_MAX_BATCH if setting in (None, "auto") else int(setting)
-        return max(1, min(cap, max_per_frame * max(1, len(self.config.camera_list()))))
+        return planned_max_batch(self.config.batch.max_size, max_per_frame * max(1, len(self.config.camera_list())))
 
     def load_provisioned(self, source: ModelSource, provisioned: ProvisionResult, origin: str) -> LoadedModel:
         """Load the engine file and warm it up; a pipeline's every stage, closed again if one fails."""
