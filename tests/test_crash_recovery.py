@@ -10,11 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -62,8 +63,12 @@ def start_agent(config: Path, *args: str, pause_at: str = "", pause_file: Path |
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def kill_at(tmp_path: Path, config: Path, point: str, deploy_args: dict) -> None:
-    """Start the agent with `point` armed, send `deploy`, SIGKILL it once it blocks there."""
+def kill_at(tmp_path: Path, config: Path, point: str, deploy_args: dict, *,
+            starved: Callable[[], bool] | None = None) -> bool:
+    """Start the agent with `point` armed, send `deploy`, SIGKILL it once it blocks there; returns whether it did.
+
+    With `starved`, a point that is not reached in 120 s while `starved()` holds is given up on and the agent is
+    killed where it is (returns False): for a point that needs CPU the design lets the agent starve of."""
     pause_file = tmp_path / "paused"
     proc = start_agent(config, pause_at=point, pause_file=pause_file)
     socket_path = tmp_path / "state" / "control.sock"
@@ -71,9 +76,12 @@ def kill_at(tmp_path: Path, config: Path, point: str, deploy_args: dict) -> None
         assert wait_for(socket_path.exists, timeout=180), f"agent did not start: {_stderr(proc)}"
         reply = send_command(socket_path, "deploy", deploy_args)
         assert reply["ok"], reply
-        assert wait_for(pause_file.exists, timeout=240), f"never reached {point}: {_stderr(proc)}"
+        reached = wait_for(pause_file.exists, timeout=120 if starved else 240)
+        if not reached:
+            assert starved is not None and starved(), f"never reached {point}: {_stderr(proc)}"
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
+        return reached
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -120,16 +128,42 @@ def test_kill_during_deployment_then_restart(tmp_path: Path, published, point: s
     assert checked >= (0 if point == "fetching" else 1)  # past fetching, v2 was stored complete
 
 
+def _shadow_report(state_db: Path) -> dict | None:
+    """The running shadow's last recorded report, read without the agent's store (the agent may be running)."""
+    conn = sqlite3.connect(f"file:{state_db}?mode=ro", uri=True, timeout=10)
+    try:
+        rows = conn.execute("SELECT state, details FROM deployments").fetchall()
+    finally:
+        conn.close()
+    if not rows or rows[0][0] != "shadowing":
+        return None
+    return (json.loads(rows[0][1] or "{}").get("shadow") or {}).get("report")
+
+
 def test_kill_during_a_shadow_then_restart_ends_it_with_its_evidence(tmp_path: Path, published) -> None:
     """A shadow in progress when the agent dies is never left running silently: the next start ends it
-    cancelled(SHADOW_INTERRUPTED) with the numbers it had written, and the serving model is the one it was."""
+    cancelled(SHADOW_INTERRUPTED) with the numbers it had written, and the serving model is the one it was.
+
+    The candidate runs at SCHED_IDLE (agent/shadow/priority.py): on a machine whose cores are all busy (CI beside
+    other jobs) it may compare no frame at all, which is the design, not a fault. Then the agent is killed mid-shadow
+    with the zero-frame report it had recorded, and the restart must end the shadow with exactly that evidence."""
     config = write_config(tmp_path, published["public"], published["v1"])
-    kill_at(tmp_path, config, "shadow_recorded",
-            {"url": published["url2"], "mode": "shadow", "share": 1.0, "report_interval_s": 0.5})
+    state_db = tmp_path / "state" / "state.db"
+
+    def starved() -> bool:
+        report = _shadow_report(state_db)
+        return report is not None and report["frames"] == 0
+
+    compared = kill_at(tmp_path, config, "shadow_recorded",
+                       {"url": published["url2"], "mode": "shadow", "share": 1.0, "report_interval_s": 0.5},
+                       starved=starved)
+    recorded = _shadow_report(state_db)
+    assert recorded is not None, "the killed agent left no shadow report on the row"
+    assert recorded["frames"] >= 1 or not compared, recorded  # the point fires only once frames were compared
     restart = start_agent(config, "--duration", "2")
     _, err = restart.communicate(timeout=240)
     assert restart.returncode == 0, err
-    store = StateStore(tmp_path / "state" / "state.db")
+    store = StateStore(state_db)
     try:
         deployment = store.query("SELECT state, reason, message FROM deployments")[0]
         finished = [e for e in store.events(200) if e["type"] == "shadow/finished"]
@@ -137,8 +171,9 @@ def test_kill_during_a_shadow_then_restart_ends_it_with_its_evidence(tmp_path: P
     finally:
         store.close()
     assert (deployment["state"], deployment["reason"]) == ("cancelled", "SHADOW_INTERRUPTED")
-    assert re.search(r"after [1-9][0-9]* frames compared", deployment["message"]), deployment["message"]
-    assert finished and finished[0]["payload"]["frames"] >= 1 and finished[0]["payload"]["outcome"] == "cancelled"
+    assert f"after {recorded['frames']} frames compared" in deployment["message"], deployment["message"]
+    assert finished and finished[0]["payload"]["frames"] == recorded["frames"]
+    assert finished[0]["payload"]["outcome"] == "cancelled"
     assert active["version"] == "1.0.0"
 
 
