@@ -154,6 +154,25 @@ def test_a_swap_to_a_single_model_and_back_loses_no_frame_and_rollback_restores_
 
 
 @pytest.mark.slow  # a running agent building the three engines
+def test_a_swap_between_two_pipelines_loses_no_frame(start_agent, ocr, key: KeyInfo, tmp_path: Path) -> None:
+    """Pipeline to pipeline: every stage of the new one built and gated before any is active, then one swap between
+    two batches; the old pipeline's stages are kept whole for the rollback."""
+    second = package_ocr(tmp_path / "v2", key, version="2.0.0")
+    agent = start_agent(ocr["artifact"], fps=1.0)
+    first = agent.active
+    dep_id = agent.manager.request((second / "manifest.json").as_uri(), channel="local")["deployment_id"]
+    assert wait_terminal(agent, dep_id) == "active"
+    assert agent.active is not first and agent.active.source.manifest.version == "2.0.0"
+    assert [s.spec.name for s in agent.active.stages] == ["cls", "rec"]
+    assert agent.previous is first and [s.spec.name for s in first.stages] == ["cls", "rec"]
+    frames = agent.stats.frames
+    assert wait_for(lambda: agent.stats.frames >= frames + 2, timeout=60)
+    assert agent.stats.errors == 0 and agent.batcher.dropped == 0, "a frame was lost across the swap"
+    last = agent.frame_path.last_result
+    assert last is not None and any("rec" in (d.get("attributes") or {}) for d in last["detections"])
+
+
+@pytest.mark.slow  # a running agent building the three engines
 def test_a_stage_failing_its_gate_is_named_and_the_serving_model_stays(start_agent, ocr, key: KeyInfo,
                                                                       tmp_path: Path) -> None:
     bad = package_ocr(tmp_path / "bad", key, version="2.0.0", rec_extra="latency_budget_ms = 0.001\n")
