@@ -108,8 +108,12 @@ def test_ids_events_counts_and_live_zones_on_a_real_broker(tmp_path: Path, engin
         # counted in telemetry and on the Prometheus endpoint
         assert collector.wait_for(lambda _m: any(s.get("tracking", {}).get("events", {}).get("line_cross")
                                                  for s in collector.payloads("edge/trk-01/telemetry")), 30)
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        assert 'edge_agent_tracking_line_crossings{camera="cam0",class="object"' in metrics
+        def scrape() -> str:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+        line_series = 'edge_agent_tracking_line_crossings{camera="cam0",class="object"'
+        assert wait_for(lambda: line_series in scrape(), 30)  # the exporter's sample may be a beat behind telemetry
+        metrics = scrape()
         assert 'edge_agent_tracking_zone_objects{camera="cam0",class="object",count="entered",zone="east"}' in metrics
         assert 'edge_agent_tracking_events{type="line_cross"}' in metrics
 
