@@ -115,6 +115,7 @@ class PipelineFile(BaseModel):
     version: str | None = None
     description: str = ""
     metric: Literal["text", "attributes", "image", "detections"] | None = None
+    min_agreement: float | None = Field(None, ge=0.0, le=1.0)  # the end-to-end gate's threshold (unset: 0.9)
     primary: PrimaryTable
     stages: list[StageTable] = Field(min_length=1)
 
@@ -250,7 +251,8 @@ def _template(doc: PipelineFile, opts: PipelineOptions, primary: _Member, stages
         name=name, version=version, description=doc.description, model=entries[primary.model_file],
         files=[entry for file, entry in entries.items() if file != primary.model_file],
         preprocess=primary.preprocess, postprocess=primary.postprocess, build=primary.build, gates=primary.gates,
-        labels=primary.labels, pipeline=PipelineSpec(primary=doc.primary.name, stages=specs, metric=doc.metric))
+        labels=primary.labels, pipeline=PipelineSpec(primary=doc.primary.name, stages=specs, metric=doc.metric,
+                                                       min_agreement=doc.min_agreement))
 
 
 def _all_sources(primary: _Member, stages: list[_Member]) -> dict[str, Path]:

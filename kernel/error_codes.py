@@ -170,6 +170,10 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("GATE_NO_VALIDATION_FRAMES", E, "No frames to judge the engine on: the artifact ships none and the device keeps "
      "no live frames (refused before building).", "`edge-deploy package --validation DIR`, or `[gates] live_frames = "
      "N` on the device."),
+    ("GATE_PIPELINE_ACCURACY", E, "A pipeline's built stages, run together, disagree with its FP32 pipeline on the "
+     "primary's validation frames more than `pipeline.min_agreement` allows (texts, attributes or composited frames, "
+     "by `pipeline.metric`); the message names the stage whose results differ first.", "Build that stage at a higher "
+     "precision or calibrate it on real crops; lower `pipeline.min_agreement` only if the task tolerates it."),
     ("INFERENCE_FAILED", K, "One inference call failed (the engine raised, or its output could not be decoded); the "
      "loop counts it and goes on.", "Read the device log; frequent failures roll a new deployment back "
      "(`WATCH_ERROR_RATE`)."),
@@ -378,12 +382,17 @@ _ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("WATCH", A, "The watch rolled a new deployment back without naming a `WATCH_*` reason (fallback), or could "
      "not judge it: a watch cut short by a stop whose record cannot be read, or a watch that failed.",
      "Read `details.watch` in `edge-agent status --json`."),
+    ("WATCH_CROP_DROPS", A, "Rolled back by the watch: a pipeline's secondary stage (`stage` in `details.watch`) "
+     "dropped more than `[deployments] watch_max_stage_drop_ratio` of its crops: its chunks could not start before "
+     "the pipeline's `gates.latency_budget_ms`.", "A faster precision or batch for that stage, fewer crops "
+     "(`crop.max_per_frame`, `min_score`, `min_size`), or a realistic budget."),
     ("WATCH_ERROR_RATE", A, "Rolled back by the watch: the inference error rate exceeded `[deployments] "
      "max_error_rate` (default 5 %).", "Read `details.watch` and the device log for the failing calls."),
     ("WATCH_FPS", A, "Rolled back by the watch: a camera's fps fell below its floor (the previous model's x "
      "`min_fps_ratio`, `gates.min_fps` or `min_fps`).", "A faster precision or smaller input, fewer cameras, or a "
      "lower floor."),
-    ("WATCH_LATENCY", A, "Rolled back by the watch: live glass-to-result latency exceeded `gates.latency_budget_ms`.",
+    ("WATCH_LATENCY", A, "Rolled back by the watch: live glass-to-result latency exceeded `gates.latency_budget_ms`, "
+     "or a pipeline stage's latency exceeded its own (`stage` in `details.watch`).",
      "A faster precision or smaller input, or a realistic budget."),
     ("WATCH_OUTPUT_COLLAPSE", A, "Rolled back by the watch: the new model finds (nearly) nothing where the previous "
      "one found things (`output_collapse_ratio`).", "Check the model on this camera's frames (preprocess, "

@@ -168,6 +168,59 @@ def test_crops_that_cannot_start_before_the_deadline_are_dropped_and_counted() -
     assert cascade.run(frames[:1])[0].detections[0].attributes  # no deadline: all of them
 
 
+def test_workers_run_a_stages_chunks_side_by_side_with_the_results_of_one_after_another() -> None:
+    """workers=2: two chunks are in the engine at once (each waits at a barrier for the other), and every crop's
+    result, the counts and the calls are those of the serial run; no thread outlives the call."""
+    import threading
+
+    frames, found = three_frames()
+    serial_stage = grey_stage(max_batch=4)
+    serial = Cascade("det", primary_of(found), [CascadeStage(StageRule("grey", "det"), serial_stage)]).run(frames)
+    meet = threading.Barrier(2, timeout=10)
+    threads: set[int] = set()
+    calls = [0]
+
+    def together() -> None:
+        threads.add(threading.get_ident())
+        calls[0] += 1
+        if calls[0] <= 2:
+            meet.wait()  # the first two calls at once; a BrokenBarrierError fails the run: no second worker came
+
+    stage = grey_stage(max_batch=4, on_infer=together)
+    before = threading.active_count()
+    cascade = Cascade("det", primary_of(found), [CascadeStage(StageRule("grey", "det"), stage)], workers=2)
+    results = cascade.run(frames)
+    assert len(threads) == 2 and threading.active_count() == before
+    assert sorted(stage.calls) == [3, 4, 4, 4]
+    assert [[d.attributes for d in r.detections] for r in results] == [[d.attributes for d in r.detections]
+                                                                      for r in serial]
+    last = cascade.last["grey"]
+    assert (last.frames, last.crops, last.calls, last.dropped) == (3, 15, 4, 0)
+    with pytest.raises(ValueError, match="at least 1"):
+        Cascade("det", primary_of(found), [], workers=0)
+
+
+def test_workers_fall_back_to_one_crop_a_call_and_drop_chunks_claimed_after_the_deadline() -> None:
+    frames, found = three_frames()
+    stage = grey_stage(max_batch=4, refuse_batches=True)
+    cascade = Cascade("det", primary_of(found), [CascadeStage(StageRule("grey", "det"), stage)], workers=2)
+    results = cascade.run(frames[:1])
+    assert stage.calls == [1] * 5 and cascade.last["grey"].calls == 5
+    assert [d.attributes["grey"]["label"] for d in results[0].detections] == [f"g{20 + 3 * k}" for k in range(5)]
+
+    times = iter([100.0])  # the stage starts before the deadline; every chunk is claimed after it
+
+    def clock() -> float:
+        return next(times, 200.0)
+
+    first, second = grey_stage(max_batch=4), grey_stage(max_batch=4)
+    stages = [CascadeStage(StageRule("first", "det"), first), CascadeStage(StageRule("second", "det"), second)]
+    late = Cascade("det", primary_of(found, max_batch=3), stages, clock=clock, workers=2)
+    out = late.run(frames, deadline=150.0)
+    assert first.calls == [] and second.calls == [] and all(d.attributes is None for r in out for d in r.detections)
+    assert late.last["first"].dropped == 15 and late.last["second"].dropped == 15 and late.last["first"].crops == 0
+
+
 def half_frame() -> tuple[np.ndarray, dict[int, list[Detection]]]:
     """Two boxes whose left half is dark and right half bright; the first one is marked to be turned (fill 200 in
     its top-left corner pixel row is what `orient_stage` reads)."""
@@ -255,7 +308,7 @@ class SleepyEngine:
 def test_a_stages_batch_is_measured_on_its_engine_as_for_cameras(cost: Callable[[int], float], expected: int) -> None:
     from types import SimpleNamespace
 
-    from engines.cascade.executor import measured_batch
+    from engines.cascade.stage_rules import measured_batch
 
     runtime = SimpleNamespace(max_batch=4, engine=SleepyEngine(cost),
                               preprocessor=Preprocessor(PreprocessSpec(width=8, height=8)))
@@ -322,6 +375,41 @@ def test_the_ppocr_reader_reads_what_rapidocr_reads_on_rendered_frames(ocr: Any)
     right = sum(max(r.detections, key=lambda d: cascade_ocr.iou(d.box, line.box)).attributes["rec"]["text"]
                 == line.text for line, r in read)
     assert right / len(read) >= 0.8  # and mostly what was drawn
+
+
+def test_workers_read_the_same_texts_on_the_real_reader(ocr: Any) -> None:
+    """The reader's cls and rec chunks on two threads at once (ONNX Runtime sessions run concurrently): the same
+    attributes on every line as one chunk after another."""
+    cascade_ocr, runtimes = ocr
+    frame = cascade_ocr.text_frame(13)[0]
+    serial = cascade_ocr.ocr_cascade(runtimes, {"cls": 4, "rec": 4}).run([frame])[0]
+    parallel = cascade_ocr.ocr_cascade(runtimes, {"cls": 4, "rec": 4}, workers=2)
+    result = parallel.run([frame])[0]
+    assert len(result.detections) >= 12 and parallel.last["rec"].calls >= 3
+    assert [d.attributes for d in result.detections] == [d.attributes for d in serial.detections]
+
+
+def test_a_pipeline_runtime_is_its_primarys_runtime_not_a_copy(ocr: Any) -> None:
+    """What the frame path reads of its model (engine, buffers, decoder, input name, source, state) is the
+    primary's own, and a value set on the pipeline is set on the primary."""
+    from engines.cascade.serving import PipelineRuntime
+
+    cascade_ocr, runtimes = ocr
+    primary = runtimes[0]
+    pipeline = PipelineRuntime(primary, cascade_ocr.ocr_cascade(runtimes), runtimes[1:])
+    assert pipeline.engine is primary.engine and pipeline.preprocessor is primary.preprocessor
+    assert pipeline.postprocessor is primary.postprocessor and pipeline.source is primary.source
+    assert pipeline.input_name == primary.input_name and pipeline.states is None
+    assert pipeline.max_batch == primary.max_batch == 8 and "_feeds" not in vars(pipeline)
+    engine = primary.engine
+    try:
+        pipeline.engine = runtimes[1].engine
+        assert primary.engine is runtimes[1].engine
+    finally:
+        primary.engine = engine
+    result, times = pipeline.run(cascade_ocr.text_frame(14, rows=2)[0])
+    assert result.detections and all(d.attributes and "rec" in d.attributes for d in result.detections)
+    assert times.postprocess > 0
 
 
 def invert_model(path: Path, size: int = 64) -> Path:
@@ -400,21 +488,42 @@ def bench_module(monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_the_cascade_benchmark_says_no_data_for_an_empty_window(bench_module: Any) -> None:
     empty = bench_module.summarize({name: [] for name in bench_module.VARIANTS}, [],
                                    {name: [] for name in bench_module.STAGES}, 0)
-    assert empty["batched_vs_naive"]["ratio"] is None and empty["agent_vs_stage_sum"]["ratio"] is None
-    assert empty["batched_vs_naive"]["cpu_ratio"] is None
+    executor = empty["executor"]
+    assert executor["batched_vs_naive"]["ratio"] is None and executor["executor_vs_stage_sum"]["ratio"] is None
+    assert executor["batched_vs_naive"]["cpu_ratio"] is None and executor["workers_vs_naive"]["ratio"] is None
     assert empty["crops_per_s"] is None and empty["stages"]["rec"]["ms_per_call"]["p50"] is None
-    result = {"text_exact_vs_reference": {"fraction": None}, **empty}
+    no_agent = bench_module.agent_sections([])
+    assert no_agent["batched_vs_naive"]["ratio"] is None and no_agent["agent_vs_stage_sum"]["measured_on"] == "agent"
+    result = {"text_exact_vs_reference": {"fraction": None}, "int8": {"error": "x"}, **no_agent, **empty}
     assert set(bench_module.no_data_reasons(result, bench_module.NO_DATA)) == set(bench_module.NO_DATA)
     sample = {"ms": 10.0, "crops": 5, "calls": 1, "dropped": 0}
-    seconds = {"executor": [1.0, 2.0], "naive": [2.0, 3.0], "bare": [0.5, 2.0], "executor_max_batch": [4.0, 3.0]}
+    seconds = {"executor": [1.0, 2.0], "naive": [2.0, 3.0], "bare": [0.5, 2.0], "executor_max_batch": [4.0, 3.0],
+               "executor_workers": [0.5, 1.5]}
     cpu = {"executor": [1.0, 1.0], "naive": [1.5, 1.5]}
     measured = bench_module.summarize(seconds, [2, 2], {name: [sample, sample] for name in bench_module.STAGES}, 10,
                                       cpu)
-    assert measured["batched_vs_naive"]["ratios"] == [2.0, 1.5] and measured["batched_vs_naive"]["ratio"] == 1.75
-    assert measured["agent_vs_stage_sum"]["ratios"] == [0.5, 1.0] and measured["crops_per_s"] == 3.3
-    assert measured["batched_vs_naive"]["cpu_ratio"] == 1.5 and measured["agent_vs_stage_sum"]["cpu_ratio"] is None
-    assert measured["stages"]["cls"]["crops_per_s"] == 500.0 and measured["max_batch_vs_naive"]["ratio"] == 0.75
-    assert measured["agent_vs_stage_sum"]["measured_on"].startswith("engines.cascade executor")
+    executor = measured["executor"]
+    assert executor["batched_vs_naive"]["ratios"] == [2.0, 1.5] and executor["batched_vs_naive"]["ratio"] == 1.75
+    assert executor["executor_vs_stage_sum"]["ratios"] == [0.5, 1.0] and measured["crops_per_s"] == 3.3
+    assert executor["batched_vs_naive"]["cpu_ratio"] == 1.5 and executor["executor_vs_stage_sum"]["cpu_ratio"] is None
+    assert measured["stages"]["cls"]["crops_per_s"] == 500.0 and executor["max_batch_vs_naive"]["ratio"] == 0.75
+    assert executor["workers_vs_naive"]["ratios"] == [4.0, 2.0] and executor["workers_vs_naive"]["workers"] == 2
+    assert executor["executor_vs_stage_sum"]["measured_on"] == "engines.cascade executor"
+    # the agent's rounds: fps per variant per round; the first agent variant is the headline
+    runs = [{"threads": 0, "workers": 1, "cameras": 1, "error": None,
+             "fps": {"agent": [3.0, 4.0], "naive": [2.0, 2.0], "bare": [4.0, 4.0]},
+             "cpu_fps": {"agent": [3.0, 3.0], "naive": [1.5, 2.0], "bare": [0.0, 4.0]}},
+            {"threads": 1, "workers": 2, "cameras": 1, "error": None,
+             "fps": {"agent": [5.0, 0.0], "naive": [2.0, 2.0], "bare": [4.0, 4.0]}, "cpu_fps": {}}]
+    agent = bench_module.agent_sections(runs)
+    assert agent["batched_vs_naive"]["ratios"] == [1.5, 2.0] and agent["batched_vs_naive"]["ratio"] == 1.75
+    assert agent["agent_vs_stage_sum"]["ratios"] == [0.75, 1.0] and agent["agent_vs_stage_sum"]["cpu_ratios"] == [0.75]
+    assert agent["batched_vs_naive"]["measured_on"] == "agent" and agent["batched_vs_naive"]["agent_fps"] == 3.5
+    second = agent["agent"]["variants"][1]
+    assert second["batched_vs_naive"]["ratios"] == [2.5] and second["agent_vs_stage_sum"]["cpu_ratio"] is None
+    assert bench_module.agent_variant("1:2") == (1, 2)
+    with pytest.raises(Exception, match="THREADS:WORKERS"):
+        bench_module.agent_variant("two")
 
 
 @pytest.mark.slow
@@ -423,6 +532,32 @@ def test_the_cascade_benchmark_runs_in_its_quick_mode(tmp_path: Path) -> None:
     from tests.helpers import run_quick_benchmark
 
     data = run_quick_benchmark("cascade", tmp_path / "cascade.json", timeout=540)
-    for key in ("text_exact_vs_reference", "batched_vs_naive", "agent_vs_stage_sum", "stages", "crops_per_s"):
+    for key in ("text_exact_vs_reference", "batched_vs_naive", "agent_vs_stage_sum", "agent", "executor", "stages",
+                "crops_per_s", "int8", "load_average"):
         assert key in data, key
     assert data["text_exact_vs_reference"]["lines"] >= 16 and set(data["stages"]) == {"det", "cls", "rec"}
+    # the headline ratios come from the running agent, with every round's fps of the three variants
+    run = data["agent"]["variants"][0]
+    assert data["agent"]["error"] is None and run["error"] is None, data["agent"]
+    for key in ("batched_vs_naive", "agent_vs_stage_sum"):
+        section = data[key]
+        assert section["measured_on"] == "agent" and section["agent_fps"] > 0 and section["ratio"] > 0
+        assert len(section["ratios"]) == 2 and section["min"] <= section["ratio"] <= section["max"]
+    assert all(len(run["fps"][name]) == 2 and min(run["fps"][name]) > 0 for name in ("agent", "naive", "bare"))
+    assert set(run["stages"]) == {"cls", "rec"} and run["stages"]["rec"]["crops"] > 0 and run["agent_errors"] == 0
+    assert data["executor"]["executor_vs_stage_sum"]["measured_on"] == "engines.cascade executor"
+    assert data["executor"]["workers_vs_naive"]["ratio"] > 0
+    for stage in data["stages"].values():
+        assert 0 < stage["ms_per_call"]["p50"] <= stage["ms_per_call"]["p99"] and stage["crops_per_s"] > 0
+    # INT8: the quick run tries cls only; built (its text judged end to end) or refused with its code and reason
+    int8 = data["int8"]
+    assert int8["error"] is None and int8["tried"] == ["cls"] and set(int8["stages"]) == {"det", "cls", "rec"}
+    cls = int8["stages"]["cls"]
+    assert cls["fp32_ms"]["p50"] > 0 and cls["int8_pipeline_ms"]["p50"] > 0
+    if cls["int8"]:
+        assert cls["precision"] == "int8" and int8["int8_stages"] == ["cls"] and cls["gate_score"] is not None
+        assert cls["int8_speedup_p50"] > 0
+    else:
+        assert int8["refused"]["cls"]["code"] and int8["refused"]["cls"]["reason"] and cls["precision"] == "fp32"
+    assert int8["stages"]["rec"]["precision"] == "fp32" and int8["stages"]["rec"]["int8_speedup_p50"] is None
+    assert int8["text_exact_vs_reference"]["lines"] >= 16

@@ -117,6 +117,8 @@ def test_the_ocr_pipeline_is_one_signed_artifact_that_verifies(ocr_artifact: Pat
     assert rec.labels is not None and len(rec.labels) == 6623 and "\u3000" in rec.labels
     assert (rec.postprocess.kind, rec.preprocess.resize, rec.preprocess.width) == ("ctc", "pad-right", 320)
     assert manifest.pipeline.stages[0].crop.shape == "polygon" and manifest.pipeline.metric == "text"
+    assert manifest.pipeline.min_agreement is None and "min_agreement" not in json.loads(
+        (ocr_artifact / "manifest.json").read_bytes())["pipeline"]  # unset: 0.9 on the device, old bytes kept
     result = verify_cli(ocr_artifact, key)
     assert result.exit_code == 0 and "OK ocr@1.0.0: 4 file(s) intact" in result.output, result.output
 
@@ -268,6 +270,7 @@ def test_a_face_pipeline_from_a_public_detector_packages_and_verifies(tmp_path: 
 name = "face-negative"
 version = "0.1.0"
 metric = "image"
+min_agreement = 0.8
 [primary]
 name = "face"
 model = "{blazeface_onnx()}"
@@ -295,6 +298,7 @@ max_per_frame = 4
     assert result.exit_code == 0, result.output
     manifest = read_manifest(tmp_path / "artifact")
     assert manifest.pipeline is not None and manifest.pipeline.stages[0].output == "composite"
+    assert manifest.pipeline.min_agreement == 0.8
     assert (manifest.preprocess.width, manifest.preprocess.height) == (128, 128)  # from the model's fixed input
     assert manifest.gates.validation == "validation" and "validation/astronaut.png" in [f.file for f in manifest.files]
     verified = verify_cli(tmp_path / "artifact", key)
@@ -345,8 +349,10 @@ def test_a_device_fetch_downloads_every_stage_file(ocr_artifact: Path, key: KeyI
 def test_the_agent_provisions_every_stage_and_names_the_one_it_cannot_judge(ocr_artifact: Path,
                                                                            tmp_path: Path) -> None:
     """A device provisions a pipeline member by member (the primary, then each stage, as a single model): this artifact
-    ships no validation crops for its stages, so the classifier cannot be gated and the whole pipeline is refused,
-    its message naming the stage, before any stage is loaded. The build's progress names the stage it is on."""
+    ships no validation crops for its stages, so the classifier is judged on the crops the FP32 detector cuts from the
+    primary's synthetic frames; every line there is upright, the FP32 classifier gives one class for all of them, so
+    its gate cannot judge it and the whole pipeline is refused, its message naming the stage and whose crops they
+    were, before any stage is loaded. The build's progress names the stage it is on."""
     import threading
 
     from agent.config.tree import AgentConfig
@@ -360,5 +366,6 @@ def test_the_agent_provisions_every_stage_and_names_the_one_it_cannot_judge(ocr_
     events: list[dict] = []
     with pytest.raises(EdgeError) as info:
         loader.provision(load_model(ocr_artifact), events.append)
-    assert info.value.code == "GATE_NO_VALIDATION_FRAMES" and str(info.value).startswith("stage cls: ocr.cls@1.0.0: ")
-    assert {e.get("pipeline_stage") for e in events} == {"det"}  # the primary was built and gated first
+    assert info.value.code == "GATE_NO_SIGNAL" and str(info.value).startswith("stage cls: the FP32 model gives class 0")
+    assert "judged on the crops the FP32 det cut from the primary's validation frames" in str(info.value)
+    assert {e.get("pipeline_stage") for e in events} == {"det", "cls"}  # the primary was built and gated first

@@ -98,7 +98,7 @@ def test_a_manifest_without_a_pipeline_is_written_as_before() -> None:
     (lambda d: d.update(variants=[{"name": "small", "precision": "fp16"}]), "PIPELINE_UNSUPPORTED",
      "pipeline: `variants` cannot apply to a pipeline yet"),
     (lambda d: d.update(state={"constants": {"r": 0.5}}), "PIPELINE_UNSUPPORTED", "`state` cannot apply"),
-    (lambda d: d.update(shadow={}), "PIPELINE_UNSUPPORTED", "a shadow deployment of a pipeline"),
+    (lambda d: d.update(shadow={}), "PIPELINE_UNSUPPORTED", "shadow settings (share, promote_when"),
     (lambda d: stage(d, 1).update(output="composite"), "PIPELINE_UNSUPPORTED",
      "pipeline.stages[1] (rec): output composite pastes"),
     (lambda d: stage(d, 0).update(output="attach"), "MANIFEST_INVALID", "`orient` is read only with output"),

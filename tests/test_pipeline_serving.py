@@ -1,7 +1,8 @@
 """A pipeline served by the running agent: the PP-OCR reader (det -> cls -> rec, the three models rapidocr_onnxruntime
 ships) packaged and signed, built and gated stage by stage, run on every camera frame with its results on the real
 broker carrying the texts RapidOCR reads on the same frames; swapped atomically to a single model and rolled back as
-one; a stage failing its gate named and the serving model kept; a shadow deployment of a pipeline refused.
+one; a stage failing its gate named and the serving model kept; a shadow deployment of a pipeline beside a single model
+refused (beside a pipeline it is compared end to end: tests/test_pipeline_shadow.py).
 
 The tests on a running agent are slow; the engines are built once for the module (a shared engine cache:
 each agent's fresh state.db re-indexes them from their sidecars), so only the first agent pays the builds.
@@ -188,7 +189,7 @@ def test_a_stage_failing_its_gate_is_named_and_the_serving_model_stays(start_age
 
 
 @pytest.mark.slow  # a running agent building the three engines
-def test_a_shadow_deployment_of_a_pipeline_is_refused(start_agent, ocr, key: KeyInfo, tmp_path: Path) -> None:
+def test_a_pipeline_shadowing_a_single_model_is_refused(start_agent, ocr, key: KeyInfo, tmp_path: Path) -> None:
     single = make_artifact(tmp_path / "pub" / "single", "1.0.0", key.private, name="ocr")
     candidate = package_ocr(tmp_path / "v2", key, version="2.0.0")
     agent = start_agent(single)

@@ -91,6 +91,11 @@ def render_shadow(shadow: dict[str, Any] | None, console: Console) -> None:
                   f"{shadow.get('frames', 0)} frames, {shadow.get('metric')} {shadow.get('agreement')} "
                   f"(window {shadow.get('window_agreement')}), candidate p99 {latency.get('p99', '-')} ms, "
                   f"skipped {shadow.get('skipped_total', 0)}", highlight=False, markup=False)
+    stages = shadow.get("stages") or {}
+    if stages:  # a pipeline's shadow: where the end-to-end agreement comes from
+        console.print("  shadow   stages " + ", ".join(f"{name} {numbers.get('agreement')}"
+                                                       for name, numbers in stages.items()),
+                      highlight=False, markup=False)
 
 
 def render_batch_live(batch: dict[str, Any] | None, console: Console) -> None:

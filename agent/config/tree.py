@@ -19,7 +19,8 @@ from agent.artifacts.config import ArtifactsConfig
 from agent.deployments.config import DeploymentConfig
 from agent.mqtt.config import MqttConfig
 from agent.base.paths import default_cache_dir, default_runtime_dir, default_state_dir
-from agent.pipeline.config import BatchConfig, check_cameras, default_kinds
+from agent.base.names import CAMERA_NAME
+from agent.pipeline.config import BatchConfig, check_camera_models, check_cameras, default_kinds, model_lanes
 from agent.sources import source_config_models
 from agent.sources.base import SourceConfigBase
 from agent.sources.synthetic import SyntheticConfig
@@ -75,6 +76,16 @@ class ModelConfig(Strict):
         if value is not None and not value.exists():
             raise ValueError(f"model not found at {value} (a model directory with manifest.json, or an .onnx file)")
         return value
+
+
+class NamedModelConfig(ModelConfig):
+    """A model serving the cameras that name it (`[[cameras]] model = "NAME"`): the keys of `[model]`, `path`
+    required. Loaded at start through the same cache and gates; changed by config and restart (deployments act
+    on `[model]`)."""
+
+    path: Path = Field(  # required here: the demo model is [model]'s default only
+        description="Model directory (manifest.json + model; a pipeline artifact too) or .onnx file."
+    )
 
 
 class PipelineConfig(Strict):
@@ -167,6 +178,12 @@ class AgentConfig(BaseSettings):
     cache_dir: Path = Field(default_factory=default_cache_dir, description="Engine cache.")
     log_level: LogLevel = Field("INFO", description="Log verbosity.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The model to run.")
+    models: dict[str, NamedModelConfig] = Field(
+        default_factory=dict, description="More models, one `[models.NAME]` table each (the keys of [model], `path` "
+        "required), each serving the cameras whose `model` is NAME (docs/pipelines.md, per-camera models); a table "
+        "no camera names is refused. Deployments act on [model] only; these change by config and restart. "
+        "Environment: `EDGE_AGENT_MODELS__<NAME>__<KEY>` (NAME is read in lower case).",
+    )
     camera: CameraConfig = Field(default_factory=SyntheticConfig, description="Camera source; `kind` selects the type.")
     cameras: list[CameraConfig] = Field(
         default_factory=list, description="Several cameras ([[cameras]]), each with a unique `name`; empty: [camera]."
@@ -204,6 +221,22 @@ class AgentConfig(BaseSettings):
         """The cameras to run: `[[cameras]]`, else the one `[camera]`."""
         return list(self.cameras) if self.cameras else [self.camera]
 
+    def lane_names(self) -> list[str]:
+        """The `[models.NAME]` models in use, in the order their first camera comes ([model] is not one)."""
+        return [name for name in model_lanes(self.camera, self.cameras) if name is not None]
+
+    def lane_config(self, name: str | None = None) -> "AgentConfig":
+        """This config as one model's frame path sees it: only that model's cameras, and that model as `model`
+        (None: [model]'s). Without `[models]` it is this config itself. A shallow copy: every other section is
+        the same object, so a change made live reaches every lane."""
+        if not self.models:
+            return self
+        cameras = model_lanes(self.camera, self.cameras).get(name, [])
+        update: dict[str, Any] = {"cameras": cameras}
+        if name is not None:
+            update["model"] = self.models[name]
+        return self.model_copy(update=update)
+
     @model_validator(mode="before")
     @classmethod
     def _default_camera_kind(cls, data: Any) -> Any:
@@ -213,6 +246,19 @@ class AgentConfig(BaseSettings):
     @model_validator(mode="after")
     def _cameras_consistent(self) -> "AgentConfig":
         check_cameras(self.camera, self.cameras, "camera" in self.model_fields_set)
+        return self
+
+    @field_validator("models")
+    @classmethod
+    def _model_names(cls, value: dict[str, NamedModelConfig]) -> dict[str, NamedModelConfig]:
+        for name in value:
+            if not CAMERA_NAME.match(name):
+                raise ValueError(f"[models.{name}]: a model name is 1-32 letters, digits, '_', '.' or '-'")
+        return value
+
+    @model_validator(mode="after")
+    def _camera_models_defined(self) -> "AgentConfig":
+        check_camera_models(self.camera, self.cameras, self.models)
         return self
 
     @model_validator(mode="after")

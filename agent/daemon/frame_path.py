@@ -3,6 +3,10 @@ the serving engine's measured curve, with the record of what it delivered.
 
 It owns the frame-path objects (made at `start`, None before), so the parts that read or drive them (the
 deployment's swaps, the live snapshot, the watch) receive this object, never the agent that composes it.
+
+One frame path serves one model on its cameras: the agent's own (`[model]`) serves the cameras without `model`;
+each `[models.NAME]` in use has one more (agent.daemon.model_lanes), made over `AgentConfig.lane_config(NAME)`,
+whose results name the model (`model_name`).
 """
 
 from __future__ import annotations
@@ -42,8 +46,10 @@ class FramePath:
     """Cameras, batcher and worker of one run (None until `start`), their counters and the results delivered."""
 
     def __init__(self, config: AgentConfig, stop_event: threading.Event, emit: Callable[..., None],
-                 result_sinks: ResultSinks, on_camera_restart: Callable[[str], None]) -> None:
+                 result_sinks: ResultSinks, on_camera_restart: Callable[[str], None],
+                 model_name: str | None = None) -> None:
         self.config = config
+        self.model_name = model_name  # a [models.NAME] lane's NAME (its results carry it); None: [model]'s
         self.stop_event = stop_event
         self.emit = emit
         self.result_sinks = result_sinks
@@ -109,10 +115,14 @@ class FramePath:
                      loaded.source.label, size.reason)
         self.batch_size = size
 
+    def camera_names(self) -> list[str]:
+        """The cameras this frame path serves, in config order."""
+        return [c.name for c in self.config.camera_list()]
+
     def restart_capture(self, camera: str | None = None) -> dict[str, Any]:
         """Reopen every camera, or only `camera`, with fresh threads (the `restart_pipeline` command); the model
         and the inference loop keep running, and a camera not named loses no frame."""
-        names = [c.name for c in self.config.camera_list()]
+        names = self.camera_names()
         if camera is not None and camera not in names:
             raise EdgeError(f"args.camera: no camera named {camera!r}; this agent has {', '.join(names)}",
                             code="INVALID_COMMAND")
@@ -136,8 +146,15 @@ class FramePath:
     def record_result(self, frame: Frame, result: InferenceResult, runtime: ModelRuntime) -> None:
         """The first result sink: when it was delivered, and the last few results (cheap: no masks)."""
         self._delivered.append(time.monotonic())
-        self.last_result = {**result_head(frame), **result.to_dict(max_items=20, masks=False)}
+        self.last_result = {**self.head(frame), **result.to_dict(max_items=20, masks=False)}
         self._recent_results.append(self.last_result)
+
+    def head(self, frame: Frame) -> dict[str, Any]:
+        """What names a result of this frame path: `result_head`, and a `[models.NAME]` lane's `model`."""
+        head = result_head(frame)
+        if self.model_name is not None:
+            head["model"] = self.model_name
+        return head
 
     def recent_results(self) -> list[dict[str, Any]]:
         """The run summary's `last_results`, oldest first."""

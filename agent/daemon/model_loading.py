@@ -9,7 +9,9 @@ The build wing (engines.build) is imported where a provision runs, not at the to
 found is engines.runtime.provisioned's, and the daemon's import set stays free of builders (tests/test_import_set.py).
 
 A pipeline artifact (manifest `pipeline`, docs/pipelines.md) is provisioned member by member, every stage built and
-gated before any is loaded (a PipelineProvision), then served as one ModelRuntime carrying its secondary stages
+gated before any is loaded (a stage without validation crops of its own on those its FP32 parent cuts,
+engines.cascade.validation), then gated end to end against the FP32 pipeline (engines.cascade.pipeline_gate; a
+PipelineProvision), then served as one ModelRuntime carrying its secondary stages
 (engines.cascade.serving.PipelineRuntime): the frame path, the model slots and the swaps take it as any model.
 """
 
@@ -32,7 +34,9 @@ from agent.storage.state import state_db_path
 from agent.storage.health import storage_error
 from engines.backends.base import EngineOptions
 from engines.cascade.executor import Cascade, CascadeStage
+from engines.cascade.pipeline_gate import PipelineVerdict, judge, store_verdict, stored_verdict, verdict_key
 from engines.cascade.serving import PipelineRuntime
+from engines.cascade.validation import ReferenceRun, needs_calibration_crops, needs_parent_crops, parent_crops_dir
 from engines.runtime.build_curve import BuildCurve
 from engines.runtime.batching import choose_batch_size, planned_max_batch
 from kernel.errors import EdgeError
@@ -97,50 +101,124 @@ class ModelLoader:
         index in state.db cannot be written, against FILE_INDEX (module docstring).
 
         A pipeline: every member (the primary, then each stage, as a single model: `member_source`) is provisioned
-        and gated before any of them is loaded; a member that fails fails the whole pipeline, its message naming
-        the stage. Returns the primary's result carrying the stages' (PipelineProvision)."""
+        and gated before any of them is loaded, a stage that ships no validation crops on those its FP32 parent cuts
+        from the primary's validation frames (engines.cascade.validation); then the whole pipeline is gated end to
+        end against the FP32 pipeline on those frames (engines.cascade.pipeline_gate). A member that fails fails the
+        whole pipeline, its message naming the stage. Returns the primary's result carrying the stages' and the
+        end-to-end verdict (PipelineProvision)."""
         pipeline = source.manifest.pipeline
         if pipeline is None:
             return self._provision_one(source, on_progress, stop, self.max_batch())
         members: list[MemberProvision] = []
+        run: ReferenceRun | None = None
+        calibration: ReferenceRun | None = None
         for name in pipeline.names():
             member = member_source(source, name)
             primary = name == pipeline.primary
             top = self.max_batch() if primary else self.stage_max_batch(pipeline.stage(name).crop.max_per_frame)
+            crops_from = None
             try:
-                result = self._provision_one(member, _stage_progress(on_progress, name), stop, top)
+                validation_dir = calibration_dir = None
+                if not primary and needs_parent_crops(member.manifest):
+                    run = run or self._reference_run(source)
+                    validation_dir = parent_crops_dir(source, name, run, self.config.cache_dir)
+                    crops_from = pipeline.stage(name).parent
+                if not primary and needs_calibration_crops(member.manifest) and source.manifest.build.calibration:
+                    calibration = calibration or _calibration_run(source)
+                    calibration_dir = parent_crops_dir(source, name, calibration, self.config.cache_dir,
+                                                       required=False)
+                result = self._provision_one(member, _stage_progress(on_progress, name), stop, top,
+                                             validation_dir=validation_dir, live=primary,
+                                             calibration_dir=calibration_dir)
             except EdgeError as exc:
-                exc.args = (f"stage {name}: {exc}", *exc.args[1:])
+                judged = (f" (judged on the crops the FP32 {crops_from} cut from the primary's validation frames, "
+                          f"as stage {name} ships none of its own: ship crops for it, `validation` in its [[stages]] "
+                          "table, or primary frames that show what it is for)") if crops_from else ""
+                exc.args = (f"stage {name}: {exc}{judged}", *exc.args[1:])
                 raise
-            members.append(MemberProvision(name, member, result))
-        return PipelineProvision.of(members[0].provisioned, members[1:])
+            members.append(MemberProvision(name, member, result, crops_from))
+        provisioned = PipelineProvision.of(members[0].provisioned, members[1:])
+        provisioned.pipeline_gate = self._gate_pipeline(source, provisioned, run or self._reference_run(source),
+                                                        on_progress)
+        return provisioned
+
+    def _reference_run(self, source: ModelSource) -> ReferenceRun:
+        """The FP32 pipeline on the primary's validation frames (the set its own gate judged it on), run when first
+        asked for."""
+        from engines.build.validation_set import validation_set  # the build wing (module docstring)
+
+        assert source.manifest.pipeline is not None
+        primary = member_source(source, source.manifest.pipeline.primary)
+        frames = validation_set(primary, self.config.engines.validation_samples, live_frames_dir(self.config),
+                                self.config.gates.live_frames)
+        return ReferenceRun(source, frames.frames, frames.info)
+
+    def _gate_pipeline(self, source: ModelSource, provisioned: PipelineProvision, run: ReferenceRun,
+                       on_progress: Progress | None) -> PipelineVerdict:
+        """The end-to-end gate: the built pipeline (loaded as it will serve) against the FP32 pipeline on the
+        primary's validation frames; a verdict judged before with the same engines, frames and settings is reused.
+        Raises GATE_PIPELINE_ACCURACY (naming the stage that differs first) or GATE_NO_SIGNAL."""
+        pipeline = source.manifest.pipeline
+        assert pipeline is not None
+        engines = {pipeline.primary: provisioned.key, **{m.name: m.provisioned.key for m in provisioned.stages}}
+        key = verdict_key(source.manifest, engines, str(run.frames_info.get("sha256")))
+        verdict = stored_verdict(self.config.cache_dir, key)
+        if verdict is None:
+            reference = run.results()  # first: the FP32 sessions are closed before the built engines load
+            built = self._load_pipeline(source, provisioned, self._options(provisioned))
+            try:
+                results = built.cascade.run(run.frames())
+            finally:
+                built.close()
+            verdict = judge(pipeline, run.frames(), reference, results, label=source.label,
+                            frames_info=run.frames_info)
+            verdict.key = key
+            try:
+                store_verdict(self.config.cache_dir, verdict)
+            except OSError as exc:  # judged again next time; the verdict stands
+                log.warning("%s: the pipeline's end-to-end verdict could not be kept: %s", source.label, exc)
+        if on_progress is not None:
+            on_progress({"type": "pipeline.gate", "model": source.label, **verdict.to_dict()})
+        log.info("%s: end to end %s %s (min %.2f) on %d frame(s)%s", source.label, verdict.metric,
+                 "n/a" if verdict.agreement is None else f"{verdict.agreement:.3f}", verdict.min_agreement,
+                 verdict.frames, " (cached verdict)" if verdict.cached else "")
+        verdict.raise_if_failed()
+        return verdict
 
     def _provision_one(self, source: ModelSource, on_progress: Progress | None, stop: threading.Event | None,
-                       max_batch: int) -> ProvisionResult:
+                       max_batch: int, validation_dir: Path | None = None, live: bool = True,
+                       calibration_dir: Path | None = None) -> ProvisionResult:
         problem = "the state store takes no writes now"
         if self.index_writable():
             try:
-                return self._provision(source, state_db_path(self.config.state_dir), on_progress, stop, max_batch)
+                return self._provision(source, state_db_path(self.config.state_dir), on_progress, stop, max_batch,
+                                       validation_dir, live, calibration_dir)
             except (sqlite3.Error, OSError) as exc:
                 if not storage_error(exc):
                     raise
                 problem = f"the engine index cannot be written ({exc})"
         log.warning("%s: %s; provisioning from the cache's files", source.label, problem)
-        return self._provision(source, FILE_INDEX, on_progress, stop, max_batch)
+        return self._provision(source, FILE_INDEX, on_progress, stop, max_batch, validation_dir, live,
+                               calibration_dir)
 
     def _provision(self, source: ModelSource, db_path: Path, on_progress: Progress | None,
-                   stop: threading.Event | None, max_batch: int) -> ProvisionResult:
+                   stop: threading.Event | None, max_batch: int, validation_dir: Path | None = None,
+                   live: bool = True, calibration_dir: Path | None = None) -> ProvisionResult:
+        """`live` False: no camera frames join the gate's set (a secondary stage is fed crops, never frames; its
+        crops of the live frames come from the FP32 parent, `validation_dir`). `calibration_dir`: INT8 calibration
+        images other than the manifest's (a stage's crops cut by its FP32 parent)."""
         from engines.build.provisioning import provision  # the build wing, loaded when a provision runs (docstring)
 
         return provision(source, backend=self.config.model.backend, cache_dir=self.config.cache_dir,
-                         db_path=db_path, on_progress=on_progress,
+                         db_path=db_path, on_progress=on_progress, calibration_dir=calibration_dir,
                          timeout_s=self.config.deployments.build_timeout_s, stop_event=stop or self.stop_event,
                          workspace_mb=self.config.engines.workspace_mb,
                          validation_samples=self.config.engines.validation_samples,
                          latency_runs=self.config.engines.latency_runs, max_batch=max_batch,
                          fallback_rounds=self.config.engines.int8_fallback_rounds,
-                         live_frames_dir=live_frames_dir(self.config), live_frames=self.config.gates.live_frames,
-                         timing=serving_timing(self.config))
+                         live_frames_dir=live_frames_dir(self.config) if live else None,
+                         live_frames=self.config.gates.live_frames if live else 0,
+                         validation_dir=validation_dir, timing=serving_timing(self.config))
 
     def max_batch(self) -> int:
         """The batch the engine is built and timed for: `[batch] max_size` ("auto": up to
@@ -234,6 +312,7 @@ class MemberProvision:
     name: str
     source: ModelSource
     provisioned: ProvisionResult
+    crops_from: str | None = None  # judged on crops its FP32 parent (this stage) cut: it ships none of its own
 
 
 @dataclass
@@ -242,6 +321,7 @@ class PipelineProvision(ProvisionResult):
     the watch read it as any model's) plus each secondary stage's, all built and gated before any is loaded."""
 
     stages: list[MemberProvision] = field(default_factory=list)
+    pipeline_gate: PipelineVerdict | None = None  # the end-to-end gate's verdict (engines.cascade.pipeline_gate)
 
     @classmethod
     def of(cls, primary: ProvisionResult, stages: list[MemberProvision]) -> PipelineProvision:
@@ -250,12 +330,24 @@ class PipelineProvision(ProvisionResult):
         return cls(**values, stages=stages)
 
     def to_dict(self) -> dict[str, Any]:
-        """The primary's JSON form with `stages`: each stage's engine key, precision, cache hit and build time."""
-        out = ProvisionResult.to_dict(dataclasses.replace(self, stages=[]))
+        """The primary's JSON form with `stages` (each stage's engine key, precision, cache hit, build time and its
+        own gate's numbers) and `pipeline_gate` (the end-to-end verdict)."""
+        out = ProvisionResult.to_dict(dataclasses.replace(self, stages=[], pipeline_gate=None))
         out.pop("stages", None)
         out["stages"] = {s.name: {"key": s.provisioned.key, "precision": s.provisioned.precision,
-                                  "hit": s.provisioned.hit, "build_s": s.provisioned.build_s} for s in self.stages}
+                                  "hit": s.provisioned.hit, "build_s": s.provisioned.build_s,
+                                  "gate": _stage_gate(s)} for s in self.stages}
+        out["pipeline_gate"] = self.pipeline_gate.to_dict() if self.pipeline_gate is not None else None
         return out
+
+
+def _stage_gate(member: MemberProvision) -> dict[str, Any] | None:
+    """A stage's own gate in brief: its metric and value, on how many crops, and whose crops."""
+    verdict = member.provisioned.validation
+    if verdict is None:
+        return None
+    return {"metric": verdict.metric, "accuracy": round(verdict.accuracy, 4), "min_accuracy": verdict.min_accuracy,
+            "samples": verdict.samples, "crops_from": member.crops_from}
 
 
 def stage_batch(provisioned: ProvisionResult, top: int, latency_budget_ms: float | None) -> int:
@@ -268,6 +360,19 @@ def stage_batch(provisioned: ProvisionResult, top: int, latency_budget_ms: float
         return top
     pick = choose_batch_size(curve.curve, latency_budget_ms, top, spread=curve.spread, relative=curve.relative)
     return max(1, min(top, pick.size))
+
+
+def _calibration_run(source: ModelSource) -> ReferenceRun:
+    """The FP32 pipeline on the primary's calibration frames (`build.calibration`): a stage that builds INT8 without
+    calibration crops of its own is calibrated on the crops its FP32 parent cuts from them (never from the validation
+    frames, which must stay held out)."""
+    from engines.build import calibration as calib  # the build wing (module docstring)
+
+    primary = source.manifest.member(source.manifest.pipeline.primary) if source.manifest.pipeline else source.manifest
+    directory = str(primary.build.calibration)
+    found = calib.from_directory(source.root / directory)
+    return ReferenceRun(source, lambda: list(calib.frames(found, primary.preprocess)),
+                        {"source": f"calibration:{directory}", "count": found.count, "sha256": found.digest})
 
 
 def _stage_progress(on_progress: Progress | None, stage: str) -> Progress | None:

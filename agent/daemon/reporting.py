@@ -9,8 +9,8 @@ counters are read in one place (`LiveReport.live_snapshot`), so the shapes canno
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from agent.pipeline.summary import batch_numbers, camera_numbers, capture_totals
 
@@ -65,6 +65,7 @@ class LiveSnapshot:
     storage_failing: bool  # a state write has failed since the start
     last_results: list[Numbers]
     duration_s: float
+    models: dict[str, Numbers] | None = None  # each [models.NAME] lane's numbers; None: no [models] in use
 
     def summary(self) -> dict[str, Any]:
         """The run summary of docs/contract.md, with `cameras` per camera and the batch size in use."""
@@ -75,8 +76,12 @@ class LiveSnapshot:
             "batch": self.batch, "adapt": self.adapt, "live_frames": self.live_frames, "video": self.video,
             "shadow": self.shadow,  # a shadow deployment running
             "tracking": self.tracking,  # None while off; per camera counts, zones (docs/tracking.md)
-            "last_results": self.last_results, "duration_s": self.duration_s,
+            "last_results": self.last_results, "duration_s": self.duration_s, **self._models(),
         }
+
+    def _models(self) -> dict[str, Any]:
+        """`models` where `[models.NAME]` serve cameras; absent otherwise (the top-level numbers are [model]'s)."""
+        return {"models": self.models} if self.models is not None else {}
 
     def live_record(self) -> dict[str, Any]:
         """The record `edge-agent status` reads from the state store (agent.storage.state.LIVE_KEY)."""
@@ -86,6 +91,7 @@ class LiveSnapshot:
             "window_latency_ms": self.window_latency_ms, "errors": self.errors, "model": self.model,
             "cameras": self.cameras, "batch": self.batch, "deployment": self.deployment, "adapt": self.adapt,
             "storage": self.storage, "video": self.video, "shadow": self.shadow, "tracking": self.tracking,
+            **self._models(),
         }
 
 
@@ -95,6 +101,23 @@ class LiveSource(Protocol):
     def live_snapshot(self) -> LiveSnapshot:
         """The live numbers now."""
         ...
+
+
+class LaneView(Protocol):
+    """What the snapshot reads of one `[models.NAME]` lane (agent.daemon.model_lanes.ModelLane)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def path(self) -> FramePath: ...
+
+    @property
+    def loaded(self) -> LoadedModel | None: ...
+
+
+def _no_lanes() -> Sequence[LaneView]:
+    return ()
 
 
 @dataclass(frozen=True)
@@ -109,6 +132,7 @@ class LiveParts:
     live_frames: Callable[[], LiveFrameSampler | None]
     video: Callable[[], VideoService | None]
     tracking: Callable[[], TrackingHost]
+    lanes: Callable[[], Sequence[LaneView]] = field(default=_no_lanes)  # the [models.NAME] lanes (config order)
 
 
 class LiveReport:
@@ -126,9 +150,10 @@ class LiveReport:
         deployment = parts.deployment()
         active, adapt, shadow, tracking = parts.active(), parts.adapt(), parts.shadow(), parts.tracking()
         live_frames, video = parts.live_frames(), parts.video()
+        lanes = parts.lanes()
         now = time.monotonic()
         return LiveSnapshot(
-            ts=time.time(), monotonic=now, health=_health(path, storage, deployment),
+            ts=time.time(), monotonic=now, health=_health(path, storage, deployment, [lane.path for lane in lanes]),
             frames=stats.frames, fps=round(stats.fps(), 2), recent_fps=path.recent_fps(),
             dropped_frames=batcher.dropped if batcher is not None else 0, errors=stats.errors,
             latency_ms=stats.latency.summary(), stages_ms=stats.stage_means(),
@@ -145,16 +170,39 @@ class LiveReport:
             shadow_telemetry=shadow.telemetry() if shadow is not None and not shadow.done else None,
             tracking=tracking.status(), tracking_telemetry=tracking.telemetry(),
             storage=storage.status(), storage_failing=bool(storage.failures),
-            last_results=path.recent_results(), duration_s=round(now - stats.started, 2))
+            last_results=path.recent_results(), duration_s=round(now - stats.started, 2),
+            models={lane.name: lane_numbers(lane.path, lane.loaded) for lane in lanes} if lanes else None)
 
 
-def _health(path: FramePath, storage: StorageHealth, deployment: Numbers | None) -> str:
-    """online, degraded (inference failing, a camera down, state writes failing) or updating (a deployment)."""
+def lane_numbers(path: FramePath, loaded: LoadedModel | None) -> Numbers:
+    """One `[models.NAME]` lane in the snapshot: its model, cameras, batch size and counters since its start."""
+    stats, worker, batcher = path.stats, path.worker, path.batcher
+    return {"model": loaded.describe() if loaded is not None else {},
+            "label": loaded.source.label if loaded is not None else None,
+            "cameras": camera_numbers(worker, batcher, path.cameras), "batch": _batch_summary(path),
+            "frames": stats.frames, "fps": round(stats.fps(), 2), "recent_fps": path.recent_fps(),
+            "dropped_frames": batcher.dropped if batcher is not None else 0, "errors": stats.errors,
+            "latency_ms": stats.latency.summary(), "degraded": _path_degraded(path)}
+
+
+def _path_degraded(path: FramePath) -> bool:
+    """Inference failing, or a camera lost and not back."""
+    if path.worker is not None and path.worker.degraded:
+        return True
+    return path.cameras is not None and bool(path.cameras.any_lost())
+
+
+def _health(path: FramePath, storage: StorageHealth, deployment: Numbers | None,
+            lanes: Sequence[FramePath] = ()) -> str:
+    """online, degraded (inference failing, a camera down, state writes failing; on any model's frame path) or
+    updating (a deployment)."""
     if path.worker is not None and path.worker.degraded:
         return "degraded"
     if storage.degraded:
         return "degraded"
     if path.cameras is not None and path.cameras.any_lost():
+        return "degraded"
+    if any(_path_degraded(lane) for lane in lanes):
         return "degraded"
     if deployment and not deployment.get("watching"):
         return "updating"

@@ -1,5 +1,8 @@
 """The daemon's composition root: state store, model, frame path (agent.pipeline: cameras -> batcher ->
-inference worker), deployments, MQTT plane and control socket — started in order, stopped in reverse."""
+inference worker), deployments, MQTT plane and control socket — started in order, stopped in reverse.
+
+With `[models.NAME]` (per-camera models) what acts on the serving model sees `[model]`'s cameras only
+(`AgentConfig.lane_config()`); each other model serves its cameras on a lane (agent.daemon.model_lanes)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from agent.control.rate_limit import RateLimit
 from agent.daemon.adapt_host import AdaptHost
 from agent.daemon.control import AgentController, ControlParts
 from agent.daemon.frame_path import RECENT_FPS_WINDOW_S, FramePath, result_head
+from agent.daemon.model_lanes import ModelLanes
 from agent.daemon.model_loading import ModelLoader, live_frames_dir
 from agent.daemon.plane import AgentPlane
 from agent.daemon.reporting import LiveParts, LiveReport, LiveSnapshot
@@ -79,15 +83,20 @@ class Agent:
         self._startup_reclaimed: dict[str, Any] | None = None  # what a nearly full disk cost at start
         self._late_deployments: threading.Thread | None = None  # makes the deployment manager the store refused
         self.result_sinks = ResultSinks()  # each result: the record, adaptation, health, video, MQTT, shadow
-        self.frame_path = FramePath(config, self.stop_event, self.emit, self.result_sinks,
+        # [model]'s cameras (all of them without [models]): what the frame path, the loader and the swaps plan for
+        self.serving_config = config.lane_config()
+        self.frame_path = FramePath(self.serving_config, self.stop_event, self.emit, self.result_sinks,
                                     on_camera_restart=lambda camera: self.tracking.camera_restarted(camera))
+        # [models.NAME] in use, each on its own cameras (agent.daemon.model_lanes); empty without [models]
+        self.lanes = ModelLanes(config, self.stop_event, self.emit,
+                                on_camera_restart=lambda camera: self.tracking.camera_restarted(camera))
         self.report = LiveReport(self.frame_path, self.storage, self.result_sinks, LiveParts(
             active=lambda: self.slots.active, deployment=lambda: self.manager.status() if self.manager else None,
             adapt=lambda: self.adapt, shadow=lambda: self.shadow, live_frames=lambda: self.live_frames,
-            video=lambda: self.video, tracking=lambda: self.tracking))
+            video=lambda: self.video, tracking=lambda: self.tracking, lanes=self.lanes.views))
         self.control_parts = ControlParts(  # what the commands reach (agent.daemon.control)
             config=config, stop_event=self.stop_event, emit=self.emit, live_snapshot=self.report.live_snapshot,
-            restart_capture=self.frame_path.restart_capture, store=lambda: self.store,
+            restart_capture=self.restart_capture, store=lambda: self.store,
             deployments=lambda: self.deployments, manager=lambda: self.manager, previous=lambda: self.slots.previous,
             adapt=lambda: self.adapt, video=lambda: self.video, dispatcher=lambda: self.dispatcher,
             tracking=lambda: self.tracking)
@@ -266,6 +275,10 @@ class Agent:
         self._register_result_sinks()
         self.frame_path.start(active)
         self.video.start()
+        # [models.NAME] load while [model]'s cameras are served already (a TensorRT build takes minutes)
+        if self.lanes and not self.waits.until_done("the per-camera models", self._load_lanes):
+            return
+        self.lanes.start()
         self._adapt_do(lambda host: host.restart())  # a family: its other variants build in the background
         if deployments_ready and self.manager is not None:
             self.manager.start()
@@ -284,12 +297,13 @@ class Agent:
         """Deployment records, loader, adaptation, shadow, swaps and the command dispatcher (returned) over `store`."""
         cfg = self.config
         self.deployments = DeploymentStore(store)
-        self.loader = ModelLoader(cfg, self.stop_event, index_writable=lambda: not self.storage.degraded)
+        self.loader = ModelLoader(self.serving_config, self.stop_event, index_writable=self._index_writable)
         self.adapt_host = AdaptHost(self.slots, self.loader, cfg.adapt, cfg.engines.validation_samples, self.emit,
                                     store, self._sample_telemetry)
         self.shadow_host = ShadowHost(self.slots, self.loader, cfg.deployments, self._throttled, self._adapt_over_limit)
-        self.swaps = Swaps(cfg, self.slots, self.frame_path, self.loader, store, self.shadow_host, self.adapt_host,
-                           self.output_health, self.emit, self.stop_event, self._engine_progress)
+        self.swaps = Swaps(self.serving_config, self.slots, self.frame_path, self.loader, store, self.shadow_host,
+                           self.adapt_host, self.output_health, self.emit, self.stop_event, self._engine_progress,
+                           also_pinned=self.lanes.pinned)
         self.dispatcher = CommandDispatcher(AgentController(self.control_parts, on_set_config=self._set_live_config),
                                             state_db_path(cfg.state_dir), max_payload_bytes=cfg.mqtt.max_payload_bytes,
                                             deploy_rate=RateLimit(cfg.deployments.max_requests_per_minute, 60.0))
@@ -340,8 +354,18 @@ class Agent:
             plane.model_changed(loaded.describe())
 
     def restart_capture(self, camera: str | None = None) -> dict[str, Any]:
-        """Reopen every camera, or only `camera` (the `restart_pipeline` command; agent.daemon.frame_path)."""
-        return self.frame_path.restart_capture(camera)
+        """Reopen every camera, or only `camera` (the `restart_pipeline` command; agent.daemon.frame_path), on the
+        frame path that serves it."""
+        if not self.lanes:
+            return self.frame_path.restart_capture(camera)
+        return self.lanes.restart_capture(self.frame_path, camera)
+
+    def _index_writable(self) -> bool:
+        return not self.storage.degraded
+
+    def _load_lanes(self) -> None:
+        """Each `[models.NAME]` in use (agent.daemon.model_lanes); a storage wait retries only those not loaded."""
+        self.lanes.load(self._index_writable, self._engine_progress)
 
     def _load_initial(self) -> None:
         """The model to serve first (the active one when it still verifies); its records may wait for the store."""
@@ -381,6 +405,7 @@ class Agent:
         if plane is not None:  # masks' run lengths only for the results the rate limit lets out
             sinks.add("mqtt", self.tracking.results_sink(plane.on_result, result_head))  # with track ids
         sinks.add("shadow", self._offer_shadow)  # last: a share of the frames, into a one-slot mailbox; never waits
+        self.lanes.register_sinks(plane, self.video, self.tracking)
 
     def _offer_shadow(self, frame: Frame, result: InferenceResult, runtime: ModelRuntime) -> None:
         shadow = self.shadow  # read once: the deployment thread detaches it when the shadow ends
@@ -413,6 +438,7 @@ class Agent:
         self._adapt_do(lambda host: host.halt())
         if self.batcher is not None:
             self.batcher.close()
+        self.lanes.close_intake()
         if self.control_server is not None:
             self.control_server.stop()
             self.control_server = None
@@ -420,9 +446,11 @@ class Agent:
             self.video.stop()
         if self.cameras is not None:
             self.cameras.stop(JOIN_TIMEOUT_S)
+        self.lanes.stop_cameras(JOIN_TIMEOUT_S)
         if self.live_frames is not None:
             self.live_frames.close()
         self._join_workers()
+        self.lanes.join(JOIN_TIMEOUT_S)
         self.tracking.stop()  # no more results: its last events reach the outbox before the plane stops
         summary = self.summary()
         self._adapt_do(lambda host: host.stop())
@@ -430,6 +458,7 @@ class Agent:
             self.plane.stop()
             self.plane = None
         self.slots.close()
+        self.lanes.close()
         if self.dispatcher is not None:
             self.dispatcher.close()
         if self.store is not None:
@@ -457,7 +486,8 @@ class Agent:
         and the oldest half of the outbox's telemetry (agent.storage.reclaim); a `storage_reclaimed` event."""
         result = reclaim_running(self.config.state_dir / "artifacts" / "deployed", live_frames_dir(self.config),
                                  self.store.serving_models() if self.store is not None else None,
-                                 lambda pinned: collect_engine_cache(self.config, pinned, 0, self._engine_progress),
+                                 lambda pinned: collect_engine_cache(self.config, pinned | self.lanes.pinned(), 0,
+                                                                     self._engine_progress),
                                  self.plane.mqtt.outbox if self.plane is not None else None)
         self.emit("storage_reclaimed", **result.to_dict())
         return result.to_dict()

@@ -22,6 +22,7 @@ from agent.daemon.model_loading import ModelLoader
 from agent.daemon.shadow_host import ShadowHost
 from agent.deployments import watch as deployment_watch
 from agent.deployments.floors import FpsFloor, capacity_fps, fps_floors, refuse_unmeetable
+from agent.deployments.stage_watch import StageWatch
 from agent.deployments.store import Deployment, DeploymentStore
 from agent.pipeline.batch_size import batch_curve, stated_fps
 from agent.pipeline.output_health import OutputHealth
@@ -31,6 +32,7 @@ from agent.shadow.verdict import Verdict
 from agent.serving.slots import LoadedModel, ModelSlots
 from agent.storage.state import StateStore, state_db_path, validation_brief
 from agent.storage.reclaim import collect_engines
+from engines.cascade.serving import PipelineRuntime
 from engines.runtime.provisioned import ProvisionResult
 from kernel.errors import EdgeError
 from engines.model.source import ModelSource
@@ -47,10 +49,12 @@ class Swaps:
 
     def __init__(self, config: AgentConfig, slots: ModelSlots, frame_path: FramePath, loader: ModelLoader,
                  store: StateStore, shadow_host: ShadowHost, adapt_host: AdaptHost, output_health: OutputHealth,
-                 emit: Callable[..., None], stop_event: threading.Event, on_engine_progress: Progress) -> None:
+                 emit: Callable[..., None], stop_event: threading.Event, on_engine_progress: Progress,
+                 also_pinned: Callable[[], set[str]] = set) -> None:
         self.config, self.slots, self.frame_path, self.loader, self.store = config, slots, frame_path, loader, store
         self.shadow_host, self.adapt_host, self.output_health = shadow_host, adapt_host, output_health
         self.emit, self.stop_event, self.on_engine_progress = emit, stop_event, on_engine_progress
+        self.also_pinned = also_pinned  # the [models.NAME] lanes' engines (agent.daemon.model_lanes)
         self.last_swap: dict[str, Any] = {}
 
     def fps_floors(self, source: ModelSource, provisioned: ProvisionResult) -> dict[str, FpsFloor]:
@@ -136,16 +140,17 @@ class Swaps:
         assert worker is not None and cameras is not None and self.slots.active is not None
         budget = self.slots.active.source.manifest.gates.latency_budget_ms
         floors = self.fps_floors(self.slots.active.source, self.slots.active.provisioned)
+        stages = stage_watch(self.slots.active)
         violation = deployment_watch.watch_model(
             worker, cameras, self.config.deployments, budget, stop, floors,
             still_current=lambda: self.slots.active is not None and self.slots.active.deployment_ok(dep),
-            health=self.output_health, window_s=window_s)
+            health=self.output_health, window_s=window_s, stages=stages)
         if violation is not None:
             violation["swap_gap_ms"] = self.last_swap.get("gap_ms")
             return violation
         if not stop.is_set() and self.slots.active.deployment_ok(dep):
             self.emit("watch_passed", deployment_id=dep.id, swap_gap_ms=self.last_swap.get("gap_ms"),
-                      **deployment_watch.watch_summary(worker, floors, self.output_health))
+                      **deployment_watch.watch_summary(worker, floors, self.output_health, stages))
         self.adapt_host.release()  # the new family builds its variants and switches only now
         return None
 
@@ -191,8 +196,9 @@ class Swaps:
         return result
 
     def collect_engines(self, pinned: set[str], budget_bytes: int | None = None) -> GcReport:
-        """Engine cache GC after a deployment, to `[engines] cache_budget_mb`, never the `pinned` models' engines."""
-        return collect_engine_cache(self.config, pinned, budget_bytes, self.on_engine_progress)
+        """Engine cache GC after a deployment, to `[engines] cache_budget_mb`, never the `pinned` models' engines nor
+        those the other lanes serve."""
+        return collect_engine_cache(self.config, pinned | self.also_pinned(), budget_bytes, self.on_engine_progress)
 
 
 def collect_engine_cache(config: AgentConfig, pinned: set[str], budget_bytes: int | None,
@@ -201,6 +207,17 @@ def collect_engine_cache(config: AgentConfig, pinned: set[str], budget_bytes: in
     (`budget_bytes` None), on a full disk to 0."""
     budget = config.engines.cache_budget_mb * 2**20 if budget_bytes is None else budget_bytes
     return collect_engines(config.cache_dir, state_db_path(config.state_dir), pinned, budget, on_progress)
+
+
+def stage_watch(loaded: LoadedModel) -> StageWatch | None:
+    """The watch of a pipeline's secondary stages, each held to its own member manifest's
+    `gates.latency_budget_ms`; None for a single model (its watch is unchanged)."""
+    pipeline = loaded.source.manifest.pipeline
+    if pipeline is None or not isinstance(loaded.runtime, PipelineRuntime):
+        return None
+    manifest = loaded.source.manifest
+    return StageWatch(loaded.runtime, {s.name: manifest.member(s.name).gates.latency_budget_ms
+                                       for s in pipeline.stages})
 
 
 def record_active(store: StateStore, loaded: LoadedModel, deployment_id: str | None = None) -> None:

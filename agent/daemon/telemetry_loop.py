@@ -192,6 +192,7 @@ class PrometheusExporter:
         self.shadow_skipped = gauge("edge_agent_shadow_skipped_frames", "Frames of the shadow's share it did not "
                                     "compare (busy, cost, serving pressure, throttling, loading)", ("model",))
         self.tracking = TrackingGauges(gauge)
+        self.stages = StageGauges(gauge)
         self.server, self.thread = prom.start_http_server(port, addr=bind, registry=self.registry)
 
     def __call__(self, sample: dict[str, Any]) -> None:
@@ -216,6 +217,7 @@ class PrometheusExporter:
                 self.batch_cost.labels(size, (batch.get("origin") or {}).get(size, "live")).set(cost)
         self._shadow(sample.get("shadow"))
         self.tracking.update(sample.get("tracking"))
+        self.stages.update((sample.get("model") or {}).get("stages"))
         for name, cam in (sample.get("cameras") or {}).items():
             self.camera_fps.labels(name).set(cam.get("fps", 0))
             self.camera_frames.labels(name).set(cam.get("frames", 0))
@@ -284,3 +286,45 @@ class TrackingGauges:
                 for direction, per_class in directions.items():
                     for name, value in per_class.items():
                         self.line.labels(camera, line, name, direction).set(value)
+
+
+STAGE_STEPS = ("preprocess", "infer", "postprocess")
+
+
+class StageGauges:
+    """A serving pipeline's secondary stages (telemetry's `model.stages`, docs/pipelines.md) as gauges: counts and
+    summed times since the pipeline was loaded, cleared and set again from each sample, so a single model (or a
+    pipeline swapped out, or a stage it no longer has) leaves no series behind."""
+
+    def __init__(self, gauge: Callable[..., Any]) -> None:
+        self.frames = gauge("edge_agent_stage_frames", "Frames that had crops for a pipeline stage since the "
+                            "pipeline was loaded", ("stage",))
+        self.crops = gauge("edge_agent_stage_crops", "Crops a pipeline stage ran since the pipeline was loaded",
+                           ("stage",))
+        self.dropped = gauge("edge_agent_stage_dropped_crops", "Crops a pipeline stage dropped since the pipeline "
+                             "was loaded: their chunk could not start before the pipeline's latency budget", ("stage",))
+        self.calls = gauge("edge_agent_stage_calls", "Engine calls of a pipeline stage since the pipeline was loaded",
+                           ("stage",))
+        self.time = gauge("edge_agent_stage_time_ms", "Milliseconds a pipeline stage spent since the pipeline was "
+                          "loaded, by step: preprocess (cutting crops, filling the batch), infer, postprocess "
+                          "(decoding, attaching, compositing)", ("stage", "step"))
+        self.per_frame = gauge("edge_agent_stage_ms_per_frame", "A pipeline stage's mean time on a frame that had "
+                               "crops for it, since the pipeline was loaded", ("stage",))
+        self.batch = gauge("edge_agent_stage_batch", "Crops per engine call of a pipeline stage", ("stage",))
+
+    def update(self, stages: dict[str, dict[str, Any]] | None) -> None:
+        """Set every series from the `model` object's `stages` (absent: a single model serves, no series)."""
+        gauges = (self.frames, self.crops, self.dropped, self.calls, self.time, self.per_frame, self.batch)
+        for gauge in gauges:
+            gauge.clear()
+        for stage, numbers in (stages or {}).items():
+            for gauge, key in ((self.frames, "frames"), (self.crops, "crops"), (self.dropped, "dropped"),
+                               (self.calls, "calls")):
+                gauge.labels(stage).set(numbers.get(key) or 0)
+            for step in STAGE_STEPS:
+                if numbers.get(f"{step}_ms") is not None:
+                    self.time.labels(stage, step).set(numbers[f"{step}_ms"])
+            if numbers.get("ms_per_frame") is not None:  # no frame with crops yet: absent, never zero
+                self.per_frame.labels(stage).set(numbers["ms_per_frame"])
+            if numbers.get("batch") is not None:
+                self.batch.labels(stage).set(numbers["batch"])

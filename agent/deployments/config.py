@@ -39,6 +39,11 @@ class DeploymentConfig(BaseModel):
         30, ge=1, le=300, description="Frames of the previous model's history on a camera needed to judge a collapse "
         "there (its last 300 are kept).",
     )
+    watch_max_stage_drop_ratio: float = Field(
+        0.05, ge=0, le=1, description="A pipeline's watch: WATCH_CROP_DROPS when a secondary stage dropped more than "
+        "this share of its crops (dropped / (run + dropped), since the swap, from watch_min_frames crops): its chunks "
+        "could not start before the pipeline's gates.latency_budget_ms. 1 = off.",
+    )
     min_fps: float = Field(
         0.0, ge=0, description="Absolute fps floor per camera during the watch window (0 = off); the manifest's "
         "gates.min_fps takes precedence. A model that cannot reach it here is refused before activation (GATE_FPS).",

@@ -34,7 +34,7 @@ from agent.storage.state import StateStore
 from agent.storage.reclaim import tree_size
 from agent.base.testhooks import pause_point
 from agent.base.wire_errors import internal_error
-from kernel.errors import EdgeError, ModelError
+from kernel.errors import EdgeError
 from engines.model.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from engines.model.source import ModelSource
 
@@ -313,9 +313,8 @@ class DeploymentManager(threading.Thread):
         self._step(dep, "verifying", artifact_dir=str(path))
         # fetch already verified everything; this re-hash proves the published directory, not the download
         source = verify_artifact(path, self.artifacts, check_model=False)
-        if shadow:
-            refuse_pipeline_shadow(source)
-            self.host.check_shadow(source)  # before a build that could take half an hour for nothing
+        if shadow:  # before a build that could take half an hour for nothing (a pipeline beside a single model, too)
+            self.host.check_shadow(source)
         m = source.manifest
         self._step(dep, "building", model_name=m.name, model_version=m.version, sha256=source.sha256)
         provisioned = self.host.provision(source, self._progress(dep), self.stop_event)
@@ -467,7 +466,7 @@ def _pinned(state: StateStore) -> set[str]:
 
 def _engine_summary(provisioned: ProvisionResult) -> dict[str, Any]:
     data = provisioned.to_dict()
-    keep = ("key", "backend", "precision", "hit", "build_s", "stages")
+    keep = ("key", "backend", "precision", "hit", "build_s", "stages", "pipeline_gate")
     out = {k: data.get(k) for k in keep if k in data}
     if data.get("validation"):
         out["validation"] = data["validation"]
@@ -476,15 +475,3 @@ def _engine_summary(provisioned: ProvisionResult) -> dict[str, Any]:
 
 def _small(value: Any) -> bool:
     return isinstance(value, (int, float, str, bool)) or value is None
-
-
-def refuse_pipeline_shadow(source: ModelSource) -> None:
-    """A shadow deployment of a pipeline would compare the primary stages' detections alone, not the pipeline's
-    end-to-end results (texts, attributes, composited frames): refused before any build rather than judged on half
-    of it (docs/pipelines.md). Deploy the pipeline directly: its swap is atomic and its watch can roll it back."""
-    pipeline = source.manifest.pipeline
-    if pipeline is not None:
-        stages = ", ".join([pipeline.primary, *(s.name for s in pipeline.stages)])
-        raise ModelError(f"{source.label} is a pipeline ({stages}): a shadow deployment compares one model's results, "
-                         "and a pipeline's end-to-end comparison is not built yet; deploy it without --mode shadow "
-                         "(the swap is atomic and the watch rolls it back)", code="PIPELINE_UNSUPPORTED")

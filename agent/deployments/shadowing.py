@@ -14,12 +14,12 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from agent.deployments.store import Deployment, DeploymentStore
+from agent.shadow.pipeline_agreement import shadow_metric
 from agent.shadow.plan import ShadowArgs, ShadowPlan, resolve
 from agent.shadow.session import ShadowSession
 from agent.shadow.verdict import Verdict
 from agent.base.testhooks import pause_point
 from kernel.errors import EdgeError
-from engines.evaluation.live_agreement import live_metric
 from engines.model.source import ModelSource
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class ShadowStage:
         plan = resolve(args, source.manifest.shadow)
         serving = self.host.serving_label()
         started = {"model": source.label, "active_model": serving,
-                   "metric": live_metric(source.manifest.postprocess.kind), **plan.to_dict()}
+                   "metric": shadow_metric(source.manifest), **plan.to_dict()}
         step(dep, "shadowing", details={"shadow": {"plan": plan.to_dict(), "active_model": serving}})
         self._wake.clear()
         session = self.host.start_shadow(source, provisioned, dep, plan, lambda _verdict: self._wake.set())

@@ -10,7 +10,10 @@ The new model is judged on its own terms (issue 27):
   camera's rate, or an absolute floor from the manifest or config — never another model's fps;
 - its outputs on each camera are compared with the previous model's recent outputs there
   (agent.pipeline.output_health): a model that finds nothing where the old one found things is
-  rolled back with WATCH_OUTPUT_COLLAPSE, however fast it is.
+  rolled back with WATCH_OUTPUT_COLLAPSE, however fast it is;
+- a pipeline's end-to-end latency is the glass-to-result latency above (its stages run before the result is
+  out), and each secondary stage is judged too (agent.deployments.stage_watch): its latency against its own
+  budget, its dropped crops against `watch_max_stage_drop_ratio`; the verdict names the stage.
 
 Every verdict carries `limit`, `value`, `statistic`, `window_s` and `frames`, the numbers it was judged on.
 
@@ -27,6 +30,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from agent.deployments.config import DeploymentConfig
 from agent.deployments.floors import FpsFloor
+from agent.deployments.stage_watch import StageWatch
 from agent.pipeline.output_health import OutputHealth
 from agent.pipeline.frame_stats import FrameStats
 
@@ -171,19 +175,26 @@ def _starved(window: FrameStats | None, model_window: FrameStats, config: Deploy
 def watch_model(worker: WatchedWorker, cameras: WatchedCameras, config: DeploymentConfig, budget_ms: float | None,
                 stop: threading.Event, floors: Mapping[str, FpsFloor],
                 still_current: Callable[[], bool], health: OutputHealth | None = None,
-                window_s: float | None = None) -> dict[str, Any] | None:
+                window_s: float | None = None, stages: StageWatch | None = None) -> dict[str, Any] | None:
     """Poll until the window (`window_s`, else `watch_window_s`; a resumed watch has what was left) ends, the
-    model is replaced, or a limit is broken on any camera; the window's last poll is at its deadline, so a
-    model judged only late in the window is still judged."""
+    model is replaced, or a limit is broken on any camera or, for a pipeline (`stages`), by any secondary stage;
+    the window's last poll is at its deadline, so a model judged only late in the window is still judged. A
+    pipeline's verdict carries every stage's numbers (`stages`), whichever limit it broke."""
     window = config.watch_window_s if window_s is None else window_s
     deadline = time.monotonic() + window
     if config.watch_min_s > window:  # a short window is judged at its end
         config = config.model_copy(update={"watch_min_s": window})
     while still_current():
         last = time.monotonic() >= deadline
+        if stages is not None:
+            stages.observe()
         violation = judge_cameras(worker, cameras, config, budget_ms, floors, health=health)
+        if violation is None and stages is not None:
+            violation = stages.judge(config, window_age(worker.window))
         if violation is not None:
             violation["excluded_frames"] = worker.window.excluded
+            if stages is not None:
+                violation.setdefault("stages", stages.numbers())
             return violation
         if last or stop.wait(min(POLL_S, max(0.0, deadline - time.monotonic()))):
             return None
@@ -191,8 +202,9 @@ def watch_model(worker: WatchedWorker, cameras: WatchedCameras, config: Deployme
 
 
 def watch_summary(worker: WatchedWorker, floors: Mapping[str, FpsFloor],
-                  health: OutputHealth | None = None) -> dict[str, Any]:
-    """What a passed watch saw per camera (the `watch_passed` event): frames, fps, latency, floor, outputs."""
+                  health: OutputHealth | None = None, stages: StageWatch | None = None) -> dict[str, Any]:
+    """What a passed watch saw per camera (the `watch_passed` event): frames, fps, latency, floor, outputs; and
+    per secondary stage of a pipeline, its crops, drops and latency."""
     now = time.monotonic()
     cameras = {}
     for name, window in worker.camera_windows.items():
@@ -205,7 +217,7 @@ def watch_summary(worker: WatchedWorker, floors: Mapping[str, FpsFloor],
                          **({"floor_from": floor.to_dict()} if floor else {}),
                          **({"outputs": health.numbers(name)} if health is not None else {})}
     return {"window_s": round(window_age(worker.window, now), 2), "excluded_frames": worker.window.excluded,
-            "cameras": cameras}
+            "cameras": cameras, **({"stages": stages.numbers()} if stages is not None else {})}
 
 
 WINDOW_KEY = "watch_window"  # the key of WatchWindow in a deployment's details

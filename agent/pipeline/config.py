@@ -1,4 +1,5 @@
-"""Config of the frame path: the camera list (`[[cameras]]` or the one-camera `[camera]`) and `[batch]`.
+"""Config of the frame path: the camera list (`[[cameras]]` or the one-camera `[camera]`), which model serves each
+camera (`model`, naming a `[models.NAME]` table) and `[batch]`.
 
 `AgentConfig` (agent.config.tree) holds these fields; the rules that tie them together live here so the
 frame path's settings are read in one place.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Union
+from typing import TYPE_CHECKING, Any, Collection, Literal, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -119,3 +120,34 @@ def _set_by(environ: Mapping[str, str]) -> str:
     parts = ([f"[camera] by the environment ({', '.join(camera)})"] if camera else []) + \
             ([f"[[cameras]] by the environment ({', '.join(cameras)})"] if cameras else [])
     return f" ({'; '.join(parts)}; unset it to use the file)" if parts else ""
+
+
+def check_camera_models(camera: SourceConfigBase, cameras: list[SourceConfigBase], models: Collection[str]) -> None:
+    """Every camera's `model` names a `[models.NAME]` table, every such table serves some camera, and `[model]`
+    serves at least one camera (deployments act on it, docs/pipelines.md); raises ValueError naming the camera
+    and the model."""
+    resolved = [(f"cameras[{i}]", cam) for i, cam in enumerate(cameras)] if cameras else [("camera", camera)]
+    defined = sorted(models)
+    for where, cam in resolved:
+        if cam.model is not None and cam.model not in models:
+            known = f"the models defined are {', '.join(defined)}" if defined else "no [models.NAME] table is defined"
+            raise ValueError(f"{where}.model: camera {cam.name!r} names model {cam.model!r}, which is not defined "
+                             f"({known}); add a [models.{cam.model}] table with its path, or leave `model` unset "
+                             "to serve the camera with [model]")
+    used = {cam.model for _, cam in resolved}
+    unused = [name for name in defined if name not in used]
+    if unused:
+        raise ValueError(f"models.{unused[0]} serves no camera: name it in a camera's `model` "
+                         f"(model = {json.dumps(unused[0])}) or remove the table")
+    if None not in used:
+        raise ValueError("every camera names a model in `model`, so [model] would serve none: leave `model` unset on "
+                         "at least one camera (deployments, rollbacks and adaptation act on [model]'s cameras)")
+
+
+def model_lanes(camera: SourceConfigBase, cameras: list[SourceConfigBase]) -> dict[str | None, list[SourceConfigBase]]:
+    """The cameras of each model in use, in config order: None for `[model]`'s (first), then each named model's in
+    the order its first camera comes."""
+    lanes: dict[str | None, list[SourceConfigBase]] = {None: []}
+    for cam in cameras or [camera]:
+        lanes.setdefault(cam.model, []).append(cam)
+    return lanes

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from agent.shadow.pipeline_candidate import PipelineLoad
 from engines.backends.base import EngineOptions
 from kernel.errors import EdgeError
 from engines.model.source import ModelSource
@@ -31,6 +32,7 @@ from engines.runtime.state_inputs import DEFAULT_STREAM
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1
+EXIT_WAIT_S = 15.0  # for a dead worker's exit status (only on the failure path)
 FRAME_TIMEOUT_S = 60.0  # a candidate this slow on one frame is broken, not busy
 CLOSE_TIMEOUT_S = 5.0
 
@@ -49,7 +51,7 @@ class CandidateProcess:
     """One candidate in its own process, driven from one thread (the shadow's): frames, then `close`."""
 
     def __init__(self, source: ModelSource, provisioned: ProvisionResult, options: EngineOptions, warmup_runs: int,
-                 halt: threading.Event) -> None:
+                 halt: threading.Event, pipeline: PipelineLoad | None = None) -> None:
         self._halt = halt
         self.pid: int | None = None
         self.priority = "normal"
@@ -59,7 +61,8 @@ class CandidateProcess:
         theirs.close()
         self._conn = Connection(ours.detach())
         self._closed = False
-        self._conn.send({"source": source, "provisioned": provisioned, "options": options, "warmup_runs": warmup_runs})
+        setup = {"source": source, "provisioned": provisioned, "options": options, "warmup_runs": warmup_runs}
+        self._conn.send({**setup, "pipeline": pipeline} if pipeline is not None else setup)
 
     def wait_ready(self) -> "CandidateProcess":
         """Block until the worker says it is loaded (or could not load: CandidateProcessError; the caller closes)."""
@@ -100,9 +103,10 @@ class CandidateProcess:
                 raise CandidateProcessError(f"the candidate took over {timeout:.0f} s {doing}")
 
     def _exit(self) -> str:
-        """How the worker ended; asked once its socket closed, so it is (or is about to be) gone."""
+        """How the worker ended; asked once its socket closed, so it is (or is about to be) gone. A killed worker's
+        socket closes before it is reaped, and at SCHED_IDLE on a saturated CPU that last step can wait seconds."""
         try:
-            code = self._proc.wait(1.0)
+            code = self._proc.wait(EXIT_WAIT_S)
         except subprocess.TimeoutExpired:
             return "still running"
         return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
@@ -131,9 +135,10 @@ class CandidateProcess:
 
 
 def start_candidate(source: ModelSource, provisioned: ProvisionResult, options: EngineOptions, warmup_runs: int,
-                    halt: threading.Event) -> CandidateProcess:
-    """A loaded, warmed candidate in its own process (CandidateProcessError when it cannot load)."""
-    candidate = CandidateProcess(source, provisioned, options, warmup_runs, halt)
+                    halt: threading.Event, pipeline: PipelineLoad | None = None) -> CandidateProcess:
+    """A loaded, warmed candidate in its own process (CandidateProcessError when it cannot load); `pipeline`: every
+    stage of a pipeline, run whole on each frame (agent.shadow.pipeline_candidate)."""
+    candidate = CandidateProcess(source, provisioned, options, warmup_runs, halt, pipeline)
     try:
         return candidate.wait_ready()
     except BaseException:

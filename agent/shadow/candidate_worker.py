@@ -7,7 +7,8 @@ thread only passes frames and results.
 
 The protocol, over the connected socket FD (multiprocessing.connection framing; agent/shadow/candidate_process.py
 is the other end):
-  agent -> worker  {"source", "provisioned", "options", "warmup_runs"}     once, first
+  agent -> worker  {"source", "provisioned", "options", "warmup_runs"[, "pipeline"]}   once, first (a pipeline:
+                   a PipelineLoad, every stage loaded and run whole on each frame)
   worker -> agent  ("ready", {"pid", "priority"}) | ("error", "Type: message")
   agent -> worker  ("frame", shape, dtype, stream) then the frame's bytes  per frame (stream: the camera)
   worker -> agent  ("result", InferenceResult, StageTimes) | ("failed", "Type: message")
@@ -45,14 +46,24 @@ def _frame(conn: Connection, shape: tuple[int, ...], dtype: str, buffer: bytearr
     return np.frombuffer(buffer, dtype=dtype, count=count).reshape(shape), buffer
 
 
+def _load(setup: dict[str, Any]) -> Any:
+    """The candidate's runtime: one model, or every stage of a pipeline (imported after the priority: an import
+    starts nothing, the load does)."""
+    if setup.get("pipeline") is not None:
+        from agent.shadow.pipeline_candidate import load_pipeline
+
+        return load_pipeline(setup["pipeline"])
+    from engines.build.provisioning import load_warm  # an engine that no longer loads is quarantined in the cache
+
+    return load_warm(setup["provisioned"], setup["source"], setup["options"], int(setup["warmup_runs"]))
+
+
 def serve(conn: Connection) -> int:
     """Load the candidate, then answer frames until told to close or the agent's end of the socket closes."""
     priority = lower_priority()  # before the load: the engine's threads inherit it
     try:
         setup: dict[str, Any] = conn.recv()
-        from engines.build.provisioning import load_warm  # after the priority: its import starts nothing, the load does
-
-        runtime = load_warm(setup["provisioned"], setup["source"], setup["options"], int(setup["warmup_runs"]))
+        runtime = _load(setup)
     except EOFError:
         return 0
     except Exception as exc:

@@ -26,6 +26,7 @@ import numpy as np
 from agent.pipeline.histogram import LatencyHistogram
 from agent.shadow.agreement import ShadowAgreement
 from agent.shadow.candidate_process import CandidateHalted, CandidateProcess
+from agent.shadow.pipeline_agreement import PipelineComparison
 from agent.shadow.plan import ShadowPlan
 from agent.shadow.priority import SHADOW_NICE, lower_priority
 from agent.shadow.pressure import ServingPressure, TimeShare
@@ -56,6 +57,12 @@ class ShadowModel:
     labels: tuple[str, ...] | None
     budget_ms: float | None
     load: Callable[[threading.Event], Candidate]
+    # two pipelines: compared end to end (agent.shadow.pipeline_agreement); `kind` is then the primary's (health)
+    pipeline: PipelineComparison | None = None
+
+    def metric(self) -> str:
+        """The name of what the agreement measures (the report's `metric`)."""
+        return f"end_to_end_{self.pipeline.metric}" if self.pipeline is not None else live_metric(self.kind)
 
 
 @dataclass
@@ -81,7 +88,7 @@ class ShadowSession(threading.Thread):
         super().__init__(name="shadow", daemon=True)
         self.model, self.plan, self.pressure = model, plan, pressure
         self.serving_label = serving_label
-        self.agreement = ShadowAgreement(model.kind, model.labels, plan.window_frames)
+        self.agreement = ShadowAgreement(model.kind, model.labels, plan.window_frames, model.pipeline)
         self.time_share = TimeShare(plan.share)
         self.candidate_ms = LatencyHistogram()
         self.verdict: Verdict | None = None
@@ -216,11 +223,15 @@ class ShadowSession(threading.Thread):
                 f"the candidate failed on a frame of camera {offer.camera}: {type(exc).__name__}: {exc}"[:500],
             )
         self.time_share.spend(time.perf_counter() - started)
-        self.candidate_ms.record(times.infer)
+        # a pipeline's latency is end to end: its secondary stages run in its postprocessing (PipelineRuntime.run)
+        if self.model.pipeline is None:
+            self.candidate_ms.record(times.infer)
+        else:
+            self.candidate_ms.record(times.preprocess + times.infer + times.postprocess)
         if offer.serving != self._windows_serving:  # the first frame the new serving model delivered: windows afresh
             self.agreement.restart_windows()  # here, not on the results thread: its lock is shared with this one
             self._windows_serving = offer.serving
-        self.agreement.add(offer.camera, offer.result, result)
+        self.agreement.add(offer.camera, offer.result, result, offer.image)
         return judge(self.plan, self.model.kind, self.agreement.numbers(), self.candidate_ms.percentile(99),
                      self.model.budget_ms)
 
@@ -239,7 +250,8 @@ class ShadowSession(threading.Thread):
         latency = _latency(self.candidate_ms)
         p99 = self.pressure.p99()
         return {"deployment_id": self.model.deployment_id, "model": self.model.label,
-                "active_model": self.serving_label, "metric": live_metric(self.model.kind), **numbers,
+                "active_model": self.serving_label, "metric": self.model.metric(), **numbers,
+                **({"pipeline": self.model.pipeline.to_dict()} if self.model.pipeline is not None else {}),
                 "share": round(self.plan.share, 6), "offered": counts.offered, "skipped": dict(counts.skipped),
                 "skipped_total": sum(counts.skipped.values()),
                 "candidate_ms": latency, "active_p99_ms": None if p99 is None else round(p99, 3),

@@ -41,7 +41,7 @@ def _floor(plan: ShadowPlan, kind: str, numbers: dict[str, Any]) -> Verdict | No
         return Verdict("cancelled", "SHADOW_AGREEMENT",
                        f"agreement {window:.3f} over the last {numbers['window_frames']} frames is below the floor "
                        f"{floor.agreement:g} (cancel_below.agreement); {frames} frames compared, "
-                       f"{_fmt(numbers['agreement'])} in total")
+                       f"{_fmt(numbers['agreement'])} in total{stage_note(numbers)}")
     health = numbers.get("health") or {}
     serving = (health.get("serving") or {}).get("detection_rate")
     rate = health.get("detection_rate")
@@ -87,6 +87,18 @@ def has_signal(kind: str, numbers: dict[str, Any]) -> bool:
     if kind == "raw":
         return serving.get("output_spread", 0.0) > 0
     return True
+
+
+def stage_note(numbers: dict[str, Any]) -> str:
+    """A pipeline's weakest judged stage over the window (its end-to-end agreement is the verdict's number, the
+    stage says where to look); empty for a single model or before any stage was compared."""
+    stages = numbers.get("stages") or {}
+    judged = [(name, n.get("window_agreement")) for name, n in stages.items() if n.get("judged")]
+    judged = [(name, value) for name, value in judged if value is not None]
+    if not judged:
+        return ""
+    name, value = min(judged, key=lambda item: item[1])
+    return f"; the stage agreeing least over the window: {name} ({value:.3f})"
 
 
 def _fmt(value: float | None) -> str:

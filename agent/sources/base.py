@@ -29,6 +29,11 @@ class SourceConfigBase(BaseModel):
     name: str = Field("cam0", pattern=CAMERA_NAME_PATTERN, description="Camera name in events and telemetry.")
     reopen_initial_s: float = Field(0.5, gt=0, le=60, description="First delay before reopening a failed source.")
     reopen_max_s: float = Field(30.0, gt=0, le=3600, description="Cap of the exponential reopen backoff.")
+    model: str | None = Field(
+        None, pattern=CAMERA_NAME_PATTERN, description="The model serving this camera: the NAME of a "
+        "`[models.NAME]` table (docs/pipelines.md, per-camera models). Unset: `[model]`, which deployments, "
+        "rollbacks, shadows and adaptation act on; cameras of one model are batched together.",
+    )
 
 
 @dataclass

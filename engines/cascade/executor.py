@@ -16,28 +16,33 @@ stage ("orient") also turns the crop that LATER stages with the same parent see;
 Bounded: at most `crop.max_per_frame` crops per frame and stage, and a `deadline` (time.monotonic seconds) per
 call: a chunk of crops that cannot start before it is not run; its crops, and those of every later stage, are
 counted as dropped (never waited for). The primary always runs: a frame without its detections is lost.
+
+`workers` > 1 runs a stage's chunks on that many threads side by side (the calling thread and `workers - 1` started
+for the stage's call and joined before it returns, so a cascade holds no thread between calls), each with its own
+input tensor and preprocessor, taking the chunks in order; the chunks' results are then decoded and applied in
+crop order on the calling thread, so results never depend on it. It pays where one engine call leaves cores idle:
+ONNX Runtime sessions of one intra-op thread each on a multi-core CPU (`[model] threads = 1`), whose calls run
+at once (a session's `run` is thread-safe and releases the GIL). Default 1: one chunk after another.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from engines.cascade.stage_rules import check_stages
 from engines.cascade.crops import CropFields, CropRule, Region, box_region, composite, cut_turned, select, turn
 from engines.model.preprocess import FrameTransform, Preprocessor
 from engines.postprocess.base import Detection, InferenceResult, Postprocessor
-from engines.runtime.batch_curve import measure_curve
-from engines.runtime.batching import BatchPick, choose_batch_size
-from engines.runtime.model_runtime import ModelRuntime
-from kernel.errors import BatchSizeError, EdgeError, ModelError
+from kernel.errors import BatchSizeError, EdgeError
 
 log = logging.getLogger(__name__)
 
-OUTPUTS = ("attach", "orient", "composite")
 
 
 class StageFields(Protocol):
@@ -140,13 +145,29 @@ class _Crop:
     region: Region | None  # a box crop's frame pixels (a polygon crop has none)
 
 
+@dataclass
+class _Chunk:
+    """A chunk of crops run by a worker: each crop's transform, the engine's outputs (rows in crop order), the
+    engine calls they took, and the worker's seconds."""
+
+    transforms: list[FrameTransform]
+    outputs: list[np.ndarray]
+    calls: int
+    preprocess_s: float
+    infer_s: float
+
+
 class Cascade:
     """A primary model and its secondary stages, run on lists of frames (`run`), one call at a time (the stages'
     input tensors are reused by every call)."""
 
     def __init__(self, primary_name: str, primary: StageRuntime, stages: Sequence[CascadeStage],
-                 clock: Callable[[], float] = time.monotonic, primary_batch: int | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, primary_batch: int | None = None,
+                 workers: int = 1) -> None:
         check_stages(primary_name, [s.spec for s in stages])
+        if workers < 1:
+            raise ValueError(f"workers {workers}: at least 1 (one chunk after another)")
+        self.workers = workers  # threads a stage's chunks run on (module docstring); may be changed between calls
         self.primary_name = primary_name
         self.primary = primary
         self.stages = list(stages)
@@ -157,6 +178,8 @@ class Cascade:
         self._tensors = {s.spec.name: _batch_tensor(s.runtime, s.batch) for s in self.stages}
         # one preprocessor per stage, beside the runtime's own: a crop changes size every call
         self._preprocessors = {s.spec.name: Preprocessor(s.runtime.preprocessor.spec) for s in self.stages}
+        # the tensors and preprocessors of workers beyond the first, per stage, made at their first parallel call
+        self._lanes: dict[str, list[tuple[np.ndarray, Preprocessor]]] = {s.spec.name: [] for s in self.stages}
         self._batched = {s.spec.name: s.runtime.max_batch > 1 for s in self.stages}
         self.names = [primary_name] + [s.spec.name for s in self.stages]
         self.last: dict[str, StageStats] = {name: StageStats() for name in self.names}
@@ -258,6 +281,9 @@ class Cascade:
         spec, runtime = stage.spec, stage.runtime
         tensor, pre = self._tensors[spec.name], self._preprocessors[spec.name]
         stats.frames = len({c.frame for c in crops})
+        rows = tensor.shape[0] if self._batched[spec.name] else 1
+        if self.workers > 1 and len(crops) > rows and not late:
+            return self._run_parallel(stage, crops, frames, results, turns, deadline, stats)
         done = 0
         while done < len(crops):
             if late or (deadline is not None and self.clock() >= deadline):
@@ -282,6 +308,93 @@ class Cascade:
             stats.crops += rows
             done += rows
         return late
+
+    def _run_parallel(self, stage: CascadeStage, crops: list[_Crop], frames: Sequence[np.ndarray],
+                      results: list[InferenceResult], turns: dict[tuple[str, int, int], int], deadline: float | None,
+                      stats: StageStats) -> bool:
+        """The stage's chunks on `workers` threads (each its own tensor and preprocessor, the chunks taken in order),
+        then decoded and applied in crop order here; returns whether the deadline has passed. The stage times are
+        the wall time of the parallel part, split between preprocessing and inference as the workers spent it."""
+        spec = stage.spec
+        rows = self._tensors[spec.name].shape[0] if self._batched[spec.name] else 1
+        chunks = [crops[i : i + rows] for i in range(0, len(crops), rows)]
+        lanes = self._lanes_of(stage, min(self.workers, len(chunks)))
+        done: list[_Chunk | None] = [None] * len(chunks)  # None: not started before the deadline
+        claim, claimed = threading.Lock(), [0]
+        failures: list[BaseException] = []
+
+        def work(lane: tuple[np.ndarray, Preprocessor]) -> None:
+            tensor, pre = lane
+            try:
+                while not failures:
+                    with claim:
+                        k = claimed[0]
+                        claimed[0] += 1
+                    if k >= len(chunks) or (deadline is not None and self.clock() >= deadline):
+                        return  # chunks are claimed in order: every later one is as late
+                    part = chunks[k]
+                    t0 = time.perf_counter()
+                    transforms = [pre(c.pixels, tensor[i : i + 1]) for i, c in enumerate(part)]
+                    t1 = time.perf_counter()
+                    outputs, calls = self._infer_rows(stage, tensor[: len(part)])
+                    done[k] = _Chunk(transforms, outputs, calls, t1 - t0, time.perf_counter() - t1)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread, as a serial call raises
+                failures.append(exc)
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=work, args=(lane,), name=f"cascade-{spec.name}-{w + 1}", daemon=True)
+                   for w, lane in enumerate(lanes[1:])]
+        for thread in threads:
+            thread.start()
+        work(lanes[0])
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+        wall_ms = (time.perf_counter() - start) * 1e3
+        spent = [(c.preprocess_s, c.infer_s) for c in done if c is not None]
+        pre_s, infer_s = sum(p for p, _ in spent), sum(i for _, i in spent)
+        share = pre_s / (pre_s + infer_s) if pre_s + infer_s > 0 else 0.0
+        stats.preprocess_ms += wall_ms * share
+        stats.infer_ms += wall_ms * (1.0 - share)
+        return self._apply_chunks(stage, chunks, done, frames, results, turns, stats)
+
+    def _apply_chunks(self, stage: CascadeStage, chunks: list[list[_Crop]], done: list[_Chunk | None],
+                      frames: Sequence[np.ndarray], results: list[InferenceResult],
+                      turns: dict[tuple[str, int, int], int], stats: StageStats) -> bool:
+        """Decode and apply the parallel chunks' results in crop order; returns whether a chunk was not run."""
+        t2 = time.perf_counter()
+        late = False
+        for part, chunk in zip(chunks, done):
+            if chunk is None:
+                stats.dropped += len(part)
+                late = True
+                continue
+            for i, c in enumerate(part):
+                result = stage.runtime.postprocessor([o[i : i + 1] for o in chunk.outputs], chunk.transforms[i])
+                self._apply(stage.spec, c, result, chunk.transforms[i], frames, results, turns)
+            stats.calls += chunk.calls
+            stats.crops += len(part)
+        stats.postprocess_ms += (time.perf_counter() - t2) * 1e3
+        return late
+
+    def _lanes_of(self, stage: CascadeStage, count: int) -> list[tuple[np.ndarray, Preprocessor]]:
+        """`count` (tensor, preprocessor) pairs of the stage: its own first, the others made once and kept."""
+        name = stage.spec.name
+        extra = self._lanes[name]
+        while len(extra) < count - 1:
+            extra.append((np.zeros_like(self._tensors[name]), Preprocessor(stage.runtime.preprocessor.spec)))
+        return [(self._tensors[name], self._preprocessors[name]), *extra[: count - 1]]
+
+    def _infer_rows(self, stage: CascadeStage, batch: np.ndarray) -> tuple[list[np.ndarray], int]:
+        """(the engine's outputs for every row of `batch`, engine calls): one call, or one per row when the engine
+        refuses the batch's size (it then runs one crop per call from then on)."""
+        if batch.shape[0] == 1 or self._batched[stage.spec.name]:
+            outputs = self._infer(stage, batch)
+            if outputs is not None:
+                return outputs, 1
+        singles = [stage.runtime.infer_batch(batch[i : i + 1]) for i in range(batch.shape[0])]
+        return [np.concatenate(parts) for parts in zip(*singles)], len(singles)
 
     def _infer(self, stage: CascadeStage, batch: np.ndarray) -> list[np.ndarray] | None:
         """The engine's outputs; None when it refused a batch of this size (it then runs one crop per call)."""
@@ -362,54 +475,8 @@ def model_picture(image: np.ndarray, transform: FrameTransform, input_width: int
     return image[y0:y1, x0:x1]
 
 
-def check_stages(primary: str, specs: Sequence[StageFields]) -> None:
-    """Refuse stages the executor cannot run, with the pipeline codes (H2's manifest refuses most of them at
-    package time; a pipeline built some other way is checked here too)."""
-    seen: set[str] = set()
-    for spec in specs:
-        if spec.name == primary or spec.name in seen:
-            raise ModelError(f"pipeline stage {spec.name!r} is named twice", code="PIPELINE_UNKNOWN_MEMBER")
-        if spec.parent != primary:
-            if spec.parent in seen:
-                raise ModelError(f"stage {spec.name!r}: crops of another secondary stage ({spec.parent!r}) are not "
-                                 f"run yet; give it the primary {primary!r} as its parent",
-                                 code="PIPELINE_UNSUPPORTED")
-            raise ModelError(f"stage {spec.name!r}: parent {spec.parent!r} is not an earlier stage (the primary is "
-                             f"{primary!r})", code="PIPELINE_UNKNOWN_PARENT")
-        if spec.crop.max_per_frame < 1:
-            raise ModelError(f"stage {spec.name!r}: crop.max_per_frame is {spec.crop.max_per_frame}: it would never "
-                             "run", code="PIPELINE_CROP_LIMIT")
-        if spec.output not in OUTPUTS:
-            raise ModelError(f"stage {spec.name!r}: output {spec.output!r} is not one of {', '.join(OUTPUTS)}",
-                             code="PIPELINE_UNSUPPORTED")
-        if spec.output == "composite" and spec.crop.shape == "polygon":
-            raise ModelError(f"stage {spec.name!r}: a composite stage pastes its image back over a box; a polygon "
-                             "crop has none", code="PIPELINE_UNSUPPORTED")
-        bad = {label: d for label, d in spec.orient.items() if d % 90 or not 0 <= d < 360}
-        if bad:
-            raise ModelError(f"stage {spec.name!r}: orient turns by 90, 180 or 270 degrees, not {bad}",
-                             code="PIPELINE_UNSUPPORTED")
-        seen.add(spec.name)
-
-
 def _batch_tensor(runtime: StageRuntime, batch: int | None) -> np.ndarray:
     """The stage's input tensor: one slot per crop of an engine call."""
     single = runtime.preprocessor.tensor
     slots = max(1, min(runtime.max_batch, batch if batch is not None else runtime.max_batch))
     return np.zeros((slots, *single.shape[1:]), dtype=single.dtype)
-
-
-def measured_batch(runtime: ModelRuntime, latency_budget_ms: float | None = None,
-                   sizes: Sequence[int] | None = None, **limits: Any) -> BatchPick:
-    """The batch a stage's crops run at: its engine's per-size cost curve measured as the frame path measures it
-    for cameras (engines.runtime.batch_curve: interleaved rounds on the stage's input shape) and the same rule
-    (choose_batch_size: a larger batch only when it is clearly cheaper per crop, within the latency budget).
-    On a CPU a batch can cost more per crop than one at a time; on a GPU it usually costs much less.
-    `limits`: measure_curve's warmup / min_rounds / max_rounds / max_seconds / target_error."""
-    top = runtime.max_batch
-    if top <= 1:
-        return BatchPick(1, "none_fits", "the engine takes one crop per call")
-    wanted = sorted({s for s in (sizes or [1, 2, 4, 8, 16, 32]) if 1 <= s <= top} | {1, top})
-    report = measure_curve(runtime.engine, runtime.preprocessor.tensor.shape, top, wanted, **limits).to_report()
-    return choose_batch_size(report["curve"], latency_budget_ms, top, spread=report["spread"],
-                             relative=report["relative"])

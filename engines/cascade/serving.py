@@ -14,10 +14,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from engines.backends.base import Engine
 from engines.cascade.executor import Cascade
-from engines.postprocess.base import InferenceResult
+from engines.model.preprocess import Preprocessor
+from engines.model.source import ModelSource
+from engines.postprocess.base import InferenceResult, Postprocessor
 from engines.runtime.model_runtime import ModelRuntime, StageTimes
-from engines.runtime.state_inputs import DEFAULT_STREAM
+from engines.runtime.state_inputs import DEFAULT_STREAM, StreamStates
 
 
 class PipelineRuntime(ModelRuntime):
@@ -30,14 +33,66 @@ class PipelineRuntime(ModelRuntime):
     def __init__(self, primary: ModelRuntime, cascade: Cascade, members: Sequence[ModelRuntime],
                  info: Mapping[str, Mapping[str, Any]] | None = None,
                  latency_budget_ms: float | None = None) -> None:
-        # the frame path treats this object as the primary's runtime: the same engine, buffers and decoder
-        self.__dict__.update(primary.__dict__)
+        # ModelRuntime.__init__ is not run: the primary's runtime already loaded the engine and made the buffers;
+        # what the frame path reads of its model (below) is the primary's, read and written through, never a copy
         self.primary = primary
         self.cascade = cascade
         self.members = list(members)
         self.info = {name: dict(values) for name, values in (info or {}).items()}
         self.latency_budget_ms = latency_budget_ms
         self.closed = False
+
+    # --- the primary's runtime, as the frame path reads it -----------------------------------------------------
+
+    @property
+    def source(self) -> ModelSource:
+        return self.primary.source
+
+    @source.setter
+    def source(self, value: ModelSource) -> None:
+        self.primary.source = value
+
+    @property
+    def engine(self) -> Engine:
+        return self.primary.engine
+
+    @engine.setter
+    def engine(self, value: Engine) -> None:
+        self.primary.engine = value
+
+    @property
+    def input_name(self) -> str:
+        return self.primary.input_name
+
+    @input_name.setter
+    def input_name(self, value: str) -> None:
+        self.primary.input_name = value
+
+    @property
+    def preprocessor(self) -> Preprocessor:
+        return self.primary.preprocessor
+
+    @preprocessor.setter
+    def preprocessor(self, value: Preprocessor) -> None:
+        self.primary.preprocessor = value
+
+    @property
+    def postprocessor(self) -> Postprocessor:
+        return self.primary.postprocessor
+
+    @postprocessor.setter
+    def postprocessor(self, value: Postprocessor) -> None:
+        self.primary.postprocessor = value
+
+    @property
+    def states(self) -> StreamStates | None:
+        return self.primary.states
+
+    @states.setter
+    def states(self, value: StreamStates | None) -> None:
+        self.primary.states = value
+
+    # --- the pipeline --------------------------------------------------------------------------------------------
 
     def deadline(self, captured: Sequence[float | None]) -> float | None:
         """When the secondary stages of a batch must have started their last chunk: the oldest frame's capture time

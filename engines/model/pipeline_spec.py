@@ -34,8 +34,8 @@ MANIFEST_UNSUPPORTED = {
                 "the pipeline without `variants`",
     "state": "the primary stage runs frames batched across cameras, and state inputs need one call per camera: a "
              "stateful model serves as a single model only",
-    "shadow": "a shadow deployment of a pipeline (end-to-end comparison) is not built yet: leave `shadow` out and "
-              "deploy the pipeline directly",
+    "shadow": "give a pipeline's shadow settings (share, promote_when, cancel_below) on the deploy command: a "
+              "pipeline's shadow judges its end-to-end agreement, not the manifest's single-model policy",
 }
 
 
@@ -111,6 +111,9 @@ class PipelineSpec(BaseModel):
                                     description="1..8 secondary stages, parents before children.")
     metric: Literal["text", "attributes", "image", "detections"] | None = Field(
         None, description="The end-to-end gate's metric; None: from the last stage's kind.")
+    min_agreement: float | None = Field(
+        None, ge=0, le=1, description="The end-to-end gate's least agreement of the built pipeline with the FP32 "
+        "pipeline on the primary's validation frames, by `metric` (engines.cascade.pipeline_gate); None: 0.9.")
 
     @model_validator(mode="before")
     @classmethod
