@@ -159,12 +159,13 @@ def test_a_swap_between_two_pipelines_loses_no_frame(start_agent, ocr, key: KeyI
     """Pipeline to pipeline: every stage of the new one built and gated before any is active, then one swap between
     two batches; the old pipeline's stages are kept whole for the rollback."""
     second = package_ocr(tmp_path / "v2", key, version="2.0.0")
-    agent = start_agent(ocr["artifact"], fps=1.0)
+    agent = start_agent(ocr["artifact"], fps=1.0, pipeline={"stage_workers": 2})  # the stages' chunks on 2 threads
     first = agent.active
+    assert first.runtime.cascade.workers == 2
     dep_id = agent.manager.request((second / "manifest.json").as_uri(), channel="local")["deployment_id"]
     assert wait_terminal(agent, dep_id) == "active"
     assert agent.active is not first and agent.active.source.manifest.version == "2.0.0"
-    assert [s.spec.name for s in agent.active.stages] == ["cls", "rec"]
+    assert [s.spec.name for s in agent.active.stages] == ["cls", "rec"] and agent.active.runtime.cascade.workers == 2
     assert agent.previous is first and [s.spec.name for s in first.stages] == ["cls", "rec"]
     frames = agent.stats.frames
     assert wait_for(lambda: agent.stats.frames >= frames + 2, timeout=60)

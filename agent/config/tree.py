@@ -103,6 +103,12 @@ class PipelineConfig(Strict):
         True, description="Postprocess, record and deliver batch k on a second thread while the engine runs batch "
         "k+1 (results keep their order; at most one batch waits for its results). False: all on the inference thread.",
     )
+    stage_workers: int = Field(
+        1, ge=1, le=16, description="Threads a pipeline's secondary stage runs its chunks of crops on at once "
+        "(engines.cascade.Cascade workers; docs/pipelines.md, scheduling). More than 1 pays where one engine call "
+        "leaves cores idle: ONNX Runtime sessions of fewer intra-op threads than cores, e.g. [model] threads = 1 with "
+        "2 workers on a 2-core CPU. 1: one chunk after another.",
+    )
 
 
 class EnginesConfig(Strict):

@@ -272,7 +272,7 @@ class ModelLoader:
                 info[member.name] = {"engine_key": member.provisioned.key[:12],
                                      "precision": runtime.describe()["precision"],
                                      "batch": stages[-1].batch}
-            cascade = Cascade(pipeline.primary, primary, stages)
+            cascade = Cascade(pipeline.primary, primary, stages, workers=self.config.pipeline.stage_workers)
             return PipelineRuntime(primary, cascade, loaded[1:], info,
                                    source.manifest.gates.latency_budget_ms)
         except BaseException:
