@@ -181,8 +181,9 @@ def agent_window(agent: Any, seconds: float, poll_s: float = 0.01, timeout_s: fl
     return (frames / wall if frames and wall > 0 else 0.0), (frames / cpu if frames and cpu > 0 else 0.0)
 
 
-def timed(work: Callable[[], Any], repeats: int) -> tuple[float, float]:
-    """The least of `repeats` wall-clock and process CPU timings (seconds)."""
+def timed(work: Callable[[], Any], repeats: int = 1) -> tuple[float, float]:
+    """The least of `repeats` wall-clock timings and the least of their process CPU times (seconds): a burst of load
+    from elsewhere lengthens a run's wall time, never shortens it, and leaves its CPU time nearly as it is."""
     wall = cpu = float("inf")
     for _ in range(repeats):
         start, start_cpu = time.perf_counter(), time.process_time()

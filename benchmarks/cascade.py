@@ -47,13 +47,12 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import _common  # noqa: F401  (puts the repo on sys.path)
 import numpy as np
-from _cascade_agent import Recording, bare, measure_agent, package_reader
+from _cascade_agent import Recording, bare, measure_agent, package_reader, timed
 from _cascade_int8 import measure_int8
 from _common import machine, no_data_reasons, percentiles, positive_int, ratio, shown, write_json
 
@@ -105,17 +104,6 @@ def captured_inputs(runtimes: Runtimes, frames: Sequence[np.ndarray],
     recording = tuple(Recording(r) for r in runtimes)
     cascade_ocr.ocr_cascade(recording, batches).run(frames)
     return [(rec.runtime, batch) for rec in recording for batch in rec.batches]
-
-
-def timed(work: Callable[[], Any], repeats: int = 1) -> tuple[float, float]:
-    """The least of `repeats` wall-clock timings and the least of their process CPU times (seconds): a burst of load
-    from elsewhere lengthens a run's wall time, never shortens it, and leaves its CPU time nearly as it is."""
-    wall = cpu = float("inf")
-    for _ in range(repeats):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        work()
-        wall, cpu = min(wall, time.perf_counter() - start), min(cpu, time.process_time() - start_cpu)
-    return wall, cpu
 
 
 # --- the measurements ----------------------------------------------------------------------------------------------
